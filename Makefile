@@ -1,0 +1,32 @@
+# Every target below does its own set-up on a fresh machine: .venv, torch first, then the package.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+# Pinned explicitly: this wheel is on the machine, an unpinned torch pulls a multi-GB CUDA build.
+TORCH   := torch==2.13.0
+STAMP   := $(VENV)/.installed
+
+.PHONY: test demo lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e '.[cli,dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	$(BIN)/gradaccum demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,41 @@
+"""gradaccum: exact, fast, effortless gradient accumulation for PyTorch.
+
+One optimizer step on a logical batch of B items, run as micro-batches, leaves the model, the
+optimizer and the scheduler as one full-batch step would. Each micro-batch reports the SUM of its
+loss and the COUNT of items; gradients are divided once, by the window's total count.
+
+Example:
+    >>> import torch
+    >>> import gradaccum
+    >>> model = torch.nn.Linear(4, 1)
+    >>> acc = gradaccum.Accumulator(model, torch.optim.AdamW(model.parameters()),
+    ...                             micro_batch_size=2)
+    >>> mse = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
+    >>> acc.step((torch.randn(5, 4), torch.randn(5, 1)), mse).stepped
+    True
+"""
+
+from gradaccum.accumulator import Accumulator, NonFiniteError, StepResult
+from gradaccum.batching import split_batch
+from gradaccum.loss import LossSum
+from gradaccum.options import BatchNormMode, Normalize, OnNonFinite, PartialWindow, Precision
+from gradaccum.verify import EquivalenceReport, check_equivalence
+from gradaccum.window import accumulate_grad
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Accumulator",
+    "BatchNormMode",
+    "EquivalenceReport",
+    "LossSum",
+    "NonFiniteError",
+    "Normalize",
+    "OnNonFinite",
+    "PartialWindow",
+    "Precision",
+    "StepResult",
+    "accumulate_grad",
+    "check_equivalence",
+    "split_batch",
+]

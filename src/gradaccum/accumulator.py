@@ -1,0 +1,343 @@
+"""`Accumulator`: one optimizer step per window of micro-batches, exactly as one full-batch step.
+
+Two drives share one engine (`gradaccum.window.Window`):
+
+- whole batch: `step(batch, loss_fn)` splits the batch and steps once;
+- streaming: `micro_step(micro_batch, loss_fn)` steps after every `accumulation_steps` calls, and
+  `flush()` settles a partial window at the end of the data.
+
+Example:
+    >>> import torch
+    >>> from gradaccum import Accumulator
+    >>> model = torch.nn.Linear(4, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> acc = Accumulator(model, opt, micro_batch_size=3)
+    >>> x, y = torch.randn(8, 4), torch.randn(8, 1)
+    >>> mse = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
+    >>> result = acc.step((x, y), mse)
+    >>> result.micro_batches, result.count, result.stepped
+    (3, 8, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradaccum.batching import check_micro_batch_size, split_batch
+from gradaccum.options import (
+    BatchNormMode,
+    Normalize,
+    OnNonFinite,
+    PartialWindow,
+    Precision,
+    parse,
+)
+from gradaccum.precision import PrecisionRuntime
+from gradaccum.sync import all_reduce_count, grad_average_factor
+from gradaccum.window import LossFn, Window, trainable_parameters
+
+__all__ = ["Accumulator", "NonFiniteError", "StepResult"]
+
+
+class NonFiniteError(FloatingPointError):
+    """A window's loss or gradient was inf or NaN and `on_nonfinite="raise"` was set."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one call to `step`, `micro_step` or `flush` did.
+
+    Attributes:
+        loss: The window's objective so far (the value optimized when `stepped`).
+        count: Items counted in the window.
+        micro_batches: Micro-batches run in the window.
+        micro_batch_size: Items per micro-batch (the largest seen when streaming).
+        stepped: The optimizer stepped.
+        skipped: The window was non-finite or counted no item; no update was made.
+        grad_norm: Gradient norm before clipping, at the boundary; None elsewhere.
+        lr: Learning rate of the first parameter group, as used by this step.
+    """
+
+    loss: float
+    count: int
+    micro_batches: int
+    micro_batch_size: int
+    stepped: bool
+    skipped: bool
+    grad_norm: float | None
+    lr: float
+
+
+class Accumulator:
+    """Gradient accumulation whose every step equals one full-batch step.
+
+    Args:
+        model: The model, plain or DDP-wrapped. Its parameters' device is used for batches.
+        optimizer: An optimizer over (some of) the model's parameters.
+        micro_batch_size: Items per micro-batch for `step()`.
+        accumulation_steps: Micro-batches per window for `micro_step()`.
+        normalize: `"mean"`: `sum(loss) / sum(count)` over the window; `"sum"`: `sum(loss)`.
+        scheduler: Stepped once per optimizer step actually taken.
+        max_grad_norm: Clip the window's gradient to this total 2-norm.
+        precision: `"fp32"`, `"bf16"` or `"fp16"` autocast; fp16 adds a GradScaler.
+        accum_dtype: Accumulate in buffers of this dtype for less precise parameters.
+        partial_window: What `flush()` does with a partial window: `"step"`, `"drop"`, `"carry"`.
+        on_nonfinite: `"skip"` a non-finite window, or `"raise"` `NonFiniteError`.
+        batchnorm: Only `"micro"` (plain PyTorch behaviour) in this version.
+        memory_budget: For `micro_batch_size="auto"`, not available in this version.
+
+    Raises:
+        ValueError: For any invalid setting; the message names the fix.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        micro_batch_size: int | None = None,
+        accumulation_steps: int | None = None,
+        normalize: Normalize | str = "mean",
+        scheduler: Any = None,
+        max_grad_norm: float | None = None,
+        precision: Precision | str = "fp32",
+        accum_dtype: torch.dtype | None = None,
+        partial_window: PartialWindow | str = "step",
+        on_nonfinite: OnNonFinite | str = "skip",
+        batchnorm: BatchNormMode | str = "micro",
+        memory_budget: int | str | None = None,
+    ) -> None:
+        if micro_batch_size == "auto":
+            raise NotImplementedError(
+                "micro_batch_size='auto' is not available in this version; pass an int."
+            )
+        if micro_batch_size is not None:
+            check_micro_batch_size(micro_batch_size)
+        if accumulation_steps is not None:
+            check_micro_batch_size(accumulation_steps, "accumulation_steps")
+        if max_grad_norm is not None and not (
+            isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf
+        ):
+            raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a positive finite number.")
+        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+            raise TypeError(f"scheduler={scheduler!r} has no step(); pass an LRScheduler or None.")
+        self.normalize = parse(Normalize, normalize, "normalize")
+        self.precision = parse(Precision, precision, "precision")
+        self.partial_window = parse(PartialWindow, partial_window, "partial_window")
+        self.on_nonfinite = parse(OnNonFinite, on_nonfinite, "on_nonfinite")
+        if parse(BatchNormMode, batchnorm, "batchnorm") is not BatchNormMode.MICRO:
+            raise NotImplementedError(
+                f"batchnorm={batchnorm!r} is not available in this version; use 'micro'."
+            )
+        params = trainable_parameters(model)
+        _check_optimizer_holds(optimizer, params)
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.micro_batch_size = micro_batch_size
+        self.accumulation_steps = accumulation_steps
+        self.max_grad_norm = max_grad_norm
+        self.memory_budget = memory_budget
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
+        self._runtime = PrecisionRuntime(self.precision, params, accum_dtype)
+        self._window = Window(model, params, self.normalize, self._runtime)
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The fp16 GradScaler, or None for fp32 and bf16."""
+        return self._runtime.scaler
+
+    def step(self, batch: Any, loss_fn: LossFn) -> StepResult:
+        """Split `batch` into micro-batches, accumulate them and take one optimizer step.
+
+        Gradients present before the call are discarded, as `zero_grad()` would; if the call
+        raises, they are put back and nothing else has changed.
+
+        Args:
+            batch: A tensor or nesting of dict/list/tuple whose tensors share dim 0.
+            loss_fn: `loss_fn(model, micro_batch) -> Tensor | LossSum`.
+
+        Returns:
+            The window's `StepResult`.
+        """
+        if self.micro_batch_size is None:
+            raise ValueError(
+                "step() needs micro_batch_size; pass Accumulator(..., micro_batch_size=8), "
+                "or drive the window with micro_step() and accumulation_steps."
+            )
+        self._check_no_open_window("step()")
+        micro_batches = split_batch(batch, self.micro_batch_size)
+        with self._fresh_window_guard():
+            for index, micro_batch in enumerate(micro_batches):
+                last = index == len(micro_batches) - 1
+                self._window.backward(
+                    micro_batch, loss_fn, expected_micro_batches=len(micro_batches), sync=last
+                )
+        return self._finish_window(self.micro_batch_size)
+
+    def micro_step(self, micro_batch: Any, loss_fn: LossFn) -> StepResult:
+        """Accumulate one micro-batch; step when the window holds `accumulation_steps` of them.
+
+        Args:
+            micro_batch: One micro-batch from your loader.
+            loss_fn: `loss_fn(model, micro_batch) -> Tensor | LossSum`.
+
+        Returns:
+            The window's `StepResult`; `stepped` is True on the window's last micro-batch.
+        """
+        if self.accumulation_steps is None:
+            raise ValueError(
+                "micro_step() needs accumulation_steps; pass Accumulator(..., "
+                "accumulation_steps=4), or give the whole batch to step()."
+            )
+        last = self._window.totals.micro_batches + 1 == self.accumulation_steps
+        with self._fresh_window_guard():
+            self._window.backward(
+                micro_batch, loss_fn, expected_micro_batches=self.accumulation_steps, sync=last
+            )
+        if last:
+            return self._finish_window(self._window.totals.largest_micro_batch)
+        return self._progress()
+
+    def flush(self) -> StepResult:
+        """Settle a partial window at the end of the data, as `partial_window` says.
+
+        Returns:
+            `"step"`: the step over the items seen; `"drop"`: a result with `stepped=False`
+            after discarding them; `"carry"`: the open window's progress, kept for later.
+        """
+        totals = self._window.totals
+        if totals.micro_batches == 0 or self.partial_window is PartialWindow.CARRY:
+            return self._progress()
+        if self.partial_window is PartialWindow.STEP:
+            return self._finish_window(totals.largest_micro_batch)
+        result = self._progress()
+        self._window.reset()
+        return result
+
+    def _finish_window(self, micro_batch_size: int) -> StepResult:
+        """The boundary: the only place the optimizer, scaler and scheduler are touched."""
+        window, scaler = self._window, self._runtime.scaler
+        totals = window.totals
+        count = all_reduce_count(self.model, totals.count)
+        if count == 0:
+            return self._discard(totals, count, micro_batch_size, grad_norm=None)
+        window.divide(count, averaged_over=grad_average_factor(self.model))
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        grads = window.gradients()
+        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        norm_value, loss_total = torch.stack(
+            [grad_norm.detach().double().cpu(), torch.tensor(totals.loss_total()).double()]
+        ).tolist()
+        if not (math.isfinite(norm_value) and math.isfinite(loss_total)):
+            if scaler is not None:
+                scaler.update()  # unscale_ recorded the inf: the scale backs off exactly once
+            if self.on_nonfinite is OnNonFinite.RAISE:
+                culprits = self._nonfinite_parameter_names()
+                self._discard(totals, count, micro_batch_size, grad_norm=norm_value)
+                raise NonFiniteError(
+                    f"window of {totals.micro_batches} micro-batches has loss sum {loss_total} "
+                    f"and grad norm {norm_value}; non-finite gradients in: {culprits}. The "
+                    "window was discarded; pass on_nonfinite='skip' to skip such windows."
+                )
+            return self._discard(totals, count, micro_batch_size, grad_norm=norm_value)
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(grads, self.max_grad_norm, grad_norm)
+        self._runtime.publish(window.params)
+        lr = self._lr()
+        if scaler is not None:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        window.reset()
+        loss = loss_total / count if self.normalize is Normalize.MEAN else loss_total
+        return StepResult(
+            loss, count, totals.micro_batches, micro_batch_size, True, False, norm_value, lr
+        )
+
+    def _discard(
+        self, totals: Any, count: int, micro_batch_size: int, grad_norm: float | None
+    ) -> StepResult:
+        self._window.reset()
+        loss = totals.loss_total()
+        if self.normalize is Normalize.MEAN:
+            loss = loss / count if count else 0.0
+        return StepResult(
+            loss, count, totals.micro_batches, micro_batch_size, False, True, grad_norm, self._lr()
+        )
+
+    def _progress(self) -> StepResult:
+        totals = self._window.totals
+        loss = totals.loss_total()
+        if self.normalize is Normalize.MEAN:
+            loss = loss / totals.count if totals.count else 0.0
+        return StepResult(
+            loss,
+            totals.count,
+            totals.micro_batches,
+            totals.largest_micro_batch,
+            False,
+            False,
+            None,
+            self._lr(),
+        )
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _check_no_open_window(self, caller: str) -> None:
+        if self._window.totals.micro_batches:
+            raise RuntimeError(
+                f"{caller} was called while a streaming window holds "
+                f"{self._window.totals.micro_batches} micro-batches; call flush() first."
+            )
+
+    @contextlib.contextmanager
+    def _fresh_window_guard(self) -> Iterator[None]:
+        """At a window's start, set old gradients aside; put them back if the window fails."""
+        if self._window.totals.micro_batches:
+            yield
+            return
+        params = self._window.params
+        previous = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        try:
+            yield
+        except BaseException:
+            self._window.reset()
+            for param, grad in zip(params, previous):
+                param.grad = grad
+            raise
+
+    def _nonfinite_parameter_names(self) -> list[str]:
+        names = []
+        runtime = self._runtime
+        for param, buffered, buffer in zip(self._window.params, runtime.buffered, runtime.buffers):
+            grad = buffer if buffered else param.grad
+            if grad is not None and not bool(torch.isfinite(grad).all()):
+                names.append(self._param_names.get(id(param), "<unnamed>"))
+        return names or ["<none: the loss itself is non-finite>"]
+
+
+def _check_optimizer_holds(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]):
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer={optimizer!r} must be a torch.optim.Optimizer.")
+    model_ids = {id(p) for p in params}
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not model_ids & held:
+        raise ValueError(
+            "the optimizer holds none of the model's trainable parameters; build it from this "
+            "model, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)."
+        )

@@ -1,0 +1,102 @@
+"""What a loss function reports: the SUM of its per-item losses and the COUNT of items.
+
+A micro-batch's mean cannot be averaged with other micro-batches' means without knowing how many
+items each one counted (ragged batches, padding, `ignore_index`). So every loss is read as
+`(sum, count)`, and a window divides once, by the total count.
+
+Example:
+    >>> import torch
+    >>> from gradaccum import LossSum
+    >>> logits, labels = torch.randn(4, 7, 10), torch.randint(0, 10, (4, 7))
+    >>> labels[:, 5:] = -100  # padding
+    >>> value = torch.nn.functional.cross_entropy(
+    ...     logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    >>> LossSum(value, count=(labels != -100).sum())
+    LossSum(value=..., count=...)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LossSum"]
+
+
+@dataclass(frozen=True)
+class LossSum:
+    """A loss given as a sum over items together with how many items it counts.
+
+    Attributes:
+        value: Scalar tensor, the sum of per-item losses (`reduction="sum"`).
+        count: Number of items counted, an int or a 0-dim tensor, >= 0.
+
+    Example:
+        >>> import torch
+        >>> LossSum(torch.tensor(6.0), 3)
+        LossSum(value=tensor(6.), count=3)
+    """
+
+    value: torch.Tensor
+    count: int | torch.Tensor
+
+
+def read_loss(result: object, batch_items: int) -> tuple[torch.Tensor, int]:
+    """Turn a `loss_fn` result into `(loss sum, item count)` after checking it.
+
+    A scalar tensor is a mean over the micro-batch's `batch_items` samples; a `LossSum` is taken
+    as it is. The check runs before any backward, so a bad result changes no gradient.
+
+    Args:
+        result: What `loss_fn(model, micro_batch)` returned.
+        batch_items: The micro-batch's leading dimension, the weight of a plain mean.
+
+    Returns:
+        The summed loss (a scalar tensor that keeps its graph) and the count as an int.
+
+    Raises:
+        TypeError: If `result` is neither a tensor nor a `LossSum`.
+        ValueError: If the value is not a scalar or the count is negative or not whole.
+    """
+    if isinstance(result, LossSum):
+        value = _check_scalar(result.value, "LossSum.value")
+        return value, _read_count(result.count)
+    if isinstance(result, torch.Tensor):
+        mean = _check_scalar(result, "the loss")
+        return mean * batch_items, batch_items
+    raise TypeError(
+        f"loss_fn returned {type(result).__name__}; return a scalar tensor (the mean over the "
+        "micro-batch) or gradaccum.LossSum(value=sum_of_losses, count=items_counted)."
+    )
+
+
+def _check_scalar(value: object, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what} is a {type(value).__name__}; it must be a scalar torch.Tensor.")
+    if value.numel() != 1 or value.dim() > 1:
+        raise ValueError(
+            f"{what} has shape {tuple(value.shape)}; it must be a scalar. Reduce it with "
+            "reduction='sum' (and return LossSum) or reduction='mean'."
+        )
+    if not value.is_floating_point():
+        raise ValueError(f"{what} has dtype {value.dtype}; it must be a floating-point tensor.")
+    return value.reshape(())
+
+
+def _read_count(count: object) -> int:
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1:
+            raise ValueError(
+                f"LossSum.count has shape {tuple(count.shape)}; it must be an int or a 0-dim "
+                "tensor, e.g. (labels != ignore_index).sum()."
+            )
+        count = count.item()  # one host read per micro-batch: validated before any backward
+    if isinstance(count, bool) or not isinstance(count, (int, float)):
+        raise TypeError(f"LossSum.count={count!r} must be an int or a 0-dim tensor.")
+    if isinstance(count, float) and not (math.isfinite(count) and count.is_integer()):
+        raise ValueError(f"LossSum.count={count!r} must be a whole number of items.")
+    if count < 0:
+        raise ValueError(f"LossSum.count={count!r} must be >= 0: it counts the items summed.")
+    return int(count)

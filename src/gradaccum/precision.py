@@ -1,0 +1,142 @@
+"""Mixed precision under accumulation: autocast, the fp16 GradScaler and fp32 gradient buffers.
+
+`PrecisionRuntime` owns three things for one `Accumulator`:
+
+- the autocast context for forward passes, on the model's own device type;
+- for fp16, a `torch.amp.GradScaler` whose scale is fixed inside a window and updated once at the
+  boundary (so every micro-batch of a window is scaled alike);
+- with `accum_dtype`, higher-precision buffers: after every micro-batch backward the low-precision
+  `.grad` is added into its buffer and released, so rounding does not pile up over many steps.
+
+Example:
+    >>> import torch
+    >>> from gradaccum.options import Precision
+    >>> model = torch.nn.Linear(2, 1)
+    >>> runtime = PrecisionRuntime(Precision.BF16, list(model.parameters()), accum_dtype=None)
+    >>> with runtime.autocast():
+    ...     model(torch.ones(1, 2)).dtype
+    torch.bfloat16
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from gradaccum.options import Precision
+
+__all__ = ["PrecisionRuntime"]
+
+_AUTOCAST_DTYPE = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+
+class PrecisionRuntime:
+    """Autocast, loss scaling and gradient buffers for one model.
+
+    Args:
+        precision: The autocast mode.
+        params: The parameters whose gradients are accumulated.
+        accum_dtype: Dtype of accumulation buffers, or None to accumulate in `.grad` directly.
+            Buffers are made only for parameters whose dtype is less precise.
+
+    Raises:
+        ValueError: If fp16 loss scaling is asked for on fp16 parameters, which GradScaler
+            cannot unscale, or `accum_dtype` is not a floating dtype.
+    """
+
+    def __init__(
+        self,
+        precision: Precision,
+        params: list[torch.nn.Parameter],
+        accum_dtype: torch.dtype | None,
+    ) -> None:
+        if accum_dtype is not None and (
+            not isinstance(accum_dtype, torch.dtype) or not accum_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"accum_dtype={accum_dtype!r} must be a floating torch.dtype such as "
+                "torch.float32, or None."
+            )
+        self.device = params[0].device
+        if precision is Precision.FP16 and any(p.dtype == torch.float16 for p in params):
+            raise ValueError(
+                "precision='fp16' needs float32 parameters: GradScaler cannot unscale float16 "
+                "gradients. Keep the model in float32 (autocast runs the forward in fp16), or use "
+                "precision='bf16' with accum_dtype=torch.float32 for low-precision weights."
+            )
+        self.precision = precision
+        self.scaler = (
+            torch.amp.GradScaler(self.device.type) if precision is Precision.FP16 else None
+        )
+        self.buffered = [
+            accum_dtype is not None and _less_precise(p.dtype, accum_dtype) for p in params
+        ]
+        self.accum_dtype = accum_dtype
+        self.buffers: list[torch.Tensor | None] = [None] * len(params)
+
+    @property
+    def uses_buffers(self) -> bool:
+        """Whether any gradient accumulates in a separate higher-precision buffer."""
+        return any(self.buffered)
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Return the forward-pass context: autocast for bf16/fp16, nothing for fp32."""
+        if self.precision is Precision.FP32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=_AUTOCAST_DTYPE[self.precision])
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """Multiply `loss` by the fp16 loss scale (fixed for the window); identity otherwise."""
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def collect(self, params: list[torch.nn.Parameter]) -> None:
+        """Move fresh low-precision `.grad` values into their buffers after one backward."""
+        if not self.uses_buffers:
+            return
+        for index, (param, buffered) in enumerate(zip(params, self.buffered)):
+            if not buffered or param.grad is None:
+                continue
+            buffer = self.buffers[index]
+            if buffer is None:
+                self.buffers[index] = param.grad.to(self.accum_dtype)
+            else:
+                buffer.add_(param.grad)
+            param.grad = None
+
+    def gradients(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+        """The tensors that hold the window's accumulated gradients, buffers first-class."""
+        grads = []
+        for param, buffered, buffer in zip(params, self.buffered, self.buffers):
+            grad = buffer if buffered else param.grad
+            if grad is not None:
+                grads.append(grad)
+        return grads
+
+    def publish(self, params: list[torch.nn.Parameter]) -> None:
+        """Write buffered gradients back to `.grad` in each parameter's dtype for the optimizer."""
+        for index, (param, buffered) in enumerate(zip(params, self.buffered)):
+            buffer = self.buffers[index]
+            if buffered and buffer is not None:
+                param.grad = buffer.to(param.dtype)
+                self.buffers[index] = None
+
+    def clear_buffers(self) -> None:
+        """Drop every buffer (end of a window, or a discarded window)."""
+        self.buffers = [None] * len(self.buffers)
+
+    @contextlib.contextmanager
+    def stashed(self) -> Iterator[None]:
+        """Set the buffers aside for a block and put them back if it raises."""
+        saved = self.buffers
+        self.buffers = [None] * len(saved)
+        try:
+            yield
+        except BaseException:
+            self.buffers = saved
+            raise
+
+
+def _less_precise(dtype: torch.dtype, accum_dtype: torch.dtype) -> bool:
+    return torch.finfo(dtype).eps > torch.finfo(accum_dtype).eps

@@ -1,0 +1,224 @@
+"""The per-micro-batch path shared by every drive: forward, read (sum, count), backward.
+
+A `Window` runs micro-batches and keeps the window's running totals. Gradients accumulate as the
+plain SUM of per-item loss gradients times a power-of-two prescale; at the boundary they are
+divided once, by the global item count. The prescale only keeps fp16 activation gradients in
+range (summed losses are ~count times larger than means). Multiplying by a power of two is exact
+in floating point, so it changes no bit of the result: the one real division is by the count.
+
+`accumulate_grad` is the functional form: the exact full-batch gradient, no optimizer step.
+
+Example:
+    >>> import torch
+    >>> from gradaccum import accumulate_grad
+    >>> model = torch.nn.Linear(3, 1)
+    >>> x, y = torch.randn(10, 3), torch.randn(10, 1)
+    >>> mse = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
+    >>> accumulate_grad(model, (x, y), mse, micro_batch_size=4).count
+    10
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradaccum.batching import batch_size, split_batch, to_device
+from gradaccum.loss import LossSum, read_loss
+from gradaccum.options import Normalize, Precision, parse
+from gradaccum.precision import PrecisionRuntime
+from gradaccum.sync import sync_context
+
+__all__ = ["LossFn", "Window", "WindowTotals", "accumulate_grad", "trainable_parameters"]
+
+LossFn = Callable[[torch.nn.Module, Any], "torch.Tensor | LossSum"]
+
+
+@dataclass
+class WindowTotals:
+    """Running totals of one accumulation window; all of it is plain data to save and restore.
+
+    Attributes:
+        count: Items counted so far (this rank).
+        micro_batches: Micro-batches run so far.
+        loss_sum: Detached sum of the loss values so far, or None before the first one.
+        prescale_exponent: Gradients hold `sum * 2**-prescale_exponent`; fixed by the first
+            micro-batch of the window.
+        largest_micro_batch: Leading dimension of the largest micro-batch seen.
+    """
+
+    count: int = 0
+    micro_batches: int = 0
+    loss_sum: torch.Tensor | None = None
+    prescale_exponent: int | None = None
+    largest_micro_batch: int = 0
+
+    def loss_total(self) -> float:
+        """The summed loss as a float (0.0 before any micro-batch)."""
+        return 0.0 if self.loss_sum is None else float(self.loss_sum.item())
+
+
+class Window:
+    """Runs micro-batches of one model and accumulates their summed-loss gradients.
+
+    Args:
+        model: The model (possibly DDP-wrapped); micro-batches go to its device.
+        params: Its trainable parameters, in a fixed order.
+        normalize: The objective, which decides the prescale and the final divisor.
+        runtime: Autocast, loss scaling and gradient buffers.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        params: list[torch.nn.Parameter],
+        normalize: Normalize,
+        runtime: PrecisionRuntime,
+    ) -> None:
+        self.model = model
+        self.params = params
+        self.normalize = normalize
+        self.runtime = runtime
+        self.totals = WindowTotals()
+
+    def backward(
+        self, micro_batch: Any, loss_fn: LossFn, *, expected_micro_batches: int, sync: bool
+    ) -> None:
+        """Forward and backward one micro-batch, adding its summed-loss gradient.
+
+        The loss is checked before backward, so a bad `loss_fn` result raises and changes no
+        gradient. Nothing of the micro-batch's graph outlives this call.
+
+        Args:
+            micro_batch: The micro-batch (any nesting of tensors).
+            loss_fn: `loss_fn(model, micro_batch) -> Tensor | LossSum`.
+            expected_micro_batches: Micro-batches this window is planned to hold.
+            sync: Whether this backward may synchronize gradients across ranks (last of window).
+        """
+        items = batch_size(micro_batch)
+        micro_batch = to_device(micro_batch, self.runtime.device)
+        with sync_context(self.model, sync=sync):
+            with self.runtime.autocast():
+                value, count = read_loss(loss_fn(self.model, micro_batch), items)
+            totals = self.totals
+            if totals.prescale_exponent is None:
+                totals.prescale_exponent = self._prescale_exponent(
+                    count or items, expected_micro_batches
+                )
+            if count > 0:
+                if not value.requires_grad:
+                    raise ValueError(
+                        "the loss does not require grad: it was computed under torch.no_grad(), "
+                        "detached, or from frozen parameters only; return the loss with its graph."
+                    )
+                scaled = value * math.ldexp(1.0, -totals.prescale_exponent)
+                self.runtime.scale(scaled).backward()
+                self.runtime.collect(self.params)
+        detached = value.detach().to(torch.promote_types(value.dtype, torch.float32))
+        totals.loss_sum = detached if totals.loss_sum is None else totals.loss_sum + detached
+        totals.count += count
+        totals.micro_batches += 1
+        totals.largest_micro_batch = max(totals.largest_micro_batch, items)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The tensors holding the accumulated gradients (buffers where there are buffers)."""
+        return self.runtime.gradients(self.params)
+
+    def divide(self, total_count: int, averaged_over: int = 1) -> None:
+        """Turn accumulated sums into the objective's gradient: the window's one division.
+
+        Args:
+            total_count: Items counted in the window over all ranks.
+            averaged_over: What a wrapper already divided the gradients by (DDP: world size).
+        """
+        prescale = math.ldexp(1.0, -(self.totals.prescale_exponent or 0))
+        count = total_count if self.normalize is Normalize.MEAN else 1
+        divisor = count * prescale / averaged_over
+        grads = self.gradients()
+        if divisor != 1.0 and grads:
+            torch._foreach_div_(grads, divisor)
+
+    def reset(self) -> None:
+        """Forget the window: totals, buffers and every `.grad`."""
+        self.totals = WindowTotals()
+        self.runtime.clear_buffers()
+        for param in self.params:
+            param.grad = None
+
+    def _prescale_exponent(self, first_count: int, expected_micro_batches: int) -> int:
+        if self.normalize is Normalize.SUM:
+            return 0
+        return round(math.log2(max(1, first_count * expected_micro_batches)))
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The model's parameters that require grad, each once, in registration order.
+
+    Raises:
+        ValueError: If the model has no trainable parameter.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(
+            f"{type(model).__name__} has no parameter with requires_grad=True; there is nothing "
+            "to accumulate. Unfreeze at least one parameter."
+        )
+    return params
+
+
+def accumulate_grad(
+    model: torch.nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    micro_batch_size: int,
+    normalize: Normalize | str = "mean",
+) -> LossSum:
+    """Fill every `.grad` with the exact full-batch gradient, computed micro-batch by micro-batch.
+
+    Existing gradients are replaced. No optimizer step is taken. On error the previous
+    gradients are put back.
+
+    Args:
+        model: The model.
+        batch: The whole batch (a tensor or nesting of them sharing the leading dimension).
+        loss_fn: `loss_fn(model, micro_batch) -> Tensor | LossSum`.
+        micro_batch_size: Items per micro-batch.
+        normalize: `"mean"` for `sum(value) / sum(count)`, `"sum"` for `sum(value)`.
+
+    Returns:
+        `LossSum(value, count)`: the detached summed loss and the total count. With `"mean"`,
+        the objective is `value / count`.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> loss = lambda m, x: m(x).pow(2).mean()
+        >>> result = accumulate_grad(model, torch.randn(5, 2), loss, micro_batch_size=2)
+        >>> model.weight.grad.shape, result.count
+        (torch.Size([1, 2]), 5)
+    """
+    objective = parse(Normalize, normalize, "normalize")
+    micro_batches = split_batch(batch, micro_batch_size)
+    params = trainable_parameters(model)
+    window = Window(model, params, objective, PrecisionRuntime(Precision.FP32, params, None))
+    previous = [p.grad for p in params]
+    window.reset()
+    try:
+        for index, micro_batch in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            window.backward(
+                micro_batch, loss_fn, expected_micro_batches=len(micro_batches), sync=last
+            )
+    except BaseException:
+        for param, grad in zip(params, previous):
+            param.grad = grad
+        raise
+    totals = window.totals
+    if totals.count > 0 or objective is Normalize.SUM:
+        window.divide(totals.count)
+    assert totals.loss_sum is not None  # at least one micro-batch ran
+    return LossSum(totals.loss_sum, totals.count)
