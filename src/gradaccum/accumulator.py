@@ -317,14 +317,16 @@ class Accumulator:
             yield
         except BaseException:
             self._window.reset()
-            for param, grad in zip(params, previous):
+            for param, grad in zip(params, previous, strict=True):
                 param.grad = grad
             raise
 
     def _nonfinite_parameter_names(self) -> list[str]:
         names = []
         runtime = self._runtime
-        for param, buffered, buffer in zip(self._window.params, runtime.buffered, runtime.buffers):
+        for param, buffered, buffer in zip(
+            self._window.params, runtime.buffered, runtime.buffers, strict=True
+        ):
             grad = buffer if buffered else param.grad
             if grad is not None and not bool(torch.isfinite(grad).all()):
                 names.append(self._param_names.get(id(param), "<unnamed>"))

@@ -95,7 +95,7 @@ class PrecisionRuntime:
         """Move fresh low-precision `.grad` values into their buffers after one backward."""
         if not self.uses_buffers:
             return
-        for index, (param, buffered) in enumerate(zip(params, self.buffered)):
+        for index, (param, buffered) in enumerate(zip(params, self.buffered, strict=True)):
             if not buffered or param.grad is None:
                 continue
             buffer = self.buffers[index]
@@ -108,7 +108,7 @@ class PrecisionRuntime:
     def gradients(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
         """The tensors that hold the window's accumulated gradients, buffers first-class."""
         grads = []
-        for param, buffered, buffer in zip(params, self.buffered, self.buffers):
+        for param, buffered, buffer in zip(params, self.buffered, self.buffers, strict=True):
             grad = buffer if buffered else param.grad
             if grad is not None:
                 grads.append(grad)
@@ -116,7 +116,7 @@ class PrecisionRuntime:
 
     def publish(self, params: list[torch.nn.Parameter]) -> None:
         """Write buffered gradients back to `.grad` in each parameter's dtype for the optimizer."""
-        for index, (param, buffered) in enumerate(zip(params, self.buffered)):
+        for index, (param, buffered) in enumerate(zip(params, self.buffered, strict=True)):
             buffer = self.buffers[index]
             if buffered and buffer is not None:
                 param.grad = buffer.to(param.dtype)

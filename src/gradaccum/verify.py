@@ -112,13 +112,14 @@ class EquivalenceReport:
     def __str__(self) -> str:
         name_width = max([9, *(len(g.name) for g in self.parameters)])
         lines = [
-            f"{'parameter':<{name_width}}  {'shape':<16}  {'max abs diff':>12}  {'max rel diff':>12}",
+            f"{'parameter':<{name_width}}  {'shape':<16}  {'max abs diff':>12}  "
+            f"{'max rel diff':>12}",
             f"{'-' * name_width}  {'-' * 16}  {'-' * 12}  {'-' * 12}",
         ]
         for gap in self.parameters:
             flag = "" if gap.max_rel_diff <= self.tolerance else "  <-- exceeds tolerance"
             lines.append(
-                f"{gap.name:<{name_width}}  {str(gap.shape):<16}  {gap.max_abs_diff:>12.3e}  "
+                f"{gap.name:<{name_width}}  {gap.shape!s:<16}  {gap.max_abs_diff:>12.3e}  "
                 f"{gap.max_rel_diff:>12.3e}{flag}"
             )
         verdict = "OK: accumulation is exact" if self.ok else "NOT EXACT"

@@ -214,7 +214,7 @@ def accumulate_grad(
                 micro_batch, loss_fn, expected_micro_batches=len(micro_batches), sync=last
             )
     except BaseException:
-        for param, grad in zip(params, previous):
+        for param, grad in zip(params, previous, strict=True):
             param.grad = grad
         raise
     totals = window.totals
