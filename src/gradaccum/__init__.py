@@ -17,7 +17,9 @@ Example:
 
 from gradaccum.accumulator import Accumulator, NonFiniteError, StepResult
 from gradaccum.batching import split_batch
+from gradaccum.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from gradaccum.loss import LossSum
+from gradaccum.memory import measure_activation_bytes
 from gradaccum.options import BatchNormMode, Normalize, OnNonFinite, PartialWindow, Precision
 from gradaccum.verify import EquivalenceReport, check_equivalence
 from gradaccum.window import accumulate_grad
@@ -27,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Accumulator",
     "BatchNormMode",
+    "CheckpointError",
     "EquivalenceReport",
     "LossSum",
     "NonFiniteError",
@@ -37,5 +40,8 @@ __all__ = [
     "StepResult",
     "accumulate_grad",
     "check_equivalence",
+    "load_checkpoint",
+    "measure_activation_bytes",
+    "save_checkpoint",
     "split_batch",
 ]

@@ -39,8 +39,9 @@ from gradaccum.options import (
     parse,
 )
 from gradaccum.precision import PrecisionRuntime
-from gradaccum.sync import all_reduce_count, grad_average_factor
-from gradaccum.window import LossFn, Window, trainable_parameters
+from gradaccum.state import accumulator_state, load_accumulator_state
+from gradaccum.sync import all_reduce_sum, grad_average_factor, world_size
+from gradaccum.window import LossFn, Window, WindowTotals, trainable_parameters
 
 __all__ = ["Accumulator", "NonFiniteError", "StepResult"]
 
@@ -153,6 +154,14 @@ class Accumulator:
         """The fp16 GradScaler, or None for fp32 and bf16."""
         return self._runtime.scaler
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly, even mid-window (see `gradaccum.state`)."""
+        return accumulator_state(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict()`; raises ValueError naming any mismatch, changing nothing."""
+        load_accumulator_state(self, state)
+
     def step(self, batch: Any, loss_fn: LossFn) -> StepResult:
         """Split `batch` into micro-batches, accumulate them and take one optimizer step.
 
@@ -222,68 +231,91 @@ class Accumulator:
         return result
 
     def _finish_window(self, micro_batch_size: int) -> StepResult:
-        """The boundary: the only place the optimizer, scaler and scheduler are touched."""
-        window, scaler = self._window, self._runtime.scaler
-        totals = window.totals
-        count = all_reduce_count(self.model, totals.count)
+        """The window boundary: the only place the optimizer, scaler and scheduler are touched."""
+        window, scaler, totals = self._window, self._runtime.scaler, self._window.totals
+        count, loss_total = self._global_totals(totals)  # 1. all-reduce the counts
         if count == 0:
-            return self._discard(totals, count, micro_batch_size, grad_norm=None)
-        window.divide(count, averaged_over=grad_average_factor(self.model))
+            return self._discard(totals, count, loss_total, micro_batch_size, grad_norm=None)
+        window.divide(count, averaged_over=grad_average_factor(self.model))  # 2. rescale
         if scaler is not None:
-            scaler.unscale_(self.optimizer)
+            scaler.unscale_(self.optimizer)  # 3. unscale
         grads = window.gradients()
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        norm_value, loss_total = torch.stack(
-            [grad_norm.detach().double().cpu(), torch.tensor(totals.loss_total()).double()]
-        ).tolist()
-        if not (math.isfinite(norm_value) and math.isfinite(loss_total)):
-            if scaler is not None:
-                scaler.update()  # unscale_ recorded the inf: the scale backs off exactly once
-            if self.on_nonfinite is OnNonFinite.RAISE:
-                culprits = self._nonfinite_parameter_names()
-                self._discard(totals, count, micro_batch_size, grad_norm=norm_value)
-                raise NonFiniteError(
-                    f"window of {totals.micro_batches} micro-batches has loss sum {loss_total} "
-                    f"and grad norm {norm_value}; non-finite gradients in: {culprits}. The "
-                    "window was discarded; pass on_nonfinite='skip' to skip such windows."
-                )
-            return self._discard(totals, count, micro_batch_size, grad_norm=norm_value)
+        norm_value = float(grad_norm)
+        if not (math.isfinite(norm_value) and math.isfinite(loss_total)):  # 4. finite?
+            return self._skip_nonfinite(totals, count, loss_total, micro_batch_size, norm_value)
         if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(grads, self.max_grad_norm, grad_norm)
+            _clip_(grads, self.max_grad_norm, grad_norm)  # 5. clip
         self._runtime.publish(window.params)
         lr = self._lr()
-        if scaler is not None:
+        if scaler is not None:  # 6. step
             scaler.step(self.optimizer)
             scaler.update()
         else:
             self.optimizer.step()
         if self.scheduler is not None:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()  # 7. schedule
+        self.optimizer.zero_grad(set_to_none=True)  # 8. zero
         window.reset()
-        loss = loss_total / count if self.normalize is Normalize.MEAN else loss_total
+        loss = self._objective(loss_total, count)
         return StepResult(
             loss, count, totals.micro_batches, micro_batch_size, True, False, norm_value, lr
         )
 
+    def _skip_nonfinite(
+        self,
+        totals: WindowTotals,
+        count: int,
+        loss_total: float,
+        micro_batch_size: int,
+        grad_norm: float,
+    ) -> StepResult:
+        """Drop a non-finite window whole: no optimizer or scheduler step; fp16 backs off once."""
+        if self._runtime.scaler is not None:
+            self._runtime.scaler.update()  # unscale_ recorded the inf, so the scale backs off
+        raising = self.on_nonfinite is OnNonFinite.RAISE
+        culprits = self._nonfinite_parameter_names() if raising else []
+        result = self._discard(totals, count, loss_total, micro_batch_size, grad_norm)
+        if raising:
+            raise NonFiniteError(
+                f"window of {totals.micro_batches} micro-batches has loss sum {loss_total} and "
+                f"grad norm {grad_norm}; non-finite gradients in: {culprits}. The window was "
+                "discarded; pass on_nonfinite='skip' to skip such windows instead."
+            )
+        return result
+
+    def _global_totals(self, totals: WindowTotals) -> tuple[int, float]:
+        """Item count and loss sum over all ranks, in one collective; checks ranks agree."""
+        exponent = totals.prescale_exponent or 0
+        count, loss_total, exponents = all_reduce_sum(
+            self.model, [float(totals.count), totals.loss_total(), float(exponent)]
+        )
+        ranks = world_size(self.model)
+        if exponents != exponent * ranks:
+            raise RuntimeError(
+                "ranks disagree on the window's first micro-batch size, so their gradients were "
+                "scaled differently; give every rank micro-batches of the same size."
+            )
+        return int(count), loss_total
+
     def _discard(
-        self, totals: Any, count: int, micro_batch_size: int, grad_norm: float | None
+        self,
+        totals: WindowTotals,
+        count: int,
+        loss_total: float,
+        micro_batch_size: int,
+        grad_norm: float | None,
     ) -> StepResult:
         self._window.reset()
-        loss = totals.loss_total()
-        if self.normalize is Normalize.MEAN:
-            loss = loss / count if count else 0.0
+        loss = self._objective(loss_total, count)
         return StepResult(
             loss, count, totals.micro_batches, micro_batch_size, False, True, grad_norm, self._lr()
         )
 
     def _progress(self) -> StepResult:
         totals = self._window.totals
-        loss = totals.loss_total()
-        if self.normalize is Normalize.MEAN:
-            loss = loss / totals.count if totals.count else 0.0
         return StepResult(
-            loss,
+            self._objective(totals.loss_total(), totals.count),
             totals.count,
             totals.micro_batches,
             totals.largest_micro_batch,
@@ -292,6 +324,11 @@ class Accumulator:
             None,
             self._lr(),
         )
+
+    def _objective(self, loss_total: float, count: int) -> float:
+        if self.normalize is Normalize.SUM:
+            return loss_total
+        return loss_total / count if count else 0.0
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -331,6 +368,15 @@ class Accumulator:
             if grad is not None and not bool(torch.isfinite(grad).all()):
                 names.append(self._param_names.get(id(param), "<unnamed>"))
         return names or ["<none: the loss itself is non-finite>"]
+
+
+def _clip_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients to `max_norm` as `clip_grad_norm_` does, on tensors, not parameters.
+
+    It works on the fp32 accumulation buffers too, which are not any parameter's `.grad`.
+    """
+    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coefficient.to(grads[0].device))
 
 
 def _check_optimizer_holds(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]):

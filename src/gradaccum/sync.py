@@ -10,8 +10,8 @@ Example:
     >>> model = torch.nn.Linear(2, 1)
     >>> with sync_context(model, sync=False):
     ...     pass
-    >>> world_size(model), all_reduce_count(model, 5)
-    (1, 5)
+    >>> world_size(model), all_reduce_sum(model, [5.0, 2.5])
+    (1, [5.0, 2.5])
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_count", "grad_average_factor", "sync_context", "world_size"]
+__all__ = ["all_reduce_sum", "grad_average_factor", "sync_context", "world_size"]
 
 
 def _is_ddp(model: torch.nn.Module) -> bool:
@@ -42,16 +42,19 @@ def sync_context(model: torch.nn.Module, *, sync: bool) -> contextlib.AbstractCo
     return contextlib.nullcontext()
 
 
-def all_reduce_count(model: torch.nn.Module, count: int) -> int:
-    """Sum a window's item count over the model's ranks (identity on one process)."""
+def all_reduce_sum(model: torch.nn.Module, values: list[float]) -> list[float]:
+    """Sum a few per-rank numbers over the model's ranks in one collective (identity on one).
+
+    Float64 holds integer counts exactly up to 2**53, so counts and loss sums travel together.
+    """
     if world_size(model) == 1:
-        return count
+        return values
     device = next(model.parameters()).device
     if dist.get_backend(model.process_group) == "gloo":
         device = torch.device("cpu")
-    total = torch.tensor(count, dtype=torch.int64, device=device)
+    total = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model.process_group)
-    return int(total.item())
+    return total.tolist()
 
 
 def grad_average_factor(model: torch.nn.Module) -> int:

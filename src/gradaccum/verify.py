@@ -205,7 +205,15 @@ def check_equivalence(
             (value / count).backward()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        accumulate_grad(accumulated_model, batch, loss_fn, micro_batch_size)
+        try:
+            accumulate_grad(accumulated_model, batch, loss_fn, micro_batch_size)
+        except ValueError as error:
+            suspects = "; ".join(str(m) for m in find_non_additive(model)) or "none found"
+            raise ValueError(
+                f"the accumulated run failed at micro_batch_size={micro_batch_size} although the "
+                f"full batch ran: {error}. Non-additive modules: {suspects}. Try a larger "
+                "micro_batch_size (BatchNorm needs more than 1 item per channel in train mode)."
+            ) from error
 
     gaps = []
     reference = dict(full_model.named_parameters())

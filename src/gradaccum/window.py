@@ -31,7 +31,7 @@ from gradaccum.batching import batch_size, split_batch, to_device
 from gradaccum.loss import LossSum, read_loss
 from gradaccum.options import Normalize, Precision, parse
 from gradaccum.precision import PrecisionRuntime
-from gradaccum.sync import sync_context
+from gradaccum.sync import sync_context, world_size
 
 __all__ = ["LossFn", "Window", "WindowTotals", "accumulate_grad", "trainable_parameters"]
 
@@ -84,6 +84,7 @@ class Window:
         self.normalize = normalize
         self.runtime = runtime
         self.totals = WindowTotals()
+        self.distributed = world_size(model) > 1
 
     def backward(
         self, micro_batch: Any, loss_fn: LossFn, *, expected_micro_batches: int, sync: bool
@@ -106,15 +107,18 @@ class Window:
                 value, count = read_loss(loss_fn(self.model, micro_batch), items)
             totals = self.totals
             if totals.prescale_exponent is None:
-                totals.prescale_exponent = self._prescale_exponent(
-                    count or items, expected_micro_batches
+                # Ranks must agree on the prescale, so distributed windows size it by items,
+                # which every rank knows alike, rather than by this rank's count.
+                first = items if self.distributed or not count else count
+                totals.prescale_exponent = self._prescale_exponent(first, expected_micro_batches)
+            if count > 0 and not value.requires_grad:
+                raise ValueError(
+                    "the loss does not require grad: it was computed under torch.no_grad(), "
+                    "detached, or from frozen parameters only; return the loss with its graph."
                 )
-            if count > 0:
-                if not value.requires_grad:
-                    raise ValueError(
-                        "the loss does not require grad: it was computed under torch.no_grad(), "
-                        "detached, or from frozen parameters only; return the loss with its graph."
-                    )
+            # A zero-count micro-batch still runs backward when it can: its gradient is zero, but
+            # a DDP rank must join the gradient reduction on a window's last micro-batch.
+            if value.requires_grad:
                 scaled = value * math.ldexp(1.0, -totals.prescale_exponent)
                 self.runtime.scale(scaled).backward()
                 self.runtime.collect(self.params)

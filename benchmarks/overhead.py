@@ -1,0 +1,411 @@
+"""Overhead of `gradaccum.Accumulator.step` against a correct hand-written accumulation loop.
+
+Both run in ONE process on the SAME model and optimizer, in alternating timed blocks, at the
+same micro-batch size, on CPU with a fixed number of threads:
+
+- cnn: a small CNN (2 conv layers + linear) on 28x28 inputs, batch 64, micro-batch 16,
+  mean cross-entropy per sample;
+- lm: a tiny causal transformer language model (2 layers, d_model 64, sequence 64, vocabulary
+  96), batch 32, micro-batch 8, with padded (ignored) label positions, token-level mean
+  cross-entropy: `LossSum(sum, tokens)` for the library; the hand loop divides each
+  micro-batch's summed loss by the whole batch's token count.
+
+The hand loop is the correct mean-loss version: `zero_grad` once, then for each micro-batch a
+forward, `loss * (n_i / B)` (or `sum_i / total_tokens`), `backward`, and one `optimizer.step`.
+It reads nothing back to the host (no loss logging, no gradient norm).
+
+Printed per model: median seconds per step for each, the median of the per-repeat ratios
+ours / hand (with its interquartile range) and the peak-memory ratio. Peak memory is the largest
+number of bytes of CPU tensor storage allocated during one step and alive at once, from the
+PyTorch profiler's allocator events (see `_measure.peak_allocated_bytes`).
+
+Usage:
+    .venv/bin/python benchmarks/overhead.py [--quick] [--repeats N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import gc
+import json
+import platform
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from _measure import (
+    interleaved_times,
+    paired_ratios,
+    peak_allocated_bytes,
+    quartiles,
+    saved_for_backward_bytes,
+)
+from torch import nn
+
+import gradaccum
+from gradaccum import Accumulator, LossSum
+from gradaccum.batching import map_tensors
+
+THREADS = 1
+TARGET = 1.02
+IGNORE = -100
+VOCAB = 96
+SEQ = 64
+
+Batch = Any
+StepFn = Callable[[nn.Module, torch.optim.Optimizer, Batch, int], None]
+
+
+class SmallCNN(nn.Module):
+    """Two 3x3 conv layers with pooling, then a linear classifier, for 1x28x28 inputs."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc = nn.Linear(32 * 7 * 7, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc(x.flatten(1))
+
+
+class TinyLM(nn.Module):
+    """A causal transformer language model: embeddings, 2 encoder layers, a vocabulary head."""
+
+    def __init__(self, vocab: int = VOCAB, d_model: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.randn(SEQ, d_model) * 0.02)
+        layer = nn.TransformerEncoderLayer(
+            d_model, nhead=4, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        h = self.embed(tokens) + self.pos[:length]
+        h = self.encoder(h, mask=self.mask[:length, :length], is_causal=True)
+        return self.head(h)
+
+
+def lm_loss_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over the labels that are not `IGNORE`."""
+    logits = model(inputs)
+    return F.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
+
+
+# --- the library's loss functions -----------------------------------------------------------
+
+
+def cnn_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)  # a mean: the library weights it by len(x)
+
+
+def lm_loss(model: nn.Module, batch: Batch) -> LossSum:
+    labels = batch["labels"]
+    return LossSum(lm_loss_sum(model, batch["input"], labels), (labels != IGNORE).sum())
+
+
+# --- the hand-written loops ------------------------------------------------------------------
+
+
+def hand_step_cnn(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch, micro: int) -> None:
+    x, y = batch
+    total = x.shape[0]
+    opt.zero_grad(set_to_none=True)
+    for start in range(0, total, micro):
+        xb, yb = x[start : start + micro], y[start : start + micro]
+        loss = F.cross_entropy(model(xb), yb)
+        (loss * (xb.shape[0] / total)).backward()
+    opt.step()
+
+
+def hand_step_lm(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch, micro: int) -> None:
+    inputs, labels = batch["input"], batch["labels"]
+    tokens = (labels != IGNORE).sum()
+    opt.zero_grad(set_to_none=True)
+    for start in range(0, inputs.shape[0], micro):
+        end = start + micro
+        (lm_loss_sum(model, inputs[start:end], labels[start:end]) / tokens).backward()
+    opt.step()
+
+
+# --- cases ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """One benchmark configuration: a model, a fixed batch and both ways to step on it."""
+
+    name: str
+    description: str
+    make_model: Callable[[], nn.Module]
+    batch: Batch
+    batch_size: int
+    micro: int
+    loss_fn: Callable[[nn.Module, Batch], Any]
+    hand_step: StepFn
+
+
+def make_cases() -> list[Case]:
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn(64, 1, 28, 28, generator=gen)
+    classes = torch.randint(0, 10, (64,), generator=gen)
+    tokens = torch.randint(0, VOCAB, (32, SEQ + 1), generator=gen)
+    labels = tokens[:, 1:].clone()
+    lengths = torch.randint(SEQ // 2, SEQ + 1, (32,), generator=gen)
+    labels[torch.arange(SEQ)[None, :] >= lengths[:, None]] = IGNORE  # right padding
+    lm_batch = {"input": tokens[:, :-1].contiguous(), "labels": labels}
+    return [
+        Case(
+            "cnn",
+            "2 conv + linear, 1x28x28, batch 64, micro 16, mean CE",
+            SmallCNN,
+            (images, classes),
+            64,
+            16,
+            cnn_loss,
+            hand_step_cnn,
+        ),
+        Case(
+            "lm",
+            "transformer LM 2x64, seq 64, vocab 96, batch 32, micro 8, token CE",
+            TinyLM,
+            lm_batch,
+            32,
+            8,
+            lm_loss,
+            hand_step_lm,
+        ),
+    ]
+
+
+def new_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def update_gap(case: Case) -> float:
+    """Max |ours - hand| over the parameter update of one float64 SGD step from identical
+    states, relative to the largest update: both loops follow the same gradient.
+
+    Plain SGD makes the update proportional to the gradient. (AdamW would not do: it blows up
+    gradients that are zero up to rounding, such as an attention layer's key bias, to a full
+    learning-rate step, so its updates differ between any two float32 summation orders.)
+    """
+    torch.manual_seed(1)
+    base = case.make_model().double()
+    batch = map_tensors(case.batch, lambda t: t.double() if t.is_floating_point() else t)
+    ours_model, hand_model = copy.deepcopy(base), copy.deepcopy(base)
+    ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.1)
+    hand_opt = torch.optim.SGD(hand_model.parameters(), lr=0.1)
+    Accumulator(ours_model, ours_opt, micro_batch_size=case.micro).step(batch, case.loss_fn)
+    case.hand_step(hand_model, hand_opt, batch, case.micro)
+    gap = scale = 0.0
+    for p0, p1, p2 in zip(
+        base.parameters(), ours_model.parameters(), hand_model.parameters(), strict=True
+    ):
+        gap = max(gap, float((p1 - p2).abs().max()))
+        scale = max(scale, float((p2 - p0).abs().max()))
+    return gap / scale
+
+
+def measure_memory(step: Callable[[], object], model: nn.Module, rounds: int) -> int:
+    """Median over `rounds` of the peak bytes allocated during one step from a no-grad state."""
+    peaks = []
+    for _ in range(rounds):
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        peaks.append(peak_allocated_bytes(step).peak_bytes)
+    return int(statistics.median(peaks))
+
+
+def run_case(case: Case, repeats: int, steps: int, warmup: int, mem_rounds: int) -> dict:
+    gap = update_gap(case)
+    torch.manual_seed(2)
+    model = case.make_model()
+    opt = new_optimizer(model)
+    acc = Accumulator(model, opt, micro_batch_size=case.micro)
+
+    def ours() -> None:
+        acc.step(case.batch, case.loss_fn)
+
+    def hand() -> None:
+        case.hand_step(model, opt, case.batch, case.micro)
+
+    def whole() -> None:  # no accumulation: the whole batch in one backward
+        case.hand_step(model, opt, case.batch, case.batch_size)
+
+    gc.collect()
+    times = interleaved_times(
+        {"ours": ours, "hand": hand}, repeats=repeats, steps_per_repeat=steps, warmup=warmup
+    )
+    ratios = paired_ratios(times["ours"], times["hand"])
+    q1, ratio, q3 = quartiles(ratios)
+
+    peak_ours = measure_memory(ours, model, mem_rounds)
+    peak_hand = measure_memory(hand, model, mem_rounds)
+    peak_whole = measure_memory(whole, model, mem_rounds)
+    micro_batch = gradaccum.split_batch(case.batch, case.micro)[0]
+    saved_micro = saved_for_backward_bytes(lambda: case.loss_fn(model, micro_batch))
+    saved_whole = saved_for_backward_bytes(lambda: case.loss_fn(model, case.batch))
+    model.zero_grad(set_to_none=True)
+    return {
+        "description": case.description,
+        "batch_size": case.batch_size,
+        "micro_batch_size": case.micro,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "update_gap_rel": gap,
+        "ours_step_s_median": statistics.median(times["ours"]),
+        "hand_step_s_median": statistics.median(times["hand"]),
+        "ours_step_s": times["ours"],
+        "hand_step_s": times["hand"],
+        "time_ratio_median": ratio,
+        "time_ratio_q1": q1,
+        "time_ratio_q3": q3,
+        "time_ratio_of_medians": statistics.median(times["ours"])
+        / statistics.median(times["hand"]),
+        "peak_bytes_ours": peak_ours,
+        "peak_bytes_hand": peak_hand,
+        "peak_bytes_whole_batch": peak_whole,
+        "memory_ratio": peak_ours / peak_hand,
+        "saved_activation_bytes_micro": saved_micro,
+        "saved_activation_bytes_whole": saved_whole,
+    }
+
+
+def kib(n: float) -> str:
+    return f"{n / 1024:,.0f} KiB"
+
+
+def print_report(results: dict[str, dict], settings: dict) -> None:
+    print(
+        f"torch {torch.__version__} | Python {platform.python_version()} | CPU, "
+        f"torch.set_num_threads({THREADS}) | {settings['repeats']} interleaved repeats x "
+        f"{settings['steps_per_repeat']} steps each, after {settings['warmup']} warm-up steps"
+    )
+    print("ratio = median over repeats of (ours block time / hand block time), same repeat")
+    print("peak  = max bytes of CPU tensor storage allocated during one step and alive at once")
+    print()
+    header = (
+        f"{'model':<5} {'ours ms':>8} {'hand ms':>8} {'ratio':>6} {'IQR':>13} "
+        f"{'peak ours':>11} {'peak hand':>11} {'mem ratio':>9} {'no-accum peak':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, r in results.items():
+        iqr = f"{r['time_ratio_q1']:.3f}-{r['time_ratio_q3']:.3f}"
+        print(
+            f"{name:<5} {r['ours_step_s_median'] * 1e3:>8.2f} {r['hand_step_s_median'] * 1e3:>8.2f}"
+            f" {r['time_ratio_median']:>6.3f} {iqr:>13} {kib(r['peak_bytes_ours']):>11}"
+            f" {kib(r['peak_bytes_hand']):>11} {r['memory_ratio']:>9.3f}"
+            f" {kib(r['peak_bytes_whole_batch']):>13}"
+        )
+    print()
+    for name, r in results.items():
+        print(f"{name}: {r['description']}, {r['parameters']:,} parameters")
+        print(
+            f"  same update as the hand loop: max |ours - hand| / max |update| = "
+            f"{r['update_gap_rel']:.1e} (one SGD step, float64)"
+        )
+        print(
+            f"  meter check: saved-for-backward activations {kib(r['saved_activation_bytes_micro'])}"
+            f" per micro-batch of {r['micro_batch_size']}, "
+            f"{kib(r['saved_activation_bytes_whole'])} for the batch of {r['batch_size']}; "
+            f"peak without accumulation {kib(r['peak_bytes_whole_batch'])}"
+        )
+    print()
+    for name, r in results.items():
+        verdict = "within" if r["time_ratio_median"] <= TARGET else "ABOVE"
+        print(
+            f"{name} step-time ratio (ours/hand): {r['time_ratio_median']:.3f} "
+            f"({verdict} target {TARGET})"
+        )
+        print(f"{name} peak-memory ratio (ours/hand): {r['memory_ratio']:.3f}")
+
+
+def profile_library(cases: list[Case], steps: int) -> None:
+    """cProfile `steps` library steps per case and print where the time goes."""
+    for case in cases:
+        torch.manual_seed(2)
+        model = case.make_model()
+        acc = Accumulator(model, new_optimizer(model), micro_batch_size=case.micro)
+        for _ in range(3):
+            acc.step(case.batch, case.loss_fn)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
+            acc.step(case.batch, case.loss_fn)
+        profiler.disable()
+        print(f"\n=== cProfile, {case.name}, {steps} library steps (cumulative, top 30) ===")
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few repeats (smoke test)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed blocks per loop")
+    parser.add_argument("--steps", type=int, default=None, help="steps per timed block")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument(
+        "--profile", action="store_true", help="also cProfile the library's steps"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        repeats, steps, warmup, mem_rounds = 2, 1, 1, 1
+    else:
+        repeats, steps, warmup, mem_rounds = 30, 10, 5, 3
+    if args.repeats is not None:
+        if args.repeats < 1:
+            parser.error("--repeats must be >= 1")
+        repeats = args.repeats
+    if args.steps is not None:
+        if args.steps < 1:
+            parser.error("--steps must be >= 1")
+        steps = args.steps
+
+    torch.set_num_threads(THREADS)
+    cases = make_cases()
+    started = time.perf_counter()
+    results = {c.name: run_case(c, repeats, steps, warmup, mem_rounds) for c in cases}
+    settings = {
+        "repeats": repeats,
+        "steps_per_repeat": steps,
+        "warmup": warmup,
+        "memory_rounds": mem_rounds,
+        "threads": THREADS,
+        "target_time_ratio": TARGET,
+    }
+    print_report(results, settings)
+    print(f"\n(total {time.perf_counter() - started:.0f} s)")
+    if args.profile:
+        profile_library(cases, steps=max(10, repeats))
+    if args.json:
+        payload = {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "settings": settings,
+            "results": results,
+        }
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(payload, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,629 @@
+"""Tests for gradaccum.accumulator: StepResult, the two drives, flush, memory and bad input.
+
+The many-split equivalence grid lives in test_equivalence.py; here each behaviour of the
+`Accumulator` is pinned against a plain float64 reference written without the library.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import gradaccum
+from gradaccum import Accumulator, LossSum, StepResult
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _mlp(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    return model.to(dtype)
+
+
+def _data(items: int = 10, dtype: torch.dtype = torch.float64, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(items, 4, generator=generator).to(dtype)
+    y = (torch.randn(items, 2, generator=generator) * 2).to(dtype)
+    return x, y
+
+
+def _mse(model: torch.nn.Module, batch) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _reference_step(model: torch.nn.Module, batch, make_optimizer=_sgd, max_norm=None):
+    """One plain full-batch step on a copy of `model`: (copy, loss, grad norm before clipping)."""
+    twin = copy.deepcopy(model)
+    optimizer = make_optimizer(twin)
+    loss = _mse(twin, batch)
+    loss.backward()
+    grads = [p.grad for p in twin.parameters()]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+    optimizer.step()
+    return twin, loss.item(), norm.item()
+
+
+def _assert_params_close(a: torch.nn.Module, b: torch.nn.Module, rtol: float = 1e-10) -> None:
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=1e-13)
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def _assert_bitwise(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor)
+        assert a.dtype == b.dtype
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _assert_bitwise(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_bitwise(x, y)
+    else:
+        assert a == b
+
+
+def _snapshot(model: torch.nn.Module, optimizer, scheduler=None) -> dict[str, Any]:
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        "optimizer": _clone(optimizer.state_dict()),
+        "scheduler": None if scheduler is None else _clone(scheduler.state_dict()),
+    }
+
+
+def _assert_unchanged(before: dict[str, Any], model, optimizer, scheduler=None) -> None:
+    _assert_bitwise(before, _snapshot(model, optimizer, scheduler))
+
+
+# --------------------------------------------------------------------------------------------
+# StepResult and the whole-batch drive
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("items", "micro_batch_size"), [(10, 3), (10, 10), (10, 1), (9, 4)])
+def test_step_result_fields_match_a_plain_full_batch_step(
+    items: int, micro_batch_size: int
+) -> None:
+    model = _mlp()
+    batch = _data(items)
+    reference, ref_loss, ref_norm = _reference_step(model, batch)
+
+    acc = Accumulator(model, _sgd(model), micro_batch_size=micro_batch_size)
+    result = acc.step(batch, _mse)
+
+    assert isinstance(result, StepResult)
+    assert result.stepped is True
+    assert result.skipped is False
+    assert result.count == items
+    assert result.micro_batches == math.ceil(items / micro_batch_size)
+    assert result.micro_batch_size == micro_batch_size
+    assert result.lr == 0.1
+    assert type(result.loss) is float
+    assert type(result.grad_norm) is float
+    assert type(result.lr) is float
+    assert result.loss == pytest.approx(ref_loss, rel=1e-12)
+    assert result.grad_norm == pytest.approx(ref_norm, rel=1e-10)
+    _assert_params_close(model, reference)
+    assert all(p.grad is None for p in model.parameters())  # zero_grad(set_to_none=True)
+
+
+def test_consecutive_steps_track_a_reference_with_momentum_and_schedule() -> None:
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    optimizer = _sgd(model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0 / (epoch + 1))
+    ref_optimizer = _sgd(reference)
+    ref_scheduler = torch.optim.lr_scheduler.LambdaLR(ref_optimizer, lambda e: 1.0 / (e + 1))
+    acc = Accumulator(model, optimizer, micro_batch_size=3, scheduler=scheduler)
+    for index in range(3):
+        batch = _data(8, seed=index)
+        result = acc.step(batch, _mse)
+        ref_optimizer.zero_grad()
+        _mse(reference, batch).backward()
+        ref_optimizer.step()
+        ref_scheduler.step()
+        assert result.lr == pytest.approx(0.1 / (index + 1), rel=1e-15)  # the lr used
+        assert scheduler.last_epoch == index + 1  # stepped once per optimizer step
+    _assert_params_close(model, reference)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 4, rel=1e-15)
+
+
+def test_step_discards_gradients_present_before_the_call() -> None:
+    results = []
+    for stale in (False, True):
+        model = _mlp()
+        if stale:
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 7.0)
+        Accumulator(model, _sgd(model), micro_batch_size=4).step(_data(), _mse)
+        results.append([p.detach().clone() for p in model.parameters()])
+    _assert_bitwise(results[0], results[1])
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6])
+def test_clipping_reports_the_norm_before_clipping(max_norm: float) -> None:
+    model = _mlp()
+    batch = _data()
+    reference, _, ref_norm = _reference_step(model, batch, max_norm=max_norm)
+    acc = Accumulator(model, _sgd(model), micro_batch_size=3, max_grad_norm=max_norm)
+    result = acc.step(batch, _mse)
+    assert result.grad_norm == pytest.approx(ref_norm, rel=1e-10)
+    _assert_params_close(model, reference)
+    if max_norm < ref_norm:  # negative control: the unclipped step is a different step
+        unclipped, _, _ = _reference_step(model, batch)
+        gap = max(
+            float((p - q).detach().abs().max())
+            for p, q in zip(unclipped.parameters(), reference.parameters(), strict=True)
+        )
+        assert gap > 1e-3
+
+
+def test_optimizer_over_part_of_the_model_steps_only_that_part() -> None:
+    model = _mlp()
+    frozen_before = [p.detach().clone() for p in model[0].parameters()]
+    optimizer = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    result = Accumulator(model, optimizer, micro_batch_size=4).step(_data(), _mse)
+    assert result.stepped
+    for p, b in zip(model[0].parameters(), frozen_before, strict=True):
+        assert torch.equal(p.detach(), b)
+    assert all(p.grad is None for p in model.parameters())  # no stale gradient is left
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming drive: micro_step and flush
+# --------------------------------------------------------------------------------------------
+
+
+def _micro_batches(count: int, items: int = 3, seed: int = 5):
+    x, y = _data(count * items, seed=seed)
+    return [(x[i * items : (i + 1) * items], y[i * items : (i + 1) * items]) for i in range(count)]
+
+
+def _cat(micro_batches):
+    return tuple(torch.cat(parts) for parts in zip(*micro_batches, strict=True))
+
+
+def test_micro_step_progress_then_one_exact_step_at_the_boundary() -> None:
+    model = _mlp()
+    stream = _micro_batches(4, items=3)
+    stream[2] = (stream[2][0][:1], stream[2][1][:1])  # a smaller one: counts are per item
+    reference, ref_loss, ref_norm = _reference_step(model, _cat(stream))
+    running_loss = _mse(copy.deepcopy(model), _cat(stream[:2])).item()  # after two micro-batches
+    before = [p.detach().clone() for p in model.parameters()]
+
+    acc = Accumulator(model, _sgd(model), accumulation_steps=4)
+    results = [acc.micro_step(mb, _mse) for mb in stream[:3]]
+    # Parameters move only at the boundary.
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
+    results.append(acc.micro_step(stream[3], _mse))
+
+    for index, result in enumerate(results[:3]):
+        assert result.stepped is False
+        assert result.skipped is False
+        assert result.grad_norm is None
+        assert result.micro_batches == index + 1
+        assert result.count == sum(len(mb[0]) for mb in stream[: index + 1])
+        assert result.micro_batch_size == 3
+        assert type(result.loss) is float
+    assert results[1].loss == pytest.approx(running_loss, rel=1e-12)
+
+    last = results[3]
+    assert last.stepped is True
+    assert last.skipped is False
+    assert last.count == 10
+    assert last.micro_batches == 4
+    assert last.micro_batch_size == 3
+    assert last.loss == pytest.approx(ref_loss, rel=1e-12)
+    assert last.grad_norm == pytest.approx(ref_norm, rel=1e-10)
+    _assert_params_close(model, reference)
+
+    # The next call opens a new window.
+    follow = acc.micro_step(stream[0], _mse)
+    assert (follow.micro_batches, follow.stepped) == (1, False)
+
+
+def test_flush_step_takes_an_exact_step_over_the_items_seen() -> None:
+    model = _mlp()
+    stream = _micro_batches(3)
+    reference, ref_loss, _ = _reference_step(model, _cat(stream))
+    acc = Accumulator(model, _sgd(model), accumulation_steps=5, partial_window="step")
+    for mb in stream:
+        assert not acc.micro_step(mb, _mse).stepped
+    result = acc.flush()
+    assert result.stepped
+    assert result.count == 9
+    assert result.micro_batches == 3
+    assert result.loss == pytest.approx(ref_loss, rel=1e-12)
+    _assert_params_close(model, reference)
+    empty = acc.flush()  # nothing left
+    assert (empty.stepped, empty.micro_batches, empty.count) == (False, 0, 0)
+
+
+def test_flush_drop_discards_the_partial_window() -> None:
+    model = _mlp()
+    optimizer = _sgd(model)
+    acc = Accumulator(model, optimizer, accumulation_steps=2, partial_window="drop")
+    first, second = _micro_batches(2), _micro_batches(2, seed=9)
+    for mb in first:
+        acc.micro_step(mb, _mse)  # one full window, so the optimizer has momentum state
+    before = _snapshot(model, optimizer)
+    acc.micro_step(second[0], _mse)
+    result = acc.flush()
+    assert (result.stepped, result.micro_batches, result.count) == (False, 1, 3)
+    _assert_unchanged(before, model, optimizer)  # grads are None again too
+
+    # The dropped micro-batch leaves no trace in the next window.
+    fresh = copy.deepcopy(model)
+    fresh_optimizer = _sgd(fresh)
+    fresh_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    twin = Accumulator(fresh, fresh_optimizer, accumulation_steps=2)
+    for mb in second:
+        acc.micro_step(mb, _mse)
+        twin.micro_step(mb, _mse)
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_flush_carry_finishes_the_window_in_the_next_epoch() -> None:
+    model = _mlp()
+    stream = _micro_batches(4)
+    reference, ref_loss, _ = _reference_step(model, _cat(stream))
+    acc = Accumulator(model, _sgd(model), accumulation_steps=4, partial_window="carry")
+    for mb in stream[:3]:
+        acc.micro_step(mb, _mse)
+    carried = acc.flush()
+    assert (carried.stepped, carried.skipped, carried.micro_batches, carried.count) == (
+        False,
+        False,
+        3,
+        9,
+    )
+    result = acc.micro_step(stream[3], _mse)  # "next epoch"
+    assert result.stepped
+    assert result.micro_batches == 4
+    assert result.loss == pytest.approx(ref_loss, rel=1e-12)
+    _assert_params_close(model, reference)
+
+
+def test_step_while_a_streaming_window_is_open_raises_and_keeps_the_window() -> None:
+    model = _mlp()
+    stream = _micro_batches(2)
+    reference, _, _ = _reference_step(model, _cat(stream))
+    acc = Accumulator(model, _sgd(model), micro_batch_size=3, accumulation_steps=2)
+    acc.micro_step(stream[0], _mse)
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"call flush\(\) first"):
+        acc.step(_data(), _mse)
+    for p, g in zip(model.parameters(), grads, strict=True):
+        assert torch.equal(p.grad, g)
+    assert acc.micro_step(stream[1], _mse).stepped
+    _assert_params_close(model, reference)
+
+
+def test_failure_mid_stream_keeps_the_earlier_micro_batches() -> None:
+    model = _mlp()
+    stream = _micro_batches(3)
+    reference, _, _ = _reference_step(model, _cat(stream))
+    acc = Accumulator(model, _sgd(model), accumulation_steps=3)
+    acc.micro_step(stream[0], _mse)
+    with pytest.raises(ValueError, match="must be a scalar"):
+        acc.micro_step(stream[1], lambda m, b: m(b[0]).sum(dim=1))
+    assert not acc.micro_step(stream[1], _mse).stepped  # retried: the window holds 2 now
+    result = acc.micro_step(stream[2], _mse)
+    assert result.stepped
+    assert result.micro_batches == 3
+    _assert_params_close(model, reference)
+
+
+# --------------------------------------------------------------------------------------------
+# Zero-count windows
+# --------------------------------------------------------------------------------------------
+
+
+def test_zero_count_window_is_skipped_without_any_step() -> None:
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    acc = Accumulator(model, optimizer, micro_batch_size=4, scheduler=scheduler)
+    acc.step(_data(), _mse)  # optimizer state present
+    before = _snapshot(model, optimizer, scheduler)
+
+    def nothing_counts(m, b) -> LossSum:
+        return LossSum(_mse(m, b) * 0.0, 0)
+
+    result = acc.step(_data(seed=4), nothing_counts)
+    assert result.skipped is True
+    assert result.stepped is False
+    assert result.count == 0
+    assert result.micro_batches == 3
+    assert result.grad_norm is None
+    assert result.loss == 0.0
+    _assert_unchanged(before, model, optimizer, scheduler)
+    assert scheduler.last_epoch == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: nothing of a micro-batch outlives its backward
+# --------------------------------------------------------------------------------------------
+
+
+def _live_tensors() -> int:
+    # type() rather than isinstance(): some module objects warn when asked for __class__.
+    return sum(1 for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor))
+
+
+def test_micro_step_keeps_no_graph_and_no_tensor_per_micro_batch() -> None:
+    model = _mlp(torch.float32)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=100)
+    x, y = _data(64 * 2, dtype=torch.float32)
+    stream = [(x[i : i + 2], y[i : i + 2]) for i in range(0, 128, 2)]
+    refs: list[weakref.ref] = []
+
+    def loss_fn(m, b) -> torch.Tensor:
+        out = m(b[0])
+        loss = torch.nn.functional.mse_loss(out, b[1])
+        refs.extend([weakref.ref(out), weakref.ref(loss)])
+        return loss
+
+    live = {}
+    gc.collect()
+    gc.disable()  # cyclic garbage would pile up and show in the count
+    try:
+        for index, mb in enumerate(stream, start=1):
+            result = acc.micro_step(mb, loss_fn)
+            assert all(ref() is None for ref in refs), f"a graph outlived micro-step {index}"
+            assert type(result.loss) is float
+            if index in (1, 64):
+                live[index] = _live_tensors()
+    finally:
+        gc.enable()
+    assert result.micro_batches == 64
+    assert not result.stepped
+    assert live[1] == live[64], f"live tensors grew from {live[1]} to {live[64]}"
+
+
+def test_step_frees_each_micro_batch_before_the_next() -> None:
+    model = _mlp(torch.float32)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=1)
+    batch = _data(100, dtype=torch.float32)
+    refs: list[weakref.ref] = []
+    alive_at_call: list[int] = []
+    live: dict[int, int] = {}
+
+    def loss_fn(m, b) -> torch.Tensor:
+        call = len(alive_at_call) + 1
+        alive_at_call.append(sum(ref() is not None for ref in refs))
+        if call in (2, 64):
+            live[call] = _live_tensors()
+        out = m(b[0])
+        loss = torch.nn.functional.mse_loss(out, b[1])
+        refs.extend([weakref.ref(out), weakref.ref(loss)])
+        return loss
+
+    gc.collect()
+    gc.disable()
+    try:
+        result = acc.step(batch, loss_fn)
+    finally:
+        gc.enable()
+    assert result.stepped
+    assert result.micro_batches == 100
+    assert alive_at_call == [0] * 100  # each graph died before the next forward
+    assert all(ref() is None for ref in refs)
+    assert live[2] == live[64], f"live tensors grew from {live[2]} to {live[64]}"
+    assert type(result.loss) is float
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: an error that names the fix, and no change of state
+# --------------------------------------------------------------------------------------------
+
+
+def _stateful_setup():
+    """A model with gradients present, AdamW with state, and a scheduler that has stepped."""
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    Accumulator(model, optimizer, micro_batch_size=5, scheduler=scheduler).step(_data(), _mse)
+    for p in model.parameters():  # gradients a user may hold from their own backward
+        p.grad = torch.randn_like(p)
+    return model, optimizer, scheduler
+
+
+def _failing_at(index: int, bad: Callable[[torch.nn.Module, Any], Any]):
+    calls = []
+
+    def loss_fn(m, b):
+        calls.append(1)
+        return bad(m, b) if len(calls) == index + 1 else _mse(m, b)
+
+    return loss_fn, calls
+
+
+def _non_scalar(m, b):
+    return m(b[0]).mean(dim=1)
+
+
+def _negative_count(m, b):
+    return LossSum(torch.nn.functional.mse_loss(m(b[0]), b[1], reduction="sum"), -2)
+
+
+def _fractional_count(m, b):
+    return LossSum(torch.nn.functional.mse_loss(m(b[0]), b[1], reduction="sum"), 2.5)
+
+
+def _not_a_loss(m, b):
+    return _mse(m, b).item()
+
+
+def _user_error(m, b):
+    _mse(m, b).backward()  # even a half-done backward of its own must not leak into .grad
+    raise KeyError("boom in user code")
+
+
+CONSTRUCTION_CASES = [
+    ("mbs-zero", {"micro_batch_size": 0}, ValueError, "micro_batch_size=0 must be a positive"),
+    ("mbs-negative", {"micro_batch_size": -4}, ValueError, "micro_batch_size=-4 must be"),
+    ("mbs-float", {"micro_batch_size": 2.5}, (ValueError, TypeError), "positive int"),
+    ("mbs-str", {"micro_batch_size": "8"}, (ValueError, TypeError), "positive int"),
+    ("steps-zero", {"accumulation_steps": 0}, ValueError, "accumulation_steps=0 must be"),
+    ("steps-float", {"accumulation_steps": 1.5}, (ValueError, TypeError), "accumulation_steps"),
+    ("clip-negative", {"max_grad_norm": -1.0}, ValueError, "max_grad_norm=-1.0 must be"),
+    ("clip-inf", {"max_grad_norm": math.inf}, ValueError, "positive finite number"),
+    ("scheduler", {"scheduler": object()}, TypeError, "has no step"),
+    ("precision", {"precision": "fp8"}, ValueError, "precision='fp8'"),
+    ("normalize", {"normalize": "avg"}, ValueError, "normalize='avg'"),
+    ("partial", {"partial_window": "keep"}, ValueError, "partial_window='keep'"),
+    ("nonfinite", {"on_nonfinite": "warn"}, ValueError, "on_nonfinite='warn'"),
+    ("accum-dtype", {"accum_dtype": torch.int32}, ValueError, "accum_dtype=torch.int32"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [case[1:] for case in CONSTRUCTION_CASES],
+    ids=[case[0] for case in CONSTRUCTION_CASES],
+)
+def test_bad_settings_are_rejected_at_construction(kwargs, error, pattern) -> None:
+    model, optimizer, scheduler = _stateful_setup()
+    before = _snapshot(model, optimizer, scheduler)
+    with pytest.raises(error, match=pattern):
+        Accumulator(model, optimizer, **kwargs)
+    _assert_unchanged(before, model, optimizer, scheduler)
+
+
+def test_optimizer_without_the_models_parameters_is_rejected() -> None:
+    model, optimizer, scheduler = _stateful_setup()
+    other = torch.optim.SGD(_mlp().parameters(), lr=0.1)
+    before = _snapshot(model, optimizer, scheduler)
+    with pytest.raises(ValueError, match=r"optimizer holds none of the model's trainable"):
+        Accumulator(model, other, micro_batch_size=2)
+    with pytest.raises(TypeError, match="must be a torch.optim.Optimizer"):
+        Accumulator(model, object(), micro_batch_size=2)  # type: ignore[arg-type]
+    _assert_unchanged(before, model, optimizer, scheduler)
+
+
+STEP_CASES = [
+    # (id, batch maker, loss_fn maker, error, pattern, calls expected)
+    (
+        "leading-dims-differ",
+        lambda: (torch.zeros(6, 4, dtype=torch.float64), torch.zeros(5, 2, dtype=torch.float64)),
+        lambda: (_mse, []),
+        ValueError,
+        "disagree on the leading dimension",
+    ),
+    (
+        "empty-batch",
+        lambda: (torch.zeros(0, 4, dtype=torch.float64), torch.zeros(0, 2, dtype=torch.float64)),
+        lambda: (_mse, []),
+        ValueError,
+        "the batch is empty",
+    ),
+    ("non-scalar-first", _data, lambda: _failing_at(0, _non_scalar), ValueError, "scalar"),
+    ("non-scalar-middle", _data, lambda: _failing_at(2, _non_scalar), ValueError, "scalar"),
+    ("negative-count", _data, lambda: _failing_at(2, _negative_count), ValueError, ">= 0"),
+    ("fractional-count", _data, lambda: _failing_at(2, _fractional_count), ValueError, "whole"),
+    ("not-a-loss", _data, lambda: _failing_at(2, _not_a_loss), TypeError, "LossSum"),
+    ("user-error-middle", _data, lambda: _failing_at(2, _user_error), KeyError, "boom"),
+]
+
+
+@pytest.mark.parametrize(
+    ("make_batch", "make_loss", "error", "pattern"),
+    [case[1:] for case in STEP_CASES],
+    ids=[case[0] for case in STEP_CASES],
+)
+def test_a_failed_step_changes_nothing(make_batch, make_loss, error, pattern) -> None:
+    model, optimizer, scheduler = _stateful_setup()
+    grads = [p.grad for p in model.parameters()]
+    before = _snapshot(model, optimizer, scheduler)
+    acc = Accumulator(model, optimizer, micro_batch_size=3, scheduler=scheduler)
+    loss_fn, _calls = make_loss()
+    with pytest.raises(error, match=pattern):
+        acc.step(make_batch(), loss_fn)
+    _assert_unchanged(before, model, optimizer, scheduler)
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
+
+    # Nothing is left over either: the next step equals a fresh accumulator's from the same state.
+    twin_model = copy.deepcopy(model)
+    twin_optimizer = torch.optim.AdamW(twin_model.parameters(), lr=0.05)
+    twin_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    Accumulator(twin_model, twin_optimizer, micro_batch_size=3).step(_data(seed=8), _mse)
+    acc.step(_data(seed=8), _mse)
+    for p, q in zip(model.parameters(), twin_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_failure_in_the_middle_of_step_ran_the_earlier_micro_batches() -> None:
+    """Guard against a vacuous test: the failing call really came after two good backwards."""
+    model, optimizer, _ = _stateful_setup()
+    acc = Accumulator(model, optimizer, micro_batch_size=3)
+    loss_fn, calls = _failing_at(2, _non_scalar)
+    with pytest.raises(ValueError, match="scalar"):
+        acc.step(_data(), loss_fn)
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "pattern"),
+    [
+        (_non_scalar, ValueError, "scalar"),
+        (_negative_count, ValueError, ">= 0"),
+        (_fractional_count, ValueError, "whole number"),
+        (_user_error, KeyError, "boom"),
+    ],
+)
+def test_a_failed_first_micro_step_changes_nothing(bad, error, pattern) -> None:
+    model, optimizer, scheduler = _stateful_setup()
+    before = _snapshot(model, optimizer, scheduler)
+    acc = Accumulator(model, optimizer, accumulation_steps=2, scheduler=scheduler)
+    with pytest.raises(error, match=pattern):
+        acc.micro_step(_data(3), bad)
+    _assert_unchanged(before, model, optimizer, scheduler)
+    assert acc.flush().micro_batches == 0  # no window was opened
+
+
+def test_missing_sizes_name_the_fix() -> None:
+    model, optimizer, scheduler = _stateful_setup()
+    before = _snapshot(model, optimizer, scheduler)
+    streaming = Accumulator(model, optimizer, accumulation_steps=2)
+    with pytest.raises(ValueError, match=r"step\(\) needs micro_batch_size.*micro_batch_size=8"):
+        streaming.step(_data(), _mse)
+    whole = Accumulator(model, optimizer, micro_batch_size=2)
+    with pytest.raises(ValueError, match=r"micro_step\(\) needs accumulation_steps"):
+        whole.micro_step(_data(2), _mse)
+    _assert_unchanged(before, model, optimizer, scheduler)
+
+
+def test_public_names() -> None:
+    assert gradaccum.Accumulator is Accumulator
+    assert issubclass(gradaccum.NonFiniteError, FloatingPointError)

@@ -1,0 +1,255 @@
+"""Tests for gradaccum.loss: reading a loss as (sum, count), and what that means for a window."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import gradaccum
+from gradaccum import LossSum
+from gradaccum.loss import read_loss
+
+IGNORE = -100
+
+
+# --------------------------------------------------------------------------------------------
+# read_loss: the contract of a loss_fn result
+# --------------------------------------------------------------------------------------------
+
+
+def test_scalar_tensor_is_a_mean_weighted_by_the_leading_dimension() -> None:
+    w = torch.tensor(2.0, requires_grad=True)
+    mean = w * 1.5
+    value, count = read_loss(mean, 4)
+    assert count == 4
+    assert value.item() == 12.0
+    assert value.requires_grad  # the graph is kept for backward
+    value.backward()
+    assert w.grad.item() == 6.0
+
+
+def test_one_element_tensor_counts_as_scalar() -> None:
+    value, count = read_loss(torch.tensor([0.5]), 2)
+    assert value.shape == ()
+    assert (value.item(), count) == (1.0, 2)
+
+
+@pytest.mark.parametrize(
+    ("count", "expected"),
+    [
+        (3, 3),
+        (0, 0),
+        (3.0, 3),
+        (torch.tensor(5), 5),
+        (torch.tensor(5.0), 5),
+        (torch.tensor([7]), 7),
+        (torch.tensor(0), 0),
+    ],
+)
+def test_loss_sum_counts(count: object, expected: int) -> None:
+    value, read = read_loss(LossSum(torch.tensor(2.5), count), 99)
+    assert read == expected
+    assert type(read) is int
+    assert value.item() == 2.5  # taken as it is: not multiplied by the batch size
+
+
+@pytest.mark.parametrize(
+    ("result", "error", "pattern"),
+    [
+        (torch.ones(3), ValueError, r"the loss has shape \(3,\); it must be a scalar"),
+        (torch.ones(2, 2), ValueError, "reduction='sum'"),
+        (torch.tensor(3), ValueError, "must be a floating-point tensor"),
+        (1.5, TypeError, "return a scalar tensor"),
+        (None, TypeError, r"gradaccum\.LossSum\(value=sum_of_losses, count=items_counted\)"),
+        ((torch.tensor(1.0), 2), TypeError, "loss_fn returned tuple"),
+        (LossSum(torch.ones(4), 4), ValueError, r"LossSum\.value has shape \(4,\)"),
+        (LossSum(2.0, 4), TypeError, "LossSum.value is a float; it must be a scalar"),
+        (LossSum(torch.tensor(1.0), -1), ValueError, "must be >= 0"),
+        (LossSum(torch.tensor(1.0), torch.tensor(-3)), ValueError, "must be >= 0"),
+        (LossSum(torch.tensor(1.0), 2.5), ValueError, "must be a whole number"),
+        (LossSum(torch.tensor(1.0), torch.tensor(2.5)), ValueError, "whole number"),
+        (LossSum(torch.tensor(1.0), float("nan")), ValueError, "whole number"),
+        (LossSum(torch.tensor(1.0), float("inf")), ValueError, "whole number"),
+        (LossSum(torch.tensor(1.0), torch.tensor([1, 2])), ValueError, "0-dim"),
+        (LossSum(torch.tensor(1.0), True), TypeError, "must be an int or a 0-dim tensor"),
+        (LossSum(torch.tensor(1.0), "3"), TypeError, "must be an int or a 0-dim tensor"),
+    ],
+    ids=lambda v: None,
+)
+def test_bad_results_are_rejected_with_the_fix(result: object, error: type, pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        read_loss(result, 4)
+
+
+# --------------------------------------------------------------------------------------------
+# A window's objective: sum(value) / sum(count), compared with a plain float64 reference
+# --------------------------------------------------------------------------------------------
+
+
+class TinyTagger(torch.nn.Module):
+    """Embedding + linear: per-token logits, so padding makes counts differ per micro-batch."""
+
+    def __init__(self, vocab: int = 11, width: int = 6, classes: int = 5) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(tokens)))
+
+
+def _ragged_token_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 11, (8, 9), generator=generator)
+    labels = torch.randint(0, 5, (8, 9), generator=generator)
+    lengths = [9, 1, 2, 9, 3, 8, 1, 7]  # very ragged: per-micro-batch token counts differ a lot
+    for row, length in enumerate(lengths):
+        labels[row, length:] = IGNORE
+    return tokens, labels
+
+
+def _token_sum(model: torch.nn.Module, batch) -> LossSum:
+    tokens, labels = batch
+    logits = model(tokens)
+    value = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
+    return LossSum(value, (labels != IGNORE).sum())
+
+
+def _token_mean(model: torch.nn.Module, batch) -> torch.Tensor:
+    tokens, labels = batch
+    return torch.nn.functional.cross_entropy(
+        model(tokens).flatten(0, 1), labels.flatten(), ignore_index=IGNORE
+    )
+
+
+def _grads_seen_by_optimizer(model, optimizer) -> dict[str, list[torch.Tensor]]:
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def hook(opt, args, kwargs) -> None:
+        seen["grads"] = [p.grad.detach().clone() for p in model.parameters()]
+
+    optimizer.register_step_pre_hook(hook)
+    return seen
+
+
+def _rel_gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    flat_a = torch.cat([t.flatten() for t in a])
+    flat_b = torch.cat([t.flatten() for t in b])
+    return float((flat_a - flat_b).norm() / flat_b.norm())
+
+
+def _accumulated_grads(base: torch.nn.Module, batch, loss_fn, micro_batch_size: int):
+    model = copy.deepcopy(base)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = _grads_seen_by_optimizer(model, optimizer)
+    result = gradaccum.Accumulator(model, optimizer, micro_batch_size=micro_batch_size).step(
+        batch, loss_fn
+    )
+    return seen["grads"], result
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2, 3, 5, 8])
+def test_token_mean_over_a_ragged_window_is_exact(micro_batch_size: int) -> None:
+    torch.manual_seed(0)
+    base = TinyTagger().double()
+    batch = _ragged_token_batch()
+
+    # Plain reference, no library: one full-batch backward of the token mean, float64.
+    reference = copy.deepcopy(base)
+    reference_loss = _token_mean(reference, batch)
+    reference_grads = torch.autograd.grad(reference_loss, list(reference.parameters()))
+
+    grads, result = _accumulated_grads(base, batch, _token_sum, micro_batch_size)
+    tokens = int((batch[1] != IGNORE).sum())
+    assert result.count == tokens
+    assert result.loss == pytest.approx(reference_loss.item(), rel=1e-12)
+    for got, want in zip(grads, reference_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_negative_control_token_means_per_micro_batch_are_not_the_token_mean() -> None:
+    """Returning each micro-batch's token mean as a plain scalar weights by sequences, not
+    tokens. On ragged data that is a different objective; the gap must be large, which shows
+    the exactness test above can fail."""
+    torch.manual_seed(0)
+    base = TinyTagger().double()
+    batch = _ragged_token_batch()
+    reference = copy.deepcopy(base)
+    reference_grads = torch.autograd.grad(
+        _token_mean(reference, batch), list(reference.parameters())
+    )
+
+    exact, _ = _accumulated_grads(base, batch, _token_sum, 2)
+    wrong, _ = _accumulated_grads(base, batch, _token_mean, 2)
+    assert _rel_gap(exact, list(reference_grads)) < 1e-12
+    assert _rel_gap(wrong, list(reference_grads)) > 1e-2
+
+
+def test_scalar_losses_with_an_uneven_last_micro_batch_are_exact() -> None:
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    base = base.double()
+    x = torch.randn(7, 4, dtype=torch.float64)
+    y = torch.randn(7, 1, dtype=torch.float64) * 3
+
+    def mse(m, b) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(m(b[0]), b[1])
+
+    reference = copy.deepcopy(base)
+    reference_grads = torch.autograd.grad(mse(reference, (x, y)), list(reference.parameters()))
+    grads, result = _accumulated_grads(base, (x, y), mse, 3)  # micro-batches of 3, 3, 1
+    assert result.count == 7
+    for got, want in zip(grads, reference_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+    # Negative control, no library: averaging the three micro-batch means is a different
+    # objective when the last micro-batch is smaller.
+    naive = copy.deepcopy(base)
+    mean_of_means = sum(mse(naive, (x[s : s + 3], y[s : s + 3])) for s in (0, 3, 6)) / 3
+    naive_grads = torch.autograd.grad(mean_of_means, list(naive.parameters()))
+    assert _rel_gap(list(naive_grads), list(reference_grads)) > 1e-2
+
+
+def test_zero_count_micro_batch_contributes_nothing() -> None:
+    torch.manual_seed(0)
+    base = TinyTagger().double()
+    tokens, labels = _ragged_token_batch()
+    padded = labels.clone()
+    padded[2:4] = IGNORE  # micro-batch 1 (rows 2, 3) counts no token at all
+
+    with_empty, result = _accumulated_grads(base, (tokens, padded), _token_sum, 2)
+    keep = torch.tensor([0, 1, 4, 5, 6, 7])
+    without, result_without = _accumulated_grads(base, (tokens[keep], padded[keep]), _token_sum, 2)
+    assert result.count == result_without.count == int((padded != IGNORE).sum())
+    assert result.micro_batches == 4
+    assert result.loss == pytest.approx(result_without.loss, rel=1e-12)
+    for a, b in zip(with_empty, without, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0.0)
+
+
+def test_normalize_sum_optimizes_the_plain_sum() -> None:
+    torch.manual_seed(0)
+    base = TinyTagger().double()
+    batch = _ragged_token_batch()
+    reference = copy.deepcopy(base)
+    total = _token_sum(reference, batch).value
+    reference_grads = torch.autograd.grad(total, list(reference.parameters()))
+
+    model = copy.deepcopy(base)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = _grads_seen_by_optimizer(model, optimizer)
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=3, normalize="sum")
+    result = acc.step(batch, _token_sum)
+    assert result.loss == pytest.approx(total.item(), rel=1e-12)
+    for got, want in zip(seen["grads"], reference_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_loss_sum_is_exported_and_frozen() -> None:
+    loss = gradaccum.LossSum(torch.tensor(1.0), 2)
+    with pytest.raises(AttributeError):
+        loss.count = 3  # type: ignore[misc]

@@ -1,0 +1,242 @@
+"""Tests for gradaccum.window: the micro-batch engine and `accumulate_grad`."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import gradaccum
+from gradaccum import LossSum, accumulate_grad
+from gradaccum.options import Normalize, Precision
+from gradaccum.precision import PrecisionRuntime
+from gradaccum.window import Window, trainable_parameters
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+    return model.double()
+
+
+def _data(items: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(items, 5, generator=generator, dtype=torch.float64)
+    y = torch.randn(items, 2, generator=generator, dtype=torch.float64) * 2
+    return x, y
+
+
+def _mse(model: torch.nn.Module, batch) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def _sse(model: torch.nn.Module, batch) -> LossSum:
+    value = torch.nn.functional.mse_loss(model(batch[0]), batch[1], reduction="sum")
+    return LossSum(value, len(batch[0]))
+
+
+def _reference_grads(model: torch.nn.Module, batch, loss) -> list[torch.Tensor]:
+    """Plain full-batch float64 gradient, written without the library."""
+    twin = copy.deepcopy(model)
+    return list(torch.autograd.grad(loss(twin, batch), list(twin.parameters())))
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _rel_gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    flat_a = torch.cat([t.flatten() for t in a])
+    flat_b = torch.cat([t.flatten() for t in b])
+    return float((flat_a - flat_b).norm() / flat_b.norm())
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2, 4, 5, 11, 16])
+def test_accumulate_grad_is_the_full_batch_gradient(micro_batch_size: int) -> None:
+    model = _mlp()
+    batch = _data()
+    expected = _reference_grads(model, batch, _mse)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    result = accumulate_grad(model, batch, _mse, micro_batch_size)
+
+    for got, want in zip(_grads(model), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+    # No optimizer step: parameters are untouched.
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.detach(), b)
+    assert isinstance(result, LossSum)
+    assert result.count == 11
+    assert not result.value.requires_grad
+    assert (result.value / result.count).item() == pytest.approx(
+        _mse(model, batch).item(), rel=1e-12
+    )
+
+
+def test_negative_control_mean_of_micro_means_is_far_from_the_reference() -> None:
+    model = _mlp()
+    x, y = _data()
+    expected = _reference_grads(model, (x, y), _mse)
+    accumulate_grad(model, (x, y), _mse, 4)  # micro-batches of 4, 4, 3
+    assert _rel_gap(_grads(model), expected) < 1e-12
+
+    twin = copy.deepcopy(model)
+    means = [_mse(twin, (x[s : s + 4], y[s : s + 4])) for s in (0, 4, 8)]
+    naive = torch.autograd.grad(sum(means) / 3, list(twin.parameters()))
+    assert _rel_gap(list(naive), expected) > 1e-2
+
+
+def test_accumulate_grad_normalize_sum() -> None:
+    model = _mlp()
+    batch = _data()
+    expected = _reference_grads(model, batch, lambda m, b: _sse(m, b).value)
+    result = accumulate_grad(model, batch, _sse, 3, normalize="sum")
+    for got, want in zip(_grads(model), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert result.value.item() == pytest.approx(_sse(model, batch).value.item(), rel=1e-12)
+
+
+def test_accumulate_grad_replaces_existing_gradients() -> None:
+    model = _mlp()
+    batch = _data()
+    expected = _reference_grads(model, batch, _mse)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 123.0)
+    accumulate_grad(model, batch, _mse, 3)
+    for got, want in zip(_grads(model), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+
+
+def test_accumulate_grad_restores_gradients_when_a_micro_batch_fails() -> None:
+    model = _mlp()
+    batch = _data()
+    old = [torch.randn_like(p) for p in model.parameters()]
+    for p, g in zip(model.parameters(), old, strict=True):
+        p.grad = g
+    snapshot = [g.clone() for g in old]
+    calls = []
+
+    def flaky(m, b):
+        calls.append(len(b[0]))
+        if len(calls) == 3:
+            return m(b[0]).sum(dim=1)  # not a scalar: rejected before its backward
+        return _mse(m, b)
+
+    with pytest.raises(ValueError, match="it must be a scalar"):
+        accumulate_grad(model, batch, flaky, 2)
+    assert len(calls) == 3
+    for p, g, s in zip(model.parameters(), old, snapshot, strict=True):
+        assert p.grad is g
+        assert torch.equal(p.grad, s)
+
+
+def test_accumulate_grad_rejects_bad_arguments_before_any_work() -> None:
+    model = _mlp()
+    batch = _data()
+    calls = []
+
+    def counting(m, b):
+        calls.append(1)
+        return _mse(m, b)
+
+    with pytest.raises(ValueError, match="micro_batch_size=0 must be a positive int"):
+        accumulate_grad(model, batch, counting, 0)
+    with pytest.raises(ValueError, match="normalize='avg' is not a valid choice"):
+        accumulate_grad(model, batch, counting, 2, normalize="avg")
+    assert calls == []
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_loss_without_graph_is_rejected_and_changes_no_gradient() -> None:
+    model = _mlp()
+    batch = _data()
+
+    def detached(m, b):
+        return _mse(m, b).detach()
+
+    with pytest.raises(ValueError, match="does not require grad"):
+        accumulate_grad(model, batch, detached, 4)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_zero_count_micro_batch_in_accumulate_grad() -> None:
+    model = _mlp()
+    x, y = _data()
+    weights = torch.ones(11, dtype=torch.float64)
+    weights[4:8] = 0.0  # micro-batch 1 of size 4 counts nothing
+
+    def masked(m, b):
+        bx, by, bw = b
+        per_item = ((m(bx) - by) ** 2).mean(dim=1)
+        return LossSum((per_item * bw).sum(), int(bw.sum().item()))
+
+    keep = weights.bool()
+    expected = _reference_grads(model, (x[keep], y[keep]), _mse)
+    result = accumulate_grad(model, (x, y, weights), masked, 4)
+    assert result.count == 7
+    for got, want in zip(_grads(model), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+
+
+def test_frozen_parameters_are_left_alone() -> None:
+    model = _mlp()
+    model[0].weight.requires_grad_(False)
+    batch = _data()
+    accumulate_grad(model, batch, _mse, 3)
+    assert model[0].weight.grad is None
+    assert trainable_parameters(model) == [model[0].bias, model[2].weight, model[2].bias]
+
+
+def test_fully_frozen_model_is_rejected() -> None:
+    model = _mlp().requires_grad_(False)
+    with pytest.raises(ValueError, match="Unfreeze at least one parameter"):
+        trainable_parameters(model)
+    with pytest.raises(ValueError, match="Unfreeze at least one parameter"):
+        gradaccum.Accumulator(model, torch.optim.SGD([torch.zeros(1, requires_grad=True)]))
+
+
+def test_window_totals_track_items_counts_and_loss() -> None:
+    model = _mlp()
+    params = list(model.parameters())
+    window = Window(model, params, Normalize.MEAN, PrecisionRuntime(Precision.FP32, params, None))
+    x, y = _data()
+    for start, stop in ((0, 4), (4, 5), (5, 11)):
+        window.backward((x[start:stop], y[start:stop]), _sse, expected_micro_batches=3, sync=True)
+    totals = window.totals
+    assert totals.count == 11
+    assert totals.micro_batches == 3
+    assert totals.largest_micro_batch == 6
+    assert totals.loss_total() == pytest.approx(_sse(model, (x, y)).value.item(), rel=1e-12)
+    assert not totals.loss_sum.requires_grad
+
+    window.divide(totals.count)
+    expected = _reference_grads(model, (x, y), lambda m, b: _sse(m, b).value / 11)
+    for got, want in zip(window.gradients(), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+
+    window.reset()
+    assert window.totals.count == 0
+    assert window.totals.micro_batches == 0
+    assert all(p.grad is None for p in params)
+
+
+@pytest.mark.parametrize("expected_micro_batches", [1, 3, 50, 1000])
+def test_power_of_two_prescale_changes_no_bit(expected_micro_batches: int) -> None:
+    """The prescale depends on the planned window length; the divided result must not."""
+    model = _mlp()
+    params = list(model.parameters())
+    x, y = _data()
+    results = []
+    for planned in (expected_micro_batches, 7):
+        window = Window(
+            model, params, Normalize.MEAN, PrecisionRuntime(Precision.FP32, params, None)
+        )
+        for start in range(0, 11, 4):
+            mb = (x[start : start + 4], y[start : start + 4])
+            window.backward(mb, _sse, expected_micro_batches=planned, sync=True)
+        window.divide(window.totals.count)
+        results.append([g.clone() for g in window.gradients()])
+        window.reset()
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
