@@ -27,30 +27,31 @@ from __future__ import annotations
 
 import argparse
 import copy
-import cProfile
 import gc
+import inspect
 import json
 import platform
-import pstats
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+import gradaccum
 from _measure import (
+    attributed_time,
     interleaved_times,
     paired_ratios,
     peak_allocated_bytes,
     quartiles,
     saved_for_backward_bytes,
 )
-from torch import nn
-
-import gradaccum
 from gradaccum import Accumulator, LossSum
 from gradaccum.batching import map_tensors
 
@@ -216,11 +217,12 @@ def update_gap(case: Case) -> float:
     Accumulator(ours_model, ours_opt, micro_batch_size=case.micro).step(batch, case.loss_fn)
     case.hand_step(hand_model, hand_opt, batch, case.micro)
     gap = scale = 0.0
-    for p0, p1, p2 in zip(
-        base.parameters(), ours_model.parameters(), hand_model.parameters(), strict=True
-    ):
-        gap = max(gap, float((p1 - p2).abs().max()))
-        scale = max(scale, float((p2 - p0).abs().max()))
+    with torch.no_grad():
+        for p0, p1, p2 in zip(
+            base.parameters(), ours_model.parameters(), hand_model.parameters(), strict=True
+        ):
+            gap = max(gap, float((p1 - p2).abs().max()))
+            scale = max(scale, float((p2 - p0).abs().max()))
     return gap / scale
 
 
@@ -247,22 +249,29 @@ def run_case(case: Case, repeats: int, steps: int, warmup: int, mem_rounds: int)
     def hand() -> None:
         case.hand_step(model, opt, case.batch, case.micro)
 
+    def hand_again() -> None:  # the same loop under another name: the harness's noise floor
+        case.hand_step(model, opt, case.batch, case.micro)
+
     def whole() -> None:  # no accumulation: the whole batch in one backward
         case.hand_step(model, opt, case.batch, case.batch_size)
 
     gc.collect()
     times = interleaved_times(
-        {"ours": ours, "hand": hand}, repeats=repeats, steps_per_repeat=steps, warmup=warmup
+        {"ours": ours, "hand": hand, "hand_again": hand_again},
+        repeats=repeats,
+        steps_per_repeat=steps,
+        warmup=warmup,
     )
-    ratios = paired_ratios(times["ours"], times["hand"])
-    q1, ratio, q3 = quartiles(ratios)
+    q1, ratio, q3 = quartiles(paired_ratios(times["ours"], times["hand"]))
+    aa_q1, aa_ratio, aa_q3 = quartiles(paired_ratios(times["hand_again"], times["hand"]))
 
     peak_ours = measure_memory(ours, model, mem_rounds)
     peak_hand = measure_memory(hand, model, mem_rounds)
     peak_whole = measure_memory(whole, model, mem_rounds)
     micro_batch = gradaccum.split_batch(case.batch, case.micro)[0]
-    saved_micro = saved_for_backward_bytes(lambda: case.loss_fn(model, micro_batch))
-    saved_whole = saved_for_backward_bytes(lambda: case.loss_fn(model, case.batch))
+    params = list(model.parameters())
+    saved_micro = saved_for_backward_bytes(lambda: case.loss_fn(model, micro_batch), params)
+    saved_whole = saved_for_backward_bytes(lambda: case.loss_fn(model, case.batch), params)
     model.zero_grad(set_to_none=True)
     return {
         "description": case.description,
@@ -279,6 +288,9 @@ def run_case(case: Case, repeats: int, steps: int, warmup: int, mem_rounds: int)
         "time_ratio_q3": q3,
         "time_ratio_of_medians": statistics.median(times["ours"])
         / statistics.median(times["hand"]),
+        "aa_ratio_median": aa_ratio,
+        "aa_ratio_q1": aa_q1,
+        "aa_ratio_q3": aa_q3,
         "peak_bytes_ours": peak_ours,
         "peak_bytes_hand": peak_hand,
         "peak_bytes_whole_batch": peak_whole,
@@ -298,11 +310,12 @@ def print_report(results: dict[str, dict], settings: dict) -> None:
         f"torch.set_num_threads({THREADS}) | {settings['repeats']} interleaved repeats x "
         f"{settings['steps_per_repeat']} steps each, after {settings['warmup']} warm-up steps"
     )
-    print("ratio = median over repeats of (ours block time / hand block time), same repeat")
+    print("ratio = median over repeats of (ours block time / hand block time), same repeat;")
+    print("A/A   = the same for the hand loop against itself: the harness's noise floor")
     print("peak  = max bytes of CPU tensor storage allocated during one step and alive at once")
     print()
     header = (
-        f"{'model':<5} {'ours ms':>8} {'hand ms':>8} {'ratio':>6} {'IQR':>13} "
+        f"{'model':<5} {'ours ms':>8} {'hand ms':>8} {'ratio':>6} {'IQR':>11} {'A/A':>6} "
         f"{'peak ours':>11} {'peak hand':>11} {'mem ratio':>9} {'no-accum peak':>13}"
     )
     print(header)
@@ -311,7 +324,8 @@ def print_report(results: dict[str, dict], settings: dict) -> None:
         iqr = f"{r['time_ratio_q1']:.3f}-{r['time_ratio_q3']:.3f}"
         print(
             f"{name:<5} {r['ours_step_s_median'] * 1e3:>8.2f} {r['hand_step_s_median'] * 1e3:>8.2f}"
-            f" {r['time_ratio_median']:>6.3f} {iqr:>13} {kib(r['peak_bytes_ours']):>11}"
+            f" {r['time_ratio_median']:>6.3f} {iqr:>11} {r['aa_ratio_median']:>6.3f}"
+            f" {kib(r['peak_bytes_ours']):>11}"
             f" {kib(r['peak_bytes_hand']):>11} {r['memory_ratio']:>9.3f}"
             f" {kib(r['peak_bytes_whole_batch']):>13}"
         )
@@ -323,8 +337,8 @@ def print_report(results: dict[str, dict], settings: dict) -> None:
             f"{r['update_gap_rel']:.1e} (one SGD step, float64)"
         )
         print(
-            f"  meter check: saved-for-backward activations {kib(r['saved_activation_bytes_micro'])}"
-            f" per micro-batch of {r['micro_batch_size']}, "
+            "  meter check: saved-for-backward activations "
+            f"{kib(r['saved_activation_bytes_micro'])} per micro-batch of {r['micro_batch_size']}, "
             f"{kib(r['saved_activation_bytes_whole'])} for the batch of {r['batch_size']}; "
             f"peak without accumulation {kib(r['peak_bytes_whole_batch'])}"
         )
@@ -338,21 +352,71 @@ def print_report(results: dict[str, dict], settings: dict) -> None:
         print(f"{name} peak-memory ratio (ours/hand): {r['memory_ratio']:.3f}")
 
 
+def library_targets(opt: torch.optim.Optimizer) -> list[tuple[object, str, str]]:
+    """What `--profile` times: the library's functions where they are looked up, plus the
+    user's and torch's work (labels starting with `=`), which the hand loop does too."""
+    from gradaccum import accumulator, batching, loss, precision, sync, window
+
+    targets: list[tuple[object, str, str]] = [
+        (torch.Tensor, "backward", "= torch: backward"),
+        (type(opt), "step", "= torch: optimizer.step"),
+        (type(opt), "zero_grad", "= torch: optimizer.zero_grad"),
+        (torch.nn.utils, "get_total_norm", "accumulator.py: torch get_total_norm"),
+        (torch, "stack", "accumulator.py: torch.stack"),
+    ]
+    for module, owner in ((accumulator, accumulator.Accumulator), (window, window.Window)):
+        for name, value in vars(owner).items():
+            if inspect.isfunction(value) and name not in ("__init__", "state_dict"):
+                targets.append((owner, name, f"{module.__name__[10:]}.py: {name}"))
+    for module in (accumulator, window):
+        for name, value in vars(module).items():
+            if inspect.isfunction(value) and value.__module__ in (
+                batching.__name__,
+                loss.__name__,
+                sync.__name__,
+            ):
+                source = value.__module__[10:]
+                targets.append((module, name, f"{source}.py: {name}"))
+    for name, value in vars(precision.PrecisionRuntime).items():
+        if inspect.isfunction(value) and name != "__init__":
+            targets.append((precision.PrecisionRuntime, name, f"precision.py: {name}"))
+    for name, value in vars(window.WindowTotals).items():
+        if inspect.isfunction(value) and not name.startswith("__"):
+            targets.append((window.WindowTotals, name, f"window.py: WindowTotals.{name}"))
+    return targets
+
+
 def profile_library(cases: list[Case], steps: int) -> None:
-    """cProfile `steps` library steps per case and print where the time goes."""
+    """Time the library's own code inside real steps (self time per function, in situ)."""
     for case in cases:
         torch.manual_seed(2)
         model = case.make_model()
-        acc = Accumulator(model, new_optimizer(model), micro_batch_size=case.micro)
+        opt = new_optimizer(model)
+        acc = Accumulator(model, opt, micro_batch_size=case.micro)
+        holder = SimpleNamespace(loss_fn=case.loss_fn)  # a place to wrap the user's forward
+        targets = [*library_targets(opt), (holder, "loss_fn", "= user: loss_fn (forward)")]
         for _ in range(3):
             acc.step(case.batch, case.loss_fn)
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(steps):
-            acc.step(case.batch, case.loss_fn)
-        profiler.disable()
-        print(f"\n=== cProfile, {case.name}, {steps} library steps (cumulative, top 30) ===")
-        pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+
+        def forward(m: nn.Module, b: Batch, holder: SimpleNamespace = holder) -> Any:
+            return holder.loss_fn(m, b)
+
+        with attributed_time(targets) as calls:
+            started = time.perf_counter()
+            for _ in range(steps):
+                acc.step(case.batch, forward)
+            total = time.perf_counter() - started
+        ours_library = sum(t for label, t in calls.seconds.items() if not label.startswith("="))
+        print(
+            f"\n=== {case.name}: self time per step inside Accumulator.step, {steps} steps, "
+            f"{total / steps * 1e3:.2f} ms/step ==="
+        )
+        for label, seconds in sorted(calls.seconds.items(), key=lambda item: -item[1]):
+            per_step = calls.calls[label] / steps
+            print(f"  {label:<44} {seconds / steps * 1e6:9.1f} us  ({per_step:g} calls/step)")
+        print(f"  {'library total (all but = lines)':<44} {ours_library / steps * 1e6:9.1f} us")
+        if calls.missing:
+            print(f"  (not found, not timed: {', '.join(calls.missing)})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="steps per timed block")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument(
-        "--profile", action="store_true", help="also cProfile the library's steps"
+        "--profile", action="store_true", help="also time the library's functions in situ"
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -393,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     print_report(results, settings)
     print(f"\n(total {time.perf_counter() - started:.0f} s)")
     if args.profile:
-        profile_library(cases, steps=max(10, repeats))
+        profile_library(cases, steps=max(20, repeats * steps))
     if args.json:
         payload = {
             "torch": torch.__version__,

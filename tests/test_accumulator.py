@@ -54,7 +54,7 @@ def _reference_step(model: torch.nn.Module, batch, make_optimizer=_sgd, max_norm
     grads = [p.grad for p in twin.parameters()]
     norm = torch.nn.utils.get_total_norm(grads)
     if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+        torch.nn.utils.clip_grads_with_norm_(twin.parameters(), max_norm, norm)
     optimizer.step()
     return twin, loss.item(), norm.item()
 
@@ -527,7 +527,7 @@ def test_optimizer_without_the_models_parameters_is_rejected() -> None:
     before = _snapshot(model, optimizer, scheduler)
     with pytest.raises(ValueError, match=r"optimizer holds none of the model's trainable"):
         Accumulator(model, other, micro_batch_size=2)
-    with pytest.raises(TypeError, match="must be a torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"must be a torch\.optim\.Optimizer"):
         Accumulator(model, object(), micro_batch_size=2)  # type: ignore[arg-type]
     _assert_unchanged(before, model, optimizer, scheduler)
 

@@ -236,13 +236,17 @@ class Accumulator:
         count, loss_total = self._global_totals(totals)  # 1. all-reduce the counts
         if count == 0:
             return self._discard(totals, count, loss_total, micro_batch_size, grad_norm=None)
+        if not math.isfinite(loss_total):  # 4. finite? (the loss: no need to touch gradients)
+            return self._skip_nonfinite(totals, count, loss_total, micro_batch_size, None)
+        window.synchronize()  # a no-op unless DDP skipped this window's reduction
         window.divide(count, averaged_over=grad_average_factor(self.model))  # 2. rescale
         if scaler is not None:
+            self._runtime.publish(window.params)  # GradScaler unscales only .grad
             scaler.unscale_(self.optimizer)  # 3. unscale
         grads = window.gradients()
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         norm_value = float(grad_norm)
-        if not (math.isfinite(norm_value) and math.isfinite(loss_total)):  # 4. finite?
+        if not math.isfinite(norm_value):  # 4. finite? (the gradients)
             return self._skip_nonfinite(totals, count, loss_total, micro_batch_size, norm_value)
         if self.max_grad_norm is not None:
             _clip_(grads, self.max_grad_norm, grad_norm)  # 5. clip
@@ -268,11 +272,10 @@ class Accumulator:
         count: int,
         loss_total: float,
         micro_batch_size: int,
-        grad_norm: float,
+        grad_norm: float | None,
     ) -> StepResult:
         """Drop a non-finite window whole: no optimizer or scheduler step; fp16 backs off once."""
-        if self._runtime.scaler is not None:
-            self._runtime.scaler.update()  # unscale_ recorded the inf, so the scale backs off
+        self._runtime.back_off(unscaled=grad_norm is not None)
         raising = self.on_nonfinite is OnNonFinite.RAISE
         culprits = self._nonfinite_parameter_names() if raising else []
         result = self._discard(totals, count, loss_total, micro_batch_size, grad_norm)

@@ -109,7 +109,7 @@ class PrecisionRuntime:
         """The tensors that hold the window's accumulated gradients, buffers first-class."""
         grads = []
         for param, buffered, buffer in zip(params, self.buffered, self.buffers, strict=True):
-            grad = buffer if buffered else param.grad
+            grad = buffer if buffered and buffer is not None else param.grad
             if grad is not None:
                 grads.append(grad)
         return grads
@@ -121,6 +121,25 @@ class PrecisionRuntime:
             if buffered and buffer is not None:
                 param.grad = buffer.to(param.dtype)
                 self.buffers[index] = None
+
+    def back_off(self, *, unscaled: bool) -> None:
+        """Lower the fp16 scale exactly once for a non-finite window.
+
+        Args:
+            unscaled: Whether `unscale_` ran this window. If it did and found the inf, `update()`
+                backs off by itself; if the loss alone was non-finite (finite gradients), or no
+                unscale ran, the back-off is applied to the scaler's state directly.
+        """
+        if self.scaler is None:
+            return
+        before = self.scaler.state_dict()
+        if unscaled:
+            self.scaler.update()  # also clears the window's inf records
+            if self.scaler.get_scale() < before["scale"]:
+                return
+        before["scale"] = before["scale"] * before["backoff_factor"]
+        before["_growth_tracker"] = 0
+        self.scaler.load_state_dict(before)
 
     def clear_buffers(self) -> None:
         """Drop every buffer (end of a window, or a discarded window)."""

@@ -21,7 +21,13 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_sum", "grad_average_factor", "sync_context", "world_size"]
+__all__ = [
+    "all_reduce_sum",
+    "average_gradients",
+    "grad_average_factor",
+    "sync_context",
+    "world_size",
+]
 
 
 def _is_ddp(model: torch.nn.Module) -> bool:
@@ -55,6 +61,20 @@ def all_reduce_sum(model: torch.nn.Module, values: list[float]) -> list[float]:
     total = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model.process_group)
     return total.tolist()
+
+
+def average_gradients(model: torch.nn.Module, grads: list[torch.Tensor]) -> None:
+    """Average `grads` over ranks by hand, as DDP would have on a synchronized backward.
+
+    Used when a window's gradients never went through DDP's own reduction: a partial window
+    settled by `flush()`, or gradients held in accumulation buffers that DDP does not see.
+    """
+    ranks = world_size(model)
+    if ranks == 1:
+        return
+    for grad in grads:
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=model.process_group)
+    torch._foreach_div_(grads, float(ranks))
 
 
 def grad_average_factor(model: torch.nn.Module) -> int:

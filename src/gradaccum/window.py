@@ -31,7 +31,7 @@ from gradaccum.batching import batch_size, split_batch, to_device
 from gradaccum.loss import LossSum, read_loss
 from gradaccum.options import Normalize, Precision, parse
 from gradaccum.precision import PrecisionRuntime
-from gradaccum.sync import sync_context, world_size
+from gradaccum.sync import average_gradients, sync_context, world_size
 
 __all__ = ["LossFn", "Window", "WindowTotals", "accumulate_grad", "trainable_parameters"]
 
@@ -85,6 +85,7 @@ class Window:
         self.runtime = runtime
         self.totals = WindowTotals()
         self.distributed = world_size(model) > 1
+        self.synchronized = False  # whether the last backward reduced gradients across ranks
 
     def backward(
         self, micro_batch: Any, loss_fn: LossFn, *, expected_micro_batches: int, sync: bool
@@ -102,6 +103,8 @@ class Window:
         """
         items = batch_size(micro_batch)
         micro_batch = to_device(micro_batch, self.runtime.device)
+        # DDP cannot see gradients that were moved into buffers, so those are reduced by hand.
+        sync = sync and not self.runtime.uses_buffers
         with sync_context(self.model, sync=sync):
             with self.runtime.autocast():
                 value, count = read_loss(loss_fn(self.model, micro_batch), items)
@@ -127,10 +130,17 @@ class Window:
         totals.count += count
         totals.micro_batches += 1
         totals.largest_micro_batch = max(totals.largest_micro_batch, items)
+        self.synchronized = sync
 
     def gradients(self) -> list[torch.Tensor]:
         """The tensors holding the accumulated gradients (buffers where there are buffers)."""
         return self.runtime.gradients(self.params)
+
+    def synchronize(self) -> None:
+        """Average the gradients over ranks if the window's backward passes did not."""
+        if self.distributed and not self.synchronized:
+            average_gradients(self.model, self.gradients())
+            self.synchronized = True
 
     def divide(self, total_count: int, averaged_over: int = 1) -> None:
         """Turn accumulated sums into the objective's gradient: the window's one division.

@@ -1,0 +1,130 @@
+"""The shapes shared by tasks, the runner and the reports.
+
+A `Task` bundles data that ships with the package (or is generated), a model factory, a loss
+function in the library's `(sum, count)` convention and a validation metric. A `TrainConfig`
+says how to train one configuration; a `RunSummary` is what a finished run reports.
+
+Example:
+    >>> config = TrainConfig(task="digits", batch_size=32, micro_batch_size=8)
+    >>> config.accumulation_label()
+    '8x4'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from gradaccum.loss import LossSum
+
+__all__ = ["LrScaling", "RunSummary", "Task", "TaskData", "TrainConfig"]
+
+
+class LrScaling(str, enum.Enum):
+    """How the learning rate follows the effective batch size, relative to a reference batch."""
+
+    NONE = "none"
+    LINEAR = "linear"  # lr * B / B_ref
+    SQRT = "sqrt"  # lr * sqrt(B / B_ref)
+
+
+@dataclass(frozen=True)
+class TaskData:
+    """Train and validation sets, each a nesting of tensors sharing the leading dimension."""
+
+    train: Any
+    val: Any
+
+
+class Task(Protocol):
+    """An embedded task: data, model, loss and metric.
+
+    Attributes:
+        name: Registry name, e.g. `"digits"`.
+        metric: Name of the validation metric, e.g. `"accuracy"`.
+        higher_is_better: Whether a larger metric is better (False for perplexity).
+        reference_batch_size: The batch size `default_lr` was tuned for (lr scaling base).
+        default_batch_size: Effective batch size used when none is given.
+        default_lr: Learning rate at `reference_batch_size`.
+        default_epochs: Epochs used when neither epochs nor steps are given.
+    """
+
+    name: str
+    metric: str
+    higher_is_better: bool
+    reference_batch_size: int
+    default_batch_size: int
+    default_lr: float
+    default_epochs: int
+
+    def make_data(self, seed: int) -> TaskData:
+        """Build (or load from the package) the train/val split, deterministically."""
+        ...
+
+    def make_model(self, seed: int, norm: str = "batch") -> torch.nn.Module:
+        """Build the model with weights initialized from `seed`; `norm` picks BN or GroupNorm."""
+        ...
+
+    def loss_fn(self, model: torch.nn.Module, batch: Any) -> torch.Tensor | LossSum:
+        """The training loss of one micro-batch, as a mean tensor or a `LossSum`."""
+        ...
+
+    def evaluate(self, model: torch.nn.Module, val: Any, batch_size: int) -> dict[str, float]:
+        """Validation `{"metric": ..., "loss": ...}` in eval mode without gradients."""
+        ...
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training configuration, as the `train` and `compare` commands take it.
+
+    `batch_size` is the effective batch; `micro_batch_size` defaults to it (no accumulation).
+    """
+
+    task: str
+    batch_size: int | None = None
+    micro_batch_size: int | str | None = None
+    memory_budget: str | None = None
+    precision: str = "fp32"
+    accum_dtype: str | None = None
+    lr: float | None = None
+    lr_scaling: LrScaling = LrScaling.NONE
+    warmup: int = 0
+    epochs: int | None = None
+    steps: int | None = None
+    seed: int = 0
+    norm: str = "batch"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def accumulation_label(self) -> str:
+        """`"{micro}x{steps}"`, the way configs are written on the command line."""
+        batch = self.batch_size or 0
+        micro = self.micro_batch_size if isinstance(self.micro_batch_size, int) else batch
+        return f"{micro}x{-(-batch // micro) if micro else 1}"
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with `changes` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What a finished run reports (also written as `summary.json`)."""
+
+    config: str
+    effective_batch: int
+    micro_batch_size: int
+    accumulation_steps: int
+    optimizer_steps: int
+    samples_seen: int
+    best_metric: float
+    final_metric: float
+    metric: str
+    peak_memory_bytes: int
+    samples_per_second: float
+    wall_seconds: float
+    history: list[dict[str, float]] = field(default_factory=list)
