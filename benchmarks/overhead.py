@@ -19,8 +19,14 @@ ours / hand (with its interquartile range) and the peak-memory ratio. Peak memor
 number of bytes of CPU tensor storage allocated during one step and alive at once, from the
 PyTorch profiler's allocator events (see `_measure.peak_allocated_bytes`).
 
+Threads: `torch.set_num_threads(1)`, so each step uses one core whatever else the machine runs.
+
 Usage:
-    .venv/bin/python benchmarks/overhead.py [--quick] [--repeats N] [--json PATH]
+    .venv/bin/python benchmarks/overhead.py [--quick] [--repeats N] [--steps N] [--json PATH]
+                                            [--profile]
+
+`--profile` then prints the self time of every library function inside real steps, next to the
+hand loop's (see `_measure.attributed_time`). docs/benchmarks.md explains the method and results.
 """
 
 from __future__ import annotations
@@ -36,7 +42,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -352,17 +357,19 @@ def print_report(results: dict[str, dict], settings: dict) -> None:
         print(f"{name} peak-memory ratio (ours/hand): {r['memory_ratio']:.3f}")
 
 
-def library_targets(opt: torch.optim.Optimizer) -> list[tuple[object, str, str]]:
-    """What `--profile` times: the library's functions where they are looked up, plus the
-    user's and torch's work (labels starting with `=`), which the hand loop does too."""
+def profile_targets(model: nn.Module, opt: torch.optim.Optimizer) -> list[tuple[object, str, str]]:
+    """What `--profile` times: the work both loops share (labels starting with `=`: the model's
+    forward, the loss, backward, the optimizer), and the library's functions where they are
+    looked up."""
     from gradaccum import accumulator, batching, loss, precision, sync, window
 
     targets: list[tuple[object, str, str]] = [
-        (torch.Tensor, "backward", "= torch: backward"),
-        (type(opt), "step", "= torch: optimizer.step"),
-        (type(opt), "zero_grad", "= torch: optimizer.zero_grad"),
+        (type(model), "forward", "= model forward"),
+        (F, "cross_entropy", "= cross_entropy"),
+        (torch.Tensor, "backward", "= backward"),
+        (type(opt), "step", "= optimizer.step"),
+        (type(opt), "zero_grad", "= optimizer.zero_grad"),
         (torch.nn.utils, "get_total_norm", "accumulator.py: torch get_total_norm"),
-        (torch, "stack", "accumulator.py: torch.stack"),
     ]
     for module, owner in ((accumulator, accumulator.Accumulator), (window, window.Window)):
         for name, value in vars(owner).items():
@@ -375,8 +382,7 @@ def library_targets(opt: torch.optim.Optimizer) -> list[tuple[object, str, str]]
                 loss.__name__,
                 sync.__name__,
             ):
-                source = value.__module__[10:]
-                targets.append((module, name, f"{source}.py: {name}"))
+                targets.append((module, name, f"{value.__module__[10:]}.py: {name}"))
     for name, value in vars(precision.PrecisionRuntime).items():
         if inspect.isfunction(value) and name != "__init__":
             targets.append((precision.PrecisionRuntime, name, f"precision.py: {name}"))
@@ -386,37 +392,64 @@ def library_targets(opt: torch.optim.Optimizer) -> list[tuple[object, str, str]]
     return targets
 
 
-def profile_library(cases: list[Case], steps: int) -> None:
-    """Time the library's own code inside real steps (self time per function, in situ)."""
-    for case in cases:
-        torch.manual_seed(2)
-        model = case.make_model()
-        opt = new_optimizer(model)
-        acc = Accumulator(model, opt, micro_batch_size=case.micro)
-        holder = SimpleNamespace(loss_fn=case.loss_fn)  # a place to wrap the user's forward
-        targets = [*library_targets(opt), (holder, "loss_fn", "= user: loss_fn (forward)")]
+def profile_case(case: Case, steps: int) -> None:
+    """Self time per function inside real steps, ours and hand, with everything else at speed.
+
+    The user's loss code other than the model and `cross_entropy` (unpacking the batch,
+    counting tokens) runs inside `window.py: backward` for ours, and in the loop for hand.
+    """
+    torch.manual_seed(2)
+    model = case.make_model()
+    opt = new_optimizer(model)
+    acc = Accumulator(model, opt, micro_batch_size=case.micro)
+    loops = {
+        "ours": lambda: acc.step(case.batch, case.loss_fn),
+        "hand": lambda: case.hand_step(model, opt, case.batch, case.micro),
+    }
+    seconds: dict[str, dict[str, float]] = {name: {} for name in loops}
+    totals = dict.fromkeys(loops, 0.0)
+    missing: list[str] = []
+    for loop in loops.values():
         for _ in range(3):
-            acc.step(case.batch, case.loss_fn)
-
-        def forward(m: nn.Module, b: Batch, holder: SimpleNamespace = holder) -> Any:
-            return holder.loss_fn(m, b)
-
-        with attributed_time(targets) as calls:
-            started = time.perf_counter()
-            for _ in range(steps):
-                acc.step(case.batch, forward)
-            total = time.perf_counter() - started
-        ours_library = sum(t for label, t in calls.seconds.items() if not label.startswith("="))
-        print(
-            f"\n=== {case.name}: self time per step inside Accumulator.step, {steps} steps, "
-            f"{total / steps * 1e3:.2f} ms/step ==="
-        )
-        for label, seconds in sorted(calls.seconds.items(), key=lambda item: -item[1]):
-            per_step = calls.calls[label] / steps
-            print(f"  {label:<44} {seconds / steps * 1e6:9.1f} us  ({per_step:g} calls/step)")
-        print(f"  {'library total (all but = lines)':<44} {ours_library / steps * 1e6:9.1f} us")
-        if calls.missing:
-            print(f"  (not found, not timed: {', '.join(calls.missing)})")
+            loop()
+    chunks = 4  # alternate ours and hand in chunks, so drift of the machine falls on both
+    steps = max(chunks, steps - steps % chunks)
+    for chunk in range(chunks):
+        for name in loops if chunk % 2 == 0 else list(loops)[::-1]:
+            with attributed_time(profile_targets(model, opt)) as calls:
+                started = time.perf_counter()
+                for _ in range(steps // chunks):
+                    loops[name]()
+                elapsed = time.perf_counter() - started
+            totals[name] += elapsed
+            calls.seconds["(loop code outside timed calls)"] = elapsed - sum(calls.seconds.values())
+            for label, value in calls.seconds.items():
+                seconds[name][label] = seconds[name].get(label, 0.0) + value
+            missing = calls.missing
+    labels = sorted(
+        set(seconds["ours"]) | set(seconds["hand"]),
+        key=lambda label: (not label.startswith("="), -seconds["ours"].get(label, 0.0)),
+    )
+    print(
+        f"\n=== {case.name}: self time per step, us, over {steps} steps each "
+        "(library functions in situ, everything else at full speed) ==="
+    )
+    print(f"  {'':<46} {'ours':>9} {'hand':>9}")
+    for label in labels:
+        ours_us, hand_us = (seconds[k].get(label, 0.0) / steps * 1e6 for k in ("ours", "hand"))
+        print(f"  {label:<46} {ours_us:9.1f} {hand_us:9.1f}")
+    shared = {k: sum(t for lb, t in seconds[k].items() if lb.startswith("=")) for k in loops}
+    rest = {k: (totals[k] - shared[k]) / steps * 1e6 for k in loops}
+    print(
+        f"  {'total per step':<46} {totals['ours'] / steps * 1e6:9.1f} "
+        f"{totals['hand'] / steps * 1e6:9.1f}"
+    )
+    print(
+        f"  {'all but the = lines':<46} {rest['ours']:9.1f} {rest['hand']:9.1f}"
+        f"   difference {rest['ours'] - rest['hand']:.1f} us/step"
+    )
+    if missing:
+        print(f"  (not found, not timed: {', '.join(missing)})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -457,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     print_report(results, settings)
     print(f"\n(total {time.perf_counter() - started:.0f} s)")
     if args.profile:
-        profile_library(cases, steps=max(20, repeats * steps))
+        for case in cases:
+            profile_case(case, steps=max(20, repeats * steps // 3))
     if args.json:
         payload = {
             "torch": torch.__version__,

@@ -22,18 +22,18 @@ IGNORE = -100
 def test_scalar_tensor_is_a_mean_weighted_by_the_leading_dimension() -> None:
     w = torch.tensor(2.0, requires_grad=True)
     mean = w * 1.5
-    value, count = read_loss(mean, 4)
-    assert count == 4
-    assert value.item() == 12.0
+    value, weight, count = read_loss(mean, 4)
+    assert (weight, count) == (4, 4)
+    assert (value * weight).item() == 12.0  # the sum the mean stands for
     assert value.requires_grad  # the graph is kept for backward
-    value.backward()
+    (value * weight).backward()
     assert w.grad.item() == 6.0
 
 
 def test_one_element_tensor_counts_as_scalar() -> None:
-    value, count = read_loss(torch.tensor([0.5]), 2)
+    value, weight, count = read_loss(torch.tensor([0.5]), 2)
     assert value.shape == ()
-    assert (value.item(), count) == (1.0, 2)
+    assert ((value * weight).item(), count) == (1.0, 2)
 
 
 @pytest.mark.parametrize(
@@ -49,7 +49,8 @@ def test_one_element_tensor_counts_as_scalar() -> None:
     ],
 )
 def test_loss_sum_counts(count: object, expected: int) -> None:
-    value, read = read_loss(LossSum(torch.tensor(2.5), count), 99)
+    value, weight, read = read_loss(LossSum(torch.tensor(2.5), count), 99)
+    assert weight == 1
     assert read == expected
     assert type(read) is int
     assert value.item() == 2.5  # taken as it is: not multiplied by the batch size

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from gradaccum.batching import check_micro_batch_size, split_batch
+from gradaccum.batching import batch_size, check_micro_batch_size, split_batch
 from gradaccum.options import (
     BatchNormMode,
     Normalize,
@@ -182,11 +182,16 @@ class Accumulator:
             )
         self._check_no_open_window("step()")
         micro_batches = split_batch(batch, self.micro_batch_size)
+        items = batch_size(batch)
         with self._fresh_window_guard():
             for index, micro_batch in enumerate(micro_batches):
-                last = index == len(micro_batches) - 1
                 self._window.backward(
-                    micro_batch, loss_fn, expected_micro_batches=len(micro_batches), sync=last
+                    micro_batch,
+                    loss_fn,
+                    expected_micro_batches=len(micro_batches),
+                    sync=index == len(micro_batches) - 1,
+                    items=min(self.micro_batch_size, items - index * self.micro_batch_size),
+                    window_items=items,
                 )
         return self._finish_window(self.micro_batch_size)
 
@@ -289,12 +294,11 @@ class Accumulator:
 
     def _global_totals(self, totals: WindowTotals) -> tuple[int, float]:
         """Item count and loss sum over all ranks, in one collective; checks ranks agree."""
-        exponent = totals.prescale_exponent or 0
-        count, loss_total, exponents = all_reduce_sum(
-            self.model, [float(totals.count), totals.loss_total(), float(exponent)]
+        divisor = totals.grad_divisor or 1.0
+        count, loss_total, divisors = all_reduce_sum(
+            self.model, [float(totals.count), totals.loss_total(), divisor]
         )
-        ranks = world_size(self.model)
-        if exponents != exponent * ranks:
+        if divisors != divisor * world_size(self.model):
             raise RuntimeError(
                 "ranks disagree on the window's first micro-batch size, so their gradients were "
                 "scaled differently; give every rank micro-batches of the same size."

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -43,18 +44,28 @@ class LossSum:
     count: int | torch.Tensor
 
 
-def read_loss(result: object, batch_items: int) -> tuple[torch.Tensor, int]:
-    """Turn a `loss_fn` result into `(loss sum, item count)` after checking it.
+class ReadLoss(NamedTuple):
+    """A checked loss: the summed loss is `value * weight`, over `count` items."""
 
-    A scalar tensor is a mean over the micro-batch's `batch_items` samples; a `LossSum` is taken
-    as it is. The check runs before any backward, so a bad result changes no gradient.
+    value: torch.Tensor  # keeps its graph; a mean for plain tensors, a sum for LossSum
+    weight: int  # items the mean stands for (1 for LossSum)
+    count: int
+
+
+def read_loss(result: object, batch_items: int) -> ReadLoss:
+    """Turn a `loss_fn` result into `(value, weight, count)` after checking it.
+
+    A scalar tensor is a mean over the micro-batch's `batch_items` samples (its sum is
+    `value * batch_items`); a `LossSum` is taken as it is. The check runs before any backward, so
+    a bad result changes no gradient. The product is left to the caller, which folds it into the
+    one multiply it needs anyway.
 
     Args:
         result: What `loss_fn(model, micro_batch)` returned.
         batch_items: The micro-batch's leading dimension, the weight of a plain mean.
 
     Returns:
-        The summed loss (a scalar tensor that keeps its graph) and the count as an int.
+        The loss tensor (with its graph), its weight and the item count as an int.
 
     Raises:
         TypeError: If `result` is neither a tensor nor a `LossSum`.
@@ -62,10 +73,9 @@ def read_loss(result: object, batch_items: int) -> tuple[torch.Tensor, int]:
     """
     if isinstance(result, LossSum):
         value = _check_scalar(result.value, "LossSum.value")
-        return value, _read_count(result.count)
+        return ReadLoss(value, 1, _read_count(result.count))
     if isinstance(result, torch.Tensor):
-        mean = _check_scalar(result, "the loss")
-        return mean * batch_items, batch_items
+        return ReadLoss(_check_scalar(result, "the loss"), batch_items, batch_items)
     raise TypeError(
         f"loss_fn returned {type(result).__name__}; return a scalar tensor (the mean over the "
         "micro-batch) or gradaccum.LossSum(value=sum_of_losses, count=items_counted)."

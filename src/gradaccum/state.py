@@ -48,8 +48,8 @@ def accumulator_state(acc: Accumulator) -> dict[str, Any]:
         "window": {
             "count": totals.count,
             "micro_batches": totals.micro_batches,
-            "loss_sum": None if totals.loss_sum is None else totals.loss_sum.detach().clone(),
-            "prescale_exponent": totals.prescale_exponent,
+            "loss_sum": _copy(totals.loss_sum),
+            "grad_divisor": totals.grad_divisor,
             "largest_micro_batch": totals.largest_micro_batch,
         },
         "grads": [_copy(p.grad) for p in window.params],
@@ -63,12 +63,11 @@ def load_accumulator_state(acc: Accumulator, state: dict[str, Any]) -> None:
     _check_compatible(acc, state)
     window, runtime = acc._window, acc._runtime
     saved = state["window"]
-    loss_sum = saved["loss_sum"]
     window.totals = WindowTotals(
         count=int(saved["count"]),
         micro_batches=int(saved["micro_batches"]),
-        loss_sum=None if loss_sum is None else loss_sum.to(runtime.device),
-        prescale_exponent=saved["prescale_exponent"],
+        loss_sum=None if saved["loss_sum"] is None else saved["loss_sum"].to(runtime.device),
+        grad_divisor=saved["grad_divisor"],
         largest_micro_batch=int(saved["largest_micro_batch"]),
     )
     for param, grad in zip(window.params, state["grads"], strict=True):

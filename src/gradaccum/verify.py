@@ -200,9 +200,9 @@ def check_equivalence(
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        value, count = read_loss(loss_fn(full_model, batch), batch_size(batch))
+        value, weight, count = read_loss(loss_fn(full_model, batch), batch_size(batch))
         if count > 0:
-            (value / count).backward()
+            (value * weight / count).backward()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:

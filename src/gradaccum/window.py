@@ -45,21 +45,27 @@ class WindowTotals:
     Attributes:
         count: Items counted so far (this rank).
         micro_batches: Micro-batches run so far.
-        loss_sum: Detached sum of the loss values so far, or None before the first one.
-        prescale_exponent: Gradients hold `sum * 2**-prescale_exponent`; fixed by the first
-            micro-batch of the window.
+        loss_sum: Detached running sum of the loss (float64), or None before the first one.
+        grad_divisor: Gradients hold `sum / grad_divisor`; fixed by the window's first micro-batch.
         largest_micro_batch: Leading dimension of the largest micro-batch seen.
     """
 
     count: int = 0
     micro_batches: int = 0
     loss_sum: torch.Tensor | None = None
-    prescale_exponent: int | None = None
+    grad_divisor: float | None = None
     largest_micro_batch: int = 0
 
+    def add_loss(self, value: torch.Tensor, weight: int) -> None:
+        """Add `value * weight` to the running loss sum: one in-place op, no graph, no sync."""
+        if self.loss_sum is None:
+            dtype = torch.float32 if value.device.type == "mps" else torch.float64
+            self.loss_sum = torch.zeros((), dtype=dtype, device=value.device)
+        self.loss_sum.add_(value.detach().reshape(()), alpha=weight)
+
     def loss_total(self) -> float:
-        """The summed loss as a float (0.0 before any micro-batch)."""
-        return 0.0 if self.loss_sum is None else float(self.loss_sum.item())
+        """The summed loss so far as a float (0.0 before any micro-batch)."""
+        return 0.0 if self.loss_sum is None else float(self.loss_sum)
 
 
 class Window:
@@ -88,7 +94,14 @@ class Window:
         self.synchronized = False  # whether the last backward reduced gradients across ranks
 
     def backward(
-        self, micro_batch: Any, loss_fn: LossFn, *, expected_micro_batches: int, sync: bool
+        self,
+        micro_batch: Any,
+        loss_fn: LossFn,
+        *,
+        expected_micro_batches: int,
+        sync: bool,
+        items: int | None = None,
+        window_items: int | None = None,
     ) -> None:
         """Forward and backward one micro-batch, adding its summed-loss gradient.
 
@@ -100,20 +113,22 @@ class Window:
             loss_fn: `loss_fn(model, micro_batch) -> Tensor | LossSum`.
             expected_micro_batches: Micro-batches this window is planned to hold.
             sync: Whether this backward may synchronize gradients across ranks (last of window).
+            items: The micro-batch's leading dimension, if the caller already checked it.
+            window_items: Items in the whole window, when known up front (`step()`).
         """
-        items = batch_size(micro_batch)
+        if items is None:
+            items = batch_size(micro_batch)
         micro_batch = to_device(micro_batch, self.runtime.device)
         # DDP cannot see gradients that were moved into buffers, so those are reduced by hand.
         sync = sync and not self.runtime.uses_buffers
         with sync_context(self.model, sync=sync):
             with self.runtime.autocast():
-                value, count = read_loss(loss_fn(self.model, micro_batch), items)
+                value, weight, count = read_loss(loss_fn(self.model, micro_batch), items)
             totals = self.totals
-            if totals.prescale_exponent is None:
-                # Ranks must agree on the prescale, so distributed windows size it by items,
-                # which every rank knows alike, rather than by this rank's count.
-                first = items if self.distributed or not count else count
-                totals.prescale_exponent = self._prescale_exponent(first, expected_micro_batches)
+            if totals.grad_divisor is None:
+                totals.grad_divisor = self._grad_divisor(
+                    weight, count, items, expected_micro_batches, window_items
+                )
             if count > 0 and not value.requires_grad:
                 raise ValueError(
                     "the loss does not require grad: it was computed under torch.no_grad(), "
@@ -122,11 +137,11 @@ class Window:
             # A zero-count micro-batch still runs backward when it can: its gradient is zero, but
             # a DDP rank must join the gradient reduction on a window's last micro-batch.
             if value.requires_grad:
-                scaled = value * math.ldexp(1.0, -totals.prescale_exponent)
+                factor = weight / totals.grad_divisor
+                scaled = value if factor == 1.0 else value * factor
                 self.runtime.scale(scaled).backward()
                 self.runtime.collect(self.params)
-        detached = value.detach().to(torch.promote_types(value.dtype, torch.float32))
-        totals.loss_sum = detached if totals.loss_sum is None else totals.loss_sum + detached
+        totals.add_loss(value, weight)
         totals.count += count
         totals.micro_batches += 1
         totals.largest_micro_batch = max(totals.largest_micro_batch, items)
@@ -149,9 +164,10 @@ class Window:
             total_count: Items counted in the window over all ranks.
             averaged_over: What a wrapper already divided the gradients by (DDP: world size).
         """
-        prescale = math.ldexp(1.0, -(self.totals.prescale_exponent or 0))
         count = total_count if self.normalize is Normalize.MEAN else 1
-        divisor = count * prescale / averaged_over
+        # Gradients hold sum / grad_divisor; a power-of-two divisor makes this division exact
+        # up to its one rounding, and a folded one (count == grad_divisor) makes it a no-op.
+        divisor = count / (self.totals.grad_divisor or 1.0) / averaged_over
         grads = self.gradients()
         if divisor != 1.0 and grads:
             torch._foreach_div_(grads, divisor)
@@ -163,10 +179,28 @@ class Window:
         for param in self.params:
             param.grad = None
 
-    def _prescale_exponent(self, first_count: int, expected_micro_batches: int) -> int:
+    def _grad_divisor(
+        self,
+        weight: int,
+        count: int,
+        items: int,
+        expected_micro_batches: int,
+        window_items: int | None,
+    ) -> float:
+        """Pick the window's gradient divisor from its first micro-batch.
+
+        Plain means over a batch known up front fold the whole division into each backward, as
+        a hand-written loop does (`loss * n_i / B`), so the boundary divides by nothing. Else the
+        divisor is the power of two nearest the expected count: summed losses would give fp16
+        activation gradients ~count times too large, and scaling by a power of two is exact.
+        Ranks must agree on it, so distributed windows size it by items, not this rank's count.
+        """
         if self.normalize is Normalize.SUM:
-            return 0
-        return round(math.log2(max(1, first_count * expected_micro_batches)))
+            return 1.0
+        if window_items is not None and weight > 1 and not self.distributed:
+            return float(window_items)
+        first = items if self.distributed or not count else count
+        return math.ldexp(1.0, round(math.log2(max(1, first * expected_micro_batches))))
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -221,11 +255,16 @@ def accumulate_grad(
     window = Window(model, params, objective, PrecisionRuntime(Precision.FP32, params, None))
     previous = [p.grad for p in params]
     window.reset()
+    total_items = batch_size(batch)
     try:
         for index, micro_batch in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
             window.backward(
-                micro_batch, loss_fn, expected_micro_batches=len(micro_batches), sync=last
+                micro_batch,
+                loss_fn,
+                expected_micro_batches=len(micro_batches),
+                sync=last,
+                window_items=total_items,
             )
     except BaseException:
         for param, grad in zip(params, previous, strict=True):
@@ -234,5 +273,5 @@ def accumulate_grad(
     totals = window.totals
     if totals.count > 0 or objective is Normalize.SUM:
         window.divide(totals.count)
-    assert totals.loss_sum is not None  # at least one micro-batch ran
+    assert totals.loss_sum is not None  # split_batch guarantees at least one micro-batch
     return LossSum(totals.loss_sum, totals.count)

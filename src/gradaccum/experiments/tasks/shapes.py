@@ -41,6 +41,8 @@ _TRAIN_IMAGES = 400
 _VAL_IMAGES = 100
 _MAX_SHAPES = 3
 _NOISE_STD = 0.25
+_RADIUS = (4.0, 8.0)
+_SQUARE = 0.8
 _GROUPS = 8
 _NORMS = ("batch", "group")
 
@@ -74,13 +76,13 @@ def generate_shapes(
     n_shapes = torch.randint(1, _MAX_SHAPES + 1, (count, 1, 1), generator=generator)
     for slot in range(_MAX_SHAPES):
         kind = torch.randint(1, len(CLASSES), (count, 1, 1), generator=generator)
-        radius = uniform(4.0, 8.0)
+        radius = uniform(*_RADIUS)
         center_y = radius + uniform(0.0, 1.0) * (size - 1 - 2 * radius)
         center_x = radius + uniform(0.0, 1.0) * (size - 1 - 2 * radius)
         flip = torch.where(uniform(0.0, 1.0) < 0.5, -1.0, 1.0)  # triangles point up or down
         dy, dx = rows - center_y, cols - center_x
         circle = dx.square() + dy.square() <= radius.square()
-        square = (dx.abs() <= 0.8 * radius) & (dy.abs() <= 0.8 * radius)
+        square = (dx.abs() <= _SQUARE * radius) & (dy.abs() <= _SQUARE * radius)
         tip = flip * dy
         triangle = (tip.abs() <= radius) & (dx.abs() <= (tip + radius) / 2)
         mask = torch.where(kind == 1, circle, torch.where(kind == 2, square, triangle))
