@@ -12,6 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+# The models under test are tiny: extra intra-op threads only add synchronization, and on a shared
+# 2-core machine they can slow a test down many times over.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed_everything() -> None:

@@ -27,7 +27,13 @@ from typing import NoReturn
 __all__ = ["COMMANDS", "UsageError", "main"]
 
 # Command name -> module in this package. Add "train", "compare", "check", "plan" here.
-COMMANDS: dict[str, str] = {"demo": "demo"}
+COMMANDS: dict[str, str] = {
+    "demo": "demo",
+    "train": "train",
+    "compare": "compare",
+    "check": "check",
+    "plan": "plan",
+}
 
 PROG = "gradaccum"
 

@@ -32,9 +32,9 @@ from gradaccum.experiments.base import LrScaling, RunSummary, Task, TrainConfig
 from gradaccum.experiments.tasks import get_task
 from gradaccum.memory import measure_activation_bytes
 
-__all__ = ["ResolvedRun", "StepLog", "resolve", "train"]
+__all__ = ["ACCUM_DTYPES", "ResolvedRun", "StepLog", "plain_config", "resolve", "train"]
 
-_ACCUM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64}
+ACCUM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -89,10 +89,10 @@ def resolve(config: TrainConfig, train_items: int | None = None) -> ResolvedRun:
         value = getattr(config, name)
         if value is not None and value < (0 if name == "warmup" else 1):
             raise ValueError(f"--{name}={value} must be {'>= 0' if name == 'warmup' else '>= 1'}.")
-    if config.accum_dtype is not None and config.accum_dtype not in _ACCUM_DTYPES:
+    if config.accum_dtype is not None and config.accum_dtype not in ACCUM_DTYPES:
         raise ValueError(
             f"--accum-dtype={config.accum_dtype!r} is not known; "
-            f"use one of {sorted(_ACCUM_DTYPES)}."
+            f"use one of {sorted(ACCUM_DTYPES)}."
         )
     if train_items is None:
         train_items = batch_size(task.make_data(config.seed).train)
@@ -137,7 +137,7 @@ def train(
         micro_batch_size=run.micro_batch_size,
         scheduler=scheduler,
         precision=config.precision,
-        accum_dtype=_ACCUM_DTYPES.get(config.accum_dtype or ""),
+        accum_dtype=ACCUM_DTYPES.get(config.accum_dtype or ""),
     )
     peak_bytes = _peak_memory(model, optimizer, task, data.train, run.micro_batch_size)
 
@@ -169,9 +169,21 @@ def train(
             optimizer=optimizer,
             accumulator=accumulator,
             scheduler=scheduler,
-            extra={"step": run.total_steps, "samples": samples, "config": asdict(config)},
+            extra={"step": run.total_steps, "samples": samples, "config": plain_config(config)},
         )
     return summary
+
+
+def plain_config(config: TrainConfig) -> dict[str, Any]:
+    """`config` as plain JSON types, so `weights_only` loading and `json` both accept it.
+
+    `asdict` keeps the `LrScaling` enum member, which `torch.load(weights_only=True)` refuses.
+
+    Example:
+        >>> plain_config(TrainConfig(task="digits", lr_scaling=LrScaling.SQRT))["lr_scaling"]
+        'sqrt'
+    """
+    return json.loads(json.dumps(asdict(config)))
 
 
 def _batches(train: Any, run: ResolvedRun) -> Iterator[tuple[int, Any, bool]]:

@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gradaccum.experiments.base import Task
 from gradaccum.experiments.tasks.charlm import CharLMTask
 from gradaccum.experiments.tasks.digits import DigitsTask
@@ -20,7 +22,7 @@ from gradaccum.experiments.tasks.shapes import ShapesTask
 
 __all__ = ["TASKS", "CharLMTask", "DigitsTask", "ShapesTask", "get_task"]
 
-_REGISTRY: dict[str, type[Task]] = {
+_REGISTRY: dict[str, Callable[[], Task]] = {
     "digits": DigitsTask,
     "shapes": ShapesTask,
     "charlm": CharLMTask,
