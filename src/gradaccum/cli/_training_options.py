@@ -19,7 +19,9 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from gradaccum.cli import UsageError
-from gradaccum.accumulator import Accumulator
 from gradaccum import batching
+from gradaccum.accumulator import Accumulator
+from gradaccum.cli import UsageError
 from gradaccum.experiments.base import LrScaling, TrainConfig
 from gradaccum.experiments.runner import ACCUM_DTYPES, resolve
 from gradaccum.experiments.tasks import TASKS, get_task
@@ -45,6 +47,7 @@ __all__ = [
     "parse_config_label",
     "positive_int",
     "staged_out_dir",
+    "terminate_as_interrupt",
     "train_items",
     "validate_config",
 ]
@@ -286,7 +289,7 @@ class CheckedRun:
     steps_per_epoch: int
 
 
-def validate_config(config: TrainConfig, train_items: int) -> CheckedRun:
+def validate_config(config: TrainConfig, n_train: int) -> CheckedRun:
     """Check `config` fully, without training or writing anything.
 
     Resolves it with `runner.resolve`, then builds its model, an AdamW optimizer and the
@@ -295,7 +298,7 @@ def validate_config(config: TrainConfig, train_items: int) -> CheckedRun:
 
     Args:
         config: The configuration.
-        train_items: Size of the task's training set.
+        n_train: Size of the task's training set (see `train_items`).
 
     Returns:
         The resolved settings.
@@ -306,7 +309,7 @@ def validate_config(config: TrainConfig, train_items: int) -> CheckedRun:
     if config.micro_batch_size != "auto" and config.memory_budget is not None:
         raise UsageError("--memory-budget only applies with --micro-batch-size auto")
     try:
-        run = resolve(config, train_items)
+        run = resolve(config, n_train)
         model = run.task.make_model(config.seed, config.norm)
         optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr)
         Accumulator(
@@ -430,6 +433,27 @@ def staged_out_dir(path: Path) -> Iterator[Path]:
             for folder in created:  # innermost first
                 with contextlib.suppress(OSError):
                     folder.rmdir()
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises KeyboardInterrupt, so cleanup code runs.
+
+    Python's default SIGTERM ends the process at once, which would leave a staging folder
+    behind. Only the main thread can install handlers; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _umask() -> int:

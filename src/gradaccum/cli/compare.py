@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,9 +33,11 @@ from gradaccum.cli._training_options import (
     describe_run,
     parse_config_label,
     staged_out_dir,
+    terminate_as_interrupt,
     train_items,
     validate_config,
 )
+from gradaccum.experiments.base import RunSummary
 
 __all__ = ["add_parser", "run"]
 
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     for item in checked:
         print(f"  {describe_run(item)}")
     print(f"  writing to {out}")
-    with staged_out_dir(out) as staging:
+    with terminate_as_interrupt(), staged_out_dir(out) as staging:
         summaries, curves = [], {}
         for index, item in enumerate(checked, start=1):
             summary, rows = _train_one(item, staging, f"[{index}/{len(checked)}] {item.label}")
@@ -133,9 +136,7 @@ def _check(args: argparse.Namespace) -> list[CheckedRun]:
         seen.add(pair)
     items = train_items(args.task, args.seed)
     checked = [
-        validate_config(
-            build_config(args, batch_size=micro * steps, micro_batch_size=micro), items
-        )
+        validate_config(build_config(args, batch_size=micro * steps, micro_batch_size=micro), items)
         for micro, steps in pairs
     ]
     if importlib.util.find_spec("matplotlib") is None:
@@ -147,17 +148,18 @@ def _check(args: argparse.Namespace) -> list[CheckedRun]:
 
 
 def _train_one(
-    item: CheckedRun, staging: Any, label: str
-) -> tuple[Any, list[dict[str, Any]]]:
+    item: CheckedRun, staging: Path, label: str
+) -> tuple[RunSummary, list[dict[str, Any]]]:
+    """Train one config into `staging/<label>`; return its summary and per-step logs."""
     from gradaccum.experiments.progress import progress
-    from gradaccum.experiments.runner import train
+    from gradaccum.experiments.runner import StepLog, train
 
     folder = staging / item.label
     folder.mkdir()
     rows: list[dict[str, Any]] = []
     with progress(label, item.total_steps) as bar:
 
-        def on_step(log: Any, *rest: Any) -> None:
+        def on_step(log: StepLog, *rest: Any) -> None:
             rows.append(asdict(log))
             bar(log, *rest)
 

@@ -23,6 +23,7 @@ from gradaccum.cli._training_options import (
     default_out_dir,
     describe_run,
     staged_out_dir,
+    terminate_as_interrupt,
     train_items,
     validate_config,
 )
@@ -69,9 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from gradaccum.experiments.progress import progress
     from gradaccum.experiments.runner import train
 
-    config = build_config(
-        args, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size
-    )
+    config = build_config(args, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size)
     checked = validate_config(config, train_items(args.task, args.seed))
     out = args.out if args.out is not None else default_out_dir("train", args.task)
     check_out_dir(out)
@@ -80,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"gradaccum train: {args.task} {describe_run(checked)}")
     print(f"  writing to {out}")
     with (
+        terminate_as_interrupt(),
         staged_out_dir(out) as staging,
         progress(f"{args.task} {checked.label}", checked.total_steps) as on_step,
     ):

@@ -116,22 +116,14 @@ class _RichBar:
 
     def __init__(self, label: str, total_steps: int, stream: TextIO) -> None:
         from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
         self.total = total_steps
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
-            BarColumn(),
+            BarColumn(bar_width=20),
             MofNCompleteColumn(),
-            TextColumn("steps  {task.fields[speed]} samples/s  loss {task.fields[loss]}"),
-            TextColumn("elapsed"),
-            TimeElapsedColumn(),
+            TextColumn("{task.fields[speed]} samples/s  loss {task.fields[loss]}"),
             TextColumn("ETA {task.fields[eta]}"),
             console=Console(file=stream),
         )

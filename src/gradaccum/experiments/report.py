@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import sys
@@ -182,6 +183,7 @@ def print_table(
     file = sys.stdout if file is None else file
     headers, rows = table_rows(summaries)
     try:
+        from rich import box
         from rich.console import Console
         from rich.table import Table
     except ImportError:
@@ -189,7 +191,7 @@ def print_table(
             print(title, file=file)
         print(format_table(summaries), file=file)
         return
-    table = Table()
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1), collapse_padding=True)
     for index, header in enumerate(headers):
         table.add_column(header, justify="right" if index in _NUMERIC_COLUMNS else "left")
     for row in rows:
@@ -197,10 +199,26 @@ def print_table(
     isatty = getattr(file, "isatty", None)
     terminal = callable(isatty) and isatty()
     # Not a terminal: rich would wrap at 80 columns; give the table the width it needs.
-    console = Console(file=file, width=None if terminal else 200, soft_wrap=False)
+    width = Console(file=file).width if terminal else 200
+    # On a narrow terminal rich wraps headers between words, but it may also cut cells: widen
+    # until every cell shows whole (at worst the terminal wraps the long lines).
+    natural = sum(max(len(h), *(len(r[i]) for r in rows)) + 2 for i, h in enumerate(headers))
+    while width < natural and not _renders_whole(table, rows, width):
+        width += 2
+    console = Console(file=file, width=width, soft_wrap=False, force_terminal=terminal or None)
     if title:
         console.print(title, style="bold", highlight=False)
     console.print(table)
+
+
+def _renders_whole(table: Any, rows: list[list[str]], width: int) -> bool:
+    """Whether `table` rendered `width` columns wide shows every cell on one line, uncut."""
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    Console(file=buffer, width=width, color_system=None).print(table)
+    text = buffer.getvalue()
+    return "…" not in text and all(cell in text for row in rows for cell in row)
 
 
 def read_metrics(path: Path | str) -> list[dict[str, Any]]:

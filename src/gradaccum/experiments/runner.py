@@ -91,8 +91,7 @@ def resolve(config: TrainConfig, train_items: int | None = None) -> ResolvedRun:
             raise ValueError(f"--{name}={value} must be {'>= 0' if name == 'warmup' else '>= 1'}.")
     if config.accum_dtype is not None and config.accum_dtype not in ACCUM_DTYPES:
         raise ValueError(
-            f"--accum-dtype={config.accum_dtype!r} is not known; "
-            f"use one of {sorted(ACCUM_DTYPES)}."
+            f"--accum-dtype={config.accum_dtype!r} is not known; use one of {sorted(ACCUM_DTYPES)}."
         )
     if train_items is None:
         train_items = batch_size(task.make_data(config.seed).train)

@@ -162,7 +162,7 @@ class CharLMTask:
     reference_batch_size = 32
     default_batch_size = 32
     default_lr = 3e-3
-    default_epochs = 10
+    default_epochs = 8
 
     def make_data(self, seed: int) -> TaskData:
         """Shuffle the lines with `seed` and split them 85/15 into train and validation.

@@ -160,7 +160,7 @@ class ShapesTask:
     reference_batch_size = 16
     default_batch_size = 16
     default_lr = 3e-3
-    default_epochs = 6
+    default_epochs = 10
 
     def make_data(self, seed: int) -> TaskData:
         """Generate 400 training and 100 validation images from `seed`.
