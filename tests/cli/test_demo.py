@@ -1,85 +1,245 @@
-"""`gradaccum demo` and the command-line entry point, run as a user would run them."""
+"""`gradaccum demo` and the command-line entry point, run as a user would run them.
+
+The demo is run once with its default settings in a subprocess; its printed figures, `report.md`,
+plots and the digits checkpoints are then checked. The digits equality is recomputed here from
+the checkpoints, not taken from the demo's output. The verdict's own negative control swaps the
+`Accumulator` run for the naive loop and must turn the exit code to 1.
+"""
 
 from __future__ import annotations
 
 import re
+import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
-from gradaccum.cli import demo, main
+from gradaccum.cli import _demo_sections, main
+from gradaccum.experiments.report import CURVES_SIZE, MEMORY_SIZE, PEAK_MEMORY_NOTE
 
 _TIMEOUT = 180
+FLOAT32_RTOL = 1e-5
+CONFIGS = ("32x1", "8x4", "8x1")
+COMPARE_COLUMNS = [
+    "config",
+    "effective batch",
+    "micro-batch",
+    "steps",
+    "best accuracy",
+    "final accuracy",
+    "peak memory",
+    "samples/s",
+    "wall time",
+]
+# A small but complete run: uneven micro-batches (7 = 3 + 3 + 1), one digits epoch.
+SMALL = ["--steps", "3", "--batch-size", "7", "--micro-batch-size", "3", "--epochs", "1"]
 
 
-def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "gradaccum.cli", *args],
         capture_output=True,
         text=True,
         timeout=_TIMEOUT,
         check=False,
+        cwd=cwd,
     )
 
 
-def _gap(stdout: str, row: str) -> float:
-    """The last number on the results-table row that starts with `row`."""
-    match = re.search(rf"^\s*{re.escape(row)}.*\s(\S+)\s*$", stdout, re.MULTILINE)
-    assert match, f"no row {row!r} in:\n{stdout}"
-    return float(match.group(1))
+def _cells(text: str, start: str) -> list[str]:
+    """The cells (split on 2+ spaces) of the first table line that starts with `start`."""
+    for line in text.splitlines():
+        if line.strip().startswith(start):
+            return re.split(r"\s{2,}", line.strip())
+    raise AssertionError(f"no line starting with {start!r} in:\n{text}")
 
 
-def _memory_ratio(stdout: str) -> float:
-    match = re.search(r"^\s*ratio full / micro\s+([0-9.]+)x\s*$", stdout, re.MULTILINE)
-    assert match, f"no memory ratio in:\n{stdout}"
-    return float(match.group(1))
+def _verdict_cells(text: str, config: str) -> list[str]:
+    """The cells of `config`'s row in the digits equal-parameters table."""
+    for line in text.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells[0] == config and cells[-1] in {"equal", "NOT EQUAL", "differs", "SAME"}:
+            return cells
+    raise AssertionError(f"no equal-parameters row for {config} in:\n{text}")
 
 
-def _bytes(stdout: str, row: str) -> int:
-    match = re.search(rf"^\s*{re.escape(row)}.*\(([0-9,]+) bytes\)\s*$", stdout, re.MULTILINE)
-    assert match, f"no byte count on row {row!r} in:\n{stdout}"
-    return int(match.group(1).replace(",", ""))
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def _norm_gap(state: dict, reference: dict) -> float:
+    """Largest over tensors of ||a - b|| / ||b||, computed here, independently of the demo."""
+    assert state.keys() == reference.keys()
+    return max(
+        float((state[k].double() - reference[k].double()).norm() / reference[k].double().norm())
+        for k in reference
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    out = tmp_path_factory.mktemp("demo") / "nested" / "results"
+    proc = _run_cli("demo", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
 
 
 @pytest.mark.timeout(_TIMEOUT + 20)
-def test_demo_subprocess_prints_exact_match_and_memory_saving():
-    proc = _run_cli("demo")
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
-    acc_gap = _gap(out, "gradaccum.Accumulator")
-    naive_gap = _gap(out, "naive:")
-    assert acc_gap < 1e-10
+def test_exactness_and_negative_control_on_charlm(demo_run):
+    out = demo_run[1].stdout
+    reference = _cells(out, "(a) full batch")
+    accumulated = _cells(out, "(b) gradaccum.Accumulator")
+    naive = _cells(out, "(c) naive")
+    assert float(accumulated[3]) < 1e-10
     assert "verdict: EXACT" in out
-    # The demo's own negative control: the same comparison flags the naive loop loudly.
-    assert naive_gap > 1e-3
-    ratio = _memory_ratio(out)
+    # Same objective at step 1 and at the last step, to the 6 printed decimals.
+    assert accumulated[1:3] == reference[1:3]
+    # The demo's negative control: the same comparison flags the naive loop loudly.
+    assert float(naive[3]) > 1e-3
+    assert "verdict: CAUGHT" in out
+    assert naive[1] != reference[1]  # mean of means is another objective at the same weights
+
+
+def test_memory_saving_is_measured_and_consistent(demo_run):
+    out = demo_run[1].stdout
+    full = int(_cells(out, "full batch (32 lines)")[1].replace(",", ""))
+    micro = int(_cells(out, "largest micro-batch (8 lines)")[1].replace(",", ""))
+    ratio = float(_cells(out, "ratio full / micro")[1].rstrip("x"))
     assert ratio > 1
-    # Default: 4 micro-batches padded to the batch's width, so about 4x; bytes agree with ratio.
-    assert 3.0 < ratio < 4.5
-    full = _bytes(out, "full batch (32 sequences)")
-    micro = _bytes(out, "largest micro-batch (8 sequences)")
+    assert micro < full
     assert f"{full / micro:.2f}" == f"{ratio:.2f}"
 
 
-def test_demo_in_process_small_ragged_split(capsys):
-    # 7 sequences in micro-batches of 3: the last micro-batch holds one sequence.
-    code = main(["demo", "--steps", "3", "--batch-size", "7", "--micro-batch-size", "3"])
-    out = capsys.readouterr().out
-    assert code == 0
-    assert _gap(out, "gradaccum.Accumulator") < 1e-10
-    assert _gap(out, "naive:") > 1e-6
-    assert _memory_ratio(out) > 1
+def test_digits_same_effective_batch_ends_with_equal_parameters(demo_run):
+    out, proc = demo_run
+    states = {
+        config: torch.load(out / "runs" / config / "checkpoint.pt", weights_only=True)["model"]
+        for config in CONFIGS
+    }
+    exact_gap = _norm_gap(states["8x4"], states["32x1"])
+    control_gap = _norm_gap(states["8x1"], states["32x1"])
+    assert exact_gap < FLOAT32_RTOL, exact_gap
+    assert control_gap > 1000 * FLOAT32_RTOL, control_gap  # effective batch 8, not 32
+    # The demo prints what the checkpoints hold.
+    assert _verdict_cells(proc.stdout, "8x4")[2:] == [f"{exact_gap:.1e}", "equal"]
+    assert _verdict_cells(proc.stdout, "8x1")[2:] == [f"{control_gap:.1e}", "differs"]
 
 
-def test_demo_reports_mismatch_and_exits_1_when_runs_differ(capsys, monkeypatch):
-    # Negative control for the verdict: swap the Accumulator run for the naive loop.
-    monkeypatch.setattr(demo, "train_accumulated", demo.train_naive)
-    code = main(["demo", "--steps", "3", "--batch-size", "8", "--micro-batch-size", "2"])
-    out = capsys.readouterr().out
-    assert code == 1
-    assert "verdict: MISMATCH" in out
-    assert _gap(out, "gradaccum.Accumulator") > 1e-6
+def test_report_holds_every_section_and_the_compare_table(demo_run):
+    out, proc = demo_run
+    assert sorted(path.name for path in out.iterdir()) == [
+        "curves.png",
+        "memory.png",
+        "report.md",
+        "runs",
+    ]
+    report = (out / "report.md").read_text()
+    for number in range(1, 5):
+        assert re.search(rf"^## {number}\. ", report, re.MULTILINE), number
+    header = "| " + " | ".join(COMPARE_COLUMNS) + " |"
+    assert header in report
+    compare_row = re.compile(r"\| (32x1|8x4|8x1) \| (\d+) \| (\d+) \| (\d+) \| ")
+    rows = {m[1]: m.groups()[1:] for m in map(compare_row.match, report.splitlines()) if m}
+    # config: (effective batch, micro-batch, steps); 8x1 takes 4x the steps of batch 32.
+    assert rows["32x1"] == ("32", "32", rows["8x4"][2])
+    assert rows["8x4"][:2] == ("32", "8")
+    assert rows["8x1"] == ("8", "8", str(4 * int(rows["32x1"][2])))
+    assert PEAK_MEMORY_NOTE in report
+    assert re.search(r"!\[[^]]+\]\(curves\.png\)", report)
+    assert re.search(r"!\[[^]]+\]\(memory\.png\)", report)
+    # The figures of sections 1-3 in the report are those printed.
+    for start in ("(b) gradaccum.Accumulator", "(c) naive", "full batch (32 lines)"):
+        cells = _cells(proc.stdout, start)
+        assert "| " + " | ".join(cells) + " |" in report, start
+    assert "verdict: EXACT" in report
+    assert "verdict: CAUGHT" in report
+
+
+@pytest.mark.parametrize(
+    ("name", "size"), [("curves.png", CURVES_SIZE), ("memory.png", MEMORY_SIZE)]
+)
+def test_plots_are_valid_non_blank_pngs(demo_run, name, size):
+    import matplotlib.image
+
+    path = demo_run[0] / name
+    assert path.stat().st_size > 10_000
+    assert _png_size(path) == size
+    pixels = matplotlib.image.imread(path)
+    assert float(pixels[..., :3].std()) > 0.05
+
+
+def test_prints_total_time_and_where_results_are(demo_run):
+    out, proc = demo_run
+    assert re.search(r"^done in \d+\.\d s$", proc.stdout, re.MULTILINE)
+    assert "checks: all 4 hold" in proc.stdout
+    assert f"results in {out}" in proc.stdout
+    assert not any(p.name.startswith(".") for p in out.parent.iterdir())  # no staging left
+
+
+def test_rerun_replaces_results_and_a_failed_check_exits_1(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "demo"
+    threads = torch.get_num_threads()
+    assert main(["demo", *SMALL, "--out", str(out)]) == 0
+    first = capsys.readouterr().out
+    assert float(_cells(first, "(b) gradaccum.Accumulator")[3]) < 1e-10
+    assert float(_cells(first, "(c) naive")[3]) > 1e-6
+    assert torch.get_num_threads() == threads  # --threads 1 is undone at the end
+    # Negative control of the verdict: the Accumulator run replaced by the naive loop.
+    monkeypatch.setattr(_demo_sections, "_train_accumulated", _demo_sections._train_naive)
+    assert main(["demo", *SMALL, "--out", str(out)]) == 1
+    second = capsys.readouterr().out
+    assert "verdict: MISMATCH" in second
+    assert "checks: FAILED: (b) exact" in second
+    assert float(_cells(second, "(b) gradaccum.Accumulator")[3]) > 1e-6
+    # The previous demo's folder was replaced as a whole, with nothing left beside it.
+    assert "verdict: MISMATCH" in (out / "report.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+
+
+@pytest.mark.parametrize("case", ["file", "under_file", "foreign_files"])
+def test_unusable_out_exits_2_before_any_work(tmp_path, capsys, case):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    out = {"file": blocker, "under_file": blocker / "out", "foreign_files": folder}[case]
+    assert main(["demo", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing ran
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("gradaccum demo: error: --out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocker", "mine"]
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+
+
+def test_unusable_out_exits_2_subprocess(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    proc = _run_cli("demo", "--out", str(blocker / "out"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "not a directory" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocker"]
+
+
+def test_micro_batch_not_smaller_than_batch_exits_2(tmp_path, capsys):
+    code = main(
+        ["demo", "--batch-size", "8", "--micro-batch-size", "8", "--out", str(tmp_path / "o")]
+    )
+    assert code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "--micro-batch-size 8 must be less than --batch-size 8" in captured.err
+    assert not (tmp_path / "o").exists()
 
 
 def test_unknown_subcommand_exits_2_with_one_line_on_stderr():
@@ -99,6 +259,7 @@ def test_unknown_subcommand_exits_2_with_one_line_on_stderr():
         ["frobnicate"],
         ["demo", "--steps", "0"],
         ["demo", "--batch-size", "many"],
+        ["demo", "--threads", "0"],
         ["demo", "--no-such-option"],
     ],
 )
@@ -116,4 +277,6 @@ def test_help_exits_0(capsys):
     assert main(["--help"]) == 0
     assert "demo" in capsys.readouterr().out
     assert main(["demo", "--help"]) == 0
-    assert "--micro-batch-size" in capsys.readouterr().out
+    help_text = capsys.readouterr().out
+    for option in ("--micro-batch-size", "--out", "--threads", "--epochs"):
+        assert option in help_text

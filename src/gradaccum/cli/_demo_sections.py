@@ -43,7 +43,6 @@ __all__ = [
     "Section",
     "check_out_dir",
     "charlm_batches",
-    "demote",
     "run_charlm",
     "run_digits",
     "staged_out_dir",
@@ -77,7 +76,6 @@ class CharlmResult:
     micro_batch_size: int
     lr: float
     parameters: int
-    lines: int
     losses: dict[str, list[float]]
     gaps: dict[str, tuple[float, str]]
     micro_lines: list[int]
@@ -228,7 +226,6 @@ def run_charlm(task: Any, *, seed: int, steps: int, size: int, micro: int) -> Ch
         micro_batch_size=micro,
         lr=lr,
         parameters=sum(p.numel() for p in initial.parameters()),
-        lines=len(train["labels"]),
         losses=losses,
         gaps=gaps,
         micro_lines=[len(part["labels"]) for part in parts],
@@ -333,6 +330,7 @@ def staged_out_dir(path: Path) -> Iterator[Path]:
         path: The results folder, already checked with `check_out_dir`.
     """
     parent = path.absolute().parent
+    created = [folder for folder in (parent, *parent.parents) if not folder.exists()]
     parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=parent))
     try:
@@ -340,21 +338,30 @@ def staged_out_dir(path: Path) -> Iterator[Path]:
         mask = os.umask(0)
         os.umask(mask)
         staging.chmod(0o777 & ~mask)  # mkdtemp made it private; give it a normal folder's mode
-        if not os.path.lexists(path):
-            os.replace(staging, path)
-            return
-        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=parent))
-        try:
-            os.replace(path, old / "results")
-            try:
-                os.replace(staging, path)
-            except OSError:
-                os.replace(old / "results", path)
-                raise
-        finally:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
+        _swap_in(staging, path)
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        for folder in created:  # innermost first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
+def _swap_in(staging: Path, path: Path) -> None:
+    """Rename `staging` to `path`; an existing `path` is moved aside first, then deleted."""
+    if not os.path.lexists(path):
+        os.replace(staging, path)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=staging.parent))
+    try:
+        os.replace(path, aside / "results")
+        try:
+            os.replace(staging, path)
+        except OSError:
+            os.replace(aside / "results", path)
+            raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 @dataclass
@@ -408,11 +415,3 @@ def wrapped(paragraphs: list[str]) -> list[str]:
             text, 100, initial_indent=INDENT, subsequent_indent=INDENT, break_on_hyphens=False
         )
     ]
-
-
-def demote(markdown: str) -> str:
-    """The compare report without its title, its other headings two levels down."""
-    lines = markdown.strip().splitlines()
-    if lines and lines[0].startswith("# "):
-        lines = lines[1:]
-    return "\n".join("##" + line if line.startswith("#") else line for line in lines).strip()
