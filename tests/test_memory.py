@@ -1,4 +1,5 @@
-"""`gradaccum.memory.measure_activation_bytes` against byte counts worked out by hand.
+"""`gradaccum.memory`: `measure_activation_bytes` against byte counts worked out by hand, and
+`parse_bytes` against byte counts written out as powers of 1000 and 1024.
 
 What autograd saves (PyTorch 2.x, CPU), used for the hand counts below:
 - Linear on a 2-D input (addmm): its input, for the weight's gradient, and the weight, for the
@@ -10,12 +11,13 @@ What autograd saves (PyTorch 2.x, CPU), used for the hand counts below:
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from gradaccum import LossSum, split_batch
-from gradaccum.memory import measure_activation_bytes
+from gradaccum.memory import measure_activation_bytes, parse_bytes
 
 
 def _sum_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -172,3 +174,69 @@ def test_no_graph_means_zero_bytes():
         assert measure_activation_bytes(model, torch.randn(3, 4), _sum_loss) == 0
     frozen = nn.Sequential(nn.Linear(4, 6), nn.ReLU()).requires_grad_(False)
     assert measure_activation_bytes(frozen, torch.randn(3, 4), _sum_loss) == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("4096", 4096),
+        (4096, 4096),
+        ("1", 1),
+        ("3b", 3),
+        ("3B", 3),
+        ("512MB", 512 * 1000**2),
+        ("512mb", 512 * 1000**2),
+        ("2G", 2 * 1000**3),
+        ("1.5GB", 1_500_000_000),
+        ("1TB", 1000**4),
+        ("2GiB", 2 * 1024**3),
+        ("2Gi", 2 * 1024**3),
+        ("2gib", 2 * 1024**3),
+        ("1.5KiB", 1536),
+        ("512MiB", 512 * 1024**2),
+        ("1TiB", 1024**4),
+        (" 64 kib ", 64 * 1024),
+        (".5K", 500),
+        ("7.", 7),
+        ("1.9", 1),  # whole bytes, rounded down
+    ],
+)
+def test_parse_bytes_accepted_forms(value, expected):
+    assert parse_bytes(value) == expected
+
+
+def test_parse_bytes_decimal_counts_are_exact():
+    cases = [
+        ("1.001KB", 1000, 1001),
+        ("1.003MB", 1000**2, 1_003_000),
+        ("1.009GB", 1000**3, 1_009_000_000),
+    ]
+    for text, unit, expected in cases:
+        # Control: the same product in binary floating point falls short of a whole byte.
+        assert int(float(text[:5]) * unit) == expected - 1
+        assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["lots", "", "  ", "2 parsecs", "-1GB", "+1GB", "1e9", "1.5.2", "2iB", "2 G B", "GB", "2PB"],
+)
+def test_parse_bytes_rejects_malformed_text_and_names_the_accepted_forms(value):
+    with pytest.raises(ValueError, match="is not a size") as caught:
+        parse_bytes(value)
+    message = str(caught.value)
+    assert repr(value) in message
+    for unit in ("KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB"):
+        assert unit in message
+
+
+@pytest.mark.parametrize("value", ["0", "0B", "0.5", "0.0009KB", 0, -4096])
+def test_parse_bytes_rejects_less_than_one_byte(value):
+    with pytest.raises(ValueError, match="must be more than 0 bytes"):
+        parse_bytes(value)
+
+
+@pytest.mark.parametrize("value", [True, 2.0, None, b"2GiB"])
+def test_parse_bytes_rejects_other_types(value):
+    with pytest.raises(TypeError, match="a str or an int"):
+        parse_bytes(value)

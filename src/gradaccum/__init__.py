@@ -19,7 +19,7 @@ from gradaccum.accumulator import Accumulator, NonFiniteError, StepResult
 from gradaccum.batching import split_batch
 from gradaccum.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from gradaccum.loss import LossSum
-from gradaccum.memory import measure_activation_bytes
+from gradaccum.memory import measure_activation_bytes, parse_bytes
 from gradaccum.options import BatchNormMode, Normalize, OnNonFinite, PartialWindow, Precision
 from gradaccum.verify import EquivalenceReport, check_equivalence
 from gradaccum.window import accumulate_grad
@@ -42,6 +42,7 @@ __all__ = [
     "check_equivalence",
     "load_checkpoint",
     "measure_activation_bytes",
+    "parse_bytes",
     "save_checkpoint",
     "split_batch",
 ]

@@ -13,6 +13,8 @@ is built; temporaries freed during the forward; and the transient gradient buffe
 itself. The result is the memory the graph holds at the end of the forward, which is the peak that
 lasts until the backward releases it.
 
+`parse_bytes` reads a memory budget written as a byte count, such as `"512MiB"` or `"2GB"`.
+
 Example:
     >>> import torch
     >>> from gradaccum.memory import measure_activation_bytes
@@ -23,12 +25,22 @@ Example:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Mapping
+from fractions import Fraction
 from typing import Any
 
 import torch
 
-__all__ = ["measure_activation_bytes"]
+__all__ = ["measure_activation_bytes", "parse_bytes"]
+
+# A number, then an optional unit: a decimal prefix (K, M, G, T), "i" for binary, "B" for bytes.
+_BYTES_PATTERN = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)", re.IGNORECASE)
+_UNIT_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+_BYTE_FORMS = (
+    "a number with an optional unit B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB "
+    "(powers of 1024), case-insensitive and with the final B optional, e.g. 4096, 512MB or 2GiB"
+)
 
 
 def measure_activation_bytes(
@@ -87,6 +99,49 @@ def measure_activation_bytes(
     # address in `saved` can have been reused by another storage during the forward.
     del result
     return sum(saved.values())
+
+
+def parse_bytes(value: str | int) -> int:
+    """Return the number of bytes that a byte count such as `"2GiB"` or `"512MB"` stands for.
+
+    Accepted forms: an int, or a string holding a number (whole or decimal, no sign or exponent)
+    with an optional unit. Binary units (KiB, MiB, GiB, TiB) are powers of 1024 and decimal ones
+    (KB, MB, GB, TB) powers of 1000; units are case-insensitive, the final "B" may be left out
+    after a prefix (`"2Gi"`, `"2G"`), and spaces may stand around the number and before the
+    unit. A fractional count of bytes is rounded down (exactly: no float rounding).
+
+    Args:
+        value: The byte count, e.g. `"2GiB"`, `"512 MB"`, `"1.5KiB"`, `"4096"` or `4096`.
+
+    Returns:
+        The number of bytes, at least 1.
+
+    Raises:
+        ValueError: If `value` is not in an accepted form (the message lists them), or is less
+            than one byte.
+        TypeError: If `value` is neither a str nor an int (a bool is refused too).
+
+    Example:
+        >>> parse_bytes("2GiB"), parse_bytes("512MB"), parse_bytes("1.5KiB"), parse_bytes(4096)
+        (2147483648, 512000000, 1536, 4096)
+    """
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise TypeError(f"a byte count is a str or an int, not {type(value).__name__}")
+    if isinstance(value, int):
+        count = value
+    else:
+        match = _BYTES_PATTERN.fullmatch(value.strip())
+        if match is None or (match.group(3) and not match.group(2)):
+            raise ValueError(
+                f"{value!r} is not a size: it is not a byte count of an accepted form, "
+                f"{_BYTE_FORMS}"
+            )
+        number, prefix, binary, _ = match.groups()
+        base = 1024 if binary else 1000
+        count = int(Fraction(number) * base ** _UNIT_POWERS[prefix.lower()])
+    if count < 1:
+        raise ValueError(f"{value!r} must be more than 0 bytes, counted in whole bytes")
+    return count
 
 
 def _held_tensors(model: torch.nn.Module, batch: Any) -> Iterator[torch.Tensor]:

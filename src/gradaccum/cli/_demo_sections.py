@@ -1,4 +1,4 @@
-"""The measurements behind `gradaccum demo`, and where its results are written.
+"""The measurements behind `gradaccum demo`, and the sections that show them.
 
 Sections 1-3 (`run_charlm`) train the embedded `charlm` task three ways from the same float64
 weights, on the same batches, with the same AdamW: a plain full-batch reference written here
@@ -11,18 +11,17 @@ Parameters are compared per tensor, as `||p - p_ref|| / ||p_ref||` (`tensor_gap`
 element-wise test would mostly measure AdamW: it divides by `sqrt(v) + eps`, so for a weight whose
 gradient is zero in exact arithmetic (such as an attention key bias) it turns rounding noise into
 a visible change of that one weight.
+
+`Section` renders one section both as terminal text and as markdown. `OUT_NAMES` lists what the
+demo writes into `--out` (see `gradaccum.cli._outdir` for how a previous demo's folder is replaced).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-import os
-import shutil
-import tempfile
 import textwrap
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradaccum import Accumulator, load_checkpoint, measure_activation_bytes
-from gradaccum.cli import UsageError
 
 __all__ = [
     "DIGITS_CONFIGS",
@@ -41,11 +39,9 @@ __all__ = [
     "DigitsResult",
     "INDENT",
     "Section",
-    "check_out_dir",
     "charlm_batches",
     "run_charlm",
     "run_digits",
-    "staged_out_dir",
     "tensor_gap",
     "wrapped",
 ]
@@ -53,7 +49,7 @@ __all__ = [
 IGNORE_INDEX = -100
 # (micro-batch, accumulation steps) of the digits compare: the reference, its exact twin, a control.
 DIGITS_CONFIGS = ((32, 1), (8, 4), (8, 1))
-# Everything the demo writes into its out folder; a folder holding only these may be rewritten.
+# Everything the demo writes into its out folder; a folder holding only these is replaced.
 OUT_NAMES = frozenset({"report.md", "curves.png", "memory.png", "runs"})
 
 INDENT = "   "
@@ -286,82 +282,6 @@ def run_digits(folder: Path, *, seed: int, epochs: int) -> DigitsResult:
         folder, "digits", result.summaries, curves=curves, settings=settings
     )
     return result
-
-
-def check_out_dir(path: Path) -> None:
-    """Check, without writing, that the demo can write its results to `path`.
-
-    `path` may not exist yet (its nearest existing ancestor must be a writable folder), be an
-    empty folder, or hold a previous demo's results (only `OUT_NAMES`), which are replaced.
-
-    Raises:
-        UsageError: If `path` cannot be used; the message says why.
-    """
-    if os.path.lexists(path):
-        if not path.is_dir():
-            raise UsageError(f"--out {path}: exists and is not a directory")
-        foreign = sorted(entry.name for entry in path.iterdir() if entry.name not in OUT_NAMES)
-        if foreign:
-            raise UsageError(
-                f"--out {path}: holds files the demo did not write ({', '.join(foreign[:3])}"
-                f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new folder"
-            )
-        folders = (path, path.absolute().parent)
-    else:
-        ancestor = path.absolute().parent
-        while not os.path.lexists(ancestor):
-            ancestor = ancestor.parent
-        if not ancestor.is_dir():
-            raise UsageError(f"--out {path}: cannot create it, {ancestor} is not a directory")
-        folders = (ancestor,)
-    for folder in folders:
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise UsageError(f"--out {path}: {folder} is not writable")
-
-
-@contextlib.contextmanager
-def staged_out_dir(path: Path) -> Iterator[Path]:
-    """Yield a hidden staging folder next to `path`; on success it replaces `path`.
-
-    A previous demo's results in `path` are swapped out only once the new ones are complete; on
-    any error (or interrupt) the staging folder is removed and `path` is left as it was.
-
-    Args:
-        path: The results folder, already checked with `check_out_dir`.
-    """
-    parent = path.absolute().parent
-    created = [folder for folder in (parent, *parent.parents) if not folder.exists()]
-    parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=parent))
-    try:
-        yield staging
-        mask = os.umask(0)
-        os.umask(mask)
-        staging.chmod(0o777 & ~mask)  # mkdtemp made it private; give it a normal folder's mode
-        _swap_in(staging, path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        for folder in created:  # innermost first
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        raise
-
-
-def _swap_in(staging: Path, path: Path) -> None:
-    """Rename `staging` to `path`; an existing `path` is moved aside first, then deleted."""
-    if not os.path.lexists(path):
-        os.replace(staging, path)
-        return
-    aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=staging.parent))
-    try:
-        os.replace(path, aside / "results")
-        try:
-            os.replace(staging, path)
-        except OSError:
-            os.replace(aside / "results", path)
-            raise
-    finally:
-        shutil.rmtree(aside, ignore_errors=True)
 
 
 @dataclass

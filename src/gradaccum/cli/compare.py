@@ -24,16 +24,13 @@ from typing import Any
 import torch
 
 from gradaccum.cli import UsageError
+from gradaccum.cli._outdir import resolve_out_dir, staged_out_dir, terminate_as_interrupt
 from gradaccum.cli._training_options import (
     CheckedRun,
     add_training_options,
     build_config,
-    check_out_dir,
-    default_out_dir,
     describe_run,
     parse_config_label,
-    staged_out_dir,
-    terminate_as_interrupt,
     train_items,
     validate_config,
 )
@@ -89,8 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     checked = _check(args)
-    out = args.out if args.out is not None else default_out_dir("compare", args.task)
-    check_out_dir(out)
+    out = resolve_out_dir(args.out, "compare", args.task)
 
     torch.set_num_threads(args.threads)
     first = checked[0].config

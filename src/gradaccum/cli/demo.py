@@ -28,19 +28,19 @@ from pathlib import Path
 import torch
 
 from gradaccum.cli import UsageError
+from gradaccum.cli._args import add_threads_option, positive_int
 from gradaccum.cli._demo_sections import (
     DIGITS_CONFIGS,
     INDENT,
+    OUT_NAMES,
     CharlmResult,
     DigitsResult,
     Section,
-    check_out_dir,
     run_charlm,
     run_digits,
-    staged_out_dir,
     wrapped,
 )
-from gradaccum.cli._training_options import positive_int
+from gradaccum.cli._outdir import check_out_dir, staged_out_dir, terminate_as_interrupt
 
 __all__ = ["CONTROL_FACTOR", "EXACT_RTOL", "FLOAT32_RTOL", "add_parser", "run"]
 
@@ -90,14 +90,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--epochs", type=positive_int, default=2, help="digits epochs per config (default: 2)"
     )
     parser.add_argument("--seed", type=int, default=0, help="data and weight seed (default: 0)")
-    parser.add_argument(
-        "--threads",
-        type=positive_int,
-        default=1,
-        metavar="N",
-        help="torch intra-op threads (default: 1; the models are tiny and more threads on a "
-        "shared CPU mostly add synchronization)",
-    )
+    add_threads_option(parser)
     parser.add_argument(
         "--out",
         type=Path,
@@ -143,7 +136,7 @@ def _check(args: argparse.Namespace) -> None:
                 f"the demo needs {package}, which is not installed; install it with: "
                 "pip install gradaccum[cli]"
             )
-    check_out_dir(args.out)
+    check_out_dir(args.out, replaceable=OUT_NAMES)
 
 
 def _run(args: argparse.Namespace, started: float) -> int:
@@ -165,7 +158,7 @@ def _run(args: argparse.Namespace, started: float) -> int:
     for number, section in enumerate(sections, start=1):
         print(section.text(number))
         print()
-    with staged_out_dir(args.out) as staging:
+    with terminate_as_interrupt(), staged_out_dir(args.out, replaceable=OUT_NAMES) as staging:
         digits = run_digits(staging, seed=args.seed, epochs=args.epochs)
         equal, differs = _digits_checks(digits)
         rows = [INDENT + line for line in format_table(digits.summaries).splitlines()]

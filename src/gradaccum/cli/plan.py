@@ -15,11 +15,12 @@ Example:
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 from gradaccum.cli import PROG, UsageError
-from gradaccum.cli.check import add_target_arguments, parse_factory_spec, positive_int
+from gradaccum.cli._args import positive_int
+from gradaccum.cli._check_targets import add_target_arguments, parse_factory_spec
+from gradaccum.memory import parse_bytes
 
 __all__ = ["NOT_AVAILABLE", "add_parser", "parse_memory_budget", "run"]
 
@@ -28,20 +29,6 @@ NOT_AVAILABLE = (
     "--micro-batch-size explicitly instead (e.g. 'gradaccum train --task digits "
     "--micro-batch-size 8') and confirm the split with 'gradaccum check --micro-batch-size 8'"
 )
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_BUDGET = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -110,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
 def parse_memory_budget(text: str) -> int:
     """Bytes in a budget written as `"4096"`, `"512MB"`, `"1.5GB"` or `"2GiB"` (case-insensitive).
 
+    The forms are those of `gradaccum.memory.parse_bytes`.
+
     Args:
         text: The `--memory-budget` value.
 
@@ -119,14 +108,7 @@ def parse_memory_budget(text: str) -> int:
     Raises:
         UsageError: If `text` is not a positive number with an optional known unit.
     """
-    match = _BUDGET.fullmatch(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise UsageError(
-            f"--memory-budget {text!r} is not a size; write bytes or a number with a unit, "
-            "e.g. 512MB or 2GiB"
-        )
-    size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise UsageError(f"--memory-budget {text!r} must be more than 0 bytes")
-    return size
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise UsageError(f"--memory-budget {error}") from None

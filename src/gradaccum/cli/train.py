@@ -16,14 +16,11 @@ import argparse
 
 import torch
 
+from gradaccum.cli._outdir import resolve_out_dir, staged_out_dir, terminate_as_interrupt
 from gradaccum.cli._training_options import (
     add_training_options,
     build_config,
-    check_out_dir,
-    default_out_dir,
     describe_run,
-    staged_out_dir,
-    terminate_as_interrupt,
     train_items,
     validate_config,
 )
@@ -72,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = build_config(args, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size)
     checked = validate_config(config, train_items(args.task, args.seed))
-    out = args.out if args.out is not None else default_out_dir("train", args.task)
-    check_out_dir(out)
+    out = resolve_out_dir(args.out, "train", args.task)
 
     torch.set_num_threads(args.threads)
     print(f"gradaccum train: {args.task} {describe_run(checked)}")

@@ -4,10 +4,8 @@
 memory" means, the settings and both plots), `curves.png` (training loss and validation metric
 against samples seen, one line per config) and `memory.png` (peak memory against micro-batch
 size). `format_table(summaries)` is the same table as aligned text. `gradaccum compare` and
-`gradaccum demo` both use them.
-
-matplotlib is imported only when a plot is drawn, and only its object-oriented API with the Agg
-canvas is used: no pyplot, so no global backend is switched and no window is ever opened.
+`gradaccum demo` both use them. The plots are drawn by `gradaccum.experiments.plots`, whose
+`plot_curves`, `plot_memory`, `CURVES_SIZE` and `MEMORY_SIZE` are importable from here too.
 
 Example:
     >>> from gradaccum.experiments.base import RunSummary
@@ -24,13 +22,19 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from gradaccum.experiments.base import RunSummary
+from gradaccum.experiments.plots import (
+    CURVES_SIZE,
+    MEMORY_SIZE,
+    plot_curves,
+    plot_memory,
+    shared_metric,
+)
 
 __all__ = [
     "CURVES_SIZE",
@@ -54,14 +58,7 @@ PEAK_MEMORY_NOTE = (
     "process RSS."
 )
 
-# Pixel sizes (width, height) of the plots, at _DPI dots per inch.
-CURVES_SIZE = (1200, 480)
-MEMORY_SIZE = (720, 480)
-_DPI = 100
-
 _NUMERIC_COLUMNS = frozenset(range(1, 9))
-_LINESTYLES = ("-", "--", "-.", ":")
-_MARKERS = ("o", "s", "^", "D", "v", "P")
 
 
 def format_bytes(count: float) -> str:
@@ -92,16 +89,6 @@ def format_seconds(seconds: float) -> str:
     return f"{whole // 3600}h {whole // 60 % 60:02d}m"
 
 
-def _check(summaries: Sequence[RunSummary]) -> str:
-    """The metric shared by `summaries`; raises ValueError if there is none or several."""
-    if not summaries:
-        raise ValueError("no runs to report")
-    metrics = {summary.metric for summary in summaries}
-    if len(metrics) != 1:
-        raise ValueError(f"runs of different tasks cannot share a table (metrics {metrics})")
-    return metrics.pop()
-
-
 def table_rows(summaries: Sequence[RunSummary]) -> tuple[list[str], list[list[str]]]:
     """The report table as strings: headers and one row per run, in the given order.
 
@@ -111,7 +98,7 @@ def table_rows(summaries: Sequence[RunSummary]) -> tuple[list[str], list[list[st
     Raises:
         ValueError: If `summaries` is empty or mixes metrics.
     """
-    metric = _check(summaries)
+    metric = shared_metric(summaries)
     headers = [
         "config",
         "effective batch",
@@ -257,7 +244,7 @@ def write_report(
         ImportError: If matplotlib is not installed.
     """
     out = Path(out_dir)
-    metric = _check(summaries)
+    metric = shared_metric(summaries)
     paths = {
         "report": out / "report.md",
         "curves": out / "curves.png",
@@ -296,123 +283,3 @@ def _direction(task: str) -> str:
     except ValueError:
         return ""
     return " (higher is better)" if higher else " (lower is better)"
-
-
-def _figure(size: tuple[int, int], panels: int) -> tuple[Any, list[Any]]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(size[0] / _DPI, size[1] / _DPI), dpi=_DPI, layout="constrained")
-    FigureCanvasAgg(figure)
-    axes = [figure.add_subplot(1, panels, index + 1) for index in range(panels)]
-    return figure, axes
-
-
-def _smooth(values: list[float]) -> list[float]:
-    """Exponential moving average with a span of about 1/25 of the curve."""
-    span = max(1, len(values) // 25)
-    alpha = 2 / (span + 1)
-    smoothed, level = [], values[0] if values else 0.0
-    for value in values:
-        level = alpha * value + (1 - alpha) * level
-        smoothed.append(level)
-    return smoothed
-
-
-def plot_curves(
-    path: Path | str,
-    summaries: Sequence[RunSummary],
-    curves: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
-) -> Path:
-    """Plot training loss and validation metric against samples seen, one line per config.
-
-    Args:
-        path: The PNG to write (`CURVES_SIZE` pixels).
-        summaries: The runs.
-        curves: Optional per-step rows (`samples`, `loss`) by config label; see `write_report`.
-
-    Returns:
-        `path`, as a `Path`.
-    """
-    metric = _check(summaries)
-    figure, (loss_axes, metric_axes) = _figure(CURVES_SIZE, 2)
-    all_positive = True
-    for index, summary in enumerate(summaries):
-        # Runs that agree (8x2 and 16x1 on an additive task) draw the same curve: later lines
-        # are thinner, dashed and with smaller markers, so every one stays visible.
-        style = {
-            "color": f"C{index % 10}",
-            "linestyle": _LINESTYLES[index % len(_LINESTYLES)],
-            "linewidth": max(0.9, 2.4 - 0.5 * index),
-            "label": f"{summary.config} (B={summary.effective_batch})",
-        }
-        marker = {
-            "marker": _MARKERS[index % len(_MARKERS)],
-            "markersize": max(3.0, 9.0 - 2.0 * index),
-        }
-        rows = (curves or {}).get(summary.config)
-        if rows:
-            samples = [float(row["samples"]) for row in rows]
-            losses = [float(row["loss"]) for row in rows]
-            loss_axes.plot(samples, losses, color=style["color"], alpha=0.15, linewidth=0.6)
-            loss_axes.plot(samples, _smooth(losses), **style)
-        else:
-            samples = [float(row["samples"]) for row in summary.history]
-            losses = [float(row["train_loss"]) for row in summary.history]
-            loss_axes.plot(samples, losses, **style, **marker)
-        all_positive = all_positive and all(value > 0 for value in losses if math.isfinite(value))
-        metric_axes.plot(
-            [row["samples"] for row in summary.history],
-            [row["val_metric"] for row in summary.history],
-            **style,
-            **marker,
-        )
-    if all_positive:
-        loss_axes.set_yscale("log")
-    loss_axes.set(title="training loss", xlabel="samples seen", ylabel="loss")
-    metric_axes.set(title=f"validation {metric}", xlabel="samples seen", ylabel=metric)
-    for axes in (loss_axes, metric_axes):
-        axes.grid(alpha=0.3)
-        axes.legend(fontsize="small")
-    figure.savefig(path, dpi=_DPI)
-    return Path(path)
-
-
-def plot_memory(path: Path | str, summaries: Sequence[RunSummary]) -> Path:
-    """Plot peak memory against micro-batch size, one point per config (labelled).
-
-    Configs with the same micro-batch size share a point: their peak is the same, whatever the
-    accumulation steps, which is the point of accumulation.
-
-    Args:
-        path: The PNG to write (`MEMORY_SIZE` pixels).
-        summaries: The runs.
-
-    Returns:
-        `path`, as a `Path`.
-    """
-    _check(summaries)
-    figure, (axes,) = _figure(MEMORY_SIZE, 1)
-    by_micro: dict[int, list[RunSummary]] = {}
-    for summary in summaries:
-        by_micro.setdefault(summary.micro_batch_size, []).append(summary)
-    micros = sorted(by_micro)
-    peaks = [max(s.peak_memory_bytes for s in by_micro[m]) / 2**20 for m in micros]
-    axes.plot(micros, peaks, "o-", color="C0")
-    for micro, peak in zip(micros, peaks, strict=True):
-        label = ", ".join(s.config for s in by_micro[micro])
-        axes.annotate(label, (micro, peak), textcoords="offset points", xytext=(6, 6))
-    if len(micros) > 1 and micros[-1] / micros[0] >= 8:
-        axes.set_xscale("log", base=2)
-    axes.set_xticks(micros, [str(m) for m in micros])
-    axes.margins(x=0.15)
-    axes.set_ylim(bottom=0, top=max(peaks) * 1.15)
-    axes.set_title(
-        "peak memory vs micro-batch size\n"
-        "(weights + grads + AdamW moments + saved activations of one micro-batch)",
-        fontsize="medium",
-    )
-    axes.set(xlabel="micro-batch size", ylabel="peak memory (MiB)")
-    axes.grid(alpha=0.3)
-    figure.savefig(path, dpi=_DPI)
-    return Path(path)
