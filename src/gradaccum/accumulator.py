@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from gradaccum.batching import batch_size, check_micro_batch_size, split_batch
+from gradaccum.norms import clip_, total_norm
 from gradaccum.options import (
     BatchNormMode,
     Normalize,
@@ -249,12 +250,12 @@ class Accumulator:
             self._runtime.publish(window.params)  # GradScaler unscales only .grad
             scaler.unscale_(self.optimizer)  # 3. unscale
         grads = window.gradients()
-        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        grad_norm = total_norm(grads)
         norm_value = float(grad_norm)
         if not math.isfinite(norm_value):  # 4. finite? (the gradients)
             return self._skip_nonfinite(totals, count, loss_total, micro_batch_size, norm_value)
         if self.max_grad_norm is not None:
-            _clip_(grads, self.max_grad_norm, grad_norm)  # 5. clip
+            clip_(grads, self.max_grad_norm, grad_norm)  # 5. clip
         self._runtime.publish(window.params)
         lr = self._lr()
         if scaler is not None:  # 6. step
@@ -375,15 +376,6 @@ class Accumulator:
             if grad is not None and not bool(torch.isfinite(grad).all()):
                 names.append(self._param_names.get(id(param), "<unnamed>"))
         return names or ["<none: the loss itself is non-finite>"]
-
-
-def _clip_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale gradients to `max_norm` as `clip_grad_norm_` does, on tensors, not parameters.
-
-    It works on the fp32 accumulation buffers too, which are not any parameter's `.grad`.
-    """
-    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, coefficient.to(grads[0].device))
 
 
 def _check_optimizer_holds(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]):

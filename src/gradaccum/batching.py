@@ -93,11 +93,15 @@ def batch_size(batch: Any) -> int:
 def to_device(batch: Any, device: torch.device) -> Any:
     """Return `batch` with every tensor moved to `device` (non-blocking where it can be).
 
+    A batch already on `device` is returned as it is, without rebuilding its containers.
+
     Example:
         >>> import torch
         >>> to_device({"x": torch.ones(2)}, torch.device("cpu"))["x"].device.type
         'cpu'
     """
+    if all(tensor.device == device for _, tensor in _tensor_leaves(batch, "")):
+        return batch
     return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
 
 

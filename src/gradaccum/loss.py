@@ -92,7 +92,7 @@ def _check_scalar(value: object, what: str) -> torch.Tensor:
         )
     if not value.is_floating_point():
         raise ValueError(f"{what} has dtype {value.dtype}; it must be a floating-point tensor.")
-    return value.reshape(())
+    return value if value.dim() == 0 else value.reshape(())  # no extra autograd node
 
 
 def _read_count(count: object) -> int:

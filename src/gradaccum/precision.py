@@ -75,11 +75,8 @@ class PrecisionRuntime:
         ]
         self.accum_dtype = accum_dtype
         self.buffers: list[torch.Tensor | None] = [None] * len(params)
-
-    @property
-    def uses_buffers(self) -> bool:
-        """Whether any gradient accumulates in a separate higher-precision buffer."""
-        return any(self.buffered)
+        # Whether any gradient accumulates in a separate higher-precision buffer.
+        self.uses_buffers = any(self.buffered)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Return the forward-pass context: autocast for bf16/fp16, nothing for fp32."""
@@ -107,6 +104,8 @@ class PrecisionRuntime:
 
     def gradients(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
         """The tensors that hold the window's accumulated gradients, buffers first-class."""
+        if not self.uses_buffers:
+            return [p.grad for p in params if p.grad is not None]
         grads = []
         for param, buffered, buffer in zip(params, self.buffered, self.buffers, strict=True):
             grad = buffer if buffered and buffer is not None else param.grad
@@ -116,6 +115,8 @@ class PrecisionRuntime:
 
     def publish(self, params: list[torch.nn.Parameter]) -> None:
         """Write buffered gradients back to `.grad` in each parameter's dtype for the optimizer."""
+        if not self.uses_buffers:
+            return
         for index, (param, buffered) in enumerate(zip(params, self.buffered, strict=True)):
             buffer = self.buffers[index]
             if buffered and buffer is not None:

@@ -1,0 +1,44 @@
+"""Gradient norms and clipping on plain gradient tensors.
+
+`torch.nn.utils.clip_grad_norm_` works on parameters; the accumulator also clips its
+higher-precision buffers, which belong to no parameter, so both operations take tensors here. The
+arithmetic is `clip_grad_norm_`'s: the same total norm, the same `max_norm / (norm + 1e-6)`
+coefficient clamped at 1, so a clipped step equals a plain full-batch step with `clip_grad_norm_`.
+
+Example:
+    >>> import torch
+    >>> grads = [torch.full((3,), 10.0)]
+    >>> norm = total_norm(grads)
+    >>> clip_(grads, 1.0, norm)
+    >>> round(float(total_norm(grads)), 4)
+    1.0
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["clip_", "total_norm"]
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all gradients together, as `clip_grad_norm_` computes it.
+
+    One fused per-tensor norm and one norm of those; tensors of several devices or dtypes take
+    torch's general (grouping) path.
+    """
+    if not grads:
+        return torch.zeros(())
+    first = grads[0]
+    if any(g.device != first.device or g.dtype != first.dtype for g in grads):
+        return torch.nn.utils.get_total_norm(grads)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+
+
+def clip_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients to `max_norm` as `clip_grad_norm_` does, on tensors, not parameters.
+
+    It works on the fp32 accumulation buffers too, which are not any parameter's `.grad`.
+    """
+    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coefficient.to(grads[0].device))
