@@ -18,6 +18,7 @@ import torch
 
 import gradaccum
 from gradaccum import Accumulator, LossSum, StepResult
+from tests.state import assert_bitwise, clone_state
 
 # --------------------------------------------------------------------------------------------
 # Helpers
@@ -64,44 +65,17 @@ def _assert_params_close(a: torch.nn.Module, b: torch.nn.Module, rtol: float = 1
         torch.testing.assert_close(p, q, rtol=rtol, atol=1e-13)
 
 
-def _clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_clone(v) for v in value)
-    return copy.deepcopy(value)
-
-
-def _assert_bitwise(a: Any, b: Any) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor)
-        assert a.dtype == b.dtype
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            _assert_bitwise(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _assert_bitwise(x, y)
-    else:
-        assert a == b
-
-
 def _snapshot(model: torch.nn.Module, optimizer, scheduler=None) -> dict[str, Any]:
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
-        "optimizer": _clone(optimizer.state_dict()),
-        "scheduler": None if scheduler is None else _clone(scheduler.state_dict()),
+        "optimizer": clone_state(optimizer.state_dict()),
+        "scheduler": None if scheduler is None else clone_state(scheduler.state_dict()),
     }
 
 
 def _assert_unchanged(before: dict[str, Any], model, optimizer, scheduler=None) -> None:
-    _assert_bitwise(before, _snapshot(model, optimizer, scheduler))
+    assert_bitwise(before, _snapshot(model, optimizer, scheduler))
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,7 +140,7 @@ def test_step_discards_gradients_present_before_the_call() -> None:
                 p.grad = torch.full_like(p, 7.0)
         Accumulator(model, _sgd(model), micro_batch_size=4).step(_data(), _mse)
         results.append([p.detach().clone() for p in model.parameters()])
-    _assert_bitwise(results[0], results[1])
+    assert_bitwise(results[0], results[1])
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e6])

@@ -17,6 +17,7 @@ import gradaccum
 from gradaccum import Accumulator, LossSum, NonFiniteError
 from gradaccum.options import Precision
 from gradaccum.precision import PrecisionRuntime
+from tests.state import assert_bitwise, clone_state
 
 MICRO_BATCHES = 4
 MICRO_BATCH_SIZE = 2
@@ -68,39 +69,12 @@ def _poisoned(kind: str, position: int) -> tuple[Callable[..., Any], list[int]]:
     return loss_fn, calls
 
 
-def _clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_clone(v) for v in value)
-    return copy.deepcopy(value)
-
-
-def _assert_bitwise(a: Any, b: Any) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor)
-        assert a.dtype == b.dtype
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            _assert_bitwise(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _assert_bitwise(x, y)
-    else:
-        assert a == b
-
-
 def _snapshot(model, optimizer, scheduler) -> dict[str, Any]:
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
-        "optimizer": _clone(optimizer.state_dict()),
-        "scheduler": _clone(scheduler.state_dict()),
+        "optimizer": clone_state(optimizer.state_dict()),
+        "scheduler": clone_state(scheduler.state_dict()),
         "lr": optimizer.param_groups[0]["lr"],
     }
 
@@ -176,7 +150,7 @@ def test_fp16_nonfinite_micro_batch_skips_the_window_whole(kind: str, position: 
     assert result.skipped is True
     assert result.stepped is False
     assert result.micro_batches == MICRO_BATCHES
-    _assert_bitwise(before, _snapshot(model, optimizer, scheduler))
+    assert_bitwise(before, _snapshot(model, optimizer, scheduler))
     assert scheduler.last_epoch == epoch_before
     assert scheduler.get_last_lr() == before["scheduler"]["_last_lr"]
     # The scale backs off exactly once.
@@ -210,7 +184,7 @@ def test_fp32_nonfinite_window_is_skipped_bitwise(kind: str, position: int) -> N
     result = acc.step(_batch(1), loss_fn)
     assert len(calls) == MICRO_BATCHES
     assert (result.skipped, result.stepped) == (True, False)
-    _assert_bitwise(before, _snapshot(model, optimizer, scheduler))
+    assert_bitwise(before, _snapshot(model, optimizer, scheduler))
 
     twin = setup.twin()
     assert acc.step(_batch(2), _mse).stepped
@@ -234,7 +208,7 @@ def test_streaming_nonfinite_window_is_skipped(precision: str) -> None:
     results = [acc.micro_step((x[i : i + 2], y[i : i + 2]), loss_fn) for i in range(0, len(x), 2)]
     assert [r.stepped for r in results] == [False] * MICRO_BATCHES
     assert [r.skipped for r in results] == [False] * (MICRO_BATCHES - 1) + [True]
-    _assert_bitwise(before, _snapshot(model, optimizer, scheduler))
+    assert_bitwise(before, _snapshot(model, optimizer, scheduler))
     if acc.scaler is not None:
         assert acc.scaler.get_scale() == INITIAL_SCALE * acc.scaler.get_backoff_factor()
 
@@ -250,7 +224,7 @@ def test_on_nonfinite_raise(precision: str) -> None:
     assert isinstance(info.value, FloatingPointError)
     assert "on_nonfinite='skip'" in str(info.value)  # names the alternative
     assert len(calls) == MICRO_BATCHES
-    _assert_bitwise(before, _snapshot(model, optimizer, scheduler))
+    assert_bitwise(before, _snapshot(model, optimizer, scheduler))
     if acc.scaler is not None:  # never more than one back-off for one window
         assert acc.scaler.get_scale() in (INITIAL_SCALE, INITIAL_SCALE / 2)
     assert acc.step(_batch(2), _mse).stepped  # the accumulator is still usable
@@ -272,7 +246,7 @@ def test_fp16_nonfinite_loss_with_finite_gradients_backs_off_the_scale() -> None
 
     result = acc.step(_batch(1), inf_offset)
     assert (result.skipped, result.stepped) == (True, False)
-    _assert_bitwise(before, _snapshot(model, optimizer, scheduler))
+    assert_bitwise(before, _snapshot(model, optimizer, scheduler))
     assert acc.scaler.get_scale() == scale_before * acc.scaler.get_backoff_factor()
 
 
