@@ -29,7 +29,8 @@ def test_single_process_helpers_are_identities() -> None:
     model = _model()
     assert sync.world_size(model) == 1
     assert sync.grad_average_factor(model) == 1
-    assert sync.all_reduce_sum(model, [5.0, 2.5, 3.0]) == [5.0, 2.5, 3.0]
+    totals = sync.agree_on_window(model, 5, 2.5, micro_batches=3, grad_divisor=16.0)
+    assert totals == sync.GlobalTotals(count=5, loss_sum=2.5)
 
 
 @pytest.mark.parametrize("flag", [True, False])

@@ -41,7 +41,7 @@ from gradaccum.options import (
 )
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.state import accumulator_state, load_accumulator_state
-from gradaccum.sync import all_reduce_sum, grad_average_factor, world_size
+from gradaccum.sync import grad_average_factor
 from gradaccum.window import LossFn, Window, WindowTotals, trainable_parameters
 
 __all__ = ["Accumulator", "NonFiniteError", "StepResult"]
@@ -239,7 +239,8 @@ class Accumulator:
     def _finish_window(self, micro_batch_size: int) -> StepResult:
         """The window boundary: the only place the optimizer, scaler and scheduler are touched."""
         window, scaler, totals = self._window, self._runtime.scaler, self._window.totals
-        count, loss_total = self._global_totals(totals)  # 1. all-reduce the counts
+        agreed = window.global_totals()  # 1. all-reduce the counts
+        count, loss_total = agreed.count, agreed.loss_sum
         if count == 0:
             return self._discard(totals, count, loss_total, micro_batch_size, grad_norm=None)
         if not math.isfinite(loss_total):  # 4. finite? (the loss: no need to touch gradients)
@@ -292,19 +293,6 @@ class Accumulator:
                 "discarded; pass on_nonfinite='skip' to skip such windows instead."
             )
         return result
-
-    def _global_totals(self, totals: WindowTotals) -> tuple[int, float]:
-        """Item count and loss sum over all ranks, in one collective; checks ranks agree."""
-        divisor = totals.grad_divisor or 1.0
-        count, loss_total, divisors = all_reduce_sum(
-            self.model, [float(totals.count), totals.loss_total(), divisor]
-        )
-        if divisors != divisor * world_size(self.model):
-            raise RuntimeError(
-                "ranks disagree on the window's first micro-batch size, so their gradients were "
-                "scaled differently; give every rank micro-batches of the same size."
-            )
-        return int(count), loss_total
 
     def _discard(
         self,

@@ -10,19 +10,22 @@ Example:
     >>> model = torch.nn.Linear(2, 1)
     >>> with sync_context(model, sync=False):
     ...     pass
-    >>> world_size(model), all_reduce_sum(model, [5.0, 2.5])
-    (1, [5.0, 2.5])
+    >>> world_size(model), agree_on_window(model, 5, 2.5, micro_batches=2, grad_divisor=8.0)
+    (1, GlobalTotals(count=5, loss_sum=2.5))
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
-    "all_reduce_sum",
+    "RankMismatchError",
+    "GlobalTotals",
+    "agree_on_window",
     "average_gradients",
     "grad_average_factor",
     "sync_context",
@@ -48,19 +51,68 @@ def sync_context(model: torch.nn.Module, *, sync: bool) -> contextlib.AbstractCo
     return contextlib.nullcontext()
 
 
-def all_reduce_sum(model: torch.nn.Module, values: list[float]) -> list[float]:
-    """Sum a few per-rank numbers over the model's ranks in one collective (identity on one).
+class RankMismatchError(RuntimeError):
+    """Ranks ran windows of different shapes; every rank raises it, so none is left waiting."""
 
-    Float64 holds integer counts exactly up to 2**53, so counts and loss sums travel together.
+
+@dataclass(frozen=True)
+class GlobalTotals:
+    """One window's totals over all ranks."""
+
+    count: int
+    loss_sum: float
+
+
+def agree_on_window(
+    model: torch.nn.Module, count: int, loss_sum: float, micro_batches: int, grad_divisor: float
+) -> GlobalTotals:
+    """Exchange each rank's window totals in one small all-gather and check the ranks agree.
+
+    Called once per window, before the backward pass that reduces gradients, so a rank whose
+    window differs raises here, on every rank alike, instead of leaving the others blocked in a
+    gradient reduction it never joins.
+
+    Args:
+        model: The (possibly DDP-wrapped) model, whose process group is used.
+        count: This rank's item count in the window.
+        loss_sum: This rank's summed loss in the window.
+        micro_batches: Micro-batches this rank ran in the window.
+        grad_divisor: What this rank's gradients are divided by (must be the same everywhere).
+
+    Returns:
+        The summed count and loss over ranks (this rank's own on one process).
+
+    Raises:
+        RankMismatchError: If ranks ran different numbers of micro-batches or scaled their
+            gradients differently; the message lists every rank's figures.
     """
-    if world_size(model) == 1:
-        return values
-    device = next(model.parameters()).device
+    ranks = world_size(model)
+    if ranks == 1:
+        return GlobalTotals(count, loss_sum)
+    mine = torch.tensor(
+        [count, loss_sum, micro_batches, grad_divisor], dtype=torch.float64, device=_device(model)
+    )
+    gathered = [torch.empty_like(mine) for _ in range(ranks)]
+    dist.all_gather(gathered, mine, group=model.process_group)
+    rows = [row.tolist() for row in gathered]
+    if len({row[2] for row in rows}) > 1 or len({row[3] for row in rows}) > 1:
+        listing = "; ".join(
+            f"rank {rank}: {int(row[2])} micro-batches, gradient divisor {row[3]:g}"
+            for rank, row in enumerate(rows)
+        )
+        raise RankMismatchError(
+            f"ranks ran different accumulation windows ({listing}); every rank must run the same "
+            "number of micro-batches per window, with first micro-batches of the same size. "
+            "Give each rank the same batch size, or drop the uneven remainder (e.g. "
+            "DistributedSampler(drop_last=True))."
+        )
+    return GlobalTotals(int(sum(row[0] for row in rows)), sum(row[1] for row in rows))
+
+
+def _device(model: torch.nn.Module) -> torch.device:
     if dist.get_backend(model.process_group) == "gloo":
-        device = torch.device("cpu")
-    total = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model.process_group)
-    return total.tolist()
+        return torch.device("cpu")
+    return next(model.parameters()).device
 
 
 def average_gradients(model: torch.nn.Module, grads: list[torch.Tensor]) -> None:

@@ -31,7 +31,13 @@ from gradaccum.batching import batch_size, split_batch, to_device
 from gradaccum.loss import LossSum, read_loss
 from gradaccum.options import Normalize, Precision, parse
 from gradaccum.precision import PrecisionRuntime
-from gradaccum.sync import average_gradients, sync_context, world_size
+from gradaccum.sync import (
+    GlobalTotals,
+    agree_on_window,
+    average_gradients,
+    sync_context,
+    world_size,
+)
 
 __all__ = ["LossFn", "Window", "WindowTotals", "accumulate_grad", "trainable_parameters"]
 
@@ -93,6 +99,7 @@ class Window:
         self.totals = WindowTotals()
         self.distributed = world_size(model) > 1
         self.synchronized = False  # whether the last backward reduced gradients across ranks
+        self.agreed: GlobalTotals | None = None  # the window's totals over ranks, once exchanged
 
     def backward(
         self,
@@ -120,6 +127,7 @@ class Window:
         if items is None:
             items = batch_size(micro_batch)
         micro_batch = to_device(micro_batch, self.runtime.device)
+        last = sync
         # DDP cannot see gradients that were moved into buffers, so those are reduced by hand.
         sync = sync and not self.runtime.uses_buffers
         with sync_context(self.model, sync=sync):
@@ -135,6 +143,10 @@ class Window:
                     "the loss does not require grad: it was computed under torch.no_grad(), "
                     "detached, or from frozen parameters only; return the loss with its graph."
                 )
+            if last and self.distributed:
+                # Ranks compare windows before the backward that reduces gradients, so a rank
+                # that differs raises everywhere instead of leaving the others waiting.
+                self._agree(count, value.detach() * weight)
             # A zero-count micro-batch still runs backward when it can: its gradient is zero, but
             # a DDP rank must join the gradient reduction on a window's last micro-batch.
             if value.requires_grad:
@@ -147,6 +159,24 @@ class Window:
         totals.micro_batches += 1
         totals.largest_micro_batch = max(totals.largest_micro_batch, items)
         self.synchronized = sync
+
+    def global_totals(self) -> GlobalTotals:
+        """The window's count and loss sum over all ranks (one exchange per window)."""
+        if self.agreed is None:
+            self._agree(0, None)
+        assert self.agreed is not None
+        return self.agreed
+
+    def _agree(self, pending_count: int, pending_loss: torch.Tensor | None) -> None:
+        totals = self.totals
+        loss_sum = totals.loss_total() + (0.0 if pending_loss is None else float(pending_loss))
+        self.agreed = agree_on_window(
+            self.model,
+            totals.count + pending_count,
+            loss_sum,
+            totals.micro_batches + int(pending_loss is not None),
+            totals.grad_divisor or 1.0,
+        )
 
     def gradients(self) -> list[torch.Tensor]:
         """The tensors holding the accumulated gradients (buffers where there are buffers)."""
@@ -176,6 +206,7 @@ class Window:
     def reset(self) -> None:
         """Forget the window: totals, buffers and every `.grad`."""
         self.totals = WindowTotals()
+        self.agreed = None
         self.runtime.clear_buffers()
         for param in self.params:
             param.grad = None
