@@ -202,7 +202,7 @@ def test_window_totals_track_items_counts_and_loss() -> None:
     window = Window(model, params, Normalize.MEAN, PrecisionRuntime(Precision.FP32, params, None))
     x, y = _data()
     for start, stop in ((0, 4), (4, 5), (5, 11)):
-        window.backward((x[start:stop], y[start:stop]), _sse, expected_micro_batches=3, sync=True)
+        window.backward((x[start:stop], y[start:stop]), _sse, expected_micro_batches=3, last=True)
     totals = window.totals
     assert totals.count == 11
     assert totals.micro_batches == 3
@@ -234,7 +234,7 @@ def test_power_of_two_prescale_changes_no_bit(expected_micro_batches: int) -> No
         )
         for start in range(0, 11, 4):
             mb = (x[start : start + 4], y[start : start + 4])
-            window.backward(mb, _sse, expected_micro_batches=planned, sync=True)
+            window.backward(mb, _sse, expected_micro_batches=planned, last=True)
         window.divide(window.totals.count)
         results.append([g.clone() for g in window.gradients()])
         window.reset()

@@ -190,7 +190,7 @@ class Accumulator:
                     micro_batch,
                     loss_fn,
                     expected_micro_batches=len(micro_batches),
-                    sync=index == len(micro_batches) - 1,
+                    last=index == len(micro_batches) - 1,
                     items=min(self.micro_batch_size, items - index * self.micro_batch_size),
                     window_items=items,
                 )
@@ -214,7 +214,7 @@ class Accumulator:
         last = self._window.totals.micro_batches + 1 == self.accumulation_steps
         with self._fresh_window_guard():
             self._window.backward(
-                micro_batch, loss_fn, expected_micro_batches=self.accumulation_steps, sync=last
+                micro_batch, loss_fn, expected_micro_batches=self.accumulation_steps, last=last
             )
         if last:
             return self._finish_window(self._window.totals.largest_micro_batch)

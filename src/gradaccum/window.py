@@ -107,7 +107,7 @@ class Window:
         loss_fn: LossFn,
         *,
         expected_micro_batches: int,
-        sync: bool,
+        last: bool,
         items: int | None = None,
         window_items: int | None = None,
     ) -> None:
@@ -120,16 +120,16 @@ class Window:
             micro_batch: The micro-batch (any nesting of tensors).
             loss_fn: `loss_fn(model, micro_batch) -> Tensor | LossSum`.
             expected_micro_batches: Micro-batches this window is planned to hold.
-            sync: Whether this backward may synchronize gradients across ranks (last of window).
+            last: Whether this is the window's last micro-batch, whose backward reduces
+                gradients across ranks.
             items: The micro-batch's leading dimension, if the caller already checked it.
             window_items: Items in the whole window, when known up front (`step()`).
         """
         if items is None:
             items = batch_size(micro_batch)
         micro_batch = to_device(micro_batch, self.runtime.device)
-        last = sync
         # DDP cannot see gradients that were moved into buffers, so those are reduced by hand.
-        sync = sync and not self.runtime.uses_buffers
+        sync = last and not self.runtime.uses_buffers
         with sync_context(self.model, sync=sync):
             with self.runtime.autocast():
                 value, weight, count = read_loss(loss_fn(self.model, micro_batch), items)
@@ -295,7 +295,7 @@ def accumulate_grad(
                 micro_batch,
                 loss_fn,
                 expected_micro_batches=len(micro_batches),
-                sync=last,
+                last=last,
                 window_items=total_items,
             )
     except BaseException:
