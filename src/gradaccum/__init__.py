@@ -21,6 +21,7 @@ from gradaccum.checkpoint import CheckpointError, load_checkpoint, save_checkpoi
 from gradaccum.loss import LossSum
 from gradaccum.memory import measure_activation_bytes, parse_bytes
 from gradaccum.options import BatchNormMode, Normalize, OnNonFinite, PartialWindow, Precision
+from gradaccum.sync import RankMismatchError
 from gradaccum.verify import EquivalenceReport, check_equivalence
 from gradaccum.window import accumulate_grad
 
@@ -37,6 +38,7 @@ __all__ = [
     "OnNonFinite",
     "PartialWindow",
     "Precision",
+    "RankMismatchError",
     "StepResult",
     "accumulate_grad",
     "check_equivalence",

@@ -113,6 +113,24 @@ class PrecisionRuntime:
                 grads.append(grad)
         return grads
 
+    def every_gradient(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+        """One gradient tensor per parameter, zeros where none arrived yet (made in place).
+
+        Ranks reducing gradients by hand must send the same tensors, even for a parameter that
+        one rank's micro-batches happened not to reach.
+        """
+        grads = []
+        for index, (param, buffered) in enumerate(zip(params, self.buffered, strict=True)):
+            if buffered:
+                if self.buffers[index] is None:
+                    self.buffers[index] = torch.zeros_like(param, dtype=self.accum_dtype)
+                grads.append(self.buffers[index])
+            else:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grads.append(param.grad)
+        return grads
+
     def publish(self, params: list[torch.nn.Parameter]) -> None:
         """Write buffered gradients back to `.grad` in each parameter's dtype for the optimizer."""
         if not self.uses_buffers:

@@ -119,14 +119,21 @@ def average_gradients(model: torch.nn.Module, grads: list[torch.Tensor]) -> None
     """Average `grads` over ranks by hand, as DDP would have on a synchronized backward.
 
     Used when a window's gradients never went through DDP's own reduction: a partial window
-    settled by `flush()`, or gradients held in accumulation buffers that DDP does not see.
+    settled by `flush()`, or gradients held in accumulation buffers that DDP does not see. Every
+    rank must pass the same tensors in the same order; they travel as one flat buffer per dtype.
     """
     ranks = world_size(model)
     if ranks == 1:
         return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for grad in grads:
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=model.process_group)
-    torch._foreach_div_(grads, float(ranks))
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for group in by_dtype.values():
+        flat = torch.cat([grad.reshape(-1) for grad in group])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=model.process_group)
+        flat.div_(ranks)
+        for grad, part in zip(group, flat.split([g.numel() for g in group]), strict=True):
+            grad.copy_(part.view_as(grad))
 
 
 def grad_average_factor(model: torch.nn.Module) -> int:

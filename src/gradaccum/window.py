@@ -185,7 +185,7 @@ class Window:
     def synchronize(self) -> None:
         """Average the gradients over ranks if the window's backward passes did not."""
         if self.distributed and not self.synchronized:
-            average_gradients(self.model, self.gradients())
+            average_gradients(self.model, self.runtime.every_gradient(self.params))
             self.synchronized = True
 
     def divide(self, total_count: int, averaged_over: int = 1) -> None:
