@@ -41,7 +41,7 @@ from gradaccum.options import (
 )
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.state import accumulator_state, load_accumulator_state
-from gradaccum.sync import grad_average_factor
+from gradaccum.sync import grad_average_factor, is_fsdp
 from gradaccum.window import LossFn, Window, WindowTotals, trainable_parameters
 
 __all__ = ["Accumulator", "NonFiniteError", "StepResult"]
@@ -148,6 +148,12 @@ class Accumulator:
         self.memory_budget = memory_budget
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         self._runtime = PrecisionRuntime(self.precision, params, accum_dtype)
+        if self._runtime.uses_buffers and is_fsdp(model):
+            raise ValueError(
+                "accum_dtype buffers cannot see FSDP2's deferred gradients; pass "
+                "fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)) "
+                "instead and leave accum_dtype=None."
+            )
         self._window = Window(model, params, self.normalize, self._runtime)
 
     @property
@@ -233,6 +239,7 @@ class Accumulator:
         if self.partial_window is PartialWindow.STEP:
             return self._finish_window(totals.largest_micro_batch)
         result = self._progress()
+        self._window.settle_deferred()
         self._window.reset()
         return result
 
@@ -302,6 +309,7 @@ class Accumulator:
         micro_batch_size: int,
         grad_norm: float | None,
     ) -> StepResult:
+        self._window.settle_deferred()
         self._window.reset()
         loss = self._objective(loss_total, count)
         return StepResult(

@@ -4,6 +4,8 @@ On one process everything here is a no-op. For a model wrapped in
 `torch.nn.parallel.DistributedDataParallel`, every micro-batch but the last of a window runs under
 `no_sync()`, so gradients are reduced once per window; the window's item count is summed over
 ranks, and DDP's division by the world size is undone, so the result is the global item mean.
+A model with FSDP2's `fully_shard` applied is handled alike: its reduce-scatter is deferred with
+`set_requires_gradient_sync(False)` and its mean over ranks is undone.
 
 Example:
     >>> import torch
@@ -17,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +31,7 @@ __all__ = [
     "agree_on_window",
     "average_gradients",
     "grad_average_factor",
+    "is_fsdp",
     "sync_context",
     "world_size",
 ]
@@ -37,18 +41,54 @@ def _is_ddp(model: torch.nn.Module) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
+def is_fsdp(model: torch.nn.Module) -> bool:
+    """Whether `fully_shard` (FSDP2) was applied to the model."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed support
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _group(model: torch.nn.Module) -> dist.ProcessGroup | None:
+    """The process group the model's gradients are reduced over, or None if not distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if _is_ddp(model):
+        return model.process_group
+    if is_fsdp(model):
+        return next(model.parameters()).device_mesh.get_group()
+    return None
+
+
 def world_size(model: torch.nn.Module) -> int:
     """Number of ranks the model's gradients are reduced over (1 when not distributed)."""
-    if _is_ddp(model) and dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(model.process_group)
-    return 1
+    group = _group(model)
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def sync_context(model: torch.nn.Module, *, sync: bool) -> contextlib.AbstractContextManager:
-    """Context for one micro-batch's forward and backward: `no_sync()` unless `sync` is True."""
-    if not sync and _is_ddp(model):
+    """Context for one micro-batch's forward and backward: gradients reduced only if `sync`.
+
+    DDP: `no_sync()`. FSDP2: `set_requires_gradient_sync(False)` on every FSDP module, put back
+    afterwards, so the reduce-scatter waits for the window's last backward.
+    """
+    if sync:
+        return contextlib.nullcontext()
+    if _is_ddp(model):
         return model.no_sync()
+    if is_fsdp(model):
+        return _fsdp_deferred(model)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_deferred(model: torch.nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 class RankMismatchError(RuntimeError):
@@ -89,11 +129,12 @@ def agree_on_window(
     ranks = world_size(model)
     if ranks == 1:
         return GlobalTotals(count, loss_sum)
+    group = _group(model)
     mine = torch.tensor(
-        [count, loss_sum, micro_batches, grad_divisor], dtype=torch.float64, device=_device(model)
+        [count, loss_sum, micro_batches, grad_divisor], dtype=torch.float64, device=_device(group)
     )
     gathered = [torch.empty_like(mine) for _ in range(ranks)]
-    dist.all_gather(gathered, mine, group=model.process_group)
+    dist.all_gather(gathered, mine, group=group)
     rows = [row.tolist() for row in gathered]
     if len({row[2] for row in rows}) > 1 or len({row[3] for row in rows}) > 1:
         listing = "; ".join(
@@ -109,10 +150,10 @@ def agree_on_window(
     return GlobalTotals(int(sum(row[0] for row in rows)), sum(row[1] for row in rows))
 
 
-def _device(model: torch.nn.Module) -> torch.device:
-    if dist.get_backend(model.process_group) == "gloo":
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "gloo":
         return torch.device("cpu")
-    return next(model.parameters()).device
+    return torch.device(torch.accelerator.current_accelerator() or "cpu")
 
 
 def average_gradients(model: torch.nn.Module, grads: list[torch.Tensor]) -> None:
@@ -130,12 +171,12 @@ def average_gradients(model: torch.nn.Module, grads: list[torch.Tensor]) -> None
         by_dtype.setdefault(grad.dtype, []).append(grad)
     for group in by_dtype.values():
         flat = torch.cat([grad.reshape(-1) for grad in group])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=model.process_group)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=_group(model))
         flat.div_(ranks)
         for grad, part in zip(group, flat.split([g.numel() for g in group]), strict=True):
             grad.copy_(part.view_as(grad))
 
 
 def grad_average_factor(model: torch.nn.Module) -> int:
-    """What the wrapper divided the summed gradient by (DDP averages over ranks)."""
+    """What the wrapper divided the summed gradient by (DDP and FSDP2 average over ranks)."""
     return world_size(model)

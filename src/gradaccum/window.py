@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from gradaccum.batching import batch_size, split_batch, to_device
+from gradaccum.batching import batch_size, map_tensors, split_batch, to_device
 from gradaccum.loss import LossSum, read_loss
 from gradaccum.options import Normalize, Precision, parse
 from gradaccum.precision import PrecisionRuntime
@@ -35,6 +35,7 @@ from gradaccum.sync import (
     GlobalTotals,
     agree_on_window,
     average_gradients,
+    is_fsdp,
     sync_context,
     world_size,
 )
@@ -100,6 +101,9 @@ class Window:
         self.distributed = world_size(model) > 1
         self.synchronized = False  # whether the last backward reduced gradients across ranks
         self.agreed: GlobalTotals | None = None  # the window's totals over ranks, once exchanged
+        self.fsdp = is_fsdp(model)
+        # FSDP2 keeps deferred gradient sums to itself; a later backward must carry them out.
+        self._last_input: tuple[Any, LossFn] | None = None
 
     def backward(
         self,
@@ -154,6 +158,8 @@ class Window:
                 scaled = value if factor == 1.0 else value * factor
                 self.runtime.scale(scaled).backward()
                 self.runtime.collect(self.params)
+        if self.fsdp:
+            self._last_input = (micro_batch, loss_fn)
         totals.add_loss(value, weight)
         totals.count += count
         totals.micro_batches += 1
@@ -183,10 +189,33 @@ class Window:
         return self.runtime.gradients(self.params)
 
     def synchronize(self) -> None:
-        """Average the gradients over ranks if the window's backward passes did not."""
-        if self.distributed and not self.synchronized:
+        """Reduce the gradients over ranks if the window's backward passes did not."""
+        if not self.distributed or self.synchronized:
+            return
+        if self.fsdp:
+            self._settle_fsdp()
+        else:
             average_gradients(self.model, self.runtime.every_gradient(self.params))
-            self.synchronized = True
+        self.synchronized = True
+
+    def settle_deferred(self) -> None:
+        """Before a window is discarded: FSDP2 would carry its deferred sums into the next one."""
+        if self.fsdp:
+            self.synchronize()
+
+    def _settle_fsdp(self) -> None:
+        """Make FSDP2 reduce-scatter its deferred sums: one synchronized backward of zero items.
+
+        FSDP2 holds a deferred window's partial sums on its own unsharded parameters, out of
+        reach; only a backward with the sync on releases them. The last micro-batch cut to zero
+        items adds nothing to them (its gradient sums over no item).
+        """
+        assert self._last_input is not None  # a distributed window ran at least one micro-batch
+        micro_batch, loss_fn = self._last_input
+        empty = map_tensors(micro_batch, lambda tensor: tensor[:0])
+        with self.runtime.autocast():
+            value, _, _ = read_loss(loss_fn(self.model, empty), 0)
+        value.backward(torch.zeros_like(value))
 
     def divide(self, total_count: int, averaged_over: int = 1) -> None:
         """Turn accumulated sums into the objective's gradient: the window's one division.
@@ -207,6 +236,7 @@ class Window:
         """Forget the window: totals, buffers and every `.grad`."""
         self.totals = WindowTotals()
         self.agreed = None
+        self._last_input = None
         self.runtime.clear_buffers()
         for param in self.params:
             param.grad = None

@@ -1,6 +1,6 @@
 """DDP on 2 real gloo ranks (CPU, float64): exactness, one gradient reduction per window, errors.
 
-Every check runs in real processes started by `tests.dist._harness` (torch.multiprocessing,
+Every check runs in real processes started by `tests.distributed._harness` (torch.multiprocessing,
 spawn). The ranks only train and report; the single-process references (one full-batch step on
 the concatenation of both ranks' data, plain PyTorch) are computed here, in the test process.
 
@@ -28,7 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator
-from tests.dist._harness import describe, free_port, run_ranks, spawn_ranks
+from tests.distributed._harness import describe, free_port, run_ranks, spawn_ranks
 from tests.models import (
     IGNORE_INDEX,
     concat_batches,
