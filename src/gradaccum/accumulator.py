@@ -41,7 +41,7 @@ from gradaccum.options import (
 )
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.state import accumulator_state, load_accumulator_state
-from gradaccum.sync import grad_average_factor, is_fsdp
+from gradaccum.sync import agree_on_plan, grad_average_factor, is_fsdp
 from gradaccum.window import LossFn, Window, WindowTotals, trainable_parameters
 
 __all__ = ["Accumulator", "NonFiniteError", "StepResult"]
@@ -190,6 +190,8 @@ class Accumulator:
         self._check_no_open_window("step()")
         micro_batches = split_batch(batch, self.micro_batch_size)
         items = batch_size(batch)
+        if self._window.fsdp:
+            agree_on_plan(self.model, len(micro_batches), min(items, self.micro_batch_size))
         with self._fresh_window_guard():
             for index, micro_batch in enumerate(micro_batches):
                 self._window.backward(

@@ -28,6 +28,7 @@ import torch.distributed as dist
 __all__ = [
     "RankMismatchError",
     "GlobalTotals",
+    "agree_on_plan",
     "agree_on_window",
     "average_gradients",
     "grad_average_factor",
@@ -148,6 +149,35 @@ def agree_on_window(
             "DistributedSampler(drop_last=True))."
         )
     return GlobalTotals(int(sum(row[0] for row in rows)), sum(row[1] for row in rows))
+
+
+def agree_on_plan(model: torch.nn.Module, micro_batches: int, first_items: int) -> None:
+    """Before a window's first forward, check every rank plans the same micro-batches (FSDP2).
+
+    Every FSDP2 forward is itself a collective, so a rank with one micro-batch more would break
+    the collectives before the window's own check could run. `step()` knows its plan up front and
+    compares it here, at the cost of one more tiny all-gather per window, on FSDP2 only.
+
+    Raises:
+        RankMismatchError: If ranks plan different numbers or sizes of micro-batches.
+    """
+    ranks = world_size(model)
+    if ranks == 1:
+        return
+    group = _group(model)
+    mine = torch.tensor([micro_batches, first_items], dtype=torch.float64, device=_device(group))
+    gathered = [torch.empty_like(mine) for _ in range(ranks)]
+    dist.all_gather(gathered, mine, group=group)
+    rows = [row.tolist() for row in gathered]
+    if len({tuple(row) for row in rows}) > 1:
+        listing = "; ".join(
+            f"rank {rank}: {int(row[0])} micro-batches, the first of {int(row[1])} items"
+            for rank, row in enumerate(rows)
+        )
+        raise RankMismatchError(
+            f"ranks planned different accumulation windows ({listing}); give every rank the same "
+            "batch size, e.g. DistributedSampler(drop_last=True)."
+        )
 
 
 def _device(group: dist.ProcessGroup | None) -> torch.device:
