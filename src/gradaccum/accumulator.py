@@ -155,6 +155,9 @@ class Accumulator:
                 "instead and leave accum_dtype=None."
             )
         self._window = Window(model, params, self.normalize, self._runtime)
+        # Windows dropped as non-finite and as empty so far: part of the state, for exact resume.
+        self.nonfinite_windows = 0
+        self.empty_windows = 0
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -251,6 +254,7 @@ class Accumulator:
         agreed = window.global_totals()  # 1. all-reduce the counts
         count, loss_total = agreed.count, agreed.loss_sum
         if count == 0:
+            self.empty_windows += 1
             return self._discard(totals, count, loss_total, micro_batch_size, grad_norm=None)
         if not math.isfinite(loss_total):  # 4. finite? (the loss: no need to touch gradients)
             return self._skip_nonfinite(totals, count, loss_total, micro_batch_size, None)
@@ -291,6 +295,7 @@ class Accumulator:
         grad_norm: float | None,
     ) -> StepResult:
         """Drop a non-finite window whole: no optimizer or scheduler step; fp16 backs off once."""
+        self.nonfinite_windows += 1
         self._runtime.back_off(unscaled=grad_norm is not None)
         raising = self.on_nonfinite is OnNonFinite.RAISE
         culprits = self._nonfinite_parameter_names() if raising else []

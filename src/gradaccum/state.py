@@ -55,6 +55,8 @@ def accumulator_state(acc: Accumulator) -> dict[str, Any]:
         "grads": [_copy(p.grad) for p in window.params],
         "buffers": [_copy(b) for b in runtime.buffers],
         "scaler": None if runtime.scaler is None else runtime.scaler.state_dict(),
+        "nonfinite_windows": acc.nonfinite_windows,
+        "empty_windows": acc.empty_windows,
     }
 
 
@@ -78,6 +80,8 @@ def load_accumulator_state(acc: Accumulator, state: dict[str, Any]) -> None:
     ]
     if runtime.scaler is not None and state["scaler"]:
         runtime.scaler.load_state_dict(state["scaler"])
+    acc.nonfinite_windows = int(state["nonfinite_windows"])
+    acc.empty_windows = int(state["empty_windows"])
 
 
 def _check_compatible(acc: Accumulator, state: dict[str, Any]) -> None:
