@@ -74,6 +74,7 @@ def save_checkpoint(
         "extra": extra,
         "rng": _capture_rng(),
     }
+    _remove_stale_temporaries(target)
     temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         with open(temporary, "wb") as handle:
@@ -131,6 +132,13 @@ def load_checkpoint(
     for name, wanted in (("accumulator", accumulator), ("scheduler", scheduler)):
         if wanted is not None and payload.get(name) is None:
             raise CheckpointError(f"{source} holds no {name} state; pass {name}=None.")
+    missing = [
+        key for key in ("model", "optimizer", "rng") if not isinstance(payload.get(key), dict)
+    ]
+    if missing:
+        raise CheckpointError(f"{source} is incomplete: it lacks {', '.join(missing)}.")
+    _check_model_fits(source, payload["model"], model.state_dict())
+    # Everything is checked before anything is restored; the accumulator checks its own state.
     if accumulator is not None:
         accumulator.load_state_dict(payload["accumulator"])
     model.load_state_dict(payload["model"])
@@ -139,6 +147,23 @@ def load_checkpoint(
         scheduler.load_state_dict(payload["scheduler"])
     _restore_rng(payload["rng"])
     return payload.get("extra")
+
+
+def _check_model_fits(
+    source: Path, saved: dict[str, Any], current: dict[str, torch.Tensor]
+) -> None:
+    if saved.keys() != current.keys():
+        extra, absent = sorted(saved.keys() - current.keys()), sorted(current.keys() - saved.keys())
+        raise CheckpointError(
+            f"{source} holds a different model: keys only in the file {extra[:5]}, keys only in "
+            f"the model {absent[:5]}; load it into the architecture it was saved from."
+        )
+    for key, tensor in current.items():
+        if tuple(saved[key].shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{source} holds {key} of shape {tuple(saved[key].shape)}, the model has "
+                f"{tuple(tensor.shape)}; load it into the architecture it was saved from."
+            )
 
 
 def _capture_rng() -> dict[str, Any]:
@@ -175,6 +200,24 @@ def _restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Delete temporaries left by writers of `target` that were killed mid-write."""
+    for leftover in target.parent.glob(f".{target.name}.tmp-*"):
+        pid = leftover.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            leftover.unlink(missing_ok=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, but another user's
+        return True
+    return True
 
 
 def _fsync_folder(folder: Path) -> None:

@@ -31,7 +31,7 @@ __all__ = ["STATE_VERSION", "accumulator_state", "load_accumulator_state"]
 
 STATE_VERSION = 1
 # Settings that change what a saved partial window means; they must match on resume.
-_MUST_MATCH = ("accumulation_steps", "micro_batch_size", "normalize", "precision")
+_MUST_MATCH = ("accumulation_steps", "micro_batch_size", "normalize", "precision", "accum_dtype")
 
 
 def accumulator_state(acc: Accumulator) -> dict[str, Any]:
@@ -44,6 +44,7 @@ def accumulator_state(acc: Accumulator) -> dict[str, Any]:
         "micro_batch_size": acc.micro_batch_size,
         "normalize": acc.normalize.value,
         "precision": acc.precision.value,
+        "accum_dtype": _dtype_name(runtime.accum_dtype),
         "param_shapes": [list(p.shape) for p in window.params],
         "window": {
             "count": totals.count,
@@ -65,10 +66,12 @@ def load_accumulator_state(acc: Accumulator, state: dict[str, Any]) -> None:
     _check_compatible(acc, state)
     window, runtime = acc._window, acc._runtime
     saved = state["window"]
+    # Cloned: the window adds into loss_sum in place, which must not reach the caller's state.
+    loss_sum = None if saved["loss_sum"] is None else saved["loss_sum"].to(runtime.device).clone()
     window.totals = WindowTotals(
         count=int(saved["count"]),
         micro_batches=int(saved["micro_batches"]),
-        loss_sum=None if saved["loss_sum"] is None else saved["loss_sum"].to(runtime.device),
+        loss_sum=loss_sum,
         grad_divisor=saved["grad_divisor"],
         largest_micro_batch=int(saved["largest_micro_batch"]),
     )
@@ -117,7 +120,12 @@ def accumulator_settings(acc: Accumulator) -> dict[str, Any]:
         "micro_batch_size": acc.micro_batch_size,
         "normalize": acc.normalize.value,
         "precision": acc.precision.value,
+        "accum_dtype": _dtype_name(acc._runtime.accum_dtype),
     }
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype)
 
 
 def _copy(tensor: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,0 +1,337 @@
+"""Checkpoints: exact resume after SIGKILL, crash-safe writes, safe and strict loading.
+
+The kill-and-resume tests run `tests/resume_worker.py` in subprocesses: one process trains with a
+checkpoint after every micro-step (or step) and SIGKILLs itself right after position `k`; a fresh
+process resumes from the checkpoint and finishes. Its final model and optimizer state must equal,
+bit for bit, the same run done uninterrupted (computed in this process by the same code without
+any checkpoint, so saving a checkpoint is also shown not to disturb training). The subprocesses of
+one test run concurrently to keep the file fast.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from gradaccum import Accumulator, CheckpointError, load_checkpoint, save_checkpoint
+from tests.resume_worker import build, train
+from tests.state import assert_bitwise, clone_state
+
+WORKER = Path(__file__).with_name("resume_worker.py")
+KILLED = -signal.SIGKILL
+
+
+def _run_workers(jobs: list[list[str]]) -> list[subprocess.CompletedProcess[str]]:
+    """Run several worker command lines at once; return their results in order."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), *job],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for job in jobs
+    ]
+    results = []
+    try:
+        for proc, job in zip(procs, jobs, strict=True):
+            out, err = proc.communicate(timeout=240)
+            results.append(subprocess.CompletedProcess(job, proc.returncode, out, err))
+    finally:
+        for proc in procs:  # only after a timeout or error: no worker outlives the test
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+def _final(folder: Path) -> dict[str, Any]:
+    return torch.load(folder / "final.pt", map_location="cpu", weights_only=True)
+
+
+def _kill_and_resume(
+    tmp_path: Path, variant: str, n: int, kills: list[int]
+) -> dict[int, dict[str, Any]]:
+    """For each position in `kills`: run until SIGKILL there, then resume in a fresh process."""
+    folders = {k: tmp_path / f"{variant}-{n}-{k}" for k in kills}
+    for folder in folders.values():
+        folder.mkdir()
+    common = ["--variant", variant, "--n", str(n)]
+    died = _run_workers([[*common, "--out", str(folders[k]), "--die-after", str(k)] for k in kills])
+    for k, result in zip(kills, died, strict=True):
+        assert result.returncode == KILLED, (k, result.stderr)
+        assert not (folders[k] / "final.pt").exists()
+    resumed = _run_workers([[*common, "--out", str(folders[k]), "--resume"] for k in kills])
+    for k, result in zip(kills, resumed, strict=True):
+        assert result.returncode == 0, (k, result.stderr)
+    return {k: _final(folders[k]) for k in kills}
+
+
+# (variant, N, positions killed at). Streaming positions N + k are micro position k of the second
+# window (so the optimizer already has state); "whole" kills after optimizer steps 0 and 1.
+CASES = [
+    ("base", 2, [2, 3]),
+    ("base", 5, [5, 6, 7, 8, 9]),
+    ("whole", 1, [1]),
+    ("bf16", 3, [4]),
+    # Position 4 falls in the window that fp16 skips as non-finite; 5 is its boundary.
+    ("fp16", 3, [4, 5]),
+]
+
+
+@pytest.mark.parametrize(("variant", "n", "kills"), CASES, ids=[f"{c[0]}-N{c[1]}" for c in CASES])
+def test_sigkill_then_resume_is_bitwise_equal_to_uninterrupted_run(
+    tmp_path: Path, variant: str, n: int, kills: list[int]
+) -> None:
+    reference = train(variant, n)
+    for k, final in _kill_and_resume(tmp_path, variant, n, kills).items():
+        try:
+            assert_bitwise(final, reference)
+        except AssertionError as error:
+            raise AssertionError(f"{variant} N={n}: resume after position {k} differs") from error
+    if variant == "fp16":
+        assert reference["counters"][0] == 1  # the skipped window really happened
+        assert reference["scale"] == 2.0**15  # and backed the scale off once
+
+
+def test_resume_without_accumulator_state_differs(tmp_path: Path) -> None:
+    """Negative control: dropping the partial window on resume changes the result clearly."""
+    reference = train("base", 5)
+    train("base", 5, tmp_path, stop_after=7)
+    final = train("base", 5, tmp_path, resume=True, drop_accumulator=True)
+    # The same resume keeping the accumulator state matches (shown here in-process too).
+    train("base", 5, tmp_path, stop_after=7)
+    assert_bitwise(train("base", 5, tmp_path, resume=True), reference)
+    gap = max(
+        float((final["model"][name] - value).abs().max())
+        for name, value in reference["model"].items()
+    )
+    assert gap > 1e-3
+
+
+def test_crash_in_the_middle_of_a_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    (result,) = _run_workers(
+        [["--variant", "base", "--n", "2", "--out", str(tmp_path), "--crash-in-save-at", "3"]]
+    )
+    assert result.returncode == KILLED, result.stderr
+    # Under the real name: only the complete checkpoint of position 2. The half-written data is in
+    # a hidden temporary file, left over because the process died before its cleanup could run.
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names[-1] == "ckpt.pt"
+    leftovers = names[:-1]
+    assert all(name.startswith(".ckpt.pt.tmp-") for name in leftovers), names
+    assert leftovers, "the kill should have struck during the write"
+    half = (tmp_path / leftovers[0]).stat().st_size
+    assert 0 < half < (tmp_path / "ckpt.pt").stat().st_size
+    model, optimizer, scheduler, acc = build("base", 2)
+    extra = load_checkpoint(
+        tmp_path / "ckpt.pt", model=model, optimizer=optimizer, accumulator=acc, scheduler=scheduler
+    )
+    assert extra == {"position": 2}
+    # The half file itself is damaged, and is rejected as such.
+    with pytest.raises(CheckpointError, match=leftovers[0]):
+        load_checkpoint(tmp_path / leftovers[0], model=model, optimizer=optimizer)
+    # Resuming from the surviving checkpoint still ends bitwise where an uninterrupted run does.
+    (resumed,) = _run_workers(
+        [["--variant", "base", "--n", "2", "--out", str(tmp_path), "--resume"]]
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert_bitwise(_final(tmp_path), train("base", 2))
+
+
+# ----- loading bad files ---------------------------------------------------------------------
+
+
+class _Payload:
+    """An object whose unpickling would create a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+def _small() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(3, 2).double()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_file_whose_pickle_runs_code_is_rejected_and_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "MARKER"
+    evil = tmp_path / "evil.pt"
+    model, optimizer = _small()
+    save_checkpoint(tmp_path / "good.pt", model=model, optimizer=optimizer)
+    payload = torch.load(tmp_path / "good.pt", weights_only=True)
+    payload["extra"] = {"position": _Payload(marker)}
+    torch.save(payload, evil)
+    before = clone_state(model.state_dict())
+    with pytest.raises(CheckpointError, match=r"evil\.pt"):
+        load_checkpoint(evil, model=model, optimizer=optimizer)
+    assert not marker.exists()
+    assert_bitwise(model.state_dict(), before)
+    # Negative control: the file really does run code when unpickled without weights_only.
+    torch.load(evil, weights_only=False)
+    assert marker.exists()
+
+
+def _damaged_files(folder: Path) -> dict[str, Path]:
+    model, optimizer = _small()
+    acc = Accumulator(model, optimizer, accumulation_steps=2)
+    good = folder / "good.pt"
+    save_checkpoint(good, model=model, optimizer=optimizer, accumulator=acc, extra={"a": 1})
+    data = good.read_bytes()
+    files = {
+        "truncated": data[: len(data) // 2],
+        "truncated-tail": data[:-10],
+        "zero-byte": b"",
+        "random": torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(5))
+        .to(torch.uint8)
+        .numpy()
+        .tobytes(),
+        "text": b"not a checkpoint\n",
+    }
+    paths = {}
+    for name, content in files.items():
+        paths[name] = folder / f"{name}.pt"
+        paths[name].write_bytes(content)
+    paths["plain-torch-dict"] = folder / "plain-torch-dict.pt"
+    torch.save({"weight": torch.ones(2)}, paths["plain-torch-dict"])
+    paths["plain-tensor"] = folder / "plain-tensor.pt"
+    torch.save(torch.ones(2), paths["plain-tensor"])
+    payload = torch.load(good, weights_only=True)
+    payload["version"] = 99
+    paths["wrong-version"] = folder / "wrong-version.pt"
+    torch.save(payload, paths["wrong-version"])
+    return paths
+
+
+DAMAGE = [
+    "truncated",
+    "truncated-tail",
+    "zero-byte",
+    "random",
+    "text",
+    "plain-torch-dict",
+    "plain-tensor",
+    "wrong-version",
+]
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damaged_file_raises_checkpoint_error_naming_it(tmp_path: Path, kind: str) -> None:
+    path = _damaged_files(tmp_path)[kind]
+    model, optimizer = _small()
+    acc = Accumulator(model, optimizer, accumulation_steps=2)
+    before = clone_state([model.state_dict(), optimizer.state_dict(), acc.state_dict()])
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+    assert str(path) in str(caught.value)
+    assert_bitwise([model.state_dict(), optimizer.state_dict(), acc.state_dict()], before)
+
+
+def test_good_file_loads(tmp_path: Path) -> None:
+    """Negative control for the damage tests: the undamaged original loads fine."""
+    path = _damaged_files(tmp_path)
+    model, optimizer = _small()
+    acc = Accumulator(model, optimizer, accumulation_steps=2)
+    assert path["truncated"].with_name("good.pt").is_file()
+    extra = load_checkpoint(
+        path["truncated"].with_name("good.pt"), model=model, optimizer=optimizer, accumulator=acc
+    )
+    assert extra == {"a": 1}
+
+
+def test_missing_file_raises_file_not_found_naming_it(tmp_path: Path) -> None:
+    model, optimizer = _small()
+    missing = tmp_path / "nowhere.pt"
+    with pytest.raises(FileNotFoundError, match=r"nowhere\.pt"):
+        load_checkpoint(missing, model=model, optimizer=optimizer)
+
+
+def test_missing_accumulator_state_is_named(tmp_path: Path) -> None:
+    model, optimizer = _small()
+    path = tmp_path / "no-acc.pt"
+    save_checkpoint(path, model=model, optimizer=optimizer)
+    acc = Accumulator(model, optimizer, accumulation_steps=2)
+    with pytest.raises(CheckpointError, match=r"no-acc\.pt.*accumulator"):
+        load_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+
+
+def test_save_leaves_no_temporary_file_and_overwrites_atomically(tmp_path: Path) -> None:
+    model, optimizer = _small()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model=model, optimizer=optimizer, extra={"v": 1})
+    save_checkpoint(path, model=model, optimizer=optimizer, extra={"v": 2})
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+    assert load_checkpoint(path, model=model, optimizer=optimizer) == {"v": 2}
+
+
+def test_rng_states_are_restored(tmp_path: Path) -> None:
+    model, optimizer = _small()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model=model, optimizer=optimizer)
+    first = (random.random(), float(np.random.rand()), torch.rand(3))
+    second = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert first[0] != second[0]  # the draws move on (so the restore below can be seen)
+    load_checkpoint(path, model=model, optimizer=optimizer)
+    again = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert again[:2] == first[:2]
+    assert torch.equal(again[2], first[2])
+
+
+def test_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    model, optimizer = _small()
+    acc = Accumulator(model, optimizer, accumulation_steps=2)
+    acc.micro_step(torch.randn(3, 3, dtype=torch.float64), lambda m, x: m(x).pow(2).mean())
+    before = clone_state({"acc": acc.state_dict(), "model": model.state_dict()})
+    other = torch.nn.Linear(3, 4).double()
+    other_acc = Accumulator(
+        other, torch.optim.SGD(other.parameters(), lr=0.1), accumulation_steps=2
+    )
+    path = tmp_path / "other.pt"
+    save_checkpoint(path, model=other, optimizer=other_acc.optimizer, accumulator=other_acc)
+    with pytest.raises(CheckpointError, match=r"other\.pt.*shape"):
+        load_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+    assert_bitwise(before, clone_state({"acc": acc.state_dict(), "model": model.state_dict()}))
+
+
+def test_incomplete_checkpoint_is_a_checkpoint_error(tmp_path: Path) -> None:
+    model, optimizer = _small()
+    path = tmp_path / "incomplete.pt"
+    save_checkpoint(path, model=model, optimizer=optimizer)
+    payload = torch.load(path, weights_only=True)
+    del payload["rng"]
+    torch.save(payload, path)
+    with pytest.raises(CheckpointError, match=r"incomplete\.pt.*lacks rng"):
+        load_checkpoint(path, model=model, optimizer=optimizer)
+
+
+def test_temporaries_of_killed_writers_are_cleaned_up(tmp_path: Path) -> None:
+    model, optimizer = _small()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stale = tmp_path / f".ckpt.pt.tmp-{dead.stdout.strip()}"
+    stale.write_bytes(b"half a checkpoint")
+    alive = tmp_path / f".ckpt.pt.tmp-{os.getpid()}x"  # not a pid: left alone
+    alive.write_bytes(b"someone else's")
+    save_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=optimizer)
+    assert not stale.exists()
+    assert alive.exists()
+    assert (tmp_path / "ckpt.pt").exists()

@@ -1,0 +1,227 @@
+"""`Accumulator.state_dict()` / `load_state_dict()`: exact mid-window resume and strict checks.
+
+Resume is checked in-process here (the SIGKILL version lives in `test_checkpoint.py`): a run saved
+mid-window and restored into a freshly built Accumulator must end bitwise where the uninterrupted
+run ends, and a restore that leaves the state out must end somewhere clearly different.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from gradaccum import Accumulator, load_checkpoint, save_checkpoint
+from tests.state import assert_bitwise, clone_state
+
+
+def _mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _data(count: int, dtype: torch.dtype, seed: int = 7) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    sizes = [1 + i % 3 for i in range(count)]
+    return [
+        (
+            torch.randn(size, 4, generator=generator, dtype=torch.float64).to(dtype),
+            torch.randn(size, 2, generator=generator, dtype=torch.float64).to(dtype),
+        )
+        for size in sizes
+    ]
+
+
+def _setup(
+    dtype: torch.dtype = torch.float64, hidden: int = 6, **options: Any
+) -> tuple[nn.Module, torch.optim.Optimizer, Accumulator]:
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 2)).to(dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    options.setdefault("accumulation_steps", 3)
+    return model, optimizer, Accumulator(model, optimizer, **options)
+
+
+def _everything(model: nn.Module, optimizer: torch.optim.Optimizer, acc: Accumulator) -> Any:
+    return clone_state([model.state_dict(), optimizer.state_dict(), acc.state_dict()])
+
+
+def _via_bytes(state: Any) -> Any:
+    """Round-trip through `torch.save` and a `weights_only` load, as a checkpoint would."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+VARIANTS: dict[str, tuple[torch.dtype, dict[str, Any]]] = {
+    "fp64": (torch.float64, {}),
+    "bf16-buffers": (torch.bfloat16, {"precision": "bf16", "accum_dtype": torch.float32}),
+    "fp16-scaler": (torch.float32, {"precision": "fp16"}),
+    "sum-carry": (torch.float64, {"normalize": "sum", "partial_window": "carry"}),
+}
+
+
+def _resume_run(
+    variant: str, stop: int | None, *, keep_accumulator: bool = True, total: int = 9
+) -> Any:
+    """Train `total` micro-steps; after `stop` of them, move everything into fresh objects."""
+    dtype, options = VARIANTS[variant]
+    data = _data(total, dtype)
+    model, optimizer, acc = _setup(dtype, **options)
+    for index, batch in enumerate(data):
+        acc.micro_step(batch, _mse)
+        if variant == "sum-carry" and index == 4:
+            acc.flush()  # carry: the partial window stays open and is part of the state
+        if index == stop:
+            saved = _via_bytes(_everything(model, optimizer, acc))
+            model, optimizer, acc = _setup(dtype, **options)
+            model.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+            if keep_accumulator:
+                acc.load_state_dict(saved[2])
+    return _everything(model, optimizer, acc)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("stop", [3, 4, 5])
+def test_mid_window_resume_is_bitwise_exact(variant: str, stop: int) -> None:
+    assert_bitwise(_resume_run(variant, stop), _resume_run(variant, None))
+
+
+def test_resume_without_accumulator_state_is_clearly_different() -> None:
+    """Negative control: the mid-window state matters, so the exactness test can fail."""
+    lost = _resume_run("fp64", 4, keep_accumulator=False)[0]
+    exact = _resume_run("fp64", None)[0]
+    gap = max(float((lost[name] - exact[name]).abs().max()) for name in exact)
+    assert gap > 1e-3
+
+
+def test_state_holds_partial_window() -> None:
+    dtype, options = VARIANTS["bf16-buffers"]
+    model, _, acc = _setup(dtype, **options)
+    for batch in _data(2, dtype):
+        acc.micro_step(batch, _mse)
+    state = acc.state_dict()
+    assert state["version"] == 1
+    assert state["window"]["micro_batches"] == 2
+    assert state["window"]["count"] == 1 + 2
+    # bf16 gradients live in float32 buffers mid-window, not in .grad.
+    assert all(b is not None and b.dtype == torch.float32 for b in state["buffers"])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_state_dict_is_a_snapshot() -> None:
+    model, _, acc = _setup()
+    data = _data(5, torch.float64)
+    acc.micro_step(data[0], _mse)
+    state = acc.state_dict()
+    frozen = clone_state(state)
+    acc.micro_step(data[1], _mse)
+    # Negative control: the live gradient did change after the state was taken.
+    assert not torch.equal(model[0].weight.grad, frozen["grads"][0])
+    for batch in data[2:]:
+        acc.micro_step(batch, _mse)
+    assert_bitwise(state, frozen)
+
+
+def test_loaded_state_is_not_aliased() -> None:
+    """Training after `load_state_dict(state)` leaves `state` itself untouched."""
+    _, _, acc = _setup()
+    data = _data(4, torch.float64)
+    acc.micro_step(data[0], _mse)
+    state = acc.state_dict()
+    frozen = clone_state(state)
+    _, _, other = _setup()
+    other.load_state_dict(state)
+    for batch in data[1:]:
+        other.micro_step(batch, _mse)
+    assert_bitwise(state, frozen)
+
+
+def _mismatches() -> dict[str, tuple[Callable[[], Accumulator], str]]:
+    def frozen_layer() -> Accumulator:
+        torch.manual_seed(11)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+        model[2].bias.requires_grad_(False)
+        return Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=3)
+
+    return {
+        "accumulation_steps": (lambda: _setup(accumulation_steps=4)[2], "accumulation_steps"),
+        "parameter set": (frozen_layer, "parameters"),
+        "shapes": (lambda: _setup(hidden=7)[2], "shapes"),
+        "precision": (lambda: _setup(torch.float32, precision="fp16")[2], "precision"),
+        "normalize": (lambda: _setup(normalize="sum")[2], "normalize"),
+        "accum_dtype": (
+            lambda: _setup(torch.bfloat16, accum_dtype=torch.float32)[2],
+            "accum_dtype",
+        ),
+    }
+
+
+@pytest.mark.parametrize("mismatch", list(_mismatches()))
+def test_incompatible_state_raises_naming_it_and_changes_nothing(mismatch: str) -> None:
+    _, _, source = _setup()
+    data = _data(3, torch.float64)
+    source.micro_step(data[0], _mse)
+    state = source.state_dict()
+    build, word = _mismatches()[mismatch]
+    target = build()
+    target.micro_step((data[1][0].to(target.model[0].weight.dtype), data[1][1].float()), _mse)
+    before = clone_state(
+        [
+            [p.grad for p in target.model.parameters()],
+            target.state_dict(),
+            target.model.state_dict(),
+        ]
+    )
+    with pytest.raises(ValueError, match=word):
+        target.load_state_dict(state)
+    after = [
+        [p.grad for p in target.model.parameters()],
+        target.state_dict(),
+        target.model.state_dict(),
+    ]
+    assert_bitwise(after, before)
+
+
+def test_compatible_state_loads() -> None:
+    """Negative control for the mismatch tests: the same settings load without complaint."""
+    _, _, source = _setup()
+    source.micro_step(_data(1, torch.float64)[0], _mse)
+    _, _, target = _setup()
+    target.load_state_dict(source.state_dict())
+    assert target.state_dict()["window"]["micro_batches"] == 1
+
+
+@pytest.mark.parametrize("bad", [{}, {"version": 99}, "not a dict"])
+def test_not_a_state_or_wrong_version_raises(bad: Any) -> None:
+    _, _, acc = _setup()
+    with pytest.raises(ValueError, match=r"version|not an Accumulator state"):
+        acc.load_state_dict(bad)
+
+
+def test_nonfinite_counter_and_scaler_survive_checkpoint(tmp_path: Any) -> None:
+    model, optimizer, acc = _setup(torch.float32, precision="fp16", accumulation_steps=2)
+    scale = acc.scaler.get_scale()
+    data = _data(2, torch.float32)
+    acc.micro_step((data[0][0] * 1e6, data[0][1]), _mse)  # overflows fp16: window skipped
+    result = acc.micro_step(data[1], _mse)
+    assert result.skipped
+    assert not result.stepped
+    assert acc.nonfinite_windows == 1
+    assert acc.scaler.get_scale() == scale / 2
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+    model2, optimizer2, acc2 = _setup(torch.float32, precision="fp16", accumulation_steps=2)
+    assert acc2.nonfinite_windows == 0  # negative control: a fresh one starts at 0
+    assert acc2.scaler.get_scale() == scale
+    load_checkpoint(path, model=model2, optimizer=optimizer2, accumulator=acc2)
+    assert acc2.nonfinite_windows == 1
+    assert acc2.scaler.get_scale() == scale / 2
+    assert math.isfinite(acc2.scaler.get_scale())
