@@ -22,6 +22,7 @@ import torch
 
 from gradaccum.cli import main
 from gradaccum.experiments.report import CURVES_SIZE, MEMORY_SIZE, PEAK_MEMORY_NOTE
+from tests.cli._helpers import read_jsonl, run_cli
 
 _TIMEOUT = 120
 CONFIGS = ("8x2", "16x1", "8x1")
@@ -44,18 +45,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def _run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gradaccum.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=_TIMEOUT,
-        check=False,
-        cwd=cwd,
-    )
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return run_cli(*args, cwd=cwd, timeout=_TIMEOUT)
 
 
 def _markdown_table(text: str) -> list[list[str]]:
@@ -110,7 +100,7 @@ def test_each_config_logs_one_metrics_row_per_step_and_a_summary(compared):
     out, _ = compared
     for config in CONFIGS:
         micro, steps = map(int, config.split("x"))
-        rows = _jsonl(out / config / "metrics.jsonl")
+        rows = read_jsonl(out / config / "metrics.jsonl")
         assert len(rows) == STEPS
         assert all(
             set(row) == {"step", "samples", "loss", "lr", "grad_norm", "time"} for row in rows
@@ -182,7 +172,7 @@ def test_table_and_note_are_printed(compared):
 
 def test_same_effective_batch_sees_the_same_batches_and_ends_with_equal_parameters(compared):
     out, _ = compared
-    rows = {config: _jsonl(out / config / "metrics.jsonl") for config in CONFIGS}
+    rows = {config: read_jsonl(out / config / "metrics.jsonl") for config in CONFIGS}
     # Same data order: the step losses of 8x2 and 16x1 agree to float32 rounding.
     for a, b in zip(rows["8x2"], rows["16x1"], strict=True):
         assert a["samples"] == b["samples"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 
 from gradaccum.cli import _demo_sections, main
 from gradaccum.experiments.report import CURVES_SIZE, MEMORY_SIZE, PEAK_MEMORY_NOTE
+from tests.cli._helpers import run_cli
 
 _TIMEOUT = 180
 FLOAT32_RTOL = 1e-5
@@ -39,14 +39,7 @@ SMALL = ["--steps", "3", "--batch-size", "7", "--micro-batch-size", "3", "--epoc
 
 
 def _run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gradaccum.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=_TIMEOUT,
-        check=False,
-        cwd=cwd,
-    )
+    return run_cli(*args, cwd=cwd, timeout=_TIMEOUT)
 
 
 def _cells(text: str, start: str) -> list[str]:

@@ -29,6 +29,7 @@ from gradaccum.cli import main
 from gradaccum.experiments.progress import progress
 from gradaccum.experiments.runner import StepLog
 from gradaccum.experiments.tasks import get_task
+from tests.cli._helpers import read_jsonl, run_cli
 
 _TIMEOUT = 120
 METRIC_COLUMNS = {"step", "samples", "loss", "lr", "grad_norm", "time"}
@@ -37,18 +38,7 @@ FLOAT32_RTOL = 1e-5
 
 
 def _run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gradaccum.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=_TIMEOUT,
-        check=False,
-        cwd=cwd,
-    )
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return run_cli(*args, cwd=cwd, timeout=_TIMEOUT)
 
 
 def _norm_gap(state: dict, reference: dict) -> float:
@@ -122,7 +112,7 @@ def test_train_writes_the_run_files_in_the_default_out_dir_and_nothing_else(trai
 
 def test_metrics_have_one_row_per_optimizer_step_with_the_columns(trained):
     out, _ = trained
-    rows = _jsonl(out / "metrics.jsonl")
+    rows = read_jsonl(out / "metrics.jsonl")
     assert len(rows) == 3
     for row in rows:
         assert set(row) == METRIC_COLUMNS
@@ -149,7 +139,7 @@ def test_summary_and_validation_are_parsed_and_agree(trained):
     assert summary["peak_memory_bytes"] > 0
     assert summary["wall_seconds"] > 0
     assert summary["samples_per_second"] > 0
-    validation = _jsonl(out / "validation.jsonl")
+    validation = read_jsonl(out / "validation.jsonl")
     # 3 steps are less than an epoch: one validation, after the last step.
     assert len(validation) == 1
     assert validation[0]["step"] == 3

@@ -1,0 +1,27 @@
+"""Shared helpers of the command-line tests: run `gradaccum` in a subprocess, read its files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """Run `python -m gradaccum.cli ARGS` and return the finished process (never raises on exit)."""
+    return subprocess.run(
+        [sys.executable, "-m", "gradaccum.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=cwd,
+    )
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file, blank lines skipped."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
