@@ -151,3 +151,23 @@ def test_bad_arguments_are_rejected_before_any_work() -> None:
     with pytest.raises(ValueError, match="the batch is empty"):
         check_equivalence(_mlp(), (torch.zeros(0, 4), torch.zeros(0, 1)), counting, 2)
     assert calls == []
+
+
+def test_eval_mode_batchnorm_without_running_statistics_is_non_additive() -> None:
+    """It still normalizes with batch statistics, so accumulation is inexact."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4, track_running_stats=False)
+    ).eval()
+    report = check_equivalence(
+        model, (torch.randn(8, 3),), lambda m, b: m(b[0]).pow(3).mean(), micro_batch_size=4
+    )
+    assert not report.ok
+    assert [m.name for m in report.non_additive] == ["1"]
+    # NEGATIVE CONTROL: with running statistics, eval mode is additive and not listed.
+    tracked = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).eval()
+    fine = check_equivalence(
+        tracked, (torch.randn(8, 3),), lambda m, b: m(b[0]).pow(3).mean(), micro_batch_size=4
+    )
+    assert fine.ok
+    assert fine.non_additive == ()

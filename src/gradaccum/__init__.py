@@ -15,12 +15,14 @@ Example:
     True
 """
 
+from gradaccum._oom import MemoryBudgetError
 from gradaccum.accumulator import Accumulator, NonFiniteError, StepResult
 from gradaccum.batching import split_batch
 from gradaccum.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from gradaccum.loss import LossSum
 from gradaccum.memory import measure_activation_bytes, parse_bytes
 from gradaccum.options import BatchNormMode, Normalize, OnNonFinite, PartialWindow, Precision
+from gradaccum.sizing import MemoryPlan, plan_micro_batch
 from gradaccum.sync import RankMismatchError
 from gradaccum.verify import EquivalenceReport, check_equivalence
 from gradaccum.window import accumulate_grad
@@ -33,6 +35,8 @@ __all__ = [
     "CheckpointError",
     "EquivalenceReport",
     "LossSum",
+    "MemoryBudgetError",
+    "MemoryPlan",
     "NonFiniteError",
     "Normalize",
     "OnNonFinite",
@@ -45,6 +49,7 @@ __all__ = [
     "load_checkpoint",
     "measure_activation_bytes",
     "parse_bytes",
+    "plan_micro_batch",
     "save_checkpoint",
     "split_batch",
 ]

@@ -24,12 +24,12 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gradaccum.batching import batch_size, check_micro_batch_size, split_batch
+from gradaccum.batchnorm import BatchNormControl
 from gradaccum.norms import clip_, total_norm
 from gradaccum.options import (
     BatchNormMode,
@@ -40,40 +40,20 @@ from gradaccum.options import (
     parse,
 )
 from gradaccum.precision import PrecisionRuntime
+from gradaccum.recovery import AutoSizer, step_with_recovery
+from gradaccum.result import NonFiniteError, StepResult
+from gradaccum.sizing import MemoryPlan
 from gradaccum.state import accumulator_state, load_accumulator_state
 from gradaccum.sync import agree_on_plan, grad_average_factor, is_fsdp
-from gradaccum.window import LossFn, Window, WindowTotals, trainable_parameters
+from gradaccum.window import (
+    LossFn,
+    Window,
+    WindowTotals,
+    check_optimizer_holds,
+    trainable_parameters,
+)
 
 __all__ = ["Accumulator", "NonFiniteError", "StepResult"]
-
-
-class NonFiniteError(FloatingPointError):
-    """A window's loss or gradient was inf or NaN and `on_nonfinite="raise"` was set."""
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one call to `step`, `micro_step` or `flush` did.
-
-    Attributes:
-        loss: The window's objective so far (the value optimized when `stepped`).
-        count: Items counted in the window.
-        micro_batches: Micro-batches run in the window.
-        micro_batch_size: Items per micro-batch (the largest seen when streaming).
-        stepped: The optimizer stepped.
-        skipped: The window was non-finite or counted no item; no update was made.
-        grad_norm: Gradient norm before clipping, at the boundary; None elsewhere.
-        lr: Learning rate of the first parameter group, as used by this step.
-    """
-
-    loss: float
-    count: int
-    micro_batches: int
-    micro_batch_size: int
-    stepped: bool
-    skipped: bool
-    grad_norm: float | None
-    lr: float
 
 
 class Accumulator:
@@ -82,7 +62,8 @@ class Accumulator:
     Args:
         model: The model, plain or DDP-wrapped. Its parameters' device is used for batches.
         optimizer: An optimizer over (some of) the model's parameters.
-        micro_batch_size: Items per micro-batch for `step()`.
+        micro_batch_size: Items per micro-batch for `step()`, or `"auto"`: the largest that
+            fits `memory_budget`, planned on the first batch (`gradaccum.recovery`).
         accumulation_steps: Micro-batches per window for `micro_step()`.
         normalize: `"mean"`: `sum(loss) / sum(count)` over the window; `"sum"`: `sum(loss)`.
         scheduler: Stepped once per optimizer step actually taken.
@@ -91,8 +72,12 @@ class Accumulator:
         accum_dtype: Accumulate in buffers of this dtype for less precise parameters.
         partial_window: What `flush()` does with a partial window: `"step"`, `"drop"`, `"carry"`.
         on_nonfinite: `"skip"` a non-finite window, or `"raise"` `NonFiniteError`.
-        batchnorm: Only `"micro"` (plain PyTorch behaviour) in this version.
-        memory_budget: For `micro_batch_size="auto"`, not available in this version.
+        batchnorm: `"micro"` (plain PyTorch), `"pooled"` (running statistics updated once per
+            window from all its items) or `"frozen"` (eval-mode BatchNorm); see
+            `gradaccum.batchnorm`.
+        memory_budget: For `micro_batch_size="auto"`: bytes or e.g. `"2GiB"` (required on CPU).
+        regrow_after: Auto mode: clean windows after an out-of-memory shrink before a larger
+            size is tried again; None never grows back.
 
     Raises:
         ValueError: For any invalid setting; the message names the fix.
@@ -103,7 +88,7 @@ class Accumulator:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | str | None = None,
         accumulation_steps: int | None = None,
         normalize: Normalize | str = "mean",
         scheduler: Any = None,
@@ -114,12 +99,15 @@ class Accumulator:
         on_nonfinite: OnNonFinite | str = "skip",
         batchnorm: BatchNormMode | str = "micro",
         memory_budget: int | str | None = None,
+        regrow_after: int | None = 50,
     ) -> None:
-        if micro_batch_size == "auto":
-            raise NotImplementedError(
-                "micro_batch_size='auto' is not available in this version; pass an int."
+        auto = micro_batch_size == "auto"
+        if isinstance(micro_batch_size, str) and not auto:
+            raise ValueError(
+                f"micro_batch_size={micro_batch_size!r} is not known; pass a positive int or "
+                "'auto' (with memory_budget)."
             )
-        if micro_batch_size is not None:
+        if micro_batch_size is not None and not auto:
             check_micro_batch_size(micro_batch_size)
         if accumulation_steps is not None:
             check_micro_batch_size(accumulation_steps, "accumulation_steps")
@@ -133,12 +121,9 @@ class Accumulator:
         self.precision = parse(Precision, precision, "precision")
         self.partial_window = parse(PartialWindow, partial_window, "partial_window")
         self.on_nonfinite = parse(OnNonFinite, on_nonfinite, "on_nonfinite")
-        if parse(BatchNormMode, batchnorm, "batchnorm") is not BatchNormMode.MICRO:
-            raise NotImplementedError(
-                f"batchnorm={batchnorm!r} is not available in this version; use 'micro'."
-            )
+        self._batchnorm = BatchNormControl(model, batchnorm)
         params = trainable_parameters(model)
-        _check_optimizer_holds(optimizer, params)
+        check_optimizer_holds(optimizer, params)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -155,9 +140,20 @@ class Accumulator:
                 "instead and leave accum_dtype=None."
             )
         self._window = Window(model, params, self.normalize, self._runtime)
+        self._auto = AutoSizer(memory_budget, self._runtime.device, regrow_after) if auto else None
+        if auto and self._window.fsdp:
+            raise ValueError(
+                "micro_batch_size='auto' is not supported with FSDP2 yet; plan once with "
+                "gradaccum.plan_micro_batch on an unsharded copy and pass the int it chooses."
+            )
         # Windows dropped as non-finite and as empty so far: part of the state, for exact resume.
         self.nonfinite_windows = 0
         self.empty_windows = 0
+
+    @property
+    def plan(self) -> MemoryPlan | None:
+        """The memory plan behind `micro_batch_size="auto"`, once the first batch made it."""
+        return None if self._auto is None else self._auto.plan
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -191,21 +187,34 @@ class Accumulator:
                 "or drive the window with micro_step() and accumulation_steps."
             )
         self._check_no_open_window("step()")
-        micro_batches = split_batch(batch, self.micro_batch_size)
+        if self._auto is not None:
+            return step_with_recovery(self, batch, loss_fn)
+        self._accumulate(batch, loss_fn, self.micro_batch_size)
+        return self._finish_window(self.micro_batch_size)
+
+    def _accumulate(
+        self, batch: Any, loss_fn: LossFn, micro_batch_size: int, defer_sync: bool = False
+    ) -> None:
+        """Forward and backward every micro-batch of `batch`.
+
+        `defer_sync` leaves the cross-rank gradient reduction to the boundary.
+        """
+        micro_batches = split_batch(batch, micro_batch_size)
         items = batch_size(batch)
         if self._window.fsdp:
-            agree_on_plan(self.model, len(micro_batches), min(items, self.micro_batch_size))
+            agree_on_plan(self.model, len(micro_batches), min(items, micro_batch_size))
+        self._batchnorm.warn_once(micro_batch_size, items)
         with self._fresh_window_guard():
             for index, micro_batch in enumerate(micro_batches):
-                self._window.backward(
-                    micro_batch,
-                    loss_fn,
-                    expected_micro_batches=len(micro_batches),
-                    last=index == len(micro_batches) - 1,
-                    items=min(self.micro_batch_size, items - index * self.micro_batch_size),
-                    window_items=items,
-                )
-        return self._finish_window(self.micro_batch_size)
+                with self._batchnorm.micro_context():
+                    self._window.backward(
+                        micro_batch,
+                        loss_fn,
+                        expected_micro_batches=len(micro_batches),
+                        last=index == len(micro_batches) - 1 and not defer_sync,
+                        items=min(micro_batch_size, items - index * micro_batch_size),
+                        window_items=items,
+                    )
 
     def micro_step(self, micro_batch: Any, loss_fn: LossFn) -> StepResult:
         """Accumulate one micro-batch; step when the window holds `accumulation_steps` of them.
@@ -223,7 +232,9 @@ class Accumulator:
                 "accumulation_steps=4), or give the whole batch to step()."
             )
         last = self._window.totals.micro_batches + 1 == self.accumulation_steps
-        with self._fresh_window_guard():
+        items = batch_size(micro_batch)
+        self._batchnorm.warn_once(items, items * self.accumulation_steps)
+        with self._fresh_window_guard(), self._batchnorm.micro_context():
             self._window.backward(
                 micro_batch, loss_fn, expected_micro_batches=self.accumulation_steps, last=last
             )
@@ -246,6 +257,7 @@ class Accumulator:
         result = self._progress()
         self._window.settle_deferred()
         self._window.reset()
+        self._batchnorm.discard_window()
         return result
 
     def _finish_window(self, micro_batch_size: int) -> StepResult:
@@ -277,6 +289,7 @@ class Accumulator:
             scaler.update()
         else:
             self.optimizer.step()
+        self._batchnorm.end_window()  # "pooled": one running-statistics update
         if self.scheduler is not None:
             self.scheduler.step()  # 7. schedule
         self.optimizer.zero_grad(set_to_none=True)  # 8. zero
@@ -318,6 +331,7 @@ class Accumulator:
     ) -> StepResult:
         self._window.settle_deferred()
         self._window.reset()
+        self._batchnorm.discard_window()
         loss = self._objective(loss_total, count)
         return StepResult(
             loss, count, totals.micro_batches, micro_batch_size, False, True, grad_norm, self._lr()
@@ -379,15 +393,3 @@ class Accumulator:
             if grad is not None and not bool(torch.isfinite(grad).all()):
                 names.append(self._param_names.get(id(param), "<unnamed>"))
         return names or ["<none: the loss itself is non-finite>"]
-
-
-def _check_optimizer_holds(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]):
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer={optimizer!r} must be a torch.optim.Optimizer.")
-    model_ids = {id(p) for p in params}
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    if not model_ids & held:
-        raise ValueError(
-            "the optimizer holds none of the model's trainable parameters; build it from this "
-            "model, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)."
-        )

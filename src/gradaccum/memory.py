@@ -13,6 +13,9 @@ is built; temporaries freed during the forward; and the transient gradient buffe
 itself. The result is the memory the graph holds at the end of the forward, which is the peak that
 lasts until the backward releases it.
 
+`track_tensor_bytes` follows every tensor storage that operations allocate while it is active, and
+so measures the peak of a whole forward and backward, temporaries included, on any device.
+
 `parse_bytes` reads a memory budget written as a byte count, such as `"512MiB"` or `"2GB"`.
 
 Example:
@@ -26,13 +29,16 @@ Example:
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from fractions import Fraction
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["measure_activation_bytes", "parse_bytes"]
+__all__ = ["TensorBytesTracker", "measure_activation_bytes", "parse_bytes", "track_tensor_bytes"]
 
 # A number, then an optional unit: a decimal prefix (K, M, G, T), "i" for binary, "B" for bytes.
 _BYTES_PATTERN = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)", re.IGNORECASE)
@@ -99,6 +105,81 @@ def measure_activation_bytes(
     # address in `saved` can have been reused by another storage during the forward.
     del result
     return sum(saved.values())
+
+
+class TensorBytesTracker(TorchDispatchMode):
+    """Live and peak bytes of the tensor storages allocated by operations while active.
+
+    Every operation goes through `__torch_dispatch__`; each output storage that is not one of the
+    operation's inputs (an in-place result or a view) is new memory. A finalizer on the storage
+    object (PyTorch keeps one Python object per live storage) subtracts it when it is freed, even
+    if autograd held it out of Python's sight. Storages allocated before tracking are not
+    counted, so `peak` is the growth above what already existed: a micro-batch's activations,
+    gradient temporaries and any new `.grad`.
+
+    Attributes:
+        live: Bytes allocated while tracking that are still alive.
+        peak: The largest `live` seen.
+    """
+
+    def __init__(self, include_meta: bool = False) -> None:
+        super().__init__()
+        self.include_meta = include_meta
+        self.live = 0
+        self.peak = 0
+        self._alive: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        dense = self._counted
+        inputs = {id(_storage_of(t)) for t in tree_leaves((args, kwargs)) if dense(t)}
+        for tensor in tree_leaves(result):
+            if not dense(tensor):
+                continue
+            storage = _storage_of(tensor)
+            key = id(storage)
+            if key in inputs or key in self._alive:
+                continue
+            size = storage.nbytes()
+            self._alive.add(key)
+            self.live += size
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, key, size)
+        return result
+
+    def _counted(self, value: object) -> bool:
+        return _is_dense(value) or (
+            self.include_meta and isinstance(value, torch.Tensor) and value.device.type == "meta"
+        )
+
+    def _freed(self, key: int, size: int) -> None:
+        self._alive.discard(key)
+        self.live -= size
+
+
+def track_tensor_bytes(include_meta: bool = False) -> TensorBytesTracker:
+    """A context manager measuring the peak tensor bytes allocated inside it.
+
+    Args:
+        include_meta: Count meta-device tensors too (sizes without memory, for replays).
+
+    Example:
+        >>> import torch
+        >>> x = torch.randn(256, 256, requires_grad=True)
+        >>> with track_tensor_bytes() as tracker:
+        ...     (x @ x).tanh().sum().backward()
+        >>> tracker.peak >= 2 * 256 * 256 * 4, tracker.live  # product and tanh output, then freed
+        (True, 262144)
+    """
+    return TensorBytesTracker(include_meta)
+
+
+def _is_dense(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and not value.is_sparse and value.device.type != "meta"
+
+
+def _storage_of(tensor: torch.Tensor) -> torch.UntypedStorage:
+    return tensor.untyped_storage()
 
 
 def parse_bytes(value: str | int) -> int:

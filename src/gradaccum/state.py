@@ -31,7 +31,15 @@ __all__ = ["STATE_VERSION", "accumulator_state", "load_accumulator_state"]
 
 STATE_VERSION = 1
 # Settings that change what a saved partial window means; they must match on resume.
-_MUST_MATCH = ("accumulation_steps", "micro_batch_size", "normalize", "precision", "accum_dtype")
+_MUST_MATCH = (
+    "accumulation_steps",
+    "micro_batch_size",
+    "normalize",
+    "precision",
+    "accum_dtype",
+    "batchnorm_mode",
+)
+_ADDED_LATER = {"batchnorm_mode": "micro"}  # what a state saved before the setting existed meant
 
 
 def accumulator_state(acc: Accumulator) -> dict[str, Any]:
@@ -45,6 +53,7 @@ def accumulator_state(acc: Accumulator) -> dict[str, Any]:
         "normalize": acc.normalize.value,
         "precision": acc.precision.value,
         "accum_dtype": _dtype_name(runtime.accum_dtype),
+        "batchnorm_mode": acc._batchnorm.mode.value,
         "param_shapes": [list(p.shape) for p in window.params],
         "window": {
             "count": totals.count,
@@ -58,12 +67,16 @@ def accumulator_state(acc: Accumulator) -> dict[str, Any]:
         "scaler": None if runtime.scaler is None else runtime.scaler.state_dict(),
         "nonfinite_windows": acc.nonfinite_windows,
         "empty_windows": acc.empty_windows,
+        "auto": None if acc._auto is None else acc._auto.state_dict(),
+        "batchnorm": acc._batchnorm.state_dict(),
     }
 
 
 def load_accumulator_state(acc: Accumulator, state: dict[str, Any]) -> None:
     """Restore `acc` from `accumulator_state` output; raise ValueError before any change."""
     _check_compatible(acc, state)
+    if state.get("batchnorm") is not None:
+        acc._batchnorm.load_state_dict(state["batchnorm"])  # checks first, raises changing nothing
     window, runtime = acc._window, acc._runtime
     saved = state["window"]
     # Cloned: the window adds into loss_sum in place, which must not reach the caller's state.
@@ -85,6 +98,8 @@ def load_accumulator_state(acc: Accumulator, state: dict[str, Any]) -> None:
         runtime.scaler.load_state_dict(state["scaler"])
     acc.nonfinite_windows = int(state["nonfinite_windows"])
     acc.empty_windows = int(state["empty_windows"])
+    if acc._auto is not None and state.get("auto") is not None:
+        acc._auto.load_state_dict(state["auto"])
 
 
 def _check_compatible(acc: Accumulator, state: dict[str, Any]) -> None:
@@ -97,9 +112,10 @@ def _check_compatible(acc: Accumulator, state: dict[str, Any]) -> None:
         )
     current = accumulator_settings(acc)
     for name in _MUST_MATCH:
-        if state.get(name) != current[name]:
+        saved = state.get(name, _ADDED_LATER.get(name))
+        if saved != current[name]:
             raise ValueError(
-                f"the saved Accumulator has {name}={state.get(name)!r} but this one has "
+                f"the saved Accumulator has {name}={saved!r} but this one has "
                 f"{name}={current[name]!r}; build the Accumulator with the saved settings."
             )
     shapes = [list(p.shape) for p in acc._window.params]
@@ -121,6 +137,7 @@ def accumulator_settings(acc: Accumulator) -> dict[str, Any]:
         "normalize": acc.normalize.value,
         "precision": acc.precision.value,
         "accum_dtype": _dtype_name(acc._runtime.accum_dtype),
+        "batchnorm_mode": acc._batchnorm.mode.value,
     }
 
 

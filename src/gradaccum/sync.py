@@ -30,6 +30,8 @@ __all__ = [
     "GlobalTotals",
     "agree_on_plan",
     "agree_on_window",
+    "all_ranks_min",
+    "any_rank",
     "average_gradients",
     "grad_average_factor",
     "is_fsdp",
@@ -210,3 +212,22 @@ def average_gradients(model: torch.nn.Module, grads: list[torch.Tensor]) -> None
 def grad_average_factor(model: torch.nn.Module) -> int:
     """What the wrapper divided the summed gradient by (DDP and FSDP2 average over ranks)."""
     return world_size(model)
+
+
+def any_rank(model: torch.nn.Module, flag: bool) -> bool:
+    """Whether `flag` is set on any rank: one all-reduce of one number (no-op on one process)."""
+    return bool(_reduce_int(model, int(flag), dist.ReduceOp.MAX))
+
+
+def all_ranks_min(model: torch.nn.Module, value: int) -> int:
+    """The smallest of every rank's `value` (itself on one process), so all ranks agree on it."""
+    return _reduce_int(model, value, dist.ReduceOp.MIN)
+
+
+def _reduce_int(model: torch.nn.Module, value: int, op: dist.ReduceOp) -> int:
+    if world_size(model) == 1:
+        return value
+    group = _group(model)
+    tensor = torch.tensor([value], dtype=torch.int64, device=_device(group))
+    dist.all_reduce(tensor, op=op, group=group)
+    return int(tensor.item())

@@ -148,10 +148,14 @@ def find_non_additive(model: torch.nn.Module) -> list[NonAdditiveModule]:
     """
     found = []
     for name, module in model.named_modules():
-        if not module.training:
+        # An eval-mode BatchNorm without running statistics still normalizes per batch.
+        batch_statistics = isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and (
+            module.training or module.running_mean is None
+        )
+        if not (module.training or batch_statistics):
             continue
         kind = type(module).__name__
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        if batch_statistics:
             found.append(
                 NonAdditiveModule(
                     name or "<model>",

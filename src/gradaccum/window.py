@@ -40,7 +40,14 @@ from gradaccum.sync import (
     world_size,
 )
 
-__all__ = ["LossFn", "Window", "WindowTotals", "accumulate_grad", "trainable_parameters"]
+__all__ = [
+    "LossFn",
+    "Window",
+    "WindowTotals",
+    "accumulate_grad",
+    "check_optimizer_holds",
+    "trainable_parameters",
+]
 
 LossFn = Callable[[torch.nn.Module, Any], "torch.Tensor | LossSum"]
 
@@ -278,6 +285,21 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
             "to accumulate. Unfreeze at least one parameter."
         )
     return params
+
+
+def check_optimizer_holds(
+    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
+) -> None:
+    """Raise unless `optimizer` is an Optimizer holding some of `params`."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer={optimizer!r} must be a torch.optim.Optimizer.")
+    model_ids = {id(p) for p in params}
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not model_ids & held:
+        raise ValueError(
+            "the optimizer holds none of the model's trainable parameters; build it from this "
+            "model, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)."
+        )
 
 
 def accumulate_grad(

@@ -1,0 +1,42 @@
+"""Telling an out-of-memory error from other errors, and giving memory back after one.
+
+Example:
+    >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    True
+    >>> is_out_of_memory(RuntimeError("shape mismatch"))
+    False
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+__all__ = ["MemoryBudgetError", "is_out_of_memory", "release_cached_memory"]
+
+# Older PyTorch raised plain RuntimeErrors; these phrases mark the allocators' messages.
+_OOM_PHRASES = ("out of memory", "can't allocate memory", "failed to allocate memory")
+
+
+class MemoryBudgetError(RuntimeError):
+    """Even the smallest micro-batch does not fit: automatic sizing gives up instead of looping."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocator running out of memory (CUDA, CPU, MPS and older forms)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    if isinstance(error, (RuntimeError, MemoryError)):
+        message = str(error).lower()
+        return isinstance(error, MemoryError) or any(p in message for p in _OOM_PHRASES)
+    return False
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Free what the failed attempt left: unreachable graphs, then the device's cache."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "mps":
+        torch.mps.empty_cache()

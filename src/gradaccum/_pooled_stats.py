@@ -1,0 +1,118 @@
+"""Exact per-channel statistics of BatchNorm inputs, pooled over micro-batches.
+
+Each micro-batch gives (count, mean, M2) per channel; Chan et al.'s parallel formula merges them
+into the statistics of the whole window, from which one running-statistics update is made
+exactly as a full-batch BatchNorm forward would make it.
+
+Example:
+    >>> import torch
+    >>> x = torch.randn(10, 3, dtype=torch.float64)
+    >>> n, mean, m2 = merge(channel_stats(x[:4]), channel_stats(x[4:]))
+    >>> n, torch.allclose(mean, x.mean(0)), torch.allclose(m2 / (n - 1), x.var(0))
+    (10, True, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = [
+    "Record",
+    "Stats",
+    "channel_stats",
+    "merge",
+    "recording",
+    "stat_dtype",
+    "tracked",
+    "update_running",
+]
+
+# (count, mean, M2) per channel: items seen, their mean, the sum of squared deviations from it.
+Stats = tuple[int, torch.Tensor, torch.Tensor]
+Record = dict[str, list[Stats | None]]  # per module name, per call in a forward
+
+
+def stat_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+
+
+def channel_stats(x: torch.Tensor) -> Stats | None:
+    """Per-channel (count, mean, M2) of a BatchNorm input `(N, C, *)`, or None if it has none."""
+    count = x.numel() // x.shape[1] if x.dim() >= 2 and x.shape[1] else 0
+    if count == 0:
+        return None
+    with torch.no_grad():
+        x = x.detach()
+        work = x if x.dtype in (torch.float32, torch.float64) else x.float()  # bf16, fp16: upcast
+        dims, dtype = [0, *range(2, x.dim())], stat_dtype(x.device)
+        # Two passes (the mean, then squared deviations from it) are numerically stable, and on
+        # CPU ~10x faster than torch.var_mean over several dimensions.
+        mean = work.mean(dims, keepdim=True)
+        return count, mean.flatten().to(dtype), (work - mean).square_().sum(dims).to(dtype)
+
+
+def merge(a: Stats | None, b: Stats | None) -> Stats | None:
+    """Chan et al.'s parallel formula: the statistics of the union of two disjoint sets."""
+    if a is None or b is None:
+        return b if a is None else a
+    (n_a, mean_a, m2_a), (n_b, mean_b, m2_b) = a, b
+    n = n_a + n_b
+    delta = mean_b - mean_a
+    return n, mean_a + delta * (n_b / n), m2_a + m2_b + delta.square() * (n_a * n_b / n)
+
+
+@contextlib.contextmanager
+def recording(modules: list[tuple[str, _BatchNorm]], per_call: bool) -> Iterator[Record]:
+    """Record input statistics of `modules` as `{name: [call 0, call 1, ...]}` (or one entry)."""
+    record: Record = {}
+
+    def make_hook(name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            # Set here, after a lazy module's own pre-hook has created its running buffers.
+            module.track_running_stats = False
+            # Inside a backward, activation checkpointing recomputes a forward: counted already.
+            in_backward = torch._C._current_graph_task_id() != -1
+            if in_backward or not args or not isinstance(args[0], torch.Tensor):
+                return
+            stats = channel_stats(args[0])
+            calls = record.setdefault(name, [])
+            if per_call or not calls:
+                calls.append(stats)
+            else:
+                calls[0] = merge(calls[0], stats)
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(make_hook(name)) for name, m in modules]
+    try:
+        yield record
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def tracked(module: _BatchNorm) -> bool:
+    """Whether `module` keeps running statistics."""
+    return module.track_running_stats and module.running_mean is not None
+
+
+def update_running(module: _BatchNorm, stats: Stats | None) -> None:
+    """One running-statistics update from `stats`, exactly as BatchNorm's forward makes it."""
+    if stats is None:
+        return
+    count, mean, m2 = stats
+    with torch.no_grad():
+        batches = module.num_batches_tracked
+        if batches is not None:
+            batches.add_(1)
+        # momentum=None is a cumulative average: the factor is 1 / batches seen, this one included.
+        factor = module.momentum if module.momentum is not None else 1.0 / batches.to(mean.dtype)
+        unbiased = m2 / (count - 1) if count > 1 else m2
+        for buffer, value in ((module.running_mean, mean), (module.running_var, unbiased)):
+            buffer.copy_(buffer.to(mean.dtype) * (1 - factor) + value.to(buffer.device) * factor)

@@ -1,0 +1,140 @@
+"""Measuring a training step's memory on the model itself, leaving it exactly as it was.
+
+`Probe` backs `gradaccum.sizing.plan_micro_batch`: fixed bytes counted from the tensors, one
+forward+backward per probed size measured with `track_tensor_bytes` (and CUDA's allocator
+statistics), and the optimizer replayed on the meta device.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Linear(1000, 10)
+    >>> probe = Probe(model, torch.optim.AdamW(model.parameters()),
+    ...               lambda m, x: m(x).sum(), torch.randn(8, 1000), Precision.FP32, None)
+    >>> probe.optimizer_bytes  # two moments per weight and a 4-byte step count per tensor
+    80088
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from gradaccum.batching import map_tensors, to_device
+from gradaccum.loss import read_loss
+from gradaccum.memory import track_tensor_bytes
+from gradaccum.options import Precision
+from gradaccum.precision import PrecisionRuntime
+from gradaccum.sync import sync_context
+
+__all__ = ["Probe", "snapshot_batchnorm"]
+
+
+class Probe:
+    """Measurements on the model itself, each leaving it exactly as it was.
+
+    The parameters are not copied: that would double the memory being planned. Each probe sets
+    the gradients aside (putting zeros in their place, as in a window's steady state), runs one
+    forward and backward without a cross-rank reduction, and puts back the gradients, the
+    BatchNorm statistics and the random number generators. The optimizer is replayed on the
+    meta device, where its state and temporaries have sizes but take no memory.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Any,
+        sample_batch: Any,
+        precision: Precision,
+        accum_dtype: torch.dtype | None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.sample_batch = sample_batch
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.runtime = PrecisionRuntime(precision, self.params, accum_dtype)
+        self.device = self.runtime.device
+        self.measured: dict[int, int] = {}
+        self.parameters_bytes = sum(_nbytes(p) for p in model.parameters())
+        self.gradients_bytes = sum(_nbytes(p) for p in self.params)
+        self.buffers_bytes = 0
+        if self.runtime.uses_buffers and accum_dtype is not None:
+            self.buffers_bytes = sum(p.numel() * accum_dtype.itemsize for p in self.params)
+        self.optimizer_bytes, self.step_workspace_bytes = _optimizer_bytes(optimizer)
+
+    def activation_peak(self, size: int) -> int:
+        """Peak bytes above the steady state for one forward+backward of `size` items."""
+        if size in self.measured:
+            return self.measured[size]
+        micro_batch = to_device(map_tensors(self.sample_batch, lambda t: t[:size]), self.device)
+        cuda = self.device.type == "cuda"
+        saved_grads = [p.grad for p in self.params]
+        statistics = snapshot_batchnorm(self.model)
+        try:
+            for param in self.params:  # the steady state: gradients exist and are added into
+                param.grad = torch.zeros_like(param)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+                before = torch.cuda.memory_allocated(self.device)
+            with track_tensor_bytes() as tracker, sync_context(self.model, sync=False):
+                with self.runtime.autocast():
+                    value, _, _ = read_loss(self.loss_fn(self.model, micro_batch), size)
+                if value.requires_grad:
+                    value.backward()
+                del value
+            peak = tracker.peak
+            if cuda:
+                peak = max(peak, torch.cuda.max_memory_allocated(self.device) - before)
+        finally:
+            for param, grad in zip(self.params, saved_grads, strict=True):
+                param.grad = grad
+            for buffer, value in statistics:
+                buffer.copy_(value)
+        self.measured[size] = peak
+        return peak
+
+
+def snapshot_batchnorm(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`(buffer, copy)` for every BatchNorm buffer, to put them back after a probe or a rerun."""
+    return [
+        (buffer, buffer.clone())
+        for module in model.modules()
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+        for buffer in module.buffers(recurse=False)
+    ]
+
+
+def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """(state bytes after a first step, step temporaries), from a replay on the meta device."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    memo: dict[int, Any] = {}
+    for param in params:
+        meta = torch.nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+        meta.grad = torch.empty_like(param, device="meta") if param.requires_grad else None
+        memo[id(param)] = meta
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:  # not the step counts
+                memo[id(value)] = torch.empty_like(value, device="meta")
+    replay = copy.deepcopy(optimizer, memo)
+    state_before = _state_bytes(replay)
+    with track_tensor_bytes(include_meta=True) as tracker:
+        replay.step()
+    state_after = _state_bytes(replay)
+    return state_after, max(0, tracker.peak - (state_after - state_before))
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(
+        _nbytes(value)
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

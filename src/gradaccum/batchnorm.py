@@ -1,0 +1,335 @@
+"""BatchNorm under gradient accumulation: detection, pooled or frozen statistics, alternatives.
+
+Train-mode BatchNorm is not additive over micro-batches: it normalizes with micro-batch
+statistics, its backward couples only one micro-batch's items, and it updates its running
+statistics once per micro-batch. `BatchNormControl` runs the `Accumulator`'s `batchnorm=` modes:
+`"micro"` (plain PyTorch, "ghost batch norm"), `"pooled"` (one running-statistics update per
+window from the exact mean and variance of all its items; the normalization stays per
+micro-batch) and `"frozen"` (eval-mode BatchNorm while accumulating). `convert_to_groupnorm`
+makes a model exact; `recalibrate` re-estimates running statistics after training.
+
+Example:
+    >>> import torch
+    >>> from gradaccum.batchnorm import BatchNormControl
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    >>> control = BatchNormControl(model, "pooled")
+    >>> for micro_batch in torch.randn(12, 3).split(4):
+    ...     with control.micro_context():
+    ...         model(micro_batch).pow(2).sum().backward()
+    >>> control.end_window()  # one update, as one forward of all 12 items would make
+    >>> int(model[1].num_batches_tracked)
+    1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from gradaccum._pooled_stats import (
+    Record,
+    Stats,
+    merge,
+    recording,
+    stat_dtype,
+    tracked,
+    update_running,
+)
+from gradaccum.batching import to_device
+from gradaccum.options import BatchNormMode, parse
+
+__all__ = [
+    "BatchNormAccumulationWarning",
+    "BatchNormControl",
+    "batchnorm_modules",
+    "convert_to_groupnorm",
+    "recalibrate",
+    "warn_if_inexact",
+]
+
+STATE_VERSION = 1
+
+
+class BatchNormAccumulationWarning(UserWarning):
+    """BatchNorm layers in train mode make micro-batch accumulation inexact."""
+
+
+def batchnorm_modules(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
+    """All BatchNorm modules of `model` (1d, 2d, 3d, lazy and SyncBatchNorm), with their names.
+
+    Example:
+        >>> [name for name, _ in batchnorm_modules(torch.nn.Sequential(torch.nn.BatchNorm2d(3)))]
+        ['0']
+    """
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
+
+
+def warn_if_inexact(model: nn.Module, micro_items: int, window_items: int) -> bool:
+    """Warn if BatchNorm layers using batch statistics see micro-batches smaller than the window.
+
+    Returns whether a `BatchNormAccumulationWarning` was issued: never if `micro_items`, the
+    items per micro-batch, is at least `window_items`, the items per optimizer step.
+    """
+    # Batch statistics are used in train mode, and in eval mode too without running statistics.
+    batch_stats = [n for n, m in batchnorm_modules(model) if m.training or m.running_mean is None]
+    names = [name or "<model>" for name in batch_stats]
+    if not names or micro_items >= window_items:
+        return False
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    warnings.warn(
+        BatchNormAccumulationWarning(
+            f"BatchNorm layers ({shown}) normalize micro-batches of {micro_items} items but the "
+            f"optimizer step covers {window_items}: accumulation is not exact. They use "
+            "micro-batch statistics, their backward couples only one micro-batch's items, and "
+            "their running statistics are updated once per micro-batch. Options: "
+            "batchnorm='pooled' (running statistics from the whole window), batchnorm='frozen' "
+            "(eval-mode BatchNorm, for fine-tuning), gradaccum.batchnorm.convert_to_groupnorm"
+            "(model) (exact), gradaccum.batchnorm.recalibrate(model, loader, num_batches) after "
+            "training."
+        ),
+        stacklevel=_outside_package_level(),
+    )
+    return True
+
+
+def _outside_package_level() -> int:
+    """The `stacklevel` of the first caller outside gradaccum, so warnings point at user code."""
+    package = os.path.dirname(__file__)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+class BatchNormControl:
+    """Applies a `BatchNormMode` to a model's BatchNorm layers, one micro-batch at a time.
+
+    Wrap each micro-batch's forward and backward in `micro_context()`, call `end_window()` when
+    the optimizer steps and `discard_window()` when a window is dropped. Only modules in train
+    mode are affected. Each process pools its own items: under DDP rank 0's buffers are then
+    broadcast as usual, and SyncBatchNorm's pooled statistics cover this process's items only.
+
+    Args:
+        model: The model (possibly wrapped).
+        mode: `"micro"`, `"pooled"` or `"frozen"` (or a `BatchNormMode`).
+    """
+
+    def __init__(self, model: nn.Module, mode: BatchNormMode | str) -> None:
+        self.mode = parse(BatchNormMode, mode, "batchnorm")
+        self.modules = batchnorm_modules(model)
+        self._model = model
+        self._by_name = dict(self.modules)
+        self._pending: Record = {}  # "pooled": the window's statistics so far
+        self._warned = False
+
+    def micro_context(self) -> contextlib.AbstractContextManager[None]:
+        """The context for one micro-batch's forward and backward."""
+        if self.mode is BatchNormMode.FROZEN:
+            return self._frozen()
+        if self.mode is BatchNormMode.POOLED:
+            return self._pooled()
+        return contextlib.nullcontext()
+
+    def warn_once(self, micro_items: int, window_items: int) -> bool:
+        """`warn_if_inexact` at most once, in "micro" mode only; returns whether it warned.
+
+        "frozen" is exact; "pooled" is chosen knowing that it normalizes per micro-batch.
+        """
+        if self._warned or self.mode is not BatchNormMode.MICRO:
+            return False
+        self._warned = warn_if_inexact(self._model, micro_items, window_items)
+        return self._warned
+
+    @contextlib.contextmanager
+    def _frozen(self) -> Iterator[None]:
+        training = [m for _, m in self.modules if m.training]
+        for module in training:
+            module.train(False)
+        try:
+            yield
+        finally:
+            for module in training:
+                module.train(True)
+
+    @contextlib.contextmanager
+    def _pooled(self) -> Iterator[None]:
+        active = [(name, m) for name, m in self.modules if m.training and tracked(m)]
+        # The hooks turn track_running_stats off: BatchNorm then gets no running buffers, so it
+        # normalizes with micro-batch statistics as before but updates nothing, counts nothing.
+        try:
+            with recording(active, per_call=True) as record:
+                yield
+        finally:
+            for _, module in active:
+                module.track_running_stats = True
+        # Reached only if the micro-batch completed: a failed one (e.g. OOM) adds nothing.
+        for name, calls in record.items():
+            pending = itertools.zip_longest(self._pending.get(name, []), calls)
+            self._pending[name] = [merge(a, b) for a, b in pending]
+
+    def end_window(self) -> None:
+        """At the step: one update per BatchNorm call (k calls per forward: k), then clear."""
+        for name, calls in self._pending.items():
+            for stats in calls:
+                update_running(self._by_name[name], stats)
+        self._pending = {}
+
+    def discard_window(self) -> None:
+        """Forget the window's pooled statistics (window dropped, or rerun after an error)."""
+        self._pending = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The pending pooled statistics, as plain data (`torch.load(weights_only=True)`)."""
+        pending = {
+            name: [None if s is None else {"count": s[0], "mean": s[1], "m2": s[2]} for s in calls]
+            for name, calls in self._pending.items()
+        }
+        return {"version": STATE_VERSION, "mode": self.mode.value, "pending": pending}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output; raise ValueError naming any mismatch, changing nothing."""
+        pending = state.get("pending") if isinstance(state, Mapping) else None
+        if not isinstance(pending, Mapping) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"batchnorm state: expected version {STATE_VERSION} and 'pending'.")
+        if pending and self.mode is not BatchNormMode.POOLED:
+            raise ValueError(
+                f"batchnorm state holds pooled statistics of {sorted(pending)} but this "
+                f"accumulator uses batchnorm={self.mode.value!r}; resume with 'pooled'."
+            )
+        self._pending = {n: _load_calls(n, self._by_name.get(n), c) for n, c in pending.items()}
+
+
+def _load_calls(name: str, module: _BatchNorm | None, calls: Any) -> list[Stats | None]:
+    """Check and copy one module's saved statistics (a list with one entry per call)."""
+    if module is None or not tracked(module) or not isinstance(calls, list):
+        raise ValueError(f"batchnorm state: {name!r} is no tracked BatchNorm of this model.")
+    shape, loaded = (module.num_features,), []
+    for entry in calls:
+        if entry is None:
+            loaded.append(None)
+            continue
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"batchnorm state: {name!r} holds {type(entry).__name__}, not a dict.")
+        count, mean, m2 = (entry.get(k) for k in ("count", "mean", "m2"))
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in (mean, m2)]
+        if not isinstance(count, int) or count < 1 or shapes != [shape, shape]:
+            raise ValueError(
+                f"batchnorm state: {name!r} needs a count >= 1 and mean, m2 of shape {shape}; "
+                f"got count {count!r} and shapes {shapes}."
+            )
+        device, dtype = module.running_mean.device, stat_dtype(module.running_mean.device)
+        loaded.append((count, mean.to(device, dtype).clone(), m2.to(device, dtype).clone()))
+    return loaded
+
+
+def _group_count(channels: int, num_groups: int) -> int:
+    """The largest divisor of `channels` that is at most `num_groups`."""
+    return next(g for g in range(min(num_groups, channels), 0, -1) if channels % g == 0)
+
+
+def convert_to_groupnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
+    """Replace every BatchNorm of `model` by a GroupNorm, in place; accumulation becomes exact.
+
+    Each GroupNorm gets the largest group count that divides the channels and is at most
+    `num_groups`, the BatchNorm's `eps` and a copy of its affine weight and bias (same device,
+    dtype, `requires_grad` and training flag). GroupNorm suits feature maps `(N, C, *)`; for
+    BatchNorm1d over plain features `(N, C)` pass a small `num_groups` (1 is a LayerNorm), as a
+    one-channel group normalizes a single number. Build the optimizer after converting.
+
+    Returns:
+        The model; a new GroupNorm if `model` itself is a BatchNorm.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 48, 3), torch.nn.BatchNorm2d(48))
+        >>> convert_to_groupnorm(net)[1].num_groups
+        24
+    """
+    if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1:
+        raise ValueError(f"num_groups={num_groups!r} must be a positive int.")
+    if isinstance(model, _BatchNorm):
+        return _groupnorm_like(model, num_groups)
+    for name, module in batchnorm_modules(model):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, _groupnorm_like(module, num_groups))
+    return model
+
+
+def _groupnorm_like(bn: _BatchNorm, num_groups: int) -> nn.GroupNorm:
+    channels, like = bn.num_features, bn.weight if bn.affine else bn.running_mean
+    factory = {} if like is None else {"device": like.device, "dtype": like.dtype}
+    groups = _group_count(channels, num_groups)
+    gn = nn.GroupNorm(groups, channels, eps=bn.eps, affine=bn.affine, **factory)
+    if bn.affine:
+        gn.weight = nn.Parameter(bn.weight.detach().clone(), bn.weight.requires_grad)
+        gn.bias = nn.Parameter(bn.bias.detach().clone(), bn.bias.requires_grad)
+    return gn.train(bn.training)
+
+
+def _default_forward(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    return model(batch[0] if isinstance(batch, (tuple, list)) else batch)
+
+
+def recalibrate(
+    model: nn.Module,
+    loader: Iterable[Any],
+    num_batches: int,
+    *,
+    forward: Callable[[nn.Module, Any], Any] | None = None,
+) -> None:
+    """Re-estimate every tracked BatchNorm's running statistics over `num_batches` batches.
+
+    As PreciseBN does, the model runs forward without gradients, changing no parameter; each
+    BatchNorm normalizes with its batch's statistics and every other module is in eval mode (no
+    dropout). The new running mean and variance are the exact mean and unbiased variance of all
+    the items each BatchNorm saw, each item weighing the same (a cumulative average, not an
+    exponential one). `num_batches_tracked` and every training flag are left as they were.
+
+    Args:
+        model: The model.
+        loader: Yields batches (tensors or nestings of them), moved to the model's device.
+        num_batches: How many batches to use (fewer if the loader ends first).
+        forward: `forward(model, batch)`; by default `model(batch)` for a tensor,
+            `model(batch[0])` for a tuple or list and `model(**batch)` for a dict.
+
+    Raises:
+        ValueError: If `num_batches < 1` or the loader yields no item; nothing is changed then.
+    """
+    if not isinstance(num_batches, int) or isinstance(num_batches, bool) or num_batches < 1:
+        raise ValueError(f"num_batches={num_batches!r} must be a positive int.")
+    forward = forward or _default_forward
+    with_stats = [(n, m) for n, m in batchnorm_modules(model) if tracked(m)]
+    if not with_stats:
+        return
+    device = next(iter((*model.parameters(), *model.buffers()))).device
+    flags = [(m, m.training, getattr(m, "track_running_stats", None)) for m in model.modules()]
+    model.eval()
+    for _, module in with_stats:
+        module.train(True)
+    try:
+        with torch.no_grad(), recording(with_stats, per_call=False) as record:
+            for batch in itertools.islice(loader, num_batches):
+                forward(model, to_device(batch, device))
+    finally:
+        for module, training, track in flags:
+            module.training = training
+            if isinstance(module, _BatchNorm):
+                module.track_running_stats = track
+    found = [(m, record[n][0]) for n, m in with_stats if record.get(n) and record[n][0] is not None]
+    if not found:
+        raise ValueError("recalibrate(): the loader yielded no item; statistics are unchanged.")
+    with torch.no_grad():
+        for module, (count, mean, m2) in found:
+            module.running_mean.copy_(mean)
+            module.running_var.copy_(m2 / (count - 1) if count > 1 else m2)

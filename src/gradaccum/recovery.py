@@ -1,0 +1,212 @@
+"""`micro_batch_size="auto"`: plan on the first batch, and survive running out of memory.
+
+A window that runs out of memory at any micro-batch is rerun whole at a smaller size: its partial
+gradients and counts are dropped, the random number generators and BatchNorm statistics are put
+back as they were at the window's start, and cached device memory is released. So nothing is
+counted twice, and the parameters end bitwise equal to a run that used the smaller size from the
+start. Under DDP every micro-batch of an auto-sized window defers its gradient reduction; before
+the boundary the ranks all-reduce an out-of-memory flag, so all of them rerun together and agree
+on the new size, then the gradients are reduced once, by hand.
+
+Sizes shrink to 3/4 (at least by one) per failure; at size 1 a failure raises
+`MemoryBudgetError`. After `regrow_after` clean windows the size grows by a third toward the plan
+again; a grown size that fails doubles the wait before the next try.
+
+Example:
+    >>> import torch
+    >>> from gradaccum import Accumulator
+    >>> model = torch.nn.Linear(8, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> acc = Accumulator(model, opt, micro_batch_size="auto", memory_budget="64MiB")
+    >>> mse = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
+    >>> acc.step((torch.randn(32, 8), torch.randn(32, 1)), mse).micro_batch_size
+    32
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_memory
+from gradaccum._probe import snapshot_batchnorm
+from gradaccum.sizing import MemoryPlan, format_bytes, plan_micro_batch, resolve_budget
+from gradaccum.sync import all_ranks_min, any_rank
+
+if TYPE_CHECKING:
+    from gradaccum.accumulator import Accumulator, StepResult
+    from gradaccum.window import LossFn
+
+__all__ = ["AutoSizer", "step_with_recovery"]
+
+
+class AutoSizer:
+    """The automatic micro-batch size of one Accumulator: its plan, shrinks and regrowth.
+
+    Args:
+        memory_budget: Bytes or a string such as `"2GiB"`; None on CUDA means free memory.
+        device: The model's device (a budget is required off CUDA).
+        regrow_after: Clean windows after a shrink before trying a larger size; None: never.
+    """
+
+    def __init__(
+        self, memory_budget: int | str | None, device: torch.device, regrow_after: int | None
+    ) -> None:
+        if device.type != "cuda":
+            resolve_budget(memory_budget, device)  # fail at construction, not at the first step
+        if regrow_after is not None and (
+            isinstance(regrow_after, bool) or not isinstance(regrow_after, int) or regrow_after < 1
+        ):
+            raise ValueError(f"regrow_after={regrow_after!r} must be a positive int or None.")
+        self.memory_budget = memory_budget
+        self.regrow_after = regrow_after
+        self.plan: MemoryPlan | None = None
+        self.planned: int | None = None  # the size the plan chose (agreed over ranks)
+        self.size: int | None = None  # the size the next window runs at
+        self.clean_windows = 0
+        self.wait = regrow_after  # clean windows before the next regrowth (doubles on failure)
+        self.growing = False  # the current size is a regrowth not yet proven
+        self.out_of_memory_events = 0
+
+    def ensure_plan(self, acc: Accumulator, batch: Any, loss_fn: LossFn) -> None:
+        """Plan on the first batch; every rank takes the smallest rank's size."""
+        if self.size is not None:
+            return
+        plan = plan_micro_batch(
+            acc.model,
+            batch,
+            loss_fn,
+            acc.optimizer,
+            memory_budget=self.memory_budget,
+            precision=acc.precision,
+            accum_dtype=acc._runtime.accum_dtype if acc._runtime.uses_buffers else None,
+        )
+        self.plan = plan
+        self.planned = self.size = all_ranks_min(acc.model, plan.micro_batch_size)
+
+    def shrink(self, tried: list[int]) -> None:
+        """After an out-of-memory window: a smaller size, or give up at size 1."""
+        assert self.size is not None
+        self.out_of_memory_events += 1
+        if self.size == 1:
+            budget = "free device memory" if self.memory_budget is None else self.memory_budget
+            raise MemoryBudgetError(
+                f"out of memory even at micro_batch_size=1 (sizes tried this window: {tried}; "
+                f"memory_budget={budget}, plan: {self._planned_text()}). The model, gradients "
+                "and optimizer state leave no room: use precision='bf16', a smaller model, or "
+                "more memory."
+            )
+        if self.growing and self.wait is not None:
+            self.wait *= 2  # the regrowth failed: wait longer before the next one
+        self.growing = False
+        self.size = max(1, min(self.size - 1, self.size * 3 // 4))
+        self.clean_windows = 0
+
+    def window_done(self) -> None:
+        """After a clean window: count toward regrowth, and grow when it is due."""
+        assert self.size is not None
+        assert self.planned is not None
+        self.growing = False
+        if self.size >= self.planned or self.wait is None:
+            return
+        self.clean_windows += 1
+        if self.clean_windows >= self.wait:
+            self.size = min(self.planned, max(self.size + 1, math.ceil(self.size * 4 / 3)))
+            self.clean_windows = 0
+            self.growing = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data for `Accumulator.state_dict`."""
+        return {
+            "planned": self.planned,
+            "size": self.size,
+            "clean_windows": self.clean_windows,
+            "wait": self.wait,
+            "growing": self.growing,
+            "out_of_memory_events": self.out_of_memory_events,
+            "plan": None if self.plan is None else _plain_plan(self.plan),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output (checked by the caller)."""
+        self.planned, self.size = state["planned"], state["size"]
+        self.clean_windows, self.wait = int(state["clean_windows"]), state["wait"]
+        self.growing = bool(state["growing"])
+        self.out_of_memory_events = int(state["out_of_memory_events"])
+        plan = state["plan"]
+        self.plan = (
+            None
+            if plan is None
+            else MemoryPlan(**{**plan, "probes": tuple(tuple(p) for p in plan["probes"])})
+        )
+
+    def _planned_text(self) -> str:
+        if self.plan is None:
+            return f"planned size {self.planned}"
+        return (
+            f"planned size {self.planned}, predicted peak "
+            f"{format_bytes(self.plan.predicted_peak_bytes)}"
+        )
+
+
+def step_with_recovery(acc: Accumulator, batch: Any, loss_fn: LossFn) -> StepResult:
+    """`Accumulator.step` in auto mode: plan once, run the window, rerun it smaller on OOM."""
+    auto = acc._auto
+    assert auto is not None
+    auto.ensure_plan(acc, batch, loss_fn)
+    distributed = acc._window.distributed
+    tried: list[int] = []
+    while True:
+        assert auto.size is not None
+        size = auto.size
+        tried.append(size)
+        start = _WindowStart(acc)
+        failed = False
+        try:
+            # Distributed: no backward reduces gradients, so a rank that stops early leaves no
+            # other rank waiting; the flag below decides, and the boundary reduces once.
+            acc._accumulate(batch, loss_fn, size, defer_sync=distributed)
+        except Exception as error:  # anything but out-of-memory is re-raised
+            if not is_out_of_memory(error):
+                raise
+            failed = True
+        if not any_rank(acc.model, failed):
+            result = acc._finish_window(size)
+            auto.window_done()
+            return result
+        acc._window.reset()
+        start.restore()
+        release_cached_memory(acc._runtime.device)
+        auto.shrink(tried)
+
+
+class _WindowStart:
+    """What a rerun window must start from again: RNG states and BatchNorm statistics."""
+
+    def __init__(self, acc: Accumulator) -> None:
+        self.acc = acc
+        self.device = acc._runtime.device
+        self.cpu_rng = torch.get_rng_state()
+        self.device_rng = (
+            torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        )
+        self.statistics = snapshot_batchnorm(acc.model)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu_rng)
+        if self.device_rng is not None:
+            torch.cuda.set_rng_state(self.device_rng, self.device)
+        for buffer, saved in self.statistics:
+            buffer.copy_(saved)
+        bn_control = getattr(self.acc, "_batchnorm", None)
+        if bn_control is not None:
+            bn_control.discard_window()
+
+
+def _plain_plan(plan: MemoryPlan) -> dict[str, Any]:
+    plain = asdict(plan)
+    plain["probes"] = [list(p) for p in plan.probes]
+    return plain

@@ -1,0 +1,100 @@
+"""`micro_batch_size="auto"` under DDP: an out-of-memory error on ONE rank reruns the window on all.
+
+Two real gloo ranks. Rank 1's model fails like an allocator for micro-batches above 10 items;
+rank 0's never fails. Both must shrink together (a rank that shrank alone would run a different
+number of micro-batches and raise `RankMismatchError`, or hang in a reduction the other never
+joins), end on the same size, with parameters equal across ranks and bitwise equal to a DDP run
+that used that size from the start. The negative control is that reference at another size.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from gradaccum import Accumulator
+from tests.distributed._harness import describe, spawn_ranks
+
+PER_RANK = 32
+WINDOWS = 3
+
+
+class OomAbove(nn.Module):
+    """`inner`, failing with `torch.OutOfMemoryError` above `threshold` items per micro-batch."""
+
+    def __init__(self, inner: nn.Module, threshold: float) -> None:
+        super().__init__()
+        self.inner = inner
+        self.threshold = threshold
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x)  # fail after the forward: dropout has drawn, the graph exists
+        if x.shape[0] > self.threshold:
+            raise torch.OutOfMemoryError(f"injected: {x.shape[0]} > {self.threshold}")
+        return out
+
+
+def _model() -> DistributedDataParallel:
+    torch.manual_seed(3)
+    inner = nn.Sequential(nn.Linear(5, 12), nn.Tanh(), nn.Dropout(0.1), nn.Linear(12, 4))
+    return DistributedDataParallel(OomAbove(inner.double(), math.inf))
+
+
+def _batch(window: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * window + rank)
+    x = torch.randn(PER_RANK, 5, generator=generator, dtype=torch.float64)
+    return x, torch.randint(0, 4, (PER_RANK,), generator=generator)
+
+
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def _train(rank: int, size: int | str, threshold: float) -> tuple[dict[str, torch.Tensor], list]:
+    torch.manual_seed(10 + rank)  # per-rank dropout streams, the same in both runs
+    ddp = _model()
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.05)
+    acc = Accumulator(ddp, optimizer, micro_batch_size=size, memory_budget="256MiB")
+    if size == "auto":  # plan while memory is plentiful, then make it scarce on one rank
+        acc._auto.ensure_plan(acc, _batch(0, rank), _loss)
+    ddp.module.threshold = threshold
+    sizes = [acc.step(_batch(w, rank), _loss).micro_batch_size for w in range(WINDOWS)]
+    params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    return params, sizes
+
+
+def oom_worker(rank: int, world_size: int) -> dict[str, Any]:
+    threshold = 10 if rank == 1 else math.inf
+    auto_params, auto_sizes = _train(rank, "auto", threshold)
+    fixed_params, _ = _train(rank, auto_sizes[-1], math.inf)
+    other_params, _ = _train(rank, 8, math.inf)
+    return {
+        "sizes": auto_sizes,
+        "auto": auto_params,
+        "bitwise_vs_fixed": all(torch.equal(auto_params[n], fixed_params[n]) for n in auto_params),
+        "gap_vs_other_size": max(
+            (auto_params[n] - other_params[n]).abs().max().item() for n in auto_params
+        ),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_oom_on_one_rank_shrinks_every_rank_alike(tmp_path: Path) -> None:
+    outcomes = spawn_ranks(oom_worker, tmp_path, timeout=90.0, pg_timeout=20.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    zero, one = (o.result for o in outcomes)
+    # Planned 32 on both; rank 1 fails 32, 24, 18, 13; both settle on 9 together.
+    assert zero["sizes"] == one["sizes"] == [9] * WINDOWS
+    for name, value in zero["auto"].items():
+        assert torch.equal(value, one["auto"][name]), name
+    assert zero["bitwise_vs_fixed"]
+    assert one["bitwise_vs_fixed"]
+    # NEGATIVE CONTROL: another size rounds differently; the comparison can fail.
+    assert zero["gap_vs_other_size"] > 0

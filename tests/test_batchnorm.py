@@ -1,0 +1,645 @@
+"""Tests for gradaccum.batchnorm: pooled and frozen BatchNorm, detection, GroupNorm, recalibrate.
+
+Every reference here is plain PyTorch: a deep copy of the model runs ONE full-batch forward in
+train mode, and its running statistics are what "pooled" must reproduce after one window. The
+micro-batches are driven by hand, as the Accumulator drives them: each one's forward and backward
+inside `control.micro_context()`, then `control.end_window()` at the optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gradaccum import Accumulator, check_equivalence
+from gradaccum.batchnorm import (
+    BatchNormAccumulationWarning,
+    BatchNormControl,
+    batchnorm_modules,
+    convert_to_groupnorm,
+    recalibrate,
+    warn_if_inexact,
+)
+
+RTOL, ATOL = 1e-10, 1e-12
+
+
+def _bn_model(kind: str, momentum: float | None = 0.1) -> tuple[nn.Module, tuple[int, ...]]:
+    """A layer feeding one BatchNorm, in float64, with non-default running statistics."""
+    layers = {
+        "1d-NC": (nn.Linear(5, 6), nn.BatchNorm1d(6, momentum=momentum), (5,)),
+        "1d-NCL": (nn.Conv1d(3, 4, 3), nn.BatchNorm1d(4, momentum=momentum), (3, 9)),
+        "2d": (nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4, momentum=momentum), (2, 6, 6)),
+        "3d": (nn.Conv3d(2, 3, 2), nn.BatchNorm3d(3, momentum=momentum), (2, 4, 4, 4)),
+        "sync": (nn.Conv2d(2, 4, 3), nn.SyncBatchNorm(4, momentum=momentum), (2, 5, 5)),
+    }
+    layer, bn, shape = layers[kind]
+    model = nn.Sequential(layer, bn, nn.Tanh()).double()
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.randn(bn.num_features))
+        bn.running_var.copy_(torch.rand(bn.num_features) + 0.5)
+        bn.num_batches_tracked.fill_(3)
+    return model, shape
+
+
+def _data(items: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Items whose mean drifts along the batch: micro-batch statistics differ from the batch's."""
+    generator = torch.Generator().manual_seed(seed)
+    drift = torch.linspace(-2, 2, items, dtype=torch.float64).view(-1, *[1] * len(shape))
+    scale = torch.linspace(0.5, 2, shape[0], dtype=torch.float64).view(
+        1, -1, *[1] * (len(shape) - 1)
+    )
+    return torch.randn(items, *shape, generator=generator, dtype=torch.float64) * scale + drift
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).sum()
+
+
+def _run_window(model, x, micro: int, control: BatchNormControl | None, end: bool = True):
+    """One window by hand: each micro-batch's forward + backward in the control's context."""
+    for chunk in x.split(micro):
+        context = control.micro_context() if control else torch.enable_grad()
+        with context:
+            _loss(model, chunk).backward()
+    if control and end:
+        control.end_window()
+
+
+def _stats(model: nn.Module) -> list[torch.Tensor]:
+    return [
+        t.clone()
+        for _, bn in batchnorm_modules(model)
+        for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+    ]
+
+
+def _assert_stats_close(actual: nn.Module, expected: nn.Module) -> None:
+    for a, e in zip(_stats(actual), _stats(expected), strict=True):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL)
+        else:
+            assert torch.equal(a, e)
+
+
+def _max_rel_gap(actual: nn.Module, expected: nn.Module) -> float:
+    pairs = zip(_stats(actual), _stats(expected), strict=True)
+    return max(float(((a - e).abs() / e.abs().clamp_min(1e-3)).max()) for a, e in pairs)
+
+
+# --- pooled: exact running statistics -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["1d-NC", "1d-NCL", "2d", "3d", "sync"])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_pooled_running_stats_equal_full_batch_over_windows(kind, momentum):
+    model, shape = _bn_model(kind, momentum)
+    pooled, reference, plain = (copy.deepcopy(model) for _ in range(3))
+    control = BatchNormControl(pooled, "pooled")
+    for window, (items, micro) in enumerate([(11, 3), (8, 4), (10, 4)]):  # 11, 10: ragged
+        x = _data(items, shape, seed=window)
+        _run_window(pooled, x, micro, control)
+        reference(x)  # the full batch, once: plain PyTorch updates its running stats once
+        _run_window(plain, x, micro, None)
+        _assert_stats_close(pooled, reference)
+    # Negative control: plain PyTorch micro-batches ("micro") are far from the full batch.
+    assert _max_rel_gap(plain, reference) > 1e-2
+
+
+def test_pooled_first_window_single_call_and_ragged_last():
+    model, shape = _bn_model("2d")
+    pooled, reference = copy.deepcopy(model), copy.deepcopy(model)
+    x = _data(10, shape, seed=7)
+    _run_window(pooled, x, 4, BatchNormControl(pooled, "pooled"))  # 4 + 4 + 2
+    reference(x)
+    _assert_stats_close(pooled, reference)
+    assert int(pooled[1].num_batches_tracked) == 4  # 3 before, one update for the window
+
+
+def test_pooled_leaves_forward_and_gradients_as_micro():
+    model, shape = _bn_model("2d")
+    pooled, plain = copy.deepcopy(model), copy.deepcopy(model)
+    x = _data(9, shape, seed=1)
+    _run_window(pooled, x, 3, BatchNormControl(pooled, "pooled"))
+    _run_window(plain, x, 3, None)
+    for p, q in zip(pooled.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_pooled_deeper_batchnorm_sees_micro_normalized_inputs():
+    """What "pooled" guarantees for a BatchNorm behind another one: the exact pooled statistics
+    of the inputs it saw, which were normalized per micro-batch upstream (not the full batch's)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 5), nn.BatchNorm1d(5)
+    ).double()
+    pooled, reference, plain = (copy.deepcopy(model) for _ in range(3))
+    x = _data(12, (4,), seed=2)
+    seen = []
+    plain[4].register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
+    _run_window(plain, x, 3, None)
+    _run_window(pooled, x, 3, BatchNormControl(pooled, "pooled"))
+    reference(x)
+    first = [t for t in _stats(pooled)[:3]], [t for t in _stats(reference)[:3]]
+    for a, e in zip(*first, strict=True):
+        torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL)
+    inputs = torch.cat(seen)
+    expected_mean = 0.9 * 0.0 + 0.1 * inputs.mean(0)
+    expected_var = 0.9 * 1.0 + 0.1 * inputs.var(0, correction=1)
+    torch.testing.assert_close(pooled[4].running_mean, expected_mean, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(pooled[4].running_var, expected_var, rtol=RTOL, atol=ATOL)
+    gap = (pooled[4].running_var - reference[4].running_var).abs().max()
+    assert gap > 1e-3  # the documented limit: the second layer's inputs differ from the batch's
+
+
+class _Siamese(nn.Module):
+    """One BatchNorm applied to two views per forward: two running-stat updates per forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(3, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.lin(x)) * self.bn(self.lin(x.flip(1) * 3 + 1))
+
+
+def test_pooled_module_called_twice_gets_two_updates():
+    model = _Siamese().double()
+    pooled, reference, plain = (copy.deepcopy(model) for _ in range(3))
+    x = _data(10, (3,), seed=4)
+    _run_window(pooled, x, 4, BatchNormControl(pooled, "pooled"))
+    reference(x)
+    _run_window(plain, x, 4, None)
+    _assert_stats_close(pooled, reference)
+    assert int(pooled.bn.num_batches_tracked) == 2
+    assert _max_rel_gap(plain, reference) > 1e-2
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_pooled_ignores_activation_checkpoint_recompute(reentrant):
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)).double()
+
+    def forward(model, x):
+        return checkpoint(model, x.requires_grad_(), use_reentrant=reentrant).pow(2).sum()
+
+    pooled, reference, plain = (copy.deepcopy(block) for _ in range(3))
+    x = _data(10, (4,), seed=5)
+    control = BatchNormControl(pooled, "pooled")
+    for chunk in x.split(4):
+        with control.micro_context():
+            forward(pooled, chunk.clone()).backward()
+        forward(plain, chunk.clone()).backward()
+    control.end_window()
+    reference(x)
+    _assert_stats_close(pooled, reference)
+    # The recompute does run BatchNorm again: plain PyTorch counts each micro-batch twice.
+    assert int(plain[1].num_batches_tracked) == 2 * 3
+
+
+def test_pooled_zero_item_micro_batch_adds_nothing():
+    model, shape = _bn_model("1d-NC")
+    pooled, reference = copy.deepcopy(model), copy.deepcopy(model)
+    x = _data(7, shape, seed=6)
+    control = BatchNormControl(pooled, "pooled")
+    for chunk in (x[:4], x[4:4], x[4:]):
+        with control.micro_context():
+            _loss(pooled, chunk).backward()
+    control.end_window()
+    reference(x)
+    _assert_stats_close(pooled, reference)
+
+
+def test_pooled_bf16_autocast_inputs_are_upcast():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6))
+    seen = []
+    model[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
+    control = BatchNormControl(model, "pooled")
+    x = _data(12, (5,), seed=8).float()
+    for chunk in x.split(5):
+        with control.micro_context(), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(chunk).float().pow(2).sum().backward()
+    control.end_window()
+    assert seen[0].dtype == torch.bfloat16  # the case under test
+    inputs = torch.cat(seen).double()
+    expected_var = 0.9 + 0.1 * inputs.var(0, correction=1)
+    assert model[1].running_var.dtype == torch.float32
+    torch.testing.assert_close(
+        model[1].running_mean.double(), 0.1 * inputs.mean(0), rtol=1e-5, atol=1e-6
+    )
+    torch.testing.assert_close(model[1].running_var.double(), expected_var, rtol=1e-5, atol=1e-6)
+
+
+def test_pooled_lazy_batchnorm():
+    # Uninitialized lazy modules cannot be deep-copied: build two identical ones.
+    pooled, reference = (
+        nn.Sequential(nn.Linear(5, 6), nn.LazyBatchNorm1d()).double() for _ in range(2)
+    )
+    reference.load_state_dict(pooled.state_dict(), strict=False)
+    x = _data(10, (5,), seed=9)
+    _run_window(pooled, x, 4, BatchNormControl(pooled, "pooled"))
+    reference(x)
+    _assert_stats_close(pooled, reference)
+
+
+def test_pooled_failed_micro_batch_and_discarded_window_add_nothing():
+    model, shape = _bn_model("2d")
+    pooled, reference = copy.deepcopy(model), copy.deepcopy(model)
+    control = BatchNormControl(pooled, "pooled")
+    before = _stats(pooled)
+    _run_window(pooled, _data(6, shape, seed=10), 3, control, end=False)
+    control.discard_window()
+    control.end_window()  # nothing pending: no update
+    assert all(torch.equal(a, b) for a, b in zip(_stats(pooled), before, strict=True))
+    x = _data(8, shape, seed=11)
+
+    def failing_micro_batch():
+        with control.micro_context():
+            pooled(x[:5])  # the BatchNorm forward runs, then the micro-batch fails
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        failing_micro_batch()
+    assert pooled[1].track_running_stats
+    assert not pooled[1]._forward_pre_hooks
+    _run_window(pooled, x, 3, control)
+    reference(x)
+    _assert_stats_close(pooled, reference)
+
+
+def test_pooled_state_dict_resumes_mid_window_exactly(tmp_path):
+    model, shape = _bn_model("2d", momentum=None)
+    straight, resumed, reference = (copy.deepcopy(model) for _ in range(3))
+    x = _data(12, shape, seed=12)
+    control = BatchNormControl(straight, "pooled")
+    _run_window(straight, x[:6], 3, control, end=False)
+    torch.save(control.state_dict(), tmp_path / "bn.pt")
+    _run_window(straight, x[6:], 3, control)
+
+    fresh = BatchNormControl(resumed, "pooled")
+    fresh.load_state_dict(torch.load(tmp_path / "bn.pt", weights_only=True))
+    _run_window(resumed, x[6:], 3, fresh)
+    reference(x)
+    assert all(torch.equal(a, b) for a, b in zip(_stats(resumed), _stats(straight), strict=True))
+    _assert_stats_close(resumed, reference)
+
+
+def test_pooled_load_state_dict_rejects_mismatch_and_changes_nothing():
+    model, shape = _bn_model("2d")
+    control = BatchNormControl(model, "pooled")
+    _run_window(model, _data(6, shape, seed=13), 3, control, end=False)
+    good = control.state_dict()
+    entry = good["pending"]["1"][0]
+    bad_states = {
+        "no tracked BatchNorm": {**good, "pending": {"0": good["pending"]["1"]}},
+        "of shape": {**good, "pending": {"1": [{**entry, "mean": torch.zeros(5)}]}},
+        "count": {**good, "pending": {"1": [{**entry, "count": 0}]}},
+        "version": {**good, "version": 99},
+    }
+    for message, bad in bad_states.items():
+        with pytest.raises(ValueError, match=message):
+            control.load_state_dict(bad)
+        kept = control.state_dict()["pending"]["1"][0]
+        assert kept["count"] == entry["count"]
+        assert torch.equal(kept["mean"], entry["mean"])
+    with pytest.raises(ValueError, match="resume with 'pooled'"):
+        BatchNormControl(copy.deepcopy(model), "micro").load_state_dict(good)
+    BatchNormControl(copy.deepcopy(model), "micro").load_state_dict(
+        BatchNormControl(model, "micro").state_dict()
+    )
+
+
+# --- frozen --------------------------------------------------------------------------------
+
+
+def test_frozen_keeps_running_stats_bitwise_and_is_exact():
+    model, shape = _bn_model("2d")
+    frozen, reference, plain, plain_reference = (copy.deepcopy(model) for _ in range(4))
+    x = _data(10, shape, seed=14)
+    before = _stats(frozen)
+    control = BatchNormControl(frozen, "frozen")
+    modes = []
+    for chunk in x.split(4):
+        with control.micro_context():
+            modes.append(frozen[1].training)
+            (_loss(frozen, chunk) / len(x)).backward()
+    control.end_window()
+    assert modes == [False] * 3
+    assert frozen[1].training
+    assert frozen.training
+    assert all(torch.equal(a, b) for a, b in zip(_stats(frozen), before, strict=True))
+    reference[1].eval()  # the full batch with eval-mode BatchNorm
+    (_loss(reference, x) / len(x)).backward()
+    for p, q in zip(frozen.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+    # Negative control: train-mode micro-batches do not give the train-mode full-batch gradient.
+    for chunk in x.split(4):
+        (_loss(plain, chunk) / len(x)).backward()
+    (_loss(plain_reference, x) / len(x)).backward()
+    gap = (plain[0].weight.grad - plain_reference[0].weight.grad).abs().max()
+    assert gap > 1e-2 * plain_reference[0].weight.grad.abs().max()
+
+
+def test_frozen_restores_training_flag_after_an_error():
+    model, _shape = _bn_model("2d")
+    control = BatchNormControl(model, "frozen")
+    with pytest.raises(RuntimeError), control.micro_context():
+        raise RuntimeError("boom")
+    assert model[1].training
+
+
+def test_micro_mode_is_plain_pytorch():
+    model, shape = _bn_model("2d")
+    ours, plain = copy.deepcopy(model), copy.deepcopy(model)
+    x = _data(9, shape, seed=15)
+    _run_window(ours, x, 3, BatchNormControl(ours, "micro"))
+    _run_window(plain, x, 3, None)
+    assert all(torch.equal(a, b) for a, b in zip(_stats(ours), _stats(plain), strict=True))
+
+
+def test_control_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="batchnorm='ghost'"):
+        BatchNormControl(nn.BatchNorm1d(2), "ghost")
+
+
+# --- detection -----------------------------------------------------------------------------
+
+
+def test_warn_if_inexact_counts_eval_batchnorm_without_running_stats():
+    # In eval mode, a BatchNorm without running statistics still normalizes with the batch's.
+    model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3, track_running_stats=False)).eval()
+    with pytest.warns(BatchNormAccumulationWarning, match=r"\(1\)"):
+        assert warn_if_inexact(model, micro_items=2, window_items=8)
+
+
+def test_warn_if_inexact_names_the_problem_and_the_strategies():
+    model = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3))
+    with pytest.warns(BatchNormAccumulationWarning) as record:
+        assert warn_if_inexact(model, micro_items=4, window_items=16)
+    message = str(record[0].message)
+    for text in ("1", "micro-batch statistics", "running statistics", "pooled", "frozen"):
+        assert text in message
+    assert "convert_to_groupnorm" in message
+    assert "recalibrate" in message
+
+
+@pytest.mark.parametrize(
+    ("model", "micro", "window"),
+    [
+        (nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)), 8, 8),  # micro-batch == window
+        (nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)).eval(), 2, 8),  # eval mode
+        (nn.Sequential(nn.Linear(2, 3), nn.GroupNorm(1, 3)), 2, 8),  # no BatchNorm
+    ],
+)
+def test_warn_if_inexact_silent_when_exact(model, micro, window):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not warn_if_inexact(model, micro, window)
+
+
+def test_warn_once_per_control_and_only_in_micro_mode():
+    model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
+    control = BatchNormControl(model, "micro")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = [control.warn_once(2, 8) for _ in range(3)]
+        for mode in ("pooled", "frozen"):
+            assert not BatchNormControl(model, mode).warn_once(2, 8)
+    assert results == [True, False, False]
+    assert [type(w.message) for w in caught] == [BatchNormAccumulationWarning]
+
+
+def test_batchnorm_modules_finds_every_kind():
+    model = nn.Sequential(
+        nn.BatchNorm1d(2), nn.Sequential(nn.BatchNorm2d(2), nn.SyncBatchNorm(2)), nn.Linear(2, 2)
+    )
+    assert [name for name, _ in batchnorm_modules(model)] == ["0", "1.0", "1.1"]
+
+
+# --- GroupNorm conversion ------------------------------------------------------------------
+
+
+class _ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(2, 48, 3, padding=1), nn.BatchNorm2d(48)
+        self.conv2, self.bn2 = nn.Conv2d(48, 12, 3), nn.BatchNorm2d(12, affine=False)
+        self.seq = nn.Sequential(nn.Conv1d(12, 64, 1), nn.SyncBatchNorm(64))
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+        return self.head(self.seq(h.flatten(2)).mean(2))
+
+
+def test_convert_to_groupnorm_replaces_every_batchnorm():
+    torch.manual_seed(0)
+    model = _ConvNet().double()
+    with torch.no_grad():
+        model.bn1.weight.uniform_(0.5, 2)
+        model.bn1.bias.uniform_(-1, 1)
+    model.bn1.bias.requires_grad_(False)
+    x = torch.randn(6, 2, 7, 7, dtype=torch.float64)
+    batch = (x, torch.randn(6, 3, dtype=torch.float64))
+    mse = lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    before_report = check_equivalence(model, batch, mse, micro_batch_size=2)
+    shape_before = model(x).shape
+    weight, bias = model.bn1.weight.detach().clone(), model.bn1.bias.detach().clone()
+
+    converted = convert_to_groupnorm(model)
+    assert converted is model
+    assert not batchnorm_modules(model)
+    assert (model.bn1.num_groups, model.bn2.num_groups, model.seq[1].num_groups) == (24, 12, 32)
+    assert torch.equal(model.bn1.weight, weight)
+    assert torch.equal(model.bn1.bias, bias)
+    assert not model.bn1.bias.requires_grad
+    assert model.bn2.weight is None
+    assert model.bn1.weight.dtype == torch.float64
+    assert model.bn1.eps == 1e-5
+    assert model(x).shape == shape_before
+    after = check_equivalence(model, batch, mse, micro_batch_size=2)
+    assert after.ok
+    assert not after.non_additive
+    # Negative control: the BatchNorm model is not exact and names its BatchNorm layers.
+    assert not before_report.ok
+    assert [m.name for m in before_report.non_additive] == ["bn1", "bn2", "seq.1"]
+
+
+def test_convert_to_groupnorm_single_module_and_bad_groups():
+    bn = nn.BatchNorm1d(10).eval()
+    gn = convert_to_groupnorm(bn, num_groups=4)
+    assert isinstance(gn, nn.GroupNorm)
+    assert gn.num_groups == 2
+    assert not gn.training
+    with pytest.raises(ValueError, match="num_groups"):
+        convert_to_groupnorm(nn.BatchNorm1d(3), num_groups=0)
+
+
+# --- recalibrate ---------------------------------------------------------------------------
+
+
+def _recal_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.Linear(6, 5), nn.BatchNorm1d(5)
+    ).double()
+
+
+def test_recalibrate_gives_exact_population_statistics():
+    model = _recal_model()
+    model[1].eval()  # mixed flags must come back as they were
+    batches = [_data(n, (4,), seed=20 + i) * (i + 1) for i, n in enumerate([5, 9, 3, 7])]
+    loader = [(b, torch.zeros(len(b))) for b in batches]  # tuples: model(batch[0])
+    params = [p.clone() for p in model.parameters()]
+    nbt = [bn.num_batches_tracked.clone() for _, bn in batchnorm_modules(model)]
+
+    # Plain reference: BatchNorm in train mode, dropout off, inputs of each BatchNorm collected.
+    plain = copy.deepcopy(model).eval()
+    plain[1].train()
+    plain[4].train()
+    seen = {1: [], 4: []}
+    for index in seen:
+        plain[index].register_forward_pre_hook(lambda m, a, i=index: seen[i].append(a[0]))
+    with torch.no_grad():
+        for b in batches[:3]:
+            plain(b)
+
+    recalibrate(model, loader, num_batches=3)
+    for index, inputs in seen.items():
+        inputs = torch.cat(inputs)
+        assert len(inputs) == 17  # the fourth batch is not used
+        bn = model[index]
+        torch.testing.assert_close(bn.running_mean, inputs.mean(0), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(bn.running_var, inputs.var(0), rtol=RTOL, atol=ATOL)
+        # Negative control: the average of per-batch variances (equal weight per batch).
+        per_batch = torch.stack([t.var(0) for t in seen[index]]).mean(0)
+        assert (per_batch - bn.running_var).abs().max() > 1e-2 * bn.running_var.abs().max()
+    assert [m.training for m in model.modules()] == [True, True, False, True, True, True]
+    assert all(bn.track_running_stats for _, bn in batchnorm_modules(model))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    assert [bn.num_batches_tracked for _, bn in batchnorm_modules(model)] == nbt
+    assert not model[1]._forward_pre_hooks
+
+
+def test_recalibrate_custom_forward_and_dict_batches():
+    model = _recal_model()
+    batches = [{"x": _data(6, (4,), seed=30 + i)} for i in range(2)]
+    reference = copy.deepcopy(model)
+    recalibrate(model, batches, num_batches=5, forward=lambda m, b: m(b["x"]))
+    plain = nn.Sequential(reference[0])  # the first BatchNorm's inputs need no BatchNorm
+    with torch.no_grad():
+        inputs = plain(torch.cat([b["x"] for b in batches]))
+    torch.testing.assert_close(model[1].running_var, inputs.var(0), rtol=RTOL, atol=ATOL)
+    with pytest.raises(TypeError):
+        recalibrate(_recal_model(), batches, num_batches=1)  # model(**batch): no 'x' argument
+
+
+def test_recalibrate_rejects_nothing_to_do_and_changes_nothing():
+    model = _recal_model()
+    before = _stats(model)
+    with pytest.raises(ValueError, match="num_batches"):
+        recalibrate(model, [torch.randn(3, 4)], num_batches=0)
+    with pytest.raises(ValueError, match="no item"):
+        recalibrate(model, [], num_batches=2)
+    assert all(torch.equal(a, b) for a, b in zip(_stats(model), before, strict=True))
+    assert model.training
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the Accumulator: the same guarantees with the library driving the micro-batches
+# ---------------------------------------------------------------------------------------------
+
+
+def _accumulator(model: nn.Module, batchnorm: str, **kwargs) -> Accumulator:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return Accumulator(model, optimizer, batchnorm=batchnorm, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["1d-NC", "2d", "3d"])
+def test_accumulator_pooled_step_gives_full_batch_running_stats(kind: str) -> None:
+    model, shape = _bn_model(kind)
+    x = _data(14, shape, seed=4)
+    full = copy.deepcopy(model)
+    with torch.no_grad():
+        full(x)  # one full-batch forward: the running statistics "pooled" must reproduce
+    acc = _accumulator(model, "pooled", micro_batch_size=4)  # 4 + 4 + 4 + 2 items
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an explicit strategy does not warn
+        acc.step(x, _loss)
+    _assert_stats_close(model, full)
+    # NEGATIVE CONTROL: "micro" updates four times from micro-batch statistics.
+    micro_model, _ = _bn_model(kind)
+    with pytest.warns(BatchNormAccumulationWarning):
+        _accumulator(micro_model, "micro", micro_batch_size=4).step(x, _loss)
+    assert _max_rel_gap(micro_model, full) > 1e-2
+
+
+def test_accumulator_pooled_streaming_resume_mid_window_is_bitwise() -> None:
+    model, shape = _bn_model("2d")
+    x = _data(12, shape, seed=5)
+    straight = copy.deepcopy(model)
+    acc = _accumulator(straight, "pooled", accumulation_steps=3)
+    for part in x.split(4):
+        acc.micro_step(part, _loss)
+    resumed = copy.deepcopy(model)
+    first = _accumulator(resumed, "pooled", accumulation_steps=3)
+    first.micro_step(x[:4], _loss)
+    state = copy.deepcopy(first.state_dict())
+    second = _accumulator(resumed, "pooled", accumulation_steps=3)  # a fresh process, say
+    second.optimizer.load_state_dict(first.optimizer.state_dict())
+    second.load_state_dict(state)
+    second.micro_step(x[4:8], _loss)
+    assert second.micro_step(x[8:], _loss).stepped
+    for a, b in zip(_stats(resumed), _stats(straight), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_accumulator_state_refuses_another_batchnorm_mode() -> None:
+    model, _ = _bn_model("1d-NC")
+    state = _accumulator(model, "pooled", accumulation_steps=2).state_dict()
+    other = _accumulator(model, "micro", accumulation_steps=2)
+    with pytest.raises(ValueError, match="batchnorm_mode='pooled'"):
+        other.load_state_dict(state)
+
+
+def test_accumulator_frozen_keeps_running_stats_bitwise() -> None:
+    model, shape = _bn_model("2d")
+    before = [t.clone() for t in _stats(model)]
+    acc = _accumulator(model, "frozen", micro_batch_size=3)
+    for seed in range(3):
+        assert acc.step(_data(9, shape, seed), _loss).stepped
+    assert all(torch.equal(a, b) for a, b in zip(_stats(model), before, strict=True))
+    assert model[1].training  # put back in train mode after each micro-batch
+
+
+def test_accumulator_pooled_skipped_window_changes_no_statistic() -> None:
+    model, shape = _bn_model("1d-NC")
+    before = [t.clone() for t in _stats(model)]
+    acc = _accumulator(model, "pooled", micro_batch_size=2)
+
+    def nan_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x).sum() * float("nan")
+
+    assert acc.step(_data(6, shape, seed=1), nan_loss).skipped
+    assert all(torch.equal(a, b) for a, b in zip(_stats(model), before, strict=True))
+
+
+def test_accumulator_warns_once_and_not_when_the_micro_batch_is_the_window() -> None:
+    model, shape = _bn_model("1d-NC")
+    acc = _accumulator(model, "micro", micro_batch_size=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.step(_data(8, shape, seed=1), _loss)  # one micro-batch: exact, silent
+        acc.step(_data(16, shape, seed=2), _loss)  # two: warns
+        acc.step(_data(16, shape, seed=3), _loss)  # again: already warned
+    found = [w for w in caught if issubclass(w.category, BatchNormAccumulationWarning)]
+    assert len(found) == 1
+    assert "pooled" in str(found[0].message)
+    assert found[0].filename.endswith("test_batchnorm.py")  # points at the caller's line

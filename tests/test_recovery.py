@@ -1,0 +1,270 @@
+"""`micro_batch_size="auto"`: out-of-memory recovery by fault injection, bitwise against references.
+
+Two fault injectors stand in for a device running out of memory: `OomAbove` raises
+`torch.OutOfMemoryError` whenever a micro-batch is larger than a threshold (a real allocator
+fails the same way: the large sizes, every time); `OomAt` raises once at a chosen micro position
+of a chosen window. The references are plain `Accumulator`s with a fixed size per window, so
+"equal" means the rerun window is exactly a fresh window at the smaller size: nothing counted
+twice, no gradient of the failed attempt left behind, RNG and BatchNorm statistics as at the
+window's start. The negative control keeps the failed attempt's gradients and must differ.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from gradaccum import Accumulator, MemoryBudgetError
+from gradaccum.recovery import AutoSizer
+from tests.state import assert_bitwise, clone_state
+
+BATCH = 32
+BUDGET = "256MiB"  # far more than the tiny model needs: the plan picks the whole batch
+
+
+class OomAbove(nn.Module):
+    """Runs `inner`, but fails like an allocator for micro-batches above `threshold` items."""
+
+    def __init__(self, inner: nn.Module, threshold: float = math.inf) -> None:
+        super().__init__()
+        self.inner = inner
+        self.threshold = threshold
+        self.sizes: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.sizes.append(x.shape[0])
+        if x.shape[0] > self.threshold:
+            raise torch.OutOfMemoryError(f"injected: {x.shape[0]} items > {self.threshold}")
+        return self.inner(x)
+
+
+class OomAt(nn.Module):
+    """Runs `inner`, failing once at forward call number `at` after being armed.
+
+    The failure comes after the inner forward ran (so dropout drew random numbers and BatchNorm
+    updated its statistics), either at once (`"forward"`) or from the backward (`"backward"`).
+    """
+
+    def __init__(self, inner: nn.Module, phase: str = "forward") -> None:
+        super().__init__()
+        self.inner = inner
+        self.phase = phase
+        self.at: int | None = None
+        self.calls = 0
+
+    def arm(self, at: int) -> None:
+        self.at, self.calls = at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x)
+        if self.at is not None:
+            if self.calls == self.at:
+                self.at = None
+                if self.phase == "forward":
+                    raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+                out.register_hook(_raise_oom)
+            self.calls += 1
+        return out
+
+
+def _raise_oom(grad: torch.Tensor) -> torch.Tensor:
+    raise torch.OutOfMemoryError("injected in backward")
+
+
+def _inner(batchnorm: bool = False) -> nn.Module:
+    torch.manual_seed(1)
+    layers: list[nn.Module] = [nn.Linear(6, 16)]
+    if batchnorm:
+        layers.append(nn.BatchNorm1d(16))
+    layers += [nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3)]
+    return nn.Sequential(*layers).double()
+
+
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    return [
+        (
+            torch.randn(BATCH, 6, generator=generator, dtype=torch.float64),
+            torch.randint(0, 3, (BATCH,), generator=generator),
+        )
+        for _ in range(count)
+    ]
+
+
+def _accumulator(model: nn.Module, size: int | str, **kwargs) -> Accumulator:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    return Accumulator(model, optimizer, micro_batch_size=size, memory_budget=BUDGET, **kwargs)
+
+
+def _state(acc: Accumulator) -> dict:
+    """Model parameters and buffers, and the optimizer state, cloned."""
+    return clone_state({"model": acc.model.state_dict(), "optimizer": acc.optimizer.state_dict()})
+
+
+def _scarce_after_planning(acc: Accumulator, model: OomAbove, batch, threshold: float) -> None:
+    """Plan while memory is plentiful, then make it scarce (as another process would)."""
+    acc._auto.ensure_plan(acc, batch, _loss)
+    model.threshold = threshold
+
+
+def _reference(sizes: list[int], batches, batchnorm: bool = False) -> Accumulator:
+    """A plain run with a fixed, given size per window, from the same seed."""
+    torch.manual_seed(0)
+    acc = _accumulator(OomAbove(_inner(batchnorm)), sizes[0])
+    for size, batch in zip(sizes, batches, strict=True):
+        acc.micro_batch_size = size
+        acc.step(batch, _loss)
+    return acc
+
+
+@pytest.mark.parametrize("batchnorm", [False, True], ids=["plain", "batchnorm"])
+def test_threshold_oom_equals_smaller_size_from_the_start(batchnorm: bool) -> None:
+    batches = _batches(4)
+    torch.manual_seed(0)
+    model = OomAbove(_inner(batchnorm))
+    acc = _accumulator(model, "auto")
+    _scarce_after_planning(acc, model, batches[0], threshold=10)
+    results = [acc.step(batch, _loss) for batch in batches]
+    # 32 fits the plan, then fails: 32 -> 24 -> 18 -> 13 -> 9, which stays.
+    assert acc.plan is not None
+    assert acc.plan.micro_batch_size == BATCH
+    assert [r.micro_batch_size for r in results] == [9] * 4
+    assert all(r.count == BATCH and r.micro_batches == 4 and r.stepped for r in results)
+    assert acc._auto.out_of_memory_events == 4
+    reference = _reference([9] * 4, batches, batchnorm)
+    assert_bitwise(_state(acc), _state(reference))
+    # NEGATIVE CONTROL: the size the plan chose is a different (exact, but differently rounded
+    # or, with BatchNorm, differently normalized) run; the comparison is able to fail.
+    other = _reference([8] * 4, batches, batchnorm)
+    with pytest.raises(AssertionError):
+        assert_bitwise(_state(acc), _state(other))
+
+
+@pytest.mark.parametrize("position", [0, 1, 2, 3])
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("batchnorm", [False, True], ids=["plain", "batchnorm"])
+def test_oom_at_every_micro_position_reruns_the_window(
+    position: int, phase: str, batchnorm: bool
+) -> None:
+    batches = _batches(3)
+    torch.manual_seed(0)
+    model = OomAt(_inner(batchnorm), phase)
+    acc = _accumulator(model, "auto")
+    acc._auto.planned = acc._auto.size = 8  # as if the plan had chosen 4 micro-batches of 8
+    first = acc.step(batches[0], _loss)
+    model.arm(position)  # window 2 fails at micro position `position`, once
+    second = acc.step(batches[1], _loss)
+    third = acc.step(batches[2], _loss)
+    assert [first.micro_batch_size, second.micro_batch_size, third.micro_batch_size] == [8, 6, 6]
+    assert second.count == BATCH
+    assert second.micro_batches == 6
+    reference = _reference([8, 6, 6], batches, batchnorm)
+    assert_bitwise(_state(acc), _state(reference))
+
+
+def test_negative_control_keeping_the_failed_attempts_gradients_differs() -> None:
+    """Had the rerun kept the failed attempt's partial sums, it would count items twice."""
+    batches = _batches(1)
+    torch.manual_seed(0)
+    inner = _inner()
+    acc = _accumulator(inner, 8)
+    x, y = batches[0]
+    _loss(inner, (x[:8], y[:8])).mul(8 / BATCH).backward()  # the failed attempt's 1st micro-batch
+    kept = [p.grad.clone() for p in inner.parameters()]
+    acc.micro_batch_size = 6
+    acc._accumulate(batches[0], _loss, 6)
+    doubled = [p.grad + k for p, k in zip(inner.parameters(), kept, strict=True)]
+    clean = [p.grad for p in inner.parameters()]
+    assert max((d - c).abs().max().item() for d, c in zip(doubled, clean, strict=True)) > 1e-3
+
+
+def test_gives_up_at_size_one_with_a_clear_error_and_changes_nothing() -> None:
+    batches = _batches(2)
+    model = OomAbove(_inner())
+    acc = _accumulator(model, "auto")
+    acc.step(batches[0], _loss)
+    before = _state(acc)
+    model.threshold = 0  # now nothing fits
+    with pytest.raises(MemoryBudgetError, match=r"micro_batch_size=1.*256MiB") as caught:
+        acc.step(batches[1], _loss)
+    assert "[32, 24, 18, 13, 9, 6, 4, 3, 2, 1]" in str(caught.value)
+    assert_bitwise(_state(acc), before)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_other_errors_are_not_retried() -> None:
+    model = OomAbove(_inner())
+    acc = _accumulator(model, "auto")
+
+    def broken(model: nn.Module, batch) -> torch.Tensor:
+        raise RuntimeError("shape mismatch in user code")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        acc.step(_batches(1)[0], broken)
+    assert acc._auto.out_of_memory_events == 0
+
+
+def test_grows_back_after_clean_windows_and_waits_longer_after_a_failed_regrowth() -> None:
+    batches = _batches(9)
+    torch.manual_seed(0)
+    model = OomAbove(_inner())
+    acc = _accumulator(model, "auto", regrow_after=2)
+    _scarce_after_planning(acc, model, batches[0], threshold=24)
+    sizes = [acc.step(batch, _loss).micro_batch_size for batch in batches]
+    # 32 fails -> 24; two clean windows -> regrow to 32, which fails -> 24, wait doubles to 4.
+    assert sizes == [24, 24, 24, 24, 24, 24, 24, 24, 24]
+    assert acc._auto.wait == 8
+    assert acc._auto.out_of_memory_events == 3
+    model.threshold = math.inf  # memory freed elsewhere: the next regrowth sticks
+    for batch in _batches(8):
+        last = acc.step(batch, _loss)
+    assert last.micro_batch_size == BATCH
+
+
+def test_regrowth_disabled_with_none() -> None:
+    sizer = AutoSizer("1GiB", torch.device("cpu"), regrow_after=None)
+    sizer.planned = sizer.size = 16
+    sizer.shrink([16])
+    for _ in range(100):
+        sizer.window_done()
+    assert sizer.size == 12
+
+
+def test_state_dict_keeps_the_chosen_size_and_the_plan() -> None:
+    batches = _batches(2)
+    model = OomAbove(_inner())
+    acc = _accumulator(model, "auto")
+    _scarce_after_planning(acc, model, batches[0], threshold=10)
+    acc.step(batches[0], _loss)
+    state = acc.state_dict()
+    assert state["micro_batch_size"] == "auto"
+    assert state["auto"]["size"] == 9
+    twin = _accumulator(OomAbove(_inner(), threshold=10), "auto")
+    twin.load_state_dict(state)
+    assert twin._auto.size == 9
+    assert twin.plan == acc.plan
+    assert twin.step(batches[1], _loss).micro_batch_size == 9  # no re-planning on resume
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"micro_batch_size": "auto"}, "memory_budget is required on cpu"),
+        ({"micro_batch_size": "auto", "memory_budget": "lots"}, "not a size"),
+        ({"micro_batch_size": "Auto", "memory_budget": "1GiB"}, "pass a positive int or 'auto'"),
+        ({"micro_batch_size": "auto", "memory_budget": "1GiB", "regrow_after": 0}, "regrow_after"),
+    ],
+)
+def test_bad_auto_settings_raise_naming_the_fix(kwargs: dict, message: str) -> None:
+    model = _inner()
+    with pytest.raises(ValueError, match=message):
+        Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)

@@ -1,0 +1,210 @@
+"""`gradaccum.sizing`: the memory plan against measurements of real training.
+
+- The plan's components are the tensors' own byte counts (parameters, gradients, AdamW state).
+- Its predicted peak at a size matches the peak of tensor memory measured around a real
+  `Accumulator.step` at that size (the tracker counts every storage allocated, temporaries too).
+- Planning leaves the model, its gradients, BatchNorm statistics, the optimizer and the RNG
+  bitwise as they were.
+- A probe that runs out of memory is retried smaller, and caps the plan.
+- In a subprocess, training at the chosen size stays under the budget in resident memory, and
+  the size is at least 90% of the largest one that fits, found by a sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from gradaccum import Accumulator, MemoryBudgetError, MemoryPlan, plan_micro_batch
+from gradaccum.memory import measure_activation_bytes, track_tensor_bytes
+from tests.state import assert_bitwise, clone_state
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _model(batchnorm: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(32, 256)]
+    if batchnorm:
+        layers.append(nn.BatchNorm1d(256))
+    layers += [nn.Tanh(), nn.Dropout(0.1), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10)]
+    return nn.Sequential(*layers)
+
+
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def _batch(items: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(items, 32, generator=generator)
+    return x, torch.randint(0, 10, (items,), generator=generator)
+
+
+def _plan(model: nn.Module, budget: str = "4MiB", **kwargs) -> MemoryPlan:
+    optimizer = torch.optim.AdamW(model.parameters())
+    return plan_micro_batch(model, _batch(), _loss, optimizer, memory_budget=budget, **kwargs)
+
+
+def test_fixed_components_are_the_tensors_byte_counts() -> None:
+    model = _model()
+    plan = _plan(model)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert plan.parameters_bytes == weights
+    assert plan.gradients_bytes == weights
+    # AdamW after its first step: two moments per parameter, one 4-byte step count per tensor.
+    assert plan.optimizer_bytes == 2 * weights + 4 * len(list(model.parameters()))
+    assert plan.buffers_bytes == 0
+    sgd = plan_micro_batch(
+        model, _batch(), _loss, torch.optim.SGD(model.parameters(), lr=0.1), memory_budget="4MiB"
+    )
+    assert sgd.optimizer_bytes == 0
+    assert sgd.micro_batch_size > plan.micro_batch_size  # the memory AdamW needs goes to items
+    bf16 = _plan(model.bfloat16(), precision="bf16", accum_dtype=torch.float32)
+    assert bf16.buffers_bytes == weights  # fp32 buffers for bf16 parameters (2 bytes each)
+
+
+@pytest.mark.parametrize("size", [50, 200, 700])
+def test_predicted_peak_matches_the_measured_peak_of_a_real_step(size: int) -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    plan = plan_micro_batch(model, _batch(), _loss, optimizer, memory_budget="64MiB")
+    acc = Accumulator(model, optimizer, micro_batch_size=size)
+    batch = _batch(3 * size)  # micro-batches 2 and 3 add into existing gradients: steady state
+    acc.step(batch, _loss)  # the optimizer state now exists, as in the steady state
+    with track_tensor_bytes() as tracker:
+        acc.step(batch, _loss)
+    # What the step allocated on top of the parameters and optimizer state that already lived.
+    measured = tracker.peak
+    predicted = plan.predict(size) - plan.parameters_bytes - plan.optimizer_bytes
+    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+    # NEGATIVE CONTROL: counting gradients plus the tensors saved for backward (what
+    # measure_activation_bytes sees) misses the backward's and the optimizer's temporaries.
+    saved = measure_activation_bytes(model, (batch[0][:size], batch[1][:size]), _loss)
+    assert plan.gradients_bytes + saved < 0.95 * measured
+
+
+def test_choice_is_the_largest_size_that_fits() -> None:
+    plan = _plan(_model())
+    m = plan.micro_batch_size
+    assert 1 <= m < plan.batch_size
+    assert plan.predict(m) <= plan.usable_bytes < plan.predict(m + 1)
+    assert any(abs(size - m) <= 0.02 * m for size, _ in plan.probes)  # the answer was measured
+    larger = _plan(_model(), "8MiB")
+    assert larger.micro_batch_size > m
+    everything = _plan(_model(), "1GiB")
+    assert everything.micro_batch_size == everything.batch_size == 1024
+
+
+def test_planning_leaves_everything_untouched() -> None:
+    model = _model(batchnorm=True)
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = _batch()
+    x, y = _batch(64)
+    _loss(model, (x, y)).backward()
+    optimizer.step()  # existing state and gradients must survive planning
+    before = clone_state(
+        {
+            "model": model.state_dict(),
+            "grads": [p.grad for p in model.parameters()],
+            "optimizer": optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+    )
+    grads = [p.grad for p in model.parameters()]
+    plan_micro_batch(model, batch, _loss, optimizer, memory_budget="4MiB")
+    after = clone_state(
+        {
+            "model": model.state_dict(),
+            "grads": [p.grad for p in model.parameters()],
+            "optimizer": optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+    )
+    assert_bitwise(after, before)
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
+
+
+class _OomAbove(nn.Module):
+    def __init__(self, inner: nn.Module, threshold: int) -> None:
+        super().__init__()
+        self.inner, self.threshold = inner, threshold
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.threshold:
+            raise torch.OutOfMemoryError(f"injected: {x.shape[0]} items")
+        return self.inner(x)
+
+
+def test_a_probe_that_runs_out_of_memory_is_retried_smaller_and_caps_the_plan() -> None:
+    model = _OomAbove(_model(), threshold=100)
+    plan = _plan(model, "1GiB")
+    assert plan.micro_batch_size <= 100
+    assert all(size <= 100 for size, _ in plan.probes)
+    with pytest.raises(MemoryBudgetError, match="even at micro_batch_size=1"):
+        _plan(_OomAbove(_model(), threshold=0), "1GiB")
+
+
+def test_budget_errors_name_the_fix() -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="memory_budget is required on cpu"):
+        plan_micro_batch(model, _batch(), _loss, optimizer)
+    with pytest.raises(ValueError, match="not a size"):
+        plan_micro_batch(model, _batch(), _loss, optimizer, memory_budget="plenty")
+    with pytest.raises(MemoryBudgetError, match=r"parameters, gradients and optimizer state"):
+        plan_micro_batch(model, _batch(), _loss, optimizer, memory_budget="100KiB")
+    with pytest.raises(ValueError, match="margin"):
+        plan_micro_batch(model, _batch(), _loss, optimizer, memory_budget="4MiB", margin=1.5)
+
+
+def test_str_is_a_table_of_components_and_the_choice() -> None:
+    plan = _plan(_model())
+    text = str(plan)
+    for row in (
+        "parameters",
+        "gradients",
+        "optimizer state",
+        "activations per item",
+        "memory budget",
+        f"chosen micro_batch_size = {plan.micro_batch_size}",
+    ):
+        assert row in text
+    assert f"{plan.parameters_bytes:,}" in text
+    assert "MiB" in text
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc")
+def test_resident_memory_of_training_stays_under_the_budget() -> None:
+    """Subprocess: RSS growth of real training at the plan's size vs the budget, and a sweep."""
+    budget = 64 * 2**20
+    # glibc would otherwise keep freed tensor memory (see tests/rss_worker.py, docs/memory.md).
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.rss_worker", "64MiB"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=110,
+        check=True,
+    )
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    chosen, runs = report["plan"], report["runs"]
+    assert runs["auto"]["used"] == chosen
+    assert runs["auto"]["peak"] <= budget, report
+    sweep = {int(size): run["peak"] for size, run in runs.items() if size != "auto"}
+    too_big = min((size for size, peak in sweep.items() if peak > budget), default=None)
+    assert too_big is not None, f"the sweep must reach sizes that do not fit: {report}"
+    assert chosen >= 0.9 * (too_big - 1), report  # the largest that fits is below too_big
+    # NEGATIVE CONTROL: the sweep's over-budget sizes really are over; the check can fail.
+    assert sweep[max(sweep)] > budget
