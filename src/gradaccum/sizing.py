@@ -131,7 +131,7 @@ class MemoryPlan:
         ]
         lines = [
             f"memory plan on {self.device} for a batch of {self.batch_size}",
-            f"{'component':<32}{'bytes':>16}  {'':>10}",
+            f"{'component':<32}{'bytes':>16}  {'size':>10}",
         ]
         for name, value in rows:
             lines.append(f"{name:<32}{value:>16,}  {format_bytes(value):>10}")

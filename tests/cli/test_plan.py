@@ -1,4 +1,4 @@
-"""`gradaccum plan`: not yet available; it says so on stderr, names what to do, and exits 1."""
+"""`gradaccum plan`: the memory plan table (exit 0), nothing fits (exit 1), bad input (exit 2)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ _TIMEOUT = 60
 
 
 @pytest.mark.timeout(_TIMEOUT + 20)
-def test_plan_subprocess_says_not_available_and_exits_1():
+def test_plan_subprocess_prints_the_table_and_the_train_command():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(
@@ -27,9 +27,11 @@ def test_plan_subprocess_says_not_available_and_exits_1():
             "gradaccum.cli",
             "plan",
             "--task",
-            "digits",
+            "shapes",
+            "--batch-size",
+            "64",
             "--memory-budget",
-            "2GiB",
+            "24MiB",
         ],
         capture_output=True,
         text=True,
@@ -38,35 +40,67 @@ def test_plan_subprocess_says_not_available_and_exits_1():
         cwd=REPO,
         env=env,
     )
-    assert proc.returncode == 1
-    assert proc.stdout == ""
-    assert len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert "not yet available" in proc.stderr
-    assert "--micro-batch-size" in proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for row in (
+        "parameters",
+        "gradients",
+        "optimizer state",
+        "activations per item",
+        "predicted peak at m=",
+        "memory budget",
+        "25,165,824",
+    ):
+        assert row in out, out
+    chosen = int(out.split("chosen micro_batch_size = ")[1].split(":")[0])
+    assert 1 < chosen < 64  # the budget constrains it, and it still fits something
+    assert f"--batch-size 64 --micro-batch-size {chosen}" in out
 
 
-def test_plan_with_a_model_factory_exits_1(capsys):
-    code = main(["plan", "--model", "tests.cli.factories:additive"])
+def test_plan_with_a_model_factory_and_sgd(capsys):
+    code = main(
+        [
+            "plan",
+            "--model",
+            "tests.cli.factories:additive",
+            "--memory-budget",
+            "1MiB",
+            "--optimizer",
+            "sgd",
+        ]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "optimizer state" in captured.out
+    assert "train with" not in captured.out  # no task to train
+
+
+def test_plan_exits_1_when_nothing_fits(capsys):
+    code = main(["plan", "--task", "digits", "--memory-budget", "64KiB"])
     captured = capsys.readouterr()
     assert code == 1
     assert captured.out == ""
-    assert "not yet available" in captured.err
+    assert len(captured.err.splitlines()) == 1, captured.err
+    assert "even micro_batch_size=1 needs" in captured.err
+    assert "raise the budget" in captured.err
 
 
-def test_plan_help_documents_that_it_is_not_available(capsys):
+def test_plan_help_describes_the_budget(capsys):
     assert main(["plan", "--help"]) == 0
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "NOT YET AVAILABLE" in help_text
-    assert "--micro-batch-size explicitly" in help_text
-    assert "exits with code 1" in help_text
+    assert "--memory-budget" in help_text
+    assert "largest micro-batch" in help_text
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([], "one of the arguments --task --model is required"),
-        (["--task", "nope"], "unknown task 'nope'"),
-        (["--model", "nocolon"], "not of the form module:factory"),
+        (["--memory-budget", "1GiB"], "one of the arguments --task --model is required"),
+        (["--task", "digits"], "the following arguments are required: --memory-budget"),
+        (["--task", "digits", "--memory-budget", "1GiB", "--margin", "1.5"], "--margin 1.5"),
+        (["--task", "digits", "--memory-budget", "1GiB", "--batch-size", "99999"], "larger"),
+        (["--task", "nope", "--memory-budget", "1GiB"], "unknown task 'nope'"),
+        (["--model", "nocolon", "--memory-budget", "1GiB"], "not of the form module:factory"),
         (["--task", "digits", "--memory-budget", "lots"], "is not a size"),
         (["--task", "digits", "--memory-budget", "2 parsecs"], "is not a size"),
         (["--task", "digits", "--memory-budget", "0"], "must be more than 0 bytes"),

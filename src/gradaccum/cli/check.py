@@ -248,11 +248,13 @@ def _advice(module: NonAdditiveModule, target: CheckTarget) -> str:
         if target.task == "shapes":
             return (
                 "rerun with --norm group (GroupNorm normalizes each image alone), or train with "
-                "BatchNorm knowing each micro-batch is normalized on its own (ghost batch norm)"
+                "--bn pooled (running statistics from the whole window) or --bn frozen; see "
+                "docs/batchnorm.md"
             )
         return (
-            "use GroupNorm or LayerNorm, or freeze its statistics (module.eval()); BatchNorm "
-            "strategies for accumulation (batchnorm='pooled'/'frozen') come with a later release"
+            "convert it with gradaccum.batchnorm.convert_to_groupnorm(model) (exact), or train "
+            "with Accumulator(..., batchnorm='pooled') (running statistics from the whole "
+            "window) or 'frozen' (eval-mode statistics); see docs/batchnorm.md"
         )
     return (
         "check with dropout off (eval mode or p=0); in training, different masks are "

@@ -1,11 +1,14 @@
-"""`gradaccum plan`: the memory plan and automatic micro-batch size (not yet available).
+"""`gradaccum plan`: what a training step keeps in memory, and the micro-batch that fits a budget.
 
-Automatic micro-batch sizing (API.md `plan_micro_batch`, `micro_batch_size="auto"`) lands with
-a later release. Until then this command accepts its options, checks them, and says what to do
-instead: pass `--micro-batch-size` explicitly, and confirm the split with `gradaccum check`.
+It builds the model and batch of `--task` (or of your `--model module:factory`), the optimizer
+the `train` command uses (AdamW, or SGD with `--optimizer sgd`), and runs
+`gradaccum.plan_micro_batch`: probes on slices of the batch, measured, leaving everything as it
+was. It prints the plan's table and the `train` command that uses it.
 
-Exit codes: 1 the plan is not available in this version (the options were fine), 2 bad usage or
-input (an unknown task, a malformed `--model` or `--memory-budget`).
+    $ gradaccum plan --task charlm --batch-size 256 --memory-budget 64MiB
+
+Exit codes: 0 a plan was made, 1 nothing fits (even one item per micro-batch exceeds the budget),
+2 bad usage or input.
 
 Example:
     >>> parse_memory_budget("2GiB"), parse_memory_budget("512MB"), parse_memory_budget("4096")
@@ -17,18 +20,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 from gradaccum.cli import PROG, UsageError
-from gradaccum.cli._args import positive_int
-from gradaccum.cli._check_targets import add_target_arguments, parse_factory_spec
+from gradaccum.cli._args import add_threads_option, error_summary, positive_int
+from gradaccum.cli._check_targets import add_target_arguments, batch_items, build_target
 from gradaccum.memory import parse_bytes
 
-__all__ = ["NOT_AVAILABLE", "add_parser", "parse_memory_budget", "run"]
+__all__ = ["add_parser", "parse_memory_budget", "run"]
 
-NOT_AVAILABLE = (
-    "automatic micro-batch sizing is not yet available in this version; pass "
-    "--micro-batch-size explicitly instead (e.g. 'gradaccum train --task digits "
-    "--micro-batch-size 8') and confirm the split with 'gradaccum check --micro-batch-size 8'"
-)
+_OPTIMIZERS = ("adamw", "sgd")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -42,56 +43,106 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """
     parser = subparsers.add_parser(
         "plan",
-        help="memory plan and automatic micro-batch size (not yet available: pass "
-        "--micro-batch-size explicitly)",
+        help="memory plan: parameters, gradients, optimizer state, activations per item, and "
+        "the largest micro-batch that fits --memory-budget",
         description=(
-            "The memory plan (parameters, gradients, optimizer state, activations per item) and "
-            "the largest micro-batch that fits a memory budget. NOT YET AVAILABLE in this "
-            "version: the command checks its options, then prints what to do instead (pass "
-            "--micro-batch-size explicitly to train/compare/check) on stderr and exits with "
-            "code 1. Exit code 2 means bad usage or input."
+            "Measure what one training step keeps in memory (parameters, gradients, optimizer "
+            "state, activations per item, workspace) on slices of the batch, and choose the "
+            "largest micro-batch whose predicted peak fits --memory-budget less a safety "
+            "margin. Exit 0 with a plan, 1 if nothing fits, 2 on bad usage or input."
         ),
     )
     add_target_arguments(parser)
     parser.add_argument(
         "--memory-budget",
         metavar="BYTES",
-        default=None,
-        help="memory the micro-batch may use: bytes, or a number with a unit such as 512MB or 2GiB",
+        required=True,
+        help="memory a training step may use: bytes, or a number with a unit such as 512MB or 2GiB",
     )
     parser.add_argument(
         "--batch-size",
         type=positive_int,
         default=None,
         metavar="B",
-        help="items in the whole batch (default: the task's batch size)",
+        help="items in the whole batch (default: the task's batch size, or all of the "
+        "factory's batch)",
     )
+    parser.add_argument(
+        "--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="autocast"
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=_OPTIMIZERS,
+        default="adamw",
+        help="whose state to count (default: adamw, as train uses)",
+    )
+    parser.add_argument(
+        "--margin",
+        type=float,
+        default=0.05,
+        help="share of the budget kept free (default: 0.05)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of data and weights")
+    parser.add_argument(
+        "--norm",
+        choices=("batch", "group"),
+        default=None,
+        help="--task only: normalization layers of the task's model",
+    )
+    add_threads_option(parser)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check the options, then report that planning is not available yet.
+    """Make the plan and print it.
 
     Args:
-        args: Parsed options: `task` or `model`, `memory_budget`, `batch_size`.
+        args: Parsed options of `add_parser`.
 
     Returns:
-        1: the plan is not available in this version.
+        0 with a plan; 1 if even one item per micro-batch does not fit.
 
     Raises:
-        UsageError: For an unknown task, a malformed `--model` or `--memory-budget`.
+        UsageError: For an unknown task, a bad factory, budget, margin or batch size.
     """
-    if args.task is not None:
-        from gradaccum.experiments.tasks import TASKS
+    from gradaccum import MemoryBudgetError, plan_micro_batch
 
-        if args.task not in TASKS:
-            raise UsageError(f"unknown task {args.task!r}; choose one of: {', '.join(TASKS)}")
+    budget = parse_memory_budget(args.memory_budget)
+    if not 0 <= args.margin < 1:
+        raise UsageError(f"--margin {args.margin} must be in [0, 1), e.g. 0.05")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    target = build_target(args)
+    params = [p for p in target.model.parameters() if p.requires_grad]
+    if args.optimizer == "sgd":
+        optimizer: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     else:
-        parse_factory_spec(args.model)
-    if args.memory_budget is not None:
-        parse_memory_budget(args.memory_budget)
-    print(f"{PROG} plan: {NOT_AVAILABLE}", file=sys.stderr)
-    return 1
+        optimizer = torch.optim.AdamW(params)
+    try:
+        plan = plan_micro_batch(
+            target.model,
+            target.batch,
+            target.loss_fn,
+            optimizer,
+            memory_budget=budget,
+            precision=args.precision,
+            margin=args.margin,
+        )
+    except MemoryBudgetError as error:
+        print(f"{PROG} plan: {error}", file=sys.stderr)
+        return 1
+    except Exception as error:  # the user's model or loss failed on this batch: bad input
+        raise UsageError(f"the plan could not be made: {error_summary(error)}") from error
+    print(f"{PROG} plan: {target.label}, {args.optimizer}, {args.precision}")
+    print(plan)
+    if target.task is not None:
+        items = batch_items(target.batch)
+        print(
+            f"train with: {PROG} train --task {target.task} --batch-size {items} "
+            f"--micro-batch-size {plan.micro_batch_size}   (or --micro-batch-size auto "
+            f"--memory-budget {args.memory_budget})"
+        )
+    return 0
 
 
 def parse_memory_budget(text: str) -> int:
