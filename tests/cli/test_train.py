@@ -1,5 +1,7 @@
 """`gradaccum train`, run as a user runs it: files, one metrics row per step, exactness, bad input.
 
+Stopping, checkpoints and `--resume` are tested in tests/cli/test_train_resume.py.
+
 The exactness test trains through the command line with uneven micro-batches (48 = 32 + 16) and
 compares the checkpoint with a plain full-batch PyTorch run written here (no gradaccum). Its
 negative control is the hand-written "mean of micro-batch means" loop, which must land clearly
@@ -15,9 +17,7 @@ import io
 import json
 import math
 import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,7 +33,7 @@ from tests.cli._helpers import read_jsonl, run_cli
 
 _TIMEOUT = 120
 METRIC_COLUMNS = {"step", "samples", "loss", "lr", "grad_norm", "time"}
-RUN_FILES = {"metrics.jsonl", "validation.jsonl", "summary.json", "checkpoint.pt"}
+RUN_FILES = {"config.json", "metrics.jsonl", "validation.jsonl", "summary.json", "checkpoint.pt"}
 FLOAT32_RTOL = 1e-5
 
 
@@ -105,7 +105,7 @@ def test_train_writes_the_run_files_in_the_default_out_dir_and_nothing_else(trai
     # The default is runs/train-<task>-<YYYYmmdd-HHMMSS>.
     assert out.name.startswith("train-digits-")
     time.strptime(out.name.removeprefix("train-digits-"), "%Y%m%d-%H%M%S")
-    # The staging folder was renamed into place: nothing else next to it.
+    # Nothing else next to it (no temporary or staging files).
     assert [path.name for path in out.parent.parent.iterdir()] == ["runs"]
     assert [path.name for path in out.parent.iterdir()] == [out.name]
 
@@ -198,6 +198,7 @@ def test_plain_progress_logs_first_and_last_step_with_rate_and_eta():
         (["--task", "nope"], "invalid choice: 'nope'"),
         (["--task", "digits", "--epochs", "1", "--steps", "2"], "not allowed with"),
         (["--task", "digits", "--micro-batch-size", "auto"], "not available yet"),
+        (["--steps", "2"], "--task is required (or --resume DIR"),
     ],
 )
 def test_bad_input_subprocess_exits_2_with_one_line_and_writes_nothing(tmp_path, args, message):
@@ -234,6 +235,9 @@ def _main_exit(capsys, *args: str) -> tuple[int, str]:
         (["--memory-budget", "lots"], "is not a byte count"),
         (["--memory-budget", "2GiB", "--micro-batch-size", "8"], "only applies with"),
         (["--memory-budget", "2GiB", "--micro-batch-size", "auto"], "not available yet"),
+        (["--checkpoint-every", "0"], "'0' is not N, Nstep or Nmicro with N >= 1"),
+        (["--checkpoint-every", "5m"], "'5m' is not N, Nstep or Nmicro"),
+        (["--checkpoint-every", "2.5"], "'2.5' is not N, Nstep or Nmicro"),
     ],
 )
 def test_bad_options_exit_2_with_one_line_and_write_nothing(tmp_path, capsys, args, message):
@@ -281,33 +285,3 @@ def test_read_only_parent_exits_2(tmp_path, capsys):
     assert code == 2
     assert "not writable" in err
     assert list(locked.iterdir()) == []
-
-
-@pytest.mark.timeout(_TIMEOUT)
-def test_terminated_run_leaves_nothing_behind(tmp_path):
-    """SIGTERM mid-run: exit 130, and neither the out folder nor its staging folder remains."""
-    out = tmp_path / "runs" / "long"
-    args = ["train", "--task", "digits", "--batch-size", "8", "--epochs", "100", "--out", str(out)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gradaccum.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        # The plain progress log prints the first step at once: training has started.
-        first = proc.stderr.readline()
-        assert "step 1/" in first, first + proc.stderr.read()
-        staging = [path.name for path in out.parent.iterdir()]
-        assert len(staging) == 1
-        assert staging[0].startswith(".long.partial-")
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 130, err
-    assert "interrupted" in err
-    # The staging folder is gone, and so is the `runs` folder created for it.
-    assert list(tmp_path.iterdir()) == []

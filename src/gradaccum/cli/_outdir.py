@@ -1,9 +1,16 @@
-"""Where the commands write their results, and how they avoid leaving half-written ones.
+"""Where the commands write their results, and what stays behind when a command stops early.
 
-A command checks `--out` with `check_out_dir` before doing any work, then writes into the hidden
-staging folder of `staged_out_dir`, which takes the place of `--out` only when the command
-succeeds. On an error or an interrupt (`terminate_as_interrupt` turns SIGTERM into one) the
-staging folder is removed, so nothing half-written stays behind.
+A command checks `--out` with `check_out_dir` before doing any work. Then:
+
+- `compare` and `demo` write into the hidden staging folder of `staged_out_dir`, which takes the
+  place of `--out` only when the command succeeds. On an error or an interrupt
+  (`terminate_as_interrupt` turns SIGTERM into one) the staging folder is removed, so nothing
+  half-written stays behind.
+- `train` writes into `--out` itself (`resumable_out_dir`), because a stopped run must leave a
+  folder that `--resume` can continue. `stop_on_signals` turns the first SIGTERM or SIGINT into a
+  request to stop at the next micro-batch boundary (after writing a checkpoint); a second one
+  raises KeyboardInterrupt at once. After an error or that second signal, the folder stays if it
+  holds a checkpoint to resume from, and is removed otherwise.
 
 `--out` must be new or an empty folder. A command may also name the files it writes
 (`replaceable`): a folder holding nothing else (its previous results) is then replaced as a whole,
@@ -29,10 +36,13 @@ from pathlib import Path
 from gradaccum.cli import UsageError
 
 __all__ = [
+    "StopRequest",
     "check_out_dir",
     "default_out_dir",
     "resolve_out_dir",
+    "resumable_out_dir",
     "staged_out_dir",
+    "stop_on_signals",
     "terminate_as_interrupt",
 ]
 
@@ -155,6 +165,76 @@ def terminate_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+class StopRequest:
+    """Whether a stop was asked for: the name of the first signal received, or None."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.signal is not None
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopRequest]:
+    """Within the block, the first SIGTERM or SIGINT only sets the yielded `StopRequest`.
+
+    The training loop polls it at every micro-batch boundary, writes a checkpoint and stops. A
+    second signal (either one) raises KeyboardInterrupt at once, as Ctrl-C normally does. The
+    previous handlers are restored afterwards. Only the main thread can install handlers;
+    elsewhere the request is never set.
+    """
+    request = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+
+    def handle(signum: int, frame: object) -> None:
+        if request.signal is not None:
+            raise KeyboardInterrupt
+        request.signal = signal.Signals(signum).name
+
+    previous = {number: signal.signal(number, handle) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield request
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+@contextlib.contextmanager
+def resumable_out_dir(path: Path, *, keep_if: str) -> Iterator[Path]:
+    """Create `path` (already checked with `check_out_dir`) and yield it; the run writes there.
+
+    On any exception (including KeyboardInterrupt) the folder stays if it holds `keep_if` (a
+    checkpoint the run can be resumed from). Otherwise everything created here is removed: the
+    folder (or, if it existed empty, its contents) and the parent folders made for it.
+
+    Args:
+        path: The `--out` folder: new, or an existing empty folder.
+        keep_if: Name of the file whose presence makes a stopped run worth keeping.
+    """
+    absolute = path.absolute()
+    created = [folder for folder in (absolute, *absolute.parents) if not folder.exists()]
+    absolute.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    except BaseException:
+        if not (absolute / keep_if).exists():
+            if absolute in created:
+                shutil.rmtree(absolute, ignore_errors=True)
+            else:
+                for entry in absolute.iterdir():  # it was empty: everything in it is ours
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry, ignore_errors=True)
+                    else:
+                        entry.unlink(missing_ok=True)
+            for folder in created[1:]:  # innermost first
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+        raise
 
 
 def _move_into_place(staging: Path, path: Path, replaceable: Collection[str]) -> None:

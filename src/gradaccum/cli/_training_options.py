@@ -1,9 +1,12 @@
 """Options and checks shared by `gradaccum train` and `gradaccum compare`.
 
 Both commands take the same training options and check every one of them (and resolve every
-configuration with `runner.resolve`) before anything is written; `gradaccum.cli._outdir` then
-stages their results, so a bad option, an error during training or an interrupt leaves no
-half-written results behind.
+configuration with `runner.resolve`) before anything is written (see `gradaccum.cli._outdir` for
+what each command leaves behind when it stops early).
+
+`train` adds them with `resumable=True`: `--task` is then optional (`--resume DIR` reads it from
+the run's folder) and options left out stay None, so a resumed run can tell which options were
+given; `fill_defaults` puts the defaults in afterwards.
 
 Example:
     >>> parse_config_label("8x2")
@@ -20,7 +23,6 @@ from pathlib import Path
 import torch
 
 from gradaccum import batching
-from gradaccum.accumulator import Accumulator
 from gradaccum.cli import UsageError
 from gradaccum.cli._args import (
     add_threads_option,
@@ -32,18 +34,49 @@ from gradaccum.cli._args import (
     positive_int,
 )
 from gradaccum.experiments.base import LrScaling, TrainConfig
-from gradaccum.experiments.runner import ACCUM_DTYPES, resolve
+from gradaccum.experiments.runner import ACCUM_DTYPES, build_accumulator, resolve
 from gradaccum.experiments.tasks import TASKS, get_task
 
 __all__ = [
+    "CONFIG_OPTIONS",
     "CheckedRun",
     "add_training_options",
     "build_config",
     "describe_run",
+    "fill_defaults",
     "parse_config_label",
     "train_items",
     "validate_config",
 ]
+
+# Options with a default value (filled in by `fill_defaults` when they are left out).
+_DEFAULTS = {
+    "precision": "fp32",
+    "lr_scaling": LrScaling.NONE.value,
+    "warmup": 0,
+    "seed": 0,
+    "norm": "batch",
+    "threads": 1,
+}
+# The options that make up a `TrainConfig`, as (argparse dest, flag).
+CONFIG_OPTIONS = tuple(
+    (name, "--" + name.replace("_", "-"))
+    for name in (
+        "task",
+        "batch_size",
+        "micro_batch_size",
+        "memory_budget",
+        "precision",
+        "accum_dtype",
+        "lr",
+        "lr_scaling",
+        "warmup",
+        "epochs",
+        "steps",
+        "seed",
+        "norm",
+    )
+)
 
 _CONFIG_PATTERN = re.compile(r"(\d+)x(\d+)")
 
@@ -74,16 +107,24 @@ def parse_config_label(text: str) -> tuple[int, int]:
     return micro, steps
 
 
-def add_training_options(parser: argparse.ArgumentParser, *, batch_options: bool) -> None:
+def add_training_options(
+    parser: argparse.ArgumentParser, *, batch_options: bool, resumable: bool = False
+) -> None:
     """Add the options `train` and `compare` share to `parser`.
 
     Args:
         parser: The command's parser.
         batch_options: Add `--batch-size`, `--micro-batch-size` and `--memory-budget` with help
             text (train); when False they are hidden, so `compare` can reject them by name.
+        resumable: `--task` is optional and left-out options stay None (see `fill_defaults`).
     """
     parser.add_argument(
-        "--task", required=True, choices=TASKS, help="embedded task to train (required)"
+        "--task",
+        required=not resumable,
+        choices=TASKS,
+        help="embedded task to train (required, unless --resume)"
+        if resumable
+        else "embedded task to train (required)",
     )
     hidden = argparse.SUPPRESS
     parser.add_argument(
@@ -163,6 +204,15 @@ def add_training_options(parser: argparse.ArgumentParser, *, batch_options: bool
         help="folder for the results; must not exist yet or be empty "
         "(default: runs/<command>-<task>-<timestamp>)",
     )
+    if resumable:
+        parser.set_defaults(**dict.fromkeys(_DEFAULTS))
+
+
+def fill_defaults(args: argparse.Namespace) -> None:
+    """Give the options of `add_training_options(resumable=True)` left out their defaults."""
+    for name, value in _DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def build_config(
@@ -203,8 +253,9 @@ def validate_config(config: TrainConfig, n_train: int) -> CheckedRun:
     """Check `config` fully, without training or writing anything.
 
     Resolves it with `runner.resolve`, then builds its model, an AdamW optimizer and the
-    `Accumulator`, so that an option the task or the library refuses (such as `--norm group` on
-    a task without normalization layers) is reported now rather than after the out folder exists.
+    `Accumulator` as the runner does (`runner.build_accumulator`), so that an option the task or
+    the library refuses (such as `--norm group` on a task without normalization layers) is
+    reported now rather than after the out folder exists.
 
     Args:
         config: The configuration.
@@ -222,13 +273,7 @@ def validate_config(config: TrainConfig, n_train: int) -> CheckedRun:
         run = resolve(config, n_train)
         model = run.task.make_model(config.seed, config.norm)
         optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr)
-        Accumulator(
-            model,
-            optimizer,
-            micro_batch_size=run.micro_batch_size,
-            precision=config.precision,
-            accum_dtype=ACCUM_DTYPES.get(config.accum_dtype or ""),
-        )
+        build_accumulator(run, model, optimizer)
     except (ValueError, TypeError) as error:
         raise UsageError(one_line(error)) from None
     steps = -(-run.effective_batch // run.micro_batch_size)

@@ -1,9 +1,15 @@
 """Train one configuration of an embedded task, and log it the way `gradaccum train` does.
 
 The loop reads as prose: shuffle the epoch with a seeded order, cut it into effective batches,
-hand each to `Accumulator.step`, log one line per optimizer step, validate after each epoch.
-Two configurations with the same seed and effective batch see the same batches in the same order,
-so `8x2` and `16x1` must end with the same parameters on an additive task.
+split each into micro-batches and feed them to `Accumulator.micro_step` (a shorter last batch of
+an epoch, with fewer micro-batches, is settled by `flush()`), log one line per optimizer step,
+validate after each epoch. Two configurations with the same seed and effective batch see the same
+batches in the same order, so `8x2` and `16x1` must end with the same parameters on an additive
+task.
+
+A run may write `checkpoint.pt` every few steps or micro-batches, stop on request at any
+micro-batch boundary (after writing one) and resume from it exactly: see `open_run` and
+`gradaccum.experiments._resume`.
 
 Example:
     >>> from gradaccum.experiments.base import TrainConfig
@@ -14,27 +20,54 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from gradaccum.accumulator import Accumulator, StepResult
-from gradaccum.batching import batch_size, map_tensors
-from gradaccum.checkpoint import save_checkpoint
+from gradaccum.batching import batch_size, map_tensors, split_batch
+from gradaccum.experiments._outcome import peak_memory, summarize, validate, write_jsonl
+from gradaccum.experiments._resume import (
+    CheckpointEvery,
+    Position,
+    ResumeError,
+    RunStopped,
+    load_run,
+    open_metrics,
+    plain_config,
+    save_run,
+    write_text_atomic,
+)
 from gradaccum.experiments.base import LrScaling, RunSummary, Task, TrainConfig
 from gradaccum.experiments.tasks import get_task
-from gradaccum.memory import measure_activation_bytes
 
-__all__ = ["ACCUM_DTYPES", "ResolvedRun", "StepLog", "plain_config", "resolve", "train"]
+__all__ = [
+    "ACCUM_DTYPES",
+    "CheckpointEvery",
+    "Position",
+    "ResolvedRun",
+    "ResumeError",
+    "RunStopped",
+    "StepLog",
+    "StopCheck",
+    "TrainingRun",
+    "build_accumulator",
+    "open_run",
+    "plain_config",
+    "resolve",
+    "train",
+]
 
 ACCUM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64}
+
+StopCheck = Callable[[Position], bool]
+"""Asked before every micro-batch with the run's position; True stops the run there."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +93,11 @@ class ResolvedRun:
     lr: float
     total_steps: int
     steps_per_epoch: int
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches of a full effective batch."""
+        return math.ceil(self.effective_batch / self.micro_batch_size)
 
 
 def resolve(config: TrainConfig, train_items: int | None = None) -> ResolvedRun:
@@ -108,6 +146,28 @@ def resolve(config: TrainConfig, train_items: int | None = None) -> ResolvedRun:
     )
 
 
+def build_accumulator(
+    run: ResolvedRun,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+) -> Accumulator:
+    """The streaming `Accumulator` of a run: one window per effective batch.
+
+    The last effective batch of an epoch may have fewer micro-batches; the runner settles it
+    with `flush()` (`partial_window="step"`: an exact step over its items).
+    """
+    return Accumulator(
+        model,
+        optimizer,
+        accumulation_steps=run.accumulation_steps,
+        scheduler=scheduler,
+        precision=run.config.precision,
+        accum_dtype=ACCUM_DTYPES.get(run.config.accum_dtype or ""),
+        partial_window="step",
+    )
+
+
 def train(
     config: TrainConfig,
     *,
@@ -124,141 +184,173 @@ def train(
         out: An existing folder for the run's files, or None to write nothing.
         on_step: Called after every optimizer step (progress bars).
     """
-    task = get_task(config.task)
-    data = task.make_data(config.seed)
-    run = resolve(config, batch_size(data.train))
-    model = task.make_model(config.seed, config.norm)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(config.warmup))
-    accumulator = Accumulator(
-        model,
-        optimizer,
-        micro_batch_size=run.micro_batch_size,
-        scheduler=scheduler,
-        precision=config.precision,
-        accum_dtype=ACCUM_DTYPES.get(config.accum_dtype or ""),
-    )
-    peak_bytes = _peak_memory(model, optimizer, task, data.train, run.micro_batch_size)
-
-    metrics = (out / "metrics.jsonl").open("w") if out else None
-    history: list[dict[str, float]] = []
-    samples, started = 0, time.perf_counter()
-    try:
-        for step, (epoch, batch, epoch_done) in enumerate(_batches(data.train, run), start=1):
-            result: StepResult = accumulator.step(batch, task.loss_fn)
-            samples += batch_size(batch)
-            log = StepLog(step, samples, result.loss, result.lr, result.grad_norm, _since(started))
-            if metrics:
-                metrics.write(json.dumps(asdict(log)) + "\n")
-            if on_step:
-                on_step(log, run)
-            if epoch_done or step == run.total_steps:
-                history.append(_validate(task, model, data.val, epoch, step, samples, log.loss))
-    finally:
-        if metrics:
-            metrics.close()
-    wall = _since(started)
-    summary = _summarize(run, history, samples, peak_bytes, wall)
-    if out:
-        _write_jsonl(out / "validation.jsonl", history)
-        (out / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
-        save_checkpoint(
-            out / "checkpoint.pt",
-            model=model,
-            optimizer=optimizer,
-            accumulator=accumulator,
-            scheduler=scheduler,
-            extra={"step": run.total_steps, "samples": samples, "config": plain_config(config)},
-        )
-    return summary
+    return open_run(config, out=out).run(on_step=on_step)
 
 
-def plain_config(config: TrainConfig) -> dict[str, Any]:
-    """`config` as plain JSON types, so `weights_only` loading and `json` both accept it.
+def open_run(config: TrainConfig, *, out: Path | None = None, resume: bool = False) -> TrainingRun:
+    """Build a run (data, model, optimizer, scheduler, Accumulator), ready to `run()`.
 
-    `asdict` keeps the `LrScaling` enum member, which `torch.load(weights_only=True)` refuses.
+    Nothing is written. With `resume`, the state of `out/checkpoint.pt` is loaded and checked
+    (RNG states included), so errors show before anything changes.
 
-    Example:
-        >>> plain_config(TrainConfig(task="digits", lr_scaling=LrScaling.SQRT))["lr_scaling"]
-        'sqrt'
+    Args:
+        config: What to train (on resume: the configuration the run was started with).
+        out: The run's folder, or None to write nothing.
+        resume: Continue the run whose checkpoint is in `out`.
+
+    Raises:
+        ValueError: If `config` is refused (see `resolve`).
+        ResumeError: If `out` cannot be resumed; the message says why.
     """
-    return json.loads(json.dumps(asdict(config)))
+    return TrainingRun(config, out, resume)
 
 
-def _batches(train: Any, run: ResolvedRun) -> Iterator[tuple[int, Any, bool]]:
-    """Effective batches in a seeded order per epoch: (epoch, batch, last of its epoch)."""
+class TrainingRun:
+    """One run of `open_run`: its objects, its position, and the loop that trains it."""
+
+    def __init__(self, config: TrainConfig, out: Path | None, resume: bool) -> None:
+        task = get_task(config.task)
+        self.data = task.make_data(config.seed)
+        self.plan = resolve(config, batch_size(self.data.train))
+        self.out = out
+        self.resumed = resume
+        self.model = task.make_model(config.seed, config.norm)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.plan.lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(config.warmup))
+        self.accumulator = build_accumulator(self.plan, self.model, self.optimizer, self.scheduler)
+        self.peak_bytes = peak_memory(
+            self.model, self.optimizer, task, self.data.train, self.plan.micro_batch_size
+        )
+        self.position = Position()  # the next micro-batch; elapsed as of the last checkpoint
+        self.history: list[dict[str, float]] = []
+        self._started = time.perf_counter()
+        if resume:
+            if out is None:
+                raise ResumeError("resuming needs the run's folder")
+            self.position, self.history = load_run(self, out)
+
+    def window_micro_batches(self, step: int) -> int:
+        """Micro-batches of window `step + 1` (the last batch of an epoch may be shorter)."""
+        items = batch_size(self.data.train)
+        index = step % self.plan.steps_per_epoch
+        size = min(self.plan.effective_batch, items - index * self.plan.effective_batch)
+        return math.ceil(size / self.plan.micro_batch_size)
+
+    def run(
+        self,
+        *,
+        on_step: Callable[[StepLog, ResolvedRun], None] | None = None,
+        checkpoint_every: CheckpointEvery | None = None,
+        stop: StopCheck | None = None,
+    ) -> RunSummary:
+        """Train to the end (from the loaded position when resuming) and return the summary.
+
+        Args:
+            on_step: Called after every optimizer step (progress bars).
+            checkpoint_every: Write `checkpoint.pt` this often (needs `out`); the final
+                checkpoint is always written.
+            stop: Asked before every micro-batch; when it answers True the run writes its
+                checkpoint and raises `RunStopped`.
+
+        Raises:
+            RunStopped: When `stop` asked to stop.
+        """
+        plan = self.plan
+        metrics = None
+        if self.out is not None:
+            resume_step = self.position.step if self.resumed else None
+            metrics = open_metrics(self.out / "metrics.jsonl", resume_step=resume_step)
+        self._started = time.perf_counter() - self.position.elapsed
+        try:
+            for epoch, batch, epoch_done in _batches(self.data.train, plan, self.position.step):
+                parts = split_batch(batch, plan.micro_batch_size)
+                for k in range(self.position.micro, len(parts)):
+                    if stop is not None and stop(self._here()):
+                        here = self._here()
+                        raise RunStopped(here, len(parts), save_run(self, here, metrics))
+                    last = k == len(parts) - 1
+                    result = self.accumulator.micro_step(parts[k], plan.task.loss_fn)
+                    if last and not (result.stepped or result.skipped):
+                        result = self.accumulator.flush()  # a shorter last batch of the epoch
+                    self._advance(result, batch, epoch, epoch_done, last, metrics, on_step)
+                    due = checkpoint_every is not None and checkpoint_every.due(
+                        micro_batches=self.position.micro_batches,
+                        step=self.position.step,
+                        window_ended=last,
+                    )
+                    if due and self.position.step < plan.total_steps:
+                        save_run(self, self._here(), metrics)
+            final = self._here()
+            summary = summarize(plan, self.history, final.samples, self.peak_bytes, final.elapsed)
+            if self.out:
+                write_jsonl(self.out / "validation.jsonl", self.history)
+                text = json.dumps(asdict(summary), indent=2) + "\n"
+                write_text_atomic(self.out / "summary.json", text)
+                save_run(self, final, metrics, finished=True)
+        finally:
+            if metrics:
+                metrics.close()
+        return summary
+
+    def _here(self) -> Position:
+        return replace(self.position, elapsed=_since(self._started))
+
+    def _advance(
+        self,
+        result: StepResult,
+        batch: Any,
+        epoch: int,
+        epoch_done: bool,
+        window_ended: bool,
+        metrics: IO[str] | None,
+        on_step: Callable[[StepLog, ResolvedRun], None] | None,
+    ) -> None:
+        """Count one micro-batch; at a window's end, log the step and validate if due."""
+        position = self.position
+        if not window_ended:
+            self.position = replace(
+                position, micro=position.micro + 1, micro_batches=position.micro_batches + 1
+            )
+            return
+        step, samples = position.step + 1, position.samples + batch_size(batch)
+        self.position = replace(
+            position, step=step, micro=0, micro_batches=position.micro_batches + 1, samples=samples
+        )
+        log = StepLog(
+            step, samples, result.loss, result.lr, result.grad_norm, _since(self._started)
+        )
+        if metrics:
+            metrics.write(json.dumps(asdict(log)) + "\n")
+        if on_step:
+            on_step(log, self.plan)
+        if epoch_done or step == self.plan.total_steps:
+            val = validate(
+                self.plan.task, self.model, self.data.val, epoch, step, samples, log.loss
+            )
+            self.history.append(val)
+
+
+def _batches(train: Any, run: ResolvedRun, done: int = 0) -> Iterator[tuple[int, Any, bool]]:
+    """Effective batches in a seeded order per epoch: (epoch, batch, last of its epoch).
+
+    Args:
+        train: The training set.
+        run: The resolved run (batch size, steps).
+        done: Batches already trained (resume): the order is regenerated and they are skipped.
+    """
     items = batch_size(train)
-    step = 0
-    for epoch in range(1, 1 + math.ceil(run.total_steps / run.steps_per_epoch)):
+    step = done
+    first_epoch = done // run.steps_per_epoch + 1
+    for epoch in range(first_epoch, 1 + math.ceil(run.total_steps / run.steps_per_epoch)):
         generator = torch.Generator().manual_seed(run.config.seed * 1_000_003 + epoch)
         order = torch.randperm(items, generator=generator)
-        for start in range(0, items, run.effective_batch):
+        skip = done % run.steps_per_epoch if epoch == first_epoch else 0
+        for start in range(skip * run.effective_batch, items, run.effective_batch):
+            if step == run.total_steps:
+                return
             index = order[start : start + run.effective_batch]
             step += 1
             yield epoch, map_tensors(train, lambda t, i=index: t[i]), start + len(index) >= items
-            if step == run.total_steps:
-                return
-
-
-def _validate(
-    task: Task, model: torch.nn.Module, val: Any, epoch: int, step: int, samples: int, loss: float
-) -> dict[str, float]:
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        scores = task.evaluate(model, val, 256)
-    model.train(was_training)
-    return {
-        "epoch": epoch,
-        "step": step,
-        "samples": samples,
-        "train_loss": loss,
-        "val_metric": scores["metric"],
-        "val_loss": scores["loss"],
-    }
-
-
-def _summarize(
-    run: ResolvedRun, history: list[dict[str, float]], samples: int, peak: int, wall: float
-) -> RunSummary:
-    metrics = [h["val_metric"] for h in history]
-    best = max(metrics) if run.task.higher_is_better else min(metrics)
-    return RunSummary(
-        config=f"{run.micro_batch_size}x{math.ceil(run.effective_batch / run.micro_batch_size)}",
-        effective_batch=run.effective_batch,
-        micro_batch_size=run.micro_batch_size,
-        accumulation_steps=math.ceil(run.effective_batch / run.micro_batch_size),
-        optimizer_steps=run.total_steps,
-        samples_seen=samples,
-        best_metric=best,
-        final_metric=metrics[-1],
-        metric=run.task.metric,
-        peak_memory_bytes=peak,
-        samples_per_second=samples / wall if wall > 0 else 0.0,
-        wall_seconds=wall,
-        history=history,
-    )
-
-
-def _peak_memory(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    task: Task,
-    train: Any,
-    micro_batch_size: int,
-) -> int:
-    """Tensor bytes at the peak of a step: weights, grads, optimizer state, one graph's saves.
-
-    AdamW keeps two moments per weight. The activation part is measured, not estimated, with
-    saved-tensor hooks on one micro-batch of the largest size.
-    """
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    moments = 2 * weights if isinstance(optimizer, torch.optim.AdamW) else 0
-    micro_batch = map_tensors(train, lambda t: t[:micro_batch_size])
-    # On a copy and a forked RNG, so measuring leaves BatchNorm statistics and dropout alone.
-    with torch.random.fork_rng(devices=[]):
-        activations = measure_activation_bytes(copy.deepcopy(model), micro_batch, task.loss_fn)
-    return weights * 2 + moments + activations
 
 
 def _scaled_lr(config: TrainConfig, task: Task, effective: int) -> float:
@@ -278,9 +370,3 @@ def _warmup(steps: int) -> Callable[[int], float]:
 
 def _since(started: float) -> float:
     return time.perf_counter() - started
-
-
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    with path.open("w") as handle:
-        for row in rows:
-            handle.write(json.dumps(row) + "\n")

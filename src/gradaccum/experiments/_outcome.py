@@ -1,0 +1,100 @@
+"""What a training run measures and reports: validation rows, peak memory and its summary.
+
+Example:
+    >>> import torch
+    >>> from gradaccum.experiments.tasks import get_task
+    >>> task = get_task("digits")
+    >>> data = task.make_data(0)
+    >>> model = task.make_model(0)
+    >>> optimizer = torch.optim.AdamW(model.parameters())
+    >>> peak_memory(model, optimizer, task, data.train, 8) > 0
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gradaccum.batching import map_tensors
+from gradaccum.experiments._resume import write_text_atomic
+from gradaccum.experiments.base import RunSummary, Task
+from gradaccum.memory import measure_activation_bytes
+
+if TYPE_CHECKING:
+    from gradaccum.experiments.runner import ResolvedRun
+
+__all__ = ["peak_memory", "summarize", "validate", "write_jsonl"]
+
+
+def validate(
+    task: Task, model: torch.nn.Module, val: Any, epoch: int, step: int, samples: int, loss: float
+) -> dict[str, float]:
+    """One `validation.jsonl` row: the task's metric and loss in eval mode, without gradients."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        scores = task.evaluate(model, val, 256)
+    model.train(was_training)
+    return {
+        "epoch": epoch,
+        "step": step,
+        "samples": samples,
+        "train_loss": loss,
+        "val_metric": scores["metric"],
+        "val_loss": scores["loss"],
+    }
+
+
+def summarize(
+    run: ResolvedRun, history: list[dict[str, float]], samples: int, peak: int, wall: float
+) -> RunSummary:
+    """The `RunSummary` of a finished run (`summary.json`)."""
+    metrics = [h["val_metric"] for h in history]
+    best = max(metrics) if run.task.higher_is_better else min(metrics)
+    return RunSummary(
+        config=f"{run.micro_batch_size}x{math.ceil(run.effective_batch / run.micro_batch_size)}",
+        effective_batch=run.effective_batch,
+        micro_batch_size=run.micro_batch_size,
+        accumulation_steps=math.ceil(run.effective_batch / run.micro_batch_size),
+        optimizer_steps=run.total_steps,
+        samples_seen=samples,
+        best_metric=best,
+        final_metric=metrics[-1],
+        metric=run.task.metric,
+        peak_memory_bytes=peak,
+        samples_per_second=samples / wall if wall > 0 else 0.0,
+        wall_seconds=wall,
+        history=history,
+    )
+
+
+def peak_memory(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    task: Task,
+    train: Any,
+    micro_batch_size: int,
+) -> int:
+    """Tensor bytes at the peak of a step: weights, grads, optimizer state, one graph's saves.
+
+    AdamW keeps two moments per weight. The activation part is measured, not estimated, with
+    saved-tensor hooks on one micro-batch of the largest size.
+    """
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    moments = 2 * weights if isinstance(optimizer, torch.optim.AdamW) else 0
+    micro_batch = map_tensors(train, lambda t: t[:micro_batch_size])
+    # On a copy and a forked RNG, so measuring leaves BatchNorm statistics and dropout alone.
+    with torch.random.fork_rng(devices=[]):
+        activations = measure_activation_bytes(copy.deepcopy(model), micro_batch, task.loss_fn)
+    return weights * 2 + moments + activations
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write `rows` as JSON lines, atomically."""
+    write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))

@@ -1,0 +1,393 @@
+"""Checkpoints of a training run: where it stands, how often to save it, how to pick it up again.
+
+A run's `checkpoint.pt` (written atomically with `gradaccum.save_checkpoint`) holds the model,
+optimizer, scheduler and Accumulator states, so it may be taken in the middle of a window. Its
+`extra` holds the run's `Position` (optimizer steps done, micro-batches done of the window in
+progress, epoch and effective batch within the epoch), the samples seen, the validation history,
+the training time so far and the configuration. The data order is a pure function of the seed and
+the epoch, so resuming regenerates the epoch's order and skips to the position.
+
+`metrics.jsonl` may hold lines written after the last checkpoint (a run killed between two
+checkpoints); `truncate_metrics` drops them before a resumed run appends, so no step is logged
+twice.
+
+Example:
+    >>> every = CheckpointEvery.parse("40micro")
+    >>> every, every.count, every.unit
+    (CheckpointEvery('40micro'), 40, 'micro')
+    >>> str(CheckpointEvery.parse("5"))
+    '5step'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from gradaccum.checkpoint import load_checkpoint, save_checkpoint
+
+if TYPE_CHECKING:
+    from gradaccum.experiments.base import TrainConfig
+    from gradaccum.experiments.runner import TrainingRun
+
+__all__ = [
+    "CHECKPOINT_NAME",
+    "CheckpointEvery",
+    "Position",
+    "ResumeError",
+    "RunStopped",
+    "checkpoint_extra",
+    "load_run",
+    "open_metrics",
+    "plain_config",
+    "read_position",
+    "save_run",
+    "truncate_metrics",
+    "write_text_atomic",
+]
+
+CHECKPOINT_NAME = "checkpoint.pt"
+_FORMAT = "gradaccum-train"
+_VERSION = 1
+_EVERY_PATTERN = re.compile(r"(\d+)\s*(step|steps|micro)?")
+
+
+class ResumeError(ValueError):
+    """A run cannot be resumed from its folder; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class CheckpointEvery:
+    """How often a run writes `checkpoint.pt`: every `count` optimizer steps or micro-batches."""
+
+    count: int
+    unit: str  # "step" or "micro"
+
+    @classmethod
+    def parse(cls, text: str) -> CheckpointEvery:
+        """Read `N` or `Nstep` (optimizer steps) or `Nmicro` (micro-batches), N >= 1.
+
+        Raises:
+            ValueError: If `text` is none of these.
+        """
+        match = _EVERY_PATTERN.fullmatch(text.strip())
+        if match is None or int(match.group(1)) < 1:
+            raise ValueError(
+                f"{text!r} is not N, Nstep or Nmicro with N >= 1 (e.g. 100 = every 100 optimizer "
+                "steps, 40micro = every 40 micro-batches)"
+            )
+        unit = "micro" if match.group(2) == "micro" else "step"
+        return cls(int(match.group(1)), unit)
+
+    def due(self, *, micro_batches: int, step: int, window_ended: bool) -> bool:
+        """Whether a checkpoint is due after a micro-batch.
+
+        Args:
+            micro_batches: Micro-batches run since the start of the run.
+            step: Optimizer steps (windows) completed.
+            window_ended: The micro-batch ended a window.
+        """
+        if self.unit == "micro":
+            return micro_batches % self.count == 0
+        return window_ended and step % self.count == 0
+
+    def __str__(self) -> str:
+        return f"{self.count}{self.unit}"
+
+    def __repr__(self) -> str:
+        return f"CheckpointEvery('{self}')"
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a run stands, at a micro-batch boundary.
+
+    Attributes:
+        step: Optimizer steps (windows) completed.
+        micro: Micro-batches already run of the window in progress (0 at a window boundary).
+        micro_batches: Micro-batches run since the start of the run.
+        samples: Items of the completed windows.
+        elapsed: Training seconds so far, over every session of the run.
+    """
+
+    step: int = 0
+    micro: int = 0
+    micro_batches: int = 0
+    samples: int = 0
+    elapsed: float = 0.0
+
+    def batch_in_epoch(self, steps_per_epoch: int) -> tuple[int, int]:
+        """`(epoch, index)` of the effective batch in progress: 1-based epoch, 0-based index."""
+        return self.step // steps_per_epoch + 1, self.step % steps_per_epoch
+
+
+class RunStopped(Exception):  # noqa: N818 (a stop on request, not an error)
+    """Training stopped on request at a micro-batch boundary, after writing its checkpoint.
+
+    Attributes:
+        position: Where the run stopped.
+        window_micro_batches: Micro-batches of the window in progress.
+        checkpoint: The checkpoint written, or None for a run without an out folder.
+    """
+
+    def __init__(
+        self, position: Position, window_micro_batches: int, checkpoint: Path | None
+    ) -> None:
+        super().__init__(
+            f"stopped at step {position.step}, micro-batch {position.micro} of "
+            f"{window_micro_batches}"
+        )
+        self.position = position
+        self.window_micro_batches = window_micro_batches
+        self.checkpoint = checkpoint
+
+
+def checkpoint_extra(
+    position: Position,
+    *,
+    steps_per_epoch: int,
+    history: list[dict[str, float]],
+    config: dict[str, Any],
+    finished: bool,
+) -> dict[str, Any]:
+    """The `extra` of a run checkpoint: plain data that `weights_only` loading accepts."""
+    epoch, index = position.batch_in_epoch(steps_per_epoch)
+    return {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "step": position.step,
+        "micro": position.micro,
+        "epoch": epoch,
+        "batch_in_epoch": index,
+        "micro_batches": position.micro_batches,
+        "samples": position.samples,
+        "elapsed": position.elapsed,
+        "history": [dict(row) for row in history],
+        "finished": finished,
+        "config": config,
+    }
+
+
+def read_position(
+    extra: Any,
+    *,
+    config: dict[str, Any],
+    total_steps: int,
+    steps_per_epoch: int,
+    window_micro_batches: Any,
+) -> tuple[Position, list[dict[str, float]]]:
+    """Check a run checkpoint's `extra` against the run being resumed; return where it stands.
+
+    Args:
+        extra: What `load_checkpoint` returned.
+        config: The resumed run's `plain_config`.
+        total_steps: Optimizer steps of the whole run.
+        steps_per_epoch: Effective batches per epoch.
+        window_micro_batches: `window_micro_batches(step)`: micro-batches of window `step + 1`.
+
+    Returns:
+        The position and the validation history so far.
+
+    Raises:
+        ResumeError: If `extra` is not a training run's, belongs to another configuration, is
+            inconsistent, or the run already finished.
+    """
+    if not isinstance(extra, dict) or extra.get("format") != _FORMAT:
+        raise ResumeError(
+            f"{CHECKPOINT_NAME} is not a checkpoint of `gradaccum train` (its extra data holds no "
+            "run position)"
+        )
+    if extra.get("version") != _VERSION:
+        raise ResumeError(
+            f"{CHECKPOINT_NAME} has run-position version {extra.get('version')!r}; this "
+            f"gradaccum reads version {_VERSION}"
+        )
+    saved = extra.get("config")
+    if saved != config:
+        differing = sorted(
+            key
+            for key in set(config) | set(saved if isinstance(saved, dict) else {})
+            if not isinstance(saved, dict) or saved.get(key) != config.get(key)
+        )
+        raise ResumeError(
+            f"{CHECKPOINT_NAME} was written by another configuration than config.json describes "
+            f"(they differ in: {', '.join(differing)}); restore config.json or start a new run"
+        )
+    if extra.get("finished"):
+        raise ResumeError(
+            f"the run already finished (step {extra.get('step')} of {total_steps}); there is "
+            "nothing to resume"
+        )
+    try:
+        position = Position(
+            step=_count(extra, "step"),
+            micro=_count(extra, "micro"),
+            micro_batches=_count(extra, "micro_batches"),
+            samples=_count(extra, "samples"),
+            elapsed=float(extra["elapsed"]),
+        )
+        history = [{str(k): _number(v) for k, v in row.items()} for row in extra["history"]]
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise ResumeError(f"{CHECKPOINT_NAME} holds a damaged run position ({error})") from None
+    if position.step >= total_steps or position.micro >= window_micro_batches(position.step):
+        raise ResumeError(
+            f"{CHECKPOINT_NAME} stands at step {position.step}, micro-batch {position.micro}, "
+            f"outside this run of {total_steps} steps"
+        )
+    if (extra.get("epoch"), extra.get("batch_in_epoch")) != position.batch_in_epoch(
+        steps_per_epoch
+    ):
+        raise ResumeError(f"{CHECKPOINT_NAME} holds an inconsistent run position")
+    return position, history
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{value!r} is not a number")
+    return value
+
+
+def _count(extra: dict[str, Any], key: str) -> int:
+    value = extra[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key}={value!r} is not a count")
+    return value
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Keep the lines of `path` up to step `last_step`; drop later and torn lines.
+
+    A run killed after its last checkpoint may have logged later steps, and a kill in the middle
+    of a write leaves a torn last line; the resumed run logs those steps again. The file is
+    rewritten atomically, and created empty if it is missing.
+
+    Args:
+        path: The run's `metrics.jsonl`.
+        last_step: The checkpoint's completed optimizer steps.
+
+    Returns:
+        The number of lines kept.
+    """
+    kept: list[str] = []
+    text = path.read_text() if path.exists() else ""
+    for line in text.splitlines(keepends=True):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            break  # a torn line: only the last can be, and everything after it is later
+        if not line.endswith("\n") or not isinstance(row, dict):
+            break
+        if isinstance(row.get("step"), int) and row["step"] <= last_step:
+            kept.append(line)
+    new_text = "".join(kept)
+    if new_text != text or not path.exists():
+        write_text_atomic(path, new_text)
+    return len(kept)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file, fsync and rename."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(temporary, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def plain_config(config: TrainConfig) -> dict[str, Any]:
+    """`config` as plain JSON types, so `weights_only` loading and `json` both accept it.
+
+    `asdict` keeps the `LrScaling` enum member, which `torch.load(weights_only=True)` refuses.
+
+    Example:
+        >>> from gradaccum.experiments.base import LrScaling, TrainConfig
+        >>> plain_config(TrainConfig(task="digits", lr_scaling=LrScaling.SQRT))["lr_scaling"]
+        'sqrt'
+    """
+    return json.loads(json.dumps(asdict(config)))
+
+
+def save_run(
+    run: TrainingRun, position: Position, metrics: IO[str] | None, *, finished: bool = False
+) -> Path | None:
+    """Write `run.out/checkpoint.pt` at `position`, after making the metrics so far durable.
+
+    Returns:
+        The checkpoint's path, or None for a run without an out folder (nothing is written).
+    """
+    if run.out is None:
+        return None
+    if metrics is not None:
+        metrics.flush()
+        os.fsync(metrics.fileno())
+    path = run.out / CHECKPOINT_NAME
+    extra = checkpoint_extra(
+        position,
+        steps_per_epoch=run.plan.steps_per_epoch,
+        history=run.history,
+        config=plain_config(run.plan.config),
+        finished=finished,
+    )
+    save_checkpoint(
+        path,
+        model=run.model,
+        optimizer=run.optimizer,
+        accumulator=run.accumulator,
+        scheduler=run.scheduler,
+        extra=extra,
+    )
+    return path
+
+
+def load_run(run: TrainingRun, out: Path) -> tuple[Position, list[dict[str, float]]]:
+    """Restore `run`'s states from `out/checkpoint.pt`; return its position and history.
+
+    Raises:
+        ResumeError: If the checkpoint is missing, damaged, of another run or inconsistent.
+    """
+    path = out / CHECKPOINT_NAME
+    if not path.is_file():
+        raise ResumeError(
+            f"holds no {CHECKPOINT_NAME}: the run stopped before its first checkpoint; start it "
+            "again"
+        )
+    try:
+        extra = load_checkpoint(
+            path,
+            model=run.model,
+            optimizer=run.optimizer,
+            accumulator=run.accumulator,
+            scheduler=run.scheduler,
+        )
+    except (ValueError, OSError) as error:  # CheckpointError is a ValueError
+        raise ResumeError(" ".join(str(error).split())) from None
+    position, history = read_position(
+        extra,
+        config=plain_config(run.plan.config),
+        total_steps=run.plan.total_steps,
+        steps_per_epoch=run.plan.steps_per_epoch,
+        window_micro_batches=run.window_micro_batches,
+    )
+    open_window = run.accumulator.state_dict()["window"]["micro_batches"]
+    if open_window != position.micro:
+        raise ResumeError(
+            f"{CHECKPOINT_NAME} is inconsistent: its Accumulator holds {open_window} "
+            f"micro-batches of the open window, its position says {position.micro}"
+        )
+    return position, history
+
+
+def open_metrics(path: Path, *, resume_step: int | None) -> IO[str]:
+    """Open `metrics.jsonl` line-buffered: new, or (resuming) cut to `resume_step` and appended."""
+    if resume_step is None:
+        return path.open("w", buffering=1)
+    truncate_metrics(path, resume_step)
+    return path.open("a", buffering=1)
