@@ -30,7 +30,7 @@ import torch
 
 from gradaccum.accumulator import Accumulator
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "load_checkpoint", "load_model_weights", "save_checkpoint"]
 
 _FORMAT = "gradaccum-checkpoint"
 _VERSION = 1
@@ -113,22 +113,7 @@ def load_checkpoint(
             unknown version, holds pickled code, or lacks a requested state.
     """
     source = Path(path)
-    if not source.is_file():
-        raise FileNotFoundError(f"no checkpoint at {source}")
-    try:
-        payload = torch.load(source, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as error:
-        raise CheckpointError(
-            f"cannot read checkpoint {source}: it is truncated, corrupted or holds objects that "
-            f"weights_only loading refuses ({type(error).__name__}: {str(error)[:200]})."
-        ) from error
-    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
-        raise CheckpointError(f"{source} is not a gradaccum checkpoint.")
-    if payload.get("version") != _VERSION:
-        raise CheckpointError(
-            f"{source} has checkpoint version {payload.get('version')!r}; this gradaccum reads "
-            f"version {_VERSION}."
-        )
+    payload = _read_payload(source)
     for name, wanted in (("accumulator", accumulator), ("scheduler", scheduler)):
         if wanted is not None and payload.get(name) is None:
             raise CheckpointError(f"{source} holds no {name} state; pass {name}=None.")
@@ -147,6 +132,44 @@ def load_checkpoint(
         scheduler.load_state_dict(payload["scheduler"])
     _restore_rng(payload["rng"])
     return payload.get("extra")
+
+
+def load_model_weights(path: str | os.PathLike[str], model: torch.nn.Module) -> None:
+    """Load only the model weights of a checkpoint, e.g. to fine-tune from it.
+
+    The file is read and checked as `load_checkpoint` does; the model is unchanged on error.
+
+    Raises:
+        FileNotFoundError: If there is no file at `path`.
+        CheckpointError: If the file is not a readable gradaccum checkpoint of this model.
+    """
+    source = Path(path)
+    payload = _read_payload(source)
+    if not isinstance(payload.get("model"), dict):
+        raise CheckpointError(f"{source} is incomplete: it lacks model.")
+    _check_model_fits(source, payload["model"], model.state_dict())
+    model.load_state_dict(payload["model"])
+
+
+def _read_payload(source: Path) -> dict[str, Any]:
+    """The checked payload of a checkpoint file (format and version), never unpickling code."""
+    if not source.is_file():
+        raise FileNotFoundError(f"no checkpoint at {source}")
+    try:
+        payload = torch.load(source, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as error:
+        raise CheckpointError(
+            f"cannot read checkpoint {source}: it is truncated, corrupted or holds objects that "
+            f"weights_only loading refuses ({type(error).__name__}: {str(error)[:200]})."
+        ) from error
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
+        raise CheckpointError(f"{source} is not a gradaccum checkpoint.")
+    if payload.get("version") != _VERSION:
+        raise CheckpointError(
+            f"{source} has checkpoint version {payload.get('version')!r}; this gradaccum reads "
+            f"version {_VERSION}."
+        )
+    return payload
 
 
 def _check_model_fits(

@@ -197,7 +197,7 @@ def test_plain_progress_logs_first_and_last_step_with_rate_and_eta():
     [
         (["--task", "nope"], "invalid choice: 'nope'"),
         (["--task", "digits", "--epochs", "1", "--steps", "2"], "not allowed with"),
-        (["--task", "digits", "--micro-batch-size", "auto"], "not available yet"),
+        (["--task", "digits", "--micro-batch-size", "auto"], "needs --memory-budget"),
         (["--steps", "2"], "--task is required (or --resume DIR"),
     ],
 )
@@ -234,7 +234,9 @@ def _main_exit(capsys, *args: str) -> tuple[int, str]:
         (["--lr-scaling", "cubic"], "invalid choice: 'cubic'"),
         (["--memory-budget", "lots"], "is not a byte count"),
         (["--memory-budget", "2GiB", "--micro-batch-size", "8"], "only applies with"),
-        (["--memory-budget", "2GiB", "--micro-batch-size", "auto"], "not available yet"),
+        (["--memory-budget", "1KiB", "--micro-batch-size", "auto"], "even micro_batch_size=1"),
+        (["--bn", "pooled", "--norm", "group"], "--norm group builds none"),
+        (["--bn", "ghost"], "invalid choice: 'ghost'"),
         (["--checkpoint-every", "0"], "'0' is not N, Nstep or Nmicro with N >= 1"),
         (["--checkpoint-every", "5m"], "'5m' is not N, Nstep or Nmicro"),
         (["--checkpoint-every", "2.5"], "'2.5' is not N, Nstep or Nmicro"),

@@ -34,8 +34,15 @@ from gradaccum.cli._args import (
     positive_int,
 )
 from gradaccum.experiments.base import LrScaling, TrainConfig
-from gradaccum.experiments.runner import ACCUM_DTYPES, build_accumulator, resolve
+from gradaccum.experiments.runner import (
+    ACCUM_DTYPES,
+    build_accumulator,
+    make_model,
+    resolve,
+    resolve_micro_batch_size,
+)
 from gradaccum.experiments.tasks import TASKS, get_task
+from gradaccum.sizing import MemoryPlan
 
 __all__ = [
     "CONFIG_OPTIONS",
@@ -56,6 +63,7 @@ _DEFAULTS = {
     "warmup": 0,
     "seed": 0,
     "norm": "batch",
+    "bn": "micro",
     "threads": 1,
 }
 # The options that make up a `TrainConfig`, as (argparse dest, flag).
@@ -75,9 +83,12 @@ CONFIG_OPTIONS = tuple(
         "steps",
         "seed",
         "norm",
+        "bn",
+        "init_from",
     )
 )
 
+_BN_CHOICES = ("micro", "pooled", "frozen", "group")
 _CONFIG_PATTERN = re.compile(r"(\d+)x(\d+)")
 
 
@@ -139,7 +150,8 @@ def add_training_options(
         type=int_or_auto,
         metavar="{M,auto}",
         help="items per forward/backward; B is split into ceil(B / M) micro-batches "
-        "(default: B, no accumulation; 'auto' is not available yet)"
+        "(default: B, no accumulation); 'auto': the largest that fits --memory-budget, "
+        "measured before training (see gradaccum plan)"
         if batch_options
         else hidden,
     )
@@ -196,6 +208,22 @@ def add_training_options(
         default="batch",
         help="normalization layers of the shapes U-Net: BatchNorm or GroupNorm (default: batch)",
     )
+    parser.add_argument(
+        "--bn",
+        choices=_BN_CHOICES,
+        default=None if resumable else "micro",
+        help="BatchNorm under accumulation: micro (plain PyTorch: statistics per micro-batch), "
+        "pooled (running statistics once per step from all its items), frozen (eval-mode "
+        "BatchNorm, for fine-tuning; see --init-from) or group (GroupNorm model, exact) "
+        "(default: micro; see docs/batchnorm.md)",
+    )
+    parser.add_argument(
+        "--init-from",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="start from the model weights of a checkpoint.pt of an earlier run (only the "
+        "weights: optimizer and schedule start fresh)",
+    )
     add_threads_option(parser)
     parser.add_argument(
         "--out",
@@ -233,6 +261,8 @@ def build_config(
         steps=args.steps,
         seed=args.seed,
         norm=args.norm,
+        bn=args.bn,
+        init_from=None if args.init_from is None else str(args.init_from),
     )
 
 
@@ -269,9 +299,15 @@ def validate_config(config: TrainConfig, n_train: int) -> CheckedRun:
     """
     if config.micro_batch_size != "auto" and config.memory_budget is not None:
         raise UsageError("--memory-budget only applies with --micro-batch-size auto")
+    if config.norm == "group" and config.bn not in ("micro", "group"):
+        raise UsageError(
+            f"--bn {config.bn} acts on BatchNorm layers, and --norm group builds none; drop one"
+        )
+    if config.micro_batch_size == "auto":
+        config = plan_auto(config).config
     try:
         run = resolve(config, n_train)
-        model = run.task.make_model(config.seed, config.norm)
+        model = make_model(config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr)
         build_accumulator(run, model, optimizer)
     except (ValueError, TypeError) as error:
@@ -286,6 +322,30 @@ def validate_config(config: TrainConfig, n_train: int) -> CheckedRun:
         total_steps=run.total_steps,
         steps_per_epoch=run.steps_per_epoch,
     )
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """`--micro-batch-size auto` resolved: the plan, and the config with its size filled in."""
+
+    plan: MemoryPlan
+    config: TrainConfig
+
+
+def plan_auto(config: TrainConfig) -> AutoPlan:
+    """Plan `--micro-batch-size auto` once, before training, so the run records a fixed size.
+
+    Raises:
+        UsageError: Without `--memory-budget`, or if even one item does not fit it.
+    """
+    try:
+        plan = resolve_micro_batch_size(config)
+    except (ValueError, TypeError) as error:
+        raise UsageError(one_line(error)) from None
+    budget = config.memory_budget
+    extra = {**config.extra, "planned_from": f"auto, --memory-budget {budget}"}
+    fixed = config.replace(micro_batch_size=plan.micro_batch_size, memory_budget=None, extra=extra)
+    return AutoPlan(plan, fixed)
 
 
 def describe_run(checked: CheckedRun) -> str:

@@ -181,7 +181,10 @@ def _settings(args: argparse.Namespace, checked: list[CheckedRun]) -> dict[str, 
     if config.accum_dtype:
         settings["accum dtype"] = config.accum_dtype
     if args.task == "shapes":
-        settings["norm"] = config.norm
+        settings["norm"] = config.model_norm
+        settings["bn"] = config.bn
+    if config.init_from:
+        settings["init from"] = config.init_from
     settings["optimizer"] = "AdamW"
     settings["threads"] = args.threads
     return settings

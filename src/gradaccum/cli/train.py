@@ -57,6 +57,7 @@ from gradaccum.cli._training_options import (
     build_config,
     describe_run,
     fill_defaults,
+    plan_auto,
     train_items,
     validate_config,
 )
@@ -75,6 +76,7 @@ from gradaccum.experiments.runner import (
     open_run,
     plain_config,
 )
+from gradaccum.sizing import format_bytes
 
 __all__ = ["add_parser", "run"]
 
@@ -179,6 +181,14 @@ def _prepare_new(args: argparse.Namespace) -> _Prepared:
         raise UsageError("--task is required (or --resume DIR to continue a run)")
     fill_defaults(args)
     config = build_config(args, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size)
+    if config.micro_batch_size == "auto":
+        auto = plan_auto(config)
+        config = auto.config
+        print(
+            f"gradaccum train: --micro-batch-size auto planned {config.micro_batch_size} for "
+            f"--memory-budget {args.memory_budget} (predicted peak "
+            f"{format_bytes(auto.plan.predicted_peak_bytes)}; `gradaccum plan` shows the table)"
+        )
     checked = validate_config(config, train_items(args.task, args.seed))
     if args.out is not None and (args.out / CONFIG_NAME).is_file():
         raise UsageError(

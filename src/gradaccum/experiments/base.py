@@ -98,6 +98,8 @@ class TrainConfig:
     steps: int | None = None
     seed: int = 0
     norm: str = "batch"
+    bn: str = "micro"
+    init_from: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def accumulation_label(self) -> str:
@@ -105,6 +107,16 @@ class TrainConfig:
         batch = self.batch_size or 0
         micro = self.micro_batch_size if isinstance(self.micro_batch_size, int) else batch
         return f"{micro}x{-(-batch // micro) if micro else 1}"
+
+    @property
+    def model_norm(self) -> str:
+        """The task model's normalization: `--bn group` asks for GroupNorm."""
+        return "group" if self.bn == "group" else self.norm
+
+    @property
+    def batchnorm(self) -> str:
+        """The Accumulator's `batchnorm` mode (GroupNorm models have no BatchNorm)."""
+        return "micro" if self.bn == "group" else self.bn
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with `changes` applied."""

@@ -32,6 +32,7 @@ import torch
 
 from gradaccum.accumulator import Accumulator, StepResult
 from gradaccum.batching import batch_size, map_tensors, split_batch
+from gradaccum.experiments._model import ACCUM_DTYPES, make_model, resolve_micro_batch_size
 from gradaccum.experiments._outcome import peak_memory, summarize, validate, write_jsonl
 from gradaccum.experiments._resume import (
     CheckpointEvery,
@@ -49,6 +50,8 @@ from gradaccum.experiments.tasks import get_task
 
 __all__ = [
     "ACCUM_DTYPES",
+    "make_model",
+    "resolve_micro_batch_size",
     "CheckpointEvery",
     "Position",
     "ResolvedRun",
@@ -64,7 +67,6 @@ __all__ = [
     "train",
 ]
 
-ACCUM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64}
 
 StopCheck = Callable[[Position], bool]
 """Asked before every micro-batch with the run's position; True stops the run there."""
@@ -113,7 +115,9 @@ def resolve(config: TrainConfig, train_items: int | None = None) -> ResolvedRun:
         raise ValueError(f"--batch-size={effective} must be a positive int.")
     micro = config.micro_batch_size if config.micro_batch_size is not None else effective
     if micro == "auto":
-        raise ValueError("--micro-batch-size auto is not available yet; pass an int.")
+        raise ValueError(
+            "--micro-batch-size auto must be planned first (resolve_micro_batch_size); pass an int."
+        )
     if not isinstance(micro, int) or micro <= 0:
         raise ValueError(f"--micro-batch-size={micro!r} must be a positive int.")
     if micro > effective:
@@ -165,6 +169,7 @@ def build_accumulator(
         precision=run.config.precision,
         accum_dtype=ACCUM_DTYPES.get(run.config.accum_dtype or ""),
         partial_window="step",
+        batchnorm=run.config.batchnorm,
     )
 
 
@@ -214,7 +219,7 @@ class TrainingRun:
         self.plan = resolve(config, batch_size(self.data.train))
         self.out = out
         self.resumed = resume
-        self.model = task.make_model(config.seed, config.norm)
+        self.model = make_model(config)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.plan.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(config.warmup))
         self.accumulator = build_accumulator(self.plan, self.model, self.optimizer, self.scheduler)

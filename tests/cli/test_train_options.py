@@ -1,0 +1,100 @@
+"""`gradaccum train --bn`, `--init-from` and `--micro-batch-size auto`, through subprocesses.
+
+- `--bn pooled` at 8x2 gives the first BatchNorm the running statistics of the full batch of 16
+  after one step (both forwards see the same initial weights); `--bn micro` at 8x2 does not.
+- `--bn frozen --init-from` keeps every running statistic of the initial checkpoint bitwise.
+- `--micro-batch-size auto` records the planned size in config.json, and trains with it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.cli._helpers import run_cli
+
+FIRST_BN = "enc1.1"  # the U-Net's first BatchNorm: its input does not depend on other BN layers
+
+
+def _model(folder: Path) -> dict[str, torch.Tensor]:
+    return torch.load(folder / "checkpoint.pt", weights_only=True)["model"]
+
+
+def _shapes(out: Path, *args: str) -> dict[str, torch.Tensor]:
+    done = run_cli("train", "--task", "shapes", "--steps", "1", "--out", str(out), *args)
+    assert done.returncode == 0, done.stderr
+    return _model(out)
+
+
+@pytest.mark.timeout(180)
+def test_bn_pooled_gives_full_batch_running_statistics(tmp_path: Path) -> None:
+    full = _shapes(tmp_path / "full", "--batch-size", "16", "--micro-batch-size", "16")
+    pooled = _shapes(
+        tmp_path / "pooled", "--batch-size", "16", "--micro-batch-size", "8", "--bn", "pooled"
+    )
+    micro = _shapes(tmp_path / "micro", "--batch-size", "16", "--micro-batch-size", "8")
+    for name in ("running_mean", "running_var"):
+        key = f"{FIRST_BN}.{name}"
+        torch.testing.assert_close(pooled[key], full[key], rtol=1e-5, atol=1e-7)
+        # NEGATIVE CONTROL: two updates from micro-batch statistics.
+        gap = (micro[key] - full[key]).abs().max() / full[key].abs().max()
+        assert gap > 1e-3, (name, float(gap))
+    assert int(pooled[f"{FIRST_BN}.num_batches_tracked"]) == 1
+    assert int(micro[f"{FIRST_BN}.num_batches_tracked"]) == 2
+
+
+@pytest.mark.timeout(180)
+def test_bn_frozen_from_a_checkpoint_keeps_running_statistics(tmp_path: Path) -> None:
+    start = _shapes(tmp_path / "start")
+    frozen = _shapes(
+        tmp_path / "frozen",
+        "--batch-size", "16",
+        "--micro-batch-size", "4",
+        "--bn", "frozen",
+        "--init-from", str(tmp_path / "start" / "checkpoint.pt"),
+    )  # fmt: skip
+    stats = [k for k in start if "running_" in k or "num_batches" in k]
+    assert stats
+    for key in stats:
+        assert torch.equal(frozen[key], start[key]), key
+    assert not torch.equal(frozen["enc1.0.weight"], start["enc1.0.weight"])  # it did train
+
+
+def test_bn_and_init_from_errors_exit_2(tmp_path: Path) -> None:
+    done = run_cli("train", "--task", "shapes", "--norm", "group", "--bn", "pooled",
+                   "--out", str(tmp_path / "a"))  # fmt: skip
+    assert done.returncode == 2
+    assert "--norm group builds none" in done.stderr
+    done = run_cli("train", "--task", "digits", "--init-from", str(tmp_path / "missing.pt"),
+                   "--out", str(tmp_path / "b"))  # fmt: skip
+    assert done.returncode == 2
+    assert "--init-from" in done.stderr
+    assert not (tmp_path / "a").exists()
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.timeout(180)
+def test_auto_micro_batch_size_is_planned_and_recorded(tmp_path: Path) -> None:
+    out = tmp_path / "auto"
+    done = run_cli("train", "--task", "charlm", "--batch-size", "64", "--steps", "2",
+                   "--micro-batch-size", "auto", "--memory-budget", "24MiB",
+                   "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    config = json.loads((out / "config.json").read_text())["config"]
+    planned = config["micro_batch_size"]
+    assert isinstance(planned, int)
+    assert 1 < planned < 64  # the budget constrains it
+    assert config["extra"]["planned_from"] == "auto, --memory-budget 24MiB"
+    assert f"--micro-batch-size auto planned {planned}" in done.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["micro_batch_size"] == planned
+    # The same budget in `gradaccum plan` chooses the same size.
+    shown = run_cli("plan", "--task", "charlm", "--batch-size", "64", "--memory-budget", "24MiB")
+    assert f"chosen micro_batch_size = {planned}:" in shown.stdout
+    missing = run_cli("train", "--task", "digits", "--micro-batch-size", "auto",
+                      "--out", str(tmp_path / "x"))  # fmt: skip
+    assert missing.returncode == 2
+    assert "needs --memory-budget" in missing.stderr
