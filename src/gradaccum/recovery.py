@@ -158,6 +158,7 @@ def step_with_recovery(acc: Accumulator, batch: Any, loss_fn: LossFn) -> StepRes
     assert auto is not None
     auto.ensure_plan(acc, batch, loss_fn)
     distributed = acc._window.distributed
+    previous = [p.grad for p in acc._window.params]  # put back if this call gives up
     tried: list[int] = []
     while True:
         assert auto.size is not None
@@ -180,7 +181,12 @@ def step_with_recovery(acc: Accumulator, batch: Any, loss_fn: LossFn) -> StepRes
         acc._window.reset()
         start.restore()
         release_cached_memory(acc._runtime.device)
-        auto.shrink(tried)
+        try:
+            auto.shrink(tried)
+        except MemoryBudgetError:
+            for param, grad in zip(acc._window.params, previous, strict=True):
+                param.grad = grad
+            raise
 
 
 class _WindowStart:
