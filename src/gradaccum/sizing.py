@@ -316,9 +316,11 @@ def _choose(fit: _Fit, budget: int, margin: float) -> int:
     """The largest size, up to the batch and below any that ran out of memory, that fits."""
     usable = int(budget * (1.0 - margin))
     if fit.predict(1) > usable:
+        probe = fit.probe
+        fixed = probe.parameters_bytes + probe.gradients_bytes + probe.optimizer_bytes
         raise MemoryBudgetError(
             f"even micro_batch_size=1 needs {format_bytes(fit.predict(1))} (parameters, gradients "
-            f"and optimizer state alone are {format_bytes(fit.predict(0))}), more than the "
+            f"and optimizer state alone are {format_bytes(fixed)}), more than the "
             f"{format_bytes(usable)} usable of memory_budget={format_bytes(budget)}; raise the "
             "budget, or shrink the model or its optimizer state (e.g. SGD, bf16)."
         )
