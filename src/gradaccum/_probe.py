@@ -27,7 +27,7 @@ from gradaccum.options import Precision
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.sync import sync_context
 
-__all__ = ["Probe", "snapshot_batchnorm"]
+__all__ = ["CudaAllocatorPeak", "Probe", "snapshot_batchnorm"]
 
 
 class Probe:
@@ -63,31 +63,29 @@ class Probe:
         if self.runtime.uses_buffers and accum_dtype is not None:
             self.buffers_bytes = sum(p.numel() * accum_dtype.itemsize for p in self.params)
         self.optimizer_bytes, self.step_workspace_bytes = _optimizer_bytes(optimizer)
+        self.allocator = CudaAllocatorPeak(self.device) if self.device.type == "cuda" else None
 
     def activation_peak(self, size: int) -> int:
         """Peak bytes above the steady state for one forward+backward of `size` items."""
         if size in self.measured:
             return self.measured[size]
         micro_batch = to_device(map_tensors(self.sample_batch, lambda t: t[:size]), self.device)
-        cuda = self.device.type == "cuda"
+        allocator = self.allocator
         saved_grads = [p.grad for p in self.params]
         statistics = snapshot_batchnorm(self.model)
         try:
             for param in self.params:  # the steady state: gradients exist and are added into
                 param.grad = torch.zeros_like(param)
-            if cuda:
-                torch.cuda.synchronize(self.device)
-                torch.cuda.reset_peak_memory_stats(self.device)
-                before = torch.cuda.memory_allocated(self.device)
+            if allocator is not None:
+                allocator.start()
             with track_tensor_bytes() as tracker, sync_context(self.model, sync=False):
                 with self.runtime.autocast():
                     value, _, _ = read_loss(self.loss_fn(self.model, micro_batch), size)
                 if value.requires_grad:
                     value.backward()
                 del value
-            peak = tracker.peak
-            if cuda:
-                peak = max(peak, torch.cuda.max_memory_allocated(self.device) - before)
+            # The allocator also sees what no tensor shows: cuDNN/cuBLAS workspaces, rounding.
+            peak = tracker.peak if allocator is None else max(tracker.peak, allocator.peak())
         finally:
             for param, grad in zip(self.params, saved_grads, strict=True):
                 param.grad = grad
@@ -95,6 +93,31 @@ class Probe:
                 buffer.copy_(value)
         self.measured[size] = peak
         return peak
+
+
+class CudaAllocatorPeak:
+    """The CUDA caching allocator's peak above its level at `start()`.
+
+    Args:
+        device: The CUDA device.
+        memory: The statistics module (`torch.cuda`); a stand-in can be passed for tests.
+    """
+
+    def __init__(self, device: torch.device, memory: Any = torch.cuda) -> None:
+        self.device = device
+        self.memory = memory
+        self.before = 0
+
+    def start(self) -> None:
+        """Reset the peak statistics and remember the bytes allocated now."""
+        self.memory.synchronize(self.device)
+        self.memory.reset_peak_memory_stats(self.device)
+        self.before = self.memory.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        """Peak bytes allocated since `start()`, above what was allocated then."""
+        self.memory.synchronize(self.device)
+        return self.memory.max_memory_allocated(self.device) - self.before
 
 
 def snapshot_batchnorm(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
