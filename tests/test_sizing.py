@@ -208,3 +208,50 @@ def test_resident_memory_of_training_stays_under_the_budget() -> None:
     assert chosen >= 0.9 * (too_big - 1), report  # the largest that fits is below too_big
     # NEGATIVE CONTROL: the sweep's over-budget sizes really are over; the check can fail.
     assert sweep[max(sweep)] > budget
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.AdamW(p, fused=True),
+        lambda p: torch.optim.AdamW(p, foreach=True),
+        lambda p: torch.optim.Adagrad(p),  # its state exists before the first step
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    ],
+    ids=["adamw-fused", "adamw-foreach", "adagrad", "sgd-momentum"],
+)
+def test_optimizer_state_and_workspace_match_a_real_step(make) -> None:
+    model = _model()
+    optimizer = make(model.parameters())
+    plan = plan_micro_batch(model, _batch(), _loss, optimizer, memory_budget="4MiB")
+    twin = _model()
+    real = make(twin.parameters())
+    _loss(twin, _batch(64)).backward()
+    before = sum(t.numel() * t.element_size() for s in real.state.values()
+                 for t in s.values() if isinstance(t, torch.Tensor))  # fmt: skip
+    with track_tensor_bytes() as tracker:
+        real.step()
+    after = sum(t.numel() * t.element_size() for s in real.state.values()
+                for t in s.values() if isinstance(t, torch.Tensor))  # fmt: skip
+    assert plan.optimizer_bytes == after
+    measured_workspace = tracker.peak - (after - before)
+    # The fused kernel has (almost) no temporaries; its replay with foreach bounds it above.
+    assert plan.step_workspace_bytes >= measured_workspace
+    if not optimizer.defaults.get("fused"):
+        assert abs(plan.step_workspace_bytes - measured_workspace) <= 64
+
+
+def test_model_buffers_count_as_fixed_memory() -> None:
+    class Table(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(32, 10)
+            self.register_buffer("table", torch.zeros(2**18))  # 1 MiB held by the model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + self.table[:10]
+
+    model = Table()
+    plan = plan_micro_batch(model, _batch(), _loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                            memory_budget="4MiB")  # fmt: skip
+    assert plan.parameters_bytes == 2**20 + (32 * 10 + 10) * 4

@@ -19,6 +19,7 @@ import copy
 from typing import Any
 
 import torch
+from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from gradaccum.batching import map_tensors, to_device
 from gradaccum.loss import read_loss
@@ -57,7 +58,8 @@ class Probe:
         self.runtime = PrecisionRuntime(precision, self.params, accum_dtype)
         self.device = self.runtime.device
         self.measured: dict[int, int] = {}
-        self.parameters_bytes = sum(_nbytes(p) for p in model.parameters())
+        # Buffers (BatchNorm statistics, masks, tables) live as long as the parameters do.
+        self.parameters_bytes = sum(_nbytes(t) for t in (*model.parameters(), *model.buffers()))
         self.gradients_bytes = sum(_nbytes(p) for p in self.params)
         self.buffers_bytes = 0
         if self.runtime.uses_buffers and accum_dtype is not None:
@@ -143,11 +145,29 @@ def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
             if isinstance(value, torch.Tensor) and value.dim() > 0:  # not the step counts
                 memo[id(value)] = torch.empty_like(value, device="meta")
     replay = copy.deepcopy(optimizer, memo)
+    for group, real in zip(replay.param_groups, optimizer.param_groups, strict=True):
+        _same_implementation(group, real["params"])
     state_before = _state_bytes(replay)
     with track_tensor_bytes(include_meta=True) as tracker:
         replay.step()
     state_after = _state_bytes(replay)
     return state_after, max(0, tracker.peak - (state_after - state_before))
+
+
+def _same_implementation(group: dict[str, Any], real_params: list[torch.Tensor]) -> None:
+    """Make the meta replay take the path the real step takes (its temporaries differ).
+
+    Left to itself, the replay would pick the single-tensor path (meta is no foreach device)
+    where a CUDA step picks foreach; and fused kernels refuse meta tensors, so a fused step is
+    replayed with foreach, whose temporaries bound the fused kernel's.
+    """
+    fused = bool(group.get("fused"))
+    if "fused" in group:
+        group["fused"] = False
+    if ("foreach" in group and group["foreach"] is None) or fused:
+        grads = [p for p in real_params if p.requires_grad]
+        _, foreach = _default_to_fused_or_foreach(grads, differentiable=False, use_fused=False)
+        group["foreach"] = foreach or fused
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -2,15 +2,17 @@
 
 Memory during training is a fixed part plus a part that grows with the micro-batch:
 
-    peak(m) = parameters + gradients + optimizer state + accumulation buffers
+    peak(m) = parameters and buffers + gradients + optimizer state + accumulation buffers
               + max(optimizer-step workspace, activations(m))
     activations(m) = fixed_activations + per_item * m
 
-`plan_micro_batch` measures each term on deep copies of the model and optimizer (the originals,
-their gradients and the random number generators are left alone):
+`plan_micro_batch` measures each term without copying the model (that would double what it
+plans) and leaves everything as it was: parameters, gradients, BatchNorm statistics, optimizer
+state and the random number generators (see `gradaccum._probe`):
 
-- parameters, gradients, buffers and optimizer state are counted from the tensors themselves; an
-  optimizer without state yet takes one step on the copy, which also measures its workspace;
+- parameters, buffers, gradients and accumulation buffers are counted from the tensors; the
+  optimizer's state after its first step, and its step's temporaries, come from replaying one
+  step on the meta device, where tensors have sizes but no memory;
 - the activation line is fitted through forward+backward probes at two or more sizes, each
   measured with `gradaccum.memory.track_tensor_bytes` (every storage allocated, temporaries and
   gradient buffers of the backward included) and, on CUDA, with the allocator's peak statistics;
@@ -62,7 +64,9 @@ class MemoryPlan:
         batch_size: Items in the sample batch; no micro-batch is larger.
         memory_budget: The budget in bytes.
         margin: Share of the budget kept free for what the model does not show.
-        parameters_bytes, gradients_bytes, optimizer_bytes, buffers_bytes: The fixed part.
+        parameters_bytes: The model's parameters and buffers (BatchNorm statistics, masks).
+        gradients_bytes, optimizer_bytes, buffers_bytes: The rest of the fixed part (buffers:
+            higher-precision accumulation buffers, with `accum_dtype`).
         step_workspace_bytes: Temporaries of one optimizer step, beyond its state.
         activation_fixed_bytes: The fitted activation line at zero items.
         activation_bytes_per_item: Its slope, bytes per item.
@@ -118,7 +122,7 @@ class MemoryPlan:
 
     def __str__(self) -> str:
         rows = [
-            ("parameters", self.parameters_bytes),
+            ("parameters and buffers", self.parameters_bytes),
             ("gradients", self.gradients_bytes),
             ("optimizer state", self.optimizer_bytes),
             ("accumulation buffers", self.buffers_bytes),
