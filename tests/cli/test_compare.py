@@ -273,3 +273,17 @@ def test_terminated_compare_removes_finished_config_folders_too(tmp_path):
             proc.communicate()
     assert proc.returncode == 130, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_compare_passes_bn_to_every_config(tmp_path):
+    """`--bn pooled`: one running-statistics update per step in every config's BatchNorm."""
+    out = tmp_path / "bn"
+    proc = _run_cli(
+        "compare", "--task", "shapes", "--configs", "8x2", "16x1", "--steps", "1",
+        "--bn", "pooled", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for config in ("8x2", "16x1"):
+        model = torch.load(out / config / "checkpoint.pt", weights_only=True)["model"]
+        assert int(model["enc1.1.num_batches_tracked"]) == 1, config  # "micro": 2 for 8x2
+    assert "pooled" in (out / "report.md").read_text()
