@@ -239,15 +239,8 @@ class _Fit:
         self.fixed_part = high - self.per_item * large
 
     def predict(self, size: int) -> int:
-        probe = self.probe
-        fixed = (
-            probe.parameters_bytes
-            + probe.gradients_bytes
-            + probe.optimizer_bytes
-            + probe.buffers_bytes
-        )
-        activations = max(0, math.ceil(self.fixed_part + self.per_item * size))
-        return fixed + max(probe.step_workspace_bytes, activations)
+        """The current line's prediction: `MemoryPlan.predict` of a plan made from it now."""
+        return self.plan(size, self.ceiling, 1, 0.0, "").predict(size)
 
     def plan(self, chosen: int, items: int, budget: int, margin: float, device: str) -> MemoryPlan:
         probe = self.probe
