@@ -165,7 +165,7 @@ def planning_times(setup: Setup, size: int, rounds: int) -> tuple[list[float], l
                 model,
                 optimizer,
                 micro_batch_size="auto" if kind == "auto" else size,
-                memory_budget=setup.budget,
+                memory_budget=setup.budget if kind == "auto" else None,
             )
             firsts[kind] = timed(acc.step, setup.batch, setup.loss_fn)
         extras.append(firsts["auto"] - firsts["fixed"])
@@ -270,7 +270,8 @@ def rss_child(spec: dict) -> None:
         baseline = _status_bytes("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts here
         model, optimizer = setup.fresh()
-        acc = Accumulator(model, optimizer, micro_batch_size=size, memory_budget=setup.budget)
+        budget = setup.budget if size == "auto" else None
+        acc = Accumulator(model, optimizer, micro_batch_size=size, memory_budget=budget)
         for _ in range(RSS_STEPS):
             used = acc.step(setup.batch, setup.loss_fn).micro_batch_size
         runs.append({"size": size, "used": used, "peak": _status_bytes("VmHWM") - baseline})

@@ -51,7 +51,9 @@ def peak_above_baseline(size: int | str, budget: str, data) -> tuple[int, int]:
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from here
     net = model()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    acc = Accumulator(net, optimizer, micro_batch_size=size, memory_budget=budget)
+    acc = Accumulator(
+        net, optimizer, micro_batch_size=size, memory_budget=budget if size == "auto" else None
+    )
     for _ in range(STEPS):
         used = acc.step(data, loss).micro_batch_size
     peak = status("VmHWM") - baseline

@@ -105,7 +105,8 @@ def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _accumulator(model: nn.Module, size: int | str, **kwargs) -> Accumulator:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    return Accumulator(model, optimizer, micro_batch_size=size, memory_budget=BUDGET, **kwargs)
+    budget = BUDGET if size == "auto" else None
+    return Accumulator(model, optimizer, micro_batch_size=size, memory_budget=budget, **kwargs)
 
 
 def _state(acc: Accumulator) -> dict:
@@ -268,6 +269,7 @@ def test_state_dict_keeps_the_chosen_size_and_the_plan() -> None:
         ({"micro_batch_size": "auto", "memory_budget": "lots"}, "not a size"),
         ({"micro_batch_size": "Auto", "memory_budget": "1GiB"}, "pass a positive int or 'auto'"),
         ({"micro_batch_size": "auto", "memory_budget": "1GiB", "regrow_after": 0}, "regrow_after"),
+        ({"micro_batch_size": 8, "memory_budget": "1GiB"}, "only used by micro_batch_size='auto'"),
     ],
 )
 def test_bad_auto_settings_raise_naming_the_fix(kwargs: dict, message: str) -> None:

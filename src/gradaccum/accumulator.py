@@ -109,6 +109,11 @@ class Accumulator:
             )
         if micro_batch_size is not None and not auto:
             check_micro_batch_size(micro_batch_size)
+        if memory_budget is not None and not auto:
+            raise ValueError(
+                f"memory_budget={memory_budget!r} is only used by micro_batch_size='auto'; pass "
+                "both, or neither."
+            )
         if accumulation_steps is not None:
             check_micro_batch_size(accumulation_steps, "accumulation_steps")
         if max_grad_norm is not None and not (
@@ -143,8 +148,8 @@ class Accumulator:
         self._auto = AutoSizer(memory_budget, self._runtime.device, regrow_after) if auto else None
         if auto and self._window.fsdp:
             raise ValueError(
-                "micro_batch_size='auto' is not supported with FSDP2 yet; plan once with "
-                "gradaccum.plan_micro_batch on an unsharded copy and pass the int it chooses."
+                "micro_batch_size='auto' does not support FSDP2 yet; pass the int that "
+                "gradaccum.plan_micro_batch chooses on an unsharded copy."
             )
         # Windows dropped as non-finite and as empty so far: part of the state, for exact resume.
         self.nonfinite_windows = 0

@@ -61,7 +61,8 @@ def _train(rank: int, size: int | str, threshold: float) -> tuple[dict[str, torc
     torch.manual_seed(10 + rank)  # per-rank dropout streams, the same in both runs
     ddp = _model()
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.05)
-    acc = Accumulator(ddp, optimizer, micro_batch_size=size, memory_budget="256MiB")
+    budget = "256MiB" if size == "auto" else None
+    acc = Accumulator(ddp, optimizer, micro_batch_size=size, memory_budget=budget)
     if size == "auto":  # plan while memory is plentiful, then make it scarce on one rank
         acc._auto.ensure_plan(acc, _batch(0, rank), _loss)
     ddp.module.threshold = threshold
