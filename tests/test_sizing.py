@@ -255,3 +255,12 @@ def test_model_buffers_count_as_fixed_memory() -> None:
     plan = plan_micro_batch(model, _batch(), _loss, torch.optim.SGD(model.parameters(), lr=0.1),
                             memory_budget="4MiB")  # fmt: skip
     assert plan.parameters_bytes == 2**20 + (32 * 10 + 10) * 4
+
+
+def test_cuda_budget_defaults_to_a_share_of_free_memory(monkeypatch) -> None:
+    """No GPU here: a stand-in reports the device's free and total bytes."""
+    from gradaccum.sizing import resolve_budget
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 24 * 2**30))
+    assert resolve_budget(None, torch.device("cuda", 0)) == int(0.9 * 10 * 2**30)
+    assert resolve_budget("2GiB", torch.device("cuda", 0)) == 2 * 2**30  # given: used as is
