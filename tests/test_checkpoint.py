@@ -202,6 +202,9 @@ def _damaged_files(folder: Path) -> dict[str, Path]:
         .numpy()
         .tobytes(),
         "text": b"not a checkpoint\n",
+        # Legacy-pickle bytes that fail inside the unpickler (KeyError, struct.error).
+        "short-text": b"hi\n",
+        "pickle-header": b"\x80\x02X",
     }
     paths = {}
     for name, content in files.items():
@@ -224,6 +227,8 @@ DAMAGE = [
     "zero-byte",
     "random",
     "text",
+    "short-text",
+    "pickle-header",
     "plain-torch-dict",
     "plain-tensor",
     "wrong-version",

@@ -9,6 +9,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,3 +101,42 @@ def test_auto_micro_batch_size_is_planned_and_recorded(tmp_path: Path) -> None:
                       "--out", str(tmp_path / "x"))  # fmt: skip
     assert missing.returncode == 2
     assert "needs --memory-budget" in missing.stderr
+
+
+@pytest.mark.timeout(180)
+def test_resume_of_a_run_started_from_init_weights_needs_no_init_file(tmp_path: Path) -> None:
+    """The run's own checkpoint replaces the --init-from weights; the file may be gone."""
+    _shapes(tmp_path / "start")
+    init = tmp_path / "init.pt"
+    (tmp_path / "start" / "checkpoint.pt").rename(init)
+    out = tmp_path / "run"
+    args = ["train", "--task", "shapes", "--steps", "3", "--batch-size", "16",
+            "--micro-batch-size", "8", "--bn", "pooled", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "GRADACCUM_TEST_SIGNAL_AT": "1:1:TERM"}
+    stopped = subprocess.run(
+        [sys.executable, "-m", "gradaccum.cli", *args, "--init-from", str(init)],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert stopped.returncode == 0, stopped.stderr
+    assert "SIGTERM received" in stopped.stderr
+    config = json.loads((out / "config.json").read_text())["config"]
+    assert config["init_from"] == str(init.resolve())  # absolute, as given relative or not
+    init.unlink()
+    resumed = run_cli("train", "--resume", str(out))
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((out / "summary.json").read_text())["optimizer_steps"] == 3
+
+
+def test_batchnorm_notes_use_the_cli_options(tmp_path: Path) -> None:
+    done = run_cli("train", "--task", "shapes", "--steps", "1", "--batch-size", "16",
+                   "--micro-batch-size", "8", "--out", str(tmp_path / "micro"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "see --bn pooled, frozen or group" in done.stderr
+    assert "batchnorm='pooled'" not in done.stderr  # the library's Python-level warning
+    frozen = run_cli("train", "--task", "shapes", "--steps", "1", "--bn", "frozen",
+                     "--out", str(tmp_path / "frozen"))  # fmt: skip
+    assert frozen.returncode == 0, frozen.stderr
+    assert "without --init-from they are untrained" in frozen.stderr
+    exact = run_cli("train", "--task", "shapes", "--steps", "1", "--batch-size", "16",
+                    "--micro-batch-size", "16", "--out", str(tmp_path / "exact"))  # fmt: skip
+    assert "note:" not in exact.stderr  # NEGATIVE CONTROL: no accumulation, nothing to say

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from gradaccum import batching
+from gradaccum.batchnorm import BatchNormAccumulationWarning, batchnorm_modules
 from gradaccum.cli import UsageError
 from gradaccum.cli._args import (
     add_threads_option,
@@ -33,16 +36,15 @@ from gradaccum.cli._args import (
     positive_float,
     positive_int,
 )
+from gradaccum.cli._auto import plan_auto
 from gradaccum.experiments.base import LrScaling, TrainConfig
 from gradaccum.experiments.runner import (
     ACCUM_DTYPES,
     build_accumulator,
     make_model,
     resolve,
-    resolve_micro_batch_size,
 )
 from gradaccum.experiments.tasks import TASKS, get_task
-from gradaccum.sizing import MemoryPlan
 
 __all__ = [
     "CONFIG_OPTIONS",
@@ -53,6 +55,7 @@ __all__ = [
     "fill_defaults",
     "parse_config_label",
     "train_items",
+    "show_batchnorm_notes",
     "validate_config",
 ]
 
@@ -262,7 +265,8 @@ def build_config(
         seed=args.seed,
         norm=args.norm,
         bn=args.bn,
-        init_from=None if args.init_from is None else str(args.init_from),
+        # Absolute: a resumed run, or a report, may be read from another directory.
+        init_from=None if args.init_from is None else str(args.init_from.resolve()),
     )
 
 
@@ -277,9 +281,28 @@ class CheckedRun:
     lr: float
     total_steps: int
     steps_per_epoch: int
+    batchnorm_layers: int = 0
+
+    def batchnorm_note(self) -> str | None:
+        """A one-line note when BatchNorm makes this run inexact or `--bn frozen` is untrained."""
+        config = self.config
+        if not self.batchnorm_layers:
+            return None
+        if config.bn == "frozen" and config.init_from is None:
+            return (
+                "note: --bn frozen keeps the BatchNorm statistics the model starts with, and "
+                "without --init-from they are untrained (mean 0, variance 1)"
+            )
+        if config.bn == "micro" and self.micro_batch_size < self.effective_batch:
+            return (
+                f"note: BatchNorm normalizes each micro-batch of {self.micro_batch_size} on its "
+                f"own, so this is not exactly a batch of {self.effective_batch}; see --bn pooled, "
+                "frozen or group (docs/batchnorm.md)"
+            )
+        return None
 
 
-def validate_config(config: TrainConfig, n_train: int) -> CheckedRun:
+def validate_config(config: TrainConfig, n_train: int, *, resuming: bool = False) -> CheckedRun:
     """Check `config` fully, without training or writing anything.
 
     Resolves it with `runner.resolve`, then builds its model, an AdamW optimizer and the
@@ -290,6 +313,8 @@ def validate_config(config: TrainConfig, n_train: int) -> CheckedRun:
     Args:
         config: The configuration.
         n_train: Size of the task's training set (see `train_items`).
+        resuming: The run's own checkpoint will replace the `--init-from` weights, so that
+            file is not read (it may be gone).
 
     Returns:
         The resolved settings.
@@ -307,7 +332,7 @@ def validate_config(config: TrainConfig, n_train: int) -> CheckedRun:
         config = plan_auto(config).config
     try:
         run = resolve(config, n_train)
-        model = make_model(config)
+        model = make_model(config, initial_weights=not resuming)
         optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr)
         build_accumulator(run, model, optimizer)
     except (ValueError, TypeError) as error:
@@ -321,31 +346,20 @@ def validate_config(config: TrainConfig, n_train: int) -> CheckedRun:
         lr=run.lr,
         total_steps=run.total_steps,
         steps_per_epoch=run.steps_per_epoch,
+        batchnorm_layers=len(batchnorm_modules(model)),
     )
 
 
-@dataclass(frozen=True)
-class AutoPlan:
-    """`--micro-batch-size auto` resolved: the plan, and the config with its size filled in."""
+def show_batchnorm_notes(runs: list[CheckedRun]) -> None:
+    """Print each run's BatchNorm note once, on stderr, in the CLI's own terms.
 
-    plan: MemoryPlan
-    config: TrainConfig
-
-
-def plan_auto(config: TrainConfig) -> AutoPlan:
-    """Plan `--micro-batch-size auto` once, before training, so the run records a fixed size.
-
-    Raises:
-        UsageError: Without `--memory-budget`, or if even one item does not fit it.
+    The library's `BatchNormAccumulationWarning` names Python options (`batchnorm="pooled"`) and
+    would point at the CLI's internals, so it is silenced in favour of these notes.
     """
-    try:
-        plan = resolve_micro_batch_size(config)
-    except (ValueError, TypeError) as error:
-        raise UsageError(one_line(error)) from None
-    budget = config.memory_budget
-    extra = {**config.extra, "planned_from": f"auto, --memory-budget {budget}"}
-    fixed = config.replace(micro_batch_size=plan.micro_batch_size, memory_budget=None, extra=extra)
-    return AutoPlan(plan, fixed)
+    warnings.filterwarnings("ignore", category=BatchNormAccumulationWarning)
+    notes = dict.fromkeys(note for run in runs if (note := run.batchnorm_note()))
+    for note in notes:
+        print(note, file=sys.stderr)
 
 
 def describe_run(checked: CheckedRun) -> str:

@@ -31,6 +31,7 @@ from gradaccum.cli._training_options import (
     build_config,
     describe_run,
     parse_config_label,
+    show_batchnorm_notes,
     train_items,
     validate_config,
 )
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"gradaccum compare: {args.task}, {len(checked)} configs, seed {first.seed}")
     for item in checked:
         print(f"  {describe_run(item)}")
+    show_batchnorm_notes(checked)
     print(f"  writing to {out}")
     with terminate_as_interrupt(), staged_out_dir(out) as staging:
         summaries, curves = [], {}

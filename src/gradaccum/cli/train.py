@@ -44,6 +44,7 @@ import torch
 
 from gradaccum.cli import UsageError
 from gradaccum.cli._args import one_line
+from gradaccum.cli._auto import plan_auto
 from gradaccum.cli._outdir import (
     StopRequest,
     resolve_out_dir,
@@ -57,7 +58,7 @@ from gradaccum.cli._training_options import (
     build_config,
     describe_run,
     fill_defaults,
-    plan_auto,
+    show_batchnorm_notes,
     train_items,
     validate_config,
 )
@@ -142,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     checked, out, session = prepared.checked, prepared.out, prepared.session
     name = checked.config.task
     print(f"gradaccum train: {name} {describe_run(checked)}")
+    show_batchnorm_notes([checked])
     if prepared.resumed:
         here = session.position
         print(f"  resuming at step {here.step} (+{here.micro} micro-batches) from {out}")
@@ -211,7 +213,7 @@ def _prepare_resume(args: argparse.Namespace) -> _Prepared:
             "(to change settings, start a new run instead)"
         )
     config, saved_every, saved_threads = _read_settings(folder)
-    checked = validate_config(config, train_items(config.task, config.seed))
+    checked = validate_config(config, train_items(config.task, config.seed), resuming=True)
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"--resume {folder}: directory is not writable")
     every = args.checkpoint_every or saved_every

@@ -24,14 +24,15 @@ __all__ = ["ACCUM_DTYPES", "make_model", "resolve_micro_batch_size"]
 ACCUM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64}
 
 
-def make_model(config: TrainConfig) -> torch.nn.Module:
+def make_model(config: TrainConfig, *, initial_weights: bool = True) -> torch.nn.Module:
     """The task's model for `config`: its normalization, and `init_from` weights if given.
 
     Raises:
         ValueError: If the task has no such model, or the weights do not fit it.
     """
     model = get_task(config.task).make_model(config.seed, config.model_norm)
-    if config.init_from is not None:
+    # A resumed run loads its own checkpoint over these weights: the file need not exist anymore.
+    if config.init_from is not None and initial_weights:
         try:
             load_model_weights(Path(config.init_from), model)
         except (CheckpointError, FileNotFoundError) as error:

@@ -219,7 +219,7 @@ class TrainingRun:
         self.plan = resolve(config, batch_size(self.data.train))
         self.out = out
         self.resumed = resume
-        self.model = make_model(config)
+        self.model = make_model(config, initial_weights=not resume)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.plan.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(config.warmup))
         self.accumulator = build_accumulator(self.plan, self.model, self.optimizer, self.scheduler)
