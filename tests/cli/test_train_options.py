@@ -140,3 +140,26 @@ def test_batchnorm_notes_use_the_cli_options(tmp_path: Path) -> None:
     exact = run_cli("train", "--task", "shapes", "--steps", "1", "--batch-size", "16",
                     "--micro-batch-size", "16", "--out", str(tmp_path / "exact"))  # fmt: skip
     assert "note:" not in exact.stderr  # NEGATIVE CONTROL: no accumulation, nothing to say
+
+
+@pytest.mark.timeout(180)
+def test_recalibrate_sets_exact_statistics_before_validation(tmp_path: Path) -> None:
+    """`--recalibrate 3`: the saved running statistics are PreciseBN's over 3 training batches."""
+    from gradaccum.batchnorm import recalibrate
+    from gradaccum.experiments.tasks import get_task
+
+    common = ["--batch-size", "16", "--micro-batch-size", "8", "--steps", "2"]
+    calibrated = _shapes(tmp_path / "recal", *common, "--recalibrate", "3")
+    plain = _shapes(tmp_path / "plain", *common)
+    task = get_task("shapes")
+    images, masks = task.make_data(0).train
+    reference = task.make_model(0)
+    reference.load_state_dict(calibrated)
+    recalibrate(reference, ((images[i : i + 16], masks[i : i + 16]) for i in (0, 16, 32)), 3)
+    expected = reference.state_dict()
+    stats = [k for k in expected if k.endswith(("running_mean", "running_var"))]
+    for key in stats:
+        torch.testing.assert_close(calibrated[key], expected[key], rtol=1e-5, atol=1e-6)
+    # NEGATIVE CONTROL: without --recalibrate the statistics are the momentum averages.
+    gap = max(float((plain[k] - expected[k]).abs().max()) for k in stats)
+    assert gap > 1e-2

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from gradaccum import batching
-from gradaccum.batchnorm import BatchNormAccumulationWarning, batchnorm_modules
+from gradaccum.batchnorm import batchnorm_modules
 from gradaccum.cli import UsageError
 from gradaccum.cli._args import (
     add_threads_option,
@@ -55,7 +53,6 @@ __all__ = [
     "fill_defaults",
     "parse_config_label",
     "train_items",
-    "show_batchnorm_notes",
     "validate_config",
 ]
 
@@ -67,6 +64,7 @@ _DEFAULTS = {
     "seed": 0,
     "norm": "batch",
     "bn": "micro",
+    "recalibrate": 0,
     "threads": 1,
 }
 # The options that make up a `TrainConfig`, as (argparse dest, flag).
@@ -88,6 +86,7 @@ CONFIG_OPTIONS = tuple(
         "norm",
         "bn",
         "init_from",
+        "recalibrate",
     )
 )
 
@@ -221,6 +220,14 @@ def add_training_options(
         "(default: micro; see docs/batchnorm.md)",
     )
     parser.add_argument(
+        "--recalibrate",
+        type=non_negative_int,
+        default=None if resumable else 0,
+        metavar="N",
+        help="before each validation, set the BatchNorm running statistics to the exact "
+        "statistics of the first N training batches (PreciseBN; 0: off, the default)",
+    )
+    parser.add_argument(
         "--init-from",
         type=Path,
         metavar="CHECKPOINT",
@@ -265,6 +272,7 @@ def build_config(
         seed=args.seed,
         norm=args.norm,
         bn=args.bn,
+        recalibrate=args.recalibrate,
         # Absolute: a resumed run, or a report, may be read from another directory.
         init_from=None if args.init_from is None else str(args.init_from.resolve()),
     )
@@ -282,24 +290,6 @@ class CheckedRun:
     total_steps: int
     steps_per_epoch: int
     batchnorm_layers: int = 0
-
-    def batchnorm_note(self) -> str | None:
-        """A one-line note when BatchNorm makes this run inexact or `--bn frozen` is untrained."""
-        config = self.config
-        if not self.batchnorm_layers:
-            return None
-        if config.bn == "frozen" and config.init_from is None:
-            return (
-                "note: --bn frozen keeps the BatchNorm statistics the model starts with, and "
-                "without --init-from they are untrained (mean 0, variance 1)"
-            )
-        if config.bn == "micro" and self.micro_batch_size < self.effective_batch:
-            return (
-                f"note: BatchNorm normalizes each micro-batch of {self.micro_batch_size} on its "
-                f"own, so this is not exactly a batch of {self.effective_batch}; see --bn pooled, "
-                "frozen or group (docs/batchnorm.md)"
-            )
-        return None
 
 
 def validate_config(config: TrainConfig, n_train: int, *, resuming: bool = False) -> CheckedRun:
@@ -348,18 +338,6 @@ def validate_config(config: TrainConfig, n_train: int, *, resuming: bool = False
         steps_per_epoch=run.steps_per_epoch,
         batchnorm_layers=len(batchnorm_modules(model)),
     )
-
-
-def show_batchnorm_notes(runs: list[CheckedRun]) -> None:
-    """Print each run's BatchNorm note once, on stderr, in the CLI's own terms.
-
-    The library's `BatchNormAccumulationWarning` names Python options (`batchnorm="pooled"`) and
-    would point at the CLI's internals, so it is silenced in favour of these notes.
-    """
-    warnings.filterwarnings("ignore", category=BatchNormAccumulationWarning)
-    notes = dict.fromkeys(note for run in runs if (note := run.batchnorm_note()))
-    for note in notes:
-        print(note, file=sys.stderr)
 
 
 def describe_run(checked: CheckedRun) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from gradaccum.cli import UsageError
+from gradaccum.cli._notes import show_batchnorm_notes
 from gradaccum.cli._outdir import resolve_out_dir, staged_out_dir, terminate_as_interrupt
 from gradaccum.cli._training_options import (
     CheckedRun,
@@ -31,7 +32,6 @@ from gradaccum.cli._training_options import (
     build_config,
     describe_run,
     parse_config_label,
-    show_batchnorm_notes,
     train_items,
     validate_config,
 )

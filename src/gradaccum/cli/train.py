@@ -45,6 +45,7 @@ import torch
 from gradaccum.cli import UsageError
 from gradaccum.cli._args import one_line
 from gradaccum.cli._auto import plan_auto
+from gradaccum.cli._notes import show_batchnorm_notes
 from gradaccum.cli._outdir import (
     StopRequest,
     resolve_out_dir,
@@ -58,7 +59,6 @@ from gradaccum.cli._training_options import (
     build_config,
     describe_run,
     fill_defaults,
-    show_batchnorm_notes,
     train_items,
     validate_config,
 )

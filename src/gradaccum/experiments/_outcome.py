@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gradaccum.batching import map_tensors
+from gradaccum.batching import batch_size, map_tensors
+from gradaccum.batchnorm import recalibrate
 from gradaccum.experiments._resume import write_text_atomic
 from gradaccum.experiments.base import RunSummary, Task
 from gradaccum.memory import measure_activation_bytes
@@ -49,6 +50,20 @@ def validate(
         "val_metric": scores["metric"],
         "val_loss": scores["loss"],
     }
+
+
+def recalibrate_batchnorm(model: torch.nn.Module, train: Any, batch: int, batches: int) -> None:
+    """PreciseBN before a validation: exact BatchNorm statistics over the first training batches.
+
+    Only the running statistics change (no parameter, no RNG draw), and only from the weights and
+    the data, so a resumed run recalibrates to the same bits.
+    """
+    items = batch_size(train)
+    loader = (
+        map_tensors(train, lambda t, start=start: t[start : start + batch])
+        for start in range(0, items, batch)
+    )
+    recalibrate(model, loader, batches)
 
 
 def summarize(

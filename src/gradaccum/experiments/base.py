@@ -100,6 +100,7 @@ class TrainConfig:
     norm: str = "batch"
     bn: str = "micro"
     init_from: str | None = None
+    recalibrate: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def accumulation_label(self) -> str:

@@ -33,7 +33,13 @@ import torch
 from gradaccum.accumulator import Accumulator, StepResult
 from gradaccum.batching import batch_size, map_tensors, split_batch
 from gradaccum.experiments._model import ACCUM_DTYPES, make_model, resolve_micro_batch_size
-from gradaccum.experiments._outcome import peak_memory, summarize, validate, write_jsonl
+from gradaccum.experiments._outcome import (
+    peak_memory,
+    recalibrate_batchnorm,
+    summarize,
+    validate,
+    write_jsonl,
+)
 from gradaccum.experiments._resume import (
     CheckpointEvery,
     Position,
@@ -329,6 +335,13 @@ class TrainingRun:
         if on_step:
             on_step(log, self.plan)
         if epoch_done or step == self.plan.total_steps:
+            if self.plan.config.recalibrate:
+                recalibrate_batchnorm(
+                    self.model,
+                    self.data.train,
+                    self.plan.effective_batch,
+                    self.plan.config.recalibrate,
+                )
             val = validate(
                 self.plan.task, self.model, self.data.val, epoch, step, samples, log.loss
             )
