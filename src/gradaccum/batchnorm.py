@@ -146,6 +146,8 @@ class BatchNormControl:
         """
         if self._warned or self.mode is not BatchNormMode.MICRO:
             return False
+        if not self.modules or micro_items >= window_items:  # the common cases, in O(1)
+            return False
         self._warned = warn_if_inexact(self._model, micro_items, window_items)
         return self._warned
 
