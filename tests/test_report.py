@@ -18,20 +18,11 @@ import torch
 from gradaccum.experiments import report
 from gradaccum.experiments.base import TrainConfig
 from gradaccum.experiments.runner import train
+from tests.cli._helpers import DIGITS_TABLE_COLUMNS
 
 CONFIGS = {"32x2": (64, 32), "64x1": (64, 64), "16x1": (16, 16)}
 STEPS = 2
-COLUMNS = [
-    "config",
-    "effective batch",
-    "micro-batch",
-    "steps",
-    "best accuracy",
-    "final accuracy",
-    "peak memory",
-    "samples/s",
-    "wall time",
-]
+COLUMNS = DIGITS_TABLE_COLUMNS
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ from gradaccum.options import (
     parse,
 )
 from gradaccum.precision import PrecisionRuntime
-from gradaccum.recovery import AutoSizer, step_with_recovery
+from gradaccum.recovery import AutoSizer, is_auto, step_with_recovery
 from gradaccum.result import NonFiniteError, StepResult
 from gradaccum.sizing import MemoryPlan
 from gradaccum.state import accumulator_state, load_accumulator_state
@@ -101,19 +101,9 @@ class Accumulator:
         memory_budget: int | str | None = None,
         regrow_after: int | None = 50,
     ) -> None:
-        auto = micro_batch_size == "auto"
-        if isinstance(micro_batch_size, str) and not auto:
-            raise ValueError(
-                f"micro_batch_size={micro_batch_size!r} is not known; pass a positive int or "
-                "'auto' (with memory_budget)."
-            )
+        auto = is_auto(micro_batch_size, memory_budget)
         if micro_batch_size is not None and not auto:
             check_micro_batch_size(micro_batch_size)
-        if memory_budget is not None and not auto:
-            raise ValueError(
-                f"memory_budget={memory_budget!r} is only used by micro_batch_size='auto'; pass "
-                "both, or neither."
-            )
         if accumulation_steps is not None:
             check_micro_batch_size(accumulation_steps, "accumulation_steps")
         if max_grad_norm is not None and not (
@@ -236,12 +226,13 @@ class Accumulator:
                 "micro_step() needs accumulation_steps; pass Accumulator(..., "
                 "accumulation_steps=4), or give the whole batch to step()."
             )
-        last = self._window.totals.micro_batches + 1 == self.accumulation_steps
-        items = batch_size(micro_batch)
-        self._batchnorm.warn_once(items, items * self.accumulation_steps)
+        steps = self.accumulation_steps
+        last = self._window.totals.micro_batches + 1 == steps
+        items = batch_size(micro_batch)  # once: the window's backward takes it as checked
+        self._batchnorm.warn_once(items, items * steps)
         with self._fresh_window_guard(), self._batchnorm.micro_context():
             self._window.backward(
-                micro_batch, loss_fn, expected_micro_batches=self.accumulation_steps, last=last
+                micro_batch, loss_fn, expected_micro_batches=steps, last=last, items=items
             )
         if last:
             return self._finish_window(self._window.totals.largest_micro_batch)

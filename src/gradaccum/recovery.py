@@ -40,7 +40,27 @@ if TYPE_CHECKING:
     from gradaccum.accumulator import Accumulator, StepResult
     from gradaccum.window import LossFn
 
-__all__ = ["AutoSizer", "step_with_recovery"]
+__all__ = ["AutoSizer", "is_auto", "step_with_recovery"]
+
+
+def is_auto(micro_batch_size: object, memory_budget: object) -> bool:
+    """Whether an Accumulator sizes its micro-batches itself; raise on a half-given setting.
+
+    Raises:
+        ValueError: For a string other than "auto", or a budget without "auto".
+    """
+    auto = micro_batch_size == "auto"
+    if isinstance(micro_batch_size, str) and not auto:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size!r} is not known; pass a positive int or "
+            "'auto' (with memory_budget)."
+        )
+    if memory_budget is not None and not auto:
+        raise ValueError(
+            f"memory_budget={memory_budget!r} is only used by micro_batch_size='auto'; pass "
+            "both, or neither."
+        )
+    return auto
 
 
 class AutoSizer:

@@ -25,3 +25,17 @@ def run_cli(
 def read_jsonl(path: Path) -> list[dict]:
     """The rows of a JSON-lines file, blank lines skipped."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# The columns of a compare table on digits, as the user reads them (not taken from the code).
+DIGITS_TABLE_COLUMNS = [
+    "config",
+    "effective batch",
+    "micro-batch",
+    "steps",
+    "best accuracy",
+    "final accuracy",
+    "peak memory",
+    "samples/s",
+    "wall time",
+]

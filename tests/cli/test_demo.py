@@ -18,22 +18,12 @@ import torch
 
 from gradaccum.cli import _demo_sections, main
 from gradaccum.experiments.report import CURVES_SIZE, MEMORY_SIZE, PEAK_MEMORY_NOTE
-from tests.cli._helpers import run_cli
+from tests.cli._helpers import DIGITS_TABLE_COLUMNS, run_cli
 
 _TIMEOUT = 180
 FLOAT32_RTOL = 1e-5
 CONFIGS = ("32x1", "8x4", "8x1")
-COMPARE_COLUMNS = [
-    "config",
-    "effective batch",
-    "micro-batch",
-    "steps",
-    "best accuracy",
-    "final accuracy",
-    "peak memory",
-    "samples/s",
-    "wall time",
-]
+COMPARE_COLUMNS = DIGITS_TABLE_COLUMNS
 # A small but complete run: uneven micro-batches (7 = 3 + 3 + 1), one digits epoch.
 SMALL = ["--steps", "3", "--batch-size", "7", "--micro-batch-size", "3", "--epochs", "1"]
 

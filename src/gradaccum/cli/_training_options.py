@@ -34,7 +34,6 @@ from gradaccum.cli._args import (
     positive_float,
     positive_int,
 )
-from gradaccum.cli._auto import plan_auto
 from gradaccum.experiments.base import LrScaling, TrainConfig
 from gradaccum.experiments.runner import (
     ACCUM_DTYPES,
@@ -318,8 +317,6 @@ def validate_config(config: TrainConfig, n_train: int, *, resuming: bool = False
         raise UsageError(
             f"--bn {config.bn} acts on BatchNorm layers, and --norm group builds none; drop one"
         )
-    if config.micro_batch_size == "auto":
-        config = plan_auto(config).config
     try:
         run = resolve(config, n_train)
         model = make_model(config, initial_weights=not resuming)
