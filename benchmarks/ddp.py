@@ -6,7 +6,8 @@ Two ranks on CPU, joined in a gloo process group on 127.0.0.1 (started with
 {1, 4, 16}. Three loops take the same optimizer step per window:
 
 - `gradaccum`: `Accumulator(ddp, opt, micro_batch_size=8).step(batch, loss_fn)`, which runs every
-  micro-batch but the last under `ddp.no_sync()`;
+  micro-batch under `ddp.no_sync()` and all-reduces the window's gradients itself, once, in flat
+  buckets (so no rank can wait on another's backward);
 - `hand, no_sync`: a hand-written loop with the same sync control (`no_sync()` on all but the last
   micro-batch, `loss * n_i / B`), for the library's own cost;
 - `hand, sync each`: the same hand loop WITHOUT `no_sync()`, so DDP all-reduces the gradients after
@@ -17,8 +18,9 @@ Counted per window, on rank 0:
 - gradient all-reduces: calls of a DDP communication hook registered on the model, which counts each
   bucket and its bytes, then all-reduces it exactly as DDP's default hook does (DDP splits these
   1.6 MB of gradient into 2 buckets once it has rebuilt them after the first backward, so counts
-  are taken after warm-up); "syncs" is the number of backward passes that reduced gradients;
-- other collectives: calls to `torch.distributed` collectives made outside that hook (the library
+  are taken after warm-up), plus the library's own `all_reduce` calls; "syncs" is the number of
+  backward passes (or library reductions) that reduced gradients;
+- other collectives: calls to `torch.distributed` collectives other than those (the library
   exchanges the window's item counts in one small all-gather).
 
 Timed: seconds per window (forward, backward, communication and optimizer step), in blocks of
@@ -106,10 +108,11 @@ class CommCounter:
     other: dict[str, int] = field(default_factory=dict)
     other_bytes: int = 0
     in_hook: bool = False
+    library_reduced: bool = False  # the window's gradients were all-reduced outside DDP's hook
 
     def reset(self) -> None:
         self.allreduces, self.allreduce_bytes, self.syncs = 0, 0, 0
-        self.other, self.other_bytes = {}, 0
+        self.other, self.other_bytes, self.library_reduced = {}, 0, False
 
 
 def counting_hook(state: CommCounter, bucket):  # no annotations: DDP checks them by identity
@@ -132,11 +135,19 @@ def count_collectives(counter: CommCounter) -> Iterator[None]:
 
     def wrap(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if not counter.in_hook:
+            tensor = args[1] if name == "all_gather" else (args[0] if args else None)
+            nbytes = (
+                tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
+            )
+            if counter.in_hook:
+                pass
+            elif name == "all_reduce":  # the library's own gradient reduction (no DDP hook)
+                counter.allreduces += 1
+                counter.allreduce_bytes += nbytes
+                counter.library_reduced = True
+            else:
                 counter.other[name] = counter.other.get(name, 0) + 1
-                tensor = args[1] if name == "all_gather" else (args[0] if args else None)
-                if isinstance(tensor, torch.Tensor):
-                    counter.other_bytes += tensor.numel() * tensor.element_size()
+                counter.other_bytes += nbytes
             return real(*args, **kwargs)
 
         return counted
@@ -254,7 +265,7 @@ def bench_n(rank: int, micro_batches: int, repeats: int, windows: int, warmup: i
             loop.window()
         counts[loop.name] = {
             "allreduces": loop.counter.allreduces,
-            "syncs": loop.counter.syncs,
+            "syncs": loop.counter.syncs + int(loop.counter.library_reduced),
             "allreduce_bytes": loop.counter.allreduce_bytes,
             "other": dict(loop.counter.other),
             "other_bytes": loop.counter.other_bytes,

@@ -110,6 +110,7 @@ def train(
             optimizer=optimizer,
             accumulator=None if drop_accumulator else acc,
             scheduler=scheduler,
+            restore_rng=True,  # the data and dropout draw from the global RNGs
         )
         assert extra is not None
         start = extra["position"] + 1

@@ -303,16 +303,24 @@ def test_step_while_a_streaming_window_is_open_raises_and_keeps_the_window() -> 
     _assert_params_close(model, reference)
 
 
-def test_failure_mid_stream_keeps_the_earlier_micro_batches() -> None:
+def test_failure_mid_stream_forgets_the_whole_window() -> None:
     model = _mlp()
-    stream = _micro_batches(3)
-    reference, _, _ = _reference_step(model, _cat(stream))
+    stream = _micro_batches(4)
+    before = [p.detach().clone() for p in model.parameters()]
+    reference, _, _ = _reference_step(model, _cat(stream[1:]))
     acc = Accumulator(model, _sgd(model), accumulation_steps=3)
     acc.micro_step(stream[0], _mse)
-    with pytest.raises(ValueError, match="must be a scalar"):
+    with pytest.raises(ValueError, match="must be a scalar") as raised:
         acc.micro_step(stream[1], lambda m, b: m(b[0]).sum(dim=1))
-    assert not acc.micro_step(stream[1], _mse).stepped  # retried: the window holds 2 now
-    result = acc.micro_step(stream[2], _mse)
+    assert "window (1 micro-batches) was discarded" in " ".join(
+        getattr(raised.value, "__notes__", [])
+    )
+    assert all(p.grad is None for p in model.parameters())  # as before the window
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    # A new window starts: three fresh micro-batches make one step, over exactly their items.
+    assert not acc.micro_step(stream[1], _mse).stepped
+    assert not acc.micro_step(stream[2], _mse).stepped
+    result = acc.micro_step(stream[3], _mse)
     assert result.stepped
     assert result.micro_batches == 3
     _assert_params_close(model, reference)

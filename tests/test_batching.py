@@ -6,14 +6,23 @@ import math
 from collections import OrderedDict, namedtuple
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 import gradaccum
 from gradaccum import split_batch
-from gradaccum.batching import batch_size, check_micro_batch_size, map_tensors, to_device
+from gradaccum.batching import (
+    batch_size,
+    check_batch_dim,
+    check_micro_batch_size,
+    map_tensors,
+    slice_batch,
+    to_device,
+)
 
 Pair = namedtuple("Pair", ["inputs", "meta"])
+Config = namedtuple("Config", ["lr", "name"])
 
 
 @pytest.mark.parametrize(
@@ -117,10 +126,20 @@ def test_nested_mismatch_path_is_precise() -> None:
         (torch.zeros(0, 3), "the batch is empty"),
         ((torch.zeros(0, 3), torch.zeros(0)), "the batch is empty"),
         ({"text": "hello", "n": 3}, "holds no tensor"),
-        ([], "holds no tensor"),
+        ([], "the batch is empty"),
+        ({"text": []}, "the batch is empty"),
+        ({"cfg": Config(0.1, "a"), "n": None}, "holds no tensor"),
         ((torch.zeros(3, 2), torch.tensor(1.0)), "0-dim tensor"),
     ],
-    ids=["empty-tensor", "empty-tuple", "no-tensor", "empty-list", "scalar-leaf"],
+    ids=[
+        "empty-tensor",
+        "empty-tuple",
+        "no-tensor",
+        "empty-list",
+        "empty-per-item-list",
+        "constants-only",
+        "scalar-leaf",
+    ],
 )
 def test_bad_batches_are_rejected_with_the_fix(batch: object, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
@@ -166,3 +185,302 @@ def test_step_hands_nested_micro_batches_with_non_tensor_leaves() -> None:
     assert [len(mb["data"][0]) for mb in seen] == [2, 2, 1]
     assert all(type(mb["named"]) is Pair for mb in seen)
     assert torch.equal(torch.cat([mb["data"][0] for mb in seen]), features)
+
+
+# --- One rule per leaf: nothing is broadcast by accident ------------------------------------
+
+
+def _texts(n: int) -> list[str]:
+    return [f"item-{i}" for i in range(n)]
+
+
+def test_per_item_strings_are_split_never_broadcast() -> None:
+    """Negative control: the old code handed the whole list to every micro-batch."""
+    texts = _texts(5)
+    batch = {"input_ids": torch.arange(5), "texts": texts}
+    micro_batches = split_batch(batch, 2)
+    for mb in micro_batches:
+        assert mb["texts"] is not texts  # the old, broadcast behaviour is gone...
+        assert len(mb["texts"]) == len(mb["input_ids"])  # ...one text per item instead
+        assert mb["texts"] == [texts[i] for i in mb["input_ids"].tolist()]
+    assert [t for mb in micro_batches for t in mb["texts"]] == texts
+
+
+@pytest.mark.parametrize(
+    "per_item",
+    [
+        tuple(_texts(6)),  # e.g. `texts, labels = zip(*samples)` in a collate function
+        [3, 1, 4, 1, 5, 9],
+        [True, False, True, True, False, False],
+        [{"id": i} for i in range(6)],  # dicts holding no tensor
+        [[1, 2, 3], [4], [], [5, 6], [7], [8, 9]],  # ragged token ids
+        [None, "a", 2, 3.0, (), {"k": [1]}],  # anything without a tensor inside
+    ],
+    ids=["tuple-of-str", "ints", "bools", "dicts", "ragged-lists", "mixed"],
+)
+def test_per_item_lists_are_split_along_their_length(per_item: list | tuple) -> None:
+    batch = (torch.randn(6, 2), per_item)
+    micro_batches = split_batch(batch, 4)
+    assert [mb[1] for mb in micro_batches] == [per_item[:4], per_item[4:]]
+    assert all(type(mb[1]) is type(per_item) for mb in micro_batches)
+    assert micro_batches[0][1][0] is per_item[0]  # the entries themselves are not copied
+
+
+def test_numpy_arrays_are_split_as_views_not_broadcast() -> None:
+    weights = np.arange(12.0).reshape(6, 2)
+    batch = {"x": torch.zeros(6, 3), "w": weights}
+    micro_batches = split_batch(batch, 4)
+    assert [mb["w"].shape for mb in micro_batches] == [(4, 2), (2, 2)]
+    assert all(
+        mb["w"] is not weights and np.shares_memory(mb["w"], weights) for mb in micro_batches
+    )
+    np.testing.assert_array_equal(np.concatenate([mb["w"] for mb in micro_batches]), weights)
+    pair = split_batch((np.arange(5), np.ones((5, 1))), 2)  # arrays alone fix B too
+    assert [len(mb[0]) for mb in pair] == [2, 2, 1]
+
+
+def test_lists_holding_tensors_stay_containers() -> None:
+    x, y = torch.randn(4, 2), torch.arange(4)
+    batch = [x, [y, "tag"], {"inner": (y, _texts(4))}]
+    (first, second) = split_batch(batch, 2)
+    assert type(first) is list
+    assert len(first) == 3
+    assert torch.equal(second[0], x[2:])
+    assert torch.equal(second[1][0], y[2:])
+    assert second[1][1] == "tag"  # a constant inside a container is handed over whole
+    assert second[2]["inner"][1] == ["item-2", "item-3"]  # a per-item list inside, split
+
+
+def test_constants_are_handed_over_whole() -> None:
+    marker = SimpleNamespace(mode="train")
+    cfg = Config(lr=0.1, name="run")  # a named tuple is a record, never a per-item list
+    settings = {"scale": 0.5, "tags": Config("a", "b")}
+    batch = {
+        "x": torch.zeros(5, 1),
+        "s": "name",
+        "i": 3,
+        "f": 0.5,
+        "b": True,
+        "n": None,
+        "o": marker,
+        "cfg": cfg,
+        "settings": settings,
+        "r": range(2),
+    }
+    for mb in split_batch(batch, 2):
+        for key in ("s", "i", "f", "b", "n", "o", "cfg", "settings", "r"):
+            assert mb[key] is batch[key], key
+
+
+def test_tuple_subclasses_are_records_and_list_subclasses_per_item() -> None:
+    class Texts(list):
+        pass
+
+    x = torch.randn(4, 3)
+    maxima = torch.max(x, dim=1)  # a struct sequence (a tuple subclass) of two tensors
+    texts, shape = Texts(_texts(4)), x.shape
+    batch = {"x": x, "shape": shape, "max": maxima, "texts": texts}
+    first, second = split_batch(batch, 2)
+    assert second["shape"] is shape  # a torch.Size is a record of constants, not per-item
+    assert type(second["max"]) is type(maxima)
+    assert torch.equal(second["max"].indices, maxima.indices[2:])
+    assert type(first["texts"]) is Texts
+    assert first["texts"] == texts[:2]
+
+
+@pytest.mark.parametrize(
+    ("batch", "names"),
+    [
+        ({"x": torch.zeros(4, 2), "texts": _texts(3)}, ["batch['texts']: 3 (list)"]),
+        ({"x": torch.zeros(4, 2), "shape": (32, 32)}, ["batch['shape']: 2 (tuple)"]),
+        ({"x": torch.zeros(4, 2), "extras": []}, ["batch['extras']: 0 (list)"]),
+        ((torch.zeros(4), {"a": [torch.zeros(4), _texts(5)]}), ["batch[1]['a'][1]: 5 (list)"]),
+        (Pair(torch.zeros(4), _texts(2)), ["batch.meta: 2 (list)"]),
+        (
+            {"x": np.zeros((4, 1)), "a": _texts(3), "b": [1, 2]},
+            ["batch['a']: 3 (list)", "batch['b']: 2 (list)"],
+        ),
+    ],
+    ids=["short-list", "constant-tuple", "empty-list", "nested", "named-field", "two-lists"],
+)
+def test_per_item_list_of_wrong_length_is_refused_naming_path_and_fix(
+    batch: object, names: list[str]
+) -> None:
+    with pytest.raises(ValueError, match="must hold one entry per item, B=4") as info:
+        split_batch(batch, 2)
+    message = str(info.value)
+    assert all(name in message for name in names), message
+    assert ": 4" in message  # the tensor's size is named too
+    assert "Make it a tensor" in message
+    assert "named tuple" in message
+    with pytest.raises(ValueError, match="must hold one entry per item"):
+        batch_size(batch)
+
+
+def test_batch_without_tensors_takes_its_size_from_per_item_lists() -> None:
+    """The tokenizer-in-the-loss workflow: the loss function turns raw text into tensors."""
+    batch = {"text": _texts(5), "label": (0, 1, 0, 1, 1), "lang": "en"}
+    assert batch_size(batch) == 5
+    micro_batches = split_batch(batch, 2)
+    assert [mb["text"] for mb in micro_batches] == [_texts(5)[:2], _texts(5)[2:4], ["item-4"]]
+    assert [mb["label"] for mb in micro_batches] == [(0, 1), (0, 1), (1,)]
+    assert all(mb["lang"] == "en" for mb in micro_batches)
+    assert [len(mb) for mb in split_batch(_texts(3), 2)] == [2, 1]  # a bare list of items
+
+
+def test_per_item_lists_that_disagree_name_every_path() -> None:
+    with pytest.raises(ValueError, match="per-item lists disagree") as info:
+        split_batch({"text": _texts(5), "label": [0, 1, 0]}, 2)
+    assert "batch['text']: 5 (list)" in str(info.value)
+    assert "batch['label']: 3 (list)" in str(info.value)
+
+
+def test_numpy_and_tensor_mismatch_names_both() -> None:
+    with pytest.raises(ValueError, match="disagree on the leading dimension") as info:
+        split_batch({"x": torch.zeros(4, 2), "w": np.zeros(3)}, 2)
+    assert "batch['x']: 4" in str(info.value)
+    assert "batch['w']: 3" in str(info.value)
+    with pytest.raises(ValueError, match=r"batch\['w'\] is a 0-dim array"):
+        split_batch({"x": torch.zeros(4, 2), "w": np.array(1.0)}, 2)
+
+
+# --- batch_dim: sequence-first layouts --------------------------------------------------------
+
+
+def test_seq_first_tensors_split_on_batch_dim_like_manual_slicing() -> None:
+    seq, items, embed = 7, 5, 3
+    source = torch.randn(seq, items, embed)
+    mask = torch.ones(seq, items, dtype=torch.bool)
+    batch = {"src": source, "mask": mask, "ids": _texts(items), "w": np.ones((seq, items))}
+    assert batch_size(batch, batch_dim=1) == items
+    micro_batches = split_batch(batch, 2, batch_dim=1)
+    assert len(micro_batches) == 3
+    for start, mb in zip(range(0, items, 2), micro_batches, strict=True):
+        stop = min(start + 2, items)
+        assert torch.equal(mb["src"], source[:, start:stop])
+        assert torch.equal(mb["mask"], mask[:, start:stop])
+        assert mb["src"].data_ptr() == source[:, start].data_ptr()  # a view
+        assert mb["ids"] == _texts(items)[start:stop]  # lists: along their own length
+        assert mb["w"].shape == (seq, stop - start)
+        assert np.shares_memory(mb["w"], batch["w"])
+    assert torch.equal(torch.cat([mb["src"] for mb in micro_batches], dim=1), source)
+
+
+def test_batch_dim_applies_to_every_tensor() -> None:
+    batch = (torch.zeros(7, 5, 3), torch.zeros(7, 4))  # dim 1 differs: 5 vs 4
+    assert batch_size(batch) == 7
+    with pytest.raises(ValueError, match=r"disagree on the batch dimension \(dim 1\)") as info:
+        split_batch(batch, 2, batch_dim=1)
+    assert "batch[0]: 5" in str(info.value)
+    assert "batch[1]: 4" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("batch", "path"),
+    [
+        ({"src": torch.zeros(7, 5, 3), "lengths": torch.zeros(5)}, r"batch\['lengths'\]"),
+        (torch.zeros(5), "batch"),
+        ((np.zeros((3, 5)), np.zeros(5)), r"batch\[1\]"),
+    ],
+)
+def test_tensor_with_too_few_dims_for_batch_dim_is_refused(batch: object, path: str) -> None:
+    with pytest.raises(ValueError, match=rf"{path} is a 1-dim (tensor|array).*batch_dim=1"):
+        split_batch(batch, 2, batch_dim=1)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.0, True, "1", None])
+def test_batch_dim_must_be_a_non_negative_int(bad: object) -> None:
+    for call in (
+        lambda: split_batch(torch.zeros(4, 4), 2, batch_dim=bad),  # type: ignore[arg-type]
+        lambda: batch_size(torch.zeros(4, 4), batch_dim=bad),  # type: ignore[arg-type]
+        lambda: slice_batch(torch.zeros(4, 4), 0, 1, batch_dim=bad),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ValueError, match="must be a non-negative int"):
+            call()
+    with pytest.raises(ValueError, match=rf"batch_dim={bad!r} must be a non-negative int"):
+        check_batch_dim(bad)
+    assert check_batch_dim(1) == 1  # for Accumulator(batch_dim=...) to check it up front
+
+
+# --- slice_batch ------------------------------------------------------------------------------
+
+
+def test_slice_batch_returns_the_items_between_start_and_stop() -> None:
+    x = torch.arange(12).reshape(6, 2)
+    batch = {"x": x, "pair": (x[:, 0], "const"), "text": _texts(6), "w": np.arange(6)}
+    part = slice_batch(batch, 2, 5)
+    assert torch.equal(part["x"], x[2:5])
+    assert part["x"].data_ptr() == x[2].data_ptr()
+    assert torch.equal(part["pair"][0], x[2:5, 0])
+    assert part["pair"][1] == "const"
+    assert part["text"] == _texts(6)[2:5]
+    np.testing.assert_array_equal(part["w"], [2, 3, 4])
+    seq_first = torch.randn(3, 6, 2)
+    assert torch.equal(slice_batch(seq_first, 1, 4, batch_dim=1), seq_first[:, 1:4])
+
+
+def test_split_batch_equals_consecutive_slices() -> None:
+    batch = {"x": torch.randn(7, 2), "t": _texts(7), "c": Config(1, "n")}
+    for index, mb in enumerate(split_batch(batch, 3)):
+        expected = slice_batch(batch, 3 * index, min(3 * index + 3, 7))
+        assert torch.equal(mb["x"], expected["x"])
+        assert mb["t"] == expected["t"]
+        assert mb["c"] is expected["c"]
+
+
+def test_zero_item_micro_batch_keeps_the_structure() -> None:
+    cfg = Config(0.1, "run")
+    batch = {"x": torch.randn(4, 3), "seq": torch.randn(4, 2), "t": tuple(_texts(4)), "cfg": cfg}
+    empty = slice_batch(batch, 0, 0)
+    assert empty["x"].shape == (0, 3)
+    assert empty["seq"].shape == (0, 2)
+    assert empty["t"] == ()
+    assert empty["cfg"] is cfg
+    assert slice_batch(empty, 0, 0)["t"] == ()  # still a consistent batch, of 0 items
+    with pytest.raises(ValueError, match="the batch is empty"):
+        batch_size(empty)
+    seq_first = slice_batch({"src": torch.randn(7, 4, 2)}, 0, 0, batch_dim=1)
+    assert seq_first["src"].shape == (7, 0, 2)
+
+
+@pytest.mark.parametrize(("start", "stop"), [(-1, 2), (3, 2), (0, 5), (0, 2.0), (True, 2)])
+def test_slice_batch_refuses_bounds_outside_the_batch(start: object, stop: object) -> None:
+    with pytest.raises(ValueError, match=r"0 <= start <= stop <= B=4"):
+        slice_batch(torch.zeros(4), start, stop)  # type: ignore[arg-type]
+
+
+# --- to_device / map_tensors leave the other leaves alone ---------------------------------------
+
+
+def test_to_device_and_map_tensors_leave_arrays_and_lists_alone() -> None:
+    weights, texts = np.ones((3, 2)), _texts(3)
+    batch = {"x": torch.ones(3, 2), "w": weights, "t": texts}
+    moved = to_device(batch, torch.device("cpu"))
+    assert moved["w"] is weights
+    assert moved["t"] is texts
+    doubled = map_tensors(batch, lambda t: t * 2)
+    assert doubled["w"] is weights
+    assert doubled["t"] == texts  # rebuilt as today, entries untouched
+    assert torch.equal(doubled["x"], torch.full((3, 2), 2.0))
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2, 3, 7])
+def test_every_leaf_kind_reassembles_to_the_batch(micro_batch_size: int) -> None:
+    items = 7
+    batch = OrderedDict(
+        x=torch.randn(items, 2),
+        pair=(torch.arange(items), np.arange(items)),
+        text=_texts(items),
+        cfg=Config(0.1, "run"),
+        name="train",
+    )
+    micro_batches = split_batch(batch, micro_batch_size)
+    assert all(type(mb) is OrderedDict for mb in micro_batches)
+    assert torch.equal(torch.cat([mb["x"] for mb in micro_batches]), batch["x"])
+    assert torch.equal(torch.cat([mb["pair"][0] for mb in micro_batches]), batch["pair"][0])
+    assert np.concatenate([mb["pair"][1] for mb in micro_batches]).tolist() == list(range(items))
+    assert [t for mb in micro_batches for t in mb["text"]] == batch["text"]
+    assert all(mb["cfg"] is batch["cfg"] and mb["name"] == "train" for mb in micro_batches)
+    sizes = [batch_size(mb) for mb in micro_batches]
+    assert sum(sizes) == items
+    assert all(len(mb["text"]) == size for mb, size in zip(micro_batches, sizes, strict=True))

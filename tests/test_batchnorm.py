@@ -605,7 +605,7 @@ def test_accumulator_state_refuses_another_batchnorm_mode() -> None:
     model, _ = _bn_model("1d-NC")
     state = _accumulator(model, "pooled", accumulation_steps=2).state_dict()
     other = _accumulator(model, "micro", accumulation_steps=2)
-    with pytest.raises(ValueError, match="batchnorm_mode='pooled'"):
+    with pytest.raises(ValueError, match="batchnorm='pooled'"):
         other.load_state_dict(state)
 
 

@@ -39,7 +39,9 @@ def test_ddp_benchmark_quick_runs_and_counts_reductions(tmp_path: Path) -> None:
         rows = entry["rows"]
         ours, no_sync, each = rows["gradaccum"], rows["hand, no_sync"], rows["hand, sync each"]
         assert ours["syncs"] == no_sync["syncs"] == 1
-        assert ours["allreduces"] == no_sync["allreduces"] >= 1
+        assert ours["allreduces"] >= 1
+        assert no_sync["allreduces"] >= 1
+        assert ours["allreduce_bytes"] == no_sync["allreduce_bytes"]  # every gradient once
         assert each["syncs"] == int(n)  # negative control: a reduction per micro-batch
         assert each["allreduce_bytes"] == int(n) * ours["allreduce_bytes"]
         assert sum(ours["other"].values()) == 1  # the window's counts, exchanged once

@@ -284,17 +284,244 @@ def test_save_leaves_no_temporary_file_and_overwrites_atomically(tmp_path: Path)
     assert load_checkpoint(path, model=model, optimizer=optimizer) == {"v": 2}
 
 
+def _draws() -> tuple[float, float, torch.Tensor]:
+    return random.random(), float(np.random.rand()), torch.rand(3)
+
+
+def _rng_states() -> tuple[Any, Any, torch.Tensor]:
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def _assert_same_rng_states(a: tuple[Any, Any, torch.Tensor], b: tuple[Any, Any, Any]) -> None:
+    assert a[0] == b[0]
+    assert a[1][0] == b[1][0]
+    assert np.array_equal(a[1][1], b[1][1])
+    assert a[1][2:] == b[1][2:]
+    assert torch.equal(a[2], b[2])
+
+
 def test_rng_states_are_restored(tmp_path: Path) -> None:
     model, optimizer = _small()
     path = tmp_path / "ckpt.pt"
     save_checkpoint(path, model=model, optimizer=optimizer)
-    first = (random.random(), float(np.random.rand()), torch.rand(3))
-    second = (random.random(), float(np.random.rand()), torch.rand(3))
+    saved = _rng_states()
+    first = _draws()
+    second = _draws()
     assert first[0] != second[0]  # the draws move on (so the restore below can be seen)
-    load_checkpoint(path, model=model, optimizer=optimizer)
-    again = (random.random(), float(np.random.rand()), torch.rand(3))
+    load_checkpoint(path, model=model, optimizer=optimizer, restore_rng=True)
+    _assert_same_rng_states(_rng_states(), saved)
+    again = _draws()
     assert again[:2] == first[:2]
     assert torch.equal(again[2], first[2])
+
+
+def test_default_load_leaves_the_global_rng_states_alone(tmp_path: Path) -> None:
+    model, optimizer = _small()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model=model, optimizer=optimizer)
+    saved = _rng_states()
+    _draws()
+    current = _rng_states()
+    assert current[0] != saved[0]  # the states moved on since the save
+    assert not torch.equal(current[2], saved[2])
+    assert load_checkpoint(path, model=model, optimizer=optimizer) is None
+    _assert_same_rng_states(_rng_states(), current)
+    # Negative control: the same load asked to restore them does change them, to the saved ones.
+    load_checkpoint(path, model=model, optimizer=optimizer, restore_rng=True)
+    _assert_same_rng_states(_rng_states(), saved)
+
+
+def test_damaged_rng_states_are_refused_before_anything_changes(tmp_path: Path) -> None:
+    model, optimizer = _small()
+    path = tmp_path / "bad-rng.pt"
+    torch.nn.init.ones_(model.weight)
+    save_checkpoint(path, model=model, optimizer=optimizer)
+    payload = torch.load(path, weights_only=True)
+    payload["rng"]["python"] = (3, (1, 2, 3), None)  # not a Mersenne Twister state
+    torch.save(payload, path)
+    torch.nn.init.zeros_(model.weight)
+    before = clone_state([model.state_dict(), optimizer.state_dict()])
+    states = _rng_states()
+    with pytest.raises(CheckpointError, match=r"bad-rng\.pt holds damaged RNG states.*restore_rng"):
+        load_checkpoint(path, model=model, optimizer=optimizer, restore_rng=True)
+    assert_bitwise([model.state_dict(), optimizer.state_dict()], before)
+    _assert_same_rng_states(_rng_states(), states)
+    # Negative control: without restoring RNG states the file loads (the model changes).
+    load_checkpoint(path, model=model, optimizer=optimizer)
+    assert torch.equal(model.weight, torch.ones_like(model.weight))
+
+
+# ----- loading into objects that do not fit: refused before anything changes ---------------------
+
+
+def _mse(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _model(seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)
+    ).double()
+
+
+def _stepped(
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    scheduler: str = "step",
+    seed: int = 0,
+    steps: int = 2,
+    groups: str | None = None,
+) -> dict[str, Any]:
+    """A small run of 3 micro-steps: with `steps=2`, one optimizer step and half a window.
+
+    `groups` builds the optimizer with other param groups: "two" (one per layer), "three" (the
+    last layer's weight and bias apart), "other split" (the first weight alone, then the rest).
+    """
+    model = _model(seed)
+    params = list(model.parameters())
+    layout: Any = {
+        None: params,
+        "two": [{"params": params[:2]}, {"params": params[2:]}],
+        "three": [{"params": params[:2]}, {"params": params[2:3]}, {"params": params[3:]}],
+        "other split": [{"params": params[:1]}, {"params": params[1:]}],
+    }[groups]
+    optimizer = optimizer_class(layout, lr=0.1)
+    if scheduler == "step":
+        sched: Any = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    else:
+        sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    acc = Accumulator(model, optimizer, scheduler=sched, accumulation_steps=steps)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(3):
+        x = torch.randn(4, 3, dtype=torch.float64, generator=generator)
+        acc.micro_step((x, torch.randn(4, 2, dtype=torch.float64, generator=generator)), _mse)
+    return {"model": model, "optimizer": optimizer, "scheduler": sched, "accumulator": acc}
+
+
+def _snapshot(run: dict[str, Any]) -> Any:
+    return clone_state(
+        [
+            run["model"].state_dict(),
+            [p.grad for p in run["model"].parameters()],
+            run["optimizer"].state_dict(),
+            run["scheduler"].state_dict(),
+            run["accumulator"].state_dict(),
+        ]
+    )
+
+
+def _save(path: Path, run: dict[str, Any], **drop: bool) -> Path:
+    save_checkpoint(path, **run)
+    if drop:
+        payload = torch.load(path, weights_only=True)
+        for key in drop:
+            del payload[key]
+        torch.save(payload, path)
+    return path
+
+
+def test_optimizer_state_of_another_class_is_refused_before_anything_changes(
+    tmp_path: Path,
+) -> None:
+    path = _save(tmp_path / "adamw.pt", _stepped(torch.optim.AdamW))
+    target = _stepped(torch.optim.SGD, seed=1)
+    before = _snapshot(target)
+    with pytest.raises(CheckpointError, match=r"adamw\.pt .*AdamW optimizer.* SGD.*build a AdamW"):
+        load_checkpoint(path, **target)
+    assert_bitwise(_snapshot(target), before)
+
+
+def test_older_file_without_optimizer_class_is_accepted(tmp_path: Path) -> None:
+    """Negative control: the class check is what catches the mismatch, and only when recorded.
+
+    A file written before the class name was recorded loads into the SGD, which then fails at
+    its next step with the KeyError the check exists to prevent.
+    """
+    path = _save(tmp_path / "old.pt", _stepped(torch.optim.AdamW), optimizer_class=True)
+    target = _stepped(torch.optim.SGD, seed=1)
+    load_checkpoint(path, **target)
+    with pytest.raises(KeyError):
+        target["optimizer"].step()
+    # And a file of the right class loads and fits.
+    same = _save(tmp_path / "sgd.pt", _stepped(torch.optim.SGD))
+    fresh = _stepped(torch.optim.SGD, seed=1)
+    load_checkpoint(same, **fresh)
+    assert_bitwise(_snapshot(fresh)[2:], _snapshot(_stepped(torch.optim.SGD))[2:])
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ("three", r"holds an optimizer state of 2 param groups, the optimizer has 3"),
+        ("other split", r"holds 2 params in optimizer param group 0, the optimizer has 1"),
+    ],
+)
+def test_optimizer_param_groups_that_differ_are_refused(
+    tmp_path: Path, layout: str, message: str
+) -> None:
+    path = _save(tmp_path / "groups.pt", _stepped(groups="two"))
+    target = _stepped(groups=layout, seed=1)
+    before = _snapshot(target)
+    with pytest.raises(CheckpointError, match=rf"groups\.pt {message}.*same param groups"):
+        load_checkpoint(path, **target)
+    assert_bitwise(_snapshot(target), before)
+    # Negative control: into the layout it was saved from, it loads.
+    load_checkpoint(path, **_stepped(groups="two", seed=1))
+
+
+def test_scheduler_state_of_another_class_is_refused_before_anything_changes(
+    tmp_path: Path,
+) -> None:
+    path = _save(tmp_path / "steplr.pt", _stepped(scheduler="step"))
+    target = _stepped(scheduler="lambda", seed=1)
+    before = _snapshot(target)
+    with pytest.raises(CheckpointError, match=r"steplr\.pt .*StepLR scheduler.*LambdaLR"):
+        load_checkpoint(path, **target)
+    assert_bitwise(_snapshot(target), before)
+
+
+def test_scheduler_state_that_does_not_load_is_refused_before_anything_changes(
+    tmp_path: Path,
+) -> None:
+    """An older file (no class recorded): the scheduler state is tried on a copy first."""
+    path = _save(tmp_path / "old.pt", _stepped(scheduler="step"), scheduler_class=True)
+    target = _stepped(scheduler="lambda", seed=1)
+    before = _snapshot(target)
+    with pytest.raises(
+        CheckpointError, match=r"old\.pt holds a scheduler state that this LambdaLR"
+    ):
+        load_checkpoint(path, **target)
+    assert_bitwise(_snapshot(target), before)
+    # Negative control: that state really does break a real load (it fails halfway through).
+    with pytest.raises(KeyError):
+        target["scheduler"].load_state_dict(torch.load(path, weights_only=True)["scheduler"])
+
+
+def test_accumulator_that_does_not_fit_is_refused_after_the_checks_changing_nothing(
+    tmp_path: Path,
+) -> None:
+    path = _save(tmp_path / "acc.pt", _stepped())
+    target = _stepped(seed=1, steps=3)
+    before = _snapshot(target)
+    with pytest.raises(
+        CheckpointError, match=r"acc\.pt does not fit the Accumulator.*accumulation_steps"
+    ):
+        load_checkpoint(path, **target)
+    assert_bitwise(_snapshot(target), before)
+
+
+def test_fitting_checkpoint_loads_everything(tmp_path: Path) -> None:
+    """Negative control for the refusals above: matching objects take every saved state."""
+    source = _stepped()
+    path = _save(tmp_path / "ckpt.pt", source)
+    target = _stepped(seed=1)
+    assert not torch.equal(target["model"][0].weight, source["model"][0].weight)
+    load_checkpoint(path, **target)
+    expected = _snapshot(source)
+    got = _snapshot(target)
+    assert_bitwise(got[0], expected[0])
+    assert_bitwise(got[2:], expected[2:])
 
 
 def test_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path: Path) -> None:

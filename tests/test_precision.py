@@ -543,7 +543,7 @@ def test_runtime_buffers_only_less_precise_parameters() -> None:
     model = _mlp()
     model[0].to(torch.bfloat16)
     runtime = PrecisionRuntime(Precision.BF16, list(model.parameters()), torch.float32)
-    assert runtime.buffered == [True, True, False, False]
+    assert [runtime.buffered(p) for p in model.parameters()] == [True, True, False, False]
     assert runtime.uses_buffers
     assert not PrecisionRuntime(Precision.FP32, list(model.parameters()), None).uses_buffers
 

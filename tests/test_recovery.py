@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gradaccum import Accumulator, MemoryBudgetError
+from gradaccum import Accumulator, MemoryBudgetError, accumulate_grad
 from gradaccum.recovery import AutoSizer
 from tests.state import assert_bitwise, clone_state
 
@@ -116,7 +116,9 @@ def _state(acc: Accumulator) -> dict:
 
 def _scarce_after_planning(acc: Accumulator, model: OomAbove, batch, threshold: float) -> None:
     """Plan while memory is plentiful, then make it scarce (as another process would)."""
-    acc._auto.ensure_plan(acc, batch, _loss)
+    acc._auto.ensure_plan(
+        acc.model, batch, _loss, acc.optimizer, precision=acc.precision, accum_dtype=None
+    )
     model.threshold = threshold
 
 
@@ -185,7 +187,7 @@ def test_negative_control_keeping_the_failed_attempts_gradients_differs() -> Non
     _loss(inner, (x[:8], y[:8])).mul(8 / BATCH).backward()  # the failed attempt's 1st micro-batch
     kept = [p.grad.clone() for p in inner.parameters()]
     acc.micro_batch_size = 6
-    acc._accumulate(batches[0], _loss, 6)
+    accumulate_grad(inner, batches[0], _loss, 6)
     doubled = [p.grad + k for p, k in zip(inner.parameters(), kept, strict=True)]
     clean = [p.grad for p in inner.parameters()]
     assert max((d - c).abs().max().item() for d, c in zip(doubled, clean, strict=True)) > 1e-3
@@ -253,7 +255,7 @@ def test_state_dict_keeps_the_chosen_size_and_the_plan() -> None:
     _scarce_after_planning(acc, model, batches[0], threshold=10)
     acc.step(batches[0], _loss)
     state = acc.state_dict()
-    assert state["micro_batch_size"] == "auto"
+    assert state["settings"]["micro_batch_size"] == "auto"
     assert state["auto"]["size"] == 9
     twin = _accumulator(OomAbove(_inner(), threshold=10), "auto")
     twin.load_state_dict(state)

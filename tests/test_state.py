@@ -108,11 +108,12 @@ def test_state_holds_partial_window() -> None:
     for batch in _data(2, dtype):
         acc.micro_step(batch, _mse)
     state = acc.state_dict()
-    assert state["version"] == 1
-    assert state["window"]["micro_batches"] == 2
-    assert state["window"]["count"] == 1 + 2
+    assert state["version"] == 2
+    window, precision = state["engine"]["window"], state["engine"]["precision"]
+    assert window["micro_batches"] == 2
+    assert window["count"] == 1 + 2
     # bf16 gradients live in float32 buffers mid-window, not in .grad.
-    assert all(b is not None and b.dtype == torch.float32 for b in state["buffers"])
+    assert all(b is not None and b.dtype == torch.float32 for b in precision["buffers"])
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -124,7 +125,7 @@ def test_state_dict_is_a_snapshot() -> None:
     frozen = clone_state(state)
     acc.micro_step(data[1], _mse)
     # Negative control: the live gradient did change after the state was taken.
-    assert not torch.equal(model[0].weight.grad, frozen["grads"][0])
+    assert not torch.equal(model[0].weight.grad, frozen["engine"]["window"]["grads"][0])
     for batch in data[2:]:
         acc.micro_step(batch, _mse)
     assert_bitwise(state, frozen)
@@ -196,7 +197,7 @@ def test_compatible_state_loads() -> None:
     source.micro_step(_data(1, torch.float64)[0], _mse)
     _, _, target = _setup()
     target.load_state_dict(source.state_dict())
-    assert target.state_dict()["window"]["micro_batches"] == 1
+    assert target.state_dict()["engine"]["window"]["micro_batches"] == 1
 
 
 @pytest.mark.parametrize("bad", [{}, {"version": 99}, "not a dict"])

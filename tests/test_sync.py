@@ -1,7 +1,8 @@
-"""Tests for gradaccum.sync on one process (distributed runs are tested elsewhere).
+"""Tests for gradaccum.sync on one process (distributed runs are tested in tests/distributed).
 
-On one process every helper is the identity; what matters here is that the engine asks for a
-gradient sync exactly once per window, on its last micro-batch.
+On one process the strategy is `LocalSync`, the identity; what matters here is that the engine
+asks its strategy for every micro-batch's context with the right `last` flag, and for exactly
+one exchange per window.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import pytest
 import torch
 
 import gradaccum
-import gradaccum.window
 from gradaccum import sync
 
 
@@ -25,12 +25,21 @@ def _mse(model: torch.nn.Module, batch) -> torch.Tensor:
     return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
 
 
-def test_single_process_helpers_are_identities() -> None:
+def test_single_process_strategy_is_the_identity() -> None:
     model = _model()
-    assert sync.world_size(model) == 1
-    assert sync.grad_average_factor(model) == 1
-    totals = sync.agree_on_window(model, 5, 2.5, micro_batches=3, grad_divisor=16.0)
-    assert totals == sync.GlobalTotals(count=5, loss_sum=2.5)
+    strategy = sync.grad_sync_for(model)
+    assert isinstance(strategy, sync.LocalSync)
+    assert (strategy.world, strategy.averaged_over, sync.world_size(model)) == (1, 1, 1)
+    mine = sync.RankSummary(5, 2.5, 3, 16.0, has_grad=(True, False))
+    agreed = strategy.exchange(mine)
+    assert (agreed.count, agreed.loss_sum, agreed.failed_ranks) == (5, 2.5, ())
+    assert agreed.has_grad == (True, False)
+    grad = torch.ones(3)
+    strategy.reduce([grad])
+    assert torch.equal(grad, torch.ones(3))
+    assert sync.any_rank(model, True)
+    assert not sync.any_rank(model, False)
+    assert sync.all_ranks_min(model, 7) == 7
 
 
 @pytest.mark.parametrize("flag", [True, False])
@@ -39,50 +48,43 @@ def test_sync_context_is_a_no_op_on_a_plain_model(flag: bool) -> None:
     x = torch.randn(4, 3)
     with sync.sync_context(model, sync=flag):
         model(x).sum().backward()
-    expected = x.sum(dim=0, keepdim=True)
-    torch.testing.assert_close(model.weight.grad, expected)
+    torch.testing.assert_close(model.weight.grad, x.sum(dim=0, keepdim=True))
 
 
 @pytest.fixture
-def sync_flags(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Record the `sync` flag of every micro-batch while still running the real context."""
-    flags: list[bool] = []
-    real = gradaccum.window.sync_context
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record every micro-batch context (with its `last` flag) and every exchange."""
+    seen: list[str] = []
+    real_exchange = sync.LocalSync.exchange
 
-    def recording(model: torch.nn.Module, *, sync: bool) -> contextlib.AbstractContextManager:
-        flags.append(sync)
-        return real(model, sync=sync)
+    def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
+        seen.append("last" if last else "micro")
+        return contextlib.nullcontext()
 
-    monkeypatch.setattr(gradaccum.window, "sync_context", recording)
-    return flags
+    def exchange(self, mine):
+        seen.append("exchange")
+        return real_exchange(self, mine)
+
+    monkeypatch.setattr(sync.LocalSync, "micro_context", micro_context)
+    monkeypatch.setattr(sync.LocalSync, "exchange", exchange)
+    return seen
 
 
-def test_step_syncs_only_on_the_last_micro_batch(sync_flags: list[bool]) -> None:
+def test_step_marks_only_the_last_micro_batch_and_exchanges_once(calls: list[str]) -> None:
     model = _model()
     acc = gradaccum.Accumulator(
         model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2
     )
     batch = (torch.randn(7, 3), torch.randn(7, 1))
     acc.step(batch, _mse)
-    assert sync_flags == [False, False, False, True]
-    acc.step(batch, _mse)
-    assert sync_flags == [False, False, False, True] * 2
+    assert calls == ["micro", "micro", "micro", "last", "exchange"]
 
 
-def test_micro_step_syncs_only_on_each_windows_last_micro_batch(sync_flags: list[bool]) -> None:
+def test_micro_step_marks_each_windows_last_micro_batch(calls: list[str]) -> None:
     model = _model()
     acc = gradaccum.Accumulator(
         model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=3
     )
     results = [acc.micro_step((torch.randn(2, 3), torch.randn(2, 1)), _mse) for _ in range(6)]
-    assert sync_flags == [False, False, True] * 2
+    assert calls == ["micro", "micro", "last", "exchange"] * 2
     assert [r.stepped for r in results] == [False, False, True] * 2
-
-
-def test_single_micro_batch_window_syncs(sync_flags: list[bool]) -> None:
-    model = _model()
-    acc = gradaccum.Accumulator(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=8
-    )
-    acc.step((torch.randn(5, 3), torch.randn(5, 1)), _mse)
-    assert sync_flags == [True]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
 
-from gradaccum import EquivalenceReport, check_equivalence
+from gradaccum import EquivalenceReport, LossSum, check_equivalence
 from gradaccum.verify import find_non_additive
 
 
@@ -30,16 +31,23 @@ def _squared_mean_residual(model: torch.nn.Module, batch) -> torch.Tensor:
     return (model(batch[0]) - batch[1]).mean().pow(2)
 
 
-def _manual_gap(model: torch.nn.Module, batch, loss, micro_batch_size: int) -> float:
-    """Largest |accumulated - full| over all gradients, computed without the library."""
-    x, y = (t.double() for t in batch)
-    full = copy.deepcopy(model).double()
-    full_grads = torch.autograd.grad(loss(full, (x, y)), list(full.parameters()))
-    acc = copy.deepcopy(model).double()
+def _manual_gap(
+    model: torch.nn.Module, batch, loss, micro_batch_size: int, *, cast: bool = True
+) -> float:
+    """Largest |accumulated - full| over all gradients, computed without the library.
+
+    With `cast=False` the model and batch are used as they are (complex models: `.double()`
+    would drop their imaginary parts); |.| of a complex difference is its modulus.
+    """
+    batch = tuple(t.double() for t in batch) if cast else tuple(batch)
+    full = copy.deepcopy(model).double() if cast else copy.deepcopy(model)
+    full_grads = torch.autograd.grad(loss(full, batch), list(full.parameters()))
+    acc = copy.deepcopy(model).double() if cast else copy.deepcopy(model)
     acc_grads = [torch.zeros_like(p) for p in acc.parameters()]
-    for start in range(0, len(x), micro_batch_size):
-        mb = (x[start : start + micro_batch_size], y[start : start + micro_batch_size])
-        weight = len(mb[0]) / len(x)
+    items = len(batch[0])
+    for start in range(0, items, micro_batch_size):
+        mb = tuple(t[start : start + micro_batch_size] for t in batch)
+        weight = len(mb[0]) / items
         grads = torch.autograd.grad(loss(acc, mb) * weight, list(acc.parameters()))
         acc_grads = [a + g for a, g in zip(acc_grads, grads, strict=True)]
     return max(float((a - f).abs().max()) for a, f in zip(acc_grads, full_grads, strict=True))
@@ -56,6 +64,7 @@ def test_additive_model_is_reported_exact(micro_batch_size: int) -> None:
     assert report.micro_batch_size == micro_batch_size
     assert report.max_rel_diff <= 1e-12
     assert report.non_additive == ()
+    assert report.internal_dtype is None
     names = [gap.name for gap in report.parameters]
     assert names == [name for name, _ in model.named_parameters()]
     assert [gap.shape for gap in report.parameters] == [tuple(p.shape) for p in model.parameters()]
@@ -171,3 +180,406 @@ def test_eval_mode_batchnorm_without_running_statistics_is_non_additive() -> Non
     )
     assert fine.ok
     assert fine.non_additive == ()
+
+
+# --- complex parameters ------------------------------------------------------------------------
+
+
+class _ComplexModel(torch.nn.Module):
+    """A real input, a complex weight and a real loss: |x @ w|^2."""
+
+    def __init__(self, dtype: torch.dtype = torch.complex128) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(5)
+        self.w = torch.nn.Parameter(torch.randn(3, dtype=dtype, generator=generator))
+        self.scale = torch.nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.scale).to(self.w.dtype) @ self.w
+
+
+def _complex_batch() -> tuple[torch.Tensor]:
+    return (torch.randn(10, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6)),)
+
+
+def _power(model: torch.nn.Module, batch) -> torch.Tensor:
+    return model(batch[0]).abs().pow(2).mean()
+
+
+def _power_of_mean(model: torch.nn.Module, batch) -> torch.Tensor:
+    """Not a per-item mean: |mean of x @ w|^2 depends on how the batch is split."""
+    return model(batch[0]).mean().abs().pow(2)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex64])
+def test_complex_parameter_is_compared_as_complex(dtype: torch.dtype) -> None:
+    model, batch = _ComplexModel(dtype), _complex_batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "Casting complex values to real discards ..."
+        report = check_equivalence(model, batch, _power, 3)
+    assert report.ok, str(report)
+    assert [gap.name for gap in report.parameters] == ["w", "scale"]
+    assert report.max_rel_diff <= 1e-12
+    assert report.internal_dtype is None  # complex64 became complex128, not float32
+    assert model.w.dtype == dtype
+    assert model.w.grad is None
+
+    # NEGATIVE CONTROL: a loss that is not additive over items is flagged, and the gap is the
+    # complex one a plain complex128 computation finds (a real view would find another number).
+    wrong = check_equivalence(model, batch, _power_of_mean, 3)
+    assert not wrong.ok
+    exact = _ComplexModel(torch.complex128)
+    with torch.no_grad():
+        exact.w.copy_(model.w)
+    expected = _manual_gap(exact, batch, _power_of_mean, 3, cast=False)
+    assert wrong.max_abs_diff == pytest.approx(expected, rel=1e-9)
+    assert wrong.parameters[0].max_rel_diff > 1e-3
+
+
+# --- stateful parametrizations and hooks ---------------------------------------------------------
+
+
+class _CallCounter(torch.nn.Module):
+    """A stateful parametrization: the weight is scaled by how often it was computed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.calls += 1
+        return weight * (1 + 0.1 * self.calls)
+
+
+class _FixedMask(torch.nn.Module):
+    """A stateless parametrization holding a buffer it only reads (like orthogonal's `base`)."""
+
+    def __init__(self, shape: torch.Size) -> None:
+        super().__init__()
+        self.register_buffer("mask", (torch.arange(shape.numel()) % 2).reshape(shape).float())
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * self.mask
+
+
+def _spectral_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(4, 6)),
+        torch.nn.Tanh(),
+        torch.nn.utils.spectral_norm(torch.nn.Linear(6, 1)),  # the legacy hook form
+    )
+
+
+def test_spectral_norm_is_named_in_both_forms() -> None:
+    model = _spectral_model()
+    found = find_non_additive(model)
+    assert [(m.name, m.kind) for m in found] == [
+        ("0.parametrizations.weight.0", "_SpectralNorm"),
+        ("2", "SpectralNorm"),
+    ]
+    assert all("spectral_norm" in m.reason and "power iteration" in m.reason for m in found)
+    assert "_u, _v" in found[0].reason
+    assert "weight_u, weight_v" in found[1].reason
+    before = copy.deepcopy(model.state_dict())
+    report = check_equivalence(model, _batch(), _mse, 3)
+    assert not report.ok  # each micro-batch runs one more power iteration
+    assert [m.name for m in report.non_additive] == [m.name for m in found]
+    assert "spectral_norm" in str(report)
+    for name, value in model.state_dict().items():  # the probes ran on copies
+        assert torch.equal(value, before[name])
+
+    # NEGATIVE CONTROL: in eval mode no power iteration runs: exact, nothing listed.
+    model.eval()
+    assert find_non_additive(model) == []
+    assert check_equivalence(model, _batch(), _mse, 3).ok
+
+
+def test_stateless_parametrizations_are_not_flagged() -> None:
+    torch.manual_seed(0)
+    parametrizations = torch.nn.utils.parametrizations
+    masked = torch.nn.Linear(6, 6)
+    torch.nn.utils.parametrize.register_parametrization(
+        masked, "weight", _FixedMask(masked.weight.shape)
+    )
+    model = torch.nn.Sequential(
+        parametrizations.orthogonal(torch.nn.Linear(4, 4)),  # holds a `base` buffer
+        parametrizations.weight_norm(torch.nn.Linear(4, 6)),
+        torch.nn.Tanh(),
+        masked,
+        torch.nn.Linear(6, 1),
+    )
+    assert find_non_additive(model) == []
+    report = check_equivalence(model, _batch(), _mse, 3)
+    assert report.ok, str(report)
+    assert report.non_additive == ()
+
+    # NEGATIVE CONTROL: a parametrization that updates a buffer when it computes the weight.
+    counted = torch.nn.Linear(4, 1)
+    torch.nn.utils.parametrize.register_parametrization(counted, "weight", _CallCounter())
+    calls = float(counted.parametrizations.weight[0].calls)
+    found = find_non_additive(torch.nn.Sequential(counted))
+    assert [(m.name, m.kind) for m in found] == [("0.parametrizations.weight.0", "_CallCounter")]
+    assert "calls" in found[0].reason
+    assert float(counted.parametrizations.weight[0].calls) == calls  # probed on a copy
+    assert not check_equivalence(torch.nn.Sequential(counted), _batch(), _mse, 3).ok
+
+
+def test_random_parametrization_is_flagged() -> None:
+    class DropConnect(torch.nn.Module):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.dropout(weight, 0.5, self.training)
+
+    layer = torch.nn.Linear(4, 1)
+    torch.nn.utils.parametrize.register_parametrization(layer, "weight", DropConnect())
+    state = torch.get_rng_state()
+    found = find_non_additive(layer)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert [(m.name, m.kind) for m in found] == [("parametrizations.weight", "ParametrizationList")]
+    assert "different weight on every call" in found[0].reason
+    # NEGATIVE CONTROL: in eval mode it is a plain function of the weight.
+    assert find_non_additive(layer.eval()) == []
+
+
+def test_hook_that_changes_buffers_is_found_by_the_run() -> None:
+    def advance(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        with torch.no_grad():
+            module.gain.mul_(0.9)  # type: ignore[operator]
+
+    def scaled(module: torch.nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
+        return output * module.gain
+
+    model = _mlp()
+    model[2].register_buffer("gain", torch.ones(()))
+    model[2].register_forward_pre_hook(advance)
+    model[2].register_forward_hook(scaled)
+    assert find_non_additive(model) == []  # only a run shows it
+    report = check_equivalence(model, _batch(), _mse, 3)
+    assert not report.ok
+    assert [(m.name, m.kind) for m in report.non_additive] == [("2", "Linear")]
+    assert "gain" in report.non_additive[0].reason
+    assert float(model[2].gain) == 1.0
+
+    # NEGATIVE CONTROL: a pre-hook that only reads its module's buffers is not listed.
+    quiet = _mlp()
+    quiet[2].register_buffer("gain", torch.ones(()))
+    quiet[2].register_forward_pre_hook(lambda module, inputs: None)
+    quiet[2].register_forward_hook(scaled)
+    fine = check_equivalence(quiet, _batch(), _mse, 3)
+    assert fine.ok
+    assert fine.non_additive == ()
+
+
+# --- models without values -----------------------------------------------------------------------
+
+
+def test_meta_model_is_refused_naming_the_fix() -> None:
+    calls = []
+
+    def counting(m, b):
+        calls.append(1)
+        return _mse(m, b)
+
+    with pytest.raises(ValueError, match=r"0\.weight is on the meta device.*to_empty"):
+        check_equivalence(
+            torch.nn.Sequential(torch.nn.Linear(4, 1, device="meta")), _batch(), counting, 3
+        )
+    model = _mlp()
+    model[2].bias = torch.nn.Parameter(torch.empty(1, device="meta"))  # one parameter on meta
+    with pytest.raises(ValueError, match=r"2\.bias is on the meta device.*initialize"):
+        check_equivalence(model, _batch(), counting, 3)
+    with pytest.raises(ValueError, match=r"uninitialized.*run one forward pass"):
+        check_equivalence(torch.nn.LazyLinear(1), _batch(), counting, 3)
+    with pytest.raises(ValueError, match="meta tensor"):
+        check_equivalence(_mlp(), tuple(t.to("meta") for t in _batch()), counting, 3)
+    assert calls == []
+    # NEGATIVE CONTROL: the same model materialized as the message says is checked.
+    materialized = torch.nn.Sequential(torch.nn.Linear(4, 1, device="meta")).to_empty(device="cpu")
+    materialized[0].reset_parameters()
+    assert check_equivalence(materialized, _batch(), counting, 3).ok
+
+
+# --- global RNG ----------------------------------------------------------------------------------
+
+
+def _dropout_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+    )
+
+
+def _noisy_mse(model: torch.nn.Module, batch) -> torch.Tensor:
+    """Draws one random number per call: once for the full batch, once per micro-batch."""
+    return _mse(model, batch) * (1 + torch.rand(()))
+
+
+def test_global_rng_state_is_left_as_found() -> None:
+    model = _dropout_mlp()
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    whole = check_equivalence(model, _batch(), _noisy_mse, 10)
+    assert torch.equal(torch.get_rng_state(), before)
+    split = check_equivalence(model, _batch(), _noisy_mse, 3)
+    assert torch.equal(torch.get_rng_state(), before)
+    # Both runs start from the caller's state: one micro-batch draws the full batch's numbers.
+    assert whole.ok
+    assert whole.max_abs_diff == 0.0
+    assert [m.kind for m in whole.non_additive] == ["Dropout"]
+    # NEGATIVE CONTROL: split, the draws differ; the same state gives the same report again.
+    assert not split.ok
+    assert check_equivalence(model, _batch(), _noisy_mse, 3).max_abs_diff == split.max_abs_diff
+    torch.manual_seed(123)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_global_cuda_rng_state_is_left_as_found() -> None:
+    model = _dropout_mlp().cuda()
+    batch = tuple(t.cuda() for t in _batch())
+    before = torch.cuda.get_rng_state()
+    assert check_equivalence(model, batch, _mse, 10).ok
+    assert torch.equal(torch.cuda.get_rng_state(), before)
+
+
+# --- float32 inside a float64 check ------------------------------------------------------------
+
+
+class _RMSNorm(torch.nn.Module):
+    """Llama/T5-style: normalizes in float32 whatever the model's dtype."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, x = x.dtype, x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * x.to(dtype)
+
+
+def _rms_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), _RMSNorm(16), torch.nn.SiLU(), torch.nn.Linear(16, 5)
+    )
+
+
+def _tokens(items: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(4)
+    return torch.randn(items, 8, generator=generator), torch.randint(
+        0, 5, (items,), generator=generator
+    )
+
+
+def _upcast_ce(model: torch.nn.Module, batch) -> torch.Tensor:
+    """Casts the logits with `.float()`: a float64 model's logits go DOWN to float32."""
+    return torch.nn.functional.cross_entropy(model(batch[0]).float(), batch[1])
+
+
+def _upcast_ce_sum(model: torch.nn.Module, batch) -> LossSum:
+    logits = model(batch[0]).float()
+    return LossSum(
+        torch.nn.functional.cross_entropy(logits, batch[1], reduction="sum"), len(logits)
+    )
+
+
+def _ce_sum(model: torch.nn.Module, batch) -> LossSum:
+    """A float64 loss: only the RMSNorm computes in float32."""
+    logits = model(batch[0])
+    return LossSum(
+        torch.nn.functional.cross_entropy(logits, batch[1], reduction="sum"), len(logits)
+    )
+
+
+def _ce_of_mean_logits(model: torch.nn.Module, batch) -> torch.Tensor:
+    """Not additive: one cross-entropy of the micro-batch's mean logits."""
+    logits = model(batch[0]).float().mean(0, keepdim=True)
+    return torch.nn.functional.cross_entropy(logits, batch[1][:1])
+
+
+def _sum_then_divide_gap(model: torch.nn.Module, batch, loss, micro_batch_size: int) -> float:
+    """Relative gap of a plain hand loop (backward the sums, divide by the count at the end)."""
+    x, y = batch[0].double(), batch[1]
+    full = copy.deepcopy(model).double()
+    loss(full, (x, y)).backward()
+    hand = copy.deepcopy(model).double()
+    for start in range(0, len(x), micro_batch_size):
+        mb = (x[start : start + micro_batch_size], y[start : start + micro_batch_size])
+        (loss(hand, mb) * len(mb[0])).backward()
+    return max(
+        float((h.grad / len(x) - f.grad).abs().max() / f.grad.abs().max())
+        for h, f in zip(hand.parameters(), full.parameters(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("loss", [_upcast_ce, _upcast_ce_sum, _ce_sum])
+def test_float32_inside_a_float64_model_is_judged_at_float32(loss) -> None:
+    model, batch = _rms_model(), _tokens()
+    report = check_equivalence(model, batch, loss, 5)
+    assert report.internal_dtype == torch.float32
+    assert report.tolerance == 1e-5
+    assert report.ok, str(report)
+    # A plain hand loop that divides at the end is as far from the float64 reference.
+    hand = _sum_then_divide_gap(model, batch, _upcast_ce, 5)
+    assert 1e-9 < hand < 1e-6
+    assert report.max_rel_diff < 1e-6
+    assert "computes in torch.float32 inside" in str(report)
+
+    # NEGATIVE CONTROL: a truly wrong accumulation is far beyond float32 rounding.
+    wrong = check_equivalence(model, batch, _ce_of_mean_logits, 5)
+    assert wrong.internal_dtype == torch.float32
+    assert not wrong.ok
+    assert wrong.max_rel_diff > 1e-3
+
+
+def test_float32_constants_without_gradient_keep_the_float64_tolerance() -> None:
+    def loss(model: torch.nn.Module, batch) -> torch.Tensor:
+        weight = torch.tensor(2.0)  # float32, but no gradient flows through float32
+        return _mse(model, batch) * weight
+
+    report = check_equivalence(_mlp(), _batch(), loss, 3)
+    assert report.internal_dtype is None
+    assert report.tolerance == 1e-10
+    assert report.ok
+    # NEGATIVE CONTROL: the same check on a non-additive loss still fails at 1e-10.
+    assert not check_equivalence(_mlp(), _batch(), _squared_mean_residual, 3).ok
+
+
+def _upcast_square(model: torch.nn.Module, batch) -> torch.Tensor:
+    return model(batch[0]).float().pow(2).mean()
+
+
+def test_reference_is_the_plain_full_batch_backward() -> None:
+    """A float32 loss over 41 items: `loss * 41 / 41` would seed backward with 1 - 2**-24."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 5))
+    batch = _tokens(41)
+    report = check_equivalence(model, batch, _upcast_square, 41)
+    assert report.max_abs_diff == 0.0  # one micro-batch: the very same computation
+    # NEGATIVE CONTROL: a reference rescaled by 41 / 41 is another gradient.
+    x = (batch[0].double(),)
+    plain, rescaled = copy.deepcopy(model).double(), copy.deepcopy(model).double()
+    _upcast_square(plain, x).backward()
+    (_upcast_square(rescaled, x) * 41 / 41).backward()
+    assert not torch.equal(plain[0].weight.grad, rescaled[0].weight.grad)
+
+
+def test_uncopyable_model_is_refused_naming_the_fix() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the legacy weight_norm is deprecated
+        legacy = torch.nn.Sequential(torch.nn.utils.weight_norm(torch.nn.Linear(4, 1)))
+    with pytest.raises(ValueError, match=r"deepcopy failed.*parametrizations\.weight_norm"):
+        check_equivalence(legacy, _batch(), _mse, 3)
+    # NEGATIVE CONTROL: the parametrization form is copyable and exact.
+    modern = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 1))
+    assert check_equivalence(torch.nn.Sequential(modern), _batch(), _mse, 3).ok
+
+
+def test_check_runs_under_no_grad() -> None:
+    with torch.no_grad():
+        report = check_equivalence(_mlp(), _batch(), _mse, 3)
+        wrong = check_equivalence(_mlp(), _batch(), _squared_mean_residual, 3)
+    assert report.ok
+    assert not wrong.ok  # NEGATIVE CONTROL

@@ -9,9 +9,7 @@ import torch
 
 import gradaccum
 from gradaccum import LossSum, accumulate_grad
-from gradaccum.options import Normalize, Precision
-from gradaccum.precision import PrecisionRuntime
-from gradaccum.window import Window, trainable_parameters
+from gradaccum.window import Window, trainable_parameters, window_parameters
 
 
 def _mlp() -> torch.nn.Module:
@@ -199,44 +197,43 @@ def test_fully_frozen_model_is_rejected() -> None:
 def test_window_totals_track_items_counts_and_loss() -> None:
     model = _mlp()
     params = list(model.parameters())
-    window = Window(model, params, Normalize.MEAN, PrecisionRuntime(Precision.FP32, params, None))
+    stale = [torch.ones_like(p) for p in params]
+    for param, grad in zip(params, stale, strict=True):
+        param.grad = grad
+    window = Window()
+    window.open(params, held=len(params), loss_scale=1.0)
+    assert all(p.grad is None for p in params)  # set aside when the window opens
     x, y = _data()
     for start, stop in ((0, 4), (4, 5), (5, 11)):
-        window.backward((x[start:stop], y[start:stop]), _sse, expected_micro_batches=3, last=True)
-    totals = window.totals
-    assert totals.count == 11
-    assert totals.micro_batches == 3
-    assert totals.largest_micro_batch == 6
-    assert totals.loss_total() == pytest.approx(_sse(model, (x, y)).value.item(), rel=1e-12)
-    assert not totals.loss_sum.requires_grad
-
-    window.divide(totals.count)
-    expected = _reference_grads(model, (x, y), lambda m, b: _sse(m, b).value / 11)
-    for got, want in zip(window.gradients(), expected, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
-
-    window.reset()
-    assert window.totals.count == 0
-    assert window.totals.micro_batches == 0
-    assert all(p.grad is None for p in params)
+        loss = _sse(model, (x[start:stop], y[start:stop]))
+        loss.value.backward()
+        window.add(loss.value, 1, loss.count, stop - start)
+    assert (window.count, window.micro_batches, window.largest_micro_batch) == (11, 3, 6)
+    assert window.loss_total() == pytest.approx(_sse(model, (x, y)).value.item(), rel=1e-12)
+    assert not window.loss_sum.requires_grad
+    window.restore()  # a failed window: the set-aside gradients come back, totals cleared
+    assert all(p.grad is g for p, g in zip(params, stale, strict=True))
+    assert (window.count, window.micro_batches, window.is_open) == (0, 0, False)
 
 
-@pytest.mark.parametrize("expected_micro_batches", [1, 3, 50, 1000])
-def test_power_of_two_prescale_changes_no_bit(expected_micro_batches: int) -> None:
-    """The prescale depends on the planned window length; the divided result must not."""
+def test_window_notices_a_zero_grad_between_micro_batches() -> None:
     model = _mlp()
     params = list(model.parameters())
-    x, y = _data()
-    results = []
-    for planned in (expected_micro_batches, 7):
-        window = Window(
-            model, params, Normalize.MEAN, PrecisionRuntime(Precision.FP32, params, None)
-        )
-        for start in range(0, 11, 4):
-            mb = (x[start : start + 4], y[start : start + 4])
-            window.backward(mb, _sse, expected_micro_batches=planned, last=True)
-        window.divide(window.totals.count)
-        results.append([g.clone() for g in window.gradients()])
-        window.reset()
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
+    window = Window()
+    window.open(params, held=len(params), loss_scale=1.0)
+    _mse(model, _data()).backward()
+    window.mark_gradients()
+    assert window.touched_gradients() == []
+    params[2].grad.zero_()  # in place: zero_grad(set_to_none=False)
+    params[3].grad = None  # zero_grad(set_to_none=True)
+    assert window.touched_gradients() == [2, 3]
+
+
+def test_window_parameters_follow_the_optimizer_then_the_model() -> None:
+    model = _mlp()
+    log_var = torch.nn.Parameter(torch.zeros(()))  # a learnable loss weight outside the model
+    optimizer = torch.optim.SGD([model[2].weight, log_var], lr=0.1)
+    params, held = window_parameters(model, optimizer)
+    assert held == 2
+    assert params[:2] == [model[2].weight, log_var]
+    assert params[2:] == [model[0].weight, model[0].bias, model[2].bias]

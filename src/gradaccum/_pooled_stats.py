@@ -72,10 +72,10 @@ def recording(modules: list[tuple[str, _BatchNorm]], per_call: bool) -> Iterator
     """Record input statistics of `modules` as `{name: [call 0, call 1, ...]}` (or one entry)."""
     record: Record = {}
 
-    def make_hook(name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+    def make_hook(name: str, bn: _BatchNorm) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             # Set here, after a lazy module's own pre-hook has created its running buffers.
-            module.track_running_stats = False
+            bn.track_running_stats = False  # bn is module, the one the hook is registered on
             # Inside a backward, activation checkpointing recomputes a forward: counted already.
             in_backward = torch._C._current_graph_task_id() != -1
             if in_backward or not args or not isinstance(args[0], torch.Tensor):
@@ -89,7 +89,7 @@ def recording(modules: list[tuple[str, _BatchNorm]], per_call: bool) -> Iterator
 
         return hook
 
-    handles = [m.register_forward_pre_hook(make_hook(name)) for name, m in modules]
+    handles = [m.register_forward_pre_hook(make_hook(name, m)) for name, m in modules]
     try:
         yield record
     finally:
@@ -107,12 +107,20 @@ def update_running(module: _BatchNorm, stats: Stats | None) -> None:
     if stats is None:
         return
     count, mean, m2 = stats
+    running_mean, running_var = module.running_mean, module.running_var
+    assert running_mean is not None  # only tracked modules get here
+    assert running_var is not None
     with torch.no_grad():
         batches = module.num_batches_tracked
         if batches is not None:
             batches.add_(1)
         # momentum=None is a cumulative average: the factor is 1 / batches seen, this one included.
-        factor = module.momentum if module.momentum is not None else 1.0 / batches.to(mean.dtype)
+        factor: float | torch.Tensor
+        if module.momentum is not None:
+            factor = module.momentum
+        else:
+            assert batches is not None  # a tracked BatchNorm counts its batches
+            factor = 1.0 / batches.to(mean.dtype)
         unbiased = m2 / (count - 1) if count > 1 else m2
-        for buffer, value in ((module.running_mean, mean), (module.running_var, unbiased)):
+        for buffer, value in ((running_mean, mean), (running_var, unbiased)):
             buffer.copy_(buffer.to(mean.dtype) * (1 - factor) + value.to(buffer.device) * factor)

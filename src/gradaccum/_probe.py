@@ -16,7 +16,8 @@ Example:
 from __future__ import annotations
 
 import copy
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch.optim.optimizer import _default_to_fused_or_foreach
@@ -29,6 +30,15 @@ from gradaccum.precision import PrecisionRuntime
 from gradaccum.sync import sync_context
 
 __all__ = ["CudaAllocatorPeak", "Probe", "snapshot_batchnorm"]
+
+
+class _AllocatorStatistics(Protocol):
+    """The part of `torch.cuda` that `CudaAllocatorPeak` reads (a module satisfies it)."""
+
+    def synchronize(self, device: torch.device) -> None: ...
+    def reset_peak_memory_stats(self, device: torch.device) -> None: ...
+    def memory_allocated(self, device: torch.device) -> int: ...
+    def max_memory_allocated(self, device: torch.device) -> int: ...
 
 
 class Probe:
@@ -45,7 +55,7 @@ class Probe:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        loss_fn: Any,
+        loss_fn: Callable[[torch.nn.Module, Any], object],
         sample_batch: Any,
         precision: Precision,
         accum_dtype: torch.dtype | None,
@@ -84,7 +94,7 @@ class Probe:
                 with self.runtime.autocast():
                     value, _, _ = read_loss(self.loss_fn(self.model, micro_batch), size)
                 if value.requires_grad:
-                    value.backward()
+                    value.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
                 del value
             # The allocator also sees what no tensor shows: cuDNN/cuBLAS workspaces, rounding.
             peak = tracker.peak if allocator is None else max(tracker.peak, allocator.peak())
@@ -105,7 +115,7 @@ class CudaAllocatorPeak:
         memory: The statistics module (`torch.cuda`); a stand-in can be passed for tests.
     """
 
-    def __init__(self, device: torch.device, memory: Any = torch.cuda) -> None:
+    def __init__(self, device: torch.device, memory: _AllocatorStatistics = torch.cuda) -> None:
         self.device = device
         self.memory = memory
         self.before = 0

@@ -1,15 +1,36 @@
 """Splitting nested batches into micro-batches and moving them to the model's device.
 
-A batch is a tensor, or any nesting of dicts, lists and tuples (named tuples too) whose tensor
-leaves share the leading dimension B. Non-tensor leaves (strings, ints, masks kept as lists...)
-go unchanged to every micro-batch. Splitting makes views, never copies.
+A batch is a tensor, a numpy array, or any nesting of dicts, lists and tuples. Each leaf follows
+one rule, so nothing is broadcast by accident:
+
+===============================================  ==============================================
+leaf                                             in the micro-batch of items [start, stop)
+===============================================  ==============================================
+tensor or numpy array                            its slice along ``batch_dim``: a view
+list or plain tuple holding no tensor or array   ``x[start:stop]``, one entry per item, so its
+(strings, ints, dicts of them, token lists...)   length must be B (an empty one counts as 0)
+list or plain tuple holding a tensor or array    a container: rebuilt, each entry by these rules
+dict, named tuple, other tuple subclass          a record: rebuilt, each entry by these rules
+anything else: str, int, float, bool, None...    the same object, whole, in every micro-batch
+===============================================  ==============================================
+
+A container or record with nothing to split inside (``Config(lr=0.1)``, a ``torch.Size``) is a
+constant too. B is the shared size of the tensors and arrays along ``batch_dim`` (0 unless the
+layout is, e.g., sequence-first); with none, the common length of the per-item lists. Any
+disagreement raises a ValueError naming every path and size. To hand constants to every
+micro-batch, pass them as anything but a plain list or tuple: a dict, a named tuple or an object
+(a plain tuple of constants whose length happened to equal B would be split). Splitting makes
+views, never copies, and walks the batch once, however many micro-batches it makes.
 
 Example:
     >>> import torch
     >>> from gradaccum import split_batch
-    >>> batch = {"x": torch.zeros(5, 3), "y": torch.arange(5), "name": "train"}
-    >>> [len(mb["y"]) for mb in split_batch(batch, 2)]
-    [2, 2, 1]
+    >>> batch = {"x": torch.zeros(5, 3), "text": list("abcde"), "name": "train"}
+    >>> [(len(mb["x"]), mb["text"], mb["name"]) for mb in split_batch(batch, 2)]
+    [(2, ['a', 'b'], 'train'), (2, ['c', 'd'], 'train'), (1, ['e'], 'train')]
+    >>> split_batch({"x": torch.zeros(4), "text": ["a", "b", "c"]}, 2)
+    Traceback (most recent call last):
+    ValueError: batch['text'] must hold one entry per item, B=4 (batch['x']: 4, ...
 """
 
 from __future__ import annotations
@@ -17,83 +38,111 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["batch_size", "map_tensors", "split_batch", "to_device"]
+__all__ = ["batch_size", "map_tensors", "slice_batch", "split_batch", "to_device"]
+
+_Slicer = Callable[[int, int], Any]  # (start, stop) -> that node's items [start, stop)
+_Path = Any  # "batch", or (parent path, template, key): formatted only for an error message
+_Sizes = list[tuple[_Path, int, str]]  # (path, number of items, kind) of every splittable leaf
+_ARRAY_KINDS = ("tensor", "array")
+_SCALARS = (str, int, float, type(None))  # the usual constants, ruled out first
+_SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
 
 
-def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
-    """Split `batch` along its leading dimension into micro-batches of `micro_batch_size`.
+def split_batch(batch: Any, micro_batch_size: int, *, batch_dim: int = 0) -> list[Any]:
+    """Split `batch` into micro-batches of `micro_batch_size` items, by the module's rules.
 
     Args:
-        batch: A tensor or a nesting of dict/list/tuple whose tensors share the leading dim.
+        batch: A tensor, an array, or a nesting of dict/list/tuple (see the module's table).
         micro_batch_size: Items per micro-batch; the last one holds the remainder.
+        batch_dim: The items' dimension in every tensor and array, e.g. 1 for `(S, B, E)`.
 
     Returns:
         `ceil(B / micro_batch_size)` micro-batches with the batch's structure.
 
     Raises:
         ValueError: If `micro_batch_size` is not a positive int, the batch is empty, or its
-            tensors disagree on the leading dimension.
+            tensors, arrays and per-item lists disagree on B.
 
     Example:
         >>> import torch
         >>> [t.tolist() for t in split_batch(torch.arange(5), 3)]
         [[0, 1, 2], [3, 4]]
+        >>> [t.shape for t in split_batch(torch.zeros(7, 5, 2), 3, batch_dim=1)]
+        [torch.Size([7, 3, 2]), torch.Size([7, 2, 2])]
     """
     check_micro_batch_size(micro_batch_size)
-    size = batch_size(batch)
-    starts = range(0, size, micro_batch_size)
-    return [map_tensors(batch, lambda t, s=s: t[s : s + micro_batch_size]) for s in starts]
+    slicer, size = _plan(batch, batch_dim)
+    _check_not_empty(size)
+    step = micro_batch_size
+    return [slicer(start, min(start + step, size)) for start in range(0, size, step)]
 
 
-def batch_size(batch: Any) -> int:
-    """Return the leading dimension shared by every tensor in `batch`.
+def slice_batch(batch: Any, start: int, stop: int, *, batch_dim: int = 0) -> Any:
+    """Return the items `[start, stop)` of `batch`, by the rules of `split_batch`.
+
+    `slice_batch(batch, 0, 0)` is the batch's zero-item micro-batch, with its structure.
 
     Args:
-        batch: A tensor or a nesting of dict/list/tuple holding at least one tensor.
+        batch: A tensor, an array, or a nesting of dict/list/tuple (see the module's table).
+        start: First item, `0 <= start <= stop`.
+        stop: One past the last item, `stop <= B`.
+        batch_dim: The items' dimension in every tensor and array.
+
+    Raises:
+        ValueError: If the bounds are not ints within `[0, B]`, or the batch's leaves disagree
+            on B.
+
+    Example:
+        >>> import torch
+        >>> slice_batch((torch.arange(6), ["a", "b", "c", "d", "e", "f"]), 1, 3)
+        (tensor([1, 2]), ['b', 'c'])
+        >>> slice_batch({"x": torch.zeros(4, 2)}, 0, 0)["x"].shape
+        torch.Size([0, 2])
+    """
+    slicer, size = _plan(batch, batch_dim)
+    bounds_are_ints = _is_int(start) and _is_int(stop)
+    if not (bounds_are_ints and 0 <= start <= stop <= size):
+        raise ValueError(
+            f"slice_batch(start={start!r}, stop={stop!r}) needs ints with "
+            f"0 <= start <= stop <= B={size}."
+        )
+    return slicer(start, stop)
+
+
+def batch_size(batch: Any, *, batch_dim: int = 0) -> int:
+    """Return B, the number of items every tensor, array and per-item list of `batch` agrees on.
+
+    Args:
+        batch: A tensor, an array, or a nesting of dict/list/tuple (see the module's table).
+        batch_dim: The items' dimension in every tensor and array.
 
     Returns:
         B, the number of items.
 
     Raises:
-        ValueError: If the batch holds no tensor, a 0-dim tensor, tensors of different leading
-            dimensions (the message names their paths), or zero items.
+        ValueError: If the batch holds nothing to split, a tensor without `batch_dim`, leaves
+            that disagree on B (the message names their paths), or zero items.
 
     Example:
         >>> import torch
         >>> batch_size((torch.zeros(4, 2), torch.zeros(4)))
         4
+        >>> batch_size({"text": ["a", "b", "c"]}), batch_size(torch.zeros(9, 2), batch_dim=1)
+        (3, 2)
     """
-    sizes: dict[str, int] = {}
-    for path, tensor in _tensor_leaves(batch, "batch"):
-        if tensor.dim() == 0:
-            raise ValueError(
-                f"{path} is a 0-dim tensor; every tensor in a batch needs a leading (batch) "
-                "dimension. Pass per-batch constants as Python numbers instead."
-            )
-        sizes[path] = tensor.shape[0]
-    if not sizes:
-        raise ValueError(
-            f"the batch ({type(batch).__name__}) holds no tensor; pass a tensor or a "
-            "dict/list/tuple of tensors that share the leading dimension."
-        )
-    distinct = sorted(set(sizes.values()))
-    if len(distinct) > 1:
-        listing = ", ".join(f"{p}: {n}" for p, n in sizes.items())
-        raise ValueError(
-            f"batch tensors disagree on the leading dimension ({listing}); every tensor must "
-            "have the same number of items along dim 0."
-        )
-    if distinct[0] == 0:
-        raise ValueError("the batch is empty (leading dimension 0); pass at least one item.")
-    return distinct[0]
+    _, size = _plan(batch, batch_dim, build=False)
+    _check_not_empty(size)
+    return size
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """Return `batch` with every tensor moved to `device` (non-blocking where it can be).
 
-    A batch already on `device` is returned as it is, without rebuilding its containers.
+    A batch already on `device` is returned as it is, without rebuilding its containers. Other
+    leaves, numpy arrays included, are kept as they are.
 
     Example:
         >>> import torch
@@ -117,6 +166,16 @@ def check_micro_batch_size(micro_batch_size: object, name: str = "micro_batch_si
     return micro_batch_size
 
 
+def check_batch_dim(batch_dim: object) -> int:
+    """Return `batch_dim` if it is a non-negative int, else raise a ValueError naming the fix."""
+    if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
+        raise ValueError(
+            f"batch_dim={batch_dim!r} must be a non-negative int: the items' dimension in "
+            "every tensor and array, e.g. batch_dim=1 for sequence-first (S, B, ...) tensors."
+        )
+    return batch_dim
+
+
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Rebuild `batch` with `fn` applied to every tensor leaf; other leaves are kept as they are."""
     if isinstance(batch, torch.Tensor):
@@ -128,6 +187,198 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(map_tensors(v, fn) for v in batch)
     return batch
+
+
+def _plan(batch: Any, batch_dim: int, build: bool = True) -> tuple[_Slicer, int]:
+    """Return the slicer of `batch` and its B, walking it once; raise naming what is wrong.
+
+    With `build=False` (for `batch_size`) the slicer is a placeholder and no closure is made.
+    """
+    check_batch_dim(batch_dim)
+    if type(batch) is torch.Tensor and batch.ndim > batch_dim and batch.shape[batch_dim]:
+        return (_tensor_slicer(batch, batch_dim) if build else _measured), batch.shape[batch_dim]
+    flat = _flat_tensors(batch, batch_dim)
+    if flat is None:  # the general path
+        sizes: _Sizes = []
+        slicer = _compile(batch, "batch", batch_dim, sizes, build)
+        if slicer is None:
+            raise ValueError(
+                f"the batch ({type(batch).__name__}) holds no tensor, array or per-item list; "
+                "pass a tensor, or a dict/list/tuple of tensors that share the batch dimension."
+            )
+        return slicer, _agreed_size(sizes, batch_dim)
+    size: int = flat[0].shape[batch_dim]
+    if not build:
+        return _measured, size
+    return _container_slicer(batch, [_tensor_slicer(t, batch_dim) for t in flat]), size
+
+
+def _flat_tensors(batch: Any, dim: int) -> list[torch.Tensor] | None:
+    """The fast path: the entries of a tuple, list or dict of tensors that agree on B > 0."""
+    kind = type(batch)
+    if kind is dict:
+        values = list(batch.values())
+    elif kind is tuple or kind is list:
+        values = batch
+    else:
+        return None
+    if not values or not all(type(v) is torch.Tensor and v.ndim > dim for v in values):
+        return None
+    size = values[0].shape[dim]
+    return values if size and all(v.shape[dim] == size for v in values) else None
+
+
+def _compile(node: Any, path: _Path, dim: int, sizes: _Sizes, build: bool) -> _Slicer | None:
+    """Return the slicer of `node` (None if it is a constant), recording its leaves' sizes."""
+    if isinstance(node, _SCALARS):
+        return None
+    if isinstance(node, torch.Tensor):
+        sizes.append((path, _items(node, path, dim, "tensor"), "tensor"))
+        return _tensor_slicer(node, dim) if build else _measured
+    if isinstance(node, np.ndarray):
+        sizes.append((path, _items(node, path, dim, "array"), "array"))
+        if not build:
+            return _measured
+        lead = (slice(None),) * dim
+
+        def slice_array(start: int, stop: int) -> Any:
+            index = (*lead, slice(start, stop))
+            return node[index]
+
+        return slice_array
+    if isinstance(node, Mapping):
+        entries: Any = node.items()
+        template = "[{!r}]"
+    elif isinstance(node, tuple) and hasattr(node, "_fields"):  # a named tuple is a record
+        entries, template = zip(node._fields, node, strict=True), ".{}"
+    elif _is_record(node) or (isinstance(node, (list, tuple)) and _any_array(node)):
+        entries, template = enumerate(node), "[{}]"
+    elif isinstance(node, (list, tuple)):  # per-item entries, however many (even none)
+        sizes.append((path, len(node), type(node).__name__))
+        kind = type(node)
+        if kind is list or kind is tuple:
+            return lambda start, stop: node[start:stop]
+        return lambda start, stop: kind(node[start:stop])
+    else:
+        return None
+    children = [_compile(v, (path, template, k), dim, sizes, build) for k, v in entries]
+    if all(child is None for child in children):
+        return None
+    return _container_slicer(node, children) if build else _measured
+
+
+def _container_slicer(node: Any, children: list[_Slicer | None]) -> _Slicer:
+    """Return a slicer rebuilding the container `node` from its entries' slicers."""
+    kind = type(node)
+    if isinstance(node, Mapping):
+        keys, entries = list(node), _entries_slicer(list(node.values()), children)
+        if kind is dict:
+            return lambda start, stop: dict(zip(keys, entries(start, stop), strict=True))
+        return lambda start, stop: kind(dict(zip(keys, entries(start, stop), strict=True)))
+    entries = _entries_slicer(node, children)
+    if isinstance(node, tuple) and hasattr(node, "_fields"):  # a named tuple
+        return lambda start, stop: kind(*entries(start, stop))
+    if kind is list:
+        return entries
+    return lambda start, stop: kind(entries(start, stop))
+
+
+def _entries_slicer(values: Any, children: list[_Slicer | None]) -> _Slicer:
+    """Return a slicer of the list of a container's entries; constants are kept as they are."""
+    live = [child for child in children if child is not None]
+    if len(live) == len(children):  # e.g. (inputs, targets): nothing constant
+        return lambda start, stop: [child(start, stop) for child in live]
+    pairs = list(zip(children, values, strict=True))
+    return lambda start, stop: [v if child is None else child(start, stop) for child, v in pairs]
+
+
+def _tensor_slicer(tensor: torch.Tensor, dim: int) -> _Slicer:
+    if dim == 0:
+        return lambda start, stop: tensor[start:stop]
+    return lambda start, stop: tensor.narrow(dim, start, stop - start)
+
+
+def _is_record(node: Any) -> bool:
+    """Whether `node` is a tuple subclass (torch.Size, a struct sequence...): never per-item."""
+    return isinstance(node, tuple) and type(node) is not tuple
+
+
+def _measured(start: int, stop: int) -> Any:
+    raise AssertionError("a batch measured by batch_size has no slicer")
+
+
+def _holds_array(node: Any) -> bool:
+    """Whether `node` is, or nests, a tensor or an array (then a list of it is a container)."""
+    if isinstance(node, _SCALARS):
+        return False
+    if isinstance(node, (torch.Tensor, np.ndarray)):
+        return True
+    if isinstance(node, Mapping):
+        return any(map(_holds_array, node.values()))
+    if isinstance(node, (list, tuple)):
+        return _any_array(node)
+    return False
+
+
+def _any_array(entries: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether some entry holds a tensor or an array; a list of B strings is scanned in C."""
+    return not _SCALAR_TYPES.issuperset(map(type, entries)) and any(map(_holds_array, entries))
+
+
+def _items(array: Any, path: _Path, dim: int, kind: str) -> int:
+    if array.ndim <= dim:
+        raise ValueError(
+            f"{_name(path)} is a {array.ndim}-dim {kind}; every tensor and array in a batch needs "
+            f"the batch dimension (batch_dim={dim}). Pass per-batch constants as Python numbers."
+        )
+    return int(array.shape[dim])
+
+
+def _name(path: _Path) -> str:
+    """Format a path built as (parent, template, key) only when a message needs it."""
+    if isinstance(path, str):
+        return path
+    parent, template, key = path
+    return f"{_name(parent)}{template.format(key)}"
+
+
+def _agreed_size(sizes: _Sizes, dim: int) -> int:
+    """Return the B all leaves agree on, else raise naming every path and size."""
+    size = sizes[0][1]
+    if all(n == size for _, n, _ in sizes):
+        return size
+    listing = ", ".join(
+        f"{_name(p)}: {n}" + ("" if k in _ARRAY_KINDS else f" ({k})") for p, n, k in sizes
+    )
+    arrays = {n for _, n, k in sizes if k in _ARRAY_KINDS}
+    if len(arrays) > 1:
+        where = "the leading dimension" if dim == 0 else f"the batch dimension (dim {dim})"
+        raise ValueError(
+            f"batch tensors disagree on {where} ({listing}); every tensor and array must have "
+            f"the same number of items along dim {dim}."
+        )
+    if not arrays:
+        raise ValueError(
+            f"per-item lists disagree on the number of items ({listing}); with no tensor in the "
+            "batch, B is their common length. Give each one entry per item, or pass a constant "
+            "as a non-list value (a dict, a named tuple or an object)."
+        )
+    size = arrays.pop()
+    wrong = " and ".join(_name(p) for p, n, _ in sizes if n != size)
+    raise ValueError(
+        f"{wrong} must hold one entry per item, B={size} ({listing}): a list or tuple holding no "
+        f"tensor is split item by item. Make it a tensor, give it {size} entries, or pass a "
+        "constant as a non-list value (a dict, a named tuple or an object)."
+    )
+
+
+def _check_not_empty(size: int) -> None:
+    if size == 0:
+        raise ValueError("the batch is empty (0 items along the batch dimension); add items.")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _tensor_leaves(batch: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:

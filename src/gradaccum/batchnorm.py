@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
-import sys
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -44,6 +41,7 @@ from gradaccum._pooled_stats import (
     tracked,
     update_running,
 )
+from gradaccum._warnings import warn_user
 from gradaccum.batching import to_device
 from gradaccum.options import BatchNormMode, parse
 
@@ -85,7 +83,7 @@ def warn_if_inexact(model: nn.Module, micro_items: int, window_items: int) -> bo
     if not names or micro_items >= window_items:
         return False
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    warnings.warn(
+    warn_user(
         BatchNormAccumulationWarning(
             f"BatchNorm layers ({shown}) normalize micro-batches of {micro_items} items but the "
             f"optimizer step covers {window_items}: accumulation is not exact. They use "
@@ -95,19 +93,9 @@ def warn_if_inexact(model: nn.Module, micro_items: int, window_items: int) -> bo
             "(eval-mode BatchNorm, for fine-tuning), gradaccum.batchnorm.convert_to_groupnorm"
             "(model) (exact), gradaccum.batchnorm.recalibrate(model, loader, num_batches) after "
             "training."
-        ),
-        stacklevel=_outside_package_level(),
+        )
     )
     return True
-
-
-def _outside_package_level() -> int:
-    """The `stacklevel` of the first caller outside gradaccum, so warnings point at user code."""
-    package = os.path.dirname(__file__)
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class BatchNormControl:
@@ -129,6 +117,7 @@ class BatchNormControl:
         self._model = model
         self._by_name = dict(self.modules)
         self._pending: Record = {}  # "pooled": the window's statistics so far
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # "micro": as the window began
         self._warned = False
 
     def micro_context(self) -> contextlib.AbstractContextManager[None]:
@@ -184,9 +173,36 @@ class BatchNormControl:
             for stats in calls:
                 update_running(self._by_name[name], stats)
         self._pending = {}
+        self._saved = []
+
+    def open_window(self) -> None:
+        """Remember the running statistics a window may change, to put them back if it fails.
+
+        Only train-mode BatchNorm in "micro" mode updates its buffers during a window ("pooled"
+        updates them once, at the step; "frozen" never), so only those are copied: a few
+        vectors per layer, and nothing at all for a model without BatchNorm.
+        """
+        if self.mode is not BatchNormMode.MICRO or not self.modules:
+            self._saved = []
+            return
+        self._saved = [
+            (buffer, buffer.clone())
+            for _, module in self.modules
+            if module.training and tracked(module)
+            for buffer in (module.running_mean, module.running_var, module.num_batches_tracked)
+            if buffer is not None
+        ]
+
+    def forget_window(self) -> None:
+        """Undo everything the window did: running statistics back, pooled statistics dropped."""
+        with torch.no_grad():
+            for buffer, saved in self._saved:
+                buffer.copy_(saved)
+        self._saved = []
+        self._pending = {}
 
     def discard_window(self) -> None:
-        """Forget the window's pooled statistics (window dropped, or rerun after an error)."""
+        """Forget the window's pooled statistics (the running ones are not touched)."""
         self._pending = {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -214,13 +230,18 @@ def _load_calls(name: str, module: _BatchNorm | None, calls: Any) -> list[Stats 
     """Check and copy one module's saved statistics (a list with one entry per call)."""
     if module is None or not tracked(module) or not isinstance(calls, list):
         raise ValueError(f"batchnorm state: {name!r} is no tracked BatchNorm of this model.")
-    shape, loaded = (module.num_features,), []
+    running_mean = module.running_mean
+    assert running_mean is not None  # tracked(module)
+    shape = (module.num_features,)
+    loaded: list[Stats | None] = []
     for entry in calls:
         if entry is None:
             loaded.append(None)
             continue
         if not isinstance(entry, Mapping):
             raise ValueError(f"batchnorm state: {name!r} holds {type(entry).__name__}, not a dict.")
+        mean: Any  # tensors once the shape check below has passed
+        m2: Any
         count, mean, m2 = (entry.get(k) for k in ("count", "mean", "m2"))
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in (mean, m2)]
         if not isinstance(count, int) or count < 1 or shapes != [shape, shape]:
@@ -228,7 +249,7 @@ def _load_calls(name: str, module: _BatchNorm | None, calls: Any) -> list[Stats 
                 f"batchnorm state: {name!r} needs a count >= 1 and mean, m2 of shape {shape}; "
                 f"got count {count!r} and shapes {shapes}."
             )
-        device, dtype = module.running_mean.device, stat_dtype(module.running_mean.device)
+        device, dtype = running_mean.device, stat_dtype(running_mean.device)
         loaded.append((count, mean.to(device, dtype).clone(), m2.to(device, dtype).clone()))
     return loaded
 
@@ -268,7 +289,7 @@ def convert_to_groupnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
 
 def _groupnorm_like(bn: _BatchNorm, num_groups: int) -> nn.GroupNorm:
     channels, like = bn.num_features, bn.weight if bn.affine else bn.running_mean
-    factory = {} if like is None else {"device": like.device, "dtype": like.dtype}
+    factory: dict[str, Any] = {} if like is None else {"device": like.device, "dtype": like.dtype}
     groups = _group_count(channels, num_groups)
     gn = nn.GroupNorm(groups, channels, eps=bn.eps, affine=bn.affine, **factory)
     if bn.affine:
@@ -315,7 +336,11 @@ def recalibrate(
     if not with_stats:
         return
     device = next(iter((*model.parameters(), *model.buffers()))).device
-    flags = [(m, m.training, getattr(m, "track_running_stats", None)) for m in model.modules()]
+    # Only BatchNorm's track_running_stats is restored; other modules' entry is unused.
+    flags = [
+        (m, m.training, isinstance(m, _BatchNorm) and m.track_running_stats)
+        for m in model.modules()
+    ]
     model.eval()
     for _, module in with_stats:
         module.train(True)
@@ -324,14 +349,16 @@ def recalibrate(
             for batch in itertools.islice(loader, num_batches):
                 forward(model, to_device(batch, device))
     finally:
-        for module, training, track in flags:
-            module.training = training
-            if isinstance(module, _BatchNorm):
-                module.track_running_stats = track
-    found = [(m, record[n][0]) for n, m in with_stats if record.get(n) and record[n][0] is not None]
+        for any_module, training, track in flags:
+            any_module.training = training
+            if isinstance(any_module, _BatchNorm):
+                any_module.track_running_stats = track
+    found = [(m, s) for n, m in with_stats if record.get(n) and (s := record[n][0]) is not None]
     if not found:
         raise ValueError("recalibrate(): the loader yielded no item; statistics are unchanged.")
     with torch.no_grad():
         for module, (count, mean, m2) in found:
+            assert module.running_mean is not None  # tracked(m)
+            assert module.running_var is not None
             module.running_mean.copy_(mean)
             module.running_var.copy_(m2 / (count - 1) if count > 1 else m2)

@@ -1,10 +1,16 @@
 """Crash-safe checkpoints: atomic writes, loads that never run pickled code, RNG states included.
 
 A checkpoint holds the model, optimizer, scheduler and `Accumulator` states (so a run resumes even
-in the middle of a window), the user's `extra` (such as the data position) and the RNG states of
-Python, NumPy and torch. It is written to a temporary file in the same folder, fsynced, renamed
-over the target and the folder fsynced, so a crash at any moment leaves either the old file or
-the new one under the real name, never half of one. Loading uses `torch.load(weights_only=True)`.
+in the middle of a window), the user's `extra` (such as the data position), the class names of the
+optimizer and scheduler, and the RNG states of Python, NumPy and torch (CPU and CUDA). It is
+written to a temporary file in the same folder, fsynced, renamed over the target and the folder
+fsynced, so a crash at any moment leaves either the old file or the new one under the real name,
+never half of one. Loading uses `torch.load(weights_only=True)` and checks the whole file against
+the objects it is loaded into before changing any of them.
+
+The RNG states are always saved, but `load_checkpoint` restores them into the process-wide
+generators only when asked (`restore_rng=True`), as a bitwise resume needs; a plain load leaves the
+caller's random streams alone.
 
 Example:
     >>> import tempfile, torch
@@ -15,12 +21,16 @@ Example:
     >>> save_checkpoint(path, model=model, optimizer=opt, extra={"epoch": 3})
     >>> load_checkpoint(path, model=model, optimizer=opt)
     {'epoch': 3}
+    >>> load_checkpoint(path, model=model, optimizer=opt, restore_rng=True)  # to resume exactly
+    {'epoch': 3}
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +46,10 @@ _VERSION = 1
 
 
 class CheckpointError(ValueError):
-    """A checkpoint file is missing pieces, damaged, or of another format or version."""
+    """A checkpoint file is damaged, incomplete or of another kind, or does not fit its targets.
+
+    Targets are the model, optimizer, scheduler and accumulator it is loaded into.
+    """
 
 
 def save_checkpoint(
@@ -50,6 +63,9 @@ def save_checkpoint(
 ) -> None:
     """Write a checkpoint atomically to `path`.
 
+    The file also records the class names of `optimizer` and `scheduler` (so that a load into
+    another kind refuses it) and the RNG states of Python, NumPy and torch.
+
     Args:
         path: Target file; its folder must exist.
         model: The model (its `state_dict`).
@@ -57,18 +73,24 @@ def save_checkpoint(
         accumulator: The `Accumulator`, for an exact resume mid-window.
         scheduler: The learning-rate scheduler.
         extra: Your own plain data (numbers, strings, lists, dicts, tensors).
+
+    Raises:
+        ValueError: If the folder of `path` does not exist.
     """
     target = Path(path)
     if not target.parent.is_dir():
         raise ValueError(
-            f"cannot write checkpoint {target}: folder {target.parent} does not exist."
+            f"cannot write checkpoint {target}: folder {target.parent} does not exist; create it "
+            "first."
         )
     payload = {
         "format": _FORMAT,
         "version": _VERSION,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
+        "optimizer_class": type(optimizer).__name__,
         "scheduler": None if scheduler is None else scheduler.state_dict(),
+        "scheduler_class": None if scheduler is None else type(scheduler).__name__,
         "accumulator": None if accumulator is None else accumulator.state_dict(),
         "extra": extra,
         "rng": _capture_rng(),
@@ -93,8 +115,21 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     accumulator: Accumulator | None = None,
     scheduler: Any = None,
+    restore_rng: bool = False,
 ) -> dict[str, Any] | None:
-    """Restore a checkpoint written by `save_checkpoint`, RNG states included.
+    """Restore a checkpoint written by `save_checkpoint`.
+
+    Everything is checked before anything changes: the file (format, version, completeness), that
+    the model state has this model's keys and shapes, that the optimizer state was saved from the
+    same optimizer class with the same number of parameter groups and of parameters per group,
+    that the scheduler state is of this scheduler's class and loads, the RNG states (with
+    `restore_rng`) and last the accumulator state. On any error, `model`, `optimizer`,
+    `scheduler`, `accumulator` and the RNGs are left as they were.
+
+    The file always holds the RNG states of Python (`random`), NumPy (`np.random`) and torch
+    (CPU and CUDA). Restoring them changes process-wide generators, so it is opt-in: pass
+    `restore_rng=True` to resume a run bitwise (its data order, dropout masks and so on continue
+    exactly); by default they are left untouched.
 
     Args:
         path: The checkpoint file.
@@ -102,6 +137,8 @@ def load_checkpoint(
         optimizer: Receives the optimizer state.
         accumulator: Receives the accumulator state (the checkpoint must hold one).
         scheduler: Receives the scheduler state (the checkpoint must hold one).
+        restore_rng: Also set the global RNG states of Python, NumPy and torch (and of each CUDA
+            device present, up to the number saved) to the saved ones.
 
     Returns:
         The `extra` dict given to `save_checkpoint`.
@@ -109,7 +146,8 @@ def load_checkpoint(
     Raises:
         FileNotFoundError: If there is no file at `path`.
         CheckpointError: If the file is truncated, corrupted, not a gradaccum checkpoint, of an
-            unknown version, holds pickled code, or lacks a requested state.
+            unknown version, holds pickled code or damaged RNG states, lacks a requested state,
+            or does not fit the model, optimizer, scheduler or accumulator given.
     """
     source = Path(path)
     payload = _read_payload(source)
@@ -122,21 +160,36 @@ def load_checkpoint(
     if missing:
         raise CheckpointError(f"{source} is incomplete: it lacks {', '.join(missing)}.")
     _check_model_fits(source, payload["model"], model.state_dict())
-    # Everything is checked before anything is restored; the accumulator checks its own state.
+    _check_optimizer_fits(source, payload, optimizer)
+    if scheduler is not None:
+        _check_scheduler_fits(source, payload, scheduler, optimizer)
+    rng = _checked_rng(source, payload["rng"]) if restore_rng else None
+    # Every other check is done; the accumulator checks its own state and changes nothing if it
+    # refuses it, so it goes first of the changes.
     if accumulator is not None:
-        accumulator.load_state_dict(payload["accumulator"])
+        try:
+            accumulator.load_state_dict(payload["accumulator"])
+        except ValueError as error:
+            raise CheckpointError(f"{source} does not fit the Accumulator: {error}") from error
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(payload["scheduler"])
-    _restore_rng(payload["rng"])
-    return payload.get("extra")
+    if rng is not None:
+        rng.restore()
+    extra: dict[str, Any] | None = payload.get("extra")
+    return extra
 
 
 def load_model_weights(path: str | os.PathLike[str], model: torch.nn.Module) -> None:
     """Load only the model weights of a checkpoint, e.g. to fine-tune from it.
 
-    The file is read and checked as `load_checkpoint` does; the model is unchanged on error.
+    The file is read and checked as `load_checkpoint` does; the model is unchanged on error. No
+    RNG state is restored.
+
+    Args:
+        path: The checkpoint file.
+        model: Receives the model state.
 
     Raises:
         FileNotFoundError: If there is no file at `path`.
@@ -171,25 +224,119 @@ def _read_payload(source: Path) -> dict[str, Any]:
     return payload
 
 
-def _check_model_fits(
-    source: Path, saved: dict[str, Any], current: dict[str, torch.Tensor]
-) -> None:
+_ARCHITECTURE = "load it into the architecture it was saved from"
+
+
+def _check_model_fits(source: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse a model state whose keys or tensor shapes differ from the model's."""
     if saved.keys() != current.keys():
         extra, absent = sorted(saved.keys() - current.keys()), sorted(current.keys() - saved.keys())
         raise CheckpointError(
             f"{source} holds a different model: keys only in the file {extra[:5]}, keys only in "
-            f"the model {absent[:5]}; load it into the architecture it was saved from."
+            f"the model {absent[:5]}; {_ARCHITECTURE}."
         )
     for key, tensor in current.items():
-        if tuple(saved[key].shape) != tuple(tensor.shape):
+        if not isinstance(tensor, torch.Tensor):
+            continue  # e.g. a module's `_extra_state`: the module checks it
+        value = saved[key]
+        if not isinstance(value, torch.Tensor):
             raise CheckpointError(
-                f"{source} holds {key} of shape {tuple(saved[key].shape)}, the model has "
-                f"{tuple(tensor.shape)}; load it into the architecture it was saved from."
+                f"{source} holds {key} as {type(value).__name__}, the model has a tensor; "
+                f"{_ARCHITECTURE}."
+            )
+        if tuple(value.shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{source} holds {key} of shape {tuple(value.shape)}, the model has "
+                f"{tuple(tensor.shape)}; {_ARCHITECTURE}."
             )
 
 
+def _check_optimizer_fits(
+    source: Path, payload: dict[str, Any], optimizer: torch.optim.Optimizer
+) -> None:
+    """Refuse an optimizer state of another optimizer class or parameter layout.
+
+    Files written before the class name was recorded pass the class check.
+    """
+    saved_class = payload.get("optimizer_class")
+    current_class = type(optimizer).__name__
+    if saved_class is not None and saved_class != current_class:
+        raise CheckpointError(
+            f"{source} holds the state of a {saved_class} optimizer, but it is loaded into a "
+            f"{current_class}, whose per-parameter state and settings differ; build a "
+            f"{saved_class} as the run that saved it did."
+        )
+    state = payload["optimizer"]
+    saved_groups = state.get("param_groups")
+    if not isinstance(state.get("state"), dict) or not isinstance(saved_groups, list):
+        raise CheckpointError(
+            f"{source} holds a damaged optimizer state (it lacks 'state' or 'param_groups')."
+        )
+    groups = optimizer.param_groups
+    if len(saved_groups) != len(groups):
+        raise CheckpointError(
+            f"{source} holds an optimizer state of {len(saved_groups)} param groups, the "
+            f"optimizer has {len(groups)}; build the optimizer with the same param groups as the "
+            "run that saved it."
+        )
+    for index, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
+        params = saved.get("params") if isinstance(saved, dict) else None
+        if not isinstance(params, list):
+            raise CheckpointError(
+                f"{source} holds a damaged optimizer state: param group {index} lists no params."
+            )
+        if len(params) != len(group["params"]):
+            raise CheckpointError(
+                f"{source} holds {len(params)} params in optimizer param group {index}, the "
+                f"optimizer has {len(group['params'])} there; build the optimizer with the same "
+                "param groups as the run that saved it."
+            )
+
+
+def _check_scheduler_fits(
+    source: Path, payload: dict[str, Any], scheduler: Any, optimizer: torch.optim.Optimizer
+) -> None:
+    """Refuse a scheduler state of another class, or one this scheduler cannot load.
+
+    The load is tried on a copy of the scheduler (sharing the optimizer, which it does not
+    change), so nothing real changes.
+    """
+    saved_class = payload.get("scheduler_class")
+    current_class = type(scheduler).__name__
+    if saved_class is not None and saved_class != current_class:
+        raise CheckpointError(
+            f"{source} holds the state of a {saved_class} scheduler, but it is loaded into a "
+            f"{current_class}; build a {saved_class} as the run that saved it did."
+        )
+    state = payload["scheduler"]
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{source} holds a damaged scheduler state (not a dict).")
+    base_lrs = state.get("base_lrs")
+    if isinstance(base_lrs, list) and len(base_lrs) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{source} holds a scheduler state for {len(base_lrs)} param groups, the optimizer "
+            f"has {len(optimizer.param_groups)}; build the optimizer with the same param groups "
+            "as the run that saved it."
+        )
+    try:
+        trial = copy.deepcopy(scheduler, memo={id(optimizer): optimizer})
+    except Exception:  # a scheduler holding objects that cannot be copied: no trial load
+        return
+    try:
+        trial.load_state_dict(dict(state))
+    except Exception as error:
+        raise CheckpointError(
+            f"{source} holds a scheduler state that this {current_class} cannot load "
+            f"({type(error).__name__}: {str(error)[:200]}); build the scheduler the run that "
+            "saved it used."
+        ) from error
+
+
 def _capture_rng() -> dict[str, Any]:
-    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    numpy_state = np.random.get_state(legacy=True)
+    if not isinstance(numpy_state, tuple):  # never with legacy=True; narrows the type
+        raise TypeError("np.random.get_state(legacy=True) returned no tuple")
+    kind, keys, position, has_gauss, gauss = numpy_state
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {
@@ -206,22 +353,52 @@ def _capture_rng() -> dict[str, Any]:
     return state
 
 
-def _restore_rng(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    numpy = state["numpy"]
-    np.random.set_state(
-        (
-            numpy["kind"],
-            numpy["keys"].numpy().astype(np.uint32),
-            numpy["position"],
-            numpy["has_gauss"],
-            numpy["gauss"],
+@dataclass(frozen=True)
+class _RngStates:
+    """Saved RNG states, already checked: `restore()` sets the global generators to them."""
+
+    python_state: tuple[Any, ...]
+    numpy_state: tuple[Any, ...]
+    cpu_state: torch.Tensor
+    cuda_states: list[torch.Tensor]
+
+    def restore(self) -> None:
+        """Set the global Python, NumPy, torch CPU and CUDA generators to these states."""
+        random.setstate(self.python_state)
+        np.random.set_state(self.numpy_state)
+        torch.set_rng_state(self.cpu_state)
+        if self.cuda_states and torch.cuda.is_available():
+            for device, state in enumerate(self.cuda_states[: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(state, device)
+
+
+def _checked_rng(source: Path, state: dict[str, Any]) -> _RngStates:
+    """The saved RNG states, each tried on a fresh generator (the global ones stay untouched)."""
+    try:
+        version, internal, gauss = state["python"]
+        python = (version, tuple(internal), gauss)
+        random.Random().setstate(python)
+        saved = state["numpy"]
+        numpy = (
+            saved["kind"],
+            saved["keys"].numpy().astype(np.uint32),
+            saved["position"],
+            saved["has_gauss"],
+            saved["gauss"],
         )
-    )
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        np.random.RandomState().set_state(numpy)
+        cpu = state["torch"]
+        torch.Generator().set_state(cpu)
+        cuda = list(state.get("cuda") or [])
+        for device_state in cuda:
+            if not isinstance(device_state, torch.Tensor) or device_state.dtype != torch.uint8:
+                raise TypeError("a CUDA RNG state is not a uint8 tensor")
+    except Exception as error:
+        raise CheckpointError(
+            f"{source} holds damaged RNG states ({type(error).__name__}: {str(error)[:200]}); "
+            "load it with restore_rng=False to keep the current ones."
+        ) from error
+    return _RngStates(python, numpy, cpu, cuda)
 
 
 def _remove_stale_temporaries(target: Path) -> None:

@@ -23,7 +23,11 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["LossSum"]
+__all__ = ["LossSum", "TokenMeanWarning"]
+
+
+class TokenMeanWarning(UserWarning):
+    """A plain-scalar loss on a batch with unscored label positions: a token mean read by rows."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ class ReadLoss(NamedTuple):
 
     value: torch.Tensor  # keeps its graph; a mean for plain tensors, a sum for LossSum
     weight: int  # items the mean stands for (1 for LossSum)
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count on purpose: the item count
 
 
 def read_loss(result: object, batch_items: int) -> ReadLoss:

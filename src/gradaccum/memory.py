@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -107,7 +107,9 @@ def measure_activation_bytes(
     return sum(saved.values())
 
 
-class TensorBytesTracker(TorchDispatchMode):
+# TorchDispatchMode is unannotated in torch's source, so its implicit __init_subclass__ call is
+# an untyped call.
+class TensorBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Live and peak bytes of the tensor storages allocated by operations while active.
 
     Every operation goes through `__torch_dispatch__`; each output storage that is not one of the
@@ -123,13 +125,23 @@ class TensorBytesTracker(TorchDispatchMode):
     """
 
     def __init__(self, include_meta: bool = False) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # unannotated in torch
         self.include_meta = include_meta
         self.live = 0
         self.peak = 0
         self._alive: set[int] = set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    if TYPE_CHECKING:  # torch's __enter__ is unannotated; it returns the mode itself
+
+        def __enter__(self) -> TensorBytesTracker: ...
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload[..., Any],
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         result = func(*args, **(kwargs or {}))
         dense = self._counted
         inputs = {id(_storage_of(t)) for t in tree_leaves((args, kwargs)) if dense(t)}

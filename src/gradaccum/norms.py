@@ -32,7 +32,9 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     first = grads[0]
     if any(g.device != first.device or g.dtype != first.dtype for g in grads):
         return torch.nn.utils.get_total_norm(grads)
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    # torch.linalg has no stubs (its functions are Any): name the result's type.
+    norm: torch.Tensor = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    return norm
 
 
 def clip_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:

@@ -1,10 +1,13 @@
-"""Mixed precision under accumulation: autocast, the fp16 GradScaler and fp32 gradient buffers.
+"""Mixed precision under accumulation: autocast, the fp16 loss scale and fp32 gradient buffers.
 
 `PrecisionRuntime` owns three things for one `Accumulator`:
 
 - the autocast context for forward passes, on the model's own device type;
-- for fp16, a `torch.amp.GradScaler` whose scale is fixed inside a window and updated once at the
-  boundary (so every micro-batch of a window is scaled alike);
+- for fp16, the loss scale: read from a `torch.amp.GradScaler` when a window opens, fixed for the
+  whole window, folded into the window's one division (`gradaccum.divisor`) and updated once at
+  the boundary with GradScaler's own rule (back off on a non-finite window, grow after
+  `growth_interval` finite ones). The scaler object holds the state, so `acc.scaler` reads as
+  usual; nothing here calls `scaler.unscale_`, whose bookkeeping could not be rolled back;
 - with `accum_dtype`, higher-precision buffers: after every micro-batch backward the low-precision
   `.grad` is added into its buffer and released, so rounding does not pile up over many steps.
 
@@ -21,7 +24,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -33,23 +38,23 @@ _AUTOCAST_DTYPE = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16
 
 
 class PrecisionRuntime:
-    """Autocast, loss scaling and gradient buffers for one model.
+    """Autocast, the loss scale and gradient buffers for one model.
 
     Args:
         precision: The autocast mode.
-        params: The parameters whose gradients are accumulated.
+        params: The model's trainable parameters (their device, and a dtype check).
         accum_dtype: Dtype of accumulation buffers, or None to accumulate in `.grad` directly.
             Buffers are made only for parameters whose dtype is less precise.
 
     Raises:
-        ValueError: If fp16 loss scaling is asked for on fp16 parameters, which GradScaler
-            cannot unscale, or `accum_dtype` is not a floating dtype.
+        ValueError: If fp16 loss scaling is asked for on fp16 parameters, or `accum_dtype` is
+            not a floating dtype.
     """
 
     def __init__(
         self,
         precision: Precision,
-        params: list[torch.nn.Parameter],
+        params: Sequence[torch.nn.Parameter],
         accum_dtype: torch.dtype | None,
     ) -> None:
         if accum_dtype is not None and (
@@ -59,41 +64,51 @@ class PrecisionRuntime:
                 f"accum_dtype={accum_dtype!r} must be a floating torch.dtype such as "
                 "torch.float32, or None."
             )
-        self.device = params[0].device
         if precision is Precision.FP16 and any(p.dtype == torch.float16 for p in params):
             raise ValueError(
-                "precision='fp16' needs float32 parameters: GradScaler cannot unscale float16 "
-                "gradients. Keep the model in float32 (autocast runs the forward in fp16), or use "
-                "precision='bf16' with accum_dtype=torch.float32 for low-precision weights."
+                "precision='fp16' needs float32 parameters: a loss scale cannot be kept in "
+                "float16 gradients. Keep the model in float32 (autocast runs the forward in "
+                "fp16), or use precision='bf16' with accum_dtype=torch.float32 for low-precision "
+                "weights."
             )
+        self.device = params[0].device
         self.precision = precision
+        self.accum_dtype = accum_dtype
         self.scaler = (
             torch.amp.GradScaler(self.device.type) if precision is Precision.FP16 else None
         )
-        self.buffered = [
-            accum_dtype is not None and _less_precise(p.dtype, accum_dtype) for p in params
-        ]
-        self.accum_dtype = accum_dtype
-        self.buffers: list[torch.Tensor | None] = [None] * len(params)
-        # Whether any gradient accumulates in a separate higher-precision buffer.
-        self.uses_buffers = any(self.buffered)
+        self.buffers: list[torch.Tensor | None] = []
+        # Whether any parameter of this model accumulates in a separate higher-precision buffer.
+        self.uses_buffers = any(self.buffered(p) for p in params)
 
-    def autocast(self) -> contextlib.AbstractContextManager[None]:
+    def buffered(self, param: torch.Tensor) -> bool:
+        """Whether `param`'s gradient accumulates in a higher-precision buffer."""
+        return (
+            self.accum_dtype is not None
+            and param.dtype.is_floating_point
+            and torch.finfo(param.dtype).eps > torch.finfo(self.accum_dtype).eps
+        )
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Return the forward-pass context: autocast for bf16/fp16, nothing for fp32."""
         if self.precision is Precision.FP32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=_AUTOCAST_DTYPE[self.precision])
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """Multiply `loss` by the fp16 loss scale (fixed for the window); identity otherwise."""
-        return loss if self.scaler is None else self.scaler.scale(loss)
+    def loss_scale(self) -> float:
+        """The fp16 loss scale a window opening now uses (1.0 without fp16)."""
+        return 1.0 if self.scaler is None else float(self.scaler.get_scale())
 
-    def collect(self, params: list[torch.nn.Parameter]) -> None:
+    def open_window(self, param_count: int) -> None:
+        """Start a window over `param_count` parameters: no buffer yet."""
+        self.buffers = [None] * param_count
+
+    def collect(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Move fresh low-precision `.grad` values into their buffers after one backward."""
         if not self.uses_buffers:
             return
-        for index, (param, buffered) in enumerate(zip(params, self.buffered, strict=True)):
-            if not buffered or param.grad is None:
+        for index, param in enumerate(params):
+            if param.grad is None or not self.buffered(param):
                 continue
             buffer = self.buffers[index]
             if buffer is None:
@@ -102,79 +117,76 @@ class PrecisionRuntime:
                 buffer.add_(param.grad)
             param.grad = None
 
-    def gradients(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
-        """The tensors that hold the window's accumulated gradients, buffers first-class."""
-        if not self.uses_buffers:
-            return [p.grad for p in params if p.grad is not None]
-        grads = []
-        for param, buffered, buffer in zip(params, self.buffered, self.buffers, strict=True):
-            grad = buffer if buffered and buffer is not None else param.grad
-            if grad is not None:
-                grads.append(grad)
-        return grads
+    def gradient(self, index: int, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """The tensor holding `param`'s accumulated gradient: its buffer, else its `.grad`."""
+        if self.uses_buffers and self.buffers[index] is not None:
+            return self.buffers[index]
+        return param.grad
 
-    def every_gradient(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
-        """One gradient tensor per parameter, zeros where none arrived yet (made in place).
+    def zeros_for(self, index: int, param: torch.nn.Parameter) -> torch.Tensor:
+        """Make (and hold) a zero gradient for `param`, where another rank has one."""
+        if self.buffered(param):
+            zeros = torch.zeros_like(param, dtype=self.accum_dtype)
+            self.buffers[index] = zeros
+            return zeros
+        param.grad = torch.zeros_like(param)
+        return param.grad
 
-        Ranks reducing gradients by hand must send the same tensors, even for a parameter that
-        one rank's micro-batches happened not to reach.
-        """
-        grads = []
-        for index, (param, buffered) in enumerate(zip(params, self.buffered, strict=True)):
-            if buffered:
-                if self.buffers[index] is None:
-                    self.buffers[index] = torch.zeros_like(param, dtype=self.accum_dtype)
-                grads.append(self.buffers[index])
-            else:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                grads.append(param.grad)
-        return grads
-
-    def publish(self, params: list[torch.nn.Parameter]) -> None:
-        """Write buffered gradients back to `.grad` in each parameter's dtype for the optimizer."""
+    def publish(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Write buffered gradients back to `.grad` in each parameter's dtype, for the step."""
         if not self.uses_buffers:
             return
-        for index, (param, buffered) in enumerate(zip(params, self.buffered, strict=True)):
+        for index, param in enumerate(params):
             buffer = self.buffers[index]
-            if buffered and buffer is not None:
+            if buffer is not None:
                 param.grad = buffer.to(param.dtype)
                 self.buffers[index] = None
 
-    def back_off(self, *, unscaled: bool) -> None:
-        """Lower the fp16 scale exactly once for a non-finite window.
-
-        Args:
-            unscaled: Whether `unscale_` ran this window. If it did and found the inf, `update()`
-                backs off by itself; if the loss alone was non-finite (finite gradients), or no
-                unscale ran, the back-off is applied to the scaler's state directly.
-        """
-        if self.scaler is None:
-            return
-        before = self.scaler.state_dict()
-        if unscaled:
-            self.scaler.update()  # also clears the window's inf records
-            if self.scaler.get_scale() < before["scale"]:
-                return
-        before["scale"] = before["scale"] * before["backoff_factor"]
-        before["_growth_tracker"] = 0
-        self.scaler.load_state_dict(before)
-
     def clear_buffers(self) -> None:
-        """Drop every buffer (end of a window, or a discarded window)."""
+        """Drop every buffer (the window closed, or was forgotten)."""
         self.buffers = [None] * len(self.buffers)
 
-    @contextlib.contextmanager
-    def stashed(self) -> Iterator[None]:
-        """Set the buffers aside for a block and put them back if it raises."""
-        saved = self.buffers
-        self.buffers = [None] * len(saved)
-        try:
-            yield
-        except BaseException:
-            self.buffers = saved
-            raise
+    def update_scale(self, *, finite: bool) -> None:
+        """Update the loss scale once per closed window, by GradScaler's own rule."""
+        if self.scaler is None:
+            return
+        state = self.scaler.state_dict()
+        if not finite:
+            state["scale"] = state["scale"] * state["backoff_factor"]
+            state["_growth_tracker"] = 0
+        elif state["_growth_tracker"] + 1 >= state["growth_interval"]:
+            grown = state["scale"] * state["growth_factor"]
+            state["scale"] = grown if math.isfinite(grown) else state["scale"]
+            state["_growth_tracker"] = 0
+        else:
+            state["_growth_tracker"] += 1
+        self.scaler.load_state_dict(state)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler state and copies of the buffers (plain data for weights-only loading)."""
+        return {
+            "accum_dtype": None if self.accum_dtype is None else str(self.accum_dtype),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "buffers": [None if b is None else b.detach().clone() for b in self.buffers],
+        }
 
-def _less_precise(dtype: torch.dtype, accum_dtype: torch.dtype) -> bool:
-    return torch.finfo(dtype).eps > torch.finfo(accum_dtype).eps
+    def check_state(self, state: dict[str, Any], param_count: int) -> None:
+        """Raise ValueError if `state` does not fit this runtime; change nothing."""
+        mine = None if self.accum_dtype is None else str(self.accum_dtype)
+        if state.get("accum_dtype") != mine:
+            raise ValueError(
+                f"the saved Accumulator has accum_dtype={state.get('accum_dtype')!r} but this "
+                f"one has accum_dtype={mine!r}; build the Accumulator with the saved settings."
+            )
+        buffers = state.get("buffers")
+        if not isinstance(buffers, list) or len(buffers) not in (0, param_count):
+            raise ValueError("the saved accumulation buffers do not match this model's parameters.")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output (call `check_state` first)."""
+        self.buffers = [
+            None if b is None else b.to(self.device, self.accum_dtype).clone()
+            for b in state["buffers"]
+        ]
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])

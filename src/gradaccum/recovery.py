@@ -26,21 +26,18 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_memory
-from gradaccum._probe import snapshot_batchnorm
+from gradaccum._oom import MemoryBudgetError
+from gradaccum.options import Precision
 from gradaccum.sizing import MemoryPlan, format_bytes, plan_micro_batch, resolve_budget
-from gradaccum.sync import all_ranks_min, any_rank
+from gradaccum.sync import all_ranks_min
 
-if TYPE_CHECKING:
-    from gradaccum.accumulator import Accumulator, StepResult
-    from gradaccum.window import LossFn
-
-__all__ = ["AutoSizer", "is_auto", "step_with_recovery"]
+__all__ = ["AutoSizer", "is_auto"]
 
 
 def is_auto(micro_batch_size: object, memory_budget: object) -> bool:
@@ -91,21 +88,30 @@ class AutoSizer:
         self.growing = False  # the current size is a regrowth not yet proven
         self.out_of_memory_events = 0
 
-    def ensure_plan(self, acc: Accumulator, batch: Any, loss_fn: LossFn) -> None:
-        """Plan on the first batch; every rank takes the smallest rank's size."""
-        if self.size is not None:
-            return
-        plan = plan_micro_batch(
-            acc.model,
-            batch,
-            loss_fn,
-            acc.optimizer,
-            memory_budget=self.memory_budget,
-            precision=acc.precision,
-            accum_dtype=acc._runtime.accum_dtype if acc._runtime.uses_buffers else None,
-        )
-        self.plan = plan
-        self.planned = self.size = all_ranks_min(acc.model, plan.micro_batch_size)
+    def ensure_plan(
+        self,
+        model: torch.nn.Module,
+        batch: Any,
+        loss_fn: Callable[[torch.nn.Module, Any], object],
+        optimizer: torch.optim.Optimizer,
+        *,
+        precision: Precision,
+        accum_dtype: torch.dtype | None,
+    ) -> int:
+        """Plan on the first batch (every rank takes the smallest rank's size); the size to run."""
+        if self.size is None:
+            plan = plan_micro_batch(
+                model,
+                batch,
+                loss_fn,
+                optimizer,
+                memory_budget=self.memory_budget,
+                precision=precision,
+                accum_dtype=accum_dtype,
+            )
+            self.plan = plan
+            self.planned = self.size = all_ranks_min(model, plan.micro_batch_size)
+        return self.size
 
     def shrink(self, tried: list[int]) -> None:
         """After an out-of-memory window: a smaller size, or give up at size 1."""
@@ -170,66 +176,6 @@ class AutoSizer:
             f"planned size {self.planned}, predicted peak "
             f"{format_bytes(self.plan.predicted_peak_bytes)}"
         )
-
-
-def step_with_recovery(acc: Accumulator, batch: Any, loss_fn: LossFn) -> StepResult:
-    """`Accumulator.step` in auto mode: plan once, run the window, rerun it smaller on OOM."""
-    auto = acc._auto
-    assert auto is not None
-    auto.ensure_plan(acc, batch, loss_fn)
-    distributed = acc._window.distributed
-    previous = [p.grad for p in acc._window.params]  # put back if this call gives up
-    tried: list[int] = []
-    while True:
-        assert auto.size is not None
-        size = auto.size
-        tried.append(size)
-        start = _WindowStart(acc)
-        failed = False
-        try:
-            # Distributed: no backward reduces gradients, so a rank that stops early leaves no
-            # other rank waiting; the flag below decides, and the boundary reduces once.
-            acc._accumulate(batch, loss_fn, size, defer_sync=distributed)
-        except Exception as error:  # anything but out-of-memory is re-raised
-            if not is_out_of_memory(error):
-                raise
-            failed = True
-        if not any_rank(acc.model, failed):
-            result = acc._finish_window(size)
-            auto.window_done()
-            return result
-        acc._window.reset()
-        start.restore()
-        release_cached_memory(acc._runtime.device)
-        try:
-            auto.shrink(tried)
-        except MemoryBudgetError:
-            for param, grad in zip(acc._window.params, previous, strict=True):
-                param.grad = grad
-            raise
-
-
-class _WindowStart:
-    """What a rerun window must start from again: RNG states and BatchNorm statistics."""
-
-    def __init__(self, acc: Accumulator) -> None:
-        self.acc = acc
-        self.device = acc._runtime.device
-        self.cpu_rng = torch.get_rng_state()
-        self.device_rng = (
-            torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        )
-        self.statistics = snapshot_batchnorm(acc.model)
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu_rng)
-        if self.device_rng is not None:
-            torch.cuda.set_rng_state(self.device_rng, self.device)
-        for buffer, saved in self.statistics:
-            buffer.copy_(saved)
-        bn_control = getattr(self.acc, "_batchnorm", None)
-        if bn_control is not None:
-            bn_control.discard_window()
 
 
 def _plain_plan(plan: MemoryPlan) -> dict[str, Any]:

@@ -1,15 +1,19 @@
 """What one call to `Accumulator.step`, `micro_step` or `flush` reports, and its error type.
 
+A result is made by one of three named constructors, one per outcome, never from positional
+booleans: `StepResult.stepped(...)`, `StepResult.skipped(...)` and `StepResult.pending(...)`.
+On a result, `result.stepped` and `result.skipped` read as the usual booleans.
+
 Example:
-    >>> r = StepResult(loss=0.5, count=8, micro_batches=2, micro_batch_size=4, stepped=True,
-    ...                skipped=False, grad_norm=1.0, lr=0.1)
-    >>> r.count // r.micro_batches
-    4
+    >>> r = StepResult.stepped(loss=0.5, count=8, micro_batches=2, micro_batch_size=4,
+    ...                        grad_norm=1.0, lr=0.1)
+    >>> r.stepped, r.skipped, r.count // r.micro_batches
+    (True, False, 4)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any, Protocol, overload
 
 __all__ = ["NonFiniteError", "StepResult"]
 
@@ -18,9 +22,65 @@ class NonFiniteError(FloatingPointError):
     """A window's loss or gradient was inf or NaN and `on_nonfinite="raise"` was set."""
 
 
-@dataclass(frozen=True)
+class _Build(Protocol):
+    def __call__(
+        self,
+        *,
+        loss: float,
+        count: int,
+        micro_batches: int,
+        micro_batch_size: int,
+        lr: float | None,
+        grad_norm: float | None = None,
+    ) -> StepResult: ...
+
+
+class _Outcome:
+    """On the class, a constructor for one outcome; on a result, that outcome's boolean."""
+
+    def __init__(self, stepped: bool, skipped: bool) -> None:
+        self.flags = (stepped, skipped)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, instance: None, owner: type[StepResult]) -> _Build: ...
+
+    @overload
+    def __get__(self, instance: StepResult, owner: type[StepResult]) -> bool: ...
+
+    def __get__(self, instance: StepResult | None, owner: type[StepResult]) -> _Build | bool:
+        if instance is not None:
+            flag: bool = instance.__dict__[self.name]
+            return flag
+        stepped, skipped = self.flags
+
+        def build(
+            *,
+            loss: float,
+            count: int,
+            micro_batches: int,
+            micro_batch_size: int,
+            lr: float | None,
+            grad_norm: float | None = None,
+        ) -> StepResult:
+            return owner(
+                loss=loss,
+                count=count,
+                micro_batches=micro_batches,
+                micro_batch_size=micro_batch_size,
+                stepped=stepped,
+                skipped=skipped,
+                grad_norm=grad_norm,
+                lr=lr,
+            )
+
+        return build
+
+
 class StepResult:
-    """What one call to `step`, `micro_step` or `flush` did.
+    """What one call to `step`, `micro_step` or `flush` did (immutable).
 
     Attributes:
         loss: The window's objective so far (the value optimized when `stepped`).
@@ -30,14 +90,59 @@ class StepResult:
         stepped: The optimizer stepped.
         skipped: The window was non-finite or counted no item; no update was made.
         grad_norm: Gradient norm before clipping, at the boundary; None elsewhere.
-        lr: Learning rate of the first parameter group, as used by this step.
+        lr: Learning rate of the first parameter group, as used by this step; None for an
+            optimizer that sets its own (e.g. relative-step Adafactor, whose `lr` is None).
     """
+
+    _FIELDS = (
+        "loss",
+        "count",
+        "micro_batches",
+        "micro_batch_size",
+        "stepped",
+        "skipped",
+        "grad_norm",
+        "lr",
+    )
 
     loss: float
     count: int
     micro_batches: int
     micro_batch_size: int
-    stepped: bool
-    skipped: bool
     grad_norm: float | None
-    lr: float
+    lr: float | None
+
+    stepped = _Outcome(stepped=True, skipped=False)
+    skipped = _Outcome(stepped=False, skipped=True)
+    pending = _Outcome(stepped=False, skipped=False)
+
+    def __init__(
+        self,
+        *,
+        loss: float,
+        count: int,
+        micro_batches: int,
+        micro_batch_size: int,
+        stepped: bool,
+        skipped: bool,
+        grad_norm: float | None,
+        lr: float | None,
+    ) -> None:
+        values = (loss, count, micro_batches, micro_batch_size, stepped, skipped, grad_norm, lr)
+        self.__dict__.update(zip(self._FIELDS, values, strict=True))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"StepResult is immutable; cannot set {name!r}.")
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(self.__dict__[name] for name in self._FIELDS)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StepResult) and self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={self.__dict__[name]!r}" for name in self._FIELDS)
+        return f"StepResult({fields})"

@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,7 +153,7 @@ class MemoryPlan:
 def plan_micro_batch(
     model: torch.nn.Module,
     sample_batch: Any,
-    loss_fn: Any,
+    loss_fn: Callable[[torch.nn.Module, Any], object],
     optimizer: torch.optim.Optimizer,
     *,
     memory_budget: int | str | None = None,

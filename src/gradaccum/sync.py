@@ -1,47 +1,63 @@
-"""Gradient synchronization across ranks: deferring it inside a window, and global item counts.
+"""Gradient synchronization across ranks: one strategy per backend, chosen from the model.
 
-On one process everything here is a no-op. For a model wrapped in
-`torch.nn.parallel.DistributedDataParallel`, every micro-batch but the last of a window runs under
-`no_sync()`, so gradients are reduced once per window; the window's item count is summed over
-ranks, and DDP's division by the world size is undone, so the result is the global item mean.
-A model with FSDP2's `fully_shard` applied is handled alike: its reduce-scatter is deferred with
-`set_requires_gradient_sync(False)` and its mean over ranks is undone.
+A `GradSync` answers the four questions the window asks of a backend:
+
+- how to run a micro-batch without reducing gradients (`micro_context`);
+- whether, and how, the window's last backward reduces them (`syncs_last_backward`);
+- how ranks agree on the window: counts, loss, micro-batches, which params hold a gradient and
+  whether any rank failed (`exchange`, one small collective per window);
+- how to reduce what the backend did not (`reduce`), and what the backend's own reduction
+  divided by (`averaged_over`).
+
+`LocalSync` is the identity on one process. `DDPSync` runs every micro-batch under `no_sync()`
+and reduces the window's gradients by hand in one flat all-reduce per dtype at the boundary: the
+ranks take the same collective path whatever their micro-batches held (a rank whose last
+micro-batch counts no item and has no graph cannot leave the others waiting), and a parameter no
+rank used keeps `grad=None`. `FSDP2Sync` defers FSDP2's reduce-scatter to the window's last
+backward; when that backward cannot run on every rank, a zero-item synchronized backward settles
+the deferred sums instead.
 
 Example:
     >>> import torch
-    >>> model = torch.nn.Linear(2, 1)
-    >>> with sync_context(model, sync=False):
-    ...     pass
-    >>> world_size(model), agree_on_window(model, 5, 2.5, micro_batches=2, grad_divisor=8.0)
-    (1, GlobalTotals(count=5, loss_sum=2.5))
+    >>> sync = grad_sync_for(torch.nn.Linear(2, 1))
+    >>> type(sync).__name__, sync.world, sync.averaged_over
+    ('LocalSync', 1, 1)
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "DDPSync",
+    "FSDP2Sync",
+    "GradSync",
+    "LocalSync",
     "RankMismatchError",
-    "GlobalTotals",
-    "agree_on_plan",
-    "agree_on_window",
+    "RankSummary",
+    "WindowAgreement",
     "all_ranks_min",
     "any_rank",
-    "average_gradients",
-    "grad_average_factor",
+    "grad_sync_for",
     "is_fsdp",
     "sync_context",
     "world_size",
 ]
 
 
-def _is_ddp(model: torch.nn.Module) -> bool:
-    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+_OUT_OF_MEMORY = 2  # RankSummary.failed for a rank that ran out of memory
+_BUCKET_BYTES = 32 * 2**20  # the hand reduction's largest temporary buffer
+_IN_PLACE_BYTES = 2**20  # gradients this large are reduced in place rather than copied
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks ran windows that cannot be reconciled, or one failed; every rank raises it."""
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
@@ -57,10 +73,30 @@ def _group(model: torch.nn.Module) -> dist.ProcessGroup | None:
     """The process group the model's gradients are reduced over, or None if not distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    if _is_ddp(model):
-        return model.process_group
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        group: dist.ProcessGroup = model.process_group
+        return group
     if is_fsdp(model):
-        return next(model.parameters()).device_mesh.get_group()
+        return _fsdp_group(model)
+    return None
+
+
+def _fsdp_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
+    """The group of an FSDP2 model's mesh, read from any sharded (DTensor) parameter.
+
+    Which parameter does not matter, and some are plain tensors at times: with `fully_shard` on
+    each block and then on the root, the root's own parameters are unsharded between its forward
+    and its backward. A 2-D (HSDP) mesh reduces over all of its ranks.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            if mesh.ndim == 1:
+                return mesh.get_group()
+            world: dist.ProcessGroup | None = dist.group.WORLD
+            return world
     return None
 
 
@@ -70,79 +106,143 @@ def world_size(model: torch.nn.Module) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def sync_context(model: torch.nn.Module, *, sync: bool) -> contextlib.AbstractContextManager:
-    """Context for one micro-batch's forward and backward: gradients reduced only if `sync`.
-
-    DDP: `no_sync()`. FSDP2: `set_requires_gradient_sync(False)` on every FSDP module, put back
-    afterwards, so the reduce-scatter waits for the window's last backward.
-    """
-    if sync:
-        return contextlib.nullcontext()
-    if _is_ddp(model):
-        return model.no_sync()
-    if is_fsdp(model):
-        return _fsdp_deferred(model)
-    return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _fsdp_deferred(model: torch.nn.Module) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
-class RankMismatchError(RuntimeError):
-    """Ranks ran windows of different shapes; every rank raises it, so none is left waiting."""
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator if accelerator is not None else torch.device("cpu")
 
 
 @dataclass(frozen=True)
-class GlobalTotals:
-    """One window's totals over all ranks."""
+class RankSummary:
+    """What one rank says about its window at the exchange.
+
+    Attributes:
+        count: Items counted by this rank.
+        loss_sum: This rank's summed loss.
+        micro_batches: Micro-batches this rank ran.
+        denominator: The window's backward denominator (must agree across ranks).
+        failed: 0, or why this rank's window failed: 1 an error, 2 out of memory.
+        has_grad: Per window parameter, whether this rank holds a gradient for it.
+        graph: Whether this rank's last micro-batch can run a backward.
+    """
 
     count: int
     loss_sum: float
+    micro_batches: int
+    denominator: float
+    failed: int = 0
+    has_grad: tuple[bool, ...] = ()
+    graph: bool = True
 
 
-def agree_on_window(
-    model: torch.nn.Module, count: int, loss_sum: float, micro_batches: int, grad_divisor: float
-) -> GlobalTotals:
-    """Exchange each rank's window totals in one small all-gather and check the ranks agree.
+@dataclass(frozen=True)
+class WindowAgreement:
+    """The window over all ranks: summed count and loss, and what every rank must do next.
 
-    Called once per window, before the backward pass that reduces gradients, so a rank whose
-    window differs raises here, on every rank alike, instead of leaving the others blocked in a
-    gradient reduction it never joins.
-
-    Args:
-        model: The (possibly DDP-wrapped) model, whose process group is used.
-        count: This rank's item count in the window.
-        loss_sum: This rank's summed loss in the window.
-        micro_batches: Micro-batches this rank ran in the window.
-        grad_divisor: What this rank's gradients are divided by (must be the same everywhere).
-
-    Returns:
-        The summed count and loss over ranks (this rank's own on one process).
-
-    Raises:
-        RankMismatchError: If ranks ran different numbers of micro-batches or scaled their
-            gradients differently; the message lists every rank's figures.
+    Attributes:
+        count: Items counted over all ranks.
+        loss_sum: Summed loss over all ranks.
+        failed_ranks: Ranks that raised inside the window (the window is then forgotten).
+        all_out_of_memory: Every failed rank ran out of memory (all of them rerun smaller).
+        has_grad: Per window parameter, whether any rank holds a gradient for it.
+        all_graphs: Every rank's last micro-batch can run a backward.
     """
-    ranks = world_size(model)
-    if ranks == 1:
-        return GlobalTotals(count, loss_sum)
-    group = _group(model)
-    mine = torch.tensor(
-        [count, loss_sum, micro_batches, grad_divisor], dtype=torch.float64, device=_device(group)
-    )
-    gathered = [torch.empty_like(mine) for _ in range(ranks)]
-    dist.all_gather(gathered, mine, group=group)
-    rows = [row.tolist() for row in gathered]
-    if len({row[2] for row in rows}) > 1 or len({row[3] for row in rows}) > 1:
+
+    count: int
+    loss_sum: float
+    failed_ranks: tuple[int, ...] = ()
+    all_out_of_memory: bool = False
+    has_grad: tuple[bool, ...] = ()
+    all_graphs: bool = True
+
+
+class GradSync:
+    """The single-process strategy, and the interface every backend implements."""
+
+    world = 1
+    averaged_over = 1  # what the backend's own reduction divides the summed gradient by
+    syncs_last_backward = False  # whether the last backward itself reduces gradients
+
+    def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
+        """The context a micro-batch's forward and backward run in."""
+        return contextlib.nullcontext()
+
+    def backward_context(self, *, reduce: bool) -> contextlib.AbstractContextManager[None]:
+        """The context of a backward that reduces (`reduce`) or only accumulates gradients."""
+        return contextlib.nullcontext()
+
+    def exchange(self, mine: RankSummary) -> WindowAgreement:
+        """Agree on the window over ranks (one small collective when distributed)."""
+        return WindowAgreement(
+            mine.count,
+            mine.loss_sum,
+            (0,) if mine.failed else (),
+            mine.failed == _OUT_OF_MEMORY,
+            mine.has_grad,
+            mine.graph,
+        )
+
+    def reduce(self, grads: Sequence[torch.Tensor]) -> None:
+        """Sum `grads` over ranks in place (each rank passes the same shapes, same order)."""
+
+    def agree_on_plan(self, micro_batches: int, first_items: int) -> None:
+        """Check, before any forward, that ranks plan alike (only FSDP2 needs it)."""
+
+
+class LocalSync(GradSync):
+    """One process: nothing to defer, exchange or reduce."""
+
+
+class _DistributedSync(GradSync):
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.group = _group(model)
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+
+    def exchange(self, mine: RankSummary) -> WindowAgreement:
+        """One all-gather of every rank's summary; raise on windows that cannot be reconciled.
+
+        Raises:
+            RankMismatchError: If ranks scaled their gradients differently or ran different
+                numbers of micro-batches; the message lists every rank's figures.
+        """
+        head = [
+            mine.count,
+            mine.loss_sum,
+            mine.micro_batches,
+            mine.denominator,
+            mine.failed,
+            mine.graph,
+        ]
+        row = torch.tensor(
+            head + [float(flag) for flag in mine.has_grad],
+            dtype=torch.float64,
+            device=_device(self.group),
+        )
+        rows = [torch.empty_like(row) for _ in range(self.world)]
+        dist.all_gather(rows, row, group=self.group)
+        table = torch.stack(rows).cpu()
+        failures = table[:, 4]
+        failed = tuple(int(r) for r in torch.nonzero(failures).flatten().tolist())
+        if not failed:
+            self._check_alike(table)
+        return WindowAgreement(
+            count=int(table[:, 0].sum().item()),
+            loss_sum=float(table[:, 1].sum().item()),
+            failed_ranks=failed,
+            all_out_of_memory=bool(failed) and all(failures[list(failed)] == _OUT_OF_MEMORY),
+            has_grad=tuple(bool(flag) for flag in table[:, 6:].amax(dim=0).tolist()),
+            all_graphs=bool(table[:, 5].all()),
+        )
+
+    def _check_alike(self, table: torch.Tensor) -> None:
+        if len(set(table[:, 2].tolist())) == 1 and len(set(table[:, 3].tolist())) == 1:
+            return
         listing = "; ".join(
-            f"rank {rank}: {int(row[2])} micro-batches, gradient divisor {row[3]:g}"
-            for rank, row in enumerate(rows)
+            f"rank {rank}: {int(row[2])} micro-batches, gradient denominator {row[3].item():g}"
+            for rank, row in enumerate(table)
         )
         raise RankMismatchError(
             f"ranks ran different accumulation windows ({listing}); every rank must run the same "
@@ -150,68 +250,130 @@ def agree_on_window(
             "Give each rank the same batch size, or drop the uneven remainder (e.g. "
             "DistributedSampler(drop_last=True))."
         )
-    return GlobalTotals(int(sum(row[0] for row in rows)), sum(row[1] for row in rows))
 
 
-def agree_on_plan(model: torch.nn.Module, micro_batches: int, first_items: int) -> None:
-    """Before a window's first forward, check every rank plans the same micro-batches (FSDP2).
+class DDPSync(_DistributedSync):
+    """DDP: every backward under `no_sync()`, then one flat all-reduce (SUM) per window."""
 
-    Every FSDP2 forward is itself a collective, so a rank with one micro-batch more would break
-    the collectives before the window's own check could run. `step()` knows its plan up front and
-    compares it here, at the cost of one more tiny all-gather per window, on FSDP2 only.
+    def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
+        """Every micro-batch, the last included, leaves DDP's reducer out."""
+        assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+        no_sync: contextlib.AbstractContextManager[None] = self.model.no_sync()
+        return no_sync
 
-    Raises:
-        RankMismatchError: If ranks plan different numbers or sizes of micro-batches.
-    """
-    ranks = world_size(model)
-    if ranks == 1:
-        return
+    def reduce(self, grads: Sequence[torch.Tensor]) -> None:
+        """Sum `grads` over ranks in place, every collective in flight at once.
+
+        A gradient of at least `_IN_PLACE_BYTES` is reduced in place (no copy); smaller ones
+        travel in flat buckets of at most `_BUCKET_BYTES`, which bounds the temporary memory
+        (a single flat buffer would double the gradient's memory).
+        """
+        pending: list[tuple[Any, list[torch.Tensor], torch.Tensor | None]] = []
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for grad in grads:
+            nbytes = grad.numel() * grad.element_size()
+            if nbytes >= _IN_PLACE_BYTES and grad.is_contiguous():
+                pending.append((self._start(grad), [grad], None))
+                continue
+            if bucket and (
+                size + nbytes > _BUCKET_BYTES
+                or (grad.dtype, grad.device) != (bucket[0].dtype, bucket[0].device)
+            ):
+                pending.append(self._start_bucket(bucket))
+                bucket, size = [], 0
+            bucket.append(grad)
+            size += nbytes
+        if bucket:
+            pending.append(self._start_bucket(bucket))
+        for work, members, flat in pending:
+            work.wait()
+            if flat is not None:
+                parts = torch.split(flat, [g.numel() for g in members])
+                for grad, part in zip(members, parts, strict=True):
+                    grad.copy_(part.view_as(grad))
+
+    def _start(self, tensor: torch.Tensor) -> Any:
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def _start_bucket(
+        self, bucket: list[torch.Tensor]
+    ) -> tuple[Any, list[torch.Tensor], torch.Tensor | None]:
+        flat = torch.cat([grad.reshape(-1) for grad in bucket])
+        return self._start(flat), bucket, flat
+
+
+class FSDP2Sync(_DistributedSync):
+    """FSDP2: reduce-scatter deferred to the window's last backward; its mean over ranks undone."""
+
+    syncs_last_backward = True
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.averaged_over = self.world
+
+    def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
+        """Forward and backward with the reduce-scatter off; the last backward may turn it on."""
+        return self._gradient_sync(False)
+
+    def backward_context(self, *, reduce: bool) -> contextlib.AbstractContextManager[None]:
+        """FSDP2 reads the flag in its post-backward hooks, so it can change after a forward."""
+        return self._gradient_sync(True) if reduce else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _gradient_sync(self, on: bool) -> Iterator[None]:
+        self.model.set_requires_gradient_sync(on)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            # Outside a window the model is as `fully_shard` left it: reducing gradients.
+            self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def agree_on_plan(self, micro_batches: int, first_items: int) -> None:
+        """Before a window's first forward, check every rank plans the same micro-batches.
+
+        Every FSDP2 forward is itself a collective, so a rank with one micro-batch more would
+        break the collectives before the window's own exchange could run. `step()` knows its
+        plan up front and compares it here: one more tiny all-gather per window, on FSDP2 only.
+
+        Raises:
+            RankMismatchError: If ranks plan different numbers or sizes of micro-batches.
+        """
+        mine = torch.tensor(
+            [micro_batches, first_items], dtype=torch.float64, device=_device(self.group)
+        )
+        rows = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(rows, mine, group=self.group)
+        plans = [tuple(int(v) for v in row.tolist()) for row in rows]
+        if len(set(plans)) > 1:
+            listing = "; ".join(
+                f"rank {rank}: {plan[0]} micro-batches, the first of {plan[1]} items"
+                for rank, plan in enumerate(plans)
+            )
+            raise RankMismatchError(
+                f"ranks planned different accumulation windows ({listing}); give every rank the "
+                "same batch size, e.g. DistributedSampler(drop_last=True)."
+            )
+
+
+def grad_sync_for(model: torch.nn.Module) -> GradSync:
+    """The strategy for `model`: FSDP2, DDP, or local (also for a wrapper on one rank)."""
     group = _group(model)
-    mine = torch.tensor([micro_batches, first_items], dtype=torch.float64, device=_device(group))
-    gathered = [torch.empty_like(mine) for _ in range(ranks)]
-    dist.all_gather(gathered, mine, group=group)
-    rows = [row.tolist() for row in gathered]
-    if len({tuple(row) for row in rows}) > 1:
-        listing = "; ".join(
-            f"rank {rank}: {int(row[0])} micro-batches, the first of {int(row[1])} items"
-            for rank, row in enumerate(rows)
-        )
-        raise RankMismatchError(
-            f"ranks planned different accumulation windows ({listing}); give every rank the same "
-            "batch size, e.g. DistributedSampler(drop_last=True)."
-        )
+    if group is None or dist.get_world_size(group) == 1:
+        return LocalSync()
+    if is_fsdp(model):
+        return FSDP2Sync(model)
+    return DDPSync(model)
 
 
-def _device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "gloo":
-        return torch.device("cpu")
-    return torch.device(torch.accelerator.current_accelerator() or "cpu")
+def sync_context(model: torch.nn.Module, *, sync: bool) -> contextlib.AbstractContextManager[None]:
+    """Context for one forward and backward outside a window: gradients reduced only if `sync`.
 
-
-def average_gradients(model: torch.nn.Module, grads: list[torch.Tensor]) -> None:
-    """Average `grads` over ranks by hand, as DDP would have on a synchronized backward.
-
-    Used when a window's gradients never went through DDP's own reduction: a partial window
-    settled by `flush()`, or gradients held in accumulation buffers that DDP does not see. Every
-    rank must pass the same tensors in the same order; they travel as one flat buffer per dtype.
+    Used by memory probes, which must not reduce gradients across ranks.
     """
-    ranks = world_size(model)
-    if ranks == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-    for group in by_dtype.values():
-        flat = torch.cat([grad.reshape(-1) for grad in group])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=_group(model))
-        flat.div_(ranks)
-        for grad, part in zip(group, flat.split([g.numel() for g in group]), strict=True):
-            grad.copy_(part.view_as(grad))
-
-
-def grad_average_factor(model: torch.nn.Module) -> int:
-    """What the wrapper divided the summed gradient by (DDP and FSDP2 average over ranks)."""
-    return world_size(model)
+    if sync:
+        return contextlib.nullcontext()
+    return grad_sync_for(model).micro_context(last=False)
 
 
 def any_rank(model: torch.nn.Module, flag: bool) -> bool:
@@ -224,10 +386,10 @@ def all_ranks_min(model: torch.nn.Module, value: int) -> int:
     return _reduce_int(model, value, dist.ReduceOp.MIN)
 
 
-def _reduce_int(model: torch.nn.Module, value: int, op: dist.ReduceOp) -> int:
-    if world_size(model) == 1:
-        return value
+def _reduce_int(model: torch.nn.Module, value: int, op: dist.ReduceOp.RedOpType) -> int:
     group = _group(model)
+    if group is None or dist.get_world_size(group) == 1:
+        return value
     tensor = torch.tensor([value], dtype=torch.int64, device=_device(group))
     dist.all_reduce(tensor, op=op, group=group)
     return int(tensor.item())

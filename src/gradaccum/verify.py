@@ -2,8 +2,12 @@
 
 It runs one plain full-batch backward and one accumulated backward on two deep copies of the
 model, in float64 by default so that rounding cannot hide a real difference, and compares every
-gradient. It also lists modules that make accumulation inexact by construction (BatchNorm in
-train mode, dropout), so a failed check comes with its likely cause.
+gradient (complex ones as complex numbers). Both runs start from the caller's RNG state, which is
+left exactly as it was found. A model that computes in a less precise dtype inside (a Llama-style
+RMSNorm's `x.float()`, a loss that casts the logits with `.float()`) is judged at that dtype's
+rounding. It also lists the modules that make accumulation inexact by construction (BatchNorm in
+train mode, dropout, spectral norm's power iteration, other stateful parametrizations and hooks),
+so a failed check comes with its likely cause.
 
 Example:
     >>> import torch
@@ -18,10 +22,14 @@ Example:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm as _LegacySpectralNorm
+from torch.overrides import TorchFunctionMode
 
 from gradaccum.batching import batch_size, map_tensors, split_batch
 from gradaccum.loss import read_loss
@@ -40,23 +48,25 @@ _TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 _LOW_PRECISION_TOLERANCE = 1e-2
 # Relative gaps are taken against max(|parameter's gradient|, this x the model's largest one).
 _SCALE_FLOOR = 1e-3
-_DROPOUT_TYPES = (
-    torch.nn.Dropout,
-    torch.nn.Dropout1d,
-    torch.nn.Dropout2d,
-    torch.nn.Dropout3d,
-    torch.nn.AlphaDropout,
-    torch.nn.FeatureAlphaDropout,
+# Complex tensors follow the check's dtype with the complex dtype of the same precision.
+_COMPLEX = {torch.float64: torch.complex128, torch.float32: torch.complex64}
+_SPECTRAL_REASON = (
+    "spectral_norm: every train-mode forward runs a power iteration that updates its buffers "
+    "{}, so each micro-batch divides the weight by a different estimate than the full batch "
+    "(exact in eval mode)"
 )
 
 
 @dataclass(frozen=True)
 class NonAdditiveModule:
-    """A module whose output for one item depends on the other items of its micro-batch.
+    """A module that makes micro-batches compute something else than one full batch.
+
+    Its output for one item depends on the other items of its micro-batch (BatchNorm), on random
+    draws per call (dropout), or on state that advances once per call (spectral norm).
 
     Attributes:
         name: Qualified module name in the model.
-        kind: The module's class name.
+        kind: The module's (or its hook's) class name.
         reason: Why accumulation is inexact with it.
     """
 
@@ -74,7 +84,7 @@ class ParameterGap:
 
     name: str
     shape: tuple[int, ...]
-    max_abs_diff: float
+    max_abs_diff: float  # of complex gradients: the largest modulus of the difference
     max_rel_diff: float  # max |accumulated - full| / max(max |full|, 1e-3 x model's largest)
 
 
@@ -88,6 +98,9 @@ class EquivalenceReport:
         tolerance: Largest relative gap counted as rounding.
         parameters: One `ParameterGap` per parameter that received a gradient.
         non_additive: Modules that make accumulation inexact.
+        internal_dtype: The least precise dtype the model's differentiable computation ran in,
+            when less precise than `dtype` (float32 inside a float64 check: an RMSNorm doing
+            `x.float()`, a `.float()` loss); `tolerance` is then that dtype's. None otherwise.
     """
 
     micro_batch_size: int
@@ -95,6 +108,7 @@ class EquivalenceReport:
     tolerance: float
     parameters: tuple[ParameterGap, ...]
     non_additive: tuple[NonAdditiveModule, ...]
+    internal_dtype: torch.dtype | None = None
 
     @property
     def max_abs_diff(self) -> float:
@@ -108,7 +122,7 @@ class EquivalenceReport:
 
     @property
     def ok(self) -> bool:
-        """Whether every gap is within rounding for `dtype`."""
+        """Whether every gap is within rounding for the precision the model computed in."""
         return self.max_rel_diff <= self.tolerance
 
     def __str__(self) -> str:
@@ -132,6 +146,11 @@ class EquivalenceReport:
             f"max abs diff {self.max_abs_diff:.3e}  max rel diff {self.max_rel_diff:.3e}  "
             f"-> {verdict}",
         ]
+        if self.internal_dtype is not None:
+            lines.append(
+                f"note: the model computes in {self.internal_dtype} inside (e.g. x.float()), so "
+                f"the tolerance is {self.internal_dtype} rounding"
+            )
         if self.non_additive:
             lines.append("non-additive modules (accumulation cannot be exact with these):")
             lines += [f"  - {module}" for module in self.non_additive]
@@ -141,6 +160,10 @@ class EquivalenceReport:
 def find_non_additive(model: torch.nn.Module) -> list[NonAdditiveModule]:
     """List the modules that make micro-batch accumulation differ from a full batch.
 
+    Parametrizations are probed on a copy (the RNG state is kept): one whose buffers change when
+    it computes its weight, or whose weight changes from call to call, is listed. Hooks that
+    change state are found by `check_equivalence`, which runs the model.
+
     Example:
         >>> import torch
         >>> [m.name for m in find_non_additive(torch.nn.Sequential(torch.nn.BatchNorm1d(3)))]
@@ -148,30 +171,30 @@ def find_non_additive(model: torch.nn.Module) -> list[NonAdditiveModule]:
     """
     found = []
     for name, module in model.named_modules():
+        label, kind = name or "<model>", type(module).__name__
         # An eval-mode BatchNorm without running statistics still normalizes per batch.
-        batch_statistics = isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and (
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and (
             module.training or module.running_mean is None
-        )
-        if not (module.training or batch_statistics):
-            continue
-        kind = type(module).__name__
-        if batch_statistics:
-            found.append(
-                NonAdditiveModule(
-                    name or "<model>",
-                    kind,
-                    "normalizes with micro-batch statistics and updates running statistics "
-                    "once per micro-batch",
-                )
-            )
-        elif (isinstance(module, _DROPOUT_TYPES) and module.p > 0) or (
-            isinstance(module, torch.nn.MultiheadAttention) and module.dropout > 0
         ):
-            found.append(
-                NonAdditiveModule(
-                    name or "<model>", kind, "draws random masks per micro-batch call"
-                )
+            reason = (
+                "normalizes with micro-batch statistics and updates running statistics "
+                "once per micro-batch"
             )
+            found.append(NonAdditiveModule(label, kind, reason))
+        elif module.training and (
+            (isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0)
+            or (isinstance(module, torch.nn.MultiheadAttention) and module.dropout > 0)
+        ):
+            found.append(NonAdditiveModule(label, kind, "draws random masks per micro-batch call"))
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, _LegacySpectralNorm) and module.training:
+                buffers = f"{hook.name}_u, {hook.name}_v"
+                found.append(
+                    NonAdditiveModule(label, "SpectralNorm", _SPECTRAL_REASON.format(buffers))
+                )
+        if parametrize.is_parametrized(module):
+            for tensor, members in cast(torch.nn.ModuleDict, module.parametrizations).items():
+                found += _stateful_parametrization(f"{name}.parametrizations.{tensor}", members)
     return found
 
 
@@ -185,8 +208,9 @@ def check_equivalence(
 ) -> EquivalenceReport:
     """Compare the accumulated gradient with the full-batch gradient on copies of `model`.
 
-    The model itself is not touched. Floating tensors of the batch are cast to `dtype`; both
-    runs start from the same RNG state.
+    The model itself is not touched. Floating tensors of the model and the batch are cast to
+    `dtype`, complex ones to the complex dtype of its precision. Both runs start from the
+    caller's RNG state (CPU, and CUDA when used), which is restored afterwards.
 
     Args:
         model: The model to check.
@@ -197,33 +221,53 @@ def check_equivalence(
 
     Returns:
         An `EquivalenceReport`; `str()` of it is a readable table.
+
+    Raises:
+        ValueError: If a parameter, buffer or batch tensor has no values (meta device, lazy
+            module), the batch or `micro_batch_size` is invalid, or only the accumulated run fails.
     """
+    _refuse_unmaterialized(model, batch)
     split_batch(batch, micro_batch_size)  # validates the batch and the size before any work
-    full_model = copy.deepcopy(model).to(dtype)
-    accumulated_model = copy.deepcopy(model).to(dtype)
-    batch = _cast_floating(batch, dtype)
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    full_model, accumulated_model = _cast_copy(model, dtype), _cast_copy(model, dtype)
+    batch = map_tensors(batch, lambda tensor: _cast(tensor, dtype))
+    devices = _cuda_devices([*model.parameters(), *model.buffers(), *_tensors_of(batch)])
+    hooked = _hooked_buffers(full_model)
+    precision = _PrecisionProbe(dtype)
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        value, weight, count = read_loss(loss_fn(full_model, batch), batch_size(batch))
-        if count > 0:
-            (value * weight / count).backward()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        try:
-            accumulate_grad(accumulated_model, batch, loss_fn, micro_batch_size)
-        except ValueError as error:
-            suspects = "; ".join(str(m) for m in find_non_additive(model)) or "none found"
-            raise ValueError(
-                f"the accumulated run failed at micro_batch_size={micro_batch_size} although the "
-                f"full batch ran: {error}. Non-additive modules: {suspects}. Try a larger "
-                "micro_batch_size (BatchNorm needs more than 1 item per channel in train mode)."
-            ) from error
+    with torch.enable_grad():
+        with torch.random.fork_rng(devices=devices), precision:
+            value, weight, count = read_loss(loss_fn(full_model, batch), batch_size(batch))
+            if count > 0:  # the plain full-batch loss itself: no op a user would not write
+                torch.autograd.backward(value if weight == count else value / count)
+        with torch.random.fork_rng(devices=devices):
+            try:
+                accumulate_grad(accumulated_model, batch, loss_fn, micro_batch_size)
+            except ValueError as error:
+                suspects = "; ".join(str(m) for m in find_non_additive(model)) or "none found"
+                raise ValueError(
+                    f"the accumulated run failed at micro_batch_size={micro_batch_size} although "
+                    f"the full batch ran: {error}. Non-additive modules: {suspects}. Try a larger "
+                    "micro_batch_size (BatchNorm needs more than 1 item per channel in train mode)."
+                ) from error
 
+    non_additive = find_non_additive(model)
+    non_additive += _changed_by_hooks(full_model, hooked, {m.name for m in non_additive})
+    limit = precision.lowest
+    return EquivalenceReport(
+        micro_batch_size=micro_batch_size,
+        dtype=dtype,
+        tolerance=_TOLERANCE.get(limit or dtype, _LOW_PRECISION_TOLERANCE),
+        parameters=_gaps(full_model, accumulated_model),
+        non_additive=tuple(non_additive),
+        internal_dtype=limit,
+    )
+
+
+def _gaps(full_model: torch.nn.Module, accumulated: torch.nn.Module) -> tuple[ParameterGap, ...]:
+    """One gap per parameter with a gradient; |.| of complex numbers is their modulus."""
     pairs = []
     reference = dict(full_model.named_parameters())
-    for name, param in accumulated_model.named_parameters():
+    for name, param in accumulated.named_parameters():
         full_grad, acc_grad = reference[name].grad, param.grad
         if full_grad is None and acc_grad is None:
             continue
@@ -239,14 +283,149 @@ def check_equivalence(
         scale = max(float(full_grad.abs().max()), _SCALE_FLOOR * largest)
         rel_diff = abs_diff / scale if scale > 0 else (0.0 if abs_diff == 0 else float("inf"))
         gaps.append(ParameterGap(name, shape, abs_diff, rel_diff))
-    return EquivalenceReport(
-        micro_batch_size=micro_batch_size,
-        dtype=dtype,
-        tolerance=_TOLERANCE.get(dtype, _LOW_PRECISION_TOLERANCE),
-        parameters=tuple(gaps),
-        non_additive=tuple(find_non_additive(model)),
-    )
+    return tuple(gaps)
 
 
-def _cast_floating(batch: Any, dtype: torch.dtype) -> Any:
-    return map_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t)
+class _PrecisionProbe(TorchFunctionMode):
+    """Records the least precise dtype of any result that carries a gradient."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = torch.finfo(dtype).eps
+        self.lowest: torch.dtype | None = None
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Collection[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        result = func(*args, **(kwargs or {}))
+        for tensor in _leaves(result):
+            if tensor.requires_grad and (tensor.is_floating_point() or tensor.is_complex()):
+                eps = torch.finfo(tensor.dtype).eps
+                if eps > self.eps:
+                    self.eps, self.lowest = eps, tensor.real.dtype  # complex64 -> float32
+        return result
+
+
+def _stateful_parametrization(prefix: str, members: torch.nn.Module) -> list[NonAdditiveModule]:
+    """Compute a copy of one tensor's parametrizations twice; list the members that keep state."""
+    prefix = prefix.lstrip(".")
+    found: dict[str, NonAdditiveModule] = {}
+    for index, member in members.named_children():
+        if type(member).__name__ == "_SpectralNorm" and member.training:  # known by its class
+            reason = _SPECTRAL_REASON.format("_u, _v")
+            found[index] = NonAdditiveModule(f"{prefix}.{index}", "_SpectralNorm", reason)
+    try:
+        probe = copy.deepcopy(members)
+        before = {name: buffer.clone() for name, buffer in probe.named_buffers()}
+        with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices(probe.parameters())):
+            first, second = probe(), probe()
+        changed = [n for n, b in probe.named_buffers() if not torch.equal(b, before[n])]
+        random = not changed and not torch.equal(first, second)
+    except Exception:  # one that cannot run on its own (meta tensors...): judged by class alone
+        return list(found.values())
+    for owner in dict.fromkeys(name.rpartition(".")[0] for name in changed):
+        shorts = ", ".join(n.rpartition(".")[2] for n in changed if n.rpartition(".")[0] == owner)
+        kind = type(members.get_submodule(owner)).__name__
+        reason = f"updates its buffers {shorts} each time it computes the weight, so each "
+        reason += "micro-batch sees a different weight than the full batch"
+        found.setdefault(owner, NonAdditiveModule(f"{prefix}.{owner}".rstrip("."), kind, reason))
+    if random:
+        reason = "computes a different weight on every call, so each micro-batch sees another one"
+        found[""] = NonAdditiveModule(prefix, type(members).__name__, reason)
+    return list(found.values())
+
+
+def _hooked_buffers(model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """Copies of the buffers of every module that runs forward pre-hooks."""
+    return {
+        name: {key: buffer.clone() for key, buffer in module.named_buffers(recurse=False)}
+        for name, module in model.named_modules()
+        if module._forward_pre_hooks and next(module.buffers(recurse=False), None) is not None
+    }
+
+
+def _changed_by_hooks(
+    model: torch.nn.Module, before: dict[str, dict[str, torch.Tensor]], known: set[str]
+) -> list[NonAdditiveModule]:
+    """The hooked modules whose buffers one full-batch forward changed (not already listed)."""
+    found = []
+    modules = dict(model.named_modules())
+    for name, buffers in before.items():
+        current = dict(modules[name].named_buffers(recurse=False))
+        changed = [k for k, old in buffers.items() if not torch.equal(current.get(k, old), old)]
+        if changed and (name or "<model>") not in known:
+            reason = (
+                f"it runs forward pre-hooks and one forward changed its buffers "
+                f"{', '.join(changed)}: its state advances once per micro-batch, so micro-batches "
+                "see other states than the full batch"
+            )
+            found.append(NonAdditiveModule(name or "<model>", type(modules[name]).__name__, reason))
+    return found
+
+
+def _refuse_unmaterialized(model: torch.nn.Module, batch: Any) -> None:
+    """Raise, naming the fix, if a parameter, buffer or batch tensor holds no values."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if torch.nn.parameter.is_lazy(tensor):
+            raise ValueError(
+                f"{name} is uninitialized (a lazy module): run one forward pass on a batch first "
+                "so that it gets its shape, then check."
+            )
+        if tensor.is_meta:
+            raise ValueError(
+                f"{name} is on the meta device: it has a shape but no values, so there is no "
+                "gradient to check. Materialize the model first, e.g. "
+                "model.to_empty(device='cpu'), then initialize it (reset_parameters() on each "
+                "module, or load_state_dict(...))."
+            )
+    if any(tensor.is_meta for tensor in _tensors_of(batch)):
+        raise ValueError("the batch holds a meta tensor (no values); pass real data.")
+
+
+def _cast_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A deep copy, cast tensor by tensor: `Module.to(dtype)` would make complex tensors real."""
+    try:
+        clone = copy.deepcopy(model)
+    except RuntimeError as error:  # e.g. a non-leaf tensor held as an attribute
+        raise ValueError(
+            f"check_equivalence runs on deep copies of the model, and copy.deepcopy failed: "
+            f"{error}. Make the model copyable: replace torch.nn.utils.weight_norm with "
+            "torch.nn.utils.parametrizations.weight_norm, and keep computed tensors out of "
+            "module attributes."
+        ) from error
+    clone._apply(lambda tensor: _cast(tensor, dtype))  # type: ignore[no-untyped-call]
+    return clone
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if tensor.is_complex():
+        return tensor.to(_COMPLEX.get(dtype, torch.complex64))
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """Every CUDA device when any of `tensors` is on one (their RNGs are forked too), else none."""
+    return list(range(torch.cuda.device_count())) if any(t.is_cuda for t in tensors) else []
+
+
+def _tensors_of(batch: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        found.append(tensor)
+        return tensor
+
+    map_tensors(batch, keep)
+    return found
+
+
+def _leaves(value: object) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _leaves(item)

@@ -17,6 +17,7 @@ subprocesses of a test run concurrently to keep the file fast.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -277,6 +279,7 @@ def test_unusable_resume_folder_exits_2_and_changes_nothing(
     shutil.copytree(stopped, folder)
     _damage(folder, how)
     before = _snapshot(folder)
+    rng, threads = _process_rng(), torch.get_num_threads()
     code = main(["train", "--resume", str(folder)])
     err = capsys.readouterr().err
     assert code == 2
@@ -284,6 +287,15 @@ def test_unusable_resume_folder_exits_2_and_changes_nothing(
     assert message in err
     assert len(err.strip().splitlines()) == 1
     assert _snapshot(folder) == before
+    # Nor does the process change: not its RNG states (even when the refusal comes after the
+    # checkpoint was loaded, RNG states included), nor its thread count.
+    assert_bitwise(_process_rng(), rng)
+    assert torch.get_num_threads() == threads
+
+
+def _process_rng() -> list[Any]:
+    kind, keys, *rest = np.random.get_state()
+    return [random.getstate(), kind, torch.from_numpy(keys.copy()), rest, torch.get_rng_state()]
 
 
 def test_starting_again_into_a_stopped_run_folder_points_to_resume(capsys, stopped):

@@ -64,7 +64,9 @@ def _train(rank: int, size: int | str, threshold: float) -> tuple[dict[str, torc
     budget = "256MiB" if size == "auto" else None
     acc = Accumulator(ddp, optimizer, micro_batch_size=size, memory_budget=budget)
     if size == "auto":  # plan while memory is plentiful, then make it scarce on one rank
-        acc._auto.ensure_plan(acc, _batch(0, rank), _loss)
+        acc._auto.ensure_plan(
+            ddp, _batch(0, rank), _loss, optimizer, precision=acc.precision, accum_dtype=None
+        )
     ddp.module.threshold = threshold
     sizes = [acc.step(_batch(w, rank), _loss).micro_batch_size for w in range(WINDOWS)]
     params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}

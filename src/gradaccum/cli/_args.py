@@ -13,11 +13,22 @@ Example:
     'two lines'
     >>> error_summary(RuntimeError("first line\nsecond line"))
     'RuntimeError: first line'
+    >>> import torch
+    >>> before = torch.get_num_threads()
+    >>> with torch_threads(1):
+    ...     torch.get_num_threads()
+    1
+    >>> torch.get_num_threads() == before
+    True
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
+
+import torch
 
 from gradaccum.memory import parse_bytes
 
@@ -31,6 +42,7 @@ __all__ = [
     "one_line",
     "positive_float",
     "positive_int",
+    "torch_threads",
 ]
 
 
@@ -120,6 +132,27 @@ def add_threads_option(parser: argparse.ArgumentParser) -> None:
         help="torch intra-op threads (default: 1; the models are tiny, and more threads on a "
         "shared CPU mostly add synchronization)",
     )
+
+
+@contextlib.contextmanager
+def torch_threads(count: int | None = None) -> Iterator[None]:
+    """Run the block with `count` torch intra-op threads; restore the previous count after it.
+
+    Every command that sets threads (`--threads`) runs inside this, so calling a command
+    in-process (`gradaccum.cli.main([...])`) leaves the caller's thread count as it was, whether
+    the command returns or raises.
+
+    Args:
+        count: Threads for the block; None keeps the current count (code in the block may still
+            call `torch.set_num_threads`, and is undone all the same).
+    """
+    previous = torch.get_num_threads()
+    try:
+        if count is not None:
+            torch.set_num_threads(count)
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def first_line(error: BaseException) -> str:

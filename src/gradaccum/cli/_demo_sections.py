@@ -265,8 +265,7 @@ def run_digits(folder: Path, *, seed: int, epochs: int) -> DigitsResult:
         curves[label] = read_metrics(run_dir / "metrics.jsonl")
         model = task.make_model(seed)
         optimizer = torch.optim.AdamW(model.parameters())
-        with torch.random.fork_rng(devices=[]):  # loading restores RNG states; keep ours
-            load_checkpoint(run_dir / "checkpoint.pt", model=model, optimizer=optimizer)
+        load_checkpoint(run_dir / "checkpoint.pt", model=model, optimizer=optimizer)
         weights[label] = dict(model.named_parameters())
     first, *others = weights
     result.gaps = {label: tensor_gap(weights[label], weights[first]) for label in others}

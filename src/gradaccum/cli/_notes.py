@@ -9,13 +9,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
+from collections.abc import Iterator
 
 from gradaccum.batchnorm import BatchNormAccumulationWarning
 from gradaccum.cli._training_options import CheckedRun
 
-__all__ = ["batchnorm_note", "show_batchnorm_notes"]
+__all__ = ["batchnorm_note", "batchnorm_warnings_as_notes", "show_batchnorm_notes"]
 
 
 def batchnorm_note(run: CheckedRun) -> str | None:
@@ -40,10 +42,21 @@ def batchnorm_note(run: CheckedRun) -> str | None:
 def show_batchnorm_notes(runs: list[CheckedRun]) -> None:
     """Print each run's BatchNorm note once, on stderr, in the CLI's own terms.
 
-    The library's `BatchNormAccumulationWarning` names Python options (`batchnorm="pooled"`) and
-    would point at the CLI's internals, so it is silenced in favour of these notes.
+    Train inside `batchnorm_warnings_as_notes()`, so the library's warning does not repeat them.
     """
-    warnings.filterwarnings("ignore", category=BatchNormAccumulationWarning)
     notes = dict.fromkeys(note for run in runs if (note := batchnorm_note(run)))
     for note in notes:
         print(note, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def batchnorm_warnings_as_notes() -> Iterator[None]:
+    """Ignore the library's `BatchNormAccumulationWarning` inside the block, and only there.
+
+    The warning names Python options (`batchnorm="pooled"`) and would point at the CLI's
+    internals; `show_batchnorm_notes` says the same in the CLI's terms. The process's warning
+    filters are restored when the block ends, however it ends.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=BatchNormAccumulationWarning)
+        yield

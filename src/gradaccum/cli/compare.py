@@ -21,10 +21,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from gradaccum.cli import UsageError
-from gradaccum.cli._notes import show_batchnorm_notes
+from gradaccum.cli._args import torch_threads
+from gradaccum.cli._notes import batchnorm_warnings_as_notes, show_batchnorm_notes
 from gradaccum.cli._outdir import resolve_out_dir, staged_out_dir, terminate_as_interrupt
 from gradaccum.cli._training_options import (
     CheckedRun,
@@ -83,13 +82,17 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         UsageError: On bad options or configs, before anything is written.
     """
-    from gradaccum.experiments.report import PEAK_MEMORY_NOTE, print_table, write_report
-
     started = time.perf_counter()
     checked = _check(args)
     out = resolve_out_dir(args.out, "compare", args.task)
+    with torch_threads(args.threads), batchnorm_warnings_as_notes():
+        return _compare(args, checked, out, started)
 
-    torch.set_num_threads(args.threads)
+
+def _compare(args: argparse.Namespace, checked: list[CheckedRun], out: Path, started: float) -> int:
+    """Train each checked config into `out`, write the report and print the table."""
+    from gradaccum.experiments.report import PEAK_MEMORY_NOTE, print_table, write_report
+
     first = checked[0].config
     print(f"gradaccum compare: {args.task}, {len(checked)} configs, seed {first.seed}")
     for item in checked:

@@ -25,10 +25,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from gradaccum.cli import UsageError
-from gradaccum.cli._args import add_threads_option, positive_int
+from gradaccum.cli._args import add_threads_option, positive_int, torch_threads
 from gradaccum.cli._demo_sections import (
     DIGITS_CONFIGS,
     INDENT,
@@ -116,12 +114,8 @@ def run(args: argparse.Namespace) -> int:
     """
     started = time.perf_counter()
     _check(args)
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _run(args, started)
-    finally:
-        torch.set_num_threads(previous_threads)
 
 
 def _check(args: argparse.Namespace) -> None:

@@ -23,7 +23,7 @@ import sys
 import torch
 
 from gradaccum.cli import PROG, UsageError
-from gradaccum.cli._args import add_threads_option, error_summary, positive_int
+from gradaccum.cli._args import add_threads_option, error_summary, positive_int, torch_threads
 from gradaccum.cli._check_targets import add_target_arguments, batch_items, build_target
 from gradaccum.memory import parse_bytes
 
@@ -105,12 +105,17 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         UsageError: For an unknown task, a bad factory, budget, margin or batch size.
     """
-    from gradaccum import MemoryBudgetError, plan_micro_batch
-
     budget = parse_memory_budget(args.memory_budget)
     if not 0 <= args.margin < 1:
         raise UsageError(f"--margin {args.margin} must be in [0, 1), e.g. 0.05")
-    torch.set_num_threads(args.threads)
+    with torch_threads(args.threads):
+        return _plan(args, budget)
+
+
+def _plan(args: argparse.Namespace, budget: int) -> int:
+    """Build the target, make the plan and print it (threads already set)."""
+    from gradaccum import MemoryBudgetError, plan_micro_batch
+
     torch.manual_seed(args.seed)
     target = build_target(args)
     params = [p for p in target.model.parameters() if p.requires_grad]

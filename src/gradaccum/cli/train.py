@@ -43,9 +43,9 @@ from pathlib import Path
 import torch
 
 from gradaccum.cli import UsageError
-from gradaccum.cli._args import one_line
+from gradaccum.cli._args import one_line, torch_threads
 from gradaccum.cli._auto import plan_auto
-from gradaccum.cli._notes import show_batchnorm_notes
+from gradaccum.cli._notes import batchnorm_warnings_as_notes, show_batchnorm_notes
 from gradaccum.cli._outdir import (
     StopRequest,
     resolve_out_dir,
@@ -136,6 +136,12 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         UsageError: On bad options or an unusable `--resume` folder, before anything is written.
     """
+    # Threads are set once the options are checked (`_prepare_*`); they are restored on return.
+    with torch_threads(), batchnorm_warnings_as_notes():
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     from gradaccum.experiments.progress import progress
 
     hook = _test_hook()

@@ -23,10 +23,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
+
+import numpy as np
+import torch
 
 from gradaccum.checkpoint import load_checkpoint, save_checkpoint
 
@@ -359,6 +363,7 @@ def load_run(run: TrainingRun, out: Path) -> tuple[Position, list[dict[str, floa
             f"holds no {CHECKPOINT_NAME}: the run stopped before its first checkpoint; start it "
             "again"
         )
+    before = _global_rng_states()  # put back if the checkpoint is refused after loading
     try:
         extra = load_checkpoint(
             path,
@@ -366,23 +371,43 @@ def load_run(run: TrainingRun, out: Path) -> tuple[Position, list[dict[str, floa
             optimizer=run.optimizer,
             accumulator=run.accumulator,
             scheduler=run.scheduler,
+            restore_rng=True,  # a bitwise resume continues the run's random streams
         )
     except (ValueError, OSError) as error:  # CheckpointError is a ValueError
         raise ResumeError(" ".join(str(error).split())) from None
-    position, history = read_position(
-        extra,
-        config=plain_config(run.plan.config),
-        total_steps=run.plan.total_steps,
-        steps_per_epoch=run.plan.steps_per_epoch,
-        window_micro_batches=run.window_micro_batches,
-    )
-    open_window = run.accumulator.state_dict()["window"]["micro_batches"]
-    if open_window != position.micro:
-        raise ResumeError(
-            f"{CHECKPOINT_NAME} is inconsistent: its Accumulator holds {open_window} "
-            f"micro-batches of the open window, its position says {position.micro}"
+    try:
+        position, history = read_position(
+            extra,
+            config=plain_config(run.plan.config),
+            total_steps=run.plan.total_steps,
+            steps_per_epoch=run.plan.steps_per_epoch,
+            window_micro_batches=run.window_micro_batches,
         )
+        open_window = run.accumulator.state_dict()["engine"]["window"]["micro_batches"]
+        if open_window != position.micro:
+            raise ResumeError(
+                f"{CHECKPOINT_NAME} is inconsistent: its Accumulator holds {open_window} "
+                f"micro-batches of the open window, its position says {position.micro}"
+            )
+    except ResumeError:
+        _set_global_rng_states(before)
+        raise
     return position, history
+
+
+def _global_rng_states() -> tuple[Any, Any, torch.Tensor, list[torch.Tensor]]:
+    """The process-wide RNG states that `load_checkpoint(..., restore_rng=True)` sets."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def _set_global_rng_states(states: tuple[Any, Any, torch.Tensor, list[torch.Tensor]]) -> None:
+    python, numpy, cpu, cuda = states
+    random.setstate(python)
+    np.random.set_state(numpy)
+    torch.set_rng_state(cpu)
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def open_metrics(path: Path, *, resume_step: int | None) -> IO[str]:

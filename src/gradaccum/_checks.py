@@ -1,0 +1,107 @@
+"""Checks an `Accumulator` runs once, at construction, so that a window can never be stuck.
+
+Everything here raises before anything is built, with a message that names the fix. The checks
+cover the setups whose failure would otherwise surface in the middle of a window boundary, after
+gradients were divided or the optimizer stepped: optimizers that need a closure, schedulers that
+need a metric, sparse gradients, and settings of the wrong type.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["check_max_grad_norm", "check_optimizer", "check_scheduler", "check_sparse"]
+
+_SPARSE_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+
+
+def check_max_grad_norm(max_grad_norm: object) -> None:
+    """Raise unless `max_grad_norm` is None or a positive finite number."""
+    if max_grad_norm is None:
+        return
+    if (
+        isinstance(max_grad_norm, bool)
+        or not isinstance(max_grad_norm, (int, float))
+        or not 0 < max_grad_norm < math.inf
+    ):
+        raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a positive finite number.")
+
+
+def check_optimizer(optimizer: object, model: torch.nn.Module) -> None:
+    """Raise unless `optimizer` is an Optimizer over some of `model`'s trainable parameters.
+
+    Optimizers whose `step` needs a closure (L-BFGS) re-evaluate the loss several times per
+    step, which a window of micro-batches cannot offer; they are refused.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer={optimizer!r} must be a torch.optim.Optimizer.")
+    model_ids = {id(p) for p in model.parameters() if p.requires_grad}
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not model_ids & held:
+        raise ValueError(
+            "the optimizer holds none of the model's trainable parameters; build it from this "
+            "model, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)."
+        )
+    if _needs_argument(type(optimizer).step):
+        raise ValueError(
+            f"{type(optimizer).__name__}.step() needs a closure that re-evaluates the loss, "
+            "which an accumulation window cannot provide; use an optimizer whose step() takes "
+            "no argument (SGD, Adam, AdamW, ...)."
+        )
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise ValueError(
+            "SparseAdam needs sparse gradients, which gradaccum does not accumulate; use "
+            "nn.Embedding(..., sparse=False) with Adam or AdamW."
+        )
+
+
+def check_scheduler(scheduler: Any) -> None:
+    """Raise unless `scheduler` is None or has a `step()` that needs no argument.
+
+    `ReduceLROnPlateau.step(metrics)` needs a validation metric that only the caller has: step
+    it yourself after validation, and pass `scheduler=None`.
+    """
+    if scheduler is None:
+        return
+    step = getattr(scheduler, "step", None)
+    if not callable(step):
+        raise TypeError(f"scheduler={scheduler!r} has no step(); pass an LRScheduler or None.")
+    if _needs_argument(getattr(type(scheduler), "step", step)):
+        raise ValueError(
+            f"{type(scheduler).__name__}.step() needs an argument (a metric); the Accumulator "
+            "steps its scheduler with none. Pass scheduler=None and call "
+            f"{type(scheduler).__name__}.step(val_loss) yourself after validation."
+        )
+
+
+def check_sparse(model: torch.nn.Module) -> None:
+    """Refuse trainable embeddings with `sparse=True`: their gradients are not accumulated."""
+    for name, module in model.named_modules():
+        if isinstance(module, _SPARSE_MODULES) and module.sparse and module.weight.requires_grad:
+            raise ValueError(
+                f"{name or type(module).__name__} has sparse=True; gradaccum accumulates dense "
+                "gradients only. Build it with sparse=False (and a dense optimizer such as "
+                "AdamW), or freeze it."
+            )
+
+
+def _needs_argument(method: Any) -> bool:
+    """Whether calling the method `method` (read on the class) with no argument is an error.
+
+    Read on the class: schedulers wrap the instance's `optimizer.step` in a `*args` wrapper.
+    """
+    try:
+        parameters = list(inspect.signature(method).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: assume it takes none
+        return False
+    if inspect.isfunction(inspect.unwrap(method)) and parameters:
+        parameters = parameters[1:]  # self
+    return any(
+        p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for p in parameters
+    )

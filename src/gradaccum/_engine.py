@@ -1,0 +1,439 @@
+"""The step algorithm: micro-batches in, one transactional window boundary out.
+
+One micro-batch: forward under autocast, read `(sum, count)`, backward `sum * loss_scale /
+denominator` (`gradaccum.divisor`), move low-precision gradients to their buffers.
+
+The boundary, a transaction:
+
+    exchange (ranks agree) ─► reduce what the backend did not ─► divide once ─► finite?
+    ─► clip ─► optimizer.step()  ══ commit ══►  loss scale, pooled BatchNorm, close the window
+
+Any exception before the commit, or a window that is skipped (non-finite) or dropped, ends in
+`_forget_window()`: gradients as they were before the window, fp32 buffers dropped, BatchNorm
+running statistics and pooled statistics back, and the random number generators too for a window
+that will be rerun (out of memory). After the commit nothing can fail but the caller's scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradaccum._warnings import warn_user
+from gradaccum.batching import batch_size, slice_batch, to_device
+from gradaccum.batchnorm import BatchNormControl
+from gradaccum.divisor import backward_denominator, grad_divisor, scaled_loss
+from gradaccum.loss import TokenMeanWarning, read_loss
+from gradaccum.norms import clip_, total_norm
+from gradaccum.options import Normalize
+from gradaccum.precision import PrecisionRuntime
+from gradaccum.sync import FSDP2Sync, GradSync, RankMismatchError, RankSummary, WindowAgreement
+from gradaccum.window import LossFn, Window, window_parameters
+
+__all__ = ["Engine", "Outcome"]
+
+_IGNORE_INDEX = -100  # the Hugging Face convention for unscored label positions
+_TOKEN_MEAN_CHECKS = 8  # micro-batches inspected for padded labels before the check stops
+_FAILED, _OUT_OF_MEMORY = 1, 2
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a window boundary did (the Accumulator turns it into a `StepResult`)."""
+
+    stepped: bool
+    count: int
+    loss_sum: float
+    grad_norm: float | None
+    lr: float | None
+    nonfinite_names: tuple[str, ...] = ()
+
+
+class Engine:
+    """Runs micro-batches and window boundaries over the components it is given."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        normalize: Normalize,
+        runtime: PrecisionRuntime,
+        sync: GradSync,
+        batchnorm: BatchNormControl,
+        batch_dim: int = 0,
+    ) -> None:
+        self.model, self.optimizer, self.normalize = model, optimizer, normalize
+        self.batch_dim = batch_dim
+        self.runtime, self.sync, self.batchnorm = runtime, sync, batchnorm
+        self.window = Window()
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        self._agreement: WindowAgreement | None = None  # FSDP2 agrees before the last backward
+        self._exchanged = False  # this window's exchange has started (never run it twice)
+        self._reduced = False  # the last backward reduced the gradients (FSDP2)
+        self._last_input: tuple[Any, LossFn] | None = None  # for FSDP2's zero-item settle
+        self._rng: list[torch.Tensor] | None = None  # set for windows that may be rerun
+        self._token_checks = _TOKEN_MEAN_CHECKS
+
+    # ---------------------------------------------------------------- micro-batches
+
+    def run_window(
+        self,
+        micro_batches: Sequence[Any],
+        loss_fn: LossFn,
+        *,
+        window_items: int,
+        rerun_on_oom: bool = False,
+    ) -> None:
+        """Forward and backward a whole window given up front (`step()`)."""
+        first_items = batch_size(micro_batches[0], batch_dim=self.batch_dim)
+        self.sync.agree_on_plan(len(micro_batches), first_items)
+        self._open(rerun_on_oom)
+        try:
+            for index, micro_batch in enumerate(micro_batches):
+                self._micro_batch(
+                    micro_batch,
+                    loss_fn,
+                    last=index == len(micro_batches) - 1,
+                    expected_micro_batches=len(micro_batches),
+                    window_items=window_items,
+                )
+        except BaseException as error:
+            self._fail(error)
+            raise
+
+    def run_micro_batch(
+        self, micro_batch: Any, loss_fn: LossFn, *, last: bool, expected_micro_batches: int
+    ) -> None:
+        """Forward and backward one streamed micro-batch (`micro_step()`)."""
+        if self.window.is_open:
+            self.check_gradients_untouched()
+        else:
+            self._open(rerun=False)
+        try:
+            self._micro_batch(
+                micro_batch, loss_fn, last=last, expected_micro_batches=expected_micro_batches
+            )
+        except BaseException as error:
+            self._forget_window(error)
+            raise
+
+    def _open(self, rerun: bool) -> None:
+        params, held = window_parameters(self.model, self.optimizer)
+        self.window.open(params, held, self.runtime.loss_scale())
+        self.runtime.open_window(len(params))
+        self.batchnorm.open_window()
+        self._rng = _rng_states(self.runtime.device) if rerun else None
+
+    def _micro_batch(
+        self,
+        micro_batch: Any,
+        loss_fn: LossFn,
+        *,
+        last: bool,
+        expected_micro_batches: int,
+        window_items: int | None = None,
+    ) -> None:
+        window, runtime, sync = self.window, self.runtime, self.sync
+        items = batch_size(micro_batch, batch_dim=self.batch_dim)
+        micro_batch = to_device(micro_batch, runtime.device)
+        if window_items is not None:
+            self.batchnorm.warn_once(items, window_items)
+        else:
+            self.batchnorm.warn_once(items, items * expected_micro_batches)
+        with sync.micro_context(last=last), self.batchnorm.micro_context():
+            with runtime.autocast():
+                value, weight, count = read_loss(loss_fn(self.model, micro_batch), items)
+            if weight > 1 and self._token_checks:
+                self._warn_if_token_mean(micro_batch)
+            if window.denominator is None:
+                folded = window_items if weight > 1 and sync.world == 1 else None
+                expected = items if sync.world > 1 or not count else count
+                window.denominator = backward_denominator(
+                    self.normalize,
+                    expected_items=expected * expected_micro_batches,
+                    window_items=folded,
+                )
+            if count > 0 and not value.requires_grad:
+                raise ValueError(
+                    "the loss does not require grad: it was computed under torch.no_grad(), "
+                    "detached, or from frozen parameters only; return the loss with its graph."
+                )
+            reduce = False
+            if last and sync.syncs_last_backward:
+                # Every rank must run the reducing backward, or none: a rank whose last
+                # micro-batch has no graph makes all of them settle by a zero-item backward.
+                pending = RankSummary(
+                    window.count + count,
+                    window.loss_total() + float(value.detach()) * weight,
+                    window.micro_batches + 1,
+                    window.denominator,
+                    graph=value.requires_grad,
+                )
+                self._agreement = self._exchange(pending)
+                reduce = self._agreement.all_graphs
+            if value.requires_grad:
+                scaled = scaled_loss(value, weight, window.denominator, window.loss_scale)
+                with sync.backward_context(reduce=reduce):
+                    scaled.backward()  # type: ignore[no-untyped-call]
+                runtime.collect(window.params)
+        window.add(value, weight, count, items)
+        window.mark_gradients()
+        self._reduced = reduce
+        if isinstance(sync, FSDP2Sync):
+            self._last_input = (micro_batch, loss_fn)
+
+    def check_gradients_untouched(self) -> None:
+        """Refuse a window whose gradients someone changed between its micro-batches."""
+        touched = self.window.touched_gradients()
+        if not touched:
+            return
+        names = [self._names.get(id(self.window.params[i]), "<unnamed>") for i in touched[:3]]
+        self._forget_window()
+        raise RuntimeError(
+            f"the gradients of {len(touched)} parameters ({', '.join(names)}, ...) changed "
+            "between two micro-batches of one window: an optimizer.zero_grad() (or another "
+            "change to .grad) inside the accumulation loop would silently drop part of the "
+            "window. Remove it: the Accumulator clears gradients itself after each step. The "
+            "window was discarded."
+        )
+
+    def _warn_if_token_mean(self, micro_batch: Any) -> None:
+        self._token_checks -= 1
+        labels = micro_batch.get("labels") if isinstance(micro_batch, Mapping) else None
+        if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
+            return
+        if bool((labels == _IGNORE_INDEX).any()):
+            self._token_checks = 0
+            warn_user(
+                TokenMeanWarning(
+                    "loss_fn returned a plain scalar, read as a mean over the micro-batch's "
+                    f"{labels.shape[0]} rows, but the batch's labels hold {_IGNORE_INDEX} "
+                    "(unscored positions): a token mean is being weighted by rows, which is not "
+                    "the full-batch token mean. Return gradaccum.LossSum(sum_of_token_losses, "
+                    "count=number_of_scored_tokens) instead."
+                )
+            )
+
+    # ---------------------------------------------------------------- the boundary
+
+    def close_window(self, *, max_grad_norm: float | None) -> Outcome:
+        """Run the boundary transaction; the window is closed or forgotten when this returns."""
+        window, runtime = self.window, self.runtime
+        try:
+            agreement = self._agreement or self._exchange(self._summary())
+            self._agreement = None
+            if agreement.failed_ranks:
+                raise _peer_failure(agreement)
+            count, loss_sum = agreement.count, agreement.loss_sum
+            empty = count == 0 and self.normalize is Normalize.MEAN
+            if empty or not math.isfinite(loss_sum):
+                return self._skip(count, loss_sum, None, finite=empty)
+            held = self._reduced_gradients(agreement)
+            if any(grad.is_sparse for grad in held):
+                raise ValueError(
+                    "a parameter received a sparse gradient; gradaccum accumulates dense "
+                    "gradients only. Use nn.Embedding(..., sparse=False). The window was "
+                    "discarded."
+                )
+            assert window.denominator is not None  # set by the window's first micro-batch
+            divisor = grad_divisor(
+                count,
+                self.normalize,
+                window.denominator,
+                loss_scale=window.loss_scale,
+                averaged_over=self.sync.averaged_over,
+            )
+            if divisor != 1.0 and held:
+                torch._foreach_div_(held, divisor)
+            norm = total_norm(held)
+            norm_value = float(norm)
+            if not math.isfinite(norm_value):
+                return self._skip(count, loss_sum, norm_value, finite=False)
+            if max_grad_norm is not None and held:
+                clip_(held, max_grad_norm, norm)
+            runtime.publish(window.params)
+            lr = self.learning_rate()
+            self.optimizer.step()
+        except BaseException:
+            if window.is_open:
+                self._forget_window()
+            raise
+        # Committed: nothing below can fail on the caller's behalf.
+        runtime.update_scale(finite=True)
+        self.batchnorm.end_window()
+        runtime.clear_buffers()
+        window.close()
+        self._end()
+        return Outcome(True, count, loss_sum, norm_value, lr)
+
+    def discard_window(self) -> None:
+        """Drop an open window on purpose (`flush()` with "drop"), every rank alike."""
+        try:
+            self._settle()
+        finally:
+            self._forget_window()
+
+    def _skip(self, count: int, loss_sum: float, norm: float | None, *, finite: bool) -> Outcome:
+        names = () if finite else self._nonfinite_names()
+        self._settle()
+        self._forget_window()
+        if not finite:
+            self.runtime.update_scale(finite=False)  # the loss scale backs off exactly once
+        return Outcome(False, count, loss_sum, norm, self.learning_rate(), names)
+
+    def _summary(self, failed: int = 0) -> RankSummary:
+        window = self.window
+        has_grad = tuple(
+            self.runtime.gradient(i, p) is not None for i, p in enumerate(window.params)
+        )
+        return RankSummary(
+            window.count,
+            window.loss_total(),
+            window.micro_batches,
+            window.denominator or 1.0,
+            failed=failed,
+            has_grad=has_grad[: window.held],
+        )
+
+    def _exchange(self, summary: RankSummary) -> WindowAgreement:
+        self._exchanged = True
+        return self.sync.exchange(summary)
+
+    def _reduced_gradients(self, agreement: WindowAgreement) -> list[torch.Tensor]:
+        """The optimizer's gradients, reduced over ranks: each parameter used on some rank."""
+        window, runtime = self.window, self.runtime
+        if isinstance(self.sync, FSDP2Sync):
+            self._settle()
+        held: list[torch.Tensor] = []
+        for index, param in enumerate(window.params[: window.held]):
+            grad = runtime.gradient(index, param)
+            if grad is None and self.sync.world > 1 and agreement.has_grad[index]:
+                grad = runtime.zeros_for(index, param)  # another rank used it: reduce alike
+            if grad is not None:
+                held.append(grad)
+        if self.sync.world > 1 and not isinstance(self.sync, FSDP2Sync):
+            self.sync.reduce(held)
+        return held
+
+    def _settle(self) -> None:
+        """FSDP2: make it reduce-scatter deferred sums, by one zero-item synchronized backward.
+
+        FSDP2 holds a deferred window's partial sums on its own unsharded parameters, out of
+        reach; only a backward with the sync on releases them. A micro-batch cut to zero items
+        adds nothing (its gradient sums over no item).
+        """
+        if not isinstance(self.sync, FSDP2Sync) or self._reduced or self._last_input is None:
+            return
+        micro_batch, loss_fn = self._last_input
+        empty = slice_batch(micro_batch, 0, 0, batch_dim=self.batch_dim)
+        with self.sync.backward_context(reduce=True):
+            with self.runtime.autocast():
+                value, _, _ = read_loss(loss_fn(self.model, empty), 0)
+            value.backward(torch.zeros_like(value))  # type: ignore[no-untyped-call]
+        self._reduced = True
+
+    # ---------------------------------------------------------------- forgetting
+
+    def _fail(self, error: BaseException) -> None:
+        """A window raised: tell the other ranks (DDP), so none waits, then forget it."""
+        if self.sync.world > 1 and not self._exchanged and not isinstance(self.sync, FSDP2Sync):
+            from gradaccum._oom import is_out_of_memory
+
+            kind = _OUT_OF_MEMORY if is_out_of_memory(error) else _FAILED
+            self._exchange(self._summary(failed=kind))
+        self._forget_window(error)
+
+    def _forget_window(self, error: BaseException | None = None) -> None:
+        """Put back everything the window touched: grads, buffers, BatchNorm, (rerun) RNG."""
+        if error is not None and hasattr(error, "add_note"):
+            error.add_note(
+                f"gradaccum: the open accumulation window ({self.window.micro_batches} "
+                "micro-batches) was discarded; parameters, gradients and BatchNorm statistics "
+                "are as they were before it."
+            )
+        self.window.restore()
+        self.runtime.clear_buffers()
+        self.batchnorm.forget_window()
+        if self._rng is not None:
+            _set_rng_states(self.runtime.device, self._rng)
+        self._end()
+
+    def _end(self) -> None:
+        self._agreement, self._exchanged, self._reduced = None, False, False
+        self._last_input, self._rng = None, None
+
+    def _nonfinite_names(self) -> tuple[str, ...]:
+        window, names = self.window, []
+        for index, param in enumerate(window.params[: window.held]):
+            grad = self.runtime.gradient(index, param)
+            if grad is not None and not bool(torch.isfinite(grad).all()):
+                names.append(self._names.get(id(param), f"<optimizer param {index}>"))
+        return tuple(names) or ("<none: the loss itself is non-finite>",)
+
+    def learning_rate(self) -> float | None:
+        """The first group's learning rate; None for an optimizer without one (Adafactor)."""
+        lr = self.optimizer.param_groups[0].get("lr")
+        if isinstance(lr, torch.Tensor):
+            return float(lr)
+        return float(lr) if isinstance(lr, (int, float)) else None
+
+    # ---------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The components' own states."""
+        return {
+            "window": self.window.state_dict(),
+            "precision": self.runtime.state_dict(),
+            "batchnorm_mode": self.batchnorm.mode.value,
+            "batchnorm": self.batchnorm.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Check every component's state first, then restore them; raise changing nothing."""
+        if state.get("batchnorm_mode") != self.batchnorm.mode.value:
+            raise ValueError(
+                f"the saved Accumulator has batchnorm={state.get('batchnorm_mode')!r} but this "
+                f"one has batchnorm={self.batchnorm.mode.value!r}; build the Accumulator with "
+                "the saved settings."
+            )
+        params, held = window_parameters(self.model, self.optimizer)
+        self.window.check_state(state["window"], params)
+        self.runtime.check_state(state["precision"], len(params))
+        self.batchnorm.load_state_dict(state["batchnorm"])  # checks, then loads
+        self.window.load_state_dict(state["window"], params, held)
+        self.runtime.open_window(len(params))
+        self.runtime.load_state_dict(state["precision"])
+        if len(self.runtime.buffers) != len(params):
+            self.runtime.open_window(len(params))
+        self.batchnorm.open_window()
+        self._end()
+
+
+def _peer_failure(agreement: WindowAgreement) -> BaseException:
+    ranks = ", ".join(str(rank) for rank in agreement.failed_ranks)
+    if agreement.all_out_of_memory:
+        return torch.OutOfMemoryError(
+            f"rank {ranks} ran out of memory in this window; every rank reruns it smaller."
+        )
+    return RankMismatchError(
+        f"rank {ranks} raised inside this accumulation window (see its own traceback); the "
+        "window was discarded on every rank, and nothing was stepped."
+    )
+
+
+def _rng_states(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _set_rng_states(device: torch.device, states: list[torch.Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)

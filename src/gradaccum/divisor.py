@@ -1,0 +1,125 @@
+"""The gradient-divisor contract: the only place where gradaccum decides what divides a gradient.
+
+The whole contract:
+
+1. Each micro-batch's backward differentiates `loss_sum * loss_scale / denominator`
+   (`scaled_loss`), where
+   `loss_sum` is the SUM of its per-item losses, `loss_scale` is the fp16 GradScaler's scale
+   (1 otherwise) and `denominator` is `backward_denominator(...)`; both are fixed for the window.
+2. A backend that averages over ranks (DDP, FSDP2) divides the summed gradient by `averaged_over`.
+3. At the window boundary every gradient is divided once, by `grad_divisor(...)`.
+4. The result is the gradient of the window's objective: `Σ loss_sum / Σ count` over all
+   micro-batches of all ranks (`normalize="mean"`), or `Σ loss_sum` (`normalize="sum"`).
+
+With `g = Σ ∇loss_sum`, the gradients hold `g * loss_scale / (denominator * averaged_over)`, so the
+divisor is `count * loss_scale / (denominator * averaged_over)` for a mean (`count` → 1 for a sum).
+Nothing else in the package multiplies or divides a gradient.
+
+`backward_denominator` is chosen so that the division is as exact as a hand-written loop:
+
+- a plain mean over a batch known up front on one process folds the division into each backward
+  (`denominator = B`: `mean_i * n_i / B`, exactly the hand loop); the divisor is then `B / B`,
+  exactly 1, and the boundary divides by nothing;
+- otherwise it is the power of two nearest the expected count: summed losses would give fp16
+  activation gradients about `count` times too large, and scaling by a power of two is exact, so
+  the boundary's division is the one rounding.
+
+Example:
+    >>> from gradaccum.options import Normalize
+    >>> d = backward_denominator(Normalize.MEAN, expected_items=49, window_items=49)
+    >>> d, grad_divisor(49, Normalize.MEAN, d)
+    (49.0, 1.0)
+    >>> d = backward_denominator(Normalize.MEAN, expected_items=12, window_items=None)
+    >>> d, grad_divisor(12, Normalize.MEAN, d)
+    (16.0, 0.75)
+    >>> grad_divisor(12, Normalize.SUM, 1.0, loss_scale=1024.0, averaged_over=4)
+    256.0
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradaccum.options import Normalize
+
+__all__ = ["backward_denominator", "grad_divisor", "scaled_loss"]
+
+
+def backward_denominator(
+    normalize: Normalize, *, expected_items: int, window_items: int | None
+) -> float:
+    """What each micro-batch's summed loss is divided by in its backward (contract point 1).
+
+    Args:
+        normalize: The window's objective.
+        expected_items: About how many items the window will count (only its magnitude matters).
+        window_items: The window's exact count when every item is known to count once (a plain
+            mean over a batch given whole, on one process); None otherwise.
+
+    Returns:
+        `window_items` when the division can be folded into the backward passes, else the power
+        of two nearest `expected_items`; 1.0 for `normalize="sum"`.
+    """
+    if normalize is Normalize.SUM:
+        return 1.0
+    if window_items is not None:
+        return float(window_items)
+    return math.ldexp(1.0, round(math.log2(max(1, expected_items))))
+
+
+def grad_divisor(
+    global_count: int,
+    normalize: Normalize,
+    denominator: float,
+    *,
+    loss_scale: float = 1.0,
+    averaged_over: int = 1,
+) -> float:
+    """What the accumulated gradients are divided by at the boundary (contract point 3).
+
+    Args:
+        global_count: Items counted in the window, over every micro-batch and rank.
+        normalize: The window's objective.
+        denominator: The window's `backward_denominator`.
+        loss_scale: The fp16 loss scale every backward of the window used (1 without one).
+        averaged_over: What the backend already divided the summed gradient by.
+
+    Returns:
+        The divisor: exactly 1.0 when the division was folded into the backward passes.
+
+    Raises:
+        ValueError: For a mean over no item, which has no gradient (the boundary skips such
+            windows before it divides).
+    """
+    if normalize is Normalize.SUM:
+        global_count = 1
+    elif global_count <= 0:
+        raise ValueError(f"global_count={global_count}: a mean over no item has no gradient.")
+    # Numerator and denominator are exact (an int times a power of two, and a power of two or
+    # the folded count times the world size), so the divisor carries at most one rounding.
+    return global_count * loss_scale / (denominator * averaged_over)
+
+
+def scaled_loss(
+    value: torch.Tensor, weight: int, denominator: float, loss_scale: float = 1.0
+) -> torch.Tensor:
+    """What a micro-batch's backward differentiates: `value * weight * loss_scale / denominator`.
+
+    `value * weight` is the micro-batch's summed loss (`weight` is its item count for a plain
+    mean, 1 for a `LossSum`). The factors are applied one by one, as a hand loop writes
+    `loss * n / B`: folded into one number, `n / B` would first be rounded to the loss's dtype
+    (float32 for a loss computed in float32), an error the full-batch step does not make.
+
+    Example:
+        >>> import torch
+        >>> scaled_loss(torch.tensor(2.0), weight=5, denominator=20.0)
+        tensor(0.5000)
+    """
+    if weight == denominator and loss_scale == 1.0:
+        return value  # one micro-batch over the whole window: the plain backward
+    scaled = value * weight if weight != 1 else value
+    if loss_scale != 1.0:
+        scaled = scaled * loss_scale
+    return scaled / denominator if denominator != 1.0 else scaled

@@ -1,0 +1,68 @@
+"""Tests for gradaccum.divisor: the one function that decides what divides a gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradaccum.divisor import backward_denominator, grad_divisor
+from gradaccum.options import Normalize
+
+
+def _summed_gradient(denominator: float, loss_scale: float = 1.0) -> torch.Tensor:
+    """Accumulate three ragged micro-batches of a summed loss, as the engine's backward does."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(5, dtype=torch.float64, generator=generator, requires_grad=True)
+    x = torch.randn(11, 5, dtype=torch.float64, generator=generator)
+    for start in (0, 4, 8):
+        value = (x[start : start + 4] @ weight).tanh().pow(2).sum()
+        (value * (loss_scale / denominator)).backward()
+    assert weight.grad is not None
+    return weight.grad
+
+
+def _reference() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(5, dtype=torch.float64, generator=generator, requires_grad=True)
+    x = torch.randn(11, 5, dtype=torch.float64, generator=generator)
+    (x @ weight).tanh().pow(2).mean().backward()
+    assert weight.grad is not None
+    return weight.grad
+
+
+@pytest.mark.parametrize("expected_items", [1, 3, 11, 50, 1000])
+@pytest.mark.parametrize("loss_scale", [1.0, 2.0**16])
+def test_power_of_two_denominators_change_no_bit(expected_items: int, loss_scale: float) -> None:
+    """The denominator depends on the planned window; the divided result must not."""
+    results = []
+    for expected in (expected_items, 7):
+        denominator = backward_denominator(
+            Normalize.MEAN, expected_items=expected, window_items=None
+        )
+        grad = _summed_gradient(denominator, loss_scale)
+        grad /= grad_divisor(11, Normalize.MEAN, denominator, loss_scale=loss_scale)
+        results.append(grad)
+    assert torch.equal(results[0], results[1])
+    torch.testing.assert_close(results[0], _reference(), rtol=1e-12, atol=0)
+
+
+def test_folded_mean_divides_by_exactly_one() -> None:
+    for items in (1, 3, 49, 97, 1000):
+        denominator = backward_denominator(Normalize.MEAN, expected_items=items, window_items=items)
+        assert grad_divisor(items, Normalize.MEAN, denominator) == 1.0
+
+
+def test_negative_control_a_naive_product_is_not_one() -> None:
+    """Had the folded case been written as count * (1 / B), the boundary would divide again."""
+    assert 49 * (1 / 49) != 1.0
+
+
+def test_sum_ignores_the_count_and_undoes_the_backend_average() -> None:
+    assert grad_divisor(12, Normalize.SUM, 1.0, averaged_over=4) == 0.25
+    assert grad_divisor(0, Normalize.SUM, 1.0) == 1.0
+    assert grad_divisor(12, Normalize.MEAN, 16.0, averaged_over=2) == 12 / 32
+
+
+def test_a_mean_over_no_item_is_refused() -> None:
+    with pytest.raises(ValueError, match="no item"):
+        grad_divisor(0, Normalize.MEAN, 1.0)

@@ -1,0 +1,481 @@
+"""The window as a transaction (gradaccum._engine): exactly the full-batch step, or nothing changed.
+
+Each failure class of the engine re-cut has a test here that injects the failure where a real
+setup hits it (the loss, backward, clipping, the optimizer, the scheduler, a collective,
+Ctrl-C), then checks parameters, optimizer state, scheduler, BatchNorm buffers and gradients
+bitwise against a snapshot, and that the Accumulator still takes exact steps afterwards. The
+negative controls show the snapshot comparison can fail.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gradaccum
+from gradaccum import Accumulator, LossSum
+from gradaccum._engine import Engine
+from gradaccum.loss import TokenMeanWarning
+from gradaccum.sync import LocalSync
+from tests.models import make_model, mse_loss, regression_batch
+from tests.reference import reference_step
+from tests.state import assert_bitwise, clone_state
+
+EXACT = dict(rtol=1e-10, atol=1e-12)
+pytestmark = pytest.mark.filterwarnings("ignore::gradaccum.batchnorm.BatchNormAccumulationWarning")
+
+
+def _batch(seed: int = 0, items: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    return regression_batch(torch.Generator().manual_seed(seed), items)
+
+
+def _setup(
+    kind: str = "mlp", *, scheduler: bool = True, **options: Any
+) -> tuple[nn.Module, torch.optim.Optimizer, Any, Accumulator]:
+    model = make_model(kind)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5) if scheduler else None
+    options.setdefault("micro_batch_size", 3)
+    acc = Accumulator(model, optimizer, scheduler=sched, **options)
+    return model, optimizer, sched, acc
+
+
+def _everything(model: nn.Module, optimizer: Any, scheduler: Any) -> Any:
+    """Parameters, buffers (BatchNorm), gradients, optimizer and scheduler states, cloned."""
+    return clone_state(
+        {
+            "model": model.state_dict(),
+            "grads": [p.grad for p in model.parameters()],
+            "optimizer": optimizer.state_dict(),
+            "scheduler": None if scheduler is None else scheduler.state_dict(),
+        }
+    )
+
+
+def _warm_up(acc: Accumulator) -> None:
+    """One clean step first, so momentum buffers and the schedule have state to protect."""
+    assert acc.step(_batch(1), mse_loss).stepped
+
+
+def _failing_at(micro: int, error: BaseException) -> Callable[[nn.Module, Any], torch.Tensor]:
+    calls = {"n": 0}
+
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == micro + 1:
+            raise error
+        return mse_loss(model, batch)
+
+    return loss
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("injected failure inside backward")
+
+
+def _backward_failing_at(micro: int) -> Callable[[nn.Module, Any], torch.Tensor]:
+    calls = {"n": 0}
+
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        calls["n"] += 1
+        out = model(batch[0])
+        if calls["n"] == micro + 1:
+            out = _FailingBackward.apply(out)
+        return nn.functional.mse_loss(out, batch[1])
+
+    return loss
+
+
+def _assert_still_exact(model: nn.Module, optimizer: Any, scheduler: Any, acc: Accumulator) -> None:
+    """After a failure the Accumulator takes exactly the full-batch step from where it was.
+
+    With BatchNorm (not additive) the check is against a twin that never failed: bitwise.
+    """
+    twin = copy.deepcopy((model, optimizer, scheduler))
+    batch = _batch(2)
+    if any(isinstance(m, nn.BatchNorm1d) for m in model.modules()):
+        options = {"micro_batch_size": acc.micro_batch_size, "max_grad_norm": acc.max_grad_norm}
+        Accumulator(twin[0], twin[1], scheduler=twin[2], **options).step(batch, mse_loss)
+        acc.step(batch, mse_loss)
+        assert_bitwise(clone_state(model.state_dict()), clone_state(twin[0].state_dict()))
+        return
+    acc.step(batch, mse_loss)
+    reference_step(twin[0], twin[1], batch, mse_loss, scheduler=twin[2])
+    for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+
+
+# ------------------------------------------------------------------ the boundary transaction
+
+
+@pytest.mark.parametrize("kind", ["mlp", "bn"])
+@pytest.mark.parametrize("micro", [0, 2, 3])
+@pytest.mark.parametrize(
+    "failure",
+    ["loss", "backward", "interrupt"],
+)
+def test_a_failure_inside_the_window_changes_nothing(kind: str, micro: int, failure: str) -> None:
+    model, optimizer, scheduler, acc = _setup(kind)
+    _warm_up(acc)
+    stale = [torch.full_like(p, 7.0) for p in model.parameters()]
+    for param, grad in zip(model.parameters(), stale, strict=True):
+        param.grad = grad
+    before = _everything(model, optimizer, scheduler)
+    loss_fn = {
+        "loss": _failing_at(micro, ValueError("injected failure in loss_fn")),
+        "backward": _backward_failing_at(micro),
+        "interrupt": _failing_at(micro, KeyboardInterrupt()),
+    }[failure]
+    with pytest.raises((ValueError, RuntimeError, KeyboardInterrupt)):
+        acc.step(_batch(), loss_fn)
+    assert_bitwise(_everything(model, optimizer, scheduler), before)
+    assert all(p.grad is g for p, g in zip(model.parameters(), stale, strict=True))
+    _assert_still_exact(model, optimizer, scheduler, acc)
+
+
+@pytest.mark.parametrize("where", ["exchange", "clip", "optimizer"])
+def test_a_failure_at_the_boundary_changes_nothing(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer, scheduler, acc = _setup("bn", max_grad_norm=0.5)
+    _warm_up(acc)
+    before = _everything(model, optimizer, scheduler)
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"injected failure in {where}")
+
+    if where == "exchange":
+        monkeypatch.setattr(LocalSync, "exchange", boom)
+    elif where == "clip":
+        monkeypatch.setattr(gradaccum._engine, "clip_", boom)
+    else:
+        monkeypatch.setattr(optimizer, "step", boom)  # raises before changing anything
+    with pytest.raises(RuntimeError, match="injected"):
+        acc.step(_batch(), mse_loss)
+    assert_bitwise(_everything(model, optimizer, scheduler), before)
+    monkeypatch.undo()
+    _assert_still_exact(model, optimizer, scheduler, acc)
+
+
+def test_negative_control_without_forgetting_the_window_state_leaks() -> None:
+    """Had a failure only closed the window, the first micro-batches' gradients would stay."""
+    model, optimizer, scheduler, acc = _setup("bn")
+    _warm_up(acc)
+    before = _everything(model, optimizer, scheduler)
+    forget = Engine._forget_window
+    try:
+        Engine._forget_window = lambda self, error=None: self.window._close()  # type: ignore[method-assign]
+        with pytest.raises(ValueError, match="injected"):
+            acc.step(_batch(), _failing_at(2, ValueError("injected")))
+    finally:
+        Engine._forget_window = forget  # type: ignore[method-assign]
+    with pytest.raises(AssertionError):
+        assert_bitwise(_everything(model, optimizer, scheduler), before)
+
+
+def test_a_scheduler_that_raises_after_the_step_never_steps_twice() -> None:
+    """The one thing that cannot be undone: the optimizer stepped, then the scheduler raised.
+
+    The window is committed before the scheduler runs, so the step is taken exactly once, the
+    window is closed, and the next call starts a fresh window.
+    """
+    model, optimizer, _, acc = _setup(scheduler=False)
+    twin = copy.deepcopy((model, optimizer))
+
+    class Broken(torch.optim.lr_scheduler.StepLR):
+        armed = False
+
+        def step(self, epoch: Any = None) -> None:
+            if self.armed:
+                raise RuntimeError("scheduler failed")
+            super().step()
+
+    acc.scheduler = broken = Broken(optimizer, 1)
+    broken.armed = True
+    batch = _batch()
+    with pytest.raises(RuntimeError, match="scheduler failed"):
+        acc.step(batch, mse_loss)
+    reference_step(twin[0], twin[1], batch, mse_loss)  # exactly one step
+    for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+    assert all(p.grad is None for p in model.parameters())
+    acc.scheduler = None
+    assert acc.step(_batch(3), mse_loss).micro_batches == 4  # a fresh window, usable
+
+
+def test_streaming_failure_forgets_the_window_and_says_so() -> None:
+    model, optimizer, scheduler, acc = _setup("bn", micro_batch_size=None, accumulation_steps=3)
+    before = _everything(model, optimizer, scheduler)
+    acc.micro_step(_batch(0, 3), mse_loss)
+    with pytest.raises(ValueError, match="injected") as raised:
+        acc.micro_step(_batch(1, 3), _failing_at(0, ValueError("injected")))
+    assert "window (1 micro-batches) was discarded" in "".join(raised.value.__notes__)
+    assert_bitwise(_everything(model, optimizer, scheduler), before)
+
+
+# ------------------------------------------------------------------ construction-time refusals
+
+
+def test_schedulers_that_need_a_metric_are_refused_naming_the_fix() -> None:
+    model = make_model("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    with pytest.raises(ValueError, match=r"ReduceLROnPlateau.step\(val_loss\) yourself"):
+        Accumulator(model, optimizer, micro_batch_size=2, scheduler=plateau)
+    # Negative control: an ordinary scheduler is accepted.
+    Accumulator(
+        model,
+        optimizer,
+        micro_batch_size=2,
+        scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1),
+    )
+
+
+def test_optimizers_that_need_a_closure_are_refused() -> None:
+    model = make_model("mlp")
+    with pytest.raises(ValueError, match="needs a closure"):
+        Accumulator(model, torch.optim.LBFGS(model.parameters()), micro_batch_size=2)
+
+
+def test_an_optimizer_without_a_learning_rate_works() -> None:
+    """Relative-step Adafactor has lr=None; the step works and reports lr=None."""
+
+    class SelfScaling(torch.optim.Optimizer):
+        def __init__(self, params: Any) -> None:
+            super().__init__(params, {"lr": None})
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-0.1)
+
+    model = make_model("mlp")
+    twin = copy.deepcopy(model)
+    result = Accumulator(model, SelfScaling(model.parameters()), micro_batch_size=3).step(
+        _batch(), mse_loss
+    )
+    assert result.stepped
+    assert result.lr is None
+    reference_step(twin, torch.optim.SGD(twin.parameters(), lr=0.1), _batch(), mse_loss)
+    for got, want in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+
+
+def test_sparse_gradients_are_refused_at_construction() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1)).double()
+    with pytest.raises(ValueError, match="sparse=True"):
+        Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2)
+    dense = nn.Embedding(10, 4)
+    with pytest.raises(ValueError, match="SparseAdam"):
+        Accumulator(dense, torch.optim.SparseAdam(dense.parameters()), micro_batch_size=2)
+
+
+def test_a_sparse_gradient_at_the_boundary_is_refused_and_the_window_is_never_stuck() -> None:
+    weight = nn.Parameter(torch.randn(10, 4, dtype=torch.float64))
+    model = nn.Linear(4, 1).double()
+    model.register_parameter("table", weight)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulator(model, optimizer, micro_batch_size=2)
+    ids = torch.randint(0, 10, (6,))
+
+    def sparse_loss(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        rows = nn.functional.embedding(batch, m.table, sparse=True)
+        return m(rows).pow(2).mean()
+
+    before = clone_state(model.state_dict())
+    with pytest.raises(ValueError, match="sparse gradient"):
+        acc.step(ids, sparse_loss)
+    assert_bitwise(clone_state(model.state_dict()), before)
+    assert all(p.grad is None for p in model.parameters())
+    dense = lambda m, b: m(nn.functional.embedding(b, m.table)).pow(2).mean()  # noqa: E731
+    assert acc.step(ids, dense).stepped  # not stuck
+
+
+@pytest.mark.parametrize("bad", [lambda m, b: 0.0, "model"])
+def test_a_model_that_is_not_a_module_is_refused(bad: Any) -> None:
+    with pytest.raises(TypeError, match=r"must be a torch\.nn\.Module"):
+        Accumulator(bad, torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
+
+
+# ------------------------------------------------------------------ the optimizer's parameters
+
+
+def test_parameters_outside_the_model_are_divided_and_stepped_exactly() -> None:
+    """Uncertainty weighting: a learnable loss weight held by the optimizer, not the model."""
+
+    def weighted(m: nn.Module, log_var: torch.Tensor, batch: Any) -> torch.Tensor:
+        residual = (m(batch[0]) - batch[1]).pow(2).sum(dim=1)
+        return (residual * torch.exp(-log_var) + log_var).sum()
+
+    def run(divide_outside: float | None) -> tuple[nn.Module, torch.Tensor]:
+        model = make_model("mlp")
+        log_var = nn.Parameter(torch.tensor(0.3, dtype=torch.float64))
+        optimizer = torch.optim.SGD([*model.parameters(), log_var], lr=0.05, momentum=0.9)
+        if divide_outside is None:  # gradaccum, with a LossSum (divided at the boundary)
+            acc = Accumulator(model, optimizer, micro_batch_size=3)
+            for seed in range(3):
+                acc.step(_batch(seed), lambda m, b: LossSum(weighted(m, log_var, b), len(b[0])))
+            return model, log_var
+        for seed in range(3):  # the plain full-batch reference, or a control
+            optimizer.zero_grad()
+            (weighted(model, log_var, _batch(seed)) / 11).backward()
+            log_var.grad *= divide_outside
+            optimizer.step()
+        return model, log_var
+
+    model, log_var = run(None)
+    twin, twin_var = run(1.0)
+    torch.testing.assert_close(log_var, twin_var, **EXACT)
+    for got, want in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+    # Negative control: a weight whose gradient missed the window's division (11 items, scaled
+    # by the power of two 16) ends elsewhere.
+    _, stale_var = run(16 / 11)
+    assert abs(stale_var.item() - twin_var.item()) > 1e-3
+
+
+def test_a_parameter_unfrozen_after_construction_takes_part() -> None:
+    model = make_model("mlp")
+    first = model.net[0].weight
+    first.requires_grad_(False)
+    twin = copy.deepcopy(model)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=3)
+    first.requires_grad_(True)  # unfrozen later: the optimizer holds it already
+    twin.net[0].weight.requires_grad_(True)
+    acc.step(_batch(), mse_loss)
+    reference_step(twin, torch.optim.SGD(twin.parameters(), lr=0.1), _batch(), mse_loss)
+    torch.testing.assert_close(first, twin.net[0].weight, **EXACT)
+    assert not torch.equal(first, make_model("mlp").net[0].weight)  # control: it moved
+
+
+@pytest.mark.parametrize("accum", [None, torch.float32])
+def test_a_parameter_no_micro_batch_used_keeps_no_gradient_and_does_not_move(accum: Any) -> None:
+    dtype = torch.float64 if accum is None else torch.bfloat16
+    model = make_model("mlp").to(dtype)
+    spare = nn.Parameter(torch.ones(3, dtype=dtype))
+    model.register_parameter("spare", spare)  # never used by forward
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    acc = Accumulator(model, optimizer, micro_batch_size=3, accum_dtype=accum)
+    x, y = _batch()
+    acc.step((x.to(dtype), y.to(dtype)), mse_loss)
+    assert spare.grad is None
+    assert torch.equal(spare, torch.ones(3, dtype=dtype))
+    # Negative control: a zero gradient (what filling unused grads does) moves it by decay.
+    spare.grad = torch.zeros_like(spare)
+    optimizer.step()
+    assert not torch.equal(spare, torch.ones(3, dtype=dtype))
+
+
+# ------------------------------------------------------------------ fp16 clipping
+
+
+def test_fp16_clipping_never_sees_still_scaled_gradients() -> None:
+    """The optimizer holds only some trainable params: the norm is over unscaled gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    head_only = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    twin = copy.deepcopy(model)
+    acc = Accumulator(model, head_only, micro_batch_size=4, precision="fp16", max_grad_norm=0.1)
+    x, y = (t.float() for t in _batch(0, 12))
+    result = acc.step((x, y), mse_loss)
+    assert result.stepped
+    # Reference: the same fp16 autocast forward on the whole batch, unscaled, clipped over the
+    # optimizer's parameters.
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = mse_loss(twin, (x, y))
+    loss.float().backward()
+    norm = torch.nn.utils.clip_grad_norm_(twin[2].parameters(), 0.1)
+    torch.optim.SGD(twin[2].parameters(), lr=0.1).step()
+    assert result.grad_norm == pytest.approx(float(norm), rel=1e-2)
+    for got, want in zip(model[2].parameters(), twin[2].parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+    # Negative control: a norm that includes a still-scaled gradient is ~65536x too large.
+    scaled = torch.stack(
+        [torch.linalg.vector_norm(p.grad) for p in twin[2].parameters()]
+        + [torch.linalg.vector_norm(p.grad) * 65536 for p in twin[0].parameters()]
+    ).norm()
+    assert float(scaled) > 1000 * float(norm)
+
+
+# ------------------------------------------------------------------ BatchNorm
+
+
+@pytest.mark.parametrize("mode", ["micro", "pooled", "frozen"])
+def test_a_failed_window_changes_no_running_statistic(mode: str) -> None:
+    model, _, _, acc = _setup("bn", batchnorm=mode)
+    _warm_up(acc)
+    before = clone_state({k: v for k, v in model.state_dict().items() if "bn." in k})
+    with pytest.raises(ValueError, match="injected"):
+        acc.step(_batch(), _failing_at(3, ValueError("injected")))
+    after = clone_state({k: v for k, v in model.state_dict().items() if "bn." in k})
+    assert_bitwise(after, before)
+    assert acc.step(_batch(), mse_loss).stepped  # pooled: nothing of the failed window leaks
+
+
+def test_a_skipped_nonfinite_window_changes_no_running_statistic() -> None:
+    model, _, _, acc = _setup("bn")
+    _warm_up(acc)
+    before = clone_state(model.state_dict())
+    x, y = _batch()
+    y[7] = float("inf")
+    assert acc.step((x, y), mse_loss).skipped
+    assert_bitwise(clone_state(model.state_dict()), before)
+
+
+# ------------------------------------------------------------------ the user's own loop
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_inside_the_window_is_refused(set_to_none: bool) -> None:
+    """The seeds' classic bug: zero_grad() on every micro-step keeps only the last gradient."""
+    model, optimizer, scheduler, acc = _setup(micro_batch_size=None, accumulation_steps=3)
+    before = _everything(model, optimizer, scheduler)
+    acc.micro_step(_batch(0, 3), mse_loss)
+    optimizer.zero_grad(set_to_none=set_to_none)
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        acc.micro_step(_batch(1, 3), mse_loss)
+    assert_bitwise(_everything(model, optimizer, scheduler), before)
+
+
+def test_plain_scalar_loss_on_padded_labels_warns_once() -> None:
+    model = nn.Linear(4, 3).double()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2)
+    labels = torch.tensor([0, 1, -100, 2, -100, 1])
+    batch = {"x": torch.randn(6, 4, dtype=torch.float64), "labels": labels}
+
+    def token_mean(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(b["x"]), b["labels"], ignore_index=-100)
+
+    def token_sum(m: nn.Module, b: dict[str, torch.Tensor]) -> LossSum:
+        value = nn.functional.cross_entropy(m(b["x"]), b["labels"], reduction="sum")
+        return LossSum(value, (b["labels"] != -100).sum())
+
+    import warnings
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            acc.step(batch, token_mean)
+    caught = [w for w in record if w.category is TokenMeanWarning]
+    assert len(caught) == 1  # once, not once per micro-batch or step
+    assert "LossSum" in str(caught[0].message)
+    assert caught[0].filename == __file__  # points at the caller's line
+    # Negative controls: a LossSum, and labels without -100, never warn.
+    fresh = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TokenMeanWarning)
+        fresh.step(batch, token_sum)
+        fresh.step({"x": batch["x"], "labels": labels.clamp(min=0)}, token_mean)
