@@ -16,8 +16,9 @@ that will be rerun (out of memory). After the commit nothing can fail but the ca
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,8 +146,11 @@ class Engine:
             self.batchnorm.warn_once(items, window_items)
         else:
             self.batchnorm.warn_once(items, items * expected_micro_batches)
+        outputs: list[torch.Tensor] = []
+        fsdp = isinstance(sync, FSDP2Sync)
+        capture = self._captured_outputs(outputs) if fsdp else contextlib.nullcontext()
         with sync.micro_context(last=last), self.batchnorm.micro_context():
-            with runtime.autocast():
+            with runtime.autocast(), capture:
                 value, weight, count = read_loss(loss_fn(self.model, micro_batch), items)
             if weight > 1 and self._token_checks:
                 self._warn_if_token_mean(micro_batch)
@@ -163,28 +167,35 @@ class Engine:
                     "the loss does not require grad: it was computed under torch.no_grad(), "
                     "detached, or from frozen parameters only; return the loss with its graph."
                 )
+            if value.requires_grad:
+                roots = [scaled_loss(value, weight, window.denominator, window.loss_scale)]
+                seeds = [torch.ones_like(roots[0])]
+            else:
+                # FSDP2's backward is a collective too (it unshards): a loss with no graph
+                # still runs one, through the model's outputs, adding nothing.
+                roots = outputs
+                seeds = [torch.zeros_like(t) for t in outputs]
             reduce = False
             if last and sync.syncs_last_backward:
-                # Every rank must run the reducing backward, or none: a rank whose last
-                # micro-batch has no graph makes all of them settle by a zero-item backward.
+                # Every rank must run the reducing backward, or none: a rank that cannot makes
+                # all of them settle by a zero-item backward at the boundary.
                 pending = RankSummary(
                     window.count + count,
                     window.loss_total() + float(value.detach()) * weight,
                     window.micro_batches + 1,
                     window.denominator,
-                    graph=value.requires_grad,
+                    graph=bool(roots),
                 )
                 self._agreement = self._exchange(pending)
                 reduce = self._agreement.all_graphs
-            if value.requires_grad:
-                scaled = scaled_loss(value, weight, window.denominator, window.loss_scale)
+            if roots:
                 with sync.backward_context(reduce=reduce):
-                    scaled.backward()  # type: ignore[no-untyped-call]
+                    torch.autograd.backward(roots, seeds)
                 runtime.collect(window.params)
         window.add(value, weight, count, items)
         window.mark_gradients()
         self._reduced = reduce
-        if isinstance(sync, FSDP2Sync):
+        if fsdp:
             self._last_input = (micro_batch, loss_fn)
 
     def check_gradients_untouched(self) -> None:
@@ -331,11 +342,35 @@ class Engine:
             return
         micro_batch, loss_fn = self._last_input
         empty = slice_batch(micro_batch, 0, 0, batch_dim=self.batch_dim)
+        outputs: list[torch.Tensor] = []
         with self.sync.backward_context(reduce=True):
-            with self.runtime.autocast():
+            with self.runtime.autocast(), self._captured_outputs(outputs):
                 value, _, _ = read_loss(loss_fn(self.model, empty), 0)
-            value.backward(torch.zeros_like(value))  # type: ignore[no-untyped-call]
+            # A loss that returns a constant for no item still ran the model (every FSDP2
+            # forward is a collective); the backward then goes through the model's outputs.
+            roots = [value] if value.requires_grad else outputs
+            if not roots:
+                raise RuntimeError(
+                    "FSDP2 needs every rank to run the model on every micro-batch: loss_fn "
+                    "returned a loss without calling the model for a micro-batch of no item. "
+                    "Call the model on it (its output may be empty) and return "
+                    "LossSum(loss_sum, 0)."
+                )
+            torch.autograd.backward(roots, [torch.zeros_like(t) for t in roots])
         self._reduced = True
+
+    @contextlib.contextmanager
+    def _captured_outputs(self, outputs: list[torch.Tensor]) -> Iterator[None]:
+        """Collect the model's output tensors that carry a graph, while the block runs."""
+
+        def keep(module: torch.nn.Module, args: Any, output: Any) -> None:
+            outputs.extend(t for t in _tensors(output) if t.requires_grad)
+
+        hook = self.model.register_forward_hook(keep)
+        try:
+            yield
+        finally:
+            hook.remove()
 
     # ---------------------------------------------------------------- forgetting
 
@@ -412,6 +447,17 @@ class Engine:
             self.runtime.open_window(len(params))
         self.batchnorm.open_window()
         self._end()
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a model's output (a tensor, or a dict/list/tuple of them, any depth)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, Mapping):
+        return [t for value in output.values() for t in _tensors(value)]
+    if isinstance(output, (list, tuple)):
+        return [t for value in output for t in _tensors(value)]
+    return []
 
 
 def _peer_failure(agreement: WindowAgreement) -> BaseException:

@@ -253,7 +253,23 @@ class _DistributedSync(GradSync):
 
 
 class DDPSync(_DistributedSync):
-    """DDP: every backward under `no_sync()`, then one flat all-reduce (SUM) per window."""
+    """DDP: every backward under `no_sync()`, then one flat all-reduce (SUM) per window.
+
+    Raises:
+        ValueError: For `DistributedDataParallel(static_graph=True)`, whose reducer must see
+            its first iteration synchronize, which a window reduced by hand never does.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        if getattr(model, "static_graph", False):
+            raise ValueError(
+                "DistributedDataParallel(static_graph=True) cannot be accumulated: gradaccum "
+                "reduces each window's gradients itself, and a static graph's reducer must "
+                "synchronize its first iteration. Wrap the model with static_graph=False; with "
+                "activation checkpointing, use torch.utils.checkpoint(..., use_reentrant=False), "
+                "which does not need a static graph."
+            )
 
     def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
         """Every micro-batch, the last included, leaves DDP's reducer out."""

@@ -1,0 +1,241 @@
+"""DDP on 2 real gloo ranks: the windows users really run, where ranks must never diverge or hang.
+
+- a rank whose last micro-batch counts no item and returns a loss with no graph at all;
+- a parameter that no micro-batch on any rank uses keeps `grad=None` and does not move under
+  weight decay (plain and `accum_dtype` buffers);
+- `DistributedDataParallel(static_graph=True)`, refused at construction with the fix;
+- a rank whose `loss_fn` raises mid-window: every rank raises, none waits, nothing changed, and
+  the next window is exact.
+
+Each rank reports; the single-process references (one full-batch step on every rank's data)
+are computed here, in the test process, with plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gradaccum import Accumulator, LossSum
+from tests.distributed._harness import describe, spawn_ranks
+
+EXACT = dict(rtol=1e-10, atol=1e-12)
+MICRO, ITEMS, WINDOWS = 3, 7, 3
+
+
+class Net(nn.Module):
+    """An MLP with a parameter that nothing uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.spare = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def make_net(dtype: torch.dtype = torch.float64) -> Net:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Net().to(dtype)
+
+
+def rank_batch(window: int, rank: int, dtype: torch.dtype = torch.float64) -> dict[str, Any]:
+    """Rank 1's last micro-batch (item 6) counts nothing; in window 1 rank 1 counts nothing."""
+    generator = torch.Generator().manual_seed(100 * window + rank)
+    x = torch.randn(ITEMS, 4, generator=generator).to(dtype)
+    y = torch.randn(ITEMS, 2, generator=generator).to(dtype)
+    keep = torch.ones(ITEMS, dtype=torch.bool)
+    if rank == 1:
+        keep[6:] = False
+        if window == 1:
+            keep[:] = False
+    return {"x": x, "y": y, "keep": keep}
+
+
+def masked_loss(model: nn.Module, batch: dict[str, Any]) -> LossSum:
+    """Sum of squared errors over kept items; with none kept, a constant with no graph at all."""
+    keep = batch["keep"]
+    if not bool(keep.any()):
+        return LossSum(torch.zeros((), dtype=batch["x"].dtype), 0)  # the model never runs
+    residual = model(batch["x"][keep]) - batch["y"][keep]
+    return LossSum(residual.pow(2).sum(), int(keep.sum()))
+
+
+def make_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.5)
+
+
+def reference_params(windows: int = WINDOWS) -> dict[str, torch.Tensor]:
+    """One plain full-batch AdamW step per window on both ranks' kept items."""
+    model = make_net()
+    optimizer = make_optimizer(model.parameters())
+    for window in range(windows):
+        batches = [rank_batch(window, rank) for rank in (0, 1)]
+        x = torch.cat([b["x"][b["keep"]] for b in batches])
+        y = torch.cat([b["y"][b["keep"]] for b in batches])
+        optimizer.zero_grad(set_to_none=True)
+        (model(x) - y).pow(2).sum().div(len(x)).backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def window0_gradient(per_rank_mean: bool) -> torch.Tensor:
+    """The first layer's gradient of window 0: exact (item mean over ranks) or per-rank means."""
+    model = make_net()
+    batches = [rank_batch(0, rank) for rank in (0, 1)]
+    sums = [(model(b["x"][b["keep"]]) - b["y"][b["keep"]]).pow(2).sum() for b in batches]
+    counts = [int(b["keep"].sum()) for b in batches]
+    if per_rank_mean:
+        loss = (sums[0] / counts[0] + sums[1] / counts[1]) / 2
+    else:
+        loss = (sums[0] + sums[1]) / sum(counts)
+    loss.backward()
+    grad = model.body[0].weight.grad
+    assert grad is not None
+    return grad
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _run(rank: int, *, drive: str, static_graph: bool = False, bf16: bool = False) -> Any:
+    dtype = torch.bfloat16 if bf16 else torch.float64
+    ddp = DistributedDataParallel(make_net(dtype), static_graph=static_graph)
+    optimizer = make_optimizer(ddp.parameters())
+    options: dict[str, Any] = {"accum_dtype": torch.float32} if bf16 else {}
+    if drive == "step":
+        acc = Accumulator(ddp, optimizer, micro_batch_size=MICRO, **options)
+        for window in range(WINDOWS):
+            acc.step(rank_batch(window, rank, dtype), masked_loss)
+    else:
+        acc = Accumulator(ddp, optimizer, accumulation_steps=3, **options)
+        for window in range(WINDOWS):
+            batch = rank_batch(window, rank, dtype)
+            for start in range(0, ITEMS, MICRO):
+                acc.micro_step({k: v[start : start + MICRO] for k, v in batch.items()}, masked_loss)
+    return {"params": _params(ddp), "spare_grad": ddp.module.spare.grad}
+
+
+def _static_graph_refused() -> str:
+    ddp = DistributedDataParallel(make_net(), static_graph=True)
+    try:
+        Accumulator(ddp, make_optimizer(ddp.parameters()), micro_batch_size=MICRO)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def _failure_mid_window(rank: int) -> dict[str, Any]:
+    ddp = DistributedDataParallel(make_net())
+    optimizer = make_optimizer(ddp.parameters())
+    acc = Accumulator(ddp, optimizer, micro_batch_size=MICRO)
+    acc.step(rank_batch(0, rank), masked_loss)
+    before = (copy.deepcopy(_params(ddp)), copy.deepcopy(optimizer.state_dict()))
+    calls = {"n": 0}
+
+    def flaky(model: nn.Module, batch: dict[str, Any]) -> LossSum:
+        calls["n"] += 1
+        if rank == 1 and calls["n"] == 2:
+            raise ValueError("rank 1's loss failed")
+        return masked_loss(model, batch)
+
+    try:
+        acc.step(rank_batch(1, rank), flaky)
+        raised = None
+    except Exception as error:  # every rank must raise, none may wait
+        raised = f"{type(error).__name__}: {error}"
+    unchanged = all(
+        torch.equal(a, b) for a, b in zip(_params(ddp).values(), before[0].values(), strict=True)
+    )
+    grads_clear = all(p.grad is None for p in ddp.parameters())
+    acc.step(rank_batch(2, rank), masked_loss)  # the next window runs on every rank
+    return {"raised": raised, "unchanged": unchanged, "grads_clear": grads_clear}
+
+
+def robust_worker(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {
+        "step": _run(rank, drive="step"),
+        "stream": _run(rank, drive="stream"),
+        "static": _static_graph_refused(),
+        "bf16": _run(rank, drive="step", bf16=True),
+        "failure": _failure_mid_window(rank),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    outcomes = spawn_ranks(
+        robust_worker, tmp_path_factory.mktemp("robust"), timeout=120.0, pg_timeout=20.0
+    )
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    return [o.result for o in outcomes]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["step", "stream"])
+def test_a_rank_whose_last_micro_batch_has_no_graph_matches_the_reference(
+    runs: list[dict[str, Any]], case: str
+) -> None:
+    expected = reference_params()
+    for rank, run in enumerate(runs):
+        for name, want in expected.items():
+            torch.testing.assert_close(run[case]["params"][name], want, **EXACT, msg=name)
+        assert run[case]["spare_grad"] is None, rank
+    # NEGATIVE CONTROL: DDP's plain recipe, each rank's own mean averaged over ranks, is far off
+    # (rank 1 counts 6 items, rank 0 counts 7).
+    exact, per_rank = window0_gradient(False), window0_gradient(True)
+    assert (exact - per_rank).norm() / exact.norm() > 1e-2
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["step", "stream", "bf16"])
+def test_a_parameter_no_rank_uses_keeps_no_gradient_and_does_not_move(
+    runs: list[dict[str, Any]], case: str
+) -> None:
+    for run in runs:
+        spare = run[case]["params"]["spare"]
+        assert torch.equal(spare, torch.ones(3, dtype=spare.dtype))
+        assert run[case]["spare_grad"] is None
+    # NEGATIVE CONTROL: a zero gradient (what reducing zeros for it does) decays it under AdamW.
+    spare = nn.Parameter(torch.ones(3, dtype=torch.float64))
+    optimizer = make_optimizer([spare])
+    spare.grad = torch.zeros_like(spare)
+    optimizer.step()
+    assert not torch.equal(spare, torch.ones(3, dtype=torch.float64))
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_raises_mid_window_makes_every_rank_raise_and_change_nothing(
+    runs: list[dict[str, Any]],
+) -> None:
+    failing, other = runs[1]["failure"], runs[0]["failure"]
+    assert failing["raised"].startswith("ValueError: rank 1's loss failed")
+    assert other["raised"].startswith("RankMismatchError: rank 1 raised inside")
+    for run in runs:
+        assert run["failure"]["unchanged"]
+        assert run["failure"]["grads_clear"]
+
+
+@pytest.mark.timeout(180)
+def test_static_graph_is_refused_at_construction_naming_the_fix(runs: list[dict[str, Any]]) -> None:
+    for run in runs:
+        assert "static_graph=False" in run["static"]
+        assert "use_reentrant=False" in run["static"]
+
+
+def test_the_reference_counts_the_zero_item_rank_right(tmp_path: Path) -> None:
+    """The reference itself: window 1 has rank 0's items only; windows 0 and 2, 7 + 6."""
+    counts = [
+        sum(int(rank_batch(window, rank)["keep"].sum()) for rank in (0, 1)) for window in range(3)
+    ]
+    assert counts == [13, 7, 13]
