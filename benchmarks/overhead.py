@@ -392,34 +392,35 @@ def profile_targets(model: nn.Module, opt: torch.optim.Optimizer) -> list[tuple[
     """What `--profile` times: the work both loops share (labels starting with `=`: the model's
     forward, the loss, backward, the optimizer), and the library's functions where they are
     looked up."""
-    from gradaccum import accumulator, batching, loss, precision, sync, window
+    from gradaccum import _engine, accumulator, batching, divisor, loss, precision, sync, window
 
     targets: list[tuple[object, str, str]] = [
         (type(model), "forward", "= model forward"),
         (F, "cross_entropy", "= cross_entropy"),
-        (torch.Tensor, "backward", "= backward"),
+        (torch.autograd, "backward", "= backward"),
         (type(opt), "step", "= optimizer.step"),
-        (type(opt), "zero_grad", "= optimizer.zero_grad"),
-        (torch.nn.utils, "get_total_norm", "accumulator.py: torch get_total_norm"),
+        (torch.nn.utils, "get_total_norm", "norms.py: torch get_total_norm"),
     ]
-    for module, owner in ((accumulator, accumulator.Accumulator), (window, window.Window)):
+    owners = (
+        (accumulator, accumulator.Accumulator),
+        (_engine, _engine.Engine),
+        (window, window.Window),
+        (precision, precision.PrecisionRuntime),
+        (sync, sync.LocalSync),
+    )
+    for module, owner in owners:
         for name, value in vars(owner).items():
             if inspect.isfunction(value) and name not in ("__init__", "state_dict"):
                 targets.append((owner, name, f"{module.__name__[10:]}.py: {name}"))
-    for module in (accumulator, window):
+    for module in (accumulator, _engine, window):
         for name, value in vars(module).items():
             if inspect.isfunction(value) and value.__module__ in (
                 batching.__name__,
                 loss.__name__,
                 sync.__name__,
+                divisor.__name__,
             ):
                 targets.append((module, name, f"{value.__module__[10:]}.py: {name}"))
-    for name, value in vars(precision.PrecisionRuntime).items():
-        if inspect.isfunction(value) and name != "__init__":
-            targets.append((precision.PrecisionRuntime, name, f"precision.py: {name}"))
-    for name, value in vars(window.WindowTotals).items():
-        if inspect.isfunction(value) and not name.startswith("__"):
-            targets.append((window.WindowTotals, name, f"window.py: WindowTotals.{name}"))
     return targets
 
 
@@ -427,7 +428,7 @@ def profile_case(case: Case, steps: int) -> None:
     """Self time per function inside real steps, ours and hand, with everything else at speed.
 
     The user's loss code other than the model and `cross_entropy` (unpacking the batch,
-    counting tokens) runs inside `window.py: backward` for ours, and in the loop for hand.
+    counting tokens) runs inside `_engine.py: _micro_batch` for ours, and in the loop for hand.
     """
     torch.manual_seed(2)
     model = case.make_model()

@@ -310,6 +310,17 @@ def test_a_model_that_is_not_a_module_is_refused(bad: Any) -> None:
         Accumulator(bad, torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
 
 
+def test_a_model_without_data_is_refused_naming_the_fix() -> None:
+    meta = nn.Linear(3, 1, device="meta")
+    with pytest.raises(ValueError, match=r"to_empty"):
+        Accumulator(meta, torch.optim.SGD(meta.parameters(), lr=0.1), micro_batch_size=2)
+    lazy = nn.LazyLinear(1)
+    with pytest.raises(ValueError, match="run one forward pass"):
+        Accumulator(lazy, torch.optim.SGD(lazy.parameters(), lr=0.1), micro_batch_size=2)
+    lazy(torch.zeros(2, 3))  # control: once materialized, it is accepted
+    Accumulator(lazy, torch.optim.SGD(lazy.parameters(), lr=0.1), micro_batch_size=2)
+
+
 # ------------------------------------------------------------------ the optimizer's parameters
 
 

@@ -20,7 +20,6 @@ from gradaccum.accumulator import Accumulator, NonFiniteError, StepResult
 from gradaccum.batching import split_batch
 from gradaccum.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from gradaccum.loss import LossSum
-from gradaccum.memory import measure_activation_bytes, parse_bytes
 from gradaccum.options import BatchNormMode, Normalize, OnNonFinite, PartialWindow, Precision
 from gradaccum.sizing import MemoryPlan, plan_micro_batch
 from gradaccum.sync import RankMismatchError
@@ -47,8 +46,6 @@ __all__ = [
     "accumulate_grad",
     "check_equivalence",
     "load_checkpoint",
-    "measure_activation_bytes",
-    "parse_bytes",
     "plan_micro_batch",
     "save_checkpoint",
     "split_batch",

@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_max_grad_norm", "check_optimizer", "check_scheduler", "check_sparse"]
+__all__ = [
+    "check_materialized",
+    "check_max_grad_norm",
+    "check_optimizer",
+    "check_scheduler",
+    "check_sparse",
+]
 
 _SPARSE_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
@@ -76,6 +82,22 @@ def check_scheduler(scheduler: Any) -> None:
             "steps its scheduler with none. Pass scheduler=None and call "
             f"{type(scheduler).__name__}.step(val_loss) yourself after validation."
         )
+
+
+def check_materialized(model: torch.nn.Module) -> None:
+    """Refuse a model whose parameters have no data yet (meta device, or lazy modules)."""
+    for name, param in model.named_parameters():
+        if param.is_meta:
+            raise ValueError(
+                f"parameter {name} is on the meta device (it has no data); materialize the "
+                "model first, e.g. model.to_empty(device='cpu') then initialize or load its "
+                "weights."
+            )
+        if isinstance(param, torch.nn.parameter.UninitializedParameter):
+            raise ValueError(
+                f"parameter {name} is uninitialized (a lazy module); run one forward pass on a "
+                "sample batch before building the Accumulator."
+            )
 
 
 def check_sparse(model: torch.nn.Module) -> None:

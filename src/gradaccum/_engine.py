@@ -18,26 +18,26 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from gradaccum._warnings import warn_user
+from gradaccum._oom import is_out_of_memory, rng_states, set_rng_states
+from gradaccum._outputs import captured_outputs, zero_item_backward
 from gradaccum.batching import batch_size, slice_batch, to_device
 from gradaccum.batchnorm import BatchNormControl
 from gradaccum.divisor import backward_denominator, grad_divisor, scaled_loss
-from gradaccum.loss import TokenMeanWarning, read_loss
+from gradaccum.loss import read_loss, warn_if_token_mean
 from gradaccum.norms import clip_, total_norm
 from gradaccum.options import Normalize
 from gradaccum.precision import PrecisionRuntime
-from gradaccum.sync import FSDP2Sync, GradSync, RankMismatchError, RankSummary, WindowAgreement
+from gradaccum.sync import FSDP2Sync, GradSync, RankSummary, WindowAgreement
 from gradaccum.window import LossFn, Window, window_parameters
 
 __all__ = ["Engine", "Outcome"]
 
-_IGNORE_INDEX = -100  # the Hugging Face convention for unscored label positions
 _TOKEN_MEAN_CHECKS = 8  # micro-batches inspected for padded labels before the check stops
 _FAILED, _OUT_OF_MEMORY = 1, 2
 
@@ -122,13 +122,15 @@ class Engine:
         except BaseException as error:
             self._forget_window(error)
             raise
+        if not last:  # the caller's code runs before the next micro-batch: watch the grads
+            self.window.mark_gradients()
 
     def _open(self, rerun: bool) -> None:
         params, held = window_parameters(self.model, self.optimizer)
         self.window.open(params, held, self.runtime.loss_scale())
         self.runtime.open_window(len(params))
         self.batchnorm.open_window()
-        self._rng = _rng_states(self.runtime.device) if rerun else None
+        self._rng = rng_states(self.runtime.device) if rerun else None
 
     def _micro_batch(
         self,
@@ -148,12 +150,14 @@ class Engine:
             self.batchnorm.warn_once(items, items * expected_micro_batches)
         outputs: list[torch.Tensor] = []
         fsdp = isinstance(sync, FSDP2Sync)
-        capture = self._captured_outputs(outputs) if fsdp else contextlib.nullcontext()
+        capture = captured_outputs(self.model, outputs) if fsdp else contextlib.nullcontext()
         with sync.micro_context(last=last), self.batchnorm.micro_context():
             with runtime.autocast(), capture:
                 value, weight, count = read_loss(loss_fn(self.model, micro_batch), items)
             if weight > 1 and self._token_checks:
-                self._warn_if_token_mean(micro_batch)
+                self._token_checks -= 1
+                if warn_if_token_mean(micro_batch):
+                    self._token_checks = 0
             if window.denominator is None:
                 folded = window_items if weight > 1 and sync.world == 1 else None
                 expected = items if sync.world > 1 or not count else count
@@ -169,7 +173,7 @@ class Engine:
                 )
             if value.requires_grad:
                 roots = [scaled_loss(value, weight, window.denominator, window.loss_scale)]
-                seeds = [torch.ones_like(roots[0])]
+                seeds = None
             else:
                 # FSDP2's backward is a collective too (it unshards): a loss with no graph
                 # still runs one, through the model's outputs, adding nothing.
@@ -193,7 +197,6 @@ class Engine:
                     torch.autograd.backward(roots, seeds)
                 runtime.collect(window.params)
         window.add(value, weight, count, items)
-        window.mark_gradients()
         self._reduced = reduce
         if fsdp:
             self._last_input = (micro_batch, loss_fn)
@@ -213,23 +216,6 @@ class Engine:
             "window was discarded."
         )
 
-    def _warn_if_token_mean(self, micro_batch: Any) -> None:
-        self._token_checks -= 1
-        labels = micro_batch.get("labels") if isinstance(micro_batch, Mapping) else None
-        if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
-            return
-        if bool((labels == _IGNORE_INDEX).any()):
-            self._token_checks = 0
-            warn_user(
-                TokenMeanWarning(
-                    "loss_fn returned a plain scalar, read as a mean over the micro-batch's "
-                    f"{labels.shape[0]} rows, but the batch's labels hold {_IGNORE_INDEX} "
-                    "(unscored positions): a token mean is being weighted by rows, which is not "
-                    "the full-batch token mean. Return gradaccum.LossSum(sum_of_token_losses, "
-                    "count=number_of_scored_tokens) instead."
-                )
-            )
-
     # ---------------------------------------------------------------- the boundary
 
     def close_window(self, *, max_grad_norm: float | None) -> Outcome:
@@ -239,7 +225,7 @@ class Engine:
             agreement = self._agreement or self._exchange(self._summary())
             self._agreement = None
             if agreement.failed_ranks:
-                raise _peer_failure(agreement)
+                raise agreement.failure()
             count, loss_sum = agreement.count, agreement.loss_sum
             empty = count == 0 and self.normalize is Normalize.MEAN
             if empty or not math.isfinite(loss_sum):
@@ -298,17 +284,17 @@ class Engine:
         return Outcome(False, count, loss_sum, norm, self.learning_rate(), names)
 
     def _summary(self, failed: int = 0) -> RankSummary:
-        window = self.window
-        has_grad = tuple(
-            self.runtime.gradient(i, p) is not None for i, p in enumerate(window.params)
-        )
+        window, params = self.window, self.window.params[: self.window.held]
+        has_grad: tuple[bool, ...] = ()
+        if self.sync.world > 1:  # which params to reduce: those some rank holds a gradient for
+            has_grad = tuple(self.runtime.gradient(i, p) is not None for i, p in enumerate(params))
         return RankSummary(
             window.count,
             window.loss_total(),
             window.micro_batches,
             window.denominator or 1.0,
             failed=failed,
-            has_grad=has_grad[: window.held],
+            has_grad=has_grad,
         )
 
     def _exchange(self, summary: RankSummary) -> WindowAgreement:
@@ -332,53 +318,20 @@ class Engine:
         return held
 
     def _settle(self) -> None:
-        """FSDP2: make it reduce-scatter deferred sums, by one zero-item synchronized backward.
-
-        FSDP2 holds a deferred window's partial sums on its own unsharded parameters, out of
-        reach; only a backward with the sync on releases them. A micro-batch cut to zero items
-        adds nothing (its gradient sums over no item).
-        """
+        """FSDP2: make it reduce-scatter the window's deferred sums (`zero_item_backward`)."""
         if not isinstance(self.sync, FSDP2Sync) or self._reduced or self._last_input is None:
             return
         micro_batch, loss_fn = self._last_input
         empty = slice_batch(micro_batch, 0, 0, batch_dim=self.batch_dim)
-        outputs: list[torch.Tensor] = []
         with self.sync.backward_context(reduce=True):
-            with self.runtime.autocast(), self._captured_outputs(outputs):
-                value, _, _ = read_loss(loss_fn(self.model, empty), 0)
-            # A loss that returns a constant for no item still ran the model (every FSDP2
-            # forward is a collective); the backward then goes through the model's outputs.
-            roots = [value] if value.requires_grad else outputs
-            if not roots:
-                raise RuntimeError(
-                    "FSDP2 needs every rank to run the model on every micro-batch: loss_fn "
-                    "returned a loss without calling the model for a micro-batch of no item. "
-                    "Call the model on it (its output may be empty) and return "
-                    "LossSum(loss_sum, 0)."
-                )
-            torch.autograd.backward(roots, [torch.zeros_like(t) for t in roots])
+            zero_item_backward(self.model, empty, loss_fn, self.runtime.autocast)
         self._reduced = True
-
-    @contextlib.contextmanager
-    def _captured_outputs(self, outputs: list[torch.Tensor]) -> Iterator[None]:
-        """Collect the model's output tensors that carry a graph, while the block runs."""
-
-        def keep(module: torch.nn.Module, args: Any, output: Any) -> None:
-            outputs.extend(t for t in _tensors(output) if t.requires_grad)
-
-        hook = self.model.register_forward_hook(keep)
-        try:
-            yield
-        finally:
-            hook.remove()
 
     # ---------------------------------------------------------------- forgetting
 
     def _fail(self, error: BaseException) -> None:
         """A window raised: tell the other ranks (DDP), so none waits, then forget it."""
         if self.sync.world > 1 and not self._exchanged and not isinstance(self.sync, FSDP2Sync):
-            from gradaccum._oom import is_out_of_memory
-
             kind = _OUT_OF_MEMORY if is_out_of_memory(error) else _FAILED
             self._exchange(self._summary(failed=kind))
         self._forget_window(error)
@@ -395,7 +348,7 @@ class Engine:
         self.runtime.clear_buffers()
         self.batchnorm.forget_window()
         if self._rng is not None:
-            _set_rng_states(self.runtime.device, self._rng)
+            set_rng_states(self.runtime.device, self._rng)
         self._end()
 
     def _end(self) -> None:
@@ -447,39 +400,3 @@ class Engine:
             self.runtime.open_window(len(params))
         self.batchnorm.open_window()
         self._end()
-
-
-def _tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors of a model's output (a tensor, or a dict/list/tuple of them, any depth)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, Mapping):
-        return [t for value in output.values() for t in _tensors(value)]
-    if isinstance(output, (list, tuple)):
-        return [t for value in output for t in _tensors(value)]
-    return []
-
-
-def _peer_failure(agreement: WindowAgreement) -> BaseException:
-    ranks = ", ".join(str(rank) for rank in agreement.failed_ranks)
-    if agreement.all_out_of_memory:
-        return torch.OutOfMemoryError(
-            f"rank {ranks} ran out of memory in this window; every rank reruns it smaller."
-        )
-    return RankMismatchError(
-        f"rank {ranks} raised inside this accumulation window (see its own traceback); the "
-        "window was discarded on every rank, and nothing was stepped."
-    )
-
-
-def _rng_states(device: torch.device) -> list[torch.Tensor]:
-    states = [torch.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    return states
-
-
-def _set_rng_states(device: torch.device, states: list[torch.Tensor]) -> None:
-    torch.set_rng_state(states[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(states[1], device)

@@ -13,7 +13,13 @@ import gc
 
 import torch
 
-__all__ = ["MemoryBudgetError", "is_out_of_memory", "release_cached_memory"]
+__all__ = [
+    "rng_states",
+    "set_rng_states",
+    "MemoryBudgetError",
+    "is_out_of_memory",
+    "release_cached_memory",
+]
 
 # Older PyTorch raised plain RuntimeErrors; these phrases mark the allocators' messages.
 _OOM_PHRASES = ("out of memory", "can't allocate memory", "failed to allocate memory")
@@ -40,3 +46,18 @@ def release_cached_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
     elif device.type == "mps":
         torch.mps.empty_cache()
+
+
+def rng_states(device: torch.device) -> list[torch.Tensor]:
+    """The CPU (and this CUDA device's) RNG states, for a window that may be rerun smaller."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def set_rng_states(device: torch.device, states: list[torch.Tensor]) -> None:
+    """Put back `rng_states(device)`, so a rerun window draws the same dropout masks."""
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)

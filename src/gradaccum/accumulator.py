@@ -31,7 +31,13 @@ from typing import Any
 
 import torch
 
-from gradaccum._checks import check_max_grad_norm, check_optimizer, check_scheduler, check_sparse
+from gradaccum._checks import (
+    check_materialized,
+    check_max_grad_norm,
+    check_optimizer,
+    check_scheduler,
+    check_sparse,
+)
 from gradaccum._engine import Engine
 from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_memory
 from gradaccum.batching import batch_size, check_batch_dim, check_micro_batch_size, split_batch
@@ -111,6 +117,7 @@ class Accumulator:
             check_micro_batch_size(micro_batch_size)
         if accumulation_steps is not None:
             check_micro_batch_size(accumulation_steps, "accumulation_steps")
+        check_materialized(model)
         params = trainable_parameters(model)
         self.batch_dim = check_batch_dim(batch_dim)
         check_max_grad_norm(max_grad_norm)

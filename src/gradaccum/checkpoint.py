@@ -10,7 +10,8 @@ the objects it is loaded into before changing any of them.
 
 The RNG states are always saved, but `load_checkpoint` restores them into the process-wide
 generators only when asked (`restore_rng=True`), as a bitwise resume needs; a plain load leaves the
-caller's random streams alone.
+caller's random streams alone. The helpers that capture, check and restore them are in
+`gradaccum._rng_state`.
 
 Example:
     >>> import tempfile, torch
@@ -29,14 +30,12 @@ from __future__ import annotations
 
 import copy
 import os
-import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from gradaccum._rng_state import RngStates, capture_rng, checked_rng
 from gradaccum.accumulator import Accumulator
 
 __all__ = ["CheckpointError", "load_checkpoint", "load_model_weights", "save_checkpoint"]
@@ -93,7 +92,7 @@ def save_checkpoint(
         "scheduler_class": None if scheduler is None else type(scheduler).__name__,
         "accumulator": None if accumulator is None else accumulator.state_dict(),
         "extra": extra,
-        "rng": _capture_rng(),
+        "rng": capture_rng(),
     }
     _remove_stale_temporaries(target)
     temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
@@ -332,73 +331,15 @@ def _check_scheduler_fits(
         ) from error
 
 
-def _capture_rng() -> dict[str, Any]:
-    numpy_state = np.random.get_state(legacy=True)
-    if not isinstance(numpy_state, tuple):  # never with legacy=True; narrows the type
-        raise TypeError("np.random.get_state(legacy=True) returned no tuple")
-    kind, keys, position, has_gauss, gauss = numpy_state
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {
-            "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "position": int(position),
-            "has_gauss": int(has_gauss),
-            "gauss": float(gauss),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-@dataclass(frozen=True)
-class _RngStates:
-    """Saved RNG states, already checked: `restore()` sets the global generators to them."""
-
-    python_state: tuple[Any, ...]
-    numpy_state: tuple[Any, ...]
-    cpu_state: torch.Tensor
-    cuda_states: list[torch.Tensor]
-
-    def restore(self) -> None:
-        """Set the global Python, NumPy, torch CPU and CUDA generators to these states."""
-        random.setstate(self.python_state)
-        np.random.set_state(self.numpy_state)
-        torch.set_rng_state(self.cpu_state)
-        if self.cuda_states and torch.cuda.is_available():
-            for device, state in enumerate(self.cuda_states[: torch.cuda.device_count()]):
-                torch.cuda.set_rng_state(state, device)
-
-
-def _checked_rng(source: Path, state: dict[str, Any]) -> _RngStates:
+def _checked_rng(source: Path, state: dict[str, Any]) -> RngStates:
     """The saved RNG states, each tried on a fresh generator (the global ones stay untouched)."""
     try:
-        version, internal, gauss = state["python"]
-        python = (version, tuple(internal), gauss)
-        random.Random().setstate(python)
-        saved = state["numpy"]
-        numpy = (
-            saved["kind"],
-            saved["keys"].numpy().astype(np.uint32),
-            saved["position"],
-            saved["has_gauss"],
-            saved["gauss"],
-        )
-        np.random.RandomState().set_state(numpy)
-        cpu = state["torch"]
-        torch.Generator().set_state(cpu)
-        cuda = list(state.get("cuda") or [])
-        for device_state in cuda:
-            if not isinstance(device_state, torch.Tensor) or device_state.dtype != torch.uint8:
-                raise TypeError("a CUDA RNG state is not a uint8 tensor")
+        return checked_rng(state)
     except Exception as error:
         raise CheckpointError(
             f"{source} holds damaged RNG states ({type(error).__name__}: {str(error)[:200]}); "
             "load it with restore_rng=False to keep the current ones."
         ) from error
-    return _RngStates(python, numpy, cpu, cuda)
 
 
 def _remove_stale_temporaries(target: Path) -> None:

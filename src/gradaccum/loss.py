@@ -18,12 +18,17 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["LossSum", "TokenMeanWarning"]
+from gradaccum._warnings import warn_user
+
+__all__ = ["LossSum", "TokenMeanWarning", "warn_if_token_mean"]
+
+_IGNORE_INDEX = -100  # the Hugging Face convention for unscored label positions
 
 
 class TokenMeanWarning(UserWarning):
@@ -114,3 +119,30 @@ def _read_count(count: object) -> int:
     if count < 0:
         raise ValueError(f"LossSum.count={count!r} must be >= 0: it counts the items summed.")
     return int(count)
+
+
+def warn_if_token_mean(micro_batch: object) -> bool:
+    """Warn if a plain-scalar loss's batch has `labels` with -100: a token mean read by rows.
+
+    Called for losses returned as plain scalars (a mean over the micro-batch's rows). A batch
+    `{"labels": ...}` holding -100 (unscored positions, the Hugging Face convention) means the
+    scalar is a token mean, and weighting it by rows is not the full-batch token mean.
+
+    Returns:
+        Whether it warned.
+    """
+    labels = micro_batch.get("labels") if isinstance(micro_batch, Mapping) else None
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
+        return False
+    if not bool((labels == _IGNORE_INDEX).any()):
+        return False
+    warn_user(
+        TokenMeanWarning(
+            "loss_fn returned a plain scalar, read as a mean over the micro-batch's "
+            f"{labels.shape[0]} rows, but the batch's labels hold {_IGNORE_INDEX} (unscored "
+            "positions): a token mean is being weighted by rows, which is not the full-batch "
+            "token mean. Return gradaccum.LossSum(sum_of_token_losses, "
+            "count=number_of_scored_tokens) instead."
+        )
+    )
+    return True

@@ -29,10 +29,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from gradaccum._allreduce import all_reduce_sum
 
 __all__ = [
     "DDPSync",
@@ -52,8 +53,6 @@ __all__ = [
 
 
 _OUT_OF_MEMORY = 2  # RankSummary.failed for a rank that ran out of memory
-_BUCKET_BYTES = 32 * 2**20  # the hand reduction's largest temporary buffer
-_IN_PLACE_BYTES = 2**20  # gradients this large are reduced in place rather than copied
 
 
 class RankMismatchError(RuntimeError):
@@ -155,6 +154,18 @@ class WindowAgreement:
     all_out_of_memory: bool = False
     has_grad: tuple[bool, ...] = ()
     all_graphs: bool = True
+
+    def failure(self) -> BaseException:
+        """What a rank raises when another rank's window failed (out of memory: rerun)."""
+        ranks = ", ".join(str(rank) for rank in self.failed_ranks)
+        if self.all_out_of_memory:
+            return torch.OutOfMemoryError(
+                f"rank {ranks} ran out of memory in this window; every rank reruns it smaller."
+            )
+        return RankMismatchError(
+            f"rank {ranks} raised inside this accumulation window (see its own traceback); the "
+            "window was discarded on every rank, and nothing was stepped."
+        )
 
 
 class GradSync:
@@ -278,45 +289,8 @@ class DDPSync(_DistributedSync):
         return no_sync
 
     def reduce(self, grads: Sequence[torch.Tensor]) -> None:
-        """Sum `grads` over ranks in place, every collective in flight at once.
-
-        A gradient of at least `_IN_PLACE_BYTES` is reduced in place (no copy); smaller ones
-        travel in flat buckets of at most `_BUCKET_BYTES`, which bounds the temporary memory
-        (a single flat buffer would double the gradient's memory).
-        """
-        pending: list[tuple[Any, list[torch.Tensor], torch.Tensor | None]] = []
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for grad in grads:
-            nbytes = grad.numel() * grad.element_size()
-            if nbytes >= _IN_PLACE_BYTES and grad.is_contiguous():
-                pending.append((self._start(grad), [grad], None))
-                continue
-            if bucket and (
-                size + nbytes > _BUCKET_BYTES
-                or (grad.dtype, grad.device) != (bucket[0].dtype, bucket[0].device)
-            ):
-                pending.append(self._start_bucket(bucket))
-                bucket, size = [], 0
-            bucket.append(grad)
-            size += nbytes
-        if bucket:
-            pending.append(self._start_bucket(bucket))
-        for work, members, flat in pending:
-            work.wait()
-            if flat is not None:
-                parts = torch.split(flat, [g.numel() for g in members])
-                for grad, part in zip(members, parts, strict=True):
-                    grad.copy_(part.view_as(grad))
-
-    def _start(self, tensor: torch.Tensor) -> Any:
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-
-    def _start_bucket(
-        self, bucket: list[torch.Tensor]
-    ) -> tuple[Any, list[torch.Tensor], torch.Tensor | None]:
-        flat = torch.cat([grad.reshape(-1) for grad in bucket])
-        return self._start(flat), bucket, flat
+        """Sum `grads` over ranks in place: async, in bounded flat buckets (`_allreduce`)."""
+        all_reduce_sum(grads, self.group)
 
 
 class FSDP2Sync(_DistributedSync):

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gradaccum import Accumulator, load_checkpoint, measure_activation_bytes
+from gradaccum import Accumulator, load_checkpoint
+from gradaccum.memory import measure_activation_bytes
 
 __all__ = [
     "DIGITS_CONFIGS",

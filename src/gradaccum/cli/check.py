@@ -202,9 +202,10 @@ def _print_diagnosis(report: EquivalenceReport, target: CheckTarget, size: int) 
             "itself; pass a smaller --micro-batch-size."
         )
     if report.ok:
+        judged = report.internal_dtype or report.dtype  # the precision the tolerance is set by
         print(
             f"result: EXACT. The accumulated gradient equals the full-batch gradient to "
-            f"{_dtype_name(report.dtype)} rounding (max rel diff {report.max_rel_diff:.1e} <= "
+            f"{_dtype_name(judged)} rounding (max rel diff {report.max_rel_diff:.1e} <= "
             f"{report.tolerance:.0e})."
         )
     else:

@@ -273,7 +273,7 @@ def _memory(result: CharlmResult) -> Section:
     full, micro = result.full_bytes, result.micro_bytes
     return Section(
         title="Memory saving: activations a forward keeps for its backward, measured",
-        before=["gradaccum.measure_activation_bytes on the step-1 batch, float64 model:"],
+        before=["gradaccum.memory.measure_activation_bytes on the step-1 batch, float64 model:"],
         headers=["forward", "activation bytes", "MiB"],
         rows=[
             [f"full batch ({result.batch_size} lines)", f"{full:,}", _mib(full)],

@@ -17,18 +17,15 @@ import copy
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from gradaccum.batching import batch_size, map_tensors
 from gradaccum.batchnorm import recalibrate
 from gradaccum.experiments._resume import write_text_atomic
-from gradaccum.experiments.base import RunSummary, Task
+from gradaccum.experiments.base import ResolvedRun, RunSummary, Task
 from gradaccum.memory import measure_activation_bytes
-
-if TYPE_CHECKING:
-    from gradaccum.experiments.runner import ResolvedRun
 
 __all__ = ["peak_memory", "summarize", "validate", "write_jsonl"]
 

@@ -27,7 +27,7 @@ import random
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -35,12 +35,13 @@ import torch
 from gradaccum.checkpoint import load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
-    from gradaccum.experiments.base import TrainConfig
-    from gradaccum.experiments.runner import TrainingRun
+    from gradaccum.accumulator import Accumulator
+    from gradaccum.experiments.base import ResolvedRun, TrainConfig
 
 __all__ = [
     "CHECKPOINT_NAME",
     "CheckpointEvery",
+    "CheckpointedRun",
     "Position",
     "ResumeError",
     "RunStopped",
@@ -127,6 +128,52 @@ class Position:
     def batch_in_epoch(self, steps_per_epoch: int) -> tuple[int, int]:
         """`(epoch, index)` of the effective batch in progress: 1-based epoch, 0-based index."""
         return self.step // steps_per_epoch + 1, self.step % steps_per_epoch
+
+
+class CheckpointedRun(Protocol):
+    """What `save_run` and `load_run` use of a run (`gradaccum.experiments.runner.TrainingRun`).
+
+    Declared here, so this module needs nothing from the runner that imports it.
+    """
+
+    @property
+    def out(self) -> Path | None:
+        """The run's folder, or None for a run that writes nothing."""
+        ...
+
+    @property
+    def plan(self) -> ResolvedRun:
+        """The resolved configuration."""
+        ...
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """The validation rows so far."""
+        ...
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model being trained."""
+        ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The run's optimizer."""
+        ...
+
+    @property
+    def accumulator(self) -> Accumulator:
+        """The run's Accumulator."""
+        ...
+
+    @property
+    def scheduler(self) -> Any:
+        """The run's learning-rate scheduler."""
+        ...
+
+    def window_micro_batches(self, step: int) -> int:
+        """Micro-batches of window `step + 1`."""
+        ...
 
 
 class RunStopped(Exception):  # noqa: N818 (a stop on request, not an error)
@@ -320,7 +367,7 @@ def plain_config(config: TrainConfig) -> dict[str, Any]:
 
 
 def save_run(
-    run: TrainingRun, position: Position, metrics: IO[str] | None, *, finished: bool = False
+    run: CheckpointedRun, position: Position, metrics: IO[str] | None, *, finished: bool = False
 ) -> Path | None:
     """Write `run.out/checkpoint.pt` at `position`, after making the metrics so far durable.
 
@@ -351,7 +398,7 @@ def save_run(
     return path
 
 
-def load_run(run: TrainingRun, out: Path) -> tuple[Position, list[dict[str, float]]]:
+def load_run(run: CheckpointedRun, out: Path) -> tuple[Position, list[dict[str, float]]]:
     """Restore `run`'s states from `out/checkpoint.pt`; return its position and history.
 
     Raises:

@@ -2,7 +2,8 @@
 
 A `Task` bundles data that ships with the package (or is generated), a model factory, a loss
 function in the library's `(sum, count)` convention and a validation metric. A `TrainConfig`
-says how to train one configuration; a `RunSummary` is what a finished run reports.
+says how to train one configuration, a `ResolvedRun` is one with every default filled in, and a
+`RunSummary` is what a finished run reports.
 
 Example:
     >>> config = TrainConfig(task="digits", batch_size=32, micro_batch_size=8)
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,7 +23,7 @@ import torch
 
 from gradaccum.loss import LossSum
 
-__all__ = ["LrScaling", "RunSummary", "Task", "TaskData", "TrainConfig"]
+__all__ = ["LrScaling", "ResolvedRun", "RunSummary", "Task", "TaskData", "TrainConfig"]
 
 
 class LrScaling(str, enum.Enum):
@@ -122,6 +124,27 @@ class TrainConfig:
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with `changes` applied."""
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A `TrainConfig` with every default filled in from its task and checked.
+
+    `gradaccum.experiments.runner.resolve` builds it.
+    """
+
+    config: TrainConfig
+    task: Task
+    effective_batch: int
+    micro_batch_size: int
+    lr: float
+    total_steps: int
+    steps_per_epoch: int
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches of a full effective batch."""
+        return math.ceil(self.effective_batch / self.micro_batch_size)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from gradaccum.experiments._resume import (
     save_run,
     write_text_atomic,
 )
-from gradaccum.experiments.base import LrScaling, RunSummary, Task, TrainConfig
+from gradaccum.experiments.base import LrScaling, ResolvedRun, RunSummary, Task, TrainConfig
 from gradaccum.experiments.tasks import get_task
 
 __all__ = [
@@ -88,24 +88,6 @@ class StepLog:
     lr: float
     grad_norm: float | None
     time: float
-
-
-@dataclass(frozen=True)
-class ResolvedRun:
-    """A `TrainConfig` with every default filled in from its task and checked."""
-
-    config: TrainConfig
-    task: Task
-    effective_batch: int
-    micro_batch_size: int
-    lr: float
-    total_steps: int
-    steps_per_epoch: int
-
-    @property
-    def accumulation_steps(self) -> int:
-        """Micro-batches of a full effective batch."""
-        return math.ceil(self.effective_batch / self.micro_batch_size)
 
 
 def resolve(config: TrainConfig, train_items: int | None = None) -> ResolvedRun:

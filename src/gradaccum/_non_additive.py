@@ -1,0 +1,164 @@
+"""Finding the modules that make micro-batch accumulation inexact by construction.
+
+BatchNorm in train mode (or without running statistics), dropout, spectral norm's power
+iteration, other stateful parametrizations, and modules whose forward pre-hooks change their
+buffers all compute something else on micro-batches than on one full batch. `find_non_additive`
+lists them from the model alone; `hooked_buffers` and `changed_by_hooks` find the hooks that do so
+once `gradaccum.verify.check_equivalence` has run the model. Everything here is re-exported or
+used by `gradaccum.verify`.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.1))
+    >>> [str(m) for m in find_non_additive(model)]
+    ['1 (Dropout): draws random masks per micro-batch call']
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm as _LegacySpectralNorm
+
+__all__ = [
+    "NonAdditiveModule",
+    "changed_by_hooks",
+    "cuda_devices",
+    "find_non_additive",
+    "hooked_buffers",
+]
+
+_SPECTRAL_REASON = (
+    "spectral_norm: every train-mode forward runs a power iteration that updates its buffers "
+    "{}, so each micro-batch divides the weight by a different estimate than the full batch "
+    "(exact in eval mode)"
+)
+
+
+@dataclass(frozen=True)
+class NonAdditiveModule:
+    """A module that makes micro-batches compute something else than one full batch.
+
+    Its output for one item depends on the other items of its micro-batch (BatchNorm), on random
+    draws per call (dropout), or on state that advances once per call (spectral norm).
+
+    Attributes:
+        name: Qualified module name in the model.
+        kind: The module's (or its hook's) class name.
+        reason: Why accumulation is inexact with it.
+    """
+
+    name: str
+    kind: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.kind}): {self.reason}"
+
+
+def find_non_additive(model: torch.nn.Module) -> list[NonAdditiveModule]:
+    """List the modules that make micro-batch accumulation differ from a full batch.
+
+    Parametrizations are probed on a copy (the RNG state is kept): one whose buffers change when
+    it computes its weight, or whose weight changes from call to call, is listed. Hooks that
+    change state are found by `check_equivalence`, which runs the model.
+
+    Example:
+        >>> import torch
+        >>> [m.name for m in find_non_additive(torch.nn.Sequential(torch.nn.BatchNorm1d(3)))]
+        ['0']
+    """
+    found = []
+    for name, module in model.named_modules():
+        label, kind = name or "<model>", type(module).__name__
+        # An eval-mode BatchNorm without running statistics still normalizes per batch.
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and (
+            module.training or module.running_mean is None
+        ):
+            reason = (
+                "normalizes with micro-batch statistics and updates running statistics "
+                "once per micro-batch"
+            )
+            found.append(NonAdditiveModule(label, kind, reason))
+        elif module.training and (
+            (isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0)
+            or (isinstance(module, torch.nn.MultiheadAttention) and module.dropout > 0)
+        ):
+            found.append(NonAdditiveModule(label, kind, "draws random masks per micro-batch call"))
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, _LegacySpectralNorm) and module.training:
+                buffers = f"{hook.name}_u, {hook.name}_v"
+                found.append(
+                    NonAdditiveModule(label, "SpectralNorm", _SPECTRAL_REASON.format(buffers))
+                )
+        if parametrize.is_parametrized(module):
+            for tensor, members in cast(torch.nn.ModuleDict, module.parametrizations).items():
+                found += _stateful_parametrization(f"{name}.parametrizations.{tensor}", members)
+    return found
+
+
+def _stateful_parametrization(prefix: str, members: torch.nn.Module) -> list[NonAdditiveModule]:
+    """Compute a copy of one tensor's parametrizations twice; list the members that keep state."""
+    prefix = prefix.lstrip(".")
+    found: dict[str, NonAdditiveModule] = {}
+    for index, member in members.named_children():
+        if type(member).__name__ == "_SpectralNorm" and member.training:  # known by its class
+            reason = _SPECTRAL_REASON.format("_u, _v")
+            found[index] = NonAdditiveModule(f"{prefix}.{index}", "_SpectralNorm", reason)
+    try:
+        probe = copy.deepcopy(members)
+        before = {name: buffer.clone() for name, buffer in probe.named_buffers()}
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices(probe.parameters())):
+            first, second = probe(), probe()
+        changed = [n for n, b in probe.named_buffers() if not torch.equal(b, before[n])]
+        random = not changed and not torch.equal(first, second)
+    except Exception:  # one that cannot run on its own (meta tensors...): judged by class alone
+        return list(found.values())
+    for owner in dict.fromkeys(name.rpartition(".")[0] for name in changed):
+        shorts = ", ".join(n.rpartition(".")[2] for n in changed if n.rpartition(".")[0] == owner)
+        kind = type(members.get_submodule(owner)).__name__
+        reason = f"updates its buffers {shorts} each time it computes the weight, so each "
+        reason += "micro-batch sees a different weight than the full batch"
+        found.setdefault(owner, NonAdditiveModule(f"{prefix}.{owner}".rstrip("."), kind, reason))
+    if random:
+        reason = "computes a different weight on every call, so each micro-batch sees another one"
+        found[""] = NonAdditiveModule(prefix, type(members).__name__, reason)
+    return list(found.values())
+
+
+def hooked_buffers(model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """Copies of the buffers of every module that runs forward pre-hooks."""
+    return {
+        name: {key: buffer.clone() for key, buffer in module.named_buffers(recurse=False)}
+        for name, module in model.named_modules()
+        if module._forward_pre_hooks and next(module.buffers(recurse=False), None) is not None
+    }
+
+
+def changed_by_hooks(
+    model: torch.nn.Module, before: dict[str, dict[str, torch.Tensor]], known: set[str]
+) -> list[NonAdditiveModule]:
+    """The hooked modules whose buffers one full-batch forward changed (not already listed)."""
+    found = []
+    modules = dict(model.named_modules())
+    for name, buffers in before.items():
+        current = dict(modules[name].named_buffers(recurse=False))
+        changed = [k for k, old in buffers.items() if not torch.equal(current.get(k, old), old)]
+        if changed and (name or "<model>") not in known:
+            reason = (
+                f"it runs forward pre-hooks and one forward changed its buffers "
+                f"{', '.join(changed)}: its state advances once per micro-batch, so micro-batches "
+                "see other states than the full batch"
+            )
+            found.append(NonAdditiveModule(name or "<model>", type(modules[name]).__name__, reason))
+    return found
+
+
+def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """Every CUDA device when any of `tensors` is on one (their RNGs are forked too), else none."""
+    return list(range(torch.cuda.device_count())) if any(t.is_cuda for t in tensors) else []

@@ -1,0 +1,68 @@
+"""A model's outputs as backward roots: for ranks whose loss has no graph (FSDP2).
+
+Every FSDP2 forward and backward is a collective, so every rank must run both on every
+micro-batch. A loss that returns a constant (no graph) for a micro-batch of no item still ran the
+model; `captured_outputs` keeps the model's output tensors, and a backward of zeros through them
+takes part in FSDP2's collectives while adding nothing to any gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from gradaccum.loss import read_loss
+
+__all__ = ["captured_outputs", "output_tensors", "zero_item_backward"]
+
+
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a model's output (a tensor, or a dict/list/tuple of them, any depth)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, Mapping):
+        return [t for value in output.values() for t in output_tensors(value)]
+    if isinstance(output, (list, tuple)):
+        return [t for value in output for t in output_tensors(value)]
+    return []
+
+
+@contextlib.contextmanager
+def captured_outputs(model: torch.nn.Module, outputs: list[torch.Tensor]) -> Iterator[None]:
+    """Collect `model`'s output tensors that carry a graph into `outputs` while the block runs."""
+
+    def keep(module: torch.nn.Module, args: Any, output: Any) -> None:
+        outputs.extend(t for t in output_tensors(output) if t.requires_grad)
+
+    hook = model.register_forward_hook(keep)
+    try:
+        yield
+    finally:
+        hook.remove()
+
+
+def zero_item_backward(
+    model: torch.nn.Module,
+    empty_batch: Any,
+    loss_fn: Callable[[torch.nn.Module, Any], Any],
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> None:
+    """Forward `empty_batch` (no item) and backpropagate zeros: every collective, no gradient.
+
+    Raises:
+        RuntimeError: If `loss_fn` did not call the model, which FSDP2 cannot survive.
+    """
+    outputs: list[torch.Tensor] = []
+    with autocast(), captured_outputs(model, outputs):
+        value, _, _ = read_loss(loss_fn(model, empty_batch), 0)
+    roots = [value] if value.requires_grad else outputs
+    if not roots:
+        raise RuntimeError(
+            "FSDP2 needs every rank to run the model on every micro-batch: loss_fn returned a "
+            "loss without calling the model for a micro-batch of no item. Call the model on it "
+            "(its output may be empty) and return LossSum(loss_sum, 0)."
+        )
+    torch.autograd.backward(roots, [torch.zeros_like(t) for t in roots])
