@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,25 +32,19 @@ from gradaccum.loss import read_loss, warn_if_token_mean
 from gradaccum.norms import clip_, total_norm
 from gradaccum.options import Normalize
 from gradaccum.precision import PrecisionRuntime
-from gradaccum.sync import FSDP2Sync, GradSync, RankSummary, WindowAgreement
-from gradaccum.window import LossFn, Window, window_parameters
+from gradaccum.sync import (
+    FAILED,
+    OUT_OF_MEMORY,
+    FSDP2Sync,
+    GradSync,
+    RankSummary,
+    WindowAgreement,
+)
+from gradaccum.window import LossFn, Outcome, Window, window_parameters
 
 __all__ = ["Engine", "Outcome"]
 
 _TOKEN_MEAN_CHECKS = 8  # micro-batches inspected for padded labels before the check stops
-_FAILED, _OUT_OF_MEMORY = 1, 2
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What a window boundary did (the Accumulator turns it into a `StepResult`)."""
-
-    stepped: bool
-    count: int
-    loss_sum: float
-    grad_norm: float | None
-    lr: float | None
-    nonfinite_names: tuple[str, ...] = ()
 
 
 class Engine:
@@ -332,7 +325,7 @@ class Engine:
     def _fail(self, error: BaseException) -> None:
         """A window raised: tell the other ranks (DDP), so none waits, then forget it."""
         if self.sync.world > 1 and not self._exchanged and not isinstance(self.sync, FSDP2Sync):
-            kind = _OUT_OF_MEMORY if is_out_of_memory(error) else _FAILED
+            kind = OUT_OF_MEMORY if is_out_of_memory(error) else FAILED
             self._exchange(self._summary(failed=kind))
         self._forget_window(error)
 
@@ -366,9 +359,7 @@ class Engine:
     def learning_rate(self) -> float | None:
         """The first group's learning rate; None for an optimizer without one (Adafactor)."""
         lr = self.optimizer.param_groups[0].get("lr")
-        if isinstance(lr, torch.Tensor):
-            return float(lr)
-        return float(lr) if isinstance(lr, (int, float)) else None
+        return float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None
 
     # ---------------------------------------------------------------- state
 

@@ -36,6 +36,8 @@ import torch.distributed as dist
 from gradaccum._allreduce import all_reduce_sum
 
 __all__ = [
+    "FAILED",
+    "OUT_OF_MEMORY",
     "DDPSync",
     "FSDP2Sync",
     "GradSync",
@@ -52,7 +54,7 @@ __all__ = [
 ]
 
 
-_OUT_OF_MEMORY = 2  # RankSummary.failed for a rank that ran out of memory
+FAILED, OUT_OF_MEMORY = 1, 2  # RankSummary.failed: why a rank's window failed
 
 
 class RankMismatchError(RuntimeError):
@@ -121,7 +123,7 @@ class RankSummary:
         loss_sum: This rank's summed loss.
         micro_batches: Micro-batches this rank ran.
         denominator: The window's backward denominator (must agree across ranks).
-        failed: 0, or why this rank's window failed: 1 an error, 2 out of memory.
+        failed: 0, or why this rank's window failed: `FAILED` or `OUT_OF_MEMORY`.
         has_grad: Per window parameter, whether this rank holds a gradient for it.
         graph: Whether this rank's last micro-batch can run a backward.
     """
@@ -189,7 +191,7 @@ class GradSync:
             mine.count,
             mine.loss_sum,
             (0,) if mine.failed else (),
-            mine.failed == _OUT_OF_MEMORY,
+            mine.failed == OUT_OF_MEMORY,
             mine.has_grad,
             mine.graph,
         )
@@ -243,7 +245,7 @@ class _DistributedSync(GradSync):
             count=int(table[:, 0].sum().item()),
             loss_sum=float(table[:, 1].sum().item()),
             failed_ranks=failed,
-            all_out_of_memory=bool(failed) and all(failures[list(failed)] == _OUT_OF_MEMORY),
+            all_out_of_memory=bool(failed) and all(failures[list(failed)] == OUT_OF_MEMORY),
             has_grad=tuple(bool(flag) for flag in table[:, 6:].amax(dim=0).tolist()),
             all_graphs=bool(table[:, 5].all()),
         )

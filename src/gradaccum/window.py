@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +38,14 @@ from gradaccum.divisor import backward_denominator, grad_divisor, scaled_loss
 from gradaccum.loss import LossSum, read_loss
 from gradaccum.options import Normalize, parse
 
-__all__ = ["LossFn", "Window", "accumulate_grad", "trainable_parameters", "window_parameters"]
+__all__ = [
+    "LossFn",
+    "Outcome",
+    "Window",
+    "accumulate_grad",
+    "trainable_parameters",
+    "window_parameters",
+]
 
 LossFn = Callable[[torch.nn.Module, Any], "torch.Tensor | LossSum"]
 
@@ -195,6 +203,18 @@ class Window:
         for param, grad in zip(params, state["grads"], strict=True):
             param.grad = None if grad is None else grad.to(param.device, param.dtype).clone()
         self.mark_gradients()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a window boundary did (the Accumulator turns it into a `StepResult`)."""
+
+    stepped: bool
+    count: int
+    loss_sum: float
+    grad_norm: float | None
+    lr: float | None
+    nonfinite_names: tuple[str, ...] = ()
 
 
 def accumulate_grad(
