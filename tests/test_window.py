@@ -233,7 +233,7 @@ def test_window_parameters_follow_the_optimizer_then_the_model() -> None:
     model = _mlp()
     log_var = torch.nn.Parameter(torch.zeros(()))  # a learnable loss weight outside the model
     optimizer = torch.optim.SGD([model[2].weight, log_var], lr=0.1)
-    params, held = window_parameters(model, optimizer)
+    params, held = window_parameters(model.parameters(), optimizer)
     assert held == 2
     assert params[:2] == [model[2].weight, log_var]
     assert params[2:] == [model[0].weight, model[0].bias, model[2].bias]

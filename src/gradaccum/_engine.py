@@ -66,6 +66,7 @@ class Engine:
         self.runtime, self.sync, self.batchnorm = runtime, sync, batchnorm
         self.window = Window()
         self._names = {id(p): n for n, p in model.named_parameters()}
+        self._model_params = list(model.parameters())  # walking the modules costs a window
         self._agreement: WindowAgreement | None = None  # FSDP2 agrees before the last backward
         self._exchanged = False  # this window's exchange has started (never run it twice)
         self._reduced = False  # the last backward reduced the gradients (FSDP2)
@@ -81,20 +82,22 @@ class Engine:
         loss_fn: LossFn,
         *,
         window_items: int,
+        size: int,
         rerun_on_oom: bool = False,
     ) -> None:
-        """Forward and backward a whole window given up front (`step()`)."""
-        first_items = batch_size(micro_batches[0], batch_dim=self.batch_dim)
-        self.sync.agree_on_plan(len(micro_batches), first_items)
+        """Forward and backward a whole window given up front (`step()`), split by `size`."""
+        count = len(micro_batches)
+        self.sync.agree_on_plan(count, size)
         self._open(rerun_on_oom)
         try:
             for index, micro_batch in enumerate(micro_batches):
                 self._micro_batch(
                     micro_batch,
                     loss_fn,
-                    last=index == len(micro_batches) - 1,
-                    expected_micro_batches=len(micro_batches),
+                    last=index == count - 1,
+                    expected_micro_batches=count,
                     window_items=window_items,
+                    items=min(size, window_items - index * size),
                 )
         except BaseException as error:
             self._fail(error)
@@ -119,7 +122,7 @@ class Engine:
             self.window.mark_gradients()
 
     def _open(self, rerun: bool) -> None:
-        params, held = window_parameters(self.model, self.optimizer)
+        params, held = window_parameters(self._model_params, self.optimizer)
         self.window.open(params, held, self.runtime.loss_scale())
         self.runtime.open_window(len(params))
         self.batchnorm.open_window()
@@ -133,9 +136,11 @@ class Engine:
         last: bool,
         expected_micro_batches: int,
         window_items: int | None = None,
+        items: int | None = None,
     ) -> None:
         window, runtime, sync = self.window, self.runtime, self.sync
-        items = batch_size(micro_batch, batch_dim=self.batch_dim)
+        if items is None:
+            items = batch_size(micro_batch, batch_dim=self.batch_dim)
         micro_batch = to_device(micro_batch, runtime.device)
         if window_items is not None:
             self.batchnorm.warn_once(items, window_items)
@@ -380,7 +385,7 @@ class Engine:
                 f"one has batchnorm={self.batchnorm.mode.value!r}; build the Accumulator with "
                 "the saved settings."
             )
-        params, held = window_parameters(self.model, self.optimizer)
+        params, held = window_parameters(self._model_params, self.optimizer)
         self.window.check_state(state["window"], params)
         self.runtime.check_state(state["precision"], len(params))
         self.batchnorm.load_state_dict(state["batchnorm"])  # checks, then loads

@@ -201,7 +201,7 @@ class Accumulator:
         items = batch_size(batch, batch_dim=self.batch_dim)
         size = min(self.micro_batch_size, items)
         micro_batches = split_batch(batch, size, batch_dim=self.batch_dim)
-        engine.run_window(micro_batches, loss_fn, window_items=items)
+        engine.run_window(micro_batches, loss_fn, window_items=items, size=size)
         return self._close(size)
 
     def _step_auto(self, batch: Any, loss_fn: LossFn) -> StepResult:
@@ -224,7 +224,9 @@ class Accumulator:
             tried.append(auto.size)
             try:
                 micro_batches = split_batch(batch, size, batch_dim=self.batch_dim)
-                engine.run_window(micro_batches, loss_fn, window_items=items, rerun_on_oom=True)
+                engine.run_window(
+                    micro_batches, loss_fn, window_items=items, size=size, rerun_on_oom=True
+                )
                 result = self._close(size)  # raises out-of-memory too, if another rank ran out
             except BaseException as error:
                 if not is_out_of_memory(error):

@@ -149,9 +149,20 @@ def to_device(batch: Any, device: torch.device) -> Any:
         >>> to_device({"x": torch.ones(2)}, torch.device("cpu"))["x"].device.type
         'cpu'
     """
-    if all(tensor.device == device for _, tensor in _tensor_leaves(batch, "")):
+    if _on_device(batch, device):
         return batch
     return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+
+
+def _on_device(batch: Any, device: torch.device) -> bool:
+    """Whether every tensor of `batch` is on `device` (this runs once per micro-batch)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.device == device
+    if isinstance(batch, Mapping):
+        return all(_on_device(value, device) for value in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return all(_on_device(value, device) for value in batch)
+    return True
 
 
 def check_micro_batch_size(micro_batch_size: object, name: str = "micro_batch_size") -> int:

@@ -41,8 +41,9 @@ class _Outcome:
     def __init__(self, stepped: bool, skipped: bool) -> None:
         self.flags = (stepped, skipped)
 
-    def __set_name__(self, owner: type, name: str) -> None:
+    def __set_name__(self, owner: type[StepResult], name: str) -> None:
         self.name = name
+        self.build = self._builder(owner)
 
     @overload
     def __get__(self, instance: None, owner: type[StepResult]) -> _Build: ...
@@ -54,6 +55,9 @@ class _Outcome:
         if instance is not None:
             flag: bool = instance.__dict__[self.name]
             return flag
+        return self.build
+
+    def _builder(self, owner: type[StepResult]) -> _Build:
         stepped, skipped = self.flags
 
         def build(

@@ -27,7 +27,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,12 +66,16 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def window_parameters(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    model_params: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer
 ) -> tuple[list[torch.nn.Parameter], int]:
     """The parameters a window accumulates into, and how many of them (first) the optimizer holds.
 
     Read when a window opens, not once at construction: a parameter unfrozen or an optimizer
     group added between windows takes part in the next one.
+
+    Args:
+        model_params: The model's parameters (`model.parameters()`, or a list of them).
+        optimizer: The optimizer, whose parameters come first, in its order.
     """
     seen: set[int] = set()
     params: list[torch.nn.Parameter] = []
@@ -81,7 +85,7 @@ def window_parameters(
                 seen.add(id(param))
                 params.append(param)
     held = len(params)
-    for param in model.parameters():
+    for param in model_params:
         if param.requires_grad and id(param) not in seen:
             seen.add(id(param))
             params.append(param)
