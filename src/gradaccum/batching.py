@@ -14,13 +14,11 @@ dict, named tuple, other tuple subclass          a record: rebuilt, each entry b
 anything else: str, int, float, bool, None...    the same object, whole, in every micro-batch
 ===============================================  ==============================================
 
-A container or record with nothing to split inside (``Config(lr=0.1)``, a ``torch.Size``) is a
-constant too. B is the shared size of the tensors and arrays along ``batch_dim`` (0 unless the
-layout is, e.g., sequence-first); with none, the common length of the per-item lists. Any
-disagreement raises a ValueError naming every path and size. To hand constants to every
-micro-batch, pass them as anything but a plain list or tuple: a dict, a named tuple or an object
-(a plain tuple of constants whose length happened to equal B would be split). Splitting makes
-views, never copies, and walks the batch once, however many micro-batches it makes.
+A container or record with nothing to split inside is a constant too. B is the shared size of
+the tensors and arrays along ``batch_dim`` (or, with none, of the per-item lists); a disagreement
+raises a ValueError naming every path and size. Pass constants as a dict, a named tuple or an
+object, not a plain list or tuple (one whose length happened to equal B would be split).
+Splitting makes views, never copies, and walks the batch once.
 
 Example:
     >>> import torch
@@ -35,7 +33,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -390,14 +388,3 @@ def _check_not_empty(size: int) -> None:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _tensor_leaves(batch: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(batch, torch.Tensor):
-        yield path, batch
-    elif isinstance(batch, Mapping):
-        for key, value in batch.items():
-            yield from _tensor_leaves(value, f"{path}[{key!r}]")
-    elif isinstance(batch, (list, tuple)):
-        for index, value in enumerate(batch):
-            yield from _tensor_leaves(value, f"{path}[{index}]")

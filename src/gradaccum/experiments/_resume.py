@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
@@ -33,6 +32,8 @@ import numpy as np
 import torch
 
 from gradaccum.checkpoint import load_checkpoint, save_checkpoint
+from gradaccum.experiments._every import CheckpointEvery
+from gradaccum.experiments._files import open_metrics, truncate_metrics, write_text_atomic
 
 if TYPE_CHECKING:
     from gradaccum.accumulator import Accumulator
@@ -58,53 +59,10 @@ __all__ = [
 CHECKPOINT_NAME = "checkpoint.pt"
 _FORMAT = "gradaccum-train"
 _VERSION = 1
-_EVERY_PATTERN = re.compile(r"(\d+)\s*(step|steps|micro)?")
 
 
 class ResumeError(ValueError):
     """A run cannot be resumed from its folder; the message says why and what to do."""
-
-
-@dataclass(frozen=True)
-class CheckpointEvery:
-    """How often a run writes `checkpoint.pt`: every `count` optimizer steps or micro-batches."""
-
-    count: int
-    unit: str  # "step" or "micro"
-
-    @classmethod
-    def parse(cls, text: str) -> CheckpointEvery:
-        """Read `N` or `Nstep` (optimizer steps) or `Nmicro` (micro-batches), N >= 1.
-
-        Raises:
-            ValueError: If `text` is none of these.
-        """
-        match = _EVERY_PATTERN.fullmatch(text.strip())
-        if match is None or int(match.group(1)) < 1:
-            raise ValueError(
-                f"{text!r} is not N, Nstep or Nmicro with N >= 1 (e.g. 100 = every 100 optimizer "
-                "steps, 40micro = every 40 micro-batches)"
-            )
-        unit = "micro" if match.group(2) == "micro" else "step"
-        return cls(int(match.group(1)), unit)
-
-    def due(self, *, micro_batches: int, step: int, window_ended: bool) -> bool:
-        """Whether a checkpoint is due after a micro-batch.
-
-        Args:
-            micro_batches: Micro-batches run since the start of the run.
-            step: Optimizer steps (windows) completed.
-            window_ended: The micro-batch ended a window.
-        """
-        if self.unit == "micro":
-            return micro_batches % self.count == 0
-        return window_ended and step % self.count == 0
-
-    def __str__(self) -> str:
-        return f"{self.count}{self.unit}"
-
-    def __repr__(self) -> str:
-        return f"CheckpointEvery('{self}')"
 
 
 @dataclass(frozen=True)
@@ -309,50 +267,6 @@ def _count(extra: dict[str, Any], key: str) -> int:
     return value
 
 
-def truncate_metrics(path: Path, last_step: int) -> int:
-    """Keep the lines of `path` up to step `last_step`; drop later and torn lines.
-
-    A run killed after its last checkpoint may have logged later steps, and a kill in the middle
-    of a write leaves a torn last line; the resumed run logs those steps again. The file is
-    rewritten atomically, and created empty if it is missing.
-
-    Args:
-        path: The run's `metrics.jsonl`.
-        last_step: The checkpoint's completed optimizer steps.
-
-    Returns:
-        The number of lines kept.
-    """
-    kept: list[str] = []
-    text = path.read_text() if path.exists() else ""
-    for line in text.splitlines(keepends=True):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            break  # a torn line: only the last can be, and everything after it is later
-        if not line.endswith("\n") or not isinstance(row, dict):
-            break
-        if isinstance(row.get("step"), int) and row["step"] <= last_step:
-            kept.append(line)
-    new_text = "".join(kept)
-    if new_text != text or not path.exists():
-        write_text_atomic(path, new_text)
-    return len(kept)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file, fsync and rename."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temporary, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
 def plain_config(config: TrainConfig) -> dict[str, Any]:
     """`config` as plain JSON types, so `weights_only` loading and `json` both accept it.
 
@@ -455,11 +369,3 @@ def _set_global_rng_states(states: tuple[Any, Any, torch.Tensor, list[torch.Tens
     torch.set_rng_state(cpu)
     if cuda:
         torch.cuda.set_rng_state_all(cuda)
-
-
-def open_metrics(path: Path, *, resume_step: int | None) -> IO[str]:
-    """Open `metrics.jsonl` line-buffered: new, or (resuming) cut to `resume_step` and appended."""
-    if resume_step is None:
-        return path.open("w", buffering=1)
-    truncate_metrics(path, resume_step)
-    return path.open("a", buffering=1)
