@@ -1,17 +1,12 @@
 """The step algorithm: micro-batches in, one transactional window boundary out.
 
 One micro-batch: forward under autocast, read `(sum, count)`, backward `sum * loss_scale /
-denominator` (`gradaccum.divisor`), move low-precision gradients to their buffers.
-
-The boundary, a transaction:
-
-    exchange (ranks agree) ─► reduce what the backend did not ─► divide once ─► finite?
-    ─► clip ─► optimizer.step()  ══ commit ══►  loss scale, pooled BatchNorm, close the window
-
-Any exception before the commit, or a window that is skipped (non-finite) or dropped, ends in
-`_forget_window()`: gradients as they were before the window, fp32 buffers dropped, BatchNorm
-running statistics and pooled statistics back, and the random number generators too for a window
-that will be rerun (out of memory). After the commit nothing can fail but the caller's scheduler.
+denominator` (`gradaccum.divisor`), move low-precision gradients to their buffers. The boundary:
+exchange ─► reduce what the backend did not ─► divide once ─► finite? ─► clip ─►
+optimizer.step() ══ commit ══► loss scale, pooled BatchNorm, close the window. Any exception
+before the commit, or a skipped or dropped window, ends in `_forget_window()`: gradients as before
+the window, fp32 buffers dropped, BatchNorm running and pooled statistics back, and the RNG for a
+window rerun after running out of memory. After the commit only the caller's scheduler can fail.
 """
 
 from __future__ import annotations
@@ -62,8 +57,8 @@ class Engine:
         batch_dim: int = 0,
     ) -> None:
         self.model, self.optimizer, self.normalize = model, optimizer, normalize
-        self.batch_dim = batch_dim
         self.runtime, self.sync, self.batchnorm = runtime, sync, batchnorm
+        self.batch_dim = batch_dim
         self.window = Window()
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._model_params = list(model.parameters())  # walking the modules costs a window
@@ -123,6 +118,7 @@ class Engine:
 
     def _open(self, rerun: bool) -> None:
         params, held = window_parameters(self._model_params, self.optimizer)
+        self.sync.begin_window()
         self.window.open(params, held, self.runtime.loss_scale())
         self.runtime.open_window(len(params))
         self.batchnorm.open_window()
@@ -296,7 +292,7 @@ class Engine:
         )
 
     def _exchange(self, summary: RankSummary) -> WindowAgreement:
-        self._exchanged = True
+        self._exchanged = True  # a failure from here on must not exchange again
         return self.sync.exchange(summary)
 
     def _reduced_gradients(self, agreement: WindowAgreement) -> list[torch.Tensor]:
@@ -350,6 +346,7 @@ class Engine:
         self._end()
 
     def _end(self) -> None:
+        self.sync.end_window()
         self._agreement, self._exchanged, self._reduced = None, False, False
         self._last_input, self._rng = None, None
 
@@ -386,6 +383,7 @@ class Engine:
                 "the saved settings."
             )
         params, held = window_parameters(self._model_params, self.optimizer)
+        self.sync.check_resume(bool(state["window"].get("micro_batches")))
         self.window.check_state(state["window"], params)
         self.runtime.check_state(state["precision"], len(params))
         self.batchnorm.load_state_dict(state["batchnorm"])  # checks, then loads

@@ -28,11 +28,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from gradaccum._agreement import (
+    FAILED,
+    OUT_OF_MEMORY,
+    RankMismatchError,
+    RankSummary,
+    WindowAgreement,
+)
 from gradaccum._allreduce import all_reduce_sum
 
 __all__ = [
@@ -52,13 +58,6 @@ __all__ = [
     "sync_context",
     "world_size",
 ]
-
-
-FAILED, OUT_OF_MEMORY = 1, 2  # RankSummary.failed: why a rank's window failed
-
-
-class RankMismatchError(RuntimeError):
-    """Ranks ran windows that cannot be reconciled, or one failed; every rank raises it."""
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
@@ -114,62 +113,6 @@ def _device(group: dist.ProcessGroup | None) -> torch.device:
     return accelerator if accelerator is not None else torch.device("cpu")
 
 
-@dataclass(frozen=True)
-class RankSummary:
-    """What one rank says about its window at the exchange.
-
-    Attributes:
-        count: Items counted by this rank.
-        loss_sum: This rank's summed loss.
-        micro_batches: Micro-batches this rank ran.
-        denominator: The window's backward denominator (must agree across ranks).
-        failed: 0, or why this rank's window failed: `FAILED` or `OUT_OF_MEMORY`.
-        has_grad: Per window parameter, whether this rank holds a gradient for it.
-        graph: Whether this rank's last micro-batch can run a backward.
-    """
-
-    count: int
-    loss_sum: float
-    micro_batches: int
-    denominator: float
-    failed: int = 0
-    has_grad: tuple[bool, ...] = ()
-    graph: bool = True
-
-
-@dataclass(frozen=True)
-class WindowAgreement:
-    """The window over all ranks: summed count and loss, and what every rank must do next.
-
-    Attributes:
-        count: Items counted over all ranks.
-        loss_sum: Summed loss over all ranks.
-        failed_ranks: Ranks that raised inside the window (the window is then forgotten).
-        all_out_of_memory: Every failed rank ran out of memory (all of them rerun smaller).
-        has_grad: Per window parameter, whether any rank holds a gradient for it.
-        all_graphs: Every rank's last micro-batch can run a backward.
-    """
-
-    count: int
-    loss_sum: float
-    failed_ranks: tuple[int, ...] = ()
-    all_out_of_memory: bool = False
-    has_grad: tuple[bool, ...] = ()
-    all_graphs: bool = True
-
-    def failure(self) -> BaseException:
-        """What a rank raises when another rank's window failed (out of memory: rerun)."""
-        ranks = ", ".join(str(rank) for rank in self.failed_ranks)
-        if self.all_out_of_memory:
-            return torch.OutOfMemoryError(
-                f"rank {ranks} ran out of memory in this window; every rank reruns it smaller."
-            )
-        return RankMismatchError(
-            f"rank {ranks} raised inside this accumulation window (see its own traceback); the "
-            "window was discarded on every rank, and nothing was stepped."
-        )
-
-
 class GradSync:
     """The single-process strategy, and the interface every backend implements."""
 
@@ -201,6 +144,15 @@ class GradSync:
 
     def agree_on_plan(self, micro_batches: int, first_items: int) -> None:
         """Check, before any forward, that ranks plan alike (only FSDP2 needs it)."""
+
+    def begin_window(self) -> None:
+        """A window opens."""
+
+    def end_window(self) -> None:
+        """A window ended: stepped, skipped or forgotten."""
+
+    def check_resume(self, open_window: bool) -> None:
+        """Raise ValueError if a saved window cannot continue on this backend."""
 
 
 class LocalSync(GradSync):
@@ -268,31 +220,46 @@ class _DistributedSync(GradSync):
 class DDPSync(_DistributedSync):
     """DDP: every backward under `no_sync()`, then one flat all-reduce (SUM) per window.
 
-    Raises:
-        ValueError: For `DistributedDataParallel(static_graph=True)`, whose reducer must see
-            its first iteration synchronize, which a window reduced by hand never does.
+    `DistributedDataParallel(static_graph=True)` must see its first iteration synchronize, so
+    the very first window lets DDP reduce (and average) every micro-batch's backward itself; the
+    library then neither reduces it again nor undoes less than DDP's mean. Every later window
+    is reduced by hand.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
-        if getattr(model, "static_graph", False):
+        self._native = bool(getattr(model, "static_graph", False))  # the first window, if so
+
+    def begin_window(self) -> None:
+        """A window opens: DDP averages it only if it is a static graph's first."""
+        self.averaged_over = self.world if self._native else 1
+
+    def end_window(self) -> None:
+        """A window ended (stepped, skipped or forgotten): DDP has seen its first iteration."""
+        if self._native and self.averaged_over > 1:
+            self._native = False
+
+    def check_resume(self, open_window: bool) -> None:
+        """Refuse to continue a saved open window before a static graph's first (native) one."""
+        if self._native and open_window:
             raise ValueError(
-                "DistributedDataParallel(static_graph=True) cannot be accumulated: gradaccum "
-                "reduces each window's gradients itself, and a static graph's reducer must "
-                "synchronize its first iteration. Wrap the model with static_graph=False; with "
-                "activation checkpointing, use torch.utils.checkpoint(..., use_reentrant=False), "
-                "which does not need a static graph."
+                "a DistributedDataParallel(static_graph=True) model must synchronize its first "
+                "window, which cannot continue a saved open window; save checkpoints at window "
+                "boundaries (e.g. --checkpoint-every Nstep), or wrap with static_graph=False."
             )
 
     def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
-        """Every micro-batch, the last included, leaves DDP's reducer out."""
+        """Every micro-batch, the last included, leaves DDP's reducer out (but see above)."""
         assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+        if self._native:
+            return contextlib.nullcontext()
         no_sync: contextlib.AbstractContextManager[None] = self.model.no_sync()
         return no_sync
 
     def reduce(self, grads: Sequence[torch.Tensor]) -> None:
         """Sum `grads` over ranks in place: async, in bounded flat buckets (`_allreduce`)."""
-        all_reduce_sum(grads, self.group)
+        if not self._native:
+            all_reduce_sum(grads, self.group)
 
 
 class FSDP2Sync(_DistributedSync):

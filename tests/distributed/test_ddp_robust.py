@@ -3,7 +3,8 @@
 - a rank whose last micro-batch counts no item and returns a loss with no graph at all;
 - a parameter that no micro-batch on any rank uses keeps `grad=None` and does not move under
   weight decay (plain and `accum_dtype` buffers);
-- `DistributedDataParallel(static_graph=True)`, refused at construction with the fix;
+- `DistributedDataParallel(static_graph=True)`: its first window is synchronized by DDP itself
+  (every micro-batch), the later ones by the library, and every step is exact;
 - a rank whose `loss_fn` raises mid-window: every rank raises, none waits, nothing changed, and
   the next window is exact.
 
@@ -69,6 +70,12 @@ def masked_loss(model: nn.Module, batch: dict[str, Any]) -> LossSum:
     return LossSum(residual.pow(2).sum(), int(keep.sum()))
 
 
+def model_loss(model: nn.Module, batch: dict[str, Any]) -> LossSum:
+    """The same loss, but the model always runs (a zero-item micro-batch still has a graph)."""
+    residual = (model(batch["x"]) - batch["y"]).pow(2).sum(dim=1)
+    return LossSum(residual[batch["keep"]].sum(), int(batch["keep"].sum()))
+
+
 def make_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.05, weight_decay=0.5)
 
@@ -112,23 +119,31 @@ def _run(rank: int, *, drive: str, static_graph: bool = False, bf16: bool = Fals
     ddp = DistributedDataParallel(make_net(dtype), static_graph=static_graph)
     optimizer = make_optimizer(ddp.parameters())
     options: dict[str, Any] = {"accum_dtype": torch.float32} if bf16 else {}
+    # A static graph's first window is synchronized by DDP itself: every rank must run the model.
+    loss_fn = model_loss if static_graph else masked_loss
     if drive == "step":
         acc = Accumulator(ddp, optimizer, micro_batch_size=MICRO, **options)
         for window in range(WINDOWS):
-            acc.step(rank_batch(window, rank, dtype), masked_loss)
+            acc.step(rank_batch(window, rank, dtype), loss_fn)
     else:
         acc = Accumulator(ddp, optimizer, accumulation_steps=3, **options)
         for window in range(WINDOWS):
             batch = rank_batch(window, rank, dtype)
             for start in range(0, ITEMS, MICRO):
-                acc.micro_step({k: v[start : start + MICRO] for k, v in batch.items()}, masked_loss)
+                acc.micro_step({k: v[start : start + MICRO] for k, v in batch.items()}, loss_fn)
     return {"params": _params(ddp), "spare_grad": ddp.module.spare.grad}
 
 
-def _static_graph_refused() -> str:
-    ddp = DistributedDataParallel(make_net(), static_graph=True)
+def _static_graph_resume_mid_window(rank: int) -> str:
+    """A saved open window cannot continue before a static graph's first (native) window."""
+    source = DistributedDataParallel(make_net())
+    acc = Accumulator(source, make_optimizer(source.parameters()), accumulation_steps=3)
+    acc.micro_step({k: v[:MICRO] for k, v in rank_batch(0, rank).items()}, model_loss)
+    state = acc.state_dict()
+    static = DistributedDataParallel(make_net(), static_graph=True)
+    target = Accumulator(static, make_optimizer(static.parameters()), accumulation_steps=3)
     try:
-        Accumulator(ddp, make_optimizer(ddp.parameters()), micro_batch_size=MICRO)
+        target.load_state_dict(state)
     except ValueError as error:
         return str(error)
     return "accepted"
@@ -166,9 +181,11 @@ def robust_worker(rank: int, world_size: int) -> dict[str, Any]:
     return {
         "step": _run(rank, drive="step"),
         "stream": _run(rank, drive="stream"),
-        "static": _static_graph_refused(),
+        "static": _run(rank, drive="step", static_graph=True),
+        "static_stream": _run(rank, drive="stream", static_graph=True),
         "bf16": _run(rank, drive="step", bf16=True),
         "failure": _failure_mid_window(rank),
+        "static_resume": _static_graph_resume_mid_window(rank),
     }
 
 
@@ -182,7 +199,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", ["step", "stream"])
+@pytest.mark.parametrize("case", ["step", "stream", "static", "static_stream"])
 def test_a_rank_whose_last_micro_batch_has_no_graph_matches_the_reference(
     runs: list[dict[str, Any]], case: str
 ) -> None:
@@ -198,7 +215,7 @@ def test_a_rank_whose_last_micro_batch_has_no_graph_matches_the_reference(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", ["step", "stream", "bf16"])
+@pytest.mark.parametrize("case", ["step", "stream", "bf16", "static"])
 def test_a_parameter_no_rank_uses_keeps_no_gradient_and_does_not_move(
     runs: list[dict[str, Any]], case: str
 ) -> None:
@@ -227,10 +244,12 @@ def test_a_rank_that_raises_mid_window_makes_every_rank_raise_and_change_nothing
 
 
 @pytest.mark.timeout(180)
-def test_static_graph_is_refused_at_construction_naming_the_fix(runs: list[dict[str, Any]]) -> None:
+def test_a_static_graph_refuses_to_continue_a_saved_open_window(
+    runs: list[dict[str, Any]],
+) -> None:
     for run in runs:
-        assert "static_graph=False" in run["static"]
-        assert "use_reentrant=False" in run["static"]
+        assert "static_graph=True" in run["static_resume"]
+        assert "window boundaries" in run["static_resume"]
 
 
 def test_the_reference_counts_the_zero_item_rank_right(tmp_path: Path) -> None:
