@@ -257,14 +257,7 @@ def _check_optimizer_fits(
 
     Files written before the class name was recorded pass the class check.
     """
-    saved_class = payload.get("optimizer_class")
-    current_class = type(optimizer).__name__
-    if saved_class is not None and saved_class != current_class:
-        raise CheckpointError(
-            f"{source} holds the state of a {saved_class} optimizer, but it is loaded into a "
-            f"{current_class}, whose per-parameter state and settings differ; build a "
-            f"{saved_class} as the run that saved it did."
-        )
+    _check_class(source, payload.get("optimizer_class"), optimizer, "optimizer")
     state = payload["optimizer"]
     saved_groups = state.get("param_groups")
     if not isinstance(state.get("state"), dict) or not isinstance(saved_groups, list):
@@ -292,6 +285,17 @@ def _check_optimizer_fits(
             )
 
 
+def _check_class(source: Path, saved_class: object, target: object, what: str) -> None:
+    """Refuse the state of another class (files written before the name was recorded pass)."""
+    current_class = type(target).__name__
+    if saved_class is not None and saved_class != current_class:
+        raise CheckpointError(
+            f"{source} holds the state of a {saved_class} {what}, but it is loaded into a "
+            f"{current_class}, whose state and settings differ; build a {saved_class} as the "
+            "run that saved it did."
+        )
+
+
 def _check_scheduler_fits(
     source: Path, payload: dict[str, Any], scheduler: Any, optimizer: torch.optim.Optimizer
 ) -> None:
@@ -300,13 +304,7 @@ def _check_scheduler_fits(
     The load is tried on a copy of the scheduler (sharing the optimizer, which it does not
     change), so nothing real changes.
     """
-    saved_class = payload.get("scheduler_class")
-    current_class = type(scheduler).__name__
-    if saved_class is not None and saved_class != current_class:
-        raise CheckpointError(
-            f"{source} holds the state of a {saved_class} scheduler, but it is loaded into a "
-            f"{current_class}; build a {saved_class} as the run that saved it did."
-        )
+    _check_class(source, payload.get("scheduler_class"), scheduler, "scheduler")
     state = payload["scheduler"]
     if not isinstance(state, dict):
         raise CheckpointError(f"{source} holds a damaged scheduler state (not a dict).")
@@ -325,7 +323,7 @@ def _check_scheduler_fits(
         trial.load_state_dict(dict(state))
     except Exception as error:
         raise CheckpointError(
-            f"{source} holds a scheduler state that this {current_class} cannot load "
+            f"{source} holds a scheduler state that this {type(scheduler).__name__} cannot load "
             f"({type(error).__name__}: {str(error)[:200]}); build the scheduler the run that "
             "saved it used."
         ) from error

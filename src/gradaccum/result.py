@@ -13,7 +13,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Protocol, overload
+import functools
+from typing import Any, Protocol, cast, overload
 
 __all__ = ["NonFiniteError", "StepResult"]
 
@@ -59,28 +60,7 @@ class _Outcome:
 
     def _builder(self, owner: type[StepResult]) -> _Build:
         stepped, skipped = self.flags
-
-        def build(
-            *,
-            loss: float,
-            count: int,
-            micro_batches: int,
-            micro_batch_size: int,
-            lr: float | None,
-            grad_norm: float | None = None,
-        ) -> StepResult:
-            return owner(
-                loss=loss,
-                count=count,
-                micro_batches=micro_batches,
-                micro_batch_size=micro_batch_size,
-                stepped=stepped,
-                skipped=skipped,
-                grad_norm=grad_norm,
-                lr=lr,
-            )
-
-        return build
+        return cast(_Build, functools.partial(owner, stepped=stepped, skipped=skipped))
 
 
 class StepResult:
@@ -129,8 +109,8 @@ class StepResult:
         micro_batch_size: int,
         stepped: bool,
         skipped: bool,
-        grad_norm: float | None,
         lr: float | None,
+        grad_norm: float | None = None,
     ) -> None:
         values = (loss, count, micro_batches, micro_batch_size, stepped, skipped, grad_norm, lr)
         self.__dict__.update(zip(self._FIELDS, values, strict=True))
