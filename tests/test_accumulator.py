@@ -609,3 +609,29 @@ def test_missing_sizes_name_the_fix() -> None:
 def test_public_names() -> None:
     assert gradaccum.Accumulator is Accumulator
     assert issubclass(gradaccum.NonFiniteError, FloatingPointError)
+
+
+def test_a_pending_result_reads_its_loss_from_the_device_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU a float() per micro-step would make the host wait for every backward."""
+    model = _mlp()
+    acc = Accumulator(model, _sgd(model), accumulation_steps=3)
+    reads: list[int] = []
+    real = torch.Tensor.__float__
+
+    def counted(tensor: torch.Tensor) -> float:
+        reads.append(1)
+        return real(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "__float__", counted)
+    stream = _micro_batches(3)
+    first = acc.micro_step(stream[0], _mse)
+    second = acc.micro_step(stream[1], _mse)
+    assert reads == []  # nothing read back between micro-batches
+    expected = [_mse(model, mb).item() for mb in stream[:2]]
+    assert second.loss == pytest.approx(sum(expected) / 2, rel=1e-12)  # read now, once
+    assert first.loss == pytest.approx(expected[0], rel=1e-12)  # a snapshot, not a live view
+    assert len(reads) == 2
+    # Negative control: a finished window's result was read at the boundary, as before.
+    assert acc.micro_step(stream[2], _mse).stepped

@@ -313,10 +313,13 @@ class Accumulator:
         return result
 
     def _pending(self) -> StepResult:
+        """The open window's progress; its loss is read from the device only if asked for."""
         window = self._engine.window
+        count, loss_sum = window.count, window.loss_sum
+        snapshot = None if loss_sum is None else loss_sum.detach().clone()  # later adds: in place
         return StepResult.pending(
-            loss=self._objective(window.loss_total(), window.count),
-            count=window.count,
+            loss=lambda: self._objective(0.0 if snapshot is None else float(snapshot), count),
+            count=count,
             micro_batches=window.micro_batches,
             micro_batch_size=window.largest_micro_batch,
             lr=self._engine.learning_rate(),

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, Protocol, cast, overload
 
 __all__ = ["NonFiniteError", "StepResult"]
@@ -27,7 +28,7 @@ class _Build(Protocol):
     def __call__(
         self,
         *,
-        loss: float,
+        loss: float | Callable[[], float],
         count: int,
         micro_batches: int,
         micro_batch_size: int,
@@ -89,7 +90,6 @@ class StepResult:
         "lr",
     )
 
-    loss: float
     count: int
     micro_batches: int
     micro_batch_size: int
@@ -103,7 +103,7 @@ class StepResult:
     def __init__(
         self,
         *,
-        loss: float,
+        loss: float | Callable[[], float],
         count: int,
         micro_batches: int,
         micro_batch_size: int,
@@ -115,11 +115,25 @@ class StepResult:
         values = (loss, count, micro_batches, micro_batch_size, stepped, skipped, grad_norm, lr)
         self.__dict__.update(zip(self._FIELDS, values, strict=True))
 
+    @property
+    def loss(self) -> float:
+        """The window's objective so far; read from the device only when first asked for.
+
+        A pending result of `micro_step` carries it lazily, so a training loop that does not
+        read it never waits for the device between micro-batches.
+        """
+        value = self.__dict__["loss"]
+        if callable(value):
+            value = float(value())
+            self.__dict__["loss"] = value
+        loss: float = value
+        return loss
+
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"StepResult is immutable; cannot set {name!r}.")
 
     def _values(self) -> tuple[Any, ...]:
-        return tuple(self.__dict__[name] for name in self._FIELDS)
+        return tuple(getattr(self, name) for name in self._FIELDS)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StepResult) and self._values() == other._values()
@@ -128,5 +142,5 @@ class StepResult:
         return hash(self._values())
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={self.__dict__[name]!r}" for name in self._FIELDS)
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._FIELDS)
         return f"StepResult({fields})"
