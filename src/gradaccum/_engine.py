@@ -60,6 +60,7 @@ class Engine:
         self.runtime, self.sync, self.batchnorm = runtime, sync, batchnorm
         self.batch_dim = batch_dim
         self.window = Window()
+        self._fsdp = isinstance(sync, FSDP2Sync)  # reduces on its last backward, settles else
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._model_params = list(model.parameters())  # walking the modules costs a window
         self._agreement: WindowAgreement | None = None  # FSDP2 agrees before the last backward
@@ -138,13 +139,9 @@ class Engine:
         if items is None:
             items = batch_size(micro_batch, batch_dim=self.batch_dim)
         micro_batch = to_device(micro_batch, runtime.device)
-        if window_items is not None:
-            self.batchnorm.warn_once(items, window_items)
-        else:
-            self.batchnorm.warn_once(items, items * expected_micro_batches)
+        self.batchnorm.warn_once(items, window_items or items * expected_micro_batches)
         outputs: list[torch.Tensor] = []
-        fsdp = isinstance(sync, FSDP2Sync)
-        capture = captured_outputs(self.model, outputs) if fsdp else contextlib.nullcontext()
+        capture = captured_outputs(self.model, outputs) if self._fsdp else contextlib.nullcontext()
         with sync.micro_context(last=last), self.batchnorm.micro_context():
             with runtime.autocast(), capture:
                 value, weight, count = read_loss(loss_fn(self.model, micro_batch), items)
@@ -192,7 +189,7 @@ class Engine:
                 runtime.collect(window.params)
         window.add(value, weight, count, items)
         self._reduced = reduce
-        if fsdp:
+        if self._fsdp:
             self._last_input = (micro_batch, loss_fn)
 
     def check_gradients_untouched(self) -> None:
@@ -298,7 +295,7 @@ class Engine:
     def _reduced_gradients(self, agreement: WindowAgreement) -> list[torch.Tensor]:
         """The optimizer's gradients, reduced over ranks: each parameter used on some rank."""
         window, runtime = self.window, self.runtime
-        if isinstance(self.sync, FSDP2Sync):
+        if self._fsdp:
             self._settle()
         held: list[torch.Tensor] = []
         for index, param in enumerate(window.params[: window.held]):
@@ -307,13 +304,13 @@ class Engine:
                 grad = runtime.zeros_for(index, param)  # another rank used it: reduce alike
             if grad is not None:
                 held.append(grad)
-        if self.sync.world > 1 and not isinstance(self.sync, FSDP2Sync):
+        if self.sync.world > 1 and not self._fsdp:
             self.sync.reduce(held)
         return held
 
     def _settle(self) -> None:
         """FSDP2: make it reduce-scatter the window's deferred sums (`zero_item_backward`)."""
-        if not isinstance(self.sync, FSDP2Sync) or self._reduced or self._last_input is None:
+        if not self._fsdp or self._reduced or self._last_input is None:
             return
         micro_batch, loss_fn = self._last_input
         empty = slice_batch(micro_batch, 0, 0, batch_dim=self.batch_dim)
@@ -325,7 +322,7 @@ class Engine:
 
     def _fail(self, error: BaseException) -> None:
         """A window raised: tell the other ranks (DDP), so none waits, then forget it."""
-        if self.sync.world > 1 and not self._exchanged and not isinstance(self.sync, FSDP2Sync):
+        if self.sync.world > 1 and not self._exchanged and not self._fsdp:
             kind = OUT_OF_MEMORY if is_out_of_memory(error) else FAILED
             self._exchange(self._summary(failed=kind))
         self._forget_window(error)
