@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradaccum.divisor import backward_denominator, grad_divisor
+from gradaccum.divisor import backward_denominator, grad_divisor, scaled_loss
 from gradaccum.options import Normalize
 
 
@@ -66,3 +66,47 @@ def test_sum_ignores_the_count_and_undoes_the_backend_average() -> None:
 def test_a_mean_over_no_item_is_refused() -> None:
     with pytest.raises(ValueError, match="no item"):
         grad_divisor(0, Normalize.MEAN, 1.0)
+
+
+def _fraction_of(value: torch.Tensor) -> float:
+    """The value as a float64 number, exactly (every float32 is a float64)."""
+    return float(value.double())
+
+
+@pytest.mark.parametrize(
+    ("weight", "denominator", "loss_scale"),
+    [(16, 64.0, 1.0), (5, 8.0, 1.0), (3, 4.0, 2.0**16), (7, 100.0, 1.0), (13, 40.0, 1.0)],
+)
+def test_scaled_loss_rounds_at_most_as_often_as_the_hand_written_product(
+    weight: int, denominator: float, loss_scale: float
+) -> None:
+    """One multiply by an exact factor rounds once; otherwise the factors go one by one.
+
+    Either way the float32 result is within one rounding of the exact value, and never worse
+    than `loss * n * scale / B` written by hand.
+    """
+    value = torch.tensor(1.2345678, dtype=torch.float32)
+    exact = _fraction_of(value) * weight * loss_scale / denominator  # float64: exact enough
+    ours = _fraction_of(scaled_loss(value, weight, denominator, loss_scale))
+    hand = _fraction_of(value * weight * loss_scale / denominator)
+    assert abs(ours - exact) <= abs(hand - exact)
+    assert abs(ours - exact) <= 2 * 2.0**-24 * abs(exact)
+
+
+def test_negative_control_a_coarsely_rounded_factor_breaks_the_bound() -> None:
+    """The bound above can fail: a factor rounded to bfloat16 first lands outside it."""
+    value = torch.tensor(1.2345678, dtype=torch.float32)
+    exact = _fraction_of(value) * 7 / 100
+    coarse = _fraction_of(value * float(torch.tensor(7 / 100, dtype=torch.bfloat16)))
+    assert abs(coarse - exact) > 2 * 2.0**-24 * abs(exact)
+
+
+def test_scaled_loss_keeps_the_graph_in_one_node_when_exact() -> None:
+    """A power-of-two denominator costs one autograd node, as the hand loop's `loss * (n / B)`."""
+    weight = torch.ones((), requires_grad=True)
+    scaled = scaled_loss(weight * 3.0, 16, 64.0)
+    assert scaled.grad_fn is not None
+    assert scaled.grad_fn.next_functions[0][0].name() == "MulBackward0"  # then the user's mul
+    assert (
+        scaled.grad_fn.next_functions[0][0].next_functions[0][0].name().endswith("AccumulateGrad")
+    )

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
 
 import gradaccum
 from gradaccum import LossSum
-from gradaccum.loss import read_loss
+from gradaccum.loss import counted_ahead, read_loss
 
 IGNORE = -100
 
@@ -254,3 +255,74 @@ def test_loss_sum_is_exported_and_frozen() -> None:
     loss = gradaccum.LossSum(torch.tensor(1.0), 2)
     with pytest.raises(AttributeError):
         loss.count = 3  # type: ignore[misc]
+
+
+class _Float32Norm(torch.nn.Module):
+    """An RMSNorm that computes in float32 whatever its input, as Llama's and T5's do."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.to(torch.float32)
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+class _TokenLoss:
+    """A token-level LossSum over padded rows, optionally counting its tokens ahead."""
+
+    def __init__(self, ahead: bool) -> None:
+        if ahead:
+            self.items_counted = lambda batch: (batch[1] != -100).sum()
+
+    def __call__(self, model: torch.nn.Module, batch: Any) -> gradaccum.LossSum:
+        x, labels = batch
+        logits = model(x)
+        value = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        return gradaccum.LossSum(value, (labels != -100).sum())
+
+
+def _float32_inside_case() -> tuple[torch.nn.Module, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), _Float32Norm(), torch.nn.Tanh(), torch.nn.Linear(16, 5)
+    ).double()
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 9, 6, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 5, (7, 9), generator=generator)
+    for row, length in enumerate([9, 2, 7, 4, 9, 1, 6]):
+        labels[row, length:] = -100
+    return model, (x, labels)
+
+
+def _gap_after_step(ahead: bool) -> float:
+    model, batch = _float32_inside_case()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=1.0)
+    loss = _TokenLoss(ahead=False)(reference, batch)
+    (loss.value / loss.count).backward()
+    opt.step()
+    acc = gradaccum.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=1.0), micro_batch_size=3
+    )
+    acc.step(batch, _TokenLoss(ahead))
+    return max(
+        float((a - b).abs().max() / b.abs().max())
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+
+
+def test_a_count_given_ahead_makes_float32_internal_models_exact() -> None:
+    """`items_counted` lets each backward divide by the window's count, as the full batch does,
+    so the float32 stage rounds alike: float64 exactness holds (`counted_ahead`)."""
+    assert _gap_after_step(ahead=True) < 1e-13
+
+
+def test_negative_control_without_the_count_ahead_the_float32_stage_rounds_differently() -> None:
+    assert _gap_after_step(ahead=False) > 1e-10
+
+
+def test_counted_ahead_reads_only_loss_functions_that_count() -> None:
+    batches = [(None, torch.tensor([[1, -100]])), (None, torch.tensor([[2, 3]]))]
+    assert counted_ahead(_TokenLoss(ahead=True), batches) == 3
+    assert counted_ahead(_TokenLoss(ahead=False), batches) is None
+    assert counted_ahead(lambda m, b: None, batches) is None

@@ -23,7 +23,7 @@ from gradaccum._outputs import captured_outputs, zero_item_backward
 from gradaccum.batching import batch_size, slice_batch, to_device
 from gradaccum.batchnorm import BatchNormControl
 from gradaccum.divisor import backward_denominator, grad_divisor, scaled_loss
-from gradaccum.loss import read_loss, warn_if_token_mean
+from gradaccum.loss import counted_ahead, read_loss, warn_if_token_mean
 from gradaccum.norms import clip_, total_norm
 from gradaccum.options import Normalize
 from gradaccum.precision import PrecisionRuntime
@@ -84,6 +84,7 @@ class Engine:
         """Forward and backward a whole window given up front (`step()`), split by `size`."""
         count = len(micro_batches)
         self.sync.agree_on_plan(count, size)
+        window_count = counted_ahead(loss_fn, micro_batches) if self.sync.world == 1 else None
         self._open(rerun_on_oom)
         try:
             for index, micro_batch in enumerate(micro_batches):
@@ -93,6 +94,7 @@ class Engine:
                     last=index == count - 1,
                     expected_micro_batches=count,
                     window_items=window_items,
+                    window_count=window_count,
                     items=min(size, window_items - index * size),
                 )
         except BaseException as error:
@@ -133,6 +135,7 @@ class Engine:
         last: bool,
         expected_micro_batches: int,
         window_items: int | None = None,
+        window_count: int | None = None,
         items: int | None = None,
     ) -> None:
         window, runtime, sync = self.window, self.runtime, self.sync
@@ -150,7 +153,9 @@ class Engine:
                 if warn_if_token_mean(micro_batch):
                     self._token_checks = 0
             if window.denominator is None:
-                folded = window_items if weight > 1 and sync.world == 1 else None
+                # Known up front: a plain mean's items, or what the loss counts ahead.
+                known = window_items if weight > 1 else window_count
+                folded = known if known and sync.world == 1 else None
                 expected = items if sync.world > 1 or not count else count
                 window.denominator = backward_denominator(
                     self.normalize,

@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -108,9 +109,12 @@ def scaled_loss(
     """What a micro-batch's backward differentiates: `value * weight * loss_scale / denominator`.
 
     `value * weight` is the micro-batch's summed loss (`weight` is its item count for a plain
-    mean, 1 for a `LossSum`). The factors are applied one by one, as a hand loop writes
-    `loss * n / B`: folded into one number, `n / B` would first be rounded to the loss's dtype
-    (float32 for a loss computed in float32), an error the full-batch step does not make.
+    mean, 1 for a `LossSum`). When the factor `weight * loss_scale / denominator` is exact in the
+    loss's dtype (a power-of-two denominator, as `backward_denominator` gives unless it folds a
+    count), it is applied in one multiply, which rounds once. Otherwise the factors are applied
+    one by one, as a hand loop writes `loss * n / B`: folded into one number, `n / B` would
+    first be rounded to the loss's dtype (float32 for a loss computed in float32), an error the
+    full-batch step does not make.
 
     Example:
         >>> import torch
@@ -119,7 +123,49 @@ def scaled_loss(
     """
     if weight == denominator and loss_scale == 1.0:
         return value  # one micro-batch over the whole window: the plain backward
+    factor = _single_factor(weight, loss_scale, denominator, value.dtype)
+    if factor is not None:
+        return value * factor
     scaled = value * weight if weight != 1 else value
     if loss_scale != 1.0:
         scaled = scaled * loss_scale
     return scaled / denominator if denominator != 1.0 else scaled
+
+
+_SIGNIFICAND_BITS = {torch.float64: 53, torch.float32: 24}
+
+
+@functools.lru_cache(maxsize=64)
+def _single_factor(
+    weight: int, loss_scale: float, denominator: float, dtype: torch.dtype
+) -> float | None:
+    """`weight * loss_scale / denominator` if one multiply by it is exact in `dtype`, else None.
+
+    Exact when the denominator is a power of two and the numerator's factors and product are
+    exact in `dtype` (at most 48 significant bits, so exact in float64 too).
+    """
+    numerator = weight * loss_scale
+    if (
+        _is_power_of_two(denominator)
+        and _exact_in(weight, dtype)
+        and _exact_in(loss_scale, dtype)
+        and _exact_in(numerator, dtype)
+    ):
+        return numerator / denominator
+    return None
+
+
+def _is_power_of_two(number: float) -> bool:
+    return number > 0.0 and math.frexp(number)[0] == 0.5
+
+
+def _exact_in(number: float, dtype: torch.dtype) -> bool:
+    """Whether `number` is exact in `dtype`, far from its range's ends.
+
+    Only float32 and float64 qualify: their range holds any item count, fp16's does not.
+    """
+    bits = _SIGNIFICAND_BITS.get(dtype)
+    if bits is None or not 2.0**-100 < abs(number) < 2.0**100:
+        return False
+    significand = math.frexp(number)[0]
+    return (significand * 2.0**bits).is_integer()

@@ -18,15 +18,15 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from gradaccum._warnings import warn_user
 
-__all__ = ["LossSum", "TokenMeanWarning", "warn_if_token_mean"]
+__all__ = ["LossSum", "TokenMeanWarning", "counted_ahead", "warn_if_token_mean"]
 
 _IGNORE_INDEX = -100  # the Hugging Face convention for unscored label positions
 
@@ -89,6 +89,27 @@ def read_loss(result: object, batch_items: int) -> ReadLoss:
         f"loss_fn returned {type(result).__name__}; return a scalar tensor (the mean over the "
         "micro-batch) or gradaccum.LossSum(value=sum_of_losses, count=items_counted)."
     )
+
+
+def counted_ahead(loss_fn: object, micro_batches: Sequence[Any]) -> int | None:
+    """The items `loss_fn` will count over `micro_batches`, when it can say so before running.
+
+    A loss function may have an `items_counted(micro_batch)` method (the `gradaccum.hf` losses
+    do) returning the count its `LossSum` will report, from the batch alone. A window that knows
+    its count up front divides each backward by it, exactly where a full-batch mean divides,
+    instead of by a power of two corrected at the boundary: the same result in exact
+    arithmetic, and the same rounding as the full-batch step in models that compute parts of
+    their backward in float32 (RMSNorm in Llama and T5). A wrong count costs no exactness: the
+    boundary divides by what the window really counted over the denominator used.
+
+    Returns:
+        The summed count, or None if `loss_fn` has no such method or it counts no item.
+    """
+    count_items = getattr(loss_fn, "items_counted", None)
+    if not callable(count_items):
+        return None
+    total = sum(_read_count(count_items(micro_batch)) for micro_batch in micro_batches)
+    return total or None
 
 
 def _check_scalar(value: object, what: str) -> torch.Tensor:

@@ -35,7 +35,7 @@ import torch
 
 from gradaccum.batching import batch_size, split_batch, to_device
 from gradaccum.divisor import backward_denominator, grad_divisor, scaled_loss
-from gradaccum.loss import LossSum, read_loss
+from gradaccum.loss import LossSum, counted_ahead, read_loss
 from gradaccum.options import Normalize, parse
 
 __all__ = [
@@ -255,6 +255,7 @@ def accumulate_grad(
     objective = parse(Normalize, normalize, "normalize")
     micro_batches = split_batch(batch, micro_batch_size)
     total_items = batch_size(batch)
+    counted = counted_ahead(loss_fn, micro_batches)
     params = trainable_parameters(model)
     device = params[0].device
     window = Window()
@@ -264,8 +265,9 @@ def accumulate_grad(
             items = batch_size(micro_batch)
             value, weight, count = read_loss(loss_fn(model, to_device(micro_batch, device)), items)
             if window.denominator is None:
-                # A plain mean over a batch given whole: fold the division into each backward.
-                folded = total_items if weight > 1 else None
+                # A count known up front (a plain mean's items, or one the loss counts ahead)
+                # is folded into each backward.
+                folded = (total_items if weight > 1 else counted) or None
                 window.denominator = backward_denominator(
                     objective, expected_items=count * len(micro_batches), window_items=folded
                 )

@@ -1,0 +1,323 @@
+"""Hugging Face `transformers` losses as sum and count, so accumulation is exact in one line.
+
+A Hugging Face model given `labels` returns `outputs.loss`, a mean over the micro-batch's scored
+tokens (or rows). Weighting such means by rows is not the full-batch mean when padding differs
+between micro-batches, and counting `(labels != -100)` is off for a causal LM, which shifts its
+labels by one before it scores them. Each function here runs the model WITHOUT its labels, reads
+its logits and returns `LossSum(summed loss, items it scored)`, counted the way the model's own
+loss counts them:
+
+- `causal_lm`: next-token prediction; the labels are shifted as the model shifts them, and a
+  token that starts a new document of a packed row (`position_ids` back at 0, or
+  `cu_seq_lens_q`) is not predicted from the previous document's last token;
+- `seq2seq`: encoder-decoder models (T5, BART); the decoder's inputs are made from the labels
+  as the model makes them;
+- `masked_lm`: masked language models (BERT); every label that is not -100 is scored;
+- `classification`: one label per example (sequence or image classification), following the
+  model's `problem_type` (single-label, multi-label or regression), as the model does;
+- `token_classification`: one label per token.
+
+`loss_from_logits` is the same arithmetic for a forward the user writes.
+
+This module needs `transformers` only for the models themselves: it imports nothing from it.
+Install the extra with `pip install gradaccum[hf]`.
+
+Example:
+    >>> import torch, gradaccum
+    >>> from gradaccum import hf
+    >>> logits = torch.randn(2, 5, 11)
+    >>> labels = torch.tensor([[1, 2, 3, -100, -100], [4, 5, 6, 7, 8]])
+    >>> hf.loss_from_logits(logits, labels, "causal_lm").count  # 2 + 4 tokens scored
+    tensor(6)
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gradaccum.loss import LossSum
+from gradaccum.options import parse
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Task",
+    "TaskLoss",
+    "causal_lm",
+    "classification",
+    "loss_from_logits",
+    "masked_lm",
+    "seq2seq",
+    "token_classification",
+]
+
+IGNORE_INDEX = -100
+"""The label value Hugging Face models do not score."""
+
+_LABEL_KEYS = ("labels", "shift_labels")
+
+
+class Task(enum.Enum):
+    """What a model's logits predict, which decides how its loss is summed and counted."""
+
+    CAUSAL_LM = "causal_lm"
+    SEQ2SEQ = "seq2seq"
+    MASKED_LM = "masked_lm"
+    CLASSIFICATION = "classification"
+    TOKEN_CLASSIFICATION = "token_classification"
+
+
+class TaskLoss:
+    """A `loss_fn` for one `Task`: `loss_fn(model, batch) -> LossSum`, counted ahead too.
+
+    `items_counted(batch)` says from the labels alone how many items the loss will count, so
+    that `Accumulator.step` divides every backward by the window's exact count (see
+    `gradaccum.loss.counted_ahead`).
+
+    Example:
+        >>> import torch
+        >>> labels = torch.tensor([[5, 6, 7, -100]])
+        >>> causal_lm.items_counted({"input_ids": labels.clamp(min=0), "labels": labels})
+        tensor(2)
+    """
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+
+    def __repr__(self) -> str:
+        return f"gradaccum.hf.{self.task.value}"
+
+    def __call__(self, model: torch.nn.Module, batch: Mapping[str, Any]) -> LossSum:
+        """Run `model` on `batch` without its labels and score its logits."""
+        labels = _labels(batch, self.task)
+        inputs = {key: value for key, value in batch.items() if key not in _LABEL_KEYS}
+        if self.task is Task.SEQ2SEQ:
+            inputs = _with_decoder_inputs(model, inputs, labels)
+        if self.task is Task.CAUSAL_LM:
+            # Training needs no cache, and transformers isolates the documents of a packed row
+            # (position_ids restarting at 0) in attention only when there is none.
+            inputs.setdefault("use_cache", False)
+        logits = _logits(model(**inputs))
+        if "shift_labels" in batch:
+            return _token_cross_entropy(logits, labels)
+        return loss_from_logits(
+            logits,
+            labels,
+            self.task,
+            position_ids=batch.get("position_ids"),
+            cu_seq_lens=batch.get("cu_seq_lens_q"),
+            problem_type=_problem_type(getattr(model, "config", None)),
+        )
+
+    def items_counted(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """The items `self(model, batch)` will count, from the batch alone."""
+        labels = _labels(batch, self.task)
+        if self.task is Task.CAUSAL_LM and "shift_labels" not in batch:
+            labels = _shifted(labels, batch.get("position_ids"), batch.get("cu_seq_lens_q"))
+        elif self.task is Task.CLASSIFICATION and labels.is_floating_point():
+            return torch.tensor(labels.numel())  # regression or multi-label: every output
+        count: torch.Tensor = (labels != IGNORE_INDEX).sum()
+        return count
+
+
+causal_lm = TaskLoss(Task.CAUSAL_LM)
+"""Next-token cross-entropy of a causal LM, summed over the tokens the model scores.
+
+The batch holds the model's inputs and `labels` (or `shift_labels`, already shifted). Packed
+rows are read from `position_ids` (a 0 starts a document) or `cu_seq_lens_q`. The model is called
+with `use_cache=False` unless the batch says otherwise: with a cache, transformers lets the
+documents of a packed row attend to each other.
+"""
+
+seq2seq = TaskLoss(Task.SEQ2SEQ)
+"""Decoder cross-entropy of an encoder-decoder model, summed over the scored label tokens.
+
+Without `decoder_input_ids` in the batch, they are made from the labels by the model's own
+`prepare_decoder_input_ids_from_labels` (a right shift with the decoder start token).
+"""
+
+masked_lm = TaskLoss(Task.MASKED_LM)
+"""Masked-token cross-entropy, summed over the labels that are not -100."""
+
+classification = TaskLoss(Task.CLASSIFICATION)
+"""One label per example (sequence or image classification), as the model's head scores it.
+
+The loss follows `model.config.problem_type` and, when it is unset, the model's own rule: a
+single output is a regression (squared error), integer labels are single-label (cross-entropy
+over the rows whose label is not -100), float labels are multi-label (binary cross-entropy over
+every output).
+"""
+
+token_classification = TaskLoss(Task.TOKEN_CLASSIFICATION)
+"""One label per token (NER, tagging): cross-entropy summed over the labels that are not -100."""
+
+
+def _with_decoder_inputs(
+    model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor
+) -> dict[str, Any]:
+    if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
+        return inputs
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if prepare is None:
+        raise ValueError(
+            f"{type(model).__name__} has no prepare_decoder_input_ids_from_labels; put "
+            "'decoder_input_ids' (the labels shifted right) in the batch."
+        )
+    return {**inputs, "decoder_input_ids": prepare(labels=labels)}
+
+
+def loss_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    task: Task | str,
+    *,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens: torch.Tensor | None = None,
+    problem_type: str | None = None,
+) -> LossSum:
+    """The summed loss and the count for logits from the user's own forward.
+
+    Args:
+        logits: The model's logits: `(batch, seq, vocab)` for token tasks, `(batch, classes)`
+            for classification.
+        labels: Hugging Face labels: unshifted for a causal LM, -100 where nothing is scored.
+        task: A `Task` or its value.
+        position_ids: Causal LM only: positions of a packed row, 0 where a document starts.
+        cu_seq_lens: Causal LM only: cumulative document lengths of a flattened row.
+        problem_type: Classification only: "single_label_classification",
+            "multi_label_classification" or "regression"; None infers it as the model does.
+
+    Returns:
+        `LossSum(value, count)`: the loss summed in float32 or wider, and the items scored.
+
+    Raises:
+        ValueError: For an unknown task or problem type, or logits and labels that do not fit.
+
+    Example:
+        >>> import torch
+        >>> logits, labels = torch.zeros(1, 3, 4), torch.tensor([[0, 1, 2]])
+        >>> loss_from_logits(logits, labels, Task.MASKED_LM).count
+        tensor(3)
+    """
+    kind = parse(Task, task, "task")
+    if kind is Task.CAUSAL_LM:
+        return _token_cross_entropy(logits, _shifted(labels, position_ids, cu_seq_lens))
+    if kind is Task.CLASSIFICATION:
+        return _classification_loss(logits, labels, problem_type)
+    return _token_cross_entropy(logits, labels)
+
+
+def _shifted(
+    labels: torch.Tensor, position_ids: torch.Tensor | None, cu_seq_lens: torch.Tensor | None
+) -> torch.Tensor:
+    """The target of each position: the next label, -100 past a row's end or a document's."""
+    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    starts = _document_starts(labels, position_ids, cu_seq_lens)
+    if starts is None:
+        return shifted
+    # Position j predicts token j + 1: not when j + 1 opens the next document.
+    crosses = F.pad(starts[..., 1:], (0, 1), value=False)
+    return shifted.masked_fill(crosses, IGNORE_INDEX)
+
+
+def _document_starts(
+    labels: torch.Tensor, position_ids: torch.Tensor | None, cu_seq_lens: torch.Tensor | None
+) -> torch.Tensor | None:
+    """A bool mask shaped like `labels`: True where a packed row starts a new document."""
+    if position_ids is not None:
+        starts = position_ids.to(labels.device) == 0
+        return starts.expand_as(labels)
+    if cu_seq_lens is not None:
+        flat = torch.zeros(labels.numel(), dtype=torch.bool, device=labels.device)
+        flat[cu_seq_lens[:-1].to(device=labels.device, dtype=torch.long)] = True
+        return flat.view_as(labels)
+    return None
+
+
+def _token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> LossSum:
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not fit labels of shape "
+            f"{tuple(labels.shape)}: expected logits (*labels.shape, classes)."
+        )
+    labels = labels.to(logits.device)
+    value = F.cross_entropy(
+        _wide(logits).flatten(0, -2),
+        labels.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return LossSum(value, (labels != IGNORE_INDEX).sum())
+
+
+_PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+
+
+def _classification_loss(
+    logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None
+) -> LossSum:
+    labels = labels.to(logits.device)
+    if problem_type is None:
+        if logits.shape[-1] == 1:
+            problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            problem_type = "single_label_classification"
+        else:
+            problem_type = "multi_label_classification"
+    if problem_type == "single_label_classification":
+        return _token_cross_entropy(logits, labels)
+    wide = _wide(logits)
+    if problem_type == "regression":
+        if logits.shape[-1] == 1:
+            wide, labels = wide.flatten(), labels.flatten()
+        value = F.mse_loss(wide, labels.to(wide.dtype), reduction="sum")
+        return LossSum(value, wide.numel())
+    if problem_type == "multi_label_classification":
+        value = F.binary_cross_entropy_with_logits(wide, labels.to(wide.dtype), reduction="sum")
+        return LossSum(value, wide.numel())
+    raise ValueError(f"problem_type={problem_type!r} must be one of {_PROBLEM_TYPES} or None.")
+
+
+def _problem_type(config: object) -> str | None:
+    value = getattr(config, "problem_type", None)
+    return value if isinstance(value, str) else None
+
+
+def _wide(logits: torch.Tensor) -> torch.Tensor:
+    """Logits in float32 at least, as the models' own losses upcast them."""
+    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+
+
+def _labels(batch: Mapping[str, Any], task: Task) -> torch.Tensor:
+    """The batch's labels: `shift_labels` (already shifted) for a causal LM, else `labels`."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"the batch is a {type(batch).__name__}; gradaccum.hf losses take a mapping of the "
+            "model's keyword inputs plus 'labels', as a Hugging Face data collator makes it."
+        )
+    key = "shift_labels" if task is Task.CAUSAL_LM and "shift_labels" in batch else "labels"
+    labels = batch.get(key)
+    if not isinstance(labels, torch.Tensor):
+        raise ValueError(
+            f"the batch has keys {sorted(batch)} but no '{key}' tensor; add the labels "
+            "(-100 where nothing is scored)."
+        )
+    return labels
+
+
+def _logits(outputs: object) -> torch.Tensor:
+    logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
+    if logits is None:
+        logits = getattr(outputs, "logits", None)
+    if logits is None and isinstance(outputs, tuple) and outputs:
+        logits = outputs[0]
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(
+            f"the model returned {type(outputs).__name__} without logits; call it yourself and "
+            "use gradaccum.hf.loss_from_logits."
+        )
+    return logits
