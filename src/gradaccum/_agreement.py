@@ -33,6 +33,8 @@ class RankSummary:
         failed: 0, or why this rank's window failed: `FAILED` or `OUT_OF_MEMORY`.
         has_grad: Per window parameter, whether this rank holds a gradient for it.
         graph: Whether this rank's last micro-batch can run a backward.
+        terms: `LossSum.terms` windows: each term's count and sum, in pairs, padded to
+            `MAX_TERMS` pairs (empty otherwise).
     """
 
     count: int
@@ -42,6 +44,7 @@ class RankSummary:
     failed: int = 0
     has_grad: tuple[bool, ...] = ()
     graph: bool = True
+    terms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class WindowAgreement:
         all_out_of_memory: Every failed rank ran out of memory (all of them rerun smaller).
         has_grad: Per window parameter, whether any rank holds a gradient for it.
         all_graphs: Every rank's last micro-batch can run a backward.
+        terms: Each term's count and sum over all ranks, in pairs (`RankSummary.terms`).
     """
 
     count: int
@@ -63,6 +67,11 @@ class WindowAgreement:
     all_out_of_memory: bool = False
     has_grad: tuple[bool, ...] = ()
     all_graphs: bool = True
+    terms: tuple[float, ...] = ()
+
+    def term_totals(self) -> tuple[list[float], list[float]]:
+        """The terms' global counts and sums, as two lists."""
+        return list(self.terms[0::2]), list(self.terms[1::2])
 
     def failure(self) -> BaseException:
         """What a rank raises when another rank's window failed (out of memory: rerun)."""

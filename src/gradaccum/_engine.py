@@ -18,12 +18,14 @@ from typing import Any
 
 import torch
 
+from gradaccum._boundary import nonfinite_names, rank_summary, reduced_gradients
 from gradaccum._oom import is_out_of_memory, rng_states, set_rng_states
 from gradaccum._outputs import captured_outputs, zero_item_backward
+from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, slice_batch, to_device
 from gradaccum.batchnorm import BatchNormControl
 from gradaccum.divisor import backward_denominator, grad_divisor, scaled_loss
-from gradaccum.loss import counted_ahead, read_loss, warn_if_token_mean
+from gradaccum.loss import LossTerms, counted_ahead, read_loss, read_terms, warn_if_token_mean
 from gradaccum.norms import clip_, total_norm
 from gradaccum.options import Normalize
 from gradaccum.precision import PrecisionRuntime
@@ -135,7 +137,7 @@ class Engine:
         last: bool,
         expected_micro_batches: int,
         window_items: int | None = None,
-        window_count: int | None = None,
+        window_count: int | dict[str, int] | None = None,
         items: int | None = None,
     ) -> None:
         window, runtime, sync = self.window, self.runtime, self.sync
@@ -147,14 +149,23 @@ class Engine:
         capture = captured_outputs(self.model, outputs) if self._fsdp else contextlib.nullcontext()
         with sync.micro_context(last=last), self.batchnorm.micro_context():
             with runtime.autocast(), capture:
-                value, weight, count = read_loss(loss_fn(self.model, micro_batch), items)
+                result = loss_fn(self.model, micro_batch)
+            extra: list[tuple[int, torch.Tensor]] = []
+            if isinstance(result, LossTerms):
+                ahead = window_count if isinstance(window_count, dict) else None
+                value, logged, extra = self._read_terms(result, expected_micro_batches, ahead)
+                weight, count = 1, items
+            else:
+                value, weight, count = read_loss(result, items)
+                logged = value
             if weight > 1 and self._token_checks:
                 self._token_checks -= 1
                 if warn_if_token_mean(micro_batch):
                     self._token_checks = 0
             if window.denominator is None:
                 # Known up front: a plain mean's items, or what the loss counts ahead.
-                known = window_items if weight > 1 else window_count
+                counted = window_count if isinstance(window_count, int) else None
+                known = window_items if weight > 1 else counted
                 folded = known if known and sync.world == 1 else None
                 expected = items if sync.world > 1 or not count else count
                 window.denominator = backward_denominator(
@@ -162,11 +173,13 @@ class Engine:
                     expected_items=expected * expected_micro_batches,
                     window_items=folded,
                 )
-            if count > 0 and not value.requires_grad:
+            if count > 0 and not value.requires_grad and not extra:
                 raise ValueError(
                     "the loss does not require grad: it was computed under torch.no_grad(), "
                     "detached, or from frozen parameters only; return the loss with its graph."
                 )
+            if window.terms is not None and extra:  # terms whose count the window learns last
+                window.terms.backward_extra(extra, window.params, window.loss_scale, runtime)
             if value.requires_grad:
                 roots = [scaled_loss(value, weight, window.denominator, window.loss_scale)]
                 seeds = None
@@ -192,10 +205,27 @@ class Engine:
                 with sync.backward_context(reduce=reduce):
                     torch.autograd.backward(roots, seeds)
                 runtime.collect(window.params)
-        window.add(value, weight, count, items)
+        window.add(logged, weight, count, items)
         self._reduced = reduce
         if self._fsdp:
             self._last_input = (micro_batch, loss_fn)
+
+    def _read_terms(
+        self, result: LossTerms, expected_micro_batches: int, ahead: object
+    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Tensor]]]:
+        """A `LossSum.terms` micro-batch: its main root, its logged total and its extra roots."""
+        if self._fsdp:
+            raise ValueError(
+                "LossSum.terms is not supported with FSDP2 yet (each term would need its own "
+                "reduce-scatter); return one LossSum, or use DDP."
+            )
+        given = ahead if isinstance(ahead, dict) and self.sync.world == 1 else None
+        terms = read_terms(result)
+        self.window.terms = TermLedger.for_micro_batch(
+            self.window.terms, terms, self.normalize, expected_micro_batches, given
+        )
+        self.window.denominator = 1.0  # the ledger divides each term itself
+        return self.window.terms.roots(terms)
 
     def check_gradients_untouched(self) -> None:
         """Refuse a window whose gradients someone changed between its micro-batches."""
@@ -218,15 +248,16 @@ class Engine:
         """Run the boundary transaction; the window is closed or forgotten when this returns."""
         window, runtime = self.window, self.runtime
         try:
-            agreement = self._agreement or self._exchange(self._summary())
+            agreement = self._agreement or self._exchange(rank_summary(window, runtime, self.sync))
             self._agreement = None
             if agreement.failed_ranks:
                 raise agreement.failure()
             count, loss_sum = agreement.count, agreement.loss_sum
             empty = count == 0 and self.normalize is Normalize.MEAN
             if empty or not math.isfinite(loss_sum):
-                return self._skip(count, loss_sum, None, finite=empty)
-            held = self._reduced_gradients(agreement)
+                return self._skip(agreement, None, finite=empty)
+            self._settle()  # FSDP2: reduce-scatter what the last backward did not
+            held = reduced_gradients(window, runtime, self.sync, agreement, reduce=not self._fsdp)
             if any(grad.is_sparse for grad in held):
                 raise ValueError(
                     "a parameter received a sparse gradient; gradaccum accumulates dense "
@@ -236,7 +267,7 @@ class Engine:
             assert window.denominator is not None  # set by the window's first micro-batch
             divisor = grad_divisor(
                 count,
-                self.normalize,
+                Normalize.SUM if window.terms else self.normalize,  # terms: divided per term
                 window.denominator,
                 loss_scale=window.loss_scale,
                 averaged_over=self.sync.averaged_over,
@@ -246,7 +277,7 @@ class Engine:
             norm = total_norm(held)
             norm_value = float(norm)
             if not math.isfinite(norm_value):
-                return self._skip(count, loss_sum, norm_value, finite=False)
+                return self._skip(agreement, norm_value, finite=False)
             if max_grad_norm is not None and held:
                 clip_(held, max_grad_norm, norm)
             runtime.publish(window.params)
@@ -260,9 +291,10 @@ class Engine:
         runtime.update_scale(finite=True)
         self.batchnorm.end_window()
         runtime.clear_buffers()
+        terms, objective = window.terms.report(agreement) if window.terms else (None, None)
         window.close()
         self._end()
-        return Outcome(True, count, loss_sum, norm_value, lr)
+        return Outcome(True, count, loss_sum, norm_value, lr, (), terms, objective)
 
     def discard_window(self) -> None:
         """Drop an open window on purpose (`flush()` with "drop"), every rank alike."""
@@ -271,47 +303,21 @@ class Engine:
         finally:
             self._forget_window()
 
-    def _skip(self, count: int, loss_sum: float, norm: float | None, *, finite: bool) -> Outcome:
-        names = () if finite else self._nonfinite_names()
+    def _skip(self, agreement: WindowAgreement, norm: float | None, *, finite: bool) -> Outcome:
+        count, loss_sum = agreement.count, agreement.loss_sum
+        names = () if finite else nonfinite_names(self.window, self.runtime, self._names)
+        ledger = self.window.terms
+        terms, objective = ledger.report(agreement) if ledger else (None, None)
         self._settle()
         self._forget_window()
         if not finite:
             self.runtime.update_scale(finite=False)  # the loss scale backs off exactly once
-        return Outcome(False, count, loss_sum, norm, self.learning_rate(), names)
-
-    def _summary(self, failed: int = 0) -> RankSummary:
-        window, params = self.window, self.window.params[: self.window.held]
-        has_grad: tuple[bool, ...] = ()
-        if self.sync.world > 1:  # which params to reduce: those some rank holds a gradient for
-            has_grad = tuple(self.runtime.gradient(i, p) is not None for i, p in enumerate(params))
-        return RankSummary(
-            window.count,
-            window.loss_total(),
-            window.micro_batches,
-            window.denominator or 1.0,
-            failed=failed,
-            has_grad=has_grad,
-        )
+        lr = self.learning_rate()
+        return Outcome(False, count, loss_sum, norm, lr, names, terms, objective)
 
     def _exchange(self, summary: RankSummary) -> WindowAgreement:
         self._exchanged = True  # a failure from here on must not exchange again
         return self.sync.exchange(summary)
-
-    def _reduced_gradients(self, agreement: WindowAgreement) -> list[torch.Tensor]:
-        """The optimizer's gradients, reduced over ranks: each parameter used on some rank."""
-        window, runtime = self.window, self.runtime
-        if self._fsdp:
-            self._settle()
-        held: list[torch.Tensor] = []
-        for index, param in enumerate(window.params[: window.held]):
-            grad = runtime.gradient(index, param)
-            if grad is None and self.sync.world > 1 and agreement.has_grad[index]:
-                grad = runtime.zeros_for(index, param)  # another rank used it: reduce alike
-            if grad is not None:
-                held.append(grad)
-        if self.sync.world > 1 and not self._fsdp:
-            self.sync.reduce(held)
-        return held
 
     def _settle(self) -> None:
         """FSDP2: make it reduce-scatter the window's deferred sums (`zero_item_backward`)."""
@@ -329,7 +335,7 @@ class Engine:
         """A window raised: tell the other ranks (DDP), so none waits, then forget it."""
         if self.sync.world > 1 and not self._exchanged and not self._fsdp:
             kind = OUT_OF_MEMORY if is_out_of_memory(error) else FAILED
-            self._exchange(self._summary(failed=kind))
+            self._exchange(rank_summary(self.window, self.runtime, self.sync, failed=kind))
         self._forget_window(error)
 
     def _forget_window(self, error: BaseException | None = None) -> None:
@@ -341,6 +347,7 @@ class Engine:
                 "are as they were before it."
             )
         self.window.restore()
+        self.sync.forget_window()
         self.runtime.clear_buffers()
         self.batchnorm.forget_window()
         if self._rng is not None:
@@ -351,14 +358,6 @@ class Engine:
         self.sync.end_window()
         self._agreement, self._exchanged, self._reduced = None, False, False
         self._last_input, self._rng = None, None
-
-    def _nonfinite_names(self) -> tuple[str, ...]:
-        window, names = self.window, []
-        for index, param in enumerate(window.params[: window.held]):
-            grad = self.runtime.gradient(index, param)
-            if grad is not None and not bool(torch.isfinite(grad).all()):
-                names.append(self._names.get(id(param), f"<optimizer param {index}>"))
-        return tuple(names) or ("<none: the loss itself is non-finite>",)
 
     def learning_rate(self) -> float | None:
         """The first group's learning rate; None for an optimizer without one (Adafactor)."""

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -289,13 +290,17 @@ class Accumulator:
             # closed, so nothing can step it twice (docs/reliability.md).
             self.scheduler.step()
         build = StepResult.stepped if outcome.stepped else StepResult.skipped
+        objective = outcome.objective  # set for LossSum.terms windows
+        if objective is None:
+            objective = self._objective(outcome.loss_sum, outcome.count)
         result = build(
-            loss=self._objective(outcome.loss_sum, outcome.count),
+            loss=objective,
             count=outcome.count,
             micro_batches=micro_batches,
             micro_batch_size=micro_batch_size,
             grad_norm=outcome.grad_norm,
             lr=outcome.lr,
+            terms=outcome.terms,
         )
         if outcome.stepped:
             return result
@@ -317,8 +322,16 @@ class Accumulator:
         window = self._engine.window
         count, loss_sum = window.count, window.loss_sum
         snapshot = None if loss_sum is None else loss_sum.detach().clone()  # later adds: in place
+        loss: Callable[[], float] = lambda: self._objective(  # noqa: E731
+            0.0 if snapshot is None else float(snapshot), count
+        )
+        if window.terms is not None:  # this rank's terms so far, each over its own count
+            ledger, (counts, sums) = window.terms, window.terms.snapshot()
+            loss = lambda: ledger.objective(  # noqa: E731
+                ledger.means(counts, [0.0 if t is None else float(t) for t in sums])
+            )
         return StepResult.pending(
-            loss=lambda: self._objective(0.0 if snapshot is None else float(snapshot), count),
+            loss=loss,
             count=count,
             micro_batches=window.micro_batches,
             micro_batch_size=window.largest_micro_batch,

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,17 @@ import torch
 
 from gradaccum._warnings import warn_user
 
-__all__ = ["LossSum", "TokenMeanWarning", "counted_ahead", "warn_if_token_mean"]
+__all__ = [
+    "MAX_TERMS",
+    "LossSum",
+    "LossTerms",
+    "ReadTerm",
+    "Term",
+    "TokenMeanWarning",
+    "counted_ahead",
+    "read_terms",
+    "warn_if_token_mean",
+]
 
 _IGNORE_INDEX = -100  # the Hugging Face convention for unscored label positions
 
@@ -51,6 +62,111 @@ class LossSum:
 
     value: torch.Tensor
     count: int | torch.Tensor
+
+    @staticmethod
+    def terms(**terms: Term | tuple[torch.Tensor, int | torch.Tensor]) -> LossTerms:
+        """A loss of several named terms, each divided by its own window count.
+
+        The window's objective is `sum_t weight_t * (sum of value_t) / D_t`, where `D_t` is the
+        term's count summed over every micro-batch and rank (or its constant `denominator`).
+        A `(value, count)` pair is a `Term` of weight 1.
+
+        Example:
+            >>> import torch
+            >>> ce, aux = torch.tensor(12.0), torch.tensor(0.5)
+            >>> loss = LossSum.terms(ce=(ce, 30), aux=Term(aux, count=4, weight=0.01))
+            >>> sorted(loss.terms)
+            ['aux', 'ce']
+        """
+        if not terms:
+            raise ValueError("LossSum.terms() needs at least one term, e.g. ce=(ce_sum, tokens).")
+        if len(terms) > MAX_TERMS:
+            raise ValueError(f"LossSum.terms takes at most {MAX_TERMS} terms, got {len(terms)}.")
+        built: dict[str, Term] = {}
+        for name, term in terms.items():
+            if isinstance(term, tuple) and len(term) == 2:
+                term = Term(term[0], count=term[1])
+            if not isinstance(term, Term):
+                raise TypeError(
+                    f"term {name!r} is a {type(term).__name__}; give (value_sum, count) or "
+                    "gradaccum.loss.Term(value_sum, count=..., weight=..., denominator=...)."
+                )
+            built[name] = term
+        return LossTerms(built)
+
+
+MAX_TERMS = 8  # the window exchange between ranks holds a fixed number of terms
+
+
+@dataclass(frozen=True)
+class Term:
+    """One term of `LossSum.terms`: a summed loss and what it is divided by.
+
+    Attributes:
+        value: Scalar tensor, the term summed over its items in this micro-batch.
+        count: Items this micro-batch counts for the term (the window adds them up).
+        weight: A constant factor on the normalized term.
+        denominator: A constant to divide by instead of the window's count (e.g. Dr. GRPO's
+            `G * max_len`); then `count` is not needed.
+
+    Example:
+        >>> import torch
+        >>> Term(torch.tensor(3.0), denominator=512.0).denominator
+        512.0
+    """
+
+    value: torch.Tensor
+    count: int | torch.Tensor | None = None
+    weight: float = 1.0
+    denominator: float | None = None
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """What `LossSum.terms(...)` returns: the named terms of one micro-batch's loss."""
+
+    terms: Mapping[str, Term]
+
+
+class ReadTerm(NamedTuple):
+    """A checked term: `value` summed over `count` items, normalized by `denominator` if set."""
+
+    name: str
+    value: torch.Tensor
+    weight: float
+    count: int  # type: ignore[assignment]  # shadows tuple.count on purpose: the item count
+    denominator: float | None
+
+
+def read_terms(result: LossTerms) -> list[ReadTerm]:
+    """Check every term of `result` (before any backward, so a bad term changes nothing).
+
+    Raises:
+        ValueError: For a value that is not a floating scalar, a count that is not a whole
+            number >= 0, a weight or denominator that is not finite (a denominator must be
+            > 0), or a term with both or neither of `count` and `denominator`.
+    """
+    read = []
+    for name, term in result.terms.items():
+        value = _check_scalar(term.value, f"term {name!r}")
+        if (term.count is None) == (term.denominator is None):
+            raise ValueError(
+                f"term {name!r} needs exactly one of count= (divide by the window's count) and "
+                "denominator= (divide by a constant)."
+            )
+        weight = float(term.weight)
+        if not math.isfinite(weight):
+            raise ValueError(f"term {name!r} has weight={term.weight!r}; it must be finite.")
+        denominator = None
+        if term.denominator is not None:
+            denominator = float(term.denominator)
+            if not (math.isfinite(denominator) and denominator > 0):
+                raise ValueError(
+                    f"term {name!r} has denominator={term.denominator!r}; it must be > 0."
+                )
+        count = 0 if term.count is None else _read_count(term.count)
+        read.append(ReadTerm(name, value, weight, count, denominator))
+    return read
 
 
 class ReadLoss(NamedTuple):
@@ -83,6 +199,12 @@ def read_loss(result: object, batch_items: int) -> ReadLoss:
     if isinstance(result, LossSum):
         value = _check_scalar(result.value, "LossSum.value")
         return ReadLoss(value, 1, _read_count(result.count))
+    if isinstance(result, LossTerms):
+        # Only for what needs a backward and nothing exact (memory probes, FSDP2's settle):
+        # the engine reads terms with `read_terms`.
+        terms = read_terms(result)
+        total = functools.reduce(torch.add, [t.value * t.weight for t in terms])
+        return ReadLoss(total, 1, sum(t.count for t in terms))
     if isinstance(result, torch.Tensor):
         return ReadLoss(_check_scalar(result, "the loss"), batch_items, batch_items)
     raise TypeError(
@@ -91,24 +213,35 @@ def read_loss(result: object, batch_items: int) -> ReadLoss:
     )
 
 
-def counted_ahead(loss_fn: object, micro_batches: Sequence[Any]) -> int | None:
+def counted_ahead(loss_fn: object, micro_batches: Sequence[Any]) -> int | dict[str, int] | None:
     """The items `loss_fn` will count over `micro_batches`, when it can say so before running.
 
     A loss function may have an `items_counted(micro_batch)` method (the `gradaccum.hf` losses
-    do) returning the count its `LossSum` will report, from the batch alone. A window that knows
-    its count up front divides each backward by it, exactly where a full-batch mean divides,
-    instead of by a power of two corrected at the boundary: the same result in exact
-    arithmetic, and the same rounding as the full-batch step in models that compute parts of
-    their backward in float32 (RMSNorm in Llama and T5). A wrong count costs no exactness: the
-    boundary divides by what the window really counted over the denominator used.
+    do) returning the count its `LossSum` will report, from the batch alone, or for
+    `LossSum.terms` a mapping of term name to count. A window that knows its count up front
+    divides each backward by it, exactly where a full-batch mean divides, instead of by a power
+    of two corrected at the boundary: the same result in exact arithmetic, and the same
+    rounding as the full-batch step in models that compute parts of their backward in float32
+    (RMSNorm in Llama and T5). For terms it also saves the extra backward pass a term whose
+    count is unknown needs. A wrong single count costs no exactness (the boundary divides by
+    what the window really counted over the denominator used); a wrong term count is refused
+    at the boundary.
 
     Returns:
-        The summed count, or None if `loss_fn` has no such method or it counts no item.
+        The summed count (per term for a mapping), or None if `loss_fn` has no such method or
+        it counts no item.
     """
     count_items = getattr(loss_fn, "items_counted", None)
     if not callable(count_items):
         return None
-    total = sum(_read_count(count_items(micro_batch)) for micro_batch in micro_batches)
+    counts = [count_items(micro_batch) for micro_batch in micro_batches]
+    if counts and all(isinstance(c, Mapping) for c in counts):
+        per_term: dict[str, int] = {}
+        for count in counts:
+            for name, items in count.items():
+                per_term[name] = per_term.get(name, 0) + _read_count(items)
+        return per_term
+    total = sum(_read_count(count) for count in counts)
     return total or None
 
 

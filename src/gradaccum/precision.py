@@ -123,6 +123,19 @@ class PrecisionRuntime:
             return self.buffers[index]
         return param.grad
 
+    def widened(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """`grad` in the accumulation dtype where buffers are kept for its dtype, else as is."""
+        if grad is None or self.accum_dtype is None or not self.buffered(grad):
+            return grad
+        return grad.to(self.accum_dtype)
+
+    def hold(self, index: int, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Make `grad` (in the accumulation dtype where buffered) `param`'s gradient holder."""
+        if self.buffered(param):
+            self.buffers[index] = grad
+        else:
+            param.grad = grad
+
     def zeros_for(self, index: int, param: torch.nn.Parameter) -> torch.Tensor:
         """Make (and hold) a zero gradient for `param`, where another rank has one."""
         if self.buffered(param):

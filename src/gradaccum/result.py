@@ -14,7 +14,8 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, cast, overload
 
 __all__ = ["NonFiniteError", "StepResult"]
@@ -34,6 +35,7 @@ class _Build(Protocol):
         micro_batch_size: int,
         lr: float | None,
         grad_norm: float | None = None,
+        terms: Mapping[str, float] | None = None,
     ) -> StepResult: ...
 
 
@@ -77,6 +79,9 @@ class StepResult:
         grad_norm: Gradient norm before clipping, at the boundary; None elsewhere.
         lr: Learning rate of the first parameter group, as used by this step; None for an
             optimizer that sets its own (e.g. relative-step Adafactor, whose `lr` is None).
+        terms: For a `LossSum.terms` loss, each term's window mean (its sum over the window
+            and ranks divided by its count or constant), read-only; empty otherwise. At a
+            boundary the means are over every rank, pending ones over this rank so far.
     """
 
     _FIELDS = (
@@ -88,6 +93,7 @@ class StepResult:
         "skipped",
         "grad_norm",
         "lr",
+        "terms",
     )
 
     count: int
@@ -95,6 +101,7 @@ class StepResult:
     micro_batch_size: int
     grad_norm: float | None
     lr: float | None
+    terms: Mapping[str, float]
 
     stepped = _Outcome(stepped=True, skipped=False)
     skipped = _Outcome(stepped=False, skipped=True)
@@ -111,8 +118,20 @@ class StepResult:
         skipped: bool,
         lr: float | None,
         grad_norm: float | None = None,
+        terms: Mapping[str, float] | None = None,
     ) -> None:
-        values = (loss, count, micro_batches, micro_batch_size, stepped, skipped, grad_norm, lr)
+        frozen = types.MappingProxyType(dict(terms or {}))
+        values = (
+            loss,
+            count,
+            micro_batches,
+            micro_batch_size,
+            stepped,
+            skipped,
+            grad_norm,
+            lr,
+            frozen,
+        )
         self.__dict__.update(zip(self._FIELDS, values, strict=True))
 
     @property
@@ -133,7 +152,9 @@ class StepResult:
         raise AttributeError(f"StepResult is immutable; cannot set {name!r}.")
 
     def _values(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in self._FIELDS)
+        values = [getattr(self, name) for name in self._FIELDS]
+        values[-1] = tuple(sorted(self.terms.items()))  # hashable
+        return tuple(values)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StepResult) and self._values() == other._values()

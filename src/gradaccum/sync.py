@@ -40,6 +40,7 @@ from gradaccum._agreement import (
     WindowAgreement,
 )
 from gradaccum._allreduce import all_reduce_sum
+from gradaccum.loss import MAX_TERMS
 
 __all__ = [
     "FAILED",
@@ -137,6 +138,7 @@ class GradSync:
             mine.failed == OUT_OF_MEMORY,
             mine.has_grad,
             mine.graph,
+            mine.terms,
         )
 
     def reduce(self, grads: Sequence[torch.Tensor]) -> None:
@@ -151,12 +153,18 @@ class GradSync:
     def end_window(self) -> None:
         """A window ended: stepped, skipped or forgotten."""
 
+    def forget_window(self) -> None:
+        """A window is forgotten: undo what the backend holds for it."""
+
     def check_resume(self, open_window: bool) -> None:
         """Raise ValueError if a saved window cannot continue on this backend."""
 
 
 class LocalSync(GradSync):
     """One process: nothing to defer, exchange or reduce."""
+
+
+_FLAGS = 6 + 2 * MAX_TERMS  # the exchange row: head, the terms' (count, sum) pairs, flags
 
 
 class _DistributedSync(GradSync):
@@ -181,8 +189,9 @@ class _DistributedSync(GradSync):
             mine.failed,
             mine.graph,
         ]
+        terms = list(mine.terms) or [0.0] * (2 * MAX_TERMS)  # fixed width: rows must match
         row = torch.tensor(
-            head + [float(flag) for flag in mine.has_grad],
+            head + terms + [float(flag) for flag in mine.has_grad],
             dtype=torch.float64,
             device=_device(self.group),
         )
@@ -198,8 +207,9 @@ class _DistributedSync(GradSync):
             loss_sum=float(table[:, 1].sum().item()),
             failed_ranks=failed,
             all_out_of_memory=bool(failed) and all(failures[list(failed)] == OUT_OF_MEMORY),
-            has_grad=tuple(bool(flag) for flag in table[:, 6:].amax(dim=0).tolist()),
+            has_grad=tuple(bool(flag) for flag in table[:, _FLAGS:].amax(dim=0).tolist()),
             all_graphs=bool(table[:, 5].all()),
+            terms=tuple(table[:, 6:_FLAGS].sum(dim=0).tolist()) if mine.terms else (),
         )
 
     def _check_alike(self, table: torch.Tensor) -> None:
@@ -270,6 +280,14 @@ class FSDP2Sync(_DistributedSync):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
         self.averaged_over = self.world
+        from torch.distributed.fsdp import FSDPModule
+
+        self._sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def forget_window(self) -> None:
+        """A forward whose backward never ran leaves parameters unsharded: shard them again."""
+        for module in self._sharded:
+            module.reshard()
 
     def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
         """Forward and backward with the reduce-scatter off; the last backward may turn it on."""

@@ -38,7 +38,7 @@ from gradaccum._non_additive import (
     hooked_buffers,
 )
 from gradaccum.batching import batch_size, map_tensors, split_batch
-from gradaccum.loss import read_loss
+from gradaccum.loss import LossTerms, read_loss
 from gradaccum.window import LossFn, accumulate_grad
 
 __all__ = [
@@ -175,7 +175,13 @@ def check_equivalence(
 
     with torch.enable_grad():
         with torch.random.fork_rng(devices=devices), precision:
-            value, weight, count = read_loss(loss_fn(full_model, batch), batch_size(batch))
+            result = loss_fn(full_model, batch)
+            if isinstance(result, LossTerms):
+                raise ValueError(
+                    "check_equivalence takes a loss with one denominator; compare a "
+                    "LossSum.terms loss by stepping Accumulator.step against a full-batch step."
+                )
+            value, weight, count = read_loss(result, batch_size(batch))
             if count > 0:  # the plain full-batch loss itself: no op a user would not write
                 torch.autograd.backward(value if weight == count else value / count)
         with torch.random.fork_rng(devices=devices):

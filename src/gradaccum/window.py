@@ -33,9 +33,10 @@ from typing import Any
 
 import torch
 
+from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, split_batch, to_device
 from gradaccum.divisor import backward_denominator, grad_divisor, scaled_loss
-from gradaccum.loss import LossSum, counted_ahead, read_loss
+from gradaccum.loss import LossSum, LossTerms, counted_ahead, read_loss
 from gradaccum.options import Normalize, parse
 
 __all__ = [
@@ -106,6 +107,7 @@ class Window:
         self.loss_sum: torch.Tensor | None = None
         self.largest_micro_batch = 0
         self.denominator: float | None = None  # fixed by the first micro-batch
+        self.terms: TermLedger | None = None  # LossSum.terms windows only
         self.loss_scale = 1.0
         self._stashed: list[torch.Tensor | None] = []
         self._marks: list[tuple[torch.Tensor | None, int]] = []
@@ -173,6 +175,7 @@ class Window:
             "denominator": self.denominator,
             "loss_scale": self.loss_scale,
             "param_shapes": [list(p.shape) for p in self.params],
+            "terms": None if self.terms is None else self.terms.state_dict(),
             "grads": [None if p.grad is None else p.grad.detach().clone() for p in self.params],
         }
 
@@ -185,6 +188,12 @@ class Window:
                 f"the saved Accumulator window holds gradients of {len(saved or [])} parameters "
                 f"with shapes {saved}, this model and optimizer have {len(shapes)} with shapes "
                 f"{shapes}; load it into the same model and optimizer."
+            )
+        terms = state.get("terms")
+        if terms is not None and not TermLedger.valid_state(terms):
+            raise ValueError(
+                "the saved Accumulator window has a damaged LossSum.terms ledger; save it again "
+                "with Accumulator.state_dict()."
             )
 
     def load_state_dict(
@@ -203,6 +212,8 @@ class Window:
         self.largest_micro_batch = int(state["largest_micro_batch"])
         self.denominator = state["denominator"]
         self.loss_scale = float(state["loss_scale"])
+        terms = state.get("terms")
+        self.terms = None if terms is None else TermLedger.from_state(terms, params[0].device)
         self._stashed = [None] * len(params)
         for param, grad in zip(params, state["grads"], strict=True):
             param.grad = None if grad is None else grad.to(param.device, param.dtype).clone()
@@ -219,6 +230,8 @@ class Outcome:
     grad_norm: float | None
     lr: float | None
     nonfinite_names: tuple[str, ...] = ()
+    terms: dict[str, float] | None = None  # LossSum.terms windows: each term's window mean
+    objective: float | None = None  # LossSum.terms windows: sum of weight * mean
 
 
 def accumulate_grad(
@@ -255,7 +268,8 @@ def accumulate_grad(
     objective = parse(Normalize, normalize, "normalize")
     micro_batches = split_batch(batch, micro_batch_size)
     total_items = batch_size(batch)
-    counted = counted_ahead(loss_fn, micro_batches)
+    ahead = counted_ahead(loss_fn, micro_batches)
+    counted = ahead if isinstance(ahead, int) else None
     params = trainable_parameters(model)
     device = params[0].device
     window = Window()
@@ -263,7 +277,13 @@ def accumulate_grad(
     try:
         for micro_batch in micro_batches:
             items = batch_size(micro_batch)
-            value, weight, count = read_loss(loss_fn(model, to_device(micro_batch, device)), items)
+            result = loss_fn(model, to_device(micro_batch, device))
+            if isinstance(result, LossTerms):
+                raise ValueError(
+                    "accumulate_grad takes a loss with one denominator; a LossSum.terms loss "
+                    "divides each term by its own window count: use Accumulator.step."
+                )
+            value, weight, count = read_loss(result, items)
             if window.denominator is None:
                 # A count known up front (a plain mean's items, or one the loss counts ahead)
                 # is folded into each backward.

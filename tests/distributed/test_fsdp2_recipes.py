@@ -141,3 +141,40 @@ def test_negative_control_the_per_rank_mean_is_far_from_the_reference() -> None:
     (model(x) - y).pow(2).sum().div(len(x)).backward()
     exact = model.embed.weight.grad
     assert (per_rank - exact).norm() / exact.norm() > 1e-2
+
+
+def terms_refusal_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """`LossSum.terms` under FSDP2: refused on every rank alike, nothing stepped, then a plain
+    loss still steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradaccum import Accumulator, LossSum
+
+    model = make_tiny()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    acc = Accumulator(model, optimizer, micro_batch_size=MICRO)
+    before = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+    def two_terms(m: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        loss = masked_loss(m, batch)
+        return LossSum.terms(mse=(loss.value, loss.count), l2=(loss.value * 0, 1))
+
+    message = ""
+    try:
+        acc.step(rank_batch(0, rank), two_terms)
+    except ValueError as error:
+        message = str(error)
+    unchanged = all(torch.equal(p.full_tensor(), before[n]) for n, p in model.named_parameters())
+    stepped = acc.step(rank_batch(0, rank), masked_loss).stepped
+    return {"message": message, "unchanged": unchanged, "stepped": stepped}
+
+
+@pytest.mark.timeout(120)
+def test_loss_terms_are_refused_under_fsdp2_naming_the_fix(tmp_path: Path) -> None:
+    results = run_ranks(terms_refusal_worker, tmp_path, timeout=90.0, pg_timeout=20.0)
+    for result in results:
+        assert "not supported with FSDP2" in result["message"]
+        assert result["unchanged"]
+        assert result["stepped"]

@@ -1,0 +1,98 @@
+"""What the window boundary reads from the components: a rank's summary, the gradients to step.
+
+Functions over the components' public interfaces (`Window`, `PrecisionRuntime`, `GradSync`), so
+the engine reads as its algorithm: exchange, reduce, divide, check, clip, step.
+
+Example:
+    >>> import torch
+    >>> from gradaccum.options import Precision
+    >>> from gradaccum.precision import PrecisionRuntime
+    >>> from gradaccum.sync import LocalSync
+    >>> from gradaccum.window import Window
+    >>> param = torch.nn.Parameter(torch.ones(2))
+    >>> window, runtime = Window(), PrecisionRuntime(Precision.FP32, [param], accum_dtype=None)
+    >>> window.open([param], 1, loss_scale=1.0)
+    >>> runtime.open_window(1)
+    >>> rank_summary(window, runtime, LocalSync()).micro_batches
+    0
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradaccum._agreement import RankSummary, WindowAgreement
+from gradaccum.precision import PrecisionRuntime
+from gradaccum.sync import GradSync
+from gradaccum.window import Window
+
+__all__ = ["nonfinite_names", "rank_summary", "reduced_gradients"]
+
+
+def rank_summary(
+    window: Window, runtime: PrecisionRuntime, sync: GradSync, failed: int = 0
+) -> RankSummary:
+    """This rank's side of the window exchange.
+
+    Which parameters it holds a gradient for is read only when there are other ranks.
+    """
+    params, ledger = window.params[: window.held], window.terms
+    has_grad: tuple[bool, ...] = ()
+    if sync.world > 1:  # which params to reduce: those some rank holds a gradient for
+        has_grad = tuple(
+            runtime.gradient(i, p) is not None or (ledger is not None and ledger.has_gradient(i))
+            for i, p in enumerate(params)
+        )
+    return RankSummary(
+        window.count,
+        window.loss_total(),
+        window.micro_batches,
+        window.denominator or 1.0,
+        failed=failed,
+        has_grad=has_grad,
+        terms=() if ledger is None else ledger.summary(),
+    )
+
+
+def reduced_gradients(
+    window: Window,
+    runtime: PrecisionRuntime,
+    sync: GradSync,
+    agreement: WindowAgreement,
+    *,
+    reduce: bool,
+) -> list[torch.Tensor]:
+    """The optimizer's gradients: every parameter some rank used.
+
+    Each `LossSum.terms` term is divided by its own count; the sum over ranks is taken here
+    when `reduce` (where the backend did not take it).
+    """
+    held: list[torch.Tensor] = []
+    ledger = window.terms
+    counts = ledger.global_counts(agreement) if ledger else []  # checks counts given ahead
+    for index, param in enumerate(window.params[: window.held]):
+        grad = runtime.gradient(index, param)
+        if ledger is not None:
+            combined = ledger.combine(index, grad, counts)
+            if grad is None and combined is not None:
+                runtime.hold(index, param, combined)
+            grad = combined
+        if grad is None and sync.world > 1 and agreement.has_grad[index]:
+            grad = runtime.zeros_for(index, param)  # another rank used it: reduce alike
+        if grad is not None:
+            held.append(grad)
+    if reduce and sync.world > 1:
+        sync.reduce(held)
+    return held
+
+
+def nonfinite_names(
+    window: Window, runtime: PrecisionRuntime, names: dict[int, str]
+) -> tuple[str, ...]:
+    """The optimizer's parameters whose gradient holds an inf or NaN, by name."""
+    found = []
+    for index, param in enumerate(window.params[: window.held]):
+        grad = runtime.gradient(index, param)
+        if grad is not None and not bool(torch.isfinite(grad).all()):
+            found.append(names.get(id(param), f"<optimizer param {index}>"))
+    return tuple(found) or ("<none: the loss itself is non-finite>",)

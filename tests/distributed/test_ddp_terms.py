@@ -1,0 +1,103 @@
+"""`LossSum.terms` on 2 real gloo ranks (CPU, float64): each term over its count on every rank.
+
+Rank 1 scores far fewer tokens than rank 0 and has fewer long rows, so each term's counts differ
+per micro-batch AND per rank. The reference is one plain full-batch step on the concatenation of
+both ranks' data, each term divided by its whole count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from gradaccum import Accumulator
+from tests.distributed._harness import run_ranks
+from tests.models import IGNORE_INDEX, concat_batches, make_model, token_batch
+from tests.reference import param_tensors, relative_gap, split
+from tests.test_terms import TwoTermsCountedAhead, pre_weighted, reference_objective, two_terms
+
+MICRO = 3
+EXACT = 1e-10
+WINDOWS = [(0, 7), (1, 5)]  # (data seed, items per rank): ragged micro-batches of 3
+
+
+def rank_batch(seed: int, rank: int, items: int) -> dict[str, torch.Tensor]:
+    batch = token_batch(torch.Generator().manual_seed(100 * seed + rank), items)
+    if rank == 1:
+        batch["labels"][:, 4:] = IGNORE_INDEX  # fewer tokens, fewer long rows
+    return batch
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+
+def _run(rank: int, loss_fn: Any, stream: bool) -> dict[str, Any]:
+    ddp = DistributedDataParallel(make_model("token"))
+    if stream:
+        acc = Accumulator(ddp, _optimizer(ddp), accumulation_steps=3, partial_window="step")
+        results = []
+        for seed, items in WINDOWS:
+            for micro_batch in split(rank_batch(seed, rank, items), MICRO):
+                result = acc.micro_step(micro_batch, loss_fn)
+                if result.stepped:
+                    results.append(result)
+        results.append(acc.flush())
+    else:
+        acc = Accumulator(ddp, _optimizer(ddp), micro_batch_size=MICRO)
+        results = [acc.step(rank_batch(seed, rank, items), loss_fn) for seed, items in WINDOWS]
+    return {
+        "params": param_tensors(ddp.module),
+        "losses": [r.loss for r in results if r.stepped],
+        "terms": [dict(r.terms) for r in results if r.stepped],
+    }
+
+
+def terms_worker(rank: int, world_size: int) -> dict[str, Any]:
+    return {
+        "step": _run(rank, two_terms, stream=False),
+        "ahead": _run(rank, TwoTermsCountedAhead(), stream=False),
+        "stream": _run(rank, two_terms, stream=True),
+        "control": _run(rank, pre_weighted, stream=False),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_ranks(terms_worker, tmp_path_factory.mktemp("terms"), timeout=90.0)
+
+
+def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = make_model("token")
+    optimizer = _optimizer(model)
+    objectives = []
+    for seed, items in WINDOWS:
+        batch = concat_batches([rank_batch(seed, rank, items) for rank in range(2)])
+        optimizer.zero_grad(set_to_none=True)
+        objective = reference_objective(model, batch)
+        objective.backward()
+        optimizer.step()
+        objectives.append(objective.item())
+    return param_tensors(model), objectives
+
+
+@pytest.mark.parametrize("drive", ["step", "ahead", "stream"])
+def test_terms_on_two_ranks_equal_the_full_batch_objective(
+    runs: list[dict[str, Any]], drive: str
+) -> None:
+    """`ahead`: counts given ahead are this rank's, so under DDP the extra pass still runs."""
+    expected, objectives = _reference()
+    for rank, run in enumerate(runs):
+        gap = relative_gap(run[drive]["params"], expected)
+        assert gap < EXACT, f"{drive}, rank {rank}: {gap:.1e} from the full-batch reference"
+        assert run[drive]["losses"] == pytest.approx(objectives, rel=1e-12)
+    assert runs[0][drive]["terms"] == runs[1][drive]["terms"]  # every rank reports the same
+
+
+def test_negative_control_pre_weighting_per_micro_batch_on_two_ranks(
+    runs: list[dict[str, Any]],
+) -> None:
+    assert relative_gap(runs[0]["control"]["params"], _reference()[0]) > 1e-4

@@ -1,0 +1,345 @@
+"""Losses with several terms (`LossSum.terms`, gradaccum._terms): each term over its own count.
+
+The objective is token-mean cross-entropy plus a weighted per-sequence auxiliary term, whose
+counts (scored tokens, long-enough rows) differ between micro-batches. The reference is written
+plainly: one forward on the whole batch, each term divided by its whole-batch count, one
+backward. The negative control is what users write today: one LossSum, pre-weighting the
+auxiliary term by the micro-batch's own ratio of counts.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gradaccum
+from gradaccum import Accumulator, LossSum
+from gradaccum.loss import MAX_TERMS, Term
+from tests.models import IGNORE_INDEX, make_model, token_batch
+from tests.reference import param_tensors, relative_gap, split
+from tests.state import assert_bitwise, clone_state
+
+EXACT = 1e-10
+AUX_WEIGHT = 0.3
+
+
+def _batch(seed: int, items: int = 7) -> dict[str, torch.Tensor]:
+    return token_batch(torch.Generator().manual_seed(seed), items)
+
+
+def _parts(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each term's sum and count for `batch`: token CE, and a per-row auxiliary loss."""
+    logits = model(batch["tokens"])
+    labels = batch["labels"]
+    ce = nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    long_rows = (labels != IGNORE_INDEX).sum(1) >= 3  # the auxiliary term counts these rows
+    aux = logits[long_rows].pow(2).mean(dim=(1, 2)).sum()
+    return {
+        "ce": ce,
+        "tokens": (labels != IGNORE_INDEX).sum(),
+        "aux": aux,
+        "rows": long_rows.sum(),
+    }
+
+
+def two_terms(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+    p = _parts(model, batch)
+    return LossSum.terms(
+        ce=(p["ce"], p["tokens"]), aux=Term(p["aux"], count=p["rows"], weight=AUX_WEIGHT)
+    )
+
+
+class TwoTermsCountedAhead:
+    """`two_terms` with its counts given ahead: one backward per micro-batch."""
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        return two_terms(model, batch)
+
+    def items_counted(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        scored = (batch["labels"] != IGNORE_INDEX).sum(1)
+        return {"ce": scored.sum(), "aux": (scored >= 3).sum()}
+
+
+def pre_weighted(model: nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
+    """The control: the auxiliary mean folded into the CE sum with this micro-batch's counts."""
+    p = _parts(model, batch)
+    aux_mean = p["aux"] / p["rows"].clamp(min=1)
+    return LossSum(p["ce"] + AUX_WEIGHT * aux_mean * p["tokens"], p["tokens"])
+
+
+def reference_objective(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    p = _parts(model, batch)
+    return p["ce"] / p["tokens"] + AUX_WEIGHT * p["aux"] / p["rows"]
+
+
+def _snapshot(model: nn.Module, acc: Accumulator) -> Any:
+    return clone_state(
+        {
+            "model": model.state_dict(),
+            "optimizer": acc.optimizer.state_dict(),
+            "grads": [p.grad for p in model.parameters()],
+        }
+    )
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    # SGD with momentum: a term scaled wrongly shows in the parameters (Adam would hide it).
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+
+def _reference(
+    batches: list[dict[str, torch.Tensor]], max_norm: float | None = 1.0
+) -> tuple[dict[str, Any], list[float]]:
+    """Plain full-batch steps, one per batch, clipped at `max_norm` (None: not clipped)."""
+    model = make_model("token")
+    optimizer = _optimizer(model)
+    objectives = []
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        objective = reference_objective(model, batch)
+        objective.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm)
+        optimizer.step()
+        objectives.append(objective.item())
+    return param_tensors(model), objectives
+
+
+BATCHES = [_batch(seed) for seed in range(3)]
+
+
+@pytest.mark.parametrize("loss_fn", [two_terms, TwoTermsCountedAhead()], ids=["later", "ahead"])
+@pytest.mark.parametrize("micro", [1, 3, 7])
+def test_terms_step_equals_the_full_batch_objective(loss_fn: Any, micro: int) -> None:
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model), micro_batch_size=micro, max_grad_norm=1.0)
+    results = [acc.step(batch, loss_fn) for batch in BATCHES]
+    expected_params, expected_objectives = _reference(BATCHES)
+    assert relative_gap(param_tensors(model), expected_params) < EXACT
+    for result, objective, batch in zip(results, expected_objectives, BATCHES, strict=True):
+        assert result.loss == pytest.approx(objective, rel=1e-12)
+        parts = _parts(make_model("token"), batch)  # the counts do not depend on the model
+        assert set(result.terms) == {"ce", "aux"}
+        assert result.count == batch["tokens"].shape[0]
+        assert int(parts["rows"]) > 0
+
+
+def test_reported_term_means_are_each_terms_window_mean() -> None:
+    model = make_model("token")
+    reference = copy.deepcopy(model)
+    result = Accumulator(model, _optimizer(model), micro_batch_size=3).step(BATCHES[0], two_terms)
+    with torch.no_grad():
+        p = _parts(reference, BATCHES[0])
+    assert result.terms["ce"] == pytest.approx(float(p["ce"] / p["tokens"]), rel=1e-12)
+    assert result.terms["aux"] == pytest.approx(float(p["aux"] / p["rows"]), rel=1e-12)
+    assert result.loss == pytest.approx(
+        result.terms["ce"] + AUX_WEIGHT * result.terms["aux"], rel=1e-12
+    )
+
+
+def test_negative_control_pre_weighting_per_micro_batch_is_not_exact() -> None:
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model), micro_batch_size=3, max_grad_norm=1.0)
+    for batch in BATCHES:
+        acc.step(batch, pre_weighted)
+    assert relative_gap(param_tensors(model), _reference(BATCHES)[0]) > 1e-4
+
+
+def test_counts_ahead_save_the_extra_backward_and_a_wrong_count_changes_nothing() -> None:
+    """Given ahead, both terms share one backward; a count that disagrees is refused at the
+    boundary, before anything steps."""
+    passes = []
+
+    class Counting(TwoTermsCountedAhead):
+        def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+            loss = super().__call__(model, batch)
+            passes.append(loss)
+            return loss
+
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model), micro_batch_size=3)
+    original = torch.autograd.grad
+    calls = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    torch.autograd.grad = spy  # type: ignore[assignment]
+    try:
+        acc.step(BATCHES[0], Counting())
+        assert calls == []  # no extra pass
+        acc.step(BATCHES[0], two_terms)
+        assert len(calls) == 3  # counts unknown: the aux term took one pass per micro-batch
+    finally:
+        torch.autograd.grad = original  # type: ignore[assignment]
+
+    class Wrong(TwoTermsCountedAhead):
+        def items_counted(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            counts = super().items_counted(batch)
+            return {"ce": counts["ce"] + 1, "aux": counts["aux"]}
+
+    before = _snapshot(model, acc)
+    with pytest.raises(ValueError, match="items_counted said term 'ce'"):
+        acc.step(BATCHES[1], Wrong())
+    assert_bitwise(_snapshot(model, acc), before)
+
+
+def test_a_constant_denominator_term_dr_grpo_style() -> None:
+    """A constant denominator divides whatever the split; alone it needs no extra pass."""
+    constant = 64.0
+
+    def constant_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        p = _parts(model, batch)
+        return LossSum.terms(ce=Term(p["ce"], denominator=constant))
+
+    model = make_model("token")
+    reference = copy.deepcopy(model)
+    Accumulator(model, _optimizer(model), micro_batch_size=2).step(BATCHES[0], constant_loss)
+    opt = _optimizer(reference)
+    (_parts(reference, BATCHES[0])["ce"] / constant).backward()
+    opt.step()
+    assert relative_gap(param_tensors(model), param_tensors(reference)) < EXACT
+
+
+def test_a_constant_term_next_to_a_counted_term() -> None:
+    def mixed(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        p = _parts(model, batch)
+        return LossSum.terms(
+            ce=(p["ce"], p["tokens"]), aux=Term(p["aux"], denominator=10.0, weight=2.0)
+        )
+
+    model = make_model("token")
+    reference = copy.deepcopy(model)
+    Accumulator(model, _optimizer(model), micro_batch_size=3).step(BATCHES[1], mixed)
+    opt = _optimizer(reference)
+    p = _parts(reference, BATCHES[1])
+    (p["ce"] / p["tokens"] + 2.0 * p["aux"] / 10.0).backward()
+    opt.step()
+    assert relative_gap(param_tensors(model), param_tensors(reference)) < EXACT
+
+
+def _stream(acc: Accumulator, batches: list[dict[str, torch.Tensor]], loss_fn: Any) -> list[Any]:
+    """The stepped results; each pending one is checked: its loss is this rank's objective so
+    far, and it reports no term means yet."""
+    results = []
+    for batch in batches:
+        for micro_batch in split(batch, 3):
+            result = acc.micro_step(micro_batch, loss_fn)
+            if result.stepped:
+                results.append(result)
+            else:
+                assert result.loss > 0.0
+                assert dict(result.terms) == {}
+    return results
+
+
+def test_streamed_terms_with_flush_equal_the_full_batch_objective() -> None:
+    """micro_step over windows of 3 micro-batches; the second batch has only 2, so its window
+    is closed by flush(): each window is one full-batch step of its batch."""
+    batches = [_batch(10, 9), _batch(11, 5)]  # 3 micro-batches, then 2 (the last one ragged)
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model), accumulation_steps=3, partial_window="step")
+    results = _stream(acc, batches, two_terms)
+    assert len(results) == 1
+    flushed = acc.flush()
+    assert flushed.stepped
+    assert flushed.micro_batches == 2
+    expected, objectives = _reference(batches, max_norm=None)
+    assert relative_gap(param_tensors(model), expected) < EXACT
+    assert [results[0].loss, flushed.loss] == pytest.approx(objectives, rel=1e-12)
+
+
+def test_checkpoint_mid_window_with_terms_resumes_bitwise(tmp_path: Any) -> None:
+    """Saved to a file after 2 of 3 micro-batches (the auxiliary term's own gradient buffer
+    included) and loaded weights-only into fresh objects: the window ends bitwise alike."""
+    batch = _batch(20, 9)
+    micro_batches = split(batch, 3)
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model), accumulation_steps=3)
+    acc.micro_step(micro_batches[0], two_terms)
+    acc.micro_step(micro_batches[1], two_terms)
+    path = tmp_path / "mid-window.pt"
+    gradaccum.save_checkpoint(path, model=model, optimizer=acc.optimizer, accumulator=acc)
+    final = acc.micro_step(micro_batches[2], two_terms)
+    assert final.stepped
+
+    resumed_model = make_model("token", seed=1)  # other weights: the checkpoint must set them
+    resumed = Accumulator(resumed_model, _optimizer(resumed_model), accumulation_steps=3)
+    gradaccum.load_checkpoint(
+        path, model=resumed_model, optimizer=resumed.optimizer, accumulator=resumed
+    )
+    again = resumed.micro_step(micro_batches[2], two_terms)
+    assert again.stepped
+    assert again.loss == final.loss
+    assert dict(again.terms) == dict(final.terms)
+    for a, b in zip(model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fp16_terms_match_the_float32_step() -> None:
+    """The fp16 loss scale multiplies every term's backward, the extra pass included, and is
+    divided out once: the step is the fp32 one up to fp16 autocast rounding."""
+    batch = _batch(30)
+    results = {}
+    for precision in ("fp32", "fp16"):
+        model = make_model("token", dtype=torch.float32)
+        acc = Accumulator(model, _optimizer(model), micro_batch_size=3, precision=precision)
+        if acc.scaler is not None:
+            acc.scaler.load_state_dict({**acc.scaler.state_dict(), "scale": 2.0**8})
+        assert acc.step(batch, two_terms).stepped
+        results[precision] = param_tensors(model)
+    assert relative_gap(results["fp16"], results["fp32"]) < 1e-2
+
+
+def test_term_errors_name_the_fix_and_change_nothing() -> None:
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model), micro_batch_size=3)
+    before = _snapshot(model, acc)
+    value = torch.tensor(1.0, requires_grad=True)
+
+    def renamed(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        p = _parts(model, batch)
+        name = "ce" if batch["tokens"].shape[0] == 3 and renamed.calls == 0 else "other"
+        renamed.calls += 1
+        return LossSum.terms(**{name: (p["ce"], p["tokens"])})
+
+    renamed.calls = 0  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="return the same terms"):
+        acc.step(BATCHES[0], renamed)
+    with pytest.raises(ValueError, match="exactly one of count= "):
+        acc.step(BATCHES[0], lambda m, b: LossSum.terms(x=Term(value)))
+    with pytest.raises(ValueError, match="must be > 0"):
+        acc.step(BATCHES[0], lambda m, b: LossSum.terms(x=Term(value, denominator=0.0)))
+    with pytest.raises(TypeError, match="give \\(value_sum, count\\)"):
+        LossSum.terms(x=value)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at most"):
+        LossSum.terms(**{f"t{i}": (value, 1) for i in range(MAX_TERMS + 1)})
+    with pytest.raises(ValueError, match="at least one term"):
+        LossSum.terms()
+    assert_bitwise(_snapshot(model, acc), before)
+    with pytest.raises(ValueError, match=r"use Accumulator\.step"):
+        gradaccum.accumulate_grad(model, BATCHES[0], two_terms, micro_batch_size=3)
+    with pytest.raises(ValueError, match="one denominator"):
+        gradaccum.check_equivalence(model, BATCHES[0], two_terms, micro_batch_size=3)
+
+
+def test_a_damaged_terms_ledger_is_refused_before_anything_loads() -> None:
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model), accumulation_steps=3)
+    acc.micro_step(split(_batch(21, 6), 3)[0], two_terms)
+    state = acc.state_dict()
+    del state["engine"]["window"]["terms"]["counts"]
+    fresh_model = make_model("token")
+    fresh = Accumulator(fresh_model, _optimizer(fresh_model), accumulation_steps=3)
+    before = _snapshot(fresh_model, fresh)
+    with pytest.raises(ValueError, match=r"damaged LossSum\.terms ledger"):
+        fresh.load_state_dict(state)
+    assert_bitwise(_snapshot(fresh_model, fresh), before)
+    assert fresh.state_dict()["engine"]["window"]["micro_batches"] == 0
