@@ -22,8 +22,8 @@ PyTorch profiler's allocator events (see `_measure.peak_allocated_bytes`).
 Threads: `torch.set_num_threads(1)`, so each step uses one core whatever else the machine runs.
 
 Usage:
-    .venv/bin/python benchmarks/overhead.py [--quick] [--repeats N] [--steps N] [--json PATH]
-                                            [--profile]
+    .venv/bin/python benchmarks/overhead.py [--quick] [--processes P] [--repeats N] [--steps N]
+                                            [--json PATH] [--profile]
 
 `--profile` then prints the self time of every library function inside real steps, next to the
 hand loop's (see `_measure.attributed_time`). docs/benchmarks.md explains the method and results.
@@ -39,10 +39,13 @@ import json
 import math
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -342,6 +345,11 @@ def print_report(results: dict[str, dict], settings: dict) -> None:
         f"torch.set_num_threads({THREADS}) | {settings['repeats']} interleaved repeats x "
         f"{settings['steps_per_repeat']} steps each, after {settings['warmup']} warm-up steps"
     )
+    if settings.get("processes", 1) > 1:
+        print(
+            f"timed in {settings['processes']} fresh processes; each figure is the median over "
+            "processes of that process's median; IQR = over processes"
+        )
     print("ratio = median over repeats of (ours block time / hand block time), same repeat;")
     print("A/A   = the same for the hand loop against itself: the harness's noise floor")
     print("peak  = max bytes of CPU tensor storage allocated during one step and alive at once")
@@ -375,6 +383,10 @@ def print_report(results: dict[str, dict], settings: dict) -> None:
             f"peak without accumulation {kib(r['peak_bytes_whole_batch'])}"
         )
     print()
+    for name, r in results.items():
+        if "process_ratios" in r:
+            listed = " ".join(f"{ratio:.3f}" for ratio in r["process_ratios"])
+            print(f"{name} step-time ratio per process: {listed}")
     for name, r in results.items():
         verdict = "within" if r["time_ratio_median"] <= TARGET else "ABOVE"
         print(
@@ -484,6 +496,47 @@ def profile_case(case: Case, steps: int) -> None:
         print(f"  (not found, not timed: {', '.join(missing)})")
 
 
+def run_in_process(repeats: int, steps: int, quick: bool) -> dict[str, dict]:
+    """Every case timed in a fresh interpreter (`--processes 1`): its results, from JSON.
+
+    A process's memory layout (where the allocator puts activations and gradients) moves a
+    step's time by a few percent, and it is fixed for the process's life: alternating inside one
+    process cannot average it out, fresh processes do.
+    """
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "figures.json"
+        command = [sys.executable, __file__, "--processes", "1", "--repeats", str(repeats)]
+        command += ["--steps", str(steps), "--json", str(out), *(["--quick"] if quick else [])]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        results: dict[str, dict] = json.loads(out.read_text())["results"]
+        return results
+
+
+def combine_processes(runs: list[dict[str, dict]]) -> dict[str, dict]:
+    """The first process's figures, with each timing replaced by its median over processes."""
+    combined = {}
+    for name, first in runs[0].items():
+        merged = dict(first)
+        for key in (
+            "time_ratio_median",
+            "aa_ratio_median",
+            "checked_ratio_median",
+            "ours_step_s_median",
+            "hand_step_s_median",
+        ):
+            merged[key] = statistics.median(run[name][key] for run in runs)
+        ratios = [run[name]["time_ratio_median"] for run in runs]
+        merged["process_ratios"] = ratios
+        merged["time_ratio_q1"], _, merged["time_ratio_q3"] = quartiles(ratios)
+        merged["time_ratio_of_medians"] = (
+            merged["ours_step_s_median"] / merged["hand_step_s_median"]
+        )
+        merged["ours_step_s"] = [t for run in runs for t in run[name]["ours_step_s"]]
+        merged["hand_step_s"] = [t for run in runs for t in run[name]["hand_step_s"]]
+        combined[name] = merged
+    return combined
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few repeats (smoke test)")
@@ -493,11 +546,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="also time the library's functions in situ"
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        help="fresh processes to time in, the median of their ratios reported (default 5)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
-        repeats, steps, warmup, mem_rounds = 2, 1, 1, 1
+        repeats, steps, warmup, mem_rounds, processes = 2, 1, 1, 1, 1
     else:
-        repeats, steps, warmup, mem_rounds = 30, 10, 5, 3
+        repeats, steps, warmup, mem_rounds, processes = 10, 10, 5, 3, 5
+    if args.processes is not None:
+        if args.processes < 1:
+            parser.error("--processes must be >= 1")
+        processes = args.processes
     if args.repeats is not None:
         if args.repeats < 1:
             parser.error("--repeats must be >= 1")
@@ -510,8 +573,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(THREADS)
     cases = make_cases()
     started = time.perf_counter()
-    results = {c.name: run_case(c, repeats, steps, warmup, mem_rounds) for c in cases}
+    if processes == 1:
+        results = {c.name: run_case(c, repeats, steps, warmup, mem_rounds) for c in cases}
+    else:
+        runs = [run_in_process(repeats, steps, args.quick) for _ in range(processes)]
+        results = combine_processes(runs)
     settings = {
+        "processes": processes,
         "repeats": repeats,
         "steps_per_repeat": steps,
         "warmup": warmup,

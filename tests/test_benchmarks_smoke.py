@@ -73,6 +73,29 @@ def test_overhead_quick_runs_and_prints_ratios(tmp_path: Path) -> None:
         assert result["peak_bytes_hand"] >= result["saved_activation_bytes_micro"]
 
 
+@pytest.mark.timeout(180)
+def test_overhead_times_in_fresh_processes_and_reports_their_median(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    command = [sys.executable, str(BENCH / "overhead.py"), "--quick", "--processes", "3"]
+    proc = subprocess.run(
+        [*command, "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "timed in 3 fresh processes" in proc.stdout
+    figures = json.loads(out.read_text())
+    assert figures["settings"]["processes"] == 3
+    for model in ("cnn", "lm"):
+        result = figures["results"][model]
+        ratios = result["process_ratios"]
+        assert len(ratios) == 3
+        assert result["time_ratio_median"] == sorted(ratios)[1]  # the median, not the mean
+        assert re.search(rf"^{model} step-time ratio per process: ", proc.stdout, re.M)
+
+
 def test_overhead_rejects_bad_repeats() -> None:
     proc = subprocess.run(
         [sys.executable, str(BENCH / "overhead.py"), "--repeats", "0"],
