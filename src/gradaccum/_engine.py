@@ -80,12 +80,16 @@ class Engine:
         loss_fn: LossFn,
         *,
         window_items: int,
-        size: int,
+        size: int | Sequence[int],
         rerun_on_oom: bool = False,
     ) -> None:
-        """Forward and backward a whole window given up front (`step()`), split by `size`."""
+        """Run a window given whole (`step()`): micro-batches of `size` items, or of `sizes`."""
         count = len(micro_batches)
-        self.sync.agree_on_plan(count, size)
+        if isinstance(size, int):
+            sizes = [min(size, window_items - i * size) for i in range(count)]
+        else:
+            sizes = list(size)
+        self.sync.agree_on_plan(count, sizes[0])
         window_count = counted_ahead(loss_fn, micro_batches) if self.sync.world == 1 else None
         self._open(rerun_on_oom)
         try:
@@ -97,7 +101,7 @@ class Engine:
                     expected_micro_batches=count,
                     window_items=window_items,
                     window_count=window_count,
-                    items=min(size, window_items - index * size),
+                    items=sizes[index],
                 )
         except BaseException as error:
             self._fail(error)
@@ -229,18 +233,10 @@ class Engine:
 
     def check_gradients_untouched(self) -> None:
         """Refuse a window whose gradients someone changed between its micro-batches."""
-        touched = self.window.touched_gradients()
-        if not touched:
-            return
-        names = [self._names.get(id(self.window.params[i]), "<unnamed>") for i in touched[:3]]
-        self._forget_window()
-        raise RuntimeError(
-            f"the gradients of {len(touched)} parameters ({', '.join(names)}, ...) changed "
-            "between two micro-batches of one window: an optimizer.zero_grad() (or another "
-            "change to .grad) inside the accumulation loop would silently drop part of the "
-            "window. Remove it: the Accumulator clears gradients itself after each step. The "
-            "window was discarded."
-        )
+        problem = self.window.touched_gradients_error(self._names)
+        if problem is not None:
+            self._forget_window()
+            raise problem
 
     # ---------------------------------------------------------------- the boundary
 

@@ -25,7 +25,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -183,9 +183,16 @@ class TermLedger:
         """Each term's summed value so far (one device read per term)."""
         return [0.0 if total is None else float(total) for total in self._sums]
 
-    def snapshot(self) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Copies of the counts and sums so far, unaffected by later micro-batches."""
-        return list(self.counts), [None if t is None else t.clone() for t in self._sums]
+    def pending_objective(self) -> Callable[[], float]:
+        """A reader of this rank's objective so far, each term over its own count so far.
+
+        Later micro-batches do not change what it reads; it reads the device only when called.
+        """
+        counts = list(self.counts)
+        sums = [None if t is None else t.clone() for t in self._sums]
+        return lambda: self.objective(
+            self.means(counts, [0.0 if t is None else float(t) for t in sums])
+        )
 
     def summary(self) -> tuple[float, ...]:
         """This rank's counts and sums, padded to `MAX_TERMS` pairs for the exchange."""

@@ -51,6 +51,7 @@ from gradaccum.options import (
     Precision,
     parse,
 )
+from gradaccum.packing import pack_by_tokens
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.recovery import AutoSizer, is_auto
 from gradaccum.result import NonFiniteError, StepResult
@@ -172,7 +173,7 @@ class Accumulator:
         """The fp16 GradScaler holding the loss scale, or None for fp32 and bf16."""
         return self._engine.runtime.scaler
 
-    def step(self, batch: Any, loss_fn: LossFn) -> StepResult:
+    def step(self, batch: Any, loss_fn: LossFn, *, max_tokens: int | None = None) -> StepResult:
         """Split `batch` into micro-batches, accumulate them and take one optimizer step.
 
         Gradients present before the call are discarded, as `zero_grad()` would; if the call
@@ -181,20 +182,24 @@ class Accumulator:
         Args:
             batch: A tensor or nesting of dict/list/tuple whose tensors share dim 0.
             loss_fn: `loss_fn(model, micro_batch) -> Tensor | LossSum`.
+            max_tokens: Split by a token budget instead (`gradaccum.packing.pack_by_tokens`):
+                rows x longest row <= max_tokens in every micro-batch.
 
         Returns:
             The window's `StepResult`.
         """
-        if self.micro_batch_size is None:
-            raise ValueError(
-                "step() needs micro_batch_size; pass Accumulator(..., micro_batch_size=8), "
-                "or drive the window with micro_step() and accumulation_steps."
-            )
         engine = self._engine
         if engine.window.is_open:
             raise RuntimeError(
                 f"step() was called while a streaming window holds "
                 f"{engine.window.micro_batches} micro-batches; call flush() first."
+            )
+        if max_tokens is not None:
+            return self._step_packed(batch, loss_fn, max_tokens)
+        if self.micro_batch_size is None:
+            raise ValueError(
+                "step() needs micro_batch_size; pass Accumulator(..., micro_batch_size=8), "
+                "or drive the window with micro_step() and accumulation_steps."
             )
         if self._auto is not None:
             return self._step_auto(batch, loss_fn)
@@ -204,6 +209,15 @@ class Accumulator:
         micro_batches = split_batch(batch, size, batch_dim=self.batch_dim)
         engine.run_window(micro_batches, loss_fn, window_items=items, size=size)
         return self._close(size)
+
+    def _step_packed(self, batch: Any, loss_fn: LossFn, max_tokens: int) -> StepResult:
+        """`step()` by a token budget: micro-batches of varied rows, each within the budget."""
+        if self._auto is not None or self.batch_dim != 0:
+            raise ValueError("step(max_tokens=...) needs batch_dim=0 and no 'auto' sizing.")
+        micro_batches = pack_by_tokens(batch, max_tokens)
+        sizes = [batch_size(micro_batch) for micro_batch in micro_batches]
+        self._engine.run_window(micro_batches, loss_fn, window_items=sum(sizes), size=sizes)
+        return self._close(max(sizes))
 
     def _step_auto(self, batch: Any, loss_fn: LossFn) -> StepResult:
         """`step()` in auto mode: plan once, run the window, rerun it whole and smaller on OOM."""
@@ -325,13 +339,8 @@ class Accumulator:
         loss: Callable[[], float] = lambda: self._objective(  # noqa: E731
             0.0 if snapshot is None else float(snapshot), count
         )
-        if window.terms is not None:  # this rank's terms so far, each over its own count
-            ledger, (counts, sums) = window.terms, window.terms.snapshot()
-            loss = lambda: ledger.objective(  # noqa: E731
-                ledger.means(counts, [0.0 if t is None else float(t) for t in sums])
-            )
         return StepResult.pending(
-            loss=loss,
+            loss=loss if window.terms is None else window.terms.pending_objective(),
             count=count,
             micro_batches=window.micro_batches,
             micro_batch_size=window.largest_micro_batch,

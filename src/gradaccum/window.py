@@ -153,6 +153,20 @@ class Window:
             if grad is not None and (param.grad is not grad or grad._version != version)
         ]
 
+    def touched_gradients_error(self, names: dict[int, str]) -> RuntimeError | None:
+        """The error for gradients changed since the last mark (a user's `zero_grad`), if any."""
+        touched = self.touched_gradients()
+        if not touched:
+            return None
+        named = [names.get(id(self.params[i]), "<unnamed>") for i in touched[:3]]
+        return RuntimeError(
+            f"the gradients of {len(touched)} parameters ({', '.join(named)}, ...) changed "
+            "between two micro-batches of one window: an optimizer.zero_grad() (or another "
+            "change to .grad) inside the accumulation loop would silently drop part of the "
+            "window. Remove it: the Accumulator clears gradients itself after each step. The "
+            "window was discarded."
+        )
+
     def restore(self) -> None:
         """Forget the window: the gradients set aside come back, the totals are cleared."""
         for param, grad in zip(self.params, self._stashed, strict=True):

@@ -477,3 +477,17 @@ def test_core_does_not_import_transformers() -> None:
     code = "import gradaccum, sys; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", ["llama-causal_lm", "bert-masked_lm"])
+def test_token_budget_micro_batches_equal_the_full_batch_steps(name: str) -> None:
+    """Rows sorted by length, packed within 24 padded tokens and trimmed to each micro-batch's
+    longest row: attention over the trimmed rows is the same, so is the step."""
+    make, make_batch, helper, _ = CASES[name]
+    model = _model(make)
+    acc = Accumulator(model, _optimizer(model), max_grad_norm=0.5)
+    for batch in _batches(make_batch):
+        result = acc.step(batch, helper, max_tokens=24)
+        assert result.stepped
+        assert result.micro_batches > 2
+    assert relative_gap(param_tensors(model), _reference(name)) < EXACT

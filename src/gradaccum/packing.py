@@ -1,0 +1,165 @@
+"""Token-budget micro-batches: a window's sequences packed so no micro-batch exceeds N tokens.
+
+A fixed micro-batch size either runs out of memory on the longest sequences or pads the short
+ones. `pack_by_tokens` sorts the window's rows by length, longest first, and cuts the sorted rows
+into runs whose cost, rows times the run's longest row, stays within `max_tokens` (next-fit
+decreasing: a run is as long as the budget allows). Each micro-batch is then trimmed to its own
+longest row. Every row lands in exactly one micro-batch, so with sums and counts the step is
+still exactly the full-batch step; only the order of the rows changes.
+
+Lengths are read from the batch's `attention_mask` (rows must be right-padded, as
+Hugging Face pads for training), or, without one, taken as the full width. A row longer than the
+budget runs alone, with a warning (`TokenBudgetWarning`): refusing it would stop a run over one
+outlier, and splitting a sequence is not exact.
+
+Example:
+    >>> import torch
+    >>> mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]])
+    >>> batch = {"input_ids": mask * 7, "attention_mask": mask}
+    >>> [tuple(mb["input_ids"].shape) for mb in pack_by_tokens(batch, max_tokens=8)]
+    [(2, 4), (2, 2)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradaccum._warnings import warn_user
+from gradaccum.batching import batch_size, slice_batch
+
+__all__ = ["TokenBudgetWarning", "pack_by_tokens", "sequence_lengths"]
+
+
+class TokenBudgetWarning(UserWarning):
+    """A row longer than the token budget runs alone in its micro-batch."""
+
+
+def sequence_lengths(batch: Any) -> list[int]:
+    """Each row's length: its `attention_mask` sum, else the batch's widest 2-D tensor's width.
+
+    Raises:
+        ValueError: If the attention mask is not right-padded (its ones are not a prefix).
+    """
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+        lengths = mask.sum(dim=1)
+        positions = torch.arange(mask.shape[1], device=mask.device)
+        if not bool(((positions[None, :] < lengths[:, None]) == mask.bool()).all()):
+            raise ValueError(
+                "max_tokens needs right-padded rows: each attention_mask row must be ones then "
+                "zeros. Pad on the right (tokenizer.padding_side = 'right')."
+            )
+        return [int(n) for n in lengths.tolist()]
+    width = _full_width(batch)
+    return [width] * batch_size(batch)
+
+
+def pack_by_tokens(batch: Any, max_tokens: int) -> list[Any]:
+    """Micro-batches of `batch` (batch-first), each at most `max_tokens` padded tokens.
+
+    Args:
+        batch: A batch-first nesting of tensors, arrays and per-item lists (see
+            `gradaccum.batching`), with an `attention_mask` for per-row lengths.
+        max_tokens: The budget: rows x the micro-batch's longest row, per micro-batch.
+
+    Returns:
+        The micro-batches, longest rows first, each trimmed to its longest row.
+
+    Raises:
+        ValueError: For a budget that is not a positive int, or rows that are not right-padded.
+    """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(
+            f"max_tokens={max_tokens!r} must be a positive int: the padded tokens (rows x "
+            "longest row) one micro-batch may hold, e.g. max_tokens=8192."
+        )
+    lengths = sequence_lengths(batch)
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep order
+    runs: list[tuple[int, int]] = []  # (rows, width) of each micro-batch, in sorted order
+    for index in order:
+        width = max(lengths[index], 1)
+        if runs and (runs[-1][0] + 1) * runs[-1][1] <= max_tokens:
+            runs[-1] = (runs[-1][0] + 1, runs[-1][1])
+        else:
+            runs.append((1, width))
+    too_long = [lengths[i] for i in order if lengths[i] > max_tokens]
+    if too_long:
+        warn_user(
+            TokenBudgetWarning(
+                f"{len(too_long)} rows are longer than max_tokens={max_tokens} (the longest: "
+                f"{too_long[0]} tokens); each runs alone in its own micro-batch."
+            )
+        )
+    full = _full_width(batch)
+    ordered = _take(batch, order, len(lengths))
+    micro_batches, start = [], 0
+    for rows, width in runs:
+        piece = slice_batch(ordered, start, start + rows)
+        micro_batches.append(_trim(piece, full, width))
+        start += rows
+    return micro_batches
+
+
+def _full_width(batch: Any) -> int:
+    """The padded width: the largest dim 1 among the batch's 2-D-or-more tensors (1 if none)."""
+    widths = [t.shape[1] for t in _tensors(batch) if t.ndim >= 2]
+    return max(widths, default=1)
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for value in batch.values() for t in _tensors(value)]
+    if isinstance(batch, (list, tuple)):
+        return [t for value in batch for t in _tensors(value)]
+    return []
+
+
+def _holds_arrays(node: Any) -> bool:
+    if isinstance(node, (torch.Tensor, np.ndarray)):
+        return True
+    if isinstance(node, Mapping):
+        return any(_holds_arrays(value) for value in node.values())
+    if isinstance(node, (list, tuple)):
+        return any(_holds_arrays(value) for value in node)
+    return False
+
+
+def _take(node: Any, order: Sequence[int], items: int) -> Any:
+    """`node` with its items in `order`, by the splitting rules of `gradaccum.batching`."""
+    if isinstance(node, torch.Tensor):
+        if node.ndim == 0 or node.shape[0] != items:
+            return node
+        return node.index_select(0, torch.tensor(order, device=node.device))
+    if isinstance(node, np.ndarray):
+        return node[list(order)] if node.ndim and node.shape[0] == items else node
+    if isinstance(node, Mapping):
+        return type(node)({k: _take(v, order, items) for k, v in node.items()})  # type: ignore[call-arg]
+    if isinstance(node, tuple) and hasattr(node, "_fields"):  # a named tuple: a record
+        return type(node)(*(_take(v, order, items) for v in node))
+    if isinstance(node, (list, tuple)):
+        if _holds_arrays(node):
+            return type(node)(_take(v, order, items) for v in node)
+        if len(node) == items:  # one entry per item
+            return type(node)(node[i] for i in order)
+    return node
+
+
+def _trim(node: Any, full: int, width: int) -> Any:
+    """Cut every tensor whose dim 1 is the padded width `full` to `width` (right padding)."""
+    if width >= full:
+        return node
+    if isinstance(node, torch.Tensor):
+        return node[:, :width] if node.ndim >= 2 and node.shape[1] == full else node
+    if isinstance(node, Mapping):
+        return type(node)({k: _trim(v, full, width) for k, v in node.items()})  # type: ignore[call-arg]
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return type(node)(*(_trim(v, full, width) for v in node))
+    if isinstance(node, (list, tuple)) and _holds_arrays(node):
+        return type(node)(_trim(v, full, width) for v in node)
+    return node
