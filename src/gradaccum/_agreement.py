@@ -54,6 +54,8 @@ class WindowAgreement:
     Attributes:
         count: Items counted over all ranks.
         loss_sum: Summed loss over all ranks.
+        denominator: The largest of the ranks' backward denominators (powers of two when they
+            differ): every rank rescales its gradients to it before they are summed.
         failed_ranks: Ranks that raised inside the window (the window is then forgotten).
         all_out_of_memory: Every failed rank ran out of memory (all of them rerun smaller).
         has_grad: Per window parameter, whether any rank holds a gradient for it.
@@ -63,6 +65,7 @@ class WindowAgreement:
 
     count: int
     loss_sum: float
+    denominator: float = 1.0
     failed_ranks: tuple[int, ...] = ()
     all_out_of_memory: bool = False
     has_grad: tuple[bool, ...] = ()

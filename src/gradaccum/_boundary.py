@@ -82,6 +82,9 @@ def reduced_gradients(
         if grad is not None:
             held.append(grad)
     if reduce and sync.world > 1:
+        mine = window.denominator or 1.0
+        if mine != agreement.denominator and held:  # uneven windows: a power-of-two ratio
+            torch._foreach_mul_(held, mine / agreement.denominator)
         sync.reduce(held)
     return held
 

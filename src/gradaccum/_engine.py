@@ -264,7 +264,7 @@ class Engine:
             divisor = grad_divisor(
                 count,
                 Normalize.SUM if window.terms else self.normalize,  # terms: divided per term
-                window.denominator,
+                agreement.denominator,
                 loss_scale=window.loss_scale,
                 averaged_over=self.sync.averaged_over,
             )

@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -134,6 +135,7 @@ class GradSync:
         return WindowAgreement(
             mine.count,
             mine.loss_sum,
+            mine.denominator,
             (0,) if mine.failed else (),
             mine.failed == OUT_OF_MEMORY,
             mine.has_grad,
@@ -203,6 +205,7 @@ class _DistributedSync(GradSync):
         if not failed:
             self._check_alike(table)
         return WindowAgreement(
+            denominator=float(table[:, 3].max().item()),
             count=int(table[:, 0].sum().item()),
             loss_sum=float(table[:, 1].sum().item()),
             failed_ranks=failed,
@@ -212,18 +215,53 @@ class _DistributedSync(GradSync):
             terms=tuple(table[:, 6:_FLAGS].sum(dim=0).tolist()) if mine.terms else (),
         )
 
+    def uneven_windows(self) -> bool:
+        """Whether ranks may run different numbers of micro-batches in one window."""
+        return False
+
+    def _compare_plans(self, micro_batches: int, first_items: int) -> None:
+        """Before a window's first forward, check every rank plans the same micro-batches.
+
+        Every FSDP2 forward is itself a collective, so a rank with one micro-batch more would
+        break the collectives before the window's own exchange could run. `step()` knows its
+        plan up front and compares it here: one more tiny all-gather per window, on FSDP2 only.
+
+        Raises:
+            RankMismatchError: If ranks plan different numbers or sizes of micro-batches.
+        """
+        mine = torch.tensor(
+            [micro_batches, first_items], dtype=torch.float64, device=_device(self.group)
+        )
+        rows = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(rows, mine, group=self.group)
+        plans = [tuple(int(v) for v in row.tolist()) for row in rows]
+        if len(set(plans)) > 1:
+            listing = "; ".join(
+                f"rank {rank}: {plan[0]} micro-batches, the first of {plan[1]} items"
+                for rank, plan in enumerate(plans)
+            )
+            raise RankMismatchError(
+                f"ranks planned different accumulation windows ({listing}); give every rank the "
+                "same batch size, e.g. DistributedSampler(drop_last=True)."
+            )
+
     def _check_alike(self, table: torch.Tensor) -> None:
-        if len(set(table[:, 2].tolist())) == 1 and len(set(table[:, 3].tolist())) == 1:
+        """Raise unless ranks ran alike, or may run unevenly with power-of-two denominators."""
+        counts, denominators = set(table[:, 2].tolist()), set(table[:, 3].tolist())
+        if self.uneven_windows():
+            if all(math.frexp(d)[0] == 0.5 for d in denominators):
+                return
+        elif len(counts) == 1 and len(denominators) == 1:
             return
         listing = "; ".join(
             f"rank {rank}: {int(row[2])} micro-batches, gradient denominator {row[3].item():g}"
             for rank, row in enumerate(table)
         )
         raise RankMismatchError(
-            f"ranks ran different accumulation windows ({listing}); every rank must run the same "
-            "number of micro-batches per window, with first micro-batches of the same size. "
-            "Give each rank the same batch size, or drop the uneven remainder (e.g. "
-            "DistributedSampler(drop_last=True))."
+            f"ranks ran different accumulation windows ({listing}); on this backend every rank "
+            "must run the same number of micro-batches per window, with first micro-batches of "
+            "the same size. Give each rank the same batch size, or drop the uneven remainder "
+            "(e.g. DistributedSampler(drop_last=True))."
         )
 
 
@@ -239,6 +277,15 @@ class DDPSync(_DistributedSync):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
         self._native = bool(getattr(model, "static_graph", False))  # the first window, if so
+
+    def uneven_windows(self) -> bool:
+        """Uneven micro-batch counts, except in a static graph's first (DDP-reduced) window."""
+        return not self._native
+
+    def agree_on_plan(self, micro_batches: int, first_items: int) -> None:
+        """A static graph's first window reduces in every backward: ranks must plan alike."""
+        if self._native:
+            self._compare_plans(micro_batches, first_items)
 
     def begin_window(self) -> None:
         """A window opens: DDP averages it only if it is a static graph's first."""
@@ -307,30 +354,8 @@ class FSDP2Sync(_DistributedSync):
             self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
     def agree_on_plan(self, micro_batches: int, first_items: int) -> None:
-        """Before a window's first forward, check every rank plans the same micro-batches.
-
-        Every FSDP2 forward is itself a collective, so a rank with one micro-batch more would
-        break the collectives before the window's own exchange could run. `step()` knows its
-        plan up front and compares it here: one more tiny all-gather per window, on FSDP2 only.
-
-        Raises:
-            RankMismatchError: If ranks plan different numbers or sizes of micro-batches.
-        """
-        mine = torch.tensor(
-            [micro_batches, first_items], dtype=torch.float64, device=_device(self.group)
-        )
-        rows = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(rows, mine, group=self.group)
-        plans = [tuple(int(v) for v in row.tolist()) for row in rows]
-        if len(set(plans)) > 1:
-            listing = "; ".join(
-                f"rank {rank}: {plan[0]} micro-batches, the first of {plan[1]} items"
-                for rank, plan in enumerate(plans)
-            )
-            raise RankMismatchError(
-                f"ranks planned different accumulation windows ({listing}); give every rank the "
-                "same batch size, e.g. DistributedSampler(drop_last=True)."
-            )
+        """Every FSDP2 forward is itself a collective: ranks must plan alike (see below)."""
+        self._compare_plans(micro_batches, first_items)
 
 
 def grad_sync_for(model: torch.nn.Module) -> GradSync:

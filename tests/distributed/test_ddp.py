@@ -28,7 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator
-from tests.distributed._harness import describe, free_port, run_ranks, spawn_ranks
+from tests.distributed._harness import free_port, run_ranks
 from tests.models import (
     IGNORE_INDEX,
     concat_batches,
@@ -287,47 +287,68 @@ def equivalence_and_comm_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 
 # Mismatched windows. Each scenario: (name, micro-batches run by rank 0, by rank 1).
-MISMATCHES = [
-    ("micro_step 3 vs 2, both flush (accumulation_steps=4)", 3, 2),
-    ("micro_step 3 (reaches the boundary) vs 2 then flush (accumulation_steps=3)", 3, 2),
-    ("step() on 9 vs 6 items (micro_batch_size=3)", 3, 2),
+# Uneven windows: ranks run different numbers of micro-batches in one window. Under DDP the
+# backward passes are no collectives (no_sync), so they reconcile at the boundary, exactly.
+UNEVEN = [
+    "step() on 9 vs 6 items (micro_batch_size=3): 3 vs 2 micro-batches",
+    "micro_step 3 vs 2 micro-batches, both flush (accumulation_steps=4)",
+    "step(max_tokens=24): long rows (several micro-batches) vs short rows (one)",
 ]
 
 
-def _run_mismatch(index: int, rank: int) -> None:
-    _name, n0, n1 = MISMATCHES[index]
-    mine = n0 if rank == 0 else n1
-    ddp = _ddp(make_model("token"))
-    optimizer = make_optimizer(ddp.parameters())
-    if index == 2:
-        acc = Accumulator(ddp, optimizer, micro_batch_size=MICRO)
-        acc.step(rank_batch(30, rank, MICRO * mine, None), token_sum_loss)
-        return
-    acc = Accumulator(ddp, optimizer, accumulation_steps=4 if index == 0 else 3)
-    for i in range(mine):
-        acc.micro_step(rank_batch(40 + i, rank, MICRO, None), token_sum_loss)
-    acc.flush()
+def _uneven_batches(index: int, rank: int) -> list[dict[str, Any]]:
+    """Rank `rank`'s data in scenario `index`: one batch, or the micro-batches it streams."""
+    if index == 0:
+        return [rank_batch(30, rank, 9 if rank == 0 else 6, None)]
+    if index == 1:
+        return [rank_batch(40 + i, rank, MICRO, None) for i in range(3 if rank == 0 else 2)]
+    batch = rank_batch(50, rank, 8, None)
+    if rank != 0:
+        batch["labels"][:, 2:] = IGNORE_INDEX  # short rows: the whole batch fits one budget
+        batch["tokens"][:, 2:] = 0
+    batch["attention_mask"] = (batch["labels"] != IGNORE_INDEX).long()
+    return [batch]
 
 
-def mismatch_worker(rank: int, world_size: int) -> list[dict[str, Any]]:
-    """Run each mismatch scenario; record what every rank saw. Stop after an unclear outcome."""
+def uneven_worker(rank: int, world_size: int) -> list[dict[str, Any]]:
+    """Each uneven scenario from the same start: the parameters and micro-batch count."""
     report = []
-    for index in range(len(MISMATCHES)):
-        start = time.perf_counter()
-        entry: dict[str, Any] = {"error_type": None, "error": None, "is_runtime_error": False}
-        try:
-            _run_mismatch(index, rank)
-        except Exception as exc:
-            entry.update(
-                error_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-                error=str(exc),
-                is_runtime_error=isinstance(exc, RuntimeError),
-            )
-        entry["seconds"] = time.perf_counter() - start
-        report.append(entry)
-        if not _names_ranks_and_counts(entry["error"], MISMATCHES[index][1:]):
-            break  # the group may be out of step now: later scenarios would only add noise
+    for index in range(len(UNEVEN)):
+        ddp = _ddp(make_model("token"))
+        optimizer = make_optimizer(ddp.parameters())
+        batches = _uneven_batches(index, rank)
+        if index == 1:
+            acc = Accumulator(ddp, optimizer, accumulation_steps=4)
+            for micro_batch in batches:
+                acc.micro_step(micro_batch, token_sum_loss)
+            result = acc.flush()
+        else:
+            acc = Accumulator(ddp, optimizer, micro_batch_size=MICRO)
+            budget = {"max_tokens": 24} if index == 2 else {}
+            result = acc.step(batches[0], token_sum_loss, **budget)
+        report.append({"params": _params(ddp), "micro_batches": result.micro_batches})
     return report
+
+
+def uneven_reference(index: int, world_size: int) -> dict[str, torch.Tensor]:
+    model = make_model("token")
+    batches = [b for rank in range(world_size) for b in _uneven_batches(index, rank)]
+    batch = concat_batches([{k: b[k] for k in ("tokens", "labels")} for b in batches])
+    reference_step(model, make_optimizer(model.parameters()), batch, token_sum_loss)
+    return param_tensors(model)
+
+
+def static_graph_mismatch_worker(rank: int, world_size: int) -> str:
+    """A static graph's first window reduces in every backward: uneven plans cannot run."""
+    from gradaccum import RankMismatchError
+
+    ddp = DistributedDataParallel(make_model("token"), static_graph=True)
+    acc = Accumulator(ddp, make_optimizer(ddp.parameters()), micro_batch_size=MICRO)
+    try:
+        acc.step(rank_batch(30, rank, 9 if rank == 0 else 6, None), token_sum_loss)
+    except RankMismatchError as error:
+        return str(error)
+    return ""
 
 
 def _names_ranks_and_counts(message: str | None, counts: tuple[int, ...]) -> bool:
@@ -416,18 +437,27 @@ def test_one_gradient_reduction_per_window(ddp_runs: list[dict[str, Any]]) -> No
         assert control["bytes"] == steps * param_bytes
 
 
-@pytest.mark.timeout(90)
-def test_rank_mismatch_raises_on_every_rank(tmp_path: Path) -> None:
-    outcomes = spawn_ranks(mismatch_worker, tmp_path, timeout=60.0, pg_timeout=10.0)
-    assert all(o.error_type is None for o in outcomes), describe(outcomes)
-    reports = [o.result for o in outcomes]
-    for index, (name, *counts) in enumerate(MISMATCHES):
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_uneven_windows_equal_the_full_batch_step(tmp_path: Path, world_size: int) -> None:
+    """Ranks that run 3 and 2, or 1 and several, micro-batches in one window: exact."""
+    reports = run_ranks(
+        uneven_worker, tmp_path, world_size=world_size, timeout=100.0, pg_timeout=30.0
+    )
+    for index, name in enumerate(UNEVEN):
+        counts = [report[index]["micro_batches"] for report in reports]
+        assert len(set(counts)) > 1, (name, counts)  # really uneven
+        expected = uneven_reference(index, world_size)
         for rank, report in enumerate(reports):
-            assert index < len(report), f"{name}: rank {rank} stopped before it; {reports}"
-            entry = report[index]
-            assert entry["is_runtime_error"], (name, rank, entry)
-            # A gloo timeout or a crash would not name every rank with its count.
-            assert _names_ranks_and_counts(entry["error"], tuple(counts)), (name, rank, entry)
+            gap = relative_gap(report[index]["params"], expected)
+            assert gap < EXACT, f"{name}, rank {rank} (counts {counts}): {gap:.1e}"
+
+
+@pytest.mark.timeout(90)
+def test_a_static_graphs_first_window_refuses_uneven_plans_on_every_rank(tmp_path: Path) -> None:
+    messages = run_ranks(static_graph_mismatch_worker, tmp_path, timeout=60.0, pg_timeout=10.0)
+    for message in messages:  # caught before any forward: no hang, each rank's count named
+        assert _names_ranks_and_counts(message, (3, 2)), message
 
 
 @pytest.mark.timeout(90)
