@@ -102,8 +102,8 @@ class TaskLoss:
             # (position_ids restarting at 0) in attention only when there is none.
             inputs.setdefault("use_cache", False)
         logits = _logits(model(**inputs))
-        if "shift_labels" in batch:
-            return _token_cross_entropy(logits, labels)
+        if self.task is Task.CAUSAL_LM and "shift_labels" in batch:
+            return _token_cross_entropy(logits, labels)  # shifted by the data pipeline
         return loss_from_logits(
             logits,
             labels,

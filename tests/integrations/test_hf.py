@@ -491,3 +491,16 @@ def test_token_budget_micro_batches_equal_the_full_batch_steps(name: str) -> Non
         assert result.stepped
         assert result.micro_batches > 2
     assert relative_gap(param_tensors(model), _reference(name)) < EXACT
+
+
+def test_shift_labels_given_by_the_pipeline_are_scored_as_they_are() -> None:
+    """`shift_labels` (already shifted, as some collators make them) are neither shifted again
+    nor required to come with `labels`."""
+    model = _model(_llama)
+    batch = _lm_batch(torch.Generator().manual_seed(4), 0)
+    shifted = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    given = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    ours = hf.causal_lm(model, {**given, "shift_labels": shifted})
+    reference = hf.causal_lm(model, batch)
+    assert int(ours.count) == int(reference.count) == int(hf.causal_lm.items_counted(batch))
+    torch.testing.assert_close(ours.value, reference.value, rtol=1e-12, atol=0)
