@@ -301,6 +301,9 @@ def rank_main(
             )
         if rank == 0:
             queue.put(results)
+        # Every rank done with its collectives before any tears the group down: gloo's
+        # background threads of a rank still finishing were seen to abort its exit (SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
