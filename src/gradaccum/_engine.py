@@ -89,9 +89,11 @@ class Engine:
             sizes = [min(size, window_items - i * size) for i in range(count)]
         else:
             sizes = list(size)
-        self.sync.agree_on_plan(count, sizes[0])
+        self.sync.agree_on_plan(count, sizes[0] if sizes else 0)
         window_count = counted_ahead(loss_fn, micro_batches) if self.sync.world == 1 else None
         self._open(rerun_on_oom)
+        if not count:  # a rank without data: its window holds nothing, scaled by nothing
+            self.window.denominator = 1.0
         try:
             for index, micro_batch in enumerate(micro_batches):
                 self._micro_batch(

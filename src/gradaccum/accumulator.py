@@ -182,8 +182,7 @@ class Accumulator:
         Args:
             batch: A tensor or nesting of dict/list/tuple whose tensors share dim 0.
             loss_fn: `loss_fn(model, micro_batch) -> Tensor | LossSum`.
-            max_tokens: Split by a token budget instead (`gradaccum.packing.pack_by_tokens`):
-                rows x longest row <= max_tokens in every micro-batch.
+            max_tokens: Split so that rows x longest row <= max_tokens (`gradaccum.packing`).
 
         Returns:
             The window's `StepResult`.
@@ -204,7 +203,10 @@ class Accumulator:
         if self._auto is not None:
             return self._step_auto(batch, loss_fn)
         assert isinstance(self.micro_batch_size, int)
-        items = batch_size(batch, batch_dim=self.batch_dim)
+        items = batch_size(batch, batch_dim=self.batch_dim, allow_empty=engine.sync.world > 1)
+        if not items:  # a rank with no data this window still takes part in its collectives
+            engine.run_window([], loss_fn, window_items=0, size=[])
+            return self._close(0)
         size = min(self.micro_batch_size, items)
         micro_batches = split_batch(batch, size, batch_dim=self.batch_dim)
         engine.run_window(micro_batches, loss_fn, window_items=items, size=size)
@@ -217,7 +219,7 @@ class Accumulator:
         micro_batches = pack_by_tokens(batch, max_tokens)
         sizes = [batch_size(micro_batch) for micro_batch in micro_batches]
         self._engine.run_window(micro_batches, loss_fn, window_items=sum(sizes), size=sizes)
-        return self._close(max(sizes))
+        return self._close(max(sizes, default=0))
 
     def _step_auto(self, batch: Any, loss_fn: LossFn) -> StepResult:
         """`step()` in auto mode: plan once, run the window, rerun it whole and smaller on OOM."""

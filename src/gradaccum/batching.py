@@ -110,12 +110,13 @@ def slice_batch(batch: Any, start: int, stop: int, *, batch_dim: int = 0) -> Any
     return slicer(start, stop)
 
 
-def batch_size(batch: Any, *, batch_dim: int = 0) -> int:
+def batch_size(batch: Any, *, batch_dim: int = 0, allow_empty: bool = False) -> int:
     """Return B, the number of items every tensor, array and per-item list of `batch` agrees on.
 
     Args:
         batch: A tensor, an array, or a nesting of dict/list/tuple (see the module's table).
         batch_dim: The items' dimension in every tensor and array.
+        allow_empty: Return 0 for a batch of no items instead of raising.
 
     Returns:
         B, the number of items.
@@ -132,7 +133,8 @@ def batch_size(batch: Any, *, batch_dim: int = 0) -> int:
         (3, 2)
     """
     _, size = _plan(batch, batch_dim, build=False)
-    _check_not_empty(size)
+    if not allow_empty:
+        _check_not_empty(size)
     return size
 
 

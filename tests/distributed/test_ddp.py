@@ -293,6 +293,7 @@ UNEVEN = [
     "step() on 9 vs 6 items (micro_batch_size=3): 3 vs 2 micro-batches",
     "micro_step 3 vs 2 micro-batches, both flush (accumulation_steps=4)",
     "step(max_tokens=24): long rows (several micro-batches) vs short rows (one)",
+    "step() on 5 items vs an empty batch: a rank with no rows this window",
 ]
 
 
@@ -302,6 +303,8 @@ def _uneven_batches(index: int, rank: int) -> list[dict[str, Any]]:
         return [rank_batch(30, rank, 9 if rank == 0 else 6, None)]
     if index == 1:
         return [rank_batch(40 + i, rank, MICRO, None) for i in range(3 if rank == 0 else 2)]
+    if index == 3:
+        return [rank_batch(60, rank, 5 if rank == 0 else 0, None)]
     batch = rank_batch(50, rank, 8, None)
     if rank != 0:
         batch["labels"][:, 2:] = IGNORE_INDEX  # short rows: the whole batch fits one budget
@@ -333,6 +336,7 @@ def uneven_worker(rank: int, world_size: int) -> list[dict[str, Any]]:
 def uneven_reference(index: int, world_size: int) -> dict[str, torch.Tensor]:
     model = make_model("token")
     batches = [b for rank in range(world_size) for b in _uneven_batches(index, rank)]
+    batches = [b for b in batches if len(b["tokens"])]
     batch = concat_batches([{k: b[k] for k in ("tokens", "labels")} for b in batches])
     reference_step(model, make_optimizer(model.parameters()), batch, token_sum_loss)
     return param_tensors(model)
