@@ -234,3 +234,19 @@ def grad_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         name: (torch.zeros_like(p) if p.grad is None else p.grad.detach().clone())
         for name, p in model.named_parameters()
     }
+
+
+def kept_items_reference(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    windows: Sequence[Sequence[dict[str, torch.Tensor]]],
+) -> dict[str, torch.Tensor]:
+    """One plain full-batch step per window: the mean squared error over the kept items of
+    every rank's batch (`{"x", "y", "keep"}`), then the parameters."""
+    for batches in windows:
+        x = torch.cat([b["x"][b["keep"]] for b in batches])
+        y = torch.cat([b["y"][b["keep"]] for b in batches])
+        optimizer.zero_grad(set_to_none=True)
+        (model(x) - y).pow(2).sum().div(len(x)).backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

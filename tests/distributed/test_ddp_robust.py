@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator, LossSum
 from tests.distributed._harness import describe, spawn_ranks
+from tests.reference import kept_items_reference
 
 EXACT = dict(rtol=1e-10, atol=1e-12)
 MICRO, ITEMS, WINDOWS = 3, 7, 3
@@ -83,15 +84,8 @@ def make_optimizer(params: Any) -> torch.optim.Optimizer:
 def reference_params(windows: int = WINDOWS) -> dict[str, torch.Tensor]:
     """One plain full-batch AdamW step per window on both ranks' kept items."""
     model = make_net()
-    optimizer = make_optimizer(model.parameters())
-    for window in range(windows):
-        batches = [rank_batch(window, rank) for rank in (0, 1)]
-        x = torch.cat([b["x"][b["keep"]] for b in batches])
-        y = torch.cat([b["y"][b["keep"]] for b in batches])
-        optimizer.zero_grad(set_to_none=True)
-        (model(x) - y).pow(2).sum().div(len(x)).backward()
-        optimizer.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    batches = [[rank_batch(window, rank) for rank in (0, 1)] for window in range(windows)]
+    return kept_items_reference(model, make_optimizer(model.parameters()), batches)
 
 
 def window0_gradient(per_rank_mean: bool) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tests.distributed._harness import run_ranks
+from tests.reference import kept_items_reference
 
 EXACT = dict(rtol=1e-10, atol=1e-12)
 MICRO, ITEMS, WINDOWS = 3, 7, 3
@@ -73,14 +74,8 @@ def masked_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
 def reference_params() -> dict[str, torch.Tensor]:
     model = make_tiny()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    for window in range(WINDOWS):
-        batches = [rank_batch(window, rank) for rank in (0, 1)]
-        x = torch.cat([b["x"][b["keep"]] for b in batches])
-        y = torch.cat([b["y"][b["keep"]] for b in batches])
-        optimizer.zero_grad(set_to_none=True)
-        (model(x) - y).pow(2).sum().div(len(x)).backward()
-        optimizer.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    batches = [[rank_batch(window, rank) for rank in (0, 1)] for window in range(WINDOWS)]
+    return kept_items_reference(model, optimizer, batches)
 
 
 def recipe_worker(rank: int, world_size: int, recipe: str, drive: str) -> dict[str, Any]:
