@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradaccum import Accumulator, load_checkpoint, save_checkpoint
+from gradaccum import Accumulator, Tokens, load_checkpoint, save_checkpoint
 from tests.state import assert_bitwise, clone_state
 
 
@@ -64,6 +64,10 @@ VARIANTS: dict[str, tuple[torch.dtype, dict[str, Any]]] = {
     "bf16-buffers": (torch.bfloat16, {"precision": "bf16", "accum_dtype": torch.float32}),
     "fp16-scaler": (torch.float32, {"precision": "fp16"}),
     "sum-carry": (torch.float64, {"normalize": "sum", "partial_window": "carry"}),
+    # Windows of counted items (1, 2, 3 items per micro-batch): they close at micro-steps 2, 5
+    # and 8, so stop 3 and 4 save an open window, and stop 5 its last micro-batch.
+    "tokens-fp16": (torch.float32, {"accumulation_steps": Tokens(5), "precision": "fp16"}),
+    "tokens": (torch.float64, {"accumulation_steps": Tokens(5)}),
 }
 
 
@@ -154,6 +158,7 @@ def _mismatches() -> dict[str, tuple[Callable[[], Accumulator], str]]:
 
     return {
         "accumulation_steps": (lambda: _setup(accumulation_steps=4)[2], "accumulation_steps"),
+        "tokens": (lambda: _setup(accumulation_steps=Tokens(3))[2], "Tokens"),
         "parameter set": (frozen_layer, "parameters"),
         "shapes": (lambda: _setup(hidden=7)[2], "shapes"),
         "precision": (lambda: _setup(torch.float32, precision="fp16")[2], "precision"),

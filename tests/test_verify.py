@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from gradaccum import EquivalenceReport, LossSum, check_equivalence
+from gradaccum import LossSum, check_equivalence
+from gradaccum.verify import EquivalenceReport
 from gradaccum.verify import find_non_additive
 
 

@@ -20,10 +20,17 @@ from gradaccum.accumulator import Accumulator, NonFiniteError, StepResult
 from gradaccum.batching import split_batch
 from gradaccum.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from gradaccum.loss import LossSum
-from gradaccum.options import BatchNormMode, Normalize, OnNonFinite, PartialWindow, Precision
+from gradaccum.options import (
+    BatchNormMode,
+    Normalize,
+    OnNonFinite,
+    PartialWindow,
+    Precision,
+    Tokens,
+)
 from gradaccum.sizing import MemoryPlan, plan_micro_batch
 from gradaccum.sync import RankMismatchError
-from gradaccum.verify import EquivalenceReport, check_equivalence
+from gradaccum.verify import check_equivalence
 from gradaccum.window import accumulate_grad
 
 __version__ = "0.1.0"
@@ -32,7 +39,6 @@ __all__ = [
     "Accumulator",
     "BatchNormMode",
     "CheckpointError",
-    "EquivalenceReport",
     "LossSum",
     "MemoryBudgetError",
     "MemoryPlan",
@@ -43,6 +49,7 @@ __all__ = [
     "Precision",
     "RankMismatchError",
     "StepResult",
+    "Tokens",
     "accumulate_grad",
     "check_equivalence",
     "load_checkpoint",

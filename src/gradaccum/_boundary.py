@@ -66,6 +66,9 @@ def reduced_gradients(
 
     Each `LossSum.terms` term is divided by its own count; the sum over ranks is taken here
     when `reduce` (where the backend did not take it).
+
+    Raises:
+        ValueError: If a gradient is sparse (before any reduction).
     """
     held: list[torch.Tensor] = []
     ledger = window.terms
@@ -81,6 +84,11 @@ def reduced_gradients(
             grad = runtime.zeros_for(index, param)  # another rank used it: reduce alike
         if grad is not None:
             held.append(grad)
+    if any(grad.is_sparse for grad in held):
+        raise ValueError(
+            "a parameter received a sparse gradient; gradaccum accumulates dense gradients "
+            "only. Use nn.Embedding(..., sparse=False). The window was discarded."
+        )
     if reduce and sync.world > 1:
         mine = window.denominator or 1.0
         if mine != agreement.denominator and held:  # uneven windows: a power-of-two ratio

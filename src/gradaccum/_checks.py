@@ -14,7 +14,10 @@ from typing import Any
 
 import torch
 
+from gradaccum._sync_base import is_fsdp
+
 __all__ = [
+    "check_fsdp_support",
     "check_materialized",
     "check_max_grad_norm",
     "check_optimizer",
@@ -127,3 +130,20 @@ def _needs_argument(method: Any) -> bool:
         and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         for p in parameters
     )
+
+
+def check_fsdp_support(model: torch.nn.Module, *, buffers: bool, auto: bool) -> None:
+    """Raise for settings FSDP2 does not support yet: `accum_dtype` buffers, "auto" sizing."""
+    if not is_fsdp(model):
+        return
+    if buffers:
+        raise ValueError(
+            "accum_dtype buffers cannot see FSDP2's deferred gradients; pass "
+            "fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)) "
+            "instead and leave accum_dtype=None."
+        )
+    if auto:
+        raise ValueError(
+            "micro_batch_size='auto' does not support FSDP2 yet; pass the int that "
+            "gradaccum.plan_micro_batch chooses on an unsharded copy."
+        )

@@ -20,15 +20,16 @@ import torch
 
 from gradaccum._boundary import nonfinite_names, rank_summary, reduced_gradients
 from gradaccum._oom import is_out_of_memory, rng_states, set_rng_states
-from gradaccum._outputs import captured_outputs, zero_item_backward
+from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, slice_batch, to_device
 from gradaccum.batchnorm import BatchNormControl
-from gradaccum.divisor import backward_denominator, grad_divisor, scaled_loss
+from gradaccum.divisor import Expectation, backward_denominator, grad_divisor, scaled_loss
 from gradaccum.loss import LossTerms, counted_ahead, read_loss, read_terms, warn_if_token_mean
 from gradaccum.norms import clip_, total_norm
 from gradaccum.options import Normalize
 from gradaccum.precision import PrecisionRuntime
+from gradaccum.result import learning_rate
 from gradaccum.sync import (
     FAILED,
     OUT_OF_MEMORY,
@@ -81,51 +82,62 @@ class Engine:
         *,
         window_items: int,
         size: int | Sequence[int],
+        template: Any = None,
         rerun_on_oom: bool = False,
     ) -> None:
-        """Run a window given whole (`step()`): micro-batches of `size` items, or of `sizes`."""
+        """Run a window given whole (`step()`): micro-batches of `size` items, or of `sizes`.
+
+        `template` is the (empty) batch a rank without micro-batches slices its zero-item
+        micro-batches from, when FSDP2 has it join another rank's.
+        """
         count = len(micro_batches)
         if isinstance(size, int):
             sizes = [min(size, window_items - i * size) for i in range(count)]
         else:
             sizes = list(size)
-        self.sync.agree_on_plan(count, sizes[0] if sizes else 0)
-        window_count = counted_ahead(loss_fn, micro_batches) if self.sync.world == 1 else None
+        plan = self.sync.agree_on_plan(count, sizes[0] if sizes else 0)
+        counted = counted_ahead(loss_fn, micro_batches) if self.sync.world == 1 else None
+        expect = Expectation(count, window_items, counted)
         self._open(rerun_on_oom)
-        if not count:  # a rank without data: its window holds nothing, scaled by nothing
-            self.window.denominator = 1.0
+        if plan.expected_items is not None or not count:  # one scale on all ranks (FSDP2)
+            self.window.denominator = backward_denominator(
+                self.normalize, expected_items=plan.expected_items or 1, window_items=None
+            )
         try:
-            for index, micro_batch in enumerate(micro_batches):
-                self._micro_batch(
-                    micro_batch,
-                    loss_fn,
-                    last=index == count - 1,
-                    expected_micro_batches=count,
-                    window_items=window_items,
-                    window_count=window_count,
-                    items=sizes[index],
-                )
+            for index in range(plan.micro_batches):
+                last = index == plan.micro_batches - 1
+                if index < count:
+                    self._micro_batch(
+                        micro_batches[index], loss_fn, last=last, expect=expect, items=sizes[index]
+                    )
+                else:  # another rank runs more micro-batches: join its collectives (FSDP2)
+                    self._zero_item_micro_batch(
+                        micro_batches[0] if count else template, loss_fn, last=last
+                    )
         except BaseException as error:
             self._fail(error)
             raise
 
     def run_micro_batch(
-        self, micro_batch: Any, loss_fn: LossFn, *, last: bool, expected_micro_batches: int
-    ) -> None:
-        """Forward and backward one streamed micro-batch (`micro_step()`)."""
+        self, micro_batch: Any, loss_fn: LossFn, *, last: bool, expect: Expectation
+    ) -> bool:
+        """Forward and backward one streamed micro-batch (`micro_step()`); True if it was last.
+
+        With `expect.until`, the micro-batch is the window's last once the items counted over
+        all ranks reach it: every rank learns the total between its forward and backward.
+        """
         if self.window.is_open:
             self.check_gradients_untouched()
         else:
             self._open(rerun=False)
         try:
-            self._micro_batch(
-                micro_batch, loss_fn, last=last, expected_micro_batches=expected_micro_batches
-            )
+            last = self._micro_batch(micro_batch, loss_fn, last=last, expect=expect)
         except BaseException as error:
             self._forget_window(error)
             raise
         if not last:  # the caller's code runs before the next micro-batch: watch the grads
             self.window.mark_gradients()
+        return last
 
     def _open(self, rerun: bool) -> None:
         params, held = window_parameters(self._model_params, self.optimizer)
@@ -141,16 +153,14 @@ class Engine:
         loss_fn: LossFn,
         *,
         last: bool,
-        expected_micro_batches: int,
-        window_items: int | None = None,
-        window_count: int | dict[str, int] | None = None,
+        expect: Expectation,
         items: int | None = None,
-    ) -> None:
+    ) -> bool:
         window, runtime, sync = self.window, self.runtime, self.sync
         if items is None:
             items = batch_size(micro_batch, batch_dim=self.batch_dim)
         micro_batch = to_device(micro_batch, runtime.device)
-        self.batchnorm.warn_once(items, window_items or items * expected_micro_batches)
+        self.batchnorm.warn_once(items, expect.items or items * expect.micro_batches)
         outputs: list[torch.Tensor] = []
         capture = captured_outputs(self.model, outputs) if self._fsdp else contextlib.nullcontext()
         with sync.micro_context(last=last), self.batchnorm.micro_context():
@@ -158,8 +168,7 @@ class Engine:
                 result = loss_fn(self.model, micro_batch)
             extra: list[tuple[int, torch.Tensor]] = []
             if isinstance(result, LossTerms):
-                ahead = window_count if isinstance(window_count, dict) else None
-                value, logged, extra = self._read_terms(result, expected_micro_batches, ahead)
+                value, logged, extra = self._read_terms(result, expect)
                 weight, count = 1, items
             else:
                 value, weight, count = read_loss(result, items)
@@ -168,16 +177,11 @@ class Engine:
                 self._token_checks -= 1
                 if warn_if_token_mean(micro_batch):
                     self._token_checks = 0
+            if expect.until is not None:
+                last = sync.sum_over_ranks(window.count + count) >= expect.until
             if window.denominator is None:
-                # Known up front: a plain mean's items, or what the loss counts ahead.
-                counted = window_count if isinstance(window_count, int) else None
-                known = window_items if weight > 1 else counted
-                folded = known if known and sync.world == 1 else None
-                expected = items if sync.world > 1 or not count else count
-                window.denominator = backward_denominator(
-                    self.normalize,
-                    expected_items=expected * expected_micro_batches,
-                    window_items=folded,
+                window.denominator = expect.denominator(
+                    self.normalize, world=sync.world, weight=weight, items=items, count=count
                 )
             if count > 0 and not value.requires_grad and not extra:
                 raise ValueError(
@@ -194,19 +198,9 @@ class Engine:
                 # still runs one, through the model's outputs, adding nothing.
                 roots = outputs
                 seeds = [torch.zeros_like(t) for t in outputs]
-            reduce = False
-            if last and sync.syncs_last_backward:
-                # Every rank must run the reducing backward, or none: a rank that cannot makes
-                # all of them settle by a zero-item backward at the boundary.
-                pending = RankSummary(
-                    window.count + count,
-                    window.loss_total() + float(value.detach()) * weight,
-                    window.micro_batches + 1,
-                    window.denominator,
-                    graph=bool(roots),
-                )
-                self._agreement = self._exchange(pending)
-                reduce = self._agreement.all_graphs
+            reduce = last and self._reduces_last(
+                count, float(value.detach()) * weight, micro_batches=1, graph=bool(roots)
+            )
             if roots:
                 with sync.backward_context(reduce=reduce):
                     torch.autograd.backward(roots, seeds)
@@ -215,9 +209,41 @@ class Engine:
         self._reduced = reduce
         if self._fsdp:
             self._last_input = (micro_batch, loss_fn)
+        return last
+
+    def _zero_item_micro_batch(
+        self, like: Any, loss_fn: LossFn, *, last: bool, reduce: bool = False
+    ) -> None:
+        """A micro-batch of no item: one more forward and backward's collectives (FSDP2)."""
+        empty = slice_batch(like, 0, 0, batch_dim=self.batch_dim)
+        with self.sync.micro_context(last=last):
+            roots = zero_item_roots(self.model, empty, loss_fn, self.runtime.autocast)
+            reduce = reduce or (last and self._reduces_last(0, 0.0, micro_batches=0, graph=True))
+            with self.sync.backward_context(reduce=reduce):
+                zero_backward(roots)
+        self._reduced = reduce
+        self._last_input = (empty, loss_fn)
+
+    def _reduces_last(self, count: int, loss: float, *, micro_batches: int, graph: bool) -> bool:
+        """Whether the window's last backward reduces: on every rank, or none (FSDP2).
+
+        A rank whose loss has no graph makes all of them settle at the boundary instead.
+        """
+        if not self.sync.syncs_last_backward:
+            return False
+        window = self.window
+        pending = RankSummary(
+            window.count + count,
+            window.loss_total() + loss,
+            window.micro_batches + micro_batches,
+            window.denominator or 1.0,
+            graph=graph,
+        )
+        self._agreement = self._exchange(pending)
+        return self._agreement.all_graphs
 
     def _read_terms(
-        self, result: LossTerms, expected_micro_batches: int, ahead: object
+        self, result: LossTerms, expect: Expectation
     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Tensor]]]:
         """A `LossSum.terms` micro-batch: its main root, its logged total and its extra roots."""
         if self._fsdp:
@@ -225,13 +251,10 @@ class Engine:
                 "LossSum.terms is not supported with FSDP2 yet (each term would need its own "
                 "reduce-scatter); return one LossSum, or use DDP."
             )
-        given = ahead if isinstance(ahead, dict) and self.sync.world == 1 else None
         terms = read_terms(result)
-        self.window.terms = TermLedger.for_micro_batch(
-            self.window.terms, terms, self.normalize, expected_micro_batches, given
-        )
-        self.window.denominator = 1.0  # the ledger divides each term itself
-        return self.window.terms.roots(terms)
+        ledger = TermLedger.for_micro_batch(self.window.terms, terms, self.normalize, expect)
+        self.window.terms, self.window.denominator = ledger, 1.0  # it divides each term itself
+        return ledger.roots(terms)
 
     def check_gradients_untouched(self) -> None:
         """Refuse a window whose gradients someone changed between its micro-batches."""
@@ -256,12 +279,6 @@ class Engine:
                 return self._skip(agreement, None, finite=empty)
             self._settle()  # FSDP2: reduce-scatter what the last backward did not
             held = reduced_gradients(window, runtime, self.sync, agreement, reduce=not self._fsdp)
-            if any(grad.is_sparse for grad in held):
-                raise ValueError(
-                    "a parameter received a sparse gradient; gradaccum accumulates dense "
-                    "gradients only. Use nn.Embedding(..., sparse=False). The window was "
-                    "discarded."
-                )
             assert window.denominator is not None  # set by the window's first micro-batch
             divisor = grad_divisor(
                 count,
@@ -279,7 +296,7 @@ class Engine:
             if max_grad_norm is not None and held:
                 clip_(held, max_grad_norm, norm)
             runtime.publish(window.params)
-            lr = self.learning_rate()
+            lr = learning_rate(self.optimizer)
             self.optimizer.step()
         except BaseException:
             if window.is_open:
@@ -310,7 +327,7 @@ class Engine:
         self._forget_window()
         if not finite:
             self.runtime.update_scale(finite=False)  # the loss scale backs off exactly once
-        lr = self.learning_rate()
+        lr = learning_rate(self.optimizer)
         return Outcome(False, count, loss_sum, norm, lr, names, terms, objective)
 
     def _exchange(self, summary: RankSummary) -> WindowAgreement:
@@ -318,14 +335,9 @@ class Engine:
         return self.sync.exchange(summary)
 
     def _settle(self) -> None:
-        """FSDP2: make it reduce-scatter the window's deferred sums (`zero_item_backward`)."""
-        if not self._fsdp or self._reduced or self._last_input is None:
-            return
-        micro_batch, loss_fn = self._last_input
-        empty = slice_batch(micro_batch, 0, 0, batch_dim=self.batch_dim)
-        with self.sync.backward_context(reduce=True):
-            zero_item_backward(self.model, empty, loss_fn, self.runtime.autocast)
-        self._reduced = True
+        """FSDP2: make it reduce-scatter the window's deferred sums, by a zero-item backward."""
+        if self._fsdp and not self._reduced and self._last_input is not None:
+            self._zero_item_micro_batch(*self._last_input, last=False, reduce=True)
 
     # ---------------------------------------------------------------- forgetting
 
@@ -356,11 +368,6 @@ class Engine:
         self.sync.end_window()
         self._agreement, self._exchanged, self._reduced = None, False, False
         self._last_input, self._rng = None, None
-
-    def learning_rate(self) -> float | None:
-        """The first group's learning rate; None for an optimizer without one (Adafactor)."""
-        lr = self.optimizer.param_groups[0].get("lr")
-        return float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None
 
     # ---------------------------------------------------------------- state
 

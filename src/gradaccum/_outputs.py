@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
+from gradaccum.batchnorm import batchnorm_modules
 from gradaccum.loss import read_loss
 
-__all__ = ["captured_outputs", "output_tensors", "zero_item_backward"]
+__all__ = ["captured_outputs", "output_tensors", "zero_backward", "zero_item_roots"]
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:
@@ -44,19 +45,34 @@ def captured_outputs(model: torch.nn.Module, outputs: list[torch.Tensor]) -> Ite
         hook.remove()
 
 
-def zero_item_backward(
+@contextlib.contextmanager
+def _batchnorm_unchanged(model: torch.nn.Module) -> Iterator[None]:
+    """BatchNorm in eval mode: a batch of no item must not count as one in its statistics."""
+    training = [(bn, bn.training) for _, bn in batchnorm_modules(model)]
+    for bn, _ in training:
+        bn.training = False
+    try:
+        yield
+    finally:
+        for bn, was in training:
+            bn.training = was
+
+
+def zero_item_roots(
     model: torch.nn.Module,
     empty_batch: Any,
     loss_fn: Callable[[torch.nn.Module, Any], Any],
     autocast: Callable[[], contextlib.AbstractContextManager[Any]],
-) -> None:
-    """Forward `empty_batch` (no item) and backpropagate zeros: every collective, no gradient.
+) -> list[torch.Tensor]:
+    """Forward `empty_batch` (no item); return what a backward of zeros starts from.
+
+    Backpropagating zeros from them (`zero_backward`) runs every collective and adds nothing.
 
     Raises:
         RuntimeError: If `loss_fn` did not call the model, which FSDP2 cannot survive.
     """
     outputs: list[torch.Tensor] = []
-    with autocast(), captured_outputs(model, outputs):
+    with autocast(), captured_outputs(model, outputs), _batchnorm_unchanged(model):
         value, _, _ = read_loss(loss_fn(model, empty_batch), 0)
     roots = [value] if value.requires_grad else outputs
     if not roots:
@@ -65,4 +81,9 @@ def zero_item_backward(
             "loss without calling the model for a micro-batch of no item. Call the model on it "
             "(its output may be empty) and return LossSum(loss_sum, 0)."
         )
+    return roots
+
+
+def zero_backward(roots: list[torch.Tensor]) -> None:
+    """Backpropagate zeros from `roots`: a backward's collectives, no gradient added."""
     torch.autograd.backward(roots, [torch.zeros_like(t) for t in roots])

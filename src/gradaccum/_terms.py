@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from gradaccum._agreement import WindowAgreement
-from gradaccum.divisor import backward_denominator, scaled_loss
+from gradaccum.divisor import Expectation, backward_denominator, scaled_loss
 from gradaccum.loss import MAX_TERMS, ReadTerm
 from gradaccum.options import Normalize
 from gradaccum.precision import PrecisionRuntime
@@ -93,12 +93,12 @@ class TermLedger:
         ledger: TermLedger | None,
         terms: Sequence[ReadTerm],
         normalize: Normalize,
-        expected_micro_batches: int,
-        ahead: Mapping[str, int] | None,
+        expect: Expectation,
     ) -> TermLedger:
         """The window's ledger: `ledger`, checked against `terms`, or a new one from them."""
         if ledger is None:
-            return cls(terms, normalize, expected_micro_batches=expected_micro_batches, ahead=ahead)
+            ahead = expect.counted if isinstance(expect.counted, dict) else None
+            return cls(terms, normalize, expected_micro_batches=expect.micro_batches, ahead=ahead)
         ledger.check(terms)
         return ledger
 

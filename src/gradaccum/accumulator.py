@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from gradaccum._checks import (
+    check_fsdp_support,
     check_materialized,
     check_max_grad_norm,
     check_optimizer,
@@ -43,20 +44,22 @@ from gradaccum._engine import Engine
 from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_memory
 from gradaccum.batching import batch_size, check_batch_dim, check_micro_batch_size, split_batch
 from gradaccum.batchnorm import BatchNormControl
+from gradaccum.divisor import Expectation
 from gradaccum.options import (
     BatchNormMode,
     Normalize,
     OnNonFinite,
     PartialWindow,
     Precision,
+    Tokens,
     parse,
 )
 from gradaccum.packing import pack_by_tokens
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.recovery import AutoSizer, is_auto
-from gradaccum.result import NonFiniteError, StepResult
+from gradaccum.result import NonFiniteError, StepResult, learning_rate
 from gradaccum.sizing import MemoryPlan
-from gradaccum.sync import grad_sync_for, is_fsdp
+from gradaccum.sync import grad_sync_for
 from gradaccum.window import LossFn, trainable_parameters
 
 __all__ = ["Accumulator", "NonFiniteError", "StepResult"]
@@ -73,7 +76,8 @@ class Accumulator:
             parameters outside the model (a learnable loss weight).
         micro_batch_size: Items per micro-batch for `step()`, or `"auto"`: the largest that
             fits `memory_budget`, planned on the first batch (`gradaccum.recovery`).
-        accumulation_steps: Micro-batches per window for `micro_step()`.
+        accumulation_steps: Micro-batches per window for `micro_step()`, or `Tokens(n)`: a
+            window closes once the items counted over all ranks reach `n`.
         normalize: `"mean"`: `sum(loss) / sum(count)` over the window; `"sum"`: `sum(loss)`.
         scheduler: Stepped once per optimizer step actually taken; its `step()` must need no
             argument (step `ReduceLROnPlateau` yourself).
@@ -99,7 +103,7 @@ class Accumulator:
         optimizer: torch.optim.Optimizer,
         *,
         micro_batch_size: int | str | None = None,
-        accumulation_steps: int | None = None,
+        accumulation_steps: int | Tokens | None = None,
         normalize: Normalize | str = "mean",
         scheduler: Any = None,
         max_grad_norm: float | None = None,
@@ -117,7 +121,7 @@ class Accumulator:
         auto = is_auto(micro_batch_size, memory_budget)
         if micro_batch_size is not None and not auto:
             check_micro_batch_size(micro_batch_size)
-        if accumulation_steps is not None:
+        if accumulation_steps is not None and not isinstance(accumulation_steps, Tokens):
             check_micro_batch_size(accumulation_steps, "accumulation_steps")
         check_materialized(model)
         params = trainable_parameters(model)
@@ -131,18 +135,8 @@ class Accumulator:
         self.partial_window = parse(PartialWindow, partial_window, "partial_window")
         self.on_nonfinite = parse(OnNonFinite, on_nonfinite, "on_nonfinite")
         runtime = PrecisionRuntime(self.precision, params, accum_dtype)
-        if runtime.uses_buffers and is_fsdp(model):
-            raise ValueError(
-                "accum_dtype buffers cannot see FSDP2's deferred gradients; pass "
-                "fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)) "
-                "instead and leave accum_dtype=None."
-            )
+        check_fsdp_support(model, buffers=runtime.uses_buffers, auto=auto)
         self._auto = AutoSizer(memory_budget, runtime.device, regrow_after) if auto else None
-        if auto and is_fsdp(model):
-            raise ValueError(
-                "micro_batch_size='auto' does not support FSDP2 yet; pass the int that "
-                "gradaccum.plan_micro_batch chooses on an unsharded copy."
-            )
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -205,7 +199,7 @@ class Accumulator:
         assert isinstance(self.micro_batch_size, int)
         items = batch_size(batch, batch_dim=self.batch_dim, allow_empty=engine.sync.world > 1)
         if not items:  # a rank with no data this window still takes part in its collectives
-            engine.run_window([], loss_fn, window_items=0, size=[])
+            engine.run_window([], loss_fn, window_items=0, size=[], template=batch)
             return self._close(0)
         size = min(self.micro_batch_size, items)
         micro_batches = split_batch(batch, size, batch_dim=self.batch_dim)
@@ -218,7 +212,10 @@ class Accumulator:
             raise ValueError("step(max_tokens=...) needs batch_dim=0 and no 'auto' sizing.")
         micro_batches = pack_by_tokens(batch, max_tokens)
         sizes = [batch_size(micro_batch) for micro_batch in micro_batches]
-        self._engine.run_window(micro_batches, loss_fn, window_items=sum(sizes), size=sizes)
+        window_items = sum(sizes)
+        self._engine.run_window(
+            micro_batches, loss_fn, window_items=window_items, size=sizes, template=batch
+        )
         return self._close(max(sizes, default=0))
 
     def _step_auto(self, batch: Any, loss_fn: LossFn) -> StepResult:
@@ -258,7 +255,7 @@ class Accumulator:
             return result
 
     def micro_step(self, micro_batch: Any, loss_fn: LossFn) -> StepResult:
-        """Accumulate one micro-batch; step when the window holds `accumulation_steps` of them.
+        """Accumulate one micro-batch; step when the window is full (see `accumulation_steps`).
 
         Args:
             micro_batch: One micro-batch from your loader.
@@ -273,9 +270,11 @@ class Accumulator:
                 "accumulation_steps=4), or give the whole batch to step()."
             )
         engine, steps = self._engine, self.accumulation_steps
-        last = engine.window.micro_batches + 1 == steps
-        engine.run_micro_batch(micro_batch, loss_fn, last=last, expected_micro_batches=steps)
-        if last:
+        if isinstance(steps, Tokens):  # a window of a few micro-batches, closed by its count
+            expect, last = Expectation(2, until=steps.count), False
+        else:
+            expect, last = Expectation(steps), engine.window.micro_batches + 1 == steps
+        if engine.run_micro_batch(micro_batch, loss_fn, last=last, expect=expect):
             return self._close(engine.window.largest_micro_batch)
         return self._pending()
 
@@ -346,7 +345,7 @@ class Accumulator:
             count=count,
             micro_batches=window.micro_batches,
             micro_batch_size=window.largest_micro_batch,
-            lr=self._engine.learning_rate(),
+            lr=learning_rate(self.optimizer),
         )
 
     def _objective(self, loss_total: float, count: int) -> float:
@@ -391,8 +390,11 @@ class Accumulator:
 
     def _settings(self) -> dict[str, Any]:
         """The settings that change what a saved partial window means; they must match."""
+        steps = self.accumulation_steps
         return {
-            "accumulation_steps": self.accumulation_steps,
+            "accumulation_steps": (
+                f"Tokens({steps.count})" if isinstance(steps, Tokens) else steps
+            ),
             "micro_batch_size": self.micro_batch_size,
             "normalize": self.normalize.value,
             "precision": self.precision.value,

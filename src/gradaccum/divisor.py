@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
 from gradaccum.options import Normalize
 
-__all__ = ["backward_denominator", "grad_divisor", "scaled_loss"]
+__all__ = ["Expectation", "backward_denominator", "grad_divisor", "scaled_loss"]
 
 
 def backward_denominator(
@@ -68,6 +69,37 @@ def backward_denominator(
     if window_items is not None:
         return float(window_items)
     return math.ldexp(1.0, round(math.log2(max(1, expected_items))))
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What a window knows of its size before its first backward: its denominator follows.
+
+    Attributes:
+        micro_batches: Micro-batches the window plans (`step()`) or closes at (`micro_step()`).
+        items: The window's items, when it is given whole (`step()`).
+        counted: What the loss says it will count over the window, ahead (`items_counted`):
+            one int, or one per `LossSum.terms` term.
+        until: The count, over all ranks, at which a window of counted items closes.
+    """
+
+    micro_batches: int
+    items: int | None = None
+    counted: int | dict[str, int] | None = None
+    until: int | None = None
+
+    def denominator(
+        self, normalize: Normalize, *, world: int, weight: int, items: int, count: int
+    ) -> float:
+        """`backward_denominator` from the window's first micro-batch (`items`, `count`)."""
+        if self.until:
+            expected = self.until // world
+        else:
+            expected = (items if world > 1 or not count else count) * self.micro_batches
+        counted = self.counted if isinstance(self.counted, int) else None
+        known = self.items if weight > 1 else counted  # a plain mean's items, or counted ahead
+        folded = known if known and world == 1 else None
+        return backward_denominator(normalize, expected_items=expected, window_items=folded)
 
 
 def grad_divisor(

@@ -13,9 +13,18 @@ Example:
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["BatchNormMode", "Normalize", "OnNonFinite", "PartialWindow", "Precision", "parse"]
+__all__ = [
+    "BatchNormMode",
+    "Normalize",
+    "OnNonFinite",
+    "PartialWindow",
+    "Precision",
+    "Tokens",
+    "parse",
+]
 
 
 class Normalize(str, enum.Enum):
@@ -54,6 +63,30 @@ class BatchNormMode(str, enum.Enum):
     MICRO = "micro"  # plain PyTorch: per-micro-batch statistics ("ghost batch norm")
     POOLED = "pooled"
     FROZEN = "frozen"
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A window of counted items, for `Accumulator(accumulation_steps=Tokens(n))`.
+
+    `micro_step()` closes the window at the first micro-batch that brings the items counted
+    over all ranks to at least `count`: the tokens a `LossSum` counts, or the items of a plain
+    mean. Every rank learns the total after each forward (one all-reduce of one number), so all
+    ranks close the window together. A window overshoots `count` by less than a micro-batch.
+
+    Example:
+        >>> Tokens(65_536)
+        Tokens(count=65536)
+    """
+
+    count: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise ValueError(
+                f"Tokens(count={self.count!r}): count must be a positive int, the tokens "
+                "(items counted) per window, e.g. Tokens(65536)."
+            )
 
 
 E = TypeVar("E", bound=enum.Enum)

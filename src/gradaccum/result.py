@@ -18,7 +18,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, cast, overload
 
-__all__ = ["NonFiniteError", "StepResult"]
+__all__ = ["NonFiniteError", "StepResult", "learning_rate"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -165,3 +165,12 @@ class StepResult:
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._FIELDS)
         return f"StepResult({fields})"
+
+
+def learning_rate(optimizer: Any) -> float | None:
+    """The first param group's learning rate; None for an optimizer without one (Adafactor)."""
+    lr = optimizer.param_groups[0].get("lr")
+    try:
+        return None if lr is None or isinstance(lr, bool) else float(lr)
+    except (TypeError, ValueError):
+        return None

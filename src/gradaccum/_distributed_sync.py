@@ -1,0 +1,237 @@
+"""The distributed gradient-sync strategies: DDP and FSDP2 (see `gradaccum.sync`).
+
+Example:
+    >>> from gradaccum._distributed_sync import DDPSync, FSDP2Sync
+    >>> DDPSync.rescales, FSDP2Sync.rescales, FSDP2Sync.syncs_last_backward
+    (True, False, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from gradaccum._agreement import OUT_OF_MEMORY, RankMismatchError, RankSummary, WindowAgreement
+from gradaccum._allreduce import all_reduce_sum
+from gradaccum._sync_base import GradSync, Plan, device_for, process_group
+from gradaccum.loss import MAX_TERMS
+
+__all__ = ["DDPSync", "FSDP2Sync"]
+
+_FLAGS = 6 + 2 * MAX_TERMS  # the exchange row: head, the terms' (count, sum) pairs, flags
+
+
+class _DistributedSync(GradSync):
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.group = process_group(model)
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+
+    def exchange(self, mine: RankSummary) -> WindowAgreement:
+        """One all-gather of every rank's summary; raise on windows that cannot be reconciled.
+
+        Raises:
+            RankMismatchError: If ranks scaled their gradients differently or ran different
+                numbers of micro-batches; the message lists every rank's figures.
+        """
+        head = [
+            mine.count,
+            mine.loss_sum,
+            mine.micro_batches,
+            mine.denominator,
+            mine.failed,
+            mine.graph,
+        ]
+        terms = list(mine.terms) or [0.0] * (2 * MAX_TERMS)  # fixed width: rows must match
+        row = torch.tensor(
+            head + terms + [float(flag) for flag in mine.has_grad],
+            dtype=torch.float64,
+            device=device_for(self.group),
+        )
+        rows = [torch.empty_like(row) for _ in range(self.world)]
+        dist.all_gather(rows, row, group=self.group)
+        table = torch.stack(rows).cpu()
+        failures = table[:, 4]
+        failed = tuple(int(r) for r in torch.nonzero(failures).flatten().tolist())
+        if not failed:
+            self._check_alike(table)
+        return WindowAgreement(
+            denominator=float(table[:, 3].max().item()),
+            count=int(table[:, 0].sum().item()),
+            loss_sum=float(table[:, 1].sum().item()),
+            failed_ranks=failed,
+            all_out_of_memory=bool(failed) and all(failures[list(failed)] == OUT_OF_MEMORY),
+            has_grad=tuple(bool(flag) for flag in table[:, _FLAGS:].amax(dim=0).tolist()),
+            all_graphs=bool(table[:, 5].all()),
+            terms=tuple(table[:, 6:_FLAGS].sum(dim=0).tolist()) if mine.terms else (),
+        )
+
+    rescales = False  # whether power-of-two denominators are rescaled to one before reducing
+
+    def uneven_windows(self) -> bool:
+        """Whether ranks may run different numbers of micro-batches in one window."""
+        return False
+
+    def sum_over_ranks(self, value: int) -> int:
+        """`value` summed over ranks: one all-reduce of one number."""
+        tensor = torch.tensor([value], dtype=torch.int64, device=device_for(self.group))
+        dist.all_reduce(tensor, group=self.group)
+        return int(tensor.item())
+
+    def _gather_plans(self, micro_batches: int, first_items: int) -> list[tuple[int, int]]:
+        """Every rank's planned micro-batches and first micro-batch size: one tiny all-gather."""
+        mine = torch.tensor(
+            [micro_batches, first_items], dtype=torch.float64, device=device_for(self.group)
+        )
+        rows = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(rows, mine, group=self.group)
+        return [(int(row[0].item()), int(row[1].item())) for row in rows]
+
+    def _check_alike(self, table: torch.Tensor) -> None:
+        """Raise unless ranks ran windows this backend can reconcile.
+
+        Micro-batch counts may differ where `uneven_windows()`. Backward denominators must be
+        equal, except that DDP rescales powers of two to the largest before it reduces; FSDP2
+        reduces inside the backward, so its ranks must have scaled alike.
+        """
+        counts, denominators = set(table[:, 2].tolist()), set(table[:, 3].tolist())
+        uneven = self.uneven_windows()
+        if len(denominators) == 1 and (uneven or len(counts) == 1):
+            return
+        if uneven and self.rescales and all(math.frexp(d)[0] == 0.5 for d in denominators):
+            return
+        listing = "; ".join(
+            f"rank {rank}: {int(row[2])} micro-batches, gradient denominator {row[3].item():g}"
+            for rank, row in enumerate(table)
+        )
+        raise RankMismatchError(
+            f"ranks ran accumulation windows this backend cannot reconcile ({listing}). Give "
+            "every rank first micro-batches of the same size in micro_step() (step() agrees "
+            "by itself), or drop the uneven remainder (e.g. DistributedSampler(drop_last=True))."
+        )
+
+
+class DDPSync(_DistributedSync):
+    """DDP: every backward under `no_sync()`, then one flat all-reduce (SUM) per window.
+
+    `DistributedDataParallel(static_graph=True)` must see its first iteration synchronize, so
+    the very first window lets DDP reduce (and average) every micro-batch's backward itself; the
+    library then neither reduces it again nor undoes less than DDP's mean. Every later window
+    is reduced by hand.
+    """
+
+    rescales = True
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self._native = bool(getattr(model, "static_graph", False))  # the first window, if so
+
+    def uneven_windows(self) -> bool:
+        """Uneven micro-batch counts, except in a static graph's first (DDP-reduced) window."""
+        return not self._native
+
+    def agree_on_plan(self, micro_batches: int, first_items: int) -> Plan:
+        """A static graph's first window reduces in every backward: ranks must plan alike.
+
+        Raises:
+            RankMismatchError: If they do not (every rank raises it, before any forward).
+        """
+        if self._native:
+            plans = self._gather_plans(micro_batches, first_items)
+            if len(set(plans)) > 1:
+                listing = "; ".join(
+                    f"rank {rank}: {plan[0]} micro-batches, the first of {plan[1]} items"
+                    for rank, plan in enumerate(plans)
+                )
+                raise RankMismatchError(
+                    f"ranks planned different accumulation windows ({listing}), which the "
+                    "first window of a DistributedDataParallel(static_graph=True) model cannot "
+                    "run (DDP itself reduces every backward in it); give every rank the same "
+                    "batch size for the first window, or wrap with static_graph=False."
+                )
+        return Plan(micro_batches, None)
+
+    def begin_window(self) -> None:
+        """A window opens: DDP averages it only if it is a static graph's first."""
+        self.averaged_over = self.world if self._native else 1
+
+    def end_window(self) -> None:
+        """A window ended (stepped, skipped or forgotten): DDP has seen its first iteration."""
+        if self._native and self.averaged_over > 1:
+            self._native = False
+
+    def check_resume(self, open_window: bool) -> None:
+        """Refuse to continue a saved open window before a static graph's first (native) one."""
+        if self._native and open_window:
+            raise ValueError(
+                "a DistributedDataParallel(static_graph=True) model must synchronize its first "
+                "window, which cannot continue a saved open window; save checkpoints at window "
+                "boundaries (e.g. --checkpoint-every Nstep), or wrap with static_graph=False."
+            )
+
+    def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
+        """Every micro-batch, the last included, leaves DDP's reducer out (but see above)."""
+        assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+        if self._native:
+            return contextlib.nullcontext()
+        no_sync: contextlib.AbstractContextManager[None] = self.model.no_sync()
+        return no_sync
+
+    def reduce(self, grads: Sequence[torch.Tensor]) -> None:
+        """Sum `grads` over ranks in place: async, in bounded flat buckets (`_allreduce`)."""
+        if not self._native:
+            all_reduce_sum(grads, self.group)
+
+
+class FSDP2Sync(_DistributedSync):
+    """FSDP2: reduce-scatter deferred to the window's last backward; its mean over ranks undone."""
+
+    syncs_last_backward = True
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.averaged_over = self.world
+        from torch.distributed.fsdp import FSDPModule
+
+        self._sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def forget_window(self) -> None:
+        """A forward whose backward never ran leaves parameters unsharded: shard them again."""
+        for module in self._sharded:
+            module.reshard()
+
+    def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
+        """Forward and backward with the reduce-scatter off; the last backward may turn it on."""
+        return self._gradient_sync(False)
+
+    def backward_context(self, *, reduce: bool) -> contextlib.AbstractContextManager[None]:
+        """FSDP2 reads the flag in its post-backward hooks, so it can change after a forward."""
+        return self._gradient_sync(True) if reduce else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _gradient_sync(self, on: bool) -> Iterator[None]:
+        self.model.set_requires_gradient_sync(on)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            # Outside a window the model is as `fully_shard` left it: reducing gradients.
+            self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def uneven_windows(self) -> bool:
+        """Ranks plan different micro-batch counts, padded to the largest (`agree_on_plan`)."""
+        return True
+
+    def agree_on_plan(self, micro_batches: int, first_items: int) -> Plan:
+        """Every FSDP2 forward and backward is a collective: every rank runs the most any plans.
+
+        A rank with fewer micro-batches runs zero-item ones after its own; and since the
+        reduce-scatter sums what each rank's backward scaled, all ranks take one denominator,
+        from the largest expected window.
+        """
+        plans = self._gather_plans(micro_batches, first_items)
+        return Plan(max(plan[0] for plan in plans), max(plan[0] * plan[1] for plan in plans))

@@ -1,0 +1,155 @@
+"""The gradient-sync interface (`GradSync`), the one-process strategy, and the model's group.
+
+The distributed strategies are in `gradaccum._distributed_sync`; `gradaccum.sync` picks one.
+
+Example:
+    >>> import torch
+    >>> sync = LocalSync()
+    >>> sync.agree_on_plan(3, 8), sync.sum_over_ranks(5)
+    (Plan(micro_batches=3, expected_items=None), 5)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from gradaccum._agreement import OUT_OF_MEMORY, RankSummary, WindowAgreement
+
+__all__ = [
+    "GradSync",
+    "LocalSync",
+    "Plan",
+    "device_for",
+    "is_fsdp",
+    "process_group",
+    "world_size",
+]
+
+
+def is_fsdp(model: torch.nn.Module) -> bool:
+    """Whether `fully_shard` (FSDP2) was applied to the model."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed support
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def process_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
+    """The process group the model's gradients are reduced over, or None if not distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        group: dist.ProcessGroup = model.process_group
+        return group
+    if is_fsdp(model):
+        return _fsdp_group(model)
+    return None
+
+
+def _fsdp_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
+    """The group of an FSDP2 model's mesh, read from any sharded (DTensor) parameter.
+
+    Which parameter does not matter, and some are plain tensors at times: with `fully_shard` on
+    each block and then on the root, the root's own parameters are unsharded between its forward
+    and its backward. A 2-D (HSDP) mesh reduces over all of its ranks.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            if mesh.ndim == 1:
+                return mesh.get_group()
+            world: dist.ProcessGroup | None = dist.group.WORLD
+            return world
+    return None
+
+
+def world_size(model: torch.nn.Module) -> int:
+    """Number of ranks the model's gradients are reduced over (1 when not distributed)."""
+    group = process_group(model)
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def device_for(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator if accelerator is not None else torch.device("cpu")
+
+
+class GradSync:
+    """The single-process strategy, and the interface every backend implements."""
+
+    world = 1
+    averaged_over = 1  # what the backend's own reduction divides the summed gradient by
+    syncs_last_backward = False  # whether the last backward itself reduces gradients
+
+    def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
+        """The context a micro-batch's forward and backward run in."""
+        return contextlib.nullcontext()
+
+    def backward_context(self, *, reduce: bool) -> contextlib.AbstractContextManager[None]:
+        """The context of a backward that reduces (`reduce`) or only accumulates gradients."""
+        return contextlib.nullcontext()
+
+    def exchange(self, mine: RankSummary) -> WindowAgreement:
+        """Agree on the window over ranks (one small collective when distributed)."""
+        return WindowAgreement(
+            mine.count,
+            mine.loss_sum,
+            mine.denominator,
+            (0,) if mine.failed else (),
+            mine.failed == OUT_OF_MEMORY,
+            mine.has_grad,
+            mine.graph,
+            mine.terms,
+        )
+
+    def reduce(self, grads: Sequence[torch.Tensor]) -> None:
+        """Sum `grads` over ranks in place (each rank passes the same shapes, same order)."""
+
+    def agree_on_plan(self, micro_batches: int, first_items: int) -> Plan:
+        """Agree, before any forward, on how many micro-batches every rank runs (see `Plan`)."""
+        return Plan(micro_batches, None)
+
+    def sum_over_ranks(self, value: int) -> int:
+        """`value` summed over ranks: one all-reduce of one number when distributed."""
+        return value
+
+    def begin_window(self) -> None:
+        """A window opens."""
+
+    def end_window(self) -> None:
+        """A window ended: stepped, skipped or forgotten."""
+
+    def forget_window(self) -> None:
+        """A window is forgotten: undo what the backend holds for it."""
+
+    def check_resume(self, open_window: bool) -> None:
+        """Raise ValueError if a saved window cannot continue on this backend."""
+
+
+class Plan(NamedTuple):
+    """What a rank runs in a window given whole (`step()`).
+
+    Attributes:
+        micro_batches: Micro-batches to run: the rank's own, then zero-item ones up to this
+            number (FSDP2, whose every forward and backward is a collective).
+        expected_items: The window's expected count over all ranks, from which every rank
+            derives the same backward denominator (FSDP2 reduces inside the backward); None
+            when each rank may choose its own.
+    """
+
+    micro_batches: int
+    expected_items: int | None
+
+
+class LocalSync(GradSync):
+    """One process: nothing to defer, exchange or reduce."""
