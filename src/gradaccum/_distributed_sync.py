@@ -226,6 +226,16 @@ class FSDP2Sync(_DistributedSync):
         """Ranks plan different micro-batch counts, padded to the largest (`agree_on_plan`)."""
         return True
 
+    def common_denominator(self, denominator: float) -> float:
+        """The largest rank's: FSDP2 sums what every backward scaled, so all scale alike.
+
+        A streamed window's first micro-batch may differ in size across ranks; one all-reduce
+        of one number per window makes the scales agree (`step()` agrees in its plan instead).
+        """
+        value = torch.tensor([denominator], dtype=torch.float64, device=device_for(self.group))
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return float(value.item())
+
     def agree_on_plan(self, micro_batches: int, first_items: int) -> Plan:
         """Every FSDP2 forward and backward is a collective: every rank runs the most any plans.
 

@@ -87,8 +87,7 @@ class Engine:
     ) -> None:
         """Run a window given whole (`step()`): micro-batches of `size` items, or of `sizes`.
 
-        `template` is the (empty) batch a rank without micro-batches slices its zero-item
-        micro-batches from, when FSDP2 has it join another rank's.
+        A rank without micro-batches slices FSDP2's zero-item ones from `template` (its batch).
         """
         count = len(micro_batches)
         if isinstance(size, int):
@@ -179,10 +178,9 @@ class Engine:
                     self._token_checks = 0
             if expect.until is not None:
                 last = sync.sum_over_ranks(window.count + count) >= expect.until
-            if window.denominator is None:
-                window.denominator = expect.denominator(
-                    self.normalize, world=sync.world, weight=weight, items=items, count=count
-                )
+            if window.denominator is None:  # FSDP2 ranks agree on it (they reduce in the backward)
+                mine = expect.denominator(self.normalize, sync.world, weight, items, count)
+                window.denominator = sync.common_denominator(mine)
             if count > 0 and not value.requires_grad and not extra:
                 raise ValueError(
                     "the loss does not require grad: it was computed under torch.no_grad(), "

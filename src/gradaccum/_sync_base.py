@@ -123,6 +123,10 @@ class GradSync:
         """`value` summed over ranks: one all-reduce of one number when distributed."""
         return value
 
+    def common_denominator(self, denominator: float) -> float:
+        """The backward denominator every rank uses, from this rank's choice (see FSDP2)."""
+        return denominator
+
     def begin_window(self) -> None:
         """A window opens."""
 

@@ -89,7 +89,7 @@ class Expectation:
     until: int | None = None
 
     def denominator(
-        self, normalize: Normalize, *, world: int, weight: int, items: int, count: int
+        self, normalize: Normalize, world: int, weight: int, items: int, count: int
     ) -> float:
         """`backward_denominator` from the window's first micro-batch (`items`, `count`)."""
         if self.until:

@@ -585,32 +585,3 @@ def test_accumulator_on_fsdp2_matches_full_batch_reference(tmp_path: Path, drive
         # One reduce-scatter per parameter group (3) per window, not one per micro-batch.
         assert got["calls"] == [3, 3, 3], f"rank {rank}: reduce-scatters per window {got['calls']}"
         assert relative_gap(got["params"], expected) < EXACT
-
-
-def plan_mismatch_worker(rank: int, world_size: int) -> str:
-    """`Accumulator.step` on FSDP2 with 7 items on rank 0 and 4 on rank 1 (micro-batches of 3)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from gradaccum import Accumulator, RankMismatchError
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = _shard(make_model("token"), mesh)
-    acc = Accumulator(model, make_optimizer(model.parameters()), micro_batch_size=MICRO)
-    items = 7 if rank == 0 else 4
-    try:
-        acc.step(rank_batch(0, rank, items, None), token_sum_loss)
-    except RankMismatchError as error:
-        return str(error)
-    return "no error"
-
-
-@pytest.mark.timeout(90)
-def test_accumulator_step_on_fsdp2_catches_a_planned_mismatch_before_any_forward(
-    tmp_path: Path,
-) -> None:
-    # The negative case of test_micro_batch_count_mismatch_breaks_fsdp_collectives: step() knows
-    # its plan, so ranks compare it first and both raise, instead of crashing in a collective.
-    messages = run_ranks(plan_mismatch_worker, tmp_path, timeout=60.0, pg_timeout=10.0)
-    for message in messages:
-        assert "rank 0: 3 micro-batches" in message, message
-        assert "rank 1: 2 micro-batches" in message, message

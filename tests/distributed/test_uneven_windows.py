@@ -11,7 +11,9 @@ FSDP2 recipes, and in every window shape:
 - `step()` where a rank has no item at all (an empty batch);
 - `step(max_tokens=...)`, whose packing differs per rank;
 - `micro_step()` with `accumulation_steps=Tokens(n)`: the window closes when the tokens counted
-  over all ranks reach `n`, on every rank at the same micro-batch.
+  over all ranks reach `n`, on every rank at the same micro-batch;
+- `micro_step()` with `accumulation_steps=2` and micro-batches of 3 items on one rank, 1 on the
+  others (FSDP2 ranks must agree on one backward scale).
 
 The negative control is the per-rank mean (each rank's own mean, averaged over ranks), which
 is what the backends compute without gradaccum.
@@ -130,6 +132,11 @@ def streamed_batches(rank: int) -> list[dict[str, torch.Tensor]]:
     return [items(50 + 10 * rank + i, MICRO, k) for i, k in enumerate(streamed_kept(rank))]
 
 
+def sized_batches(rank: int) -> list[dict[str, torch.Tensor]]:
+    """Streamed with accumulation_steps=2: micro-batches of 3 items on rank 0, 1 elsewhere."""
+    return [items(90 + 10 * rank + i, MICRO if rank == 0 else 1) for i in range(4)]
+
+
 def streamed_windows(world_size: int) -> list[list[int]]:
     """The streamed micro-batch indices of each Tokens window, from the counts alone."""
     windows: list[list[int]] = [[]]
@@ -184,6 +191,9 @@ def uneven_worker(rank: int, world_size: int, recipe: str) -> dict[str, Any]:
         if acc.micro_step(micro_batch, masked_loss).stepped:
             closed.append(index)
     last = acc.flush()
+    acc = Accumulator(model, optimizer, accumulation_steps=2)
+    sized = [acc.micro_step(b, masked_loss).stepped for b in sized_batches(rank)]
+    assert sized == [False, True, False, True]
     return {
         "params": full_params(model),
         "micro_batches": micro_batches,
@@ -203,6 +213,9 @@ def reference(world_size: int) -> dict[str, torch.Tensor]:
     streamed = [streamed_batches(rank) for rank in range(world_size)]
     for window in streamed_windows(world_size):
         windows.append([streamed[rank][i] for rank in range(world_size) for i in window])
+    sized = [sized_batches(rank) for rank in range(world_size)]
+    for window in ([0, 1], [2, 3]):
+        windows.append([sized[rank][i] for rank in range(world_size) for i in window])
     return kept_items_reference(model, make_optimizer(model), windows)
 
 
