@@ -52,7 +52,7 @@ def peak_above_baseline(size: int | str, budget: str, data) -> tuple[int, int]:
     net = model()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     acc = Accumulator(
-        net, optimizer, micro_batch_size=size, memory_budget=budget if size == "auto" else None
+        net, optimizer, micro_batch_size=size, memory_budget=budget if size == "largest" else None
     )
     for _ in range(STEPS):
         used = acc.step(data, loss).micro_batch_size
@@ -76,7 +76,7 @@ def main() -> None:
         net, data, loss, torch.optim.AdamW(net.parameters()), memory_budget=budget
     )
     report = {"plan": plan.micro_batch_size, "predicted": plan.predicted_peak_bytes, "runs": {}}
-    for size in ["auto", *sizes]:
+    for size in ["largest", *sizes]:
         used, peak = peak_above_baseline(size, budget, data)
         report["runs"][str(size)] = {"used": used, "peak": peak}
     print(json.dumps(report))

@@ -105,7 +105,7 @@ def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _accumulator(model: nn.Module, size: int | str, **kwargs) -> Accumulator:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    budget = BUDGET if size == "auto" else None
+    budget = BUDGET if isinstance(size, str) else None
     return Accumulator(model, optimizer, micro_batch_size=size, memory_budget=budget, **kwargs)
 
 
@@ -137,7 +137,7 @@ def test_threshold_oom_equals_smaller_size_from_the_start(batchnorm: bool) -> No
     batches = _batches(4)
     torch.manual_seed(0)
     model = OomAbove(_inner(batchnorm))
-    acc = _accumulator(model, "auto")
+    acc = _accumulator(model, "largest")
     _scarce_after_planning(acc, model, batches[0], threshold=10)
     results = [acc.step(batch, _loss) for batch in batches]
     # 32 fits the plan, then fails: 32 -> 24 -> 18 -> 13 -> 9, which stays.
@@ -164,7 +164,7 @@ def test_oom_at_every_micro_position_reruns_the_window(
     batches = _batches(3)
     torch.manual_seed(0)
     model = OomAt(_inner(batchnorm), phase)
-    acc = _accumulator(model, "auto")
+    acc = _accumulator(model, "largest")
     acc._auto.planned = acc._auto.size = 8  # as if the plan had chosen 4 micro-batches of 8
     first = acc.step(batches[0], _loss)
     model.arm(position)  # window 2 fails at micro position `position`, once
@@ -196,7 +196,7 @@ def test_negative_control_keeping_the_failed_attempts_gradients_differs() -> Non
 def test_gives_up_at_size_one_with_a_clear_error_and_changes_nothing() -> None:
     batches = _batches(2)
     model = OomAbove(_inner())
-    acc = _accumulator(model, "auto")
+    acc = _accumulator(model, "largest")
     acc.step(batches[0], _loss)
     stale = [torch.ones_like(p) for p in model.parameters()]
     for param, grad in zip(model.parameters(), stale, strict=True):
@@ -212,7 +212,7 @@ def test_gives_up_at_size_one_with_a_clear_error_and_changes_nothing() -> None:
 
 def test_other_errors_are_not_retried() -> None:
     model = OomAbove(_inner())
-    acc = _accumulator(model, "auto")
+    acc = _accumulator(model, "largest")
 
     def broken(model: nn.Module, batch) -> torch.Tensor:
         raise RuntimeError("shape mismatch in user code")
@@ -226,7 +226,7 @@ def test_grows_back_after_clean_windows_and_waits_longer_after_a_failed_regrowth
     batches = _batches(9)
     torch.manual_seed(0)
     model = OomAbove(_inner())
-    acc = _accumulator(model, "auto", regrow_after=2)
+    acc = _accumulator(model, "largest", regrow_after=2)
     _scarce_after_planning(acc, model, batches[0], threshold=24)
     sizes = [acc.step(batch, _loss).micro_batch_size for batch in batches]
     # 32 fails -> 24; two clean windows -> regrow to 32, which fails -> 24, wait doubles to 4.
@@ -251,13 +251,13 @@ def test_regrowth_disabled_with_none() -> None:
 def test_state_dict_keeps_the_chosen_size_and_the_plan() -> None:
     batches = _batches(2)
     model = OomAbove(_inner())
-    acc = _accumulator(model, "auto")
+    acc = _accumulator(model, "largest")
     _scarce_after_planning(acc, model, batches[0], threshold=10)
     acc.step(batches[0], _loss)
     state = acc.state_dict()
-    assert state["settings"]["micro_batch_size"] == "auto"
+    assert state["settings"]["micro_batch_size"] == "largest"
     assert state["auto"]["size"] == 9
-    twin = _accumulator(OomAbove(_inner(), threshold=10), "auto")
+    twin = _accumulator(OomAbove(_inner(), threshold=10), "largest")
     twin.load_state_dict(state)
     assert twin._auto.size == 9
     assert twin.plan == acc.plan
@@ -269,7 +269,7 @@ def test_state_dict_keeps_the_chosen_size_and_the_plan() -> None:
     [
         ({"micro_batch_size": "auto"}, "memory_budget is required on cpu"),
         ({"micro_batch_size": "auto", "memory_budget": "lots"}, "not a size"),
-        ({"micro_batch_size": "Auto", "memory_budget": "1GiB"}, "pass a positive int or 'auto'"),
+        ({"micro_batch_size": "Auto", "memory_budget": "1GiB"}, "pass a positive int, 'auto'"),
         ({"micro_batch_size": "auto", "memory_budget": "1GiB", "regrow_after": 0}, "regrow_after"),
         ({"micro_batch_size": 8, "memory_budget": "1GiB"}, "only used by micro_batch_size='auto'"),
     ],
@@ -278,3 +278,80 @@ def test_bad_auto_settings_raise_naming_the_fix(kwargs: dict, message: str) -> N
     model = _inner()
     with pytest.raises(ValueError, match=message):
         Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# "auto": the fastest size that fits, timed on real windows (a fake clock: no real timing)
+# --------------------------------------------------------------------------------------------
+
+
+class Clocked(OomAbove):
+    """`OomAbove` that advances a fake clock by what a micro-batch of its size costs."""
+
+    def __init__(self, inner: nn.Module, cost) -> None:
+        super().__init__(inner)
+        self.cost, self.now = cost, 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.now += self.cost(x.shape[0])
+        return super().forward(x)
+
+
+def _cache_bound(m: int) -> float:
+    """Items cost 1.6x in micro-batches above 16 (out of cache), plus 0.5 per micro-batch."""
+    return m * (1.0 if m <= 16 else 1.6) + 0.5
+
+
+def test_auto_times_the_sizes_that_fit_and_keeps_the_fastest_exactly() -> None:
+    batches = _batches(12)
+    torch.manual_seed(0)  # as `_reference` does, for the same dropout masks
+    model = Clocked(_inner(), _cache_bound)
+    acc = _accumulator(model, "auto")
+    acc._auto.clock = lambda: model.now
+    results = [acc.step(batch, _loss) for batch in batches]
+    sizes = [r.micro_batch_size for r in results]
+    # Windows of 32 cost 51.7 at 32, 33 at 16, 34 at 8, 36 at 4: a warm-up, 2 rounds, then 16.
+    assert sizes == [32] + [32, 16, 8, 4] * 2 + [16] * 3
+    assert results[0].sizing.startswith("auto 32: warm-up")
+    assert results[1].sizing == "auto 32: timing 4 candidates [32, 16, 8, 4], window 1 of 8"
+    assert "fastest: 16 at" in results[-1].sizing
+    assert "1.57x the largest that fits (32" in results[-1].sizing
+    assert all(r.stepped and r.count == BATCH for r in results)
+    # Exact whatever it ran: bitwise the run that used the same sizes from the start.
+    assert_bitwise(_state(acc), _state(_reference(sizes, batches)))
+    # NEGATIVE CONTROL: the largest size throughout is a differently rounded run.
+    with pytest.raises(AssertionError):
+        assert_bitwise(_state(acc), _state(_reference([32] * 12, batches)))
+
+
+def test_auto_keeps_the_largest_when_no_size_is_clearly_faster() -> None:
+    model = Clocked(_inner(), lambda m: 1.0 * m + 0.01)  # per-item cost only: sizes tie
+    acc = _accumulator(model, "auto")
+    acc._auto.clock = lambda: model.now
+    results = [acc.step(batch, _loss) for batch in _batches(11)]
+    assert [r.micro_batch_size for r in results[9:]] == [32, 32]
+    assert results[-1].sizing.startswith("auto 32: kept 32")
+
+
+def test_running_out_of_memory_while_timing_times_only_what_fits() -> None:
+    batches = _batches(12)
+    torch.manual_seed(0)  # as `_reference` does, for the same dropout masks
+    model = Clocked(_inner(), _cache_bound)
+    acc = _accumulator(model, "auto")
+    _scarce_after_planning(acc, model, batches[0], threshold=25)
+    acc._auto.clock = lambda: model.now
+    results = [acc.step(batch, _loss) for batch in batches]
+    sizes = [r.micro_batch_size for r in results]
+    # 32 fails in the warm-up: 24 fits; then 24, 16, 8, 4 are timed twice and 16 wins.
+    assert sizes == [24] + [24, 16, 8, 4] * 2 + [16] * 3
+    assert max(model.sizes) == 32  # tried once, and never again
+    assert acc._auto.out_of_memory_events == 1
+    assert_bitwise(_state(acc), _state(_reference(sizes, batches)))
+
+
+def test_largest_does_not_time_anything() -> None:
+    model = Clocked(_inner(), _cache_bound)
+    acc = _accumulator(model, "largest")
+    results = [acc.step(batch, _loss) for batch in _batches(3)]
+    assert [r.micro_batch_size for r in results] == [32] * 3
+    assert all(r.sizing is None for r in results)

@@ -200,9 +200,9 @@ def test_resident_memory_of_training_stays_under_the_budget() -> None:
     )
     report = json.loads(done.stdout.strip().splitlines()[-1])
     chosen, runs = report["plan"], report["runs"]
-    assert runs["auto"]["used"] == chosen
-    assert runs["auto"]["peak"] <= budget, report
-    sweep = {int(size): run["peak"] for size, run in runs.items() if size != "auto"}
+    assert runs["largest"]["used"] == chosen
+    assert runs["largest"]["peak"] <= budget, report
+    sweep = {int(size): run["peak"] for size, run in runs.items() if size != "largest"}
     too_big = min((size for size, peak in sweep.items() if peak > budget), default=None)
     assert too_big is not None, f"the sweep must reach sizes that do not fit: {report}"
     assert chosen >= 0.9 * (too_big - 1), report  # the largest that fits is below too_big

@@ -41,11 +41,11 @@ from gradaccum._checks import (
     check_sparse,
 )
 from gradaccum._engine import Engine
-from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_memory
 from gradaccum.batching import batch_size, check_batch_dim, check_micro_batch_size, split_batch
 from gradaccum.batchnorm import BatchNormControl
 from gradaccum.divisor import Expectation
 from gradaccum.options import (
+    AutoSize,
     BatchNormMode,
     Normalize,
     OnNonFinite,
@@ -74,8 +74,9 @@ class Accumulator:
         model: The model, plain, DDP-wrapped or FSDP2-sharded. Batches go to its device.
         optimizer: An optimizer over (some of) the model's parameters; it may also hold
             parameters outside the model (a learnable loss weight).
-        micro_batch_size: Items per micro-batch for `step()`, or `"auto"`: the largest that
-            fits `memory_budget`, planned on the first batch (`gradaccum.recovery`).
+        micro_batch_size: Items per micro-batch for `step()`; `"auto"`: the fastest size that
+            fits `memory_budget`, timed on the first windows; `"largest"`: the largest that
+            fits, planned on the first batch (`gradaccum.recovery`).
         accumulation_steps: Micro-batches per window for `micro_step()`, or `Tokens(n)`: a
             window closes once the items counted over all ranks reach `n`.
         normalize: `"mean"`: `sum(loss) / sum(count)` over the window; `"sum"`: `sum(loss)`.
@@ -136,7 +137,11 @@ class Accumulator:
         self.on_nonfinite = parse(OnNonFinite, on_nonfinite, "on_nonfinite")
         runtime = PrecisionRuntime(self.precision, params, accum_dtype)
         check_fsdp_support(model, buffers=runtime.uses_buffers, auto=auto)
-        self._auto = AutoSizer(memory_budget, runtime.device, regrow_after) if auto else None
+        self._auto = (
+            AutoSizer(memory_budget, runtime.device, regrow_after, AutoSize(micro_batch_size))
+            if auto
+            else None
+        )
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -231,28 +236,17 @@ class Accumulator:
             precision=self.precision,
             accum_dtype=runtime.accum_dtype if runtime.uses_buffers else None,
         )
-        items, tried = batch_size(batch, batch_dim=self.batch_dim), []
-        while True:
-            assert auto.size is not None
-            size = min(auto.size, items)
-            tried.append(auto.size)
-            try:
-                micro_batches = split_batch(batch, size, batch_dim=self.batch_dim)
-                engine.run_window(
-                    micro_batches, loss_fn, window_items=items, size=size, rerun_on_oom=True
-                )
-                result = self._close(size)  # raises out-of-memory too, if another rank ran out
-            except BaseException as error:
-                if not is_out_of_memory(error):
-                    raise
-                release_cached_memory(runtime.device)
-                try:
-                    auto.shrink(tried)
-                except MemoryBudgetError as budget_error:
-                    raise budget_error from error
-                continue
-            auto.window_done()
-            return result
+        items = batch_size(batch, batch_dim=self.batch_dim)
+
+        def attempt(size: int, note: str | None) -> StepResult:
+            size = min(size, items)
+            micro_batches = split_batch(batch, size, batch_dim=self.batch_dim)
+            engine.run_window(
+                micro_batches, loss_fn, window_items=items, size=size, rerun_on_oom=True
+            )
+            return self._close(size, note)  # raises out-of-memory too, if another rank ran out
+
+        return auto.run(batch, items, attempt)
 
     def micro_step(self, micro_batch: Any, loss_fn: LossFn) -> StepResult:
         """Accumulate one micro-batch; step when the window is full (see `accumulation_steps`).
@@ -295,7 +289,7 @@ class Accumulator:
         self._engine.discard_window()
         return result
 
-    def _close(self, micro_batch_size: int) -> StepResult:
+    def _close(self, micro_batch_size: int, sizing: str | None = None) -> StepResult:
         """The window boundary, through the engine's transaction; counts what it skipped."""
         window = self._engine.window
         micro_batches = window.micro_batches
@@ -316,6 +310,7 @@ class Accumulator:
             grad_norm=outcome.grad_norm,
             lr=outcome.lr,
             terms=outcome.terms,
+            sizing=sizing,
         )
         if outcome.stepped:
             return result

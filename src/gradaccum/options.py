@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 __all__ = [
+    "AutoSize",
     "BatchNormMode",
     "Normalize",
     "OnNonFinite",
@@ -63,6 +64,13 @@ class BatchNormMode(str, enum.Enum):
     MICRO = "micro"  # plain PyTorch: per-micro-batch statistics ("ghost batch norm")
     POOLED = "pooled"
     FROZEN = "frozen"
+
+
+class AutoSize(str, enum.Enum):
+    """What `micro_batch_size` a string asks the Accumulator to find (with `memory_budget`)."""
+
+    FASTEST = "auto"  # time the sizes that fit on the first windows; keep the fastest
+    LARGEST = "largest"  # the largest that fits
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,9 @@
-"""`micro_batch_size="auto"`: plan on the first batch, and survive running out of memory.
+"""`micro_batch_size="auto"`: plan on the first batch, run the fastest size, survive out of memory.
+
+`"auto"` plans the largest size that fits the memory budget on the first batch, then times a
+few sizes up to it on real windows and keeps the fastest (`gradaccum._tuner`); `"largest"` keeps
+the largest that fits. Every split gives the same step, so the choice changes speed only (the
+floating-point rounding may differ in the last bits between splits).
 
 A window that runs out of memory at any micro-batch is rerun whole at a smaller size: its partial
 gradients and counts are dropped, the random number generators and BatchNorm statistics are put
@@ -26,36 +31,41 @@ Example:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from gradaccum._oom import MemoryBudgetError
-from gradaccum.options import Precision
+from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_memory
+from gradaccum._tuner import ThroughputTuner
+from gradaccum.batching import map_tensors
+from gradaccum.options import AutoSize, Precision
 from gradaccum.sizing import MemoryPlan, format_bytes, plan_micro_batch, resolve_budget
-from gradaccum.sync import all_ranks_min
+from gradaccum.sync import all_ranks_max, all_ranks_min
 
 __all__ = ["AutoSizer", "is_auto"]
+
+R = TypeVar("R")
 
 
 def is_auto(micro_batch_size: object, memory_budget: object) -> bool:
     """Whether an Accumulator sizes its micro-batches itself; raise on a half-given setting.
 
     Raises:
-        ValueError: For a string other than "auto", or a budget without "auto".
+        ValueError: For a string other than "auto" or "largest", or a budget without either.
     """
-    auto = micro_batch_size == "auto"
+    auto = micro_batch_size in {mode.value for mode in AutoSize}
     if isinstance(micro_batch_size, str) and not auto:
         raise ValueError(
-            f"micro_batch_size={micro_batch_size!r} is not known; pass a positive int or "
-            "'auto' (with memory_budget)."
+            f"micro_batch_size={micro_batch_size!r} is not known; pass a positive int, 'auto' "
+            "(the fastest size that fits memory_budget) or 'largest' (the largest that fits)."
         )
     if memory_budget is not None and not auto:
         raise ValueError(
-            f"memory_budget={memory_budget!r} is only used by micro_batch_size='auto'; pass "
-            "both, or neither."
+            f"memory_budget={memory_budget!r} is only used by micro_batch_size='auto' or "
+            "'largest'; pass both, or neither."
         )
     return auto
 
@@ -67,10 +77,17 @@ class AutoSizer:
         memory_budget: Bytes or a string such as `"2GiB"`; None on CUDA means free memory.
         device: The model's device (a budget is required off CUDA).
         regrow_after: Clean windows after a shrink before trying a larger size; None: never.
+        mode: `AutoSize.FASTEST` ("auto") times sizes; `AutoSize.LARGEST` does not.
+        clock: Seconds, for timing windows (a fake in tests).
     """
 
     def __init__(
-        self, memory_budget: int | str | None, device: torch.device, regrow_after: int | None
+        self,
+        memory_budget: int | str | None,
+        device: torch.device,
+        regrow_after: int | None,
+        mode: AutoSize = AutoSize.FASTEST,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if device.type != "cuda":
             resolve_budget(memory_budget, device)  # fail at construction, not at the first step
@@ -87,6 +104,9 @@ class AutoSizer:
         self.wait = regrow_after  # clean windows before the next regrowth (doubles on failure)
         self.growing = False  # the current size is a regrowth not yet proven
         self.out_of_memory_events = 0
+        self.device, self.mode, self.clock = device, mode, clock
+        self.tuner: ThroughputTuner | None = None  # made with the plan, in "auto" mode
+        self._model: torch.nn.Module | None = None
 
     def ensure_plan(
         self,
@@ -111,7 +131,62 @@ class AutoSizer:
             )
             self.plan = plan
             self.planned = self.size = all_ranks_min(model, plan.micro_batch_size)
+            self._model = model
         return self.size
+
+    def _agree(self, seconds: list[float]) -> list[float]:
+        assert self._model is not None
+        return all_ranks_max(self._model, seconds)
+
+    def run(self, batch: Any, items: int, attempt: Callable[[int, str | None], R]) -> R:
+        """Run one window with `attempt(size, note)`; rerun it whole and smaller on OOM.
+
+        In "auto" mode the window is timed (after the device finishes) for the tuner; `note`
+        says what the window runs at and why (`StepResult.sizing`).
+
+        Raises:
+            MemoryBudgetError: If even size 1 runs out of memory.
+        """
+        if self.tuner is None and self.mode is AutoSize.FASTEST:
+            assert self.planned is not None
+            self.tuner = ThroughputTuner(self.planned, items, self._agree)
+        tuner, tried = self.tuner, []
+        if tuner is not None:
+            tuner.observe(items, _work_per_item(batch, items))
+        while True:
+            timing = tuner is not None and tuner.tuning
+            size = tuner.next_size() if tuner is not None and timing else self.size
+            assert size is not None
+            tried.append(size)
+            start = self.clock()
+            try:
+                result = attempt(size, None if tuner is None else tuner.note())
+            except BaseException as error:
+                if not is_out_of_memory(error):
+                    raise
+                release_cached_memory(self.device)
+                self.size = size
+                try:
+                    self.shrink(tried)
+                except MemoryBudgetError as budget_error:
+                    raise budget_error from error
+                if tuner is not None and timing:
+                    tuner.limit(self.size)  # time again, below what ran out of memory
+                continue
+            if tuner is not None and timing:
+                _synchronize(self.device)
+                tuner.record(size, items=items, seconds=self.clock() - start)
+                if not tuner.tuning:
+                    self.size = tuner.chosen
+                return result
+            self.window_done()
+            return result
+
+    def _target(self) -> int | None:
+        """What a shrunk size grows back to: the tuner's choice, else the plan's size."""
+        if self.tuner is not None and self.tuner.chosen is not None:
+            return self.tuner.chosen
+        return self.planned
 
     def shrink(self, tried: list[int]) -> None:
         """After an out-of-memory window: a smaller size, or give up at size 1."""
@@ -133,14 +208,15 @@ class AutoSizer:
 
     def window_done(self) -> None:
         """After a clean window: count toward regrowth, and grow when it is due."""
+        target = self._target()
         assert self.size is not None
-        assert self.planned is not None
+        assert target is not None
         self.growing = False
-        if self.size >= self.planned or self.wait is None:
+        if self.size >= target or self.wait is None:
             return
         self.clean_windows += 1
         if self.clean_windows >= self.wait:
-            self.size = min(self.planned, max(self.size + 1, math.ceil(self.size * 4 / 3)))
+            self.size = min(target, max(self.size + 1, math.ceil(self.size * 4 / 3)))
             self.clean_windows = 0
             self.growing = True
 
@@ -154,6 +230,7 @@ class AutoSizer:
             "growing": self.growing,
             "out_of_memory_events": self.out_of_memory_events,
             "plan": None if self.plan is None else _plain_plan(self.plan),
+            "tuner": None if self.tuner is None else self.tuner.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -168,6 +245,10 @@ class AutoSizer:
             if plan is None
             else MemoryPlan(**{**plan, "probes": tuple(tuple(p) for p in plan["probes"])})
         )
+        if state.get("tuner") is not None and self.mode is AutoSize.FASTEST:
+            tuner = ThroughputTuner(1, 1, self._agree)
+            tuner.load_state_dict(state["tuner"])
+            self.tuner = tuner
 
     def _planned_text(self) -> str:
         if self.plan is None:
@@ -182,3 +263,22 @@ def _plain_plan(plan: MemoryPlan) -> dict[str, Any]:
     plain = asdict(plan)
     plain["probes"] = [list(p) for p in plan.probes]
     return plain
+
+
+def _work_per_item(batch: Any, items: int) -> float:
+    """Tensor elements per item: what an item costs, for noticing longer sequences."""
+    total = 0
+
+    def count(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += tensor.numel()
+        return tensor
+
+    map_tensors(batch, count)
+    return total / max(items, 1)
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device, so the clock times the window, not its launch."""
+    if device.type != "cpu" and torch.accelerator.is_available():
+        torch.accelerator.synchronize(device)

@@ -36,6 +36,7 @@ class _Build(Protocol):
         lr: float | None,
         grad_norm: float | None = None,
         terms: Mapping[str, float] | None = None,
+        sizing: str | None = None,
     ) -> StepResult: ...
 
 
@@ -82,6 +83,8 @@ class StepResult:
         terms: For a `LossSum.terms` loss, each term's window mean (its sum over the window
             and ranks divided by its count or constant), read-only; empty otherwise. At a
             boundary the means are over every rank, pending ones over this rank so far.
+        sizing: With `micro_batch_size="auto"`, what size the window ran at and why (timing a
+            candidate, or the fastest found, with its items per second); None otherwise.
     """
 
     _FIELDS = (
@@ -94,6 +97,7 @@ class StepResult:
         "grad_norm",
         "lr",
         "terms",
+        "sizing",
     )
 
     count: int
@@ -102,6 +106,7 @@ class StepResult:
     grad_norm: float | None
     lr: float | None
     terms: Mapping[str, float]
+    sizing: str | None
 
     stepped = _Outcome(stepped=True, skipped=False)
     skipped = _Outcome(stepped=False, skipped=True)
@@ -119,6 +124,7 @@ class StepResult:
         lr: float | None,
         grad_norm: float | None = None,
         terms: Mapping[str, float] | None = None,
+        sizing: str | None = None,
     ) -> None:
         frozen = types.MappingProxyType(dict(terms or {}))
         values = (
@@ -131,6 +137,7 @@ class StepResult:
             grad_norm,
             lr,
             frozen,
+            sizing,
         )
         self.__dict__.update(zip(self._FIELDS, values, strict=True))
 
@@ -153,7 +160,7 @@ class StepResult:
 
     def _values(self) -> tuple[Any, ...]:
         values = [getattr(self, name) for name in self._FIELDS]
-        values[-1] = tuple(sorted(self.terms.items()))  # hashable
+        values[self._FIELDS.index("terms")] = tuple(sorted(self.terms.items()))  # hashable
         return tuple(values)
 
     def __eq__(self, other: object) -> bool:

@@ -63,6 +63,7 @@ __all__ = [
     "RankMismatchError",
     "RankSummary",
     "WindowAgreement",
+    "all_ranks_max",
     "all_ranks_min",
     "any_rank",
     "grad_sync_for",
@@ -95,6 +96,16 @@ def sync_context(model: torch.nn.Module, *, sync: bool) -> contextlib.AbstractCo
 def any_rank(model: torch.nn.Module, flag: bool) -> bool:
     """Whether `flag` is set on any rank: one all-reduce of one number (no-op on one process)."""
     return bool(_reduce_int(model, int(flag), dist.ReduceOp.MAX))
+
+
+def all_ranks_max(model: torch.nn.Module, values: list[float]) -> list[float]:
+    """Each of `values` at its largest over ranks (`values` itself on one process)."""
+    group = process_group(model)
+    if group is None or dist.get_world_size(group) == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device_for(group))
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return [float(v) for v in tensor.tolist()]
 
 
 def all_ranks_min(model: torch.nn.Module, value: int) -> int:

@@ -1,10 +1,14 @@
-"""`micro_batch_size="auto"` under DDP: an out-of-memory error on ONE rank reruns the window on all.
+"""`micro_batch_size="auto"`/"largest" under DDP: ranks shrink, and choose, alike.
 
 Two real gloo ranks. Rank 1's model fails like an allocator for micro-batches above 10 items;
 rank 0's never fails. Both must shrink together (a rank that shrank alone would run a different
 number of micro-batches and raise `RankMismatchError`, or hang in a reduction the other never
 joins), end on the same size, with parameters equal across ranks and bitwise equal to a DDP run
 that used that size from the start. The negative control is that reference at another size.
+
+With "auto" the ranks time sizes on real windows; each rank's fake clock (advanced by its model's
+forward) says a different size is fastest, and both ranks must still choose the same one: the
+fastest for the slowest rank, so the windows stay in step and the parameters equal.
 """
 
 from __future__ import annotations
@@ -61,9 +65,9 @@ def _train(rank: int, size: int | str, threshold: float) -> tuple[dict[str, torc
     torch.manual_seed(10 + rank)  # per-rank dropout streams, the same in both runs
     ddp = _model()
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.05)
-    budget = "256MiB" if size == "auto" else None
+    budget = "256MiB" if size == "largest" else None
     acc = Accumulator(ddp, optimizer, micro_batch_size=size, memory_budget=budget)
-    if size == "auto":  # plan while memory is plentiful, then make it scarce on one rank
+    if size == "largest":  # plan while memory is plentiful, then make it scarce on one rank
         acc._auto.ensure_plan(
             ddp, _batch(0, rank), _loss, optimizer, precision=acc.precision, accum_dtype=None
         )
@@ -75,7 +79,7 @@ def _train(rank: int, size: int | str, threshold: float) -> tuple[dict[str, torc
 
 def oom_worker(rank: int, world_size: int) -> dict[str, Any]:
     threshold = 10 if rank == 1 else math.inf
-    auto_params, auto_sizes = _train(rank, "auto", threshold)
+    auto_params, auto_sizes = _train(rank, "largest", threshold)
     fixed_params, _ = _train(rank, auto_sizes[-1], math.inf)
     other_params, _ = _train(rank, 8, math.inf)
     return {
@@ -101,3 +105,48 @@ def test_oom_on_one_rank_shrinks_every_rank_alike(tmp_path: Path) -> None:
     assert one["bitwise_vs_fixed"]
     # NEGATIVE CONTROL: another size rounds differently; the comparison can fail.
     assert zero["gap_vs_other_size"] > 0
+
+
+class Clocked(nn.Module):
+    """`inner`, advancing a fake clock by what this rank's micro-batch of that size costs."""
+
+    def __init__(self, inner: nn.Module, cost: dict[int, float]) -> None:
+        super().__init__()
+        self.inner, self.cost, self.now = inner, cost, 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.now += self.cost.get(x.shape[0], 1.0) * x.shape[0]
+        return self.inner(x)
+
+
+# Seconds per item by micro-batch size: alone, rank 0 would pick 16 and rank 1 would pick 8.
+COSTS = [{32: 1.0, 16: 0.6, 8: 0.8, 4: 1.0}, {32: 1.0, 16: 0.9, 8: 0.7, 4: 1.0}]
+
+
+def tuning_worker(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(3)
+    inner = nn.Sequential(nn.Linear(5, 12), nn.Tanh(), nn.Linear(12, 4)).double()
+    model = Clocked(inner, COSTS[rank])
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.05)
+    acc = Accumulator(ddp, optimizer, micro_batch_size="auto", memory_budget="256MiB")
+    acc._auto.clock = lambda: model.now
+    results = [acc.step(_batch(w, rank), _loss) for w in range(11)]
+    return {
+        "sizes": [r.micro_batch_size for r in results],
+        "sizing": results[-1].sizing,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
+
+
+@pytest.mark.timeout(120)
+def test_auto_ranks_time_alike_and_choose_the_same_size(tmp_path: Path) -> None:
+    outcomes = spawn_ranks(tuning_worker, tmp_path, timeout=90.0, pg_timeout=20.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    zero, one = (o.result for o in outcomes)
+    # Slowest-rank seconds per item: 32: 1.0, 16: 0.9, 8: 0.8, 4: 1.0, so 8 (1.25x 32).
+    assert zero["sizes"] == one["sizes"] == [32] + [32, 16, 8, 4] * 2 + [8, 8]
+    assert zero["sizing"] == one["sizing"]
+    assert "fastest: 8" in zero["sizing"]
+    for name, value in zero["params"].items():
+        assert torch.equal(value, one["params"][name]), name

@@ -1,0 +1,197 @@
+"""The fastest micro-batch size that fits: timed on real windows, decided with hysteresis.
+
+Because every split of a window gives the same step, the micro-batch size is a pure speed knob.
+`ThroughputTuner` times a few candidates, one real window each, and keeps the one with the most
+items per second:
+
+- the candidates are the largest size that fits and the powers of two below it, at most
+  `MAX_CANDIDATES` of them (largest first), never more than a window holds;
+- the first timed window is a warm-up and does not count (allocator, lazy initialization);
+- each candidate is timed `ROUNDS` times, interleaved, and its median kept;
+- under DDP the ranks agree by taking, for each candidate, the slowest rank's time (one
+  all-reduce), so every rank picks the same size;
+- hysteresis: a candidate replaces the incumbent (the largest that fits, or the previous choice)
+  only if it is at least `MARGIN` faster, so timing noise cannot make the choice flip-flop;
+- when the work per item changes a lot (`SHAPE_CHANGE`x, e.g. longer sequences), the candidates are
+  timed again.
+
+Example:
+    >>> times = {64: 1.0, 32: 0.5, 16: 0.6, 8: 0.9}  # seconds per window of 64 items
+    >>> tuner = ThroughputTuner(fits=64, window_items=64)
+    >>> while tuner.tuning:
+    ...     size = tuner.next_size()
+    ...     tuner.record(size, items=64, seconds=times[size])
+    >>> tuner.chosen, tuner.reason
+    (32, 'fastest: 32 at 128 items/s, 2.00x the largest that fits (64 at 64 items/s)')
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["MARGIN", "MAX_CANDIDATES", "ROUNDS", "SHAPE_CHANGE", "ThroughputTuner", "candidates"]
+
+MAX_CANDIDATES = 4
+ROUNDS = 2
+MARGIN = 0.05
+SHAPE_CHANGE = 2.0
+
+AgreeFn = Callable[[list[float]], list[float]]
+
+
+def candidates(fits: int, window_items: int) -> list[int]:
+    """The sizes to time: the largest that fits a window, then powers of two below it.
+
+    Example:
+        >>> candidates(100, 256), candidates(64, 40), candidates(1, 8)
+        ([100, 64, 32, 16], [40, 32, 16, 8], [1])
+    """
+    top = max(1, min(fits, window_items))
+    sizes = [top]
+    power = 1 << (top.bit_length() - 1)
+    if power == top:
+        power //= 2
+    while power >= 1 and len(sizes) < MAX_CANDIDATES:
+        sizes.append(power)
+        power //= 2
+    return sizes
+
+
+class ThroughputTuner:
+    """Times candidate micro-batch sizes on real windows and keeps the fastest.
+
+    Args:
+        fits: The largest micro-batch size that fits the memory budget.
+        window_items: Items per window (sizes above it run the same window).
+        agree: Combines every rank's seconds per candidate (the slowest rank's); the identity
+            on one process.
+    """
+
+    def __init__(self, fits: int, window_items: int, agree: AgreeFn | None = None) -> None:
+        self._agree = agree or list
+        self.fits = fits
+        self.chosen: int | None = None  # None while tuning
+        self.incumbent = min(fits, window_items)
+        self.reason = "timing the candidates"
+        self.rates: dict[int, float] = {}  # items per second of each candidate, once decided
+        self.work: float | None = None  # work per item of the windows timed
+        self._start(window_items)
+
+    def _start(self, window_items: int) -> None:
+        self.window_items = window_items
+        self.sizes = candidates(self.fits, window_items)
+        self._order = [size for _ in range(ROUNDS) for size in self.sizes]
+        self._seconds: dict[int, list[float]] = {size: [] for size in self.sizes}
+        self._warm = False
+        self.chosen = None
+        self.reason = f"timing {len(self.sizes)} candidates {self.sizes}"
+
+    @property
+    def tuning(self) -> bool:
+        """Whether windows are still being timed."""
+        return self.chosen is None
+
+    def next_size(self) -> int:
+        """The size the next window runs at."""
+        if self.chosen is not None:
+            return self.chosen
+        if not self._warm:
+            return self.incumbent
+        return self._order[0]
+
+    def note(self) -> str:
+        """What the next window runs at, and why (for `StepResult.sizing`)."""
+        if self.chosen is not None:
+            return f"auto {self.chosen}: {self.reason}"
+        if not self._warm:
+            return f"auto {self.incumbent}: warm-up before {self.reason}"
+        done = len(self.sizes) * ROUNDS - len(self._order) + 1
+        return f"auto {self._order[0]}: {self.reason}, window {done} of {len(self.sizes) * ROUNDS}"
+
+    def record(self, size: int, *, items: int, seconds: float) -> None:
+        """The window at `size` took `seconds` for `items` items (synchronized wall time)."""
+        if self.chosen is not None:
+            return
+        if not self._warm:
+            self._warm = True
+            return
+        if not self._order or size != self._order[0]:
+            return  # not the window we asked for (an out-of-memory rerun): time it again
+        self._order.pop(0)
+        self._seconds[size].append(seconds / max(items, 1))
+        if not self._order:
+            self._decide()
+
+    def _decide(self) -> None:
+        per_item = [statistics.median(self._seconds[size]) for size in self.sizes]
+        agreed = self._agree(per_item)  # the slowest rank's, so every rank decides alike
+        self.rates = {size: 1.0 / max(t, 1e-12) for size, t in zip(self.sizes, agreed, strict=True)}
+        best = max(self.sizes, key=lambda size: self.rates[size])
+        incumbent = self.incumbent if self.incumbent in self.rates else self.sizes[0]
+        base = self.rates[incumbent]
+        if best != incumbent and self.rates[best] < base * (1 + MARGIN):
+            best = incumbent  # within the noise: keep what runs now
+        label = "the largest that fits" if incumbent == self.sizes[0] else "the previous choice"
+        if best == incumbent:
+            self.reason = (
+                f"kept {incumbent} at {base:.0f} items/s: no candidate was {MARGIN:.0%} faster "
+                f"({self._listing()})"
+            )
+        else:
+            self.reason = (
+                f"fastest: {best} at {self.rates[best]:.0f} items/s, "
+                f"{self.rates[best] / base:.2f}x {label} ({incumbent} at {base:.0f} items/s)"
+            )
+        self.chosen = self.incumbent = best
+
+    def _listing(self) -> str:
+        return ", ".join(f"{size}: {self.rates[size]:.0f}" for size in self.sizes)
+
+    def limit(self, fits: int) -> None:
+        """Sizes above `fits` ran out of memory: drop them, and time again if tuning."""
+        self.fits = max(1, fits)
+        self.incumbent = min(self.incumbent, self.fits)
+        if self.chosen is not None and self.chosen > self.fits:
+            self.chosen = self.incumbent = self.fits
+        if self.chosen is None:
+            self._start(self.window_items)
+
+    def observe(self, window_items: int, work_per_item: float) -> bool:
+        """Time again when the work per item moved `SHAPE_CHANGE`x since timing; True if so.
+
+        `work_per_item` is any measure proportional to an item's cost (its tensor elements).
+        """
+        if self.work is None or self.chosen is None:
+            self.work = self.work or work_per_item
+            return False
+        ratio = work_per_item / max(self.work, 1e-12)
+        if 1 / SHAPE_CHANGE < ratio < SHAPE_CHANGE:
+            return False
+        self.work = work_per_item
+        self._start(window_items)
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: the decision and the timing still to do."""
+        return {
+            "fits": self.fits,
+            "window_items": self.window_items,
+            "chosen": self.chosen,
+            "incumbent": self.incumbent,
+            "reason": self.reason,
+            "work": self.work,
+            "rates": {str(size): rate for size, rate in self.rates.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a decision; timing still in progress starts over (times do not carry)."""
+        self.fits = int(state["fits"])
+        self.incumbent = int(state["incumbent"])
+        self.work = state["work"]
+        self._start(int(state["window_items"]))
+        if state["chosen"] is not None:
+            self.chosen = int(state["chosen"])
+            self.reason = str(state["reason"])
+            self.rates = {int(size): float(rate) for size, rate in state["rates"].items()}

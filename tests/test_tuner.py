@@ -1,0 +1,139 @@
+"""Tests for gradaccum._tuner: the fastest micro-batch size, from timed windows, with hysteresis.
+
+The tuner is fed seconds per window directly (no clock, no model): each test states what the
+windows cost and asserts the size chosen, so nothing here depends on how fast this machine is.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gradaccum._tuner import MARGIN, ROUNDS, ThroughputTuner, candidates
+
+
+def _tune(tuner: ThroughputTuner, seconds: dict[int, float], items: int = 64) -> list[int]:
+    """Run windows until the tuner decides; each window at size s takes `seconds[s]`."""
+    ran = []
+    while tuner.tuning:
+        size = tuner.next_size()
+        ran.append(size)
+        tuner.record(size, items=items, seconds=seconds[size])
+    return ran
+
+
+@pytest.mark.parametrize(
+    ("fits", "window", "expected"),
+    [
+        (100, 256, [100, 64, 32, 16]),
+        (64, 256, [64, 32, 16, 8]),
+        (64, 40, [40, 32, 16, 8]),
+        (3, 8, [3, 2, 1]),
+        (1, 8, [1]),
+        (500, 3, [3, 2, 1]),
+    ],
+)
+def test_candidates_are_the_largest_that_fits_then_powers_of_two(fits, window, expected) -> None:
+    assert candidates(fits, window) == expected
+
+
+def test_the_fastest_is_chosen_after_a_warm_up_and_interleaved_rounds() -> None:
+    seconds = {64: 1.0, 32: 0.5, 16: 0.6, 8: 0.9}
+    tuner = ThroughputTuner(fits=64, window_items=64)
+    ran = _tune(tuner, seconds)
+    assert ran == [64] + [64, 32, 16, 8] * ROUNDS  # the warm-up window, then interleaved
+    assert tuner.chosen == 32
+    assert tuner.rates[32] == pytest.approx(128.0)
+    assert "fastest: 32 at 128 items/s, 2.00x the largest that fits" in tuner.reason
+    assert tuner.next_size() == 32  # settled: no more timing
+
+
+def test_the_warm_up_window_does_not_count() -> None:
+    tuner = ThroughputTuner(fits=64, window_items=64)
+    tuner.record(tuner.next_size(), items=64, seconds=1000.0)  # a terribly slow first window
+    _tune(tuner, {64: 0.5, 32: 0.52, 16: 0.7, 8: 0.9})
+    assert tuner.chosen == 64
+
+
+@pytest.mark.parametrize(("gain", "switch"), [(MARGIN / 2, False), (MARGIN * 2, True)])
+def test_hysteresis_keeps_the_incumbent_unless_a_candidate_is_clearly_faster(gain, switch) -> None:
+    seconds = {64: 1.0, 32: 1.0 / (1 + gain), 16: 1.5, 8: 2.0}
+    tuner = ThroughputTuner(fits=64, window_items=64)
+    _tune(tuner, seconds)
+    assert tuner.chosen == (32 if switch else 64)
+    if not switch:
+        assert tuner.reason.startswith("kept 64")
+
+
+def test_a_retune_keeps_the_previous_choice_within_the_noise() -> None:
+    """No flip-flop: after the shape changes, 16 is 3% faster than the choice, 32: 32 stays."""
+    tuner = ThroughputTuner(fits=64, window_items=64)
+    tuner.observe(64, work_per_item=10.0)
+    _tune(tuner, {64: 1.0, 32: 0.5, 16: 0.6, 8: 0.9})
+    assert tuner.chosen == 32
+    assert not tuner.observe(64, work_per_item=15.0)  # 1.5x: not enough to time again
+    assert tuner.observe(64, work_per_item=25.0)  # 2.5x longer items: time again
+    assert tuner.tuning
+    _tune(tuner, {64: 2.0, 32: 1.0, 16: 1.0 / 1.03, 8: 1.5})
+    assert tuner.chosen == 32
+    assert "previous choice" not in tuner.reason
+    assert tuner.reason.startswith("kept 32")
+
+
+def test_ranks_agree_on_the_slowest_ranks_times() -> None:
+    """Rank 0 alone would pick 16, rank 1 alone 32; both pick what is fastest for the slowest."""
+    per_rank = [
+        {64: 1.0, 32: 0.8, 16: 0.5, 8: 0.9},
+        {64: 1.0, 32: 0.6, 16: 0.9, 8: 0.9},
+    ]
+    logs: list[list[float]] = [[], []]
+
+    def agree(rank: int):
+        def combine(mine: list[float]) -> list[float]:
+            logs[rank] = mine
+            other = [s / 64 for s in per_rank[1 - rank].values()]  # the other rank's medians
+            return [max(a, b) for a, b in zip(mine, other, strict=True)]
+
+        return combine
+
+    chosen = []
+    for rank in (0, 1):
+        tuner = ThroughputTuner(fits=64, window_items=64, agree=agree(rank))
+        _tune(tuner, per_rank[rank])
+        chosen.append(tuner.chosen)
+    assert chosen == [32, 32]  # slowest-rank times: 64: 1.0, 32: 0.8, 16: 0.9, 8: 0.9
+    # NEGATIVE CONTROL: without agreeing, rank 0 would choose differently.
+    alone = ThroughputTuner(fits=64, window_items=64)
+    _tune(alone, per_rank[0])
+    assert alone.chosen == 16
+
+
+def test_running_out_of_memory_while_timing_drops_the_larger_sizes() -> None:
+    tuner = ThroughputTuner(fits=64, window_items=64)
+    tuner.record(tuner.next_size(), items=64, seconds=1.0)  # warm-up
+    assert tuner.next_size() == 64
+    tuner.limit(48)  # 64 ran out of memory; the sizer shrank to 48
+    assert tuner.sizes == [48, 32, 16, 8]
+    ran = _tune(tuner, {48: 1.0, 32: 0.7, 16: 0.8, 8: 0.9})
+    assert max(ran) == 48
+    assert tuner.chosen == 32
+
+
+def test_a_rerun_window_at_another_size_is_not_counted() -> None:
+    tuner = ThroughputTuner(fits=64, window_items=64)
+    tuner.record(64, items=64, seconds=1.0)  # warm-up
+    tuner.record(17, items=64, seconds=0.01)  # not the size asked for: ignored
+    assert tuner.next_size() == 64
+
+
+def test_state_dict_keeps_the_decision_and_restarts_unfinished_timing() -> None:
+    tuner = ThroughputTuner(fits=64, window_items=64)
+    _tune(tuner, {64: 1.0, 32: 0.5, 16: 0.6, 8: 0.9})
+    twin = ThroughputTuner(fits=1, window_items=1)
+    twin.load_state_dict(tuner.state_dict())
+    assert (twin.chosen, twin.reason, twin.rates) == (tuner.chosen, tuner.reason, tuner.rates)
+    half = ThroughputTuner(fits=64, window_items=64)
+    half.record(64, items=64, seconds=1.0)
+    again = ThroughputTuner(fits=1, window_items=1)
+    again.load_state_dict(half.state_dict())
+    assert again.tuning
+    assert again.sizes == [64, 32, 16, 8]
