@@ -26,7 +26,7 @@ from gradaccum.precision import PrecisionRuntime
 from gradaccum.sync import GradSync
 from gradaccum.window import Window
 
-__all__ = ["nonfinite_names", "rank_summary", "reduced_gradients"]
+__all__ = ["held_gradients", "nonfinite_names", "rank_summary", "reduced_gradients"]
 
 
 def rank_summary(
@@ -95,6 +95,13 @@ def reduced_gradients(
             torch._foreach_mul_(held, mine / agreement.denominator)
         sync.reduce(held)
     return held
+
+
+def held_gradients(window: Window, runtime: PrecisionRuntime) -> list[torch.Tensor]:
+    """The gradients the window has accumulated so far, on this rank (none reduced yet)."""
+    params = window.params[: window.held]
+    grads = (runtime.gradient(index, param) for index, param in enumerate(params))
+    return [grad for grad in grads if grad is not None]
 
 
 def nonfinite_names(

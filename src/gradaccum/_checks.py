@@ -15,9 +15,13 @@ from typing import Any
 import torch
 
 from gradaccum._sync_base import is_fsdp
+from gradaccum.batching import check_micro_batch_size
+from gradaccum.options import Tokens
+from gradaccum.recovery import is_auto
 
 __all__ = [
     "check_fsdp_support",
+    "check_settings",
     "check_materialized",
     "check_max_grad_norm",
     "check_optimizer",
@@ -147,3 +151,34 @@ def check_fsdp_support(model: torch.nn.Module, *, buffers: bool, auto: bool) -> 
             "micro_batch_size='auto' does not support FSDP2 yet; pass the int that "
             "gradaccum.plan_micro_batch chooses on an unsharded copy."
         )
+
+
+def check_settings(
+    model: object,
+    optimizer: object,
+    *,
+    micro_batch_size: object,
+    accumulation_steps: object,
+    memory_budget: object,
+    max_grad_norm: object,
+    scheduler: object,
+) -> bool:
+    """Every construction-time check of an `Accumulator`; whether it sizes micro-batches itself.
+
+    Raises:
+        TypeError: If `model` is not a `torch.nn.Module`.
+        ValueError: For any invalid setting; the message names the fix.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model={model!r} must be a torch.nn.Module.")
+    auto = is_auto(micro_batch_size, memory_budget)
+    if micro_batch_size is not None and not auto:
+        check_micro_batch_size(micro_batch_size)
+    if accumulation_steps is not None and not isinstance(accumulation_steps, Tokens):
+        check_micro_batch_size(accumulation_steps, "accumulation_steps")
+    check_materialized(model)
+    check_max_grad_norm(max_grad_norm)
+    check_scheduler(scheduler)
+    check_optimizer(optimizer, model)
+    check_sparse(model)
+    return auto

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gradaccum._boundary import nonfinite_names, rank_summary, reduced_gradients
+from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
 from gradaccum._oom import is_out_of_memory, rng_states, set_rng_states
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
 from gradaccum._terms import TermLedger
@@ -30,14 +30,8 @@ from gradaccum.norms import clip_, total_norm
 from gradaccum.options import Normalize
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.result import learning_rate
-from gradaccum.sync import (
-    FAILED,
-    OUT_OF_MEMORY,
-    FSDP2Sync,
-    GradSync,
-    RankSummary,
-    WindowAgreement,
-)
+from gradaccum.sync import FAILED, OUT_OF_MEMORY, FSDP2Sync, GradSync, RankSummary, WindowAgreement
+from gradaccum.telemetry import TelemetryMeter
 from gradaccum.window import LossFn, Outcome, Window, window_parameters
 
 __all__ = ["Engine", "Outcome"]
@@ -72,6 +66,7 @@ class Engine:
         self._last_input: tuple[Any, LossFn] | None = None  # for FSDP2's zero-item settle
         self._rng: list[torch.Tensor] | None = None  # set for windows that may be rerun
         self._token_checks = _TOKEN_MEAN_CHECKS
+        self.telemetry: TelemetryMeter | None = None  # opt-in (gradaccum.telemetry)
 
     # ---------------------------------------------------------------- micro-batches
 
@@ -145,6 +140,8 @@ class Engine:
         self.runtime.open_window(len(params))
         self.batchnorm.open_window()
         self._rng = rng_states(self.runtime.device) if rerun else None
+        if self.telemetry is not None:
+            self.telemetry.open_window()
 
     def _micro_batch(
         self,
@@ -204,6 +201,9 @@ class Engine:
                     torch.autograd.backward(roots, seeds)
                 runtime.collect(window.params)
         window.add(logged, weight, count, items)
+        if self.telemetry is not None and window.micro_batches == 1 and not window.terms:
+            scale = (window.denominator or 1.0) / (window.loss_scale * max(count, 1))
+            self.telemetry.first_micro_batch(held_gradients(window, runtime), count, scale)
         self._reduced = reduce
         if self._fsdp:
             self._last_input = (micro_batch, loss_fn)

@@ -32,16 +32,9 @@ from typing import Any
 
 import torch
 
-from gradaccum._checks import (
-    check_fsdp_support,
-    check_materialized,
-    check_max_grad_norm,
-    check_optimizer,
-    check_scheduler,
-    check_sparse,
-)
+from gradaccum._checks import check_fsdp_support, check_settings
 from gradaccum._engine import Engine
-from gradaccum.batching import batch_size, check_batch_dim, check_micro_batch_size, split_batch
+from gradaccum.batching import batch_size, check_batch_dim, split_batch
 from gradaccum.batchnorm import BatchNormControl
 from gradaccum.divisor import Expectation
 from gradaccum.options import (
@@ -56,10 +49,11 @@ from gradaccum.options import (
 )
 from gradaccum.packing import pack_by_tokens
 from gradaccum.precision import PrecisionRuntime
-from gradaccum.recovery import AutoSizer, is_auto
+from gradaccum.recovery import AutoSizer
 from gradaccum.result import NonFiniteError, StepResult, learning_rate
 from gradaccum.sizing import MemoryPlan
 from gradaccum.sync import grad_sync_for
+from gradaccum.telemetry import TelemetryMeter
 from gradaccum.window import LossFn, trainable_parameters
 
 __all__ = ["Accumulator", "NonFiniteError", "StepResult"]
@@ -93,6 +87,8 @@ class Accumulator:
             size is tried again; None never grows back.
         batch_dim: The items' dimension of every tensor in a batch: 0, or 1 for sequence-first
             layouts such as `(seq, batch, features)` (see `gradaccum.batching`).
+        telemetry: Put a `Telemetry` on every stepped result: the gradient noise scale, items
+            per second, micro-batch size and peak memory (`gradaccum.telemetry`).
 
     Raises:
         ValueError: For any invalid setting; the message names the fix.
@@ -116,21 +112,19 @@ class Accumulator:
         memory_budget: int | str | None = None,
         regrow_after: int | None = 50,
         batch_dim: int = 0,
+        telemetry: bool = False,
     ) -> None:
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model={model!r} must be a torch.nn.Module.")
-        auto = is_auto(micro_batch_size, memory_budget)
-        if micro_batch_size is not None and not auto:
-            check_micro_batch_size(micro_batch_size)
-        if accumulation_steps is not None and not isinstance(accumulation_steps, Tokens):
-            check_micro_batch_size(accumulation_steps, "accumulation_steps")
-        check_materialized(model)
+        auto = check_settings(
+            model,
+            optimizer,
+            micro_batch_size=micro_batch_size,
+            accumulation_steps=accumulation_steps,
+            memory_budget=memory_budget,
+            max_grad_norm=max_grad_norm,
+            scheduler=scheduler,
+        )
         params = trainable_parameters(model)
         self.batch_dim = check_batch_dim(batch_dim)
-        check_max_grad_norm(max_grad_norm)
-        check_scheduler(scheduler)
-        check_optimizer(optimizer, model)
-        check_sparse(model)
         self.normalize = parse(Normalize, normalize, "normalize")
         self.precision = parse(Precision, precision, "precision")
         self.partial_window = parse(PartialWindow, partial_window, "partial_window")
@@ -158,6 +152,8 @@ class Accumulator:
             batchnorm=BatchNormControl(model, batchnorm),
             batch_dim=self.batch_dim,
         )
+        if telemetry:
+            self._engine.telemetry = TelemetryMeter(device=runtime.device)
         # Windows dropped as non-finite and as empty so far: part of the state, for exact resume.
         self.nonfinite_windows = 0
         self.empty_windows = 0
@@ -299,6 +295,11 @@ class Accumulator:
             # closed, so nothing can step it twice (docs/reliability.md).
             self.scheduler.step()
         build = StepResult.stepped if outcome.stepped else StepResult.skipped
+        meter = self._engine.telemetry
+        telemetry = None
+        if meter is not None:
+            summed, norm = self.normalize is Normalize.SUM, outcome.grad_norm
+            telemetry = meter.close(outcome.stepped, outcome.count, norm, summed, micro_batch_size)
         objective = outcome.objective  # set for LossSum.terms windows
         if objective is None:
             objective = self._objective(outcome.loss_sum, outcome.count)
@@ -311,6 +312,7 @@ class Accumulator:
             lr=outcome.lr,
             terms=outcome.terms,
             sizing=sizing,
+            telemetry=telemetry,
         )
         if outcome.stepped:
             return result

@@ -18,6 +18,8 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, cast, overload
 
+from gradaccum.telemetry import Telemetry
+
 __all__ = ["NonFiniteError", "StepResult", "learning_rate"]
 
 
@@ -37,6 +39,7 @@ class _Build(Protocol):
         grad_norm: float | None = None,
         terms: Mapping[str, float] | None = None,
         sizing: str | None = None,
+        telemetry: Telemetry | None = None,
     ) -> StepResult: ...
 
 
@@ -85,6 +88,8 @@ class StepResult:
             boundary the means are over every rank, pending ones over this rank so far.
         sizing: With `micro_batch_size="auto"`, what size the window ran at and why (timing a
             candidate, or the fastest found, with its items per second); None otherwise.
+        telemetry: With `Accumulator(telemetry=True)`, the step's `Telemetry` (gradient noise
+            scale, items per second, micro-batch size, peak memory); None otherwise.
     """
 
     _FIELDS = (
@@ -98,6 +103,7 @@ class StepResult:
         "lr",
         "terms",
         "sizing",
+        "telemetry",
     )
 
     count: int
@@ -107,6 +113,7 @@ class StepResult:
     lr: float | None
     terms: Mapping[str, float]
     sizing: str | None
+    telemetry: Telemetry | None
 
     stepped = _Outcome(stepped=True, skipped=False)
     skipped = _Outcome(stepped=False, skipped=True)
@@ -125,6 +132,7 @@ class StepResult:
         grad_norm: float | None = None,
         terms: Mapping[str, float] | None = None,
         sizing: str | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         frozen = types.MappingProxyType(dict(terms or {}))
         values = (
@@ -138,6 +146,7 @@ class StepResult:
             lr,
             frozen,
             sizing,
+            telemetry,
         )
         self.__dict__.update(zip(self._FIELDS, values, strict=True))
 
