@@ -201,7 +201,8 @@ class Engine:
                     torch.autograd.backward(roots, seeds)
                 runtime.collect(window.params)
         window.add(logged, weight, count, items)
-        if self.telemetry is not None and window.micro_batches == 1 and not window.terms:
+        first = window.micro_batches == 1 and not window.terms and sync.averaged_over == 1
+        if self.telemetry is not None and first:  # the noise scale's small batch (DDP: unreduced)
             scale = (window.denominator or 1.0) / (window.loss_scale * max(count, 1))
             self.telemetry.first_micro_batch(held_gradients(window, runtime), count, scale)
         self._reduced = reduce
@@ -223,10 +224,7 @@ class Engine:
         self._last_input = (empty, loss_fn)
 
     def _reduces_last(self, count: int, loss: float, *, micro_batches: int, graph: bool) -> bool:
-        """Whether the window's last backward reduces: on every rank, or none (FSDP2).
-
-        A rank whose loss has no graph makes all of them settle at the boundary instead.
-        """
+        """Whether the last backward reduces (FSDP2): on all ranks, or none, then all settle."""
         if not self.sync.syncs_last_backward:
             return False
         window = self.window
