@@ -29,7 +29,7 @@ CONFIGS = ("8x2", "16x1", "8x1")
 STEPS = 20
 FLOAT32_RTOL = 1e-5
 COLUMNS = DIGITS_TABLE_COLUMNS
-METRIC_COLUMNS = {"step", "samples", "loss", "lr", "grad_norm", "time"}
+METRIC_COLUMNS = {"step", "samples", "loss", "lr", "grad_norm", "time", "micro_batches"}
 RUN_FILES = {"metrics.jsonl", "validation.jsonl", "summary.json", "checkpoint.pt"}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -92,9 +92,8 @@ def test_each_config_logs_one_metrics_row_per_step_and_a_summary(compared):
         micro, steps = map(int, config.split("x"))
         rows = read_jsonl(out / config / "metrics.jsonl")
         assert len(rows) == STEPS
-        assert all(
-            set(row) == {"step", "samples", "loss", "lr", "grad_norm", "time"} for row in rows
-        )
+        assert all(set(row) == METRIC_COLUMNS for row in rows)
+        assert all(row["micro_batches"] == steps for row in rows)
         assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
         assert rows[-1]["samples"] == STEPS * micro * steps
         summary = json.loads((out / config / "summary.json").read_text())

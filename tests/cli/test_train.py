@@ -32,7 +32,7 @@ from gradaccum.experiments.tasks import get_task
 from tests.cli._helpers import read_jsonl, run_cli
 
 _TIMEOUT = 120
-METRIC_COLUMNS = {"step", "samples", "loss", "lr", "grad_norm", "time"}
+METRIC_COLUMNS = {"step", "samples", "loss", "lr", "grad_norm", "time", "micro_batches"}
 RUN_FILES = {"config.json", "metrics.jsonl", "validation.jsonl", "summary.json", "checkpoint.pt"}
 FLOAT32_RTOL = 1e-5
 
@@ -118,6 +118,7 @@ def test_metrics_have_one_row_per_optimizer_step_with_the_columns(trained):
         assert set(row) == METRIC_COLUMNS
         assert math.isfinite(row["loss"])
         assert row["grad_norm"] > 0
+        assert row["micro_batches"] == 2  # 48 = 32 + 16
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert [row["samples"] for row in rows] == [48, 96, 144]
     assert all(row["lr"] == pytest.approx(get_task("digits").default_lr) for row in rows)

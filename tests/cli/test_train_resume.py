@@ -84,13 +84,13 @@ def _without_time(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if k != "time"} for row in rows]
 
 
-def _assert_same_run(folder: Path, reference: Path) -> None:
+def _assert_same_run(folder: Path, reference: Path, steps: int = STEPS) -> None:
     """Final states bitwise equal; metrics (but the clock) and validation rows equal."""
     final, expected = _checkpoint(folder), _checkpoint(reference)
     assert final["extra"]["finished"] is True
     assert_bitwise({k: final[k] for k in STATES}, {k: expected[k] for k in STATES})
     rows = read_jsonl(folder / "metrics.jsonl")
-    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # each step once
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))  # each step once
     assert _without_time(rows) == _without_time(read_jsonl(reference / "metrics.jsonl"))
     assert read_jsonl(folder / "validation.jsonl") == read_jsonl(reference / "validation.jsonl")
 
@@ -148,6 +148,57 @@ def test_sigterm_mid_window_then_resume_is_bitwise_equal_to_uninterrupted(tmp_pa
         assert f"resuming at step {stop[0]} (+{stop[1]} micro-batches)" in result.stdout
         assert f"done: {STEPS} optimizer steps" in result.stdout
         _assert_same_run(folders[stop], runs["reference"])
+
+
+# A token budget: charlm, batches of 96 lines packed by 512 tokens (9 or 10 micro-batches a window;
+# step 6, the epoch's last batch of 28 lines, 3), 7 steps. The control packs by 1024 instead.
+TOKEN_STEPS = 7
+TOKENS = ["train", "--task", "charlm", "--batch-size", "96", "--steps", str(TOKEN_STEPS)]
+TOKEN_STOPS = [(2, 3), (5, 1)]  # mid-window, and in the epoch's shorter last batch
+
+
+@pytest.fixture(scope="module")
+def token_runs(tmp_path_factory) -> dict[str, Path]:
+    """The uninterrupted token-budget run, and its control: the same batches packed by 1024."""
+    root = tmp_path_factory.mktemp("tokens")
+    done = _run_all(
+        [
+            ([*TOKENS, "--max-tokens", str(budget), "--out", str(root / name)], None)
+            for name, budget in (("reference", 512), ("control", 1024))
+        ]
+    )
+    for result in done:
+        assert result.returncode == 0, result.stderr
+    return {"reference": root / "reference", "control": root / "control"}
+
+
+@pytest.mark.timeout(_TIMEOUT)
+def test_token_budget_sigterm_mid_window_then_resume_is_bitwise_equal(
+    tmp_path, capsys, monkeypatch, token_runs
+):
+    """`--max-tokens`: stopped mid-window (in this process, for speed), resumed in a fresh one."""
+    reference, control = _checkpoint(token_runs["reference"]), _checkpoint(token_runs["control"])
+    with pytest.raises(AssertionError):  # negative control: another packing is not bitwise equal
+        assert_bitwise(control["model"], reference["model"])
+    parts = [row["micro_batches"] for row in read_jsonl(token_runs["reference"] / "metrics.jsonl")]
+    assert parts[5] < parts[0]  # the epoch's last, shorter batch packs into fewer micro-batches
+    folders = {stop: tmp_path / f"stop-{stop[0]}-{stop[1]}" for stop in TOKEN_STOPS}
+    for (step, micro), folder in folders.items():
+        monkeypatch.setenv(HOOK, f"{step}:{micro}:TERM")
+        assert main([*TOKENS, "--max-tokens", "512", "--out", str(folder)]) == 0
+        monkeypatch.delenv(HOOK)
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"stopped after step {step} of {TOKEN_STEPS} and {micro} of the {parts[step]} " in (
+            line
+        )
+        extra = _checkpoint(folder)["extra"]
+        assert (extra["step"], extra["micro"], extra["finished"]) == (step, micro, False)
+    resumed = _run_all([(["train", "--resume", str(folders[s])], None) for s in TOKEN_STOPS])
+    for stop, result in zip(TOKEN_STOPS, resumed, strict=True):
+        assert result.returncode == 0, result.stderr
+        assert "charlm 96@512t: batch 96 = micro-batches packed by length" in result.stdout
+        assert f"resuming at step {stop[0]} (+{stop[1]} micro-batches)" in result.stdout
+        _assert_same_run(folders[stop], token_runs["reference"], TOKEN_STEPS)
 
 
 @pytest.mark.timeout(_TIMEOUT)

@@ -8,6 +8,10 @@ what each command leaves behind when it stops early).
 the run's folder) and options left out stay None, so a resumed run can tell which options were
 given; `fill_defaults` puts the defaults in afterwards.
 
+`--max-tokens N` (train; `B@Nt` configs in compare, see `gradaccum.cli._configs`) replaces the
+micro-batch size with a token budget: each effective batch is packed by
+`gradaccum.packing.pack_by_tokens` into micro-batches of at most N padded tokens.
+
 Example:
     >>> parse_config_label("8x2")
     (8, 2)
@@ -16,7 +20,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +37,8 @@ from gradaccum.cli._args import (
     positive_float,
     positive_int,
 )
+from gradaccum.cli._configs import parse_config_label, token_budget
+from gradaccum.experiments._schedule import check_token_budget
 from gradaccum.experiments.base import LrScaling, TrainConfig
 from gradaccum.experiments.runner import (
     ACCUM_DTYPES,
@@ -73,6 +78,7 @@ CONFIG_OPTIONS = tuple(
         "task",
         "batch_size",
         "micro_batch_size",
+        "max_tokens",
         "memory_budget",
         "precision",
         "accum_dtype",
@@ -90,33 +96,6 @@ CONFIG_OPTIONS = tuple(
 )
 
 _BN_CHOICES = ("micro", "pooled", "frozen", "group")
-_CONFIG_PATTERN = re.compile(r"(\d+)x(\d+)")
-
-
-def parse_config_label(text: str) -> tuple[int, int]:
-    """Read a compare config `"MxK"`: micro-batch size M and K accumulation steps.
-
-    Args:
-        text: The config as written on the command line, e.g. `"8x2"`.
-
-    Returns:
-        `(micro_batch_size, accumulation_steps)`; the effective batch is their product.
-
-    Raises:
-        UsageError: If `text` is not two positive integers joined by `x`.
-    """
-    match = _CONFIG_PATTERN.fullmatch(text)
-    if match is None:
-        raise UsageError(
-            f"malformed config {text!r}: write MICROxSTEPS, e.g. 8x2 (micro-batch 8, "
-            "2 accumulation steps, effective batch 16)"
-        )
-    micro, steps = int(match.group(1)), int(match.group(2))
-    if micro < 1 or steps < 1:
-        raise UsageError(
-            f"malformed config {text!r}: micro-batch size and accumulation steps must be >= 1"
-        )
-    return micro, steps
 
 
 def add_training_options(
@@ -126,8 +105,9 @@ def add_training_options(
 
     Args:
         parser: The command's parser.
-        batch_options: Add `--batch-size`, `--micro-batch-size` and `--memory-budget` with help
-            text (train); when False they are hidden, so `compare` can reject them by name.
+        batch_options: Add `--batch-size`, `--micro-batch-size`, `--max-tokens` and
+            `--memory-budget` with help text (train); when False they are hidden, so `compare`
+            can reject them by name.
         resumable: `--task` is optional and left-out options stay None (see `fill_defaults`).
     """
     parser.add_argument(
@@ -153,6 +133,15 @@ def add_training_options(
         help="items per forward/backward; B is split into ceil(B / M) micro-batches "
         "(default: B, no accumulation); 'auto': the largest that fits --memory-budget, "
         "measured before training (see gradaccum plan)"
+        if batch_options
+        else hidden,
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=token_budget,
+        metavar="N",
+        help="instead of --micro-batch-size: pack each batch of B sequences by a token budget, "
+        "lines sorted by length so that rows x longest row <= N per micro-batch (charlm only)"
         if batch_options
         else hidden,
     )
@@ -253,13 +242,18 @@ def fill_defaults(args: argparse.Namespace) -> None:
 
 
 def build_config(
-    args: argparse.Namespace, *, batch_size: int | None, micro_batch_size: int | str | None
+    args: argparse.Namespace,
+    *,
+    batch_size: int | None,
+    micro_batch_size: int | str | None,
+    max_tokens: int | None = None,
 ) -> TrainConfig:
-    """The `TrainConfig` that `args` describe, with the given batch sizes."""
+    """The `TrainConfig` that `args` describe, with the given batch sizes (or token budget)."""
     return TrainConfig(
         task=args.task,
         batch_size=batch_size,
         micro_batch_size=micro_batch_size,
+        max_tokens=max_tokens,
         memory_budget=args.memory_budget,
         precision=args.precision,
         accum_dtype=args.accum_dtype,
@@ -289,6 +283,7 @@ class CheckedRun:
     total_steps: int
     steps_per_epoch: int
     batchnorm_layers: int = 0
+    max_tokens: int | None = None
 
 
 def validate_config(config: TrainConfig, n_train: int, *, resuming: bool = False) -> CheckedRun:
@@ -322,18 +317,21 @@ def validate_config(config: TrainConfig, n_train: int, *, resuming: bool = False
         model = make_model(config, initial_weights=not resuming)
         optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr)
         build_accumulator(run, model, optimizer)
+        if config.max_tokens is not None:
+            train = get_task(config.task).make_data(config.seed).train
+            check_token_budget(train, config.max_tokens)
     except (ValueError, TypeError) as error:
         raise UsageError(one_line(error)) from None
-    steps = -(-run.effective_batch // run.micro_batch_size)
     return CheckedRun(
         config=config,
-        label=f"{run.micro_batch_size}x{steps}",
+        label=run.label,
         effective_batch=run.effective_batch,
         micro_batch_size=run.micro_batch_size,
         lr=run.lr,
         total_steps=run.total_steps,
         steps_per_epoch=run.steps_per_epoch,
         batchnorm_layers=len(batchnorm_modules(model)),
+        max_tokens=run.max_tokens,
     )
 
 
@@ -346,9 +344,15 @@ def describe_run(checked: CheckedRun) -> str:
         epochs = checked.total_steps // checked.steps_per_epoch
         length = f"{checked.total_steps} steps ({epochs} epochs of {checked.steps_per_epoch})"
     accumulation = -(-checked.effective_batch // checked.micro_batch_size)
+    split = (
+        f"{accumulation} micro-batch{'es' if accumulation > 1 else ''} of up to "
+        f"{checked.micro_batch_size}"
+        if checked.max_tokens is None
+        else f"micro-batches packed by length, each at most {checked.max_tokens} padded tokens "
+        "(rows x longest row)"
+    )
     return (
-        f"{checked.label}: batch {checked.effective_batch} = {accumulation} micro-batch"
-        f"{'es' if accumulation > 1 else ''} of up to {checked.micro_batch_size}, "
+        f"{checked.label}: batch {checked.effective_batch} = {split}, "
         f"lr {checked.lr:.3g}, {length}, {config.precision}, seed {config.seed}"
     )
 

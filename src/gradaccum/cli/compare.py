@@ -1,9 +1,11 @@
 """`gradaccum compare`: train several micro-batch x accumulation configs and compare them.
 
 Each config `MxK` trains with micro-batches of M and K accumulation steps, so an effective batch
-of M*K, with the same seed (same initial weights) and, for equal effective batches, the same
-batches in the same order. On a task without BatchNorm, `8x2` and `16x1` therefore end with the
-same parameters, up to float32 rounding.
+of M*K; a config `B@Nt` (charlm) trains an effective batch of B packed by a token budget of N
+(micro-batches of at most N padded tokens; see `gradaccum.cli._configs`). All run with the same
+seed (same initial weights) and, for equal effective batches, the same batches in the same order.
+On a task without BatchNorm, `8x8`, `64x1` and `64@2048t` therefore end with the same
+parameters, up to float32 rounding.
 
 Everything is checked (every config resolved) before anything is written. Results go to a hidden
 staging folder renamed to `--out` at the end, so a failure leaves nothing half-written:
@@ -23,6 +25,7 @@ from typing import Any
 
 from gradaccum.cli import UsageError
 from gradaccum.cli._args import torch_threads
+from gradaccum.cli._configs import ConfigSpec, parse_config
 from gradaccum.cli._notes import batchnorm_warnings_as_notes, show_batchnorm_notes
 from gradaccum.cli._outdir import resolve_out_dir, staged_out_dir, terminate_as_interrupt
 from gradaccum.cli._training_options import (
@@ -30,7 +33,6 @@ from gradaccum.cli._training_options import (
     add_training_options,
     build_config,
     describe_run,
-    parse_config_label,
     train_items,
     validate_config,
 )
@@ -53,7 +55,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="compare micro-batch x accumulation configs on an embedded task",
         description=(
             "Train one run per config, written MICROxSTEPS (8x2: micro-batches of 8, 2 "
-            "accumulation steps, effective batch 16), all with the same seed and data order, "
+            "accumulation steps, effective batch 16) or BATCH@TOKENSt (charlm; 64@2048t: batch "
+            "64 packed into micro-batches of at most 2048 padded tokens), all with the same seed "
+            "and data order, "
             "then write report.md (table), curves.png and memory.png to --out and print the "
             "table. Batch sizes come from --configs. Exit 2 on bad usage or input, with nothing "
             "written."
@@ -63,8 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--configs",
         nargs="+",
         required=True,
-        metavar="MxK",
-        help="configs to compare, e.g. 8x1 8x2 16x1 (micro-batch x accumulation steps)",
+        metavar="MxK|B@Nt",
+        help="configs to compare, e.g. 8x1 8x2 16x1 (micro-batch x accumulation steps) or "
+        "64@2048t (batch 64 packed by a budget of 2048 tokens per micro-batch; charlm)",
     )
     add_training_options(parser, batch_options=False)
     return parser
@@ -91,7 +96,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace, checked: list[CheckedRun], out: Path, started: float) -> int:
     """Train each checked config into `out`, write the report and print the table."""
-    from gradaccum.experiments.report import PEAK_MEMORY_NOTE, print_table, write_report
+    from gradaccum.experiments.report import (
+        PEAK_MEMORY_NOTE,
+        packing_notes,
+        print_table,
+        write_report,
+    )
 
     first = checked[0].config
     print(f"gradaccum compare: {args.task}, {len(checked)} configs, seed {first.seed}")
@@ -110,6 +120,8 @@ def _compare(args: argparse.Namespace, checked: list[CheckedRun], out: Path, sta
         )
     print()
     print_table(summaries, title=f"gradaccum compare: {args.task}")
+    for note in packing_notes(summaries):
+        print(note)
     print(PEAK_MEMORY_NOTE)
     print()
     print(f"results in {out}: " + ", ".join(path.name for path in paths.values()))
@@ -119,26 +131,35 @@ def _compare(args: argparse.Namespace, checked: list[CheckedRun], out: Path, sta
 
 
 def _check(args: argparse.Namespace) -> list[CheckedRun]:
-    for option in ("batch_size", "micro_batch_size"):
+    for option in ("batch_size", "micro_batch_size", "max_tokens"):
         if getattr(args, option) is not None:
             raise UsageError(
                 f"--{option.replace('_', '-')} is not a compare option: batch sizes come from "
-                "--configs (e.g. 8x2 = micro-batch 8 x 2 accumulation steps)"
+                "--configs (e.g. 8x2 = micro-batch 8 x 2 accumulation steps, 64@2048t = batch "
+                "64 packed by 2048 tokens)"
             )
     if args.memory_budget is not None:
         raise UsageError(
             "--memory-budget is not a compare option: micro-batch sizes come from --configs"
         )
-    pairs = [parse_config_label(text) for text in args.configs]
-    seen: set[tuple[int, int]] = set()
-    for text, pair in zip(args.configs, pairs, strict=True):
-        if pair in seen:
+    specs = [parse_config(text) for text in args.configs]
+    seen: set[ConfigSpec] = set()
+    for text, spec in zip(args.configs, specs, strict=True):
+        if spec in seen:
             raise UsageError(f"config {text!r} is given twice")
-        seen.add(pair)
+        seen.add(spec)
     items = train_items(args.task, args.seed)
     checked = [
-        validate_config(build_config(args, batch_size=micro * steps, micro_batch_size=micro), items)
-        for micro, steps in pairs
+        validate_config(
+            build_config(
+                args,
+                batch_size=spec.batch_size,
+                micro_batch_size=spec.micro_batch_size,
+                max_tokens=spec.max_tokens,
+            ),
+            items,
+        )
+        for spec in specs
     ]
     if importlib.util.find_spec("matplotlib") is None:
         raise UsageError(

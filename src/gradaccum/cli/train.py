@@ -4,12 +4,18 @@ Every option is checked (and the configuration resolved) before anything is writ
 writes into `--out` itself:
 
 - `config.json`: the configuration, the checkpoint interval and the thread count (for `--resume`);
-- `metrics.jsonl`: one line per optimizer step (step, samples, loss, lr, grad_norm, time);
+- `metrics.jsonl`: one line per optimizer step (step, samples, loss, lr, grad_norm, time,
+  micro_batches);
 - `validation.jsonl`: the validation metric after each epoch (and after the last step);
 - `summary.json`: the run's `RunSummary`;
 - `checkpoint.pt`: model, optimizer, scheduler and Accumulator state and the run's position
   (`gradaccum.load_checkpoint`); written every `--checkpoint-every`, when the run is stopped, and
   at the end.
+
+`--max-tokens N` (charlm) replaces `--micro-batch-size`: each effective batch is packed by
+`gradaccum.packing.pack_by_tokens` into micro-batches of at most N padded tokens (rows x longest
+row), and the run is labelled `B@Nt`; `summary.json` then reports the packing (the largest
+micro-batch's rows, the most micro-batches of a window and their mean per step).
 
 `--checkpoint-every N` (or `Nstep`) writes a checkpoint every N optimizer steps, `Nmicro` every N
 micro-batches, even in the middle of a window. The first SIGTERM or SIGINT (Ctrl-C) makes the run
@@ -99,7 +105,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="train one configuration of an embedded task (digits, shapes, charlm)",
         description=(
             "Train an embedded task with exact gradient accumulation: each optimizer step sees "
-            "--batch-size items, split into micro-batches of --micro-batch-size. Shows progress "
+            "--batch-size items, split into micro-batches of --micro-batch-size (or, on charlm, "
+            "packed into micro-batches of at most --max-tokens padded tokens). Shows progress "
             "on stderr and writes config.json, metrics.jsonl, validation.jsonl, summary.json and "
             "checkpoint.pt to --out. SIGTERM or Ctrl-C stops at the next micro-batch with a "
             "checkpoint (exit 0; a second one exits at once); --resume DIR continues exactly. "
@@ -188,8 +195,13 @@ def _prepare_new(args: argparse.Namespace) -> _Prepared:
     if args.task is None:
         raise UsageError("--task is required (or --resume DIR to continue a run)")
     fill_defaults(args)
-    config = build_config(args, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size)
-    if config.micro_batch_size == "auto":
+    config = build_config(
+        args,
+        batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size,
+        max_tokens=args.max_tokens,
+    )
+    if config.micro_batch_size == "auto" and config.max_tokens is None:  # else refused below
         auto = plan_auto(config)
         config = auto.config
         print(
@@ -342,6 +354,12 @@ def _print_summary(summary: RunSummary, out: object) -> None:
         f"  validation {summary.metric}: final {summary.final_metric:.4f}, "
         f"best {summary.best_metric:.4f}"
     )
+    if summary.max_tokens is not None:
+        print(
+            f"  micro-batches packed by {summary.max_tokens} tokens: "
+            f"{summary.micro_batches_per_step:g} per step on average, at most "
+            f"{summary.accumulation_steps}; the largest {summary.micro_batch_size} rows"
+        )
     print(f"  peak memory {format_bytes(summary.peak_memory_bytes)}")
     print(f"  ({PEAK_MEMORY_NOTE})")
     print(f"  results in {out}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 from gradaccum.batching import batch_size, map_tensors
 from gradaccum.batchnorm import recalibrate
 from gradaccum.experiments._resume import write_text_atomic
+from gradaccum.experiments._schedule import MicroBatchPlan
 from gradaccum.experiments.base import ResolvedRun, RunSummary, Task
 from gradaccum.memory import measure_activation_bytes
 
@@ -64,16 +64,26 @@ def recalibrate_batchnorm(model: torch.nn.Module, train: Any, batch: int, batche
 
 
 def summarize(
-    run: ResolvedRun, history: list[dict[str, float]], samples: int, peak: int, wall: float
+    run: ResolvedRun,
+    micro: MicroBatchPlan,
+    history: list[dict[str, float]],
+    samples: int,
+    peak: int,
+    wall: float,
 ) -> RunSummary:
-    """The `RunSummary` of a finished run (`summary.json`)."""
+    """The `RunSummary` of a finished run (`summary.json`).
+
+    For `MxK` configs the micro-batch fields are M and K as configured; with a token budget they
+    are what the packing made: the largest micro-batch's rows, the fullest window's micro-batches.
+    """
     metrics = [h["val_metric"] for h in history]
     best = max(metrics) if run.task.higher_is_better else min(metrics)
+    packed = run.max_tokens is not None
     return RunSummary(
-        config=f"{run.micro_batch_size}x{math.ceil(run.effective_batch / run.micro_batch_size)}",
+        config=run.label,
         effective_batch=run.effective_batch,
-        micro_batch_size=run.micro_batch_size,
-        accumulation_steps=math.ceil(run.effective_batch / run.micro_batch_size),
+        micro_batch_size=micro.largest_rows if packed else run.micro_batch_size,
+        accumulation_steps=micro.most if packed else run.accumulation_steps,
         optimizer_steps=run.total_steps,
         samples_seen=samples,
         best_metric=best,
@@ -83,6 +93,8 @@ def summarize(
         samples_per_second=samples / wall if wall > 0 else 0.0,
         wall_seconds=wall,
         history=history,
+        max_tokens=run.max_tokens,
+        micro_batches_per_step=round(micro.mean, 4),
     )
 
 

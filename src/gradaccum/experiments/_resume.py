@@ -271,13 +271,17 @@ def plain_config(config: TrainConfig) -> dict[str, Any]:
     """`config` as plain JSON types, so `weights_only` loading and `json` both accept it.
 
     `asdict` keeps the `LrScaling` enum member, which `torch.load(weights_only=True)` refuses.
+    An unset `max_tokens` is left out, so runs started before that option existed still resume.
 
     Example:
         >>> from gradaccum.experiments.base import LrScaling, TrainConfig
         >>> plain_config(TrainConfig(task="digits", lr_scaling=LrScaling.SQRT))["lr_scaling"]
         'sqrt'
     """
-    return json.loads(json.dumps(asdict(config)))
+    plain: dict[str, Any] = json.loads(json.dumps(asdict(config)))
+    if plain.get("max_tokens") is None:
+        del plain["max_tokens"]
+    return plain
 
 
 def save_run(

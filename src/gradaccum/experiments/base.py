@@ -53,6 +53,8 @@ class Task(Protocol):
         default_batch_size: Effective batch size used when none is given.
         default_lr: Learning rate at `reference_batch_size`.
         default_epochs: Epochs used when neither epochs nor steps are given.
+        token_sequences: Whether batches are right-padded token sequences with an
+            `attention_mask`, which a token budget (`TrainConfig.max_tokens`) can pack.
     """
 
     name: str
@@ -62,6 +64,7 @@ class Task(Protocol):
     default_batch_size: int
     default_lr: float
     default_epochs: int
+    token_sequences: bool
 
     def make_data(self, seed: int) -> TaskData:
         """Build (or load from the package) the train/val split, deterministically."""
@@ -85,6 +88,8 @@ class TrainConfig:
     """One training configuration, as the `train` and `compare` commands take it.
 
     `batch_size` is the effective batch; `micro_batch_size` defaults to it (no accumulation).
+    `max_tokens` replaces `micro_batch_size` with a token budget: each effective batch is packed
+    by `gradaccum.packing.pack_by_tokens` into micro-batches of at most that many padded tokens.
     """
 
     task: str
@@ -103,11 +108,14 @@ class TrainConfig:
     bn: str = "micro"
     init_from: str | None = None
     recalibrate: int = 0
+    max_tokens: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def accumulation_label(self) -> str:
-        """`"{micro}x{steps}"`, the way configs are written on the command line."""
+        """`"{micro}x{steps}"` or, with `max_tokens`, `"{batch}@{max_tokens}t"` (as in the CLI)."""
         batch = self.batch_size or 0
+        if self.max_tokens is not None:
+            return f"{batch}@{self.max_tokens}t"
         micro = self.micro_batch_size if isinstance(self.micro_batch_size, int) else batch
         return f"{micro}x{-(-batch // micro) if micro else 1}"
 
@@ -140,16 +148,36 @@ class ResolvedRun:
     lr: float
     total_steps: int
     steps_per_epoch: int
+    max_tokens: int | None = None
 
     @property
     def accumulation_steps(self) -> int:
-        """Micro-batches of a full effective batch."""
+        """Micro-batches of a full effective batch; with a token budget, an upper bound.
+
+        A packed micro-batch holds at least one row, so an effective batch of B rows makes at
+        most B of them; the runner ends a window after its batch's last micro-batch (`flush()`).
+        """
+        if self.max_tokens is not None:
+            return self.effective_batch
         return math.ceil(self.effective_batch / self.micro_batch_size)
+
+    @property
+    def label(self) -> str:
+        """The config as the command line writes it: `MxK`, or `B@Nt` with a token budget."""
+        if self.max_tokens is not None:
+            return f"{self.effective_batch}@{self.max_tokens}t"
+        return f"{self.micro_batch_size}x{self.accumulation_steps}"
 
 
 @dataclass(frozen=True)
 class RunSummary:
-    """What a finished run reports (also written as `summary.json`)."""
+    """What a finished run reports (also written as `summary.json`).
+
+    `micro_batch_size` is the rows of the run's largest micro-batch and `accumulation_steps` the
+    micro-batches of its fullest window: for `MxK` configs, M and K. With a token budget
+    (`max_tokens`, configs `B@Nt`) they are what the packing produced, and
+    `micro_batches_per_step` is the mean number of micro-batches per optimizer step.
+    """
 
     config: str
     effective_batch: int
@@ -164,3 +192,5 @@ class RunSummary:
     samples_per_second: float
     wall_seconds: float
     history: list[dict[str, float]] = field(default_factory=list)
+    max_tokens: int | None = None
+    micro_batches_per_step: float | None = None

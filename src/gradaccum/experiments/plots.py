@@ -131,7 +131,8 @@ def plot_memory(path: Path | str, summaries: Sequence[RunSummary]) -> Path:
     """Plot peak memory against micro-batch size, one point per config (labelled).
 
     Configs with the same micro-batch size share a point: their peak is the same, whatever the
-    accumulation steps, which is the point of accumulation.
+    accumulation steps, which is the point of accumulation. Configs packed by a token budget
+    (`B@Nt`) are separate squares, at the rows of their largest micro-batch.
 
     Args:
         path: The PNG to write (`MEMORY_SIZE` pixels).
@@ -143,25 +144,35 @@ def plot_memory(path: Path | str, summaries: Sequence[RunSummary]) -> Path:
     shared_metric(summaries)
     figure, (axes,) = _figure(MEMORY_SIZE, 1)
     by_micro: dict[int, list[RunSummary]] = {}
+    packed = [summary for summary in summaries if summary.max_tokens is not None]
     for summary in summaries:
-        by_micro.setdefault(summary.micro_batch_size, []).append(summary)
+        if summary.max_tokens is None:
+            by_micro.setdefault(summary.micro_batch_size, []).append(summary)
     micros = sorted(by_micro)
     peaks = [max(s.peak_memory_bytes for s in by_micro[m]) / 2**20 for m in micros]
+    points = [
+        (", ".join(s.config for s in by_micro[m]), m, p) for m, p in zip(micros, peaks, strict=True)
+    ]
     axes.plot(micros, peaks, "o-", color="C0")
-    for micro, peak in zip(micros, peaks, strict=True):
-        label = ", ".join(s.config for s in by_micro[micro])
+    for summary in packed:
+        peak = summary.peak_memory_bytes / 2**20
+        axes.plot([summary.micro_batch_size], [peak], "s", color="C1")
+        points.append((summary.config, summary.micro_batch_size, peak))
+    for label, micro, peak in points:
         axes.annotate(label, (micro, peak), textcoords="offset points", xytext=(6, 6))
-    if len(micros) > 1 and micros[-1] / micros[0] >= 8:
+    ticks = sorted({micro for _, micro, _ in points})
+    if len(ticks) > 1 and ticks[-1] / ticks[0] >= 8:
         axes.set_xscale("log", base=2)
-    axes.set_xticks(micros, [str(m) for m in micros])
+    axes.set_xticks(ticks, [str(m) for m in ticks])
     axes.margins(x=0.15)
-    axes.set_ylim(bottom=0, top=max(peaks) * 1.15)
+    axes.set_ylim(bottom=0, top=max(peak for _, _, peak in points) * 1.15)
     axes.set_title(
         "peak memory vs micro-batch size\n"
         "(weights + grads + AdamW moments + saved activations of one micro-batch)",
         fontsize="medium",
     )
-    axes.set(xlabel="micro-batch size", ylabel="peak memory (MiB)")
+    xlabel = "micro-batch size" + (" (B@Nt: rows of its largest micro-batch)" if packed else "")
+    axes.set(xlabel=xlabel, ylabel="peak memory (MiB)")
     axes.grid(alpha=0.3)
     figure.savefig(path, dpi=_DPI)
     return Path(path)

@@ -44,6 +44,7 @@ __all__ = [
     "format_seconds",
     "format_table",
     "markdown_table",
+    "packing_notes",
     "plot_curves",
     "plot_memory",
     "print_table",
@@ -208,6 +209,22 @@ def _renders_whole(table: Any, rows: list[list[str]], width: int) -> bool:
     return "…" not in text and all(cell in text for row in rows for cell in row)
 
 
+def packing_notes(summaries: Sequence[RunSummary]) -> list[str]:
+    """One line per config packed by a token budget (`B@Nt`): what its packing made.
+
+    Its table row reads differently: "micro-batch" is the rows of its largest micro-batch, and
+    its peak memory is measured on the micro-batch holding the most padded tokens.
+    """
+    return [
+        f"{s.config}: batch {s.effective_batch} packed into micro-batches of at most "
+        f"{s.max_tokens} padded tokens (rows x longest row), {s.micro_batches_per_step:g} per "
+        f"step on average, at most {s.accumulation_steps}; micro-batch = the largest one's rows, "
+        "peak memory measured on the one with the most padded tokens."
+        for s in summaries
+        if s.max_tokens is not None
+    ]
+
+
 def read_metrics(path: Path | str) -> list[dict[str, Any]]:
     """Read a `metrics.jsonl` (or any JSON-lines file) into a list of dicts."""
     with Path(path).open() as handle:
@@ -254,9 +271,15 @@ def write_report(
     plot_memory(paths["memory"], summaries)
     lines = [f"# {title or f'gradaccum compare: {task}'}", ""]
     direction = _direction(task)
+    notes = packing_notes(summaries)
     lines.append(
         f"Task `{task}`; validation metric: {metric}{direction}. Each config is written "
         "micro-batch x accumulation steps; its effective batch is their product."
+        + (
+            " A config `B@Nt` packs an effective batch of B by a budget of N tokens."
+            if notes
+            else ""
+        )
     )
     if settings:
         lines += ["", "Settings: " + ", ".join(f"{key} {value}" for key, value in settings.items())]
@@ -264,6 +287,8 @@ def write_report(
         "",
         markdown_table(summaries),
         "",
+        *(f"- {note}" for note in notes),
+        *([""] if notes else []),
         PEAK_MEMORY_NOTE,
         "",
         f"![training loss and validation {metric} against samples seen]({paths['curves'].name})",

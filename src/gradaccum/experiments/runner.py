@@ -1,11 +1,12 @@
 """Train one configuration of an embedded task, and log it the way `gradaccum train` does.
 
 The loop reads as prose: shuffle the epoch with a seeded order, cut it into effective batches,
-split each into micro-batches and feed them to `Accumulator.micro_step` (a shorter last batch of
-an epoch, with fewer micro-batches, is settled by `flush()`), log one line per optimizer step,
-validate after each epoch. Two configurations with the same seed and effective batch see the same
-batches in the same order, so `8x2` and `16x1` must end with the same parameters on an additive
-task.
+split each into micro-batches (by rows, or packed by a token budget: see
+`gradaccum.experiments._schedule`) and feed them to `Accumulator.micro_step` (a window with fewer
+micro-batches than `accumulation_steps`, like an epoch's shorter last batch or any packed batch,
+is settled by `flush()`), log one line per optimizer step, validate after each epoch. Two
+configurations with the same seed and effective batch see the same batches in the same order, so
+`8x2`, `16x1` and `16@512t` must end with the same parameters on an additive task.
 
 A run may write `checkpoint.pt` every few steps or micro-batches, stop on request at any
 micro-batch boundary (after writing one) and resume from it exactly: see `open_run` and
@@ -23,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import IO, Any
@@ -31,7 +32,7 @@ from typing import IO, Any
 import torch
 
 from gradaccum.accumulator import Accumulator, StepResult
-from gradaccum.batching import batch_size, map_tensors, split_batch
+from gradaccum.batching import batch_size
 from gradaccum.experiments._model import ACCUM_DTYPES, make_model, resolve_micro_batch_size
 from gradaccum.experiments._outcome import (
     peak_memory,
@@ -50,6 +51,14 @@ from gradaccum.experiments._resume import (
     plain_config,
     save_run,
     write_text_atomic,
+)
+from gradaccum.experiments._schedule import (
+    MicroBatchPlan,
+    check_max_tokens,
+    check_token_budget,
+    effective_batches,
+    micro_batches,
+    plan_micro_batches,
 )
 from gradaccum.experiments.base import LrScaling, ResolvedRun, RunSummary, Task, TrainConfig
 from gradaccum.experiments.tasks import get_task
@@ -88,6 +97,7 @@ class StepLog:
     lr: float
     grad_norm: float | None
     time: float
+    micro_batches: int | None = None  # micro-batches of the step's window
 
 
 def resolve(config: TrainConfig, train_items: int | None = None) -> ResolvedRun:
@@ -101,6 +111,8 @@ def resolve(config: TrainConfig, train_items: int | None = None) -> ResolvedRun:
     effective = config.batch_size or task.default_batch_size
     if effective <= 0:
         raise ValueError(f"--batch-size={effective} must be a positive int.")
+    if config.max_tokens is not None:
+        check_max_tokens(config, task)
     micro = config.micro_batch_size if config.micro_batch_size is not None else effective
     if micro == "auto":
         raise ValueError(
@@ -135,6 +147,7 @@ def resolve(config: TrainConfig, train_items: int | None = None) -> ResolvedRun:
         lr=_scaled_lr(config, task, effective),
         total_steps=total,
         steps_per_epoch=steps_per_epoch,
+        max_tokens=config.max_tokens,
     )
 
 
@@ -146,8 +159,9 @@ def build_accumulator(
 ) -> Accumulator:
     """The streaming `Accumulator` of a run: one window per effective batch.
 
-    The last effective batch of an epoch may have fewer micro-batches; the runner settles it
-    with `flush()` (`partial_window="step"`: an exact step over its items).
+    The last effective batch of an epoch may have fewer micro-batches, and a batch packed by a
+    token budget has fewer than its upper bound (`ResolvedRun.accumulation_steps`); the runner
+    settles those windows with `flush()` (`partial_window="step"`: an exact step over its items).
     """
     return Accumulator(
         model,
@@ -205,14 +219,18 @@ class TrainingRun:
         task = get_task(config.task)
         self.data = task.make_data(config.seed)
         self.plan = resolve(config, batch_size(self.data.train))
+        if config.max_tokens is not None:
+            check_token_budget(self.data.train, config.max_tokens)
+        self.micro_plan: MicroBatchPlan = plan_micro_batches(self.data.train, self.plan)
         self.out = out
         self.resumed = resume
         self.model = make_model(config, initial_weights=not resume)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.plan.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(config.warmup))
         self.accumulator = build_accumulator(self.plan, self.model, self.optimizer, self.scheduler)
+        measured = self.micro_plan.measured  # the largest micro-batch (in padded tokens)
         self.peak_bytes = peak_memory(
-            self.model, self.optimizer, task, self.data.train, self.plan.micro_batch_size
+            self.model, self.optimizer, task, measured, batch_size(measured)
         )
         self.position = Position()  # the next micro-batch; elapsed as of the last checkpoint
         self.history: list[dict[str, float]] = []
@@ -223,11 +241,8 @@ class TrainingRun:
             self.position, self.history = load_run(self, out)
 
     def window_micro_batches(self, step: int) -> int:
-        """Micro-batches of window `step + 1` (the last batch of an epoch may be shorter)."""
-        items = batch_size(self.data.train)
-        index = step % self.plan.steps_per_epoch
-        size = min(self.plan.effective_batch, items - index * self.plan.effective_batch)
-        return math.ceil(size / self.plan.micro_batch_size)
+        """Micro-batches of window `step + 1` (an epoch's last batch or a packed one may differ)."""
+        return self.micro_plan.per_window[step]
 
     def run(
         self,
@@ -255,8 +270,10 @@ class TrainingRun:
             metrics = open_metrics(self.out / "metrics.jsonl", resume_step=resume_step)
         self._started = time.perf_counter() - self.position.elapsed
         try:
-            for epoch, batch, epoch_done in _batches(self.data.train, plan, self.position.step):
-                parts = split_batch(batch, plan.micro_batch_size)
+            for epoch, batch, epoch_done in effective_batches(
+                self.data.train, plan, self.position.step
+            ):
+                parts = micro_batches(batch, plan)
                 for k in range(self.position.micro, len(parts)):
                     if stop is not None and stop(self._here()):
                         here = self._here()
@@ -264,7 +281,7 @@ class TrainingRun:
                     last = k == len(parts) - 1
                     result = self.accumulator.micro_step(parts[k], plan.task.loss_fn)
                     if last and not (result.stepped or result.skipped):
-                        result = self.accumulator.flush()  # a shorter last batch of the epoch
+                        result = self.accumulator.flush()  # fewer than accumulation_steps
                     self._advance(result, batch, epoch, epoch_done, last, metrics, on_step)
                     due = checkpoint_every is not None and checkpoint_every.due(
                         micro_batches=self.position.micro_batches,
@@ -274,7 +291,9 @@ class TrainingRun:
                     if due and self.position.step < plan.total_steps:
                         save_run(self, self._here(), metrics)
             final = self._here()
-            summary = summarize(plan, self.history, final.samples, self.peak_bytes, final.elapsed)
+            summary = summarize(
+                plan, self.micro_plan, self.history, final.samples, self.peak_bytes, final.elapsed
+            )
             if self.out:
                 write_jsonl(self.out / "validation.jsonl", self.history)
                 text = json.dumps(asdict(summary), indent=2) + "\n"
@@ -310,7 +329,13 @@ class TrainingRun:
             position, step=step, micro=0, micro_batches=position.micro_batches + 1, samples=samples
         )
         log = StepLog(
-            step, samples, result.loss, result.lr, result.grad_norm, _since(self._started)
+            step,
+            samples,
+            result.loss,
+            result.lr,
+            result.grad_norm,
+            _since(self._started),
+            micro_batches=position.micro + 1,
         )
         if metrics:
             metrics.write(json.dumps(asdict(log)) + "\n")
@@ -328,29 +353,6 @@ class TrainingRun:
                 self.plan.task, self.model, self.data.val, epoch, step, samples, log.loss
             )
             self.history.append(val)
-
-
-def _batches(train: Any, run: ResolvedRun, done: int = 0) -> Iterator[tuple[int, Any, bool]]:
-    """Effective batches in a seeded order per epoch: (epoch, batch, last of its epoch).
-
-    Args:
-        train: The training set.
-        run: The resolved run (batch size, steps).
-        done: Batches already trained (resume): the order is regenerated and they are skipped.
-    """
-    items = batch_size(train)
-    step = done
-    first_epoch = done // run.steps_per_epoch + 1
-    for epoch in range(first_epoch, 1 + math.ceil(run.total_steps / run.steps_per_epoch)):
-        generator = torch.Generator().manual_seed(run.config.seed * 1_000_003 + epoch)
-        order = torch.randperm(items, generator=generator)
-        skip = done % run.steps_per_epoch if epoch == first_epoch else 0
-        for start in range(skip * run.effective_batch, items, run.effective_batch):
-            if step == run.total_steps:
-                return
-            index = order[start : start + run.effective_batch]
-            step += 1
-            yield epoch, map_tensors(train, lambda t, i=index: t[i]), start + len(index) >= items
 
 
 def _scaled_lr(config: TrainConfig, task: Task, effective: int) -> float:

@@ -4,7 +4,10 @@ The text ships with the package (`data/charlm.txt`, about 600 short lines of pla
 Each line is one sequence: the input is a begin-of-line token followed by the line's
 characters, the target is the characters followed by an end-of-line token. Lines are right-padded
 to the longest line; padded inputs hold the pad token and padded labels hold `IGNORE_INDEX`
-(-100), so lines of different lengths contribute different numbers of tokens.
+(-100), so lines of different lengths contribute different numbers of tokens. The
+`attention_mask` is 1 on a line's positions (begin-of-line and characters) and 0 on its padding,
+so `gradaccum.packing.pack_by_tokens` reads each line's length (`gradaccum train --max-tokens`).
+The model does not read the mask: its attention is causal, so real positions never see padding.
 
 That is why this task exposes mean-of-means normalization: the loss is a `LossSum` (sum of the
 token cross-entropies, count = tokens that are not padding), so a window divides by its total
@@ -15,7 +18,7 @@ Example:
     >>> task = CharLMTask()
     >>> batch = task.make_data(seed=0).train
     >>> sorted(batch), batch["tokens"].shape == batch["labels"].shape
-    (['labels', 'tokens'], True)
+    (['attention_mask', 'labels', 'tokens'], True)
 """
 
 from __future__ import annotations
@@ -81,11 +84,13 @@ def decode(ids: list[int]) -> str:
 def _pad_lines(lines: list[str], length: int) -> dict[str, torch.Tensor]:
     tokens = torch.full((len(lines), length), PAD, dtype=torch.int64)
     labels = torch.full((len(lines), length), IGNORE_INDEX, dtype=torch.int64)
+    mask = torch.zeros((len(lines), length), dtype=torch.int64)
     for row, line in enumerate(lines):
         ids = encode(line)
         tokens[row, : len(ids) + 1] = torch.tensor([BOS, *ids])
         labels[row, : len(ids) + 1] = torch.tensor([*ids, EOL])
-    return {"tokens": tokens, "labels": labels}
+        mask[row, : len(ids) + 1] = 1
+    return {"tokens": tokens, "labels": labels, "attention_mask": mask}
 
 
 class _Block(nn.Module):
@@ -152,8 +157,9 @@ def _trimmed(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
 class CharLMTask:
     """The `charlm` task: next-character prediction on padded lines, perplexity metric.
 
-    Batches are dicts `{"tokens": (N, L), "labels": (N, L)}` of int64, padded to the longest
-    line of the text; padded labels are `IGNORE_INDEX`.
+    Batches are dicts `{"tokens": (N, L), "labels": (N, L), "attention_mask": (N, L)}` of
+    int64, right-padded to the longest line of the text; padded labels are `IGNORE_INDEX` and the
+    mask is 1 on each line's positions, 0 on its padding.
     """
 
     name = "charlm"
@@ -163,6 +169,7 @@ class CharLMTask:
     default_batch_size = 32
     default_lr = 3e-3
     default_epochs = 8
+    token_sequences = True
 
     def make_data(self, seed: int) -> TaskData:
         """Shuffle the lines with `seed` and split them 85/15 into train and validation.
@@ -171,7 +178,8 @@ class CharLMTask:
             seed: Seeds the shuffle; the same seed gives identical tensors.
 
         Returns:
-            `TaskData` whose `train` and `val` are padded `{"tokens", "labels"}` dicts.
+            `TaskData` whose `train` and `val` are padded `{"tokens", "labels",
+            "attention_mask"}` dicts.
         """
         lines = load_lines()
         order = torch.randperm(len(lines), generator=torch.Generator().manual_seed(seed))
@@ -232,7 +240,7 @@ class CharLMTask:
 
         Args:
             model: The model to evaluate; its train/eval mode is restored afterwards.
-            val: The padded `{"tokens", "labels"}` validation dict.
+            val: The padded `{"tokens", "labels", "attention_mask"}` validation dict.
             batch_size: Lines per forward pass.
 
         Returns:

@@ -73,6 +73,7 @@ class DigitsTask:
     default_batch_size = 32
     default_lr = 3e-3
     default_epochs = 3
+    token_sequences = False
 
     def make_data(self, seed: int) -> TaskData:
         """Load the bundled digits and split them 80/20 with a permutation drawn from `seed`.

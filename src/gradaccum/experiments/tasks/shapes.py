@@ -161,6 +161,7 @@ class ShapesTask:
     default_batch_size = 16
     default_lr = 3e-3
     default_epochs = 10
+    token_sequences = False
 
     def make_data(self, seed: int) -> TaskData:
         """Generate 400 training and 100 validation images from `seed`.
