@@ -16,11 +16,12 @@ import torch
 
 from gradaccum._sync_base import is_fsdp
 from gradaccum.batching import check_micro_batch_size
-from gradaccum.options import Tokens
+from gradaccum.options import SyncPolicy, Tokens
 from gradaccum.recovery import is_auto
 
 __all__ = [
     "check_fsdp_support",
+    "check_saved_state",
     "check_settings",
     "check_materialized",
     "check_max_grad_norm",
@@ -136,15 +137,23 @@ def _needs_argument(method: Any) -> bool:
     )
 
 
-def check_fsdp_support(model: torch.nn.Module, *, buffers: bool, auto: bool) -> None:
-    """Raise for settings FSDP2 does not support yet: `accum_dtype` buffers, "auto" sizing."""
+def check_fsdp_support(
+    model: torch.nn.Module, *, buffers: bool, auto: bool, policy: SyncPolicy
+) -> None:
+    """Raise for settings FSDP2 does not support: `accum_dtype` buffers of deferred gradients.
+
+    Under `SyncPolicy.WINDOW` FSDP2 keeps a window's gradient sums to itself until the last
+    backward, where no buffer can see them; under `SyncPolicy.MICRO` every backward leaves a
+    gradient shard, which the buffers accumulate.
+    """
     if not is_fsdp(model):
         return
-    if buffers:
+    if buffers and policy is SyncPolicy.WINDOW:
         raise ValueError(
             "accum_dtype buffers cannot see FSDP2's deferred gradients; pass "
+            "sync_policy='micro' (every backward reduce-scatters into the buffers), or "
             "fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)) "
-            "instead and leave accum_dtype=None."
+            "and leave accum_dtype=None."
         )
     if auto:
         raise ValueError(
@@ -182,3 +191,25 @@ def check_settings(
     check_optimizer(optimizer, model)
     check_sparse(model)
     return auto
+
+
+def check_saved_state(state: object, version: int, settings: dict[str, Any]) -> None:
+    """Raise unless `state` is an `Accumulator.state_dict()` of `version` saved with `settings`.
+
+    Raises:
+        ValueError: Naming what differs, and the fix.
+    """
+    if not isinstance(state, dict) or "version" not in state:
+        raise ValueError("not an Accumulator state: pass what Accumulator.state_dict() returned.")
+    if state["version"] != version:
+        raise ValueError(
+            f"Accumulator state version {state['version']!r} is not supported; this "
+            f"gradaccum reads version {version}."
+        )
+    for name, mine in settings.items():
+        saved = state["settings"].get(name)
+        if saved != mine:
+            raise ValueError(
+                f"the saved Accumulator has {name}={saved!r} but this one has {name}={mine!r}; "
+                "build the Accumulator with the saved settings."
+            )

@@ -19,6 +19,7 @@ from gradaccum._agreement import OUT_OF_MEMORY, RankMismatchError, RankSummary, 
 from gradaccum._allreduce import all_reduce_sum
 from gradaccum._sync_base import GradSync, Plan, device_for, process_group
 from gradaccum.loss import MAX_TERMS
+from gradaccum.options import SyncPolicy
 
 __all__ = ["DDPSync", "FSDP2Sync"]
 
@@ -189,12 +190,17 @@ class DDPSync(_DistributedSync):
 
 
 class FSDP2Sync(_DistributedSync):
-    """FSDP2: reduce-scatter deferred to the window's last backward; its mean over ranks undone."""
+    """FSDP2: one reduce-scatter per window, or per micro-batch; its mean over ranks undone.
 
-    syncs_last_backward = True
+    `SyncPolicy.WINDOW` defers the reduce-scatter to the window's last backward, so each rank
+    holds unsharded gradient sums for the window; `SyncPolicy.MICRO` lets every backward
+    reduce-scatter, so each rank holds only its gradient shard, at N times the communication.
+    """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, policy: SyncPolicy = SyncPolicy.WINDOW) -> None:
         super().__init__(model)
+        self.policy = policy
+        self.defers = self.syncs_last_backward = policy is SyncPolicy.WINDOW
         self.averaged_over = self.world
         from torch.distributed.fsdp import FSDPModule
 
@@ -206,12 +212,12 @@ class FSDP2Sync(_DistributedSync):
             module.reshard()
 
     def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
-        """Forward and backward with the reduce-scatter off; the last backward may turn it on."""
-        return self._gradient_sync(False)
+        """Window policy: the reduce-scatter off (the last backward may turn it on)."""
+        return self._gradient_sync(False) if self.defers else contextlib.nullcontext()
 
     def backward_context(self, *, reduce: bool) -> contextlib.AbstractContextManager[None]:
         """FSDP2 reads the flag in its post-backward hooks, so it can change after a forward."""
-        return self._gradient_sync(True) if reduce else contextlib.nullcontext()
+        return self._gradient_sync(True) if reduce and self.defers else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _gradient_sync(self, on: bool) -> Iterator[None]:

@@ -332,7 +332,7 @@ class Engine:
 
     def _settle(self) -> None:
         """FSDP2: make it reduce-scatter the window's deferred sums, by a zero-item backward."""
-        if self._fsdp and not self._reduced and self._last_input is not None:
+        if self.sync.defers and not self._reduced and self._last_input is not None:
             self._zero_item_micro_batch(*self._last_input, last=False, reduce=True)
 
     # ---------------------------------------------------------------- forgetting

@@ -90,6 +90,7 @@ class GradSync:
     world = 1
     averaged_over = 1  # what the backend's own reduction divides the summed gradient by
     syncs_last_backward = False  # whether the last backward itself reduces gradients
+    defers = False  # whether the backend holds unreduced sums until a synchronized backward
 
     def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
         """The context a micro-batch's forward and backward run in."""

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from gradaccum._checks import check_fsdp_support, check_settings
+from gradaccum._checks import check_fsdp_support, check_saved_state, check_settings
 from gradaccum._engine import Engine
 from gradaccum.batching import batch_size, check_batch_dim, split_batch
 from gradaccum.batchnorm import BatchNormControl
@@ -44,6 +44,7 @@ from gradaccum.options import (
     OnNonFinite,
     PartialWindow,
     Precision,
+    SyncPolicy,
     Tokens,
     parse,
 )
@@ -89,6 +90,8 @@ class Accumulator:
             layouts such as `(seq, batch, features)` (see `gradaccum.batching`).
         telemetry: Put a `Telemetry` on every stepped result: the gradient noise scale, items
             per second, micro-batch size and peak memory (`gradaccum.telemetry`).
+        sync_policy: FSDP2: reduce-scatter once per window (`"window"`: unsharded gradient
+            sums held for the window) or after every micro-batch (`"micro"`: only the shard).
 
     Raises:
         ValueError: For any invalid setting; the message names the fix.
@@ -113,6 +116,7 @@ class Accumulator:
         regrow_after: int | None = 50,
         batch_dim: int = 0,
         telemetry: bool = False,
+        sync_policy: SyncPolicy | str = "window",
     ) -> None:
         auto = check_settings(
             model,
@@ -130,7 +134,8 @@ class Accumulator:
         self.partial_window = parse(PartialWindow, partial_window, "partial_window")
         self.on_nonfinite = parse(OnNonFinite, on_nonfinite, "on_nonfinite")
         runtime = PrecisionRuntime(self.precision, params, accum_dtype)
-        check_fsdp_support(model, buffers=runtime.uses_buffers, auto=auto)
+        policy = parse(SyncPolicy, sync_policy, "sync_policy")
+        check_fsdp_support(model, buffers=runtime.uses_buffers, auto=auto, policy=policy)
         self._auto = (
             AutoSizer(memory_budget, runtime.device, regrow_after, AutoSize(micro_batch_size))
             if auto
@@ -148,7 +153,7 @@ class Accumulator:
             optimizer,
             normalize=self.normalize,
             runtime=runtime,
-            sync=grad_sync_for(model),
+            sync=grad_sync_for(model, policy),
             batchnorm=BatchNormControl(model, batchnorm),
             batch_dim=self.batch_dim,
         )
@@ -363,22 +368,7 @@ class Accumulator:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()`; raises ValueError naming any mismatch, changing nothing."""
-        if not isinstance(state, dict) or "version" not in state:
-            raise ValueError(
-                "not an Accumulator state: pass what Accumulator.state_dict() returned."
-            )
-        if state["version"] != STATE_VERSION:
-            raise ValueError(
-                f"Accumulator state version {state['version']!r} is not supported; this "
-                f"gradaccum reads version {STATE_VERSION}."
-            )
-        for name, mine in self._settings().items():
-            saved = state["settings"].get(name)
-            if saved != mine:
-                raise ValueError(
-                    f"the saved Accumulator has {name}={saved!r} but this one has {name}={mine!r};"
-                    " build the Accumulator with the saved settings."
-                )
+        check_saved_state(state, STATE_VERSION, self._settings())
         self._engine.load_state_dict(state["engine"])  # checks everything, then loads
         if self._auto is not None and state.get("auto") is not None:
             self._auto.load_state_dict(state["auto"])

@@ -23,6 +23,7 @@ __all__ = [
     "OnNonFinite",
     "PartialWindow",
     "Precision",
+    "SyncPolicy",
     "Tokens",
     "parse",
 ]
@@ -64,6 +65,13 @@ class BatchNormMode(str, enum.Enum):
     MICRO = "micro"  # plain PyTorch: per-micro-batch statistics ("ghost batch norm")
     POOLED = "pooled"
     FROZEN = "frozen"
+
+
+class SyncPolicy(str, enum.Enum):
+    """When FSDP2 reduce-scatters a window's gradients (DDP: always once per window)."""
+
+    WINDOW = "window"  # once, in the last backward: unsharded gradient sums held for the window
+    MICRO = "micro"  # in every backward: only the gradient shard held, N times the communication
 
 
 class AutoSize(str, enum.Enum):

@@ -51,6 +51,7 @@ from gradaccum._sync_base import (
     process_group,
     world_size,
 )
+from gradaccum.options import SyncPolicy
 
 __all__ = [
     "FAILED",
@@ -73,13 +74,23 @@ __all__ = [
 ]
 
 
-def grad_sync_for(model: torch.nn.Module) -> GradSync:
-    """The strategy for `model`: FSDP2, DDP, or local (also for a wrapper on one rank)."""
+def grad_sync_for(model: torch.nn.Module, policy: SyncPolicy = SyncPolicy.WINDOW) -> GradSync:
+    """The strategy for `model`: FSDP2, DDP, or local (also for a wrapper on one rank).
+
+    Raises:
+        ValueError: For `SyncPolicy.MICRO` on a DDP model (it holds full gradients anyway).
+    """
     group = process_group(model)
     if group is None or dist.get_world_size(group) == 1:
         return LocalSync()
     if is_fsdp(model):
-        return FSDP2Sync(model)
+        return FSDP2Sync(model, policy)
+    if policy is not SyncPolicy.WINDOW:
+        raise ValueError(
+            f"sync_policy={policy.value!r} is for FSDP2, whose ranks hold gradient shards; a DDP "
+            "model holds full gradients either way, so reducing every micro-batch would only "
+            "add communication. Leave sync_policy='window'."
+        )
     return DDPSync(model)
 
 

@@ -172,7 +172,9 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def uneven_worker(rank: int, world_size: int, recipe: str) -> dict[str, Any]:
+def uneven_worker(
+    rank: int, world_size: int, recipe: str, policy: str = "window"
+) -> dict[str, Any]:
     from gradaccum import Accumulator, Tokens
 
     model = shard(make_tiny(), world_size, recipe)
@@ -180,18 +182,18 @@ def uneven_worker(rank: int, world_size: int, recipe: str) -> dict[str, Any]:
     losses = {"masked": masked_loss, "mean": mean_loss, "tokens": token_loss}
     micro_batches = []
     for name, batch in step_batches(rank):
-        acc = Accumulator(model, optimizer, micro_batch_size=MICRO)
+        acc = Accumulator(model, optimizer, micro_batch_size=MICRO, sync_policy=policy)
         budget = {"max_tokens": 14} if name == "tokens" else {}
         result = acc.step(batch, losses[name], **budget)
         assert result.stepped
         micro_batches.append(result.micro_batches)
-    acc = Accumulator(model, optimizer, accumulation_steps=Tokens(TOKENS))
+    acc = Accumulator(model, optimizer, accumulation_steps=Tokens(TOKENS), sync_policy=policy)
     closed = []
     for index, micro_batch in enumerate(streamed_batches(rank)):
         if acc.micro_step(micro_batch, masked_loss).stepped:
             closed.append(index)
     last = acc.flush()
-    acc = Accumulator(model, optimizer, accumulation_steps=2)
+    acc = Accumulator(model, optimizer, accumulation_steps=2, sync_policy=policy)
     sized = [acc.micro_step(b, masked_loss).stepped for b in sized_batches(rank)]
     assert sized == [False, True, False, True]
     return {
