@@ -1,4 +1,7 @@
-"""`micro_batch_size="auto"` on the embedded tasks: planning cost, prediction, and throughput.
+"""The memory plan on the embedded tasks: planning cost, prediction, and throughput.
+
+(It runs `micro_batch_size="largest"`, the planned size, untimed; `"auto"` times sizes up to it,
+which `benchmarks/sweep.py` measures.)
 
 For each task (`digits`, `charlm`, `shapes`), with its default model in fp32, AdamW, and a batch
 large enough that a memory budget actually constrains the micro-batch size m (the budgets are
@@ -164,7 +167,7 @@ def planning_times(setup: Setup, size: int, rounds: int) -> tuple[list[float], l
             acc = Accumulator(
                 model,
                 optimizer,
-                micro_batch_size="auto" if kind == "auto" else size,
+                micro_batch_size="largest" if kind == "auto" else size,
                 memory_budget=setup.budget if kind == "auto" else None,
             )
             firsts[kind] = timed(acc.step, setup.batch, setup.loss_fn)
@@ -176,7 +179,7 @@ def throughput(setup: Setup, repeats: int, steps: int) -> tuple[dict[str, list[f
     """Seconds per step of auto and of m = HAND_M in alternating blocks; auto's size."""
     model_a, opt_a = setup.fresh()
     model_h, opt_h = setup.fresh()
-    auto = Accumulator(model_a, opt_a, micro_batch_size="auto", memory_budget=setup.budget)
+    auto = Accumulator(model_a, opt_a, micro_batch_size="largest", memory_budget=setup.budget)
     hand = Accumulator(model_h, opt_h, micro_batch_size=HAND_M)
     sizes = []
     candidates = {
@@ -271,7 +274,8 @@ def rss_child(spec: dict) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts here
         model, optimizer = setup.fresh()
         budget = setup.budget if size == "auto" else None
-        acc = Accumulator(model, optimizer, micro_batch_size=size, memory_budget=budget)
+        planned = "largest" if size == "auto" else size  # the plan's size, untimed
+        acc = Accumulator(model, optimizer, micro_batch_size=planned, memory_budget=budget)
         for _ in range(RSS_STEPS):
             used = acc.step(setup.batch, setup.loss_fn).micro_batch_size
         runs.append({"size": size, "used": used, "peak": _status_bytes("VmHWM") - baseline})

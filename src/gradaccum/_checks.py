@@ -18,6 +18,7 @@ from gradaccum._sync_base import is_fsdp
 from gradaccum.batching import check_micro_batch_size
 from gradaccum.options import SyncPolicy, Tokens
 from gradaccum.recovery import is_auto
+from gradaccum.window import trainable_parameters
 
 __all__ = [
     "check_fsdp_support",
@@ -186,6 +187,7 @@ def check_settings(
     if accumulation_steps is not None and not isinstance(accumulation_steps, Tokens):
         check_micro_batch_size(accumulation_steps, "accumulation_steps")
     check_materialized(model)
+    trainable_parameters(model)  # raises for a fully frozen model, naming the fix
     check_max_grad_norm(max_grad_norm)
     check_scheduler(scheduler)
     check_optimizer(optimizer, model)
