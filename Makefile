@@ -25,8 +25,16 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy
 
-bench: $(STAMP)
+# The peers of benchmarks/peers.py come from the bench extra, installed here only (not by test/demo).
+BENCH_STAMP := $(VENV)/.installed-bench
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[cli,dev,hf,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/peers.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache .mypy_cache
