@@ -357,11 +357,13 @@ class Accumulator:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly, even mid-window: each component's own state."""
+        meter = self._engine.telemetry
         return {
             "version": STATE_VERSION,
             "settings": self._settings(),
             "engine": self._engine.state_dict(),
             "auto": None if self._auto is None else self._auto.state_dict(),
+            "telemetry": None if meter is None else meter.state_dict(),
             "nonfinite_windows": self.nonfinite_windows,
             "empty_windows": self.empty_windows,
         }
@@ -372,6 +374,8 @@ class Accumulator:
         self._engine.load_state_dict(state["engine"])  # checks everything, then loads
         if self._auto is not None and state.get("auto") is not None:
             self._auto.load_state_dict(state["auto"])
+        if self._engine.telemetry is not None and state.get("telemetry") is not None:
+            self._engine.telemetry.load_state_dict(state["telemetry"])
         self.nonfinite_windows = int(state["nonfinite_windows"])
         self.empty_windows = int(state["empty_windows"])
 

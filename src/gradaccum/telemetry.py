@@ -172,13 +172,26 @@ class TelemetryMeter:
         return trace / grad_sq
 
     def state_dict(self) -> dict[str, Any]:
-        """The averages (not the open window's measurements, which a resume re-measures)."""
-        return {"steps": self.steps, "trace": self._trace, "grad_sq": self._grad_sq}
+        """The averages, and an open window's first micro-batch measurement (exact resume)."""
+        small = None
+        if self._small is not None:
+            raw_sq, items, scale = self._small
+            small = [float(raw_sq), items, scale]
+        return {"steps": self.steps, "trace": self._trace, "grad_sq": self._grad_sq, "small": small}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()` output."""
+        """Restore `state_dict()` output (the resumed window's clock starts again)."""
         self.steps = int(state["steps"])
         self._trace, self._grad_sq = float(state["trace"]), float(state["grad_sq"])
+        small = state.get("small")
+        self._small = None
+        if small is not None:
+            self._small = (
+                torch.tensor(float(small[0]), dtype=torch.float64),
+                int(small[1]),
+                float(small[2]),
+            )
+        self._started = time.perf_counter()
 
 
 def _peak_allocated(device: torch.device) -> int:

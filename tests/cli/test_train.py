@@ -32,7 +32,16 @@ from gradaccum.experiments.tasks import get_task
 from tests.cli._helpers import read_jsonl, run_cli
 
 _TIMEOUT = 120
-METRIC_COLUMNS = {"step", "samples", "loss", "lr", "grad_norm", "time", "micro_batches"}
+METRIC_COLUMNS = {
+    "step",
+    "samples",
+    "loss",
+    "lr",
+    "grad_norm",
+    "time",
+    "micro_batches",
+    "noise_scale",
+}
 RUN_FILES = {"config.json", "metrics.jsonl", "validation.jsonl", "summary.json", "checkpoint.pt"}
 FLOAT32_RTOL = 1e-5
 

@@ -1,7 +1,10 @@
-"""`--micro-batch-size auto` on the command line: planned once, before training.
+"""`--micro-batch-size auto` on the command line: planned and timed once, before training.
 
-The run then records the planned size in its `config.json`, so a resumed run uses the same size
-without planning again, and the plan's budget is kept in `config.extra["planned_from"]`.
+The memory plan gives the largest size that fits `--memory-budget`; the sizes up to it are then
+timed on windows of the first batch, on a throwaway copy of the model, and the fastest is kept
+(`gradaccum._tuner`, with hysteresis). The run records that size in its `config.json`, so a
+resumed run uses the same size without planning again, and how it was chosen in
+`config.extra["planned_from"]`.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ __all__ = ["AutoPlan", "plan_auto"]
 
 @dataclass(frozen=True)
 class AutoPlan:
-    """`--micro-batch-size auto` resolved: the plan, and the config with its size filled in."""
+    """`--micro-batch-size auto` resolved: the plan, why the size, and the config with it."""
 
     plan: MemoryPlan
+    reason: str
     config: TrainConfig
 
 
@@ -32,10 +36,12 @@ def plan_auto(config: TrainConfig) -> AutoPlan:
         UsageError: Without `--memory-budget`, or if even one item does not fit it.
     """
     try:
-        plan = resolve_micro_batch_size(config)
+        choice = resolve_micro_batch_size(config)
     except (ValueError, TypeError) as error:
         raise UsageError(one_line(error)) from None
     budget = config.memory_budget
-    extra = {**config.extra, "planned_from": f"auto, --memory-budget {budget}"}
-    fixed = config.replace(micro_batch_size=plan.micro_batch_size, memory_budget=None, extra=extra)
-    return AutoPlan(plan, fixed)
+    planned = f"auto, --memory-budget {budget}: {choice.reason}"
+    extra = {**config.extra, "planned_from": planned}
+    size = choice.micro_batch_size
+    fixed = config.replace(micro_batch_size=size, memory_budget=None, extra=extra)
+    return AutoPlan(choice.plan, choice.reason, fixed)

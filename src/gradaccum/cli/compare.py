@@ -98,6 +98,7 @@ def _compare(args: argparse.Namespace, checked: list[CheckedRun], out: Path, sta
     """Train each checked config into `out`, write the report and print the table."""
     from gradaccum.experiments.report import (
         PEAK_MEMORY_NOTE,
+        noise_scale_note,
         packing_notes,
         print_table,
         write_report,
@@ -123,6 +124,9 @@ def _compare(args: argparse.Namespace, checked: list[CheckedRun], out: Path, sta
     for note in packing_notes(summaries):
         print(note)
     print(PEAK_MEMORY_NOTE)
+    noise = noise_scale_note(summaries)
+    if noise:
+        print(noise)
     print()
     print(f"results in {out}: " + ", ".join(path.name for path in paths.values()))
     print(f"  and one folder per config: {', '.join(item.label for item in checked)}")

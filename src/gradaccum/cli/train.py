@@ -205,9 +205,11 @@ def _prepare_new(args: argparse.Namespace) -> _Prepared:
         auto = plan_auto(config)
         config = auto.config
         print(
-            f"gradaccum train: --micro-batch-size auto planned {config.micro_batch_size} for "
-            f"--memory-budget {args.memory_budget} (predicted peak "
-            f"{format_bytes(auto.plan.predicted_peak_bytes)}; `gradaccum plan` shows the table)"
+            f"gradaccum train: --micro-batch-size auto chose {config.micro_batch_size} for "
+            f"--memory-budget {args.memory_budget} (largest that fits: "
+            f"{auto.plan.micro_batch_size}, predicted peak "
+            f"{format_bytes(auto.plan.predicted_peak_bytes)}; `gradaccum plan` shows the "
+            f"table): {auto.reason}"
         )
     checked = validate_config(config, train_items(args.task, args.seed))
     if args.out is not None and (args.out / CONFIG_NAME).is_file():

@@ -8,18 +8,24 @@ Example:
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from gradaccum._oom import MemoryBudgetError
+from gradaccum.accumulator import Accumulator
 from gradaccum.batching import batch_size, map_tensors
+from gradaccum.batchnorm import BatchNormAccumulationWarning
 from gradaccum.checkpoint import CheckpointError, load_model_weights
 from gradaccum.experiments.base import TrainConfig
 from gradaccum.experiments.tasks import get_task
-from gradaccum.sizing import MemoryPlan, plan_micro_batch
+from gradaccum.sizing import MemoryPlan
 
-__all__ = ["ACCUM_DTYPES", "make_model", "resolve_micro_batch_size"]
+__all__ = ["ACCUM_DTYPES", "AutoChoice", "make_model", "resolve_micro_batch_size"]
+
+_MAX_TIMING_WINDOWS = 12  # a warm-up and 2 rounds of at most 4 candidates, with room to spare
 
 ACCUM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64}
 
@@ -40,8 +46,26 @@ def make_model(config: TrainConfig, *, initial_weights: bool = True) -> torch.nn
     return model
 
 
-def resolve_micro_batch_size(config: TrainConfig) -> MemoryPlan:
-    """Plan `--micro-batch-size auto`: measured on the run's model, optimizer and first batch.
+@dataclass(frozen=True)
+class AutoChoice:
+    """`--micro-batch-size auto` resolved: the memory plan, and the fastest size within it.
+
+    Attributes:
+        plan: The memory plan (its `micro_batch_size` is the largest that fits).
+        micro_batch_size: The fastest size that fits, timed on the first batch.
+        reason: Why, as `StepResult.sizing` says it.
+    """
+
+    plan: MemoryPlan
+    micro_batch_size: int
+    reason: str
+
+
+def resolve_micro_batch_size(config: TrainConfig, *, timed: bool = True) -> AutoChoice:
+    """Plan `--micro-batch-size auto` on the run's model, optimizer and first batch, then time it.
+
+    The timing is `Accumulator(micro_batch_size="auto")`'s own (`gradaccum._tuner`): real windows
+    of the first batch on a throwaway copy of the model, so the run itself starts untouched.
 
     Raises:
         ValueError: Without a memory budget, or if nothing fits it.
@@ -51,16 +75,27 @@ def resolve_micro_batch_size(config: TrainConfig) -> MemoryPlan:
     task = get_task(config.task)
     train_data = task.make_data(config.seed).train
     items = min(config.batch_size or task.default_batch_size, batch_size(train_data))
+    batch = map_tensors(train_data, lambda t: t[:items])
     model = make_model(config)
+    acc = Accumulator(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        micro_batch_size="auto" if timed else "largest",
+        memory_budget=config.memory_budget,
+        precision=config.precision,
+        accum_dtype=ACCUM_DTYPES.get(config.accum_dtype or ""),
+        batchnorm=config.batchnorm,
+    )
     try:
-        return plan_micro_batch(
-            model,
-            map_tensors(train_data, lambda t: t[:items]),
-            task.loss_fn,
-            torch.optim.AdamW(model.parameters()),
-            memory_budget=config.memory_budget,
-            precision=config.precision,
-            accum_dtype=ACCUM_DTYPES.get(config.accum_dtype or ""),
-        )
+        # A throwaway copy: its BatchNorm notes are not the run's, nor are its random numbers.
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+            warnings.simplefilter("ignore", BatchNormAccumulationWarning)
+            for _ in range(_MAX_TIMING_WINDOWS):
+                result = acc.step(batch, task.loss_fn)
+                if result.sizing is None or "timing" not in result.sizing:
+                    break
     except MemoryBudgetError as error:
         raise ValueError(str(error)) from None
+    assert acc.plan is not None
+    reason = result.sizing or "the largest size that fits"
+    return AutoChoice(acc.plan, result.micro_batch_size, reason.split(": ", 1)[-1])

@@ -177,6 +177,7 @@ class RunSummary:
     micro-batches of its fullest window: for `MxK` configs, M and K. With a token budget
     (`max_tokens`, configs `B@Nt`) they are what the packing produced, and
     `micro_batches_per_step` is the mean number of micro-batches per optimizer step.
+    `noise_scale` is the gradient noise scale `B_simple` at the last step (`gradaccum.telemetry`).
     """
 
     config: str
@@ -194,3 +195,4 @@ class RunSummary:
     history: list[dict[str, float]] = field(default_factory=list)
     max_tokens: int | None = None
     micro_batches_per_step: float | None = None
+    noise_scale: float | None = None

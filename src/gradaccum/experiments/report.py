@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import json
+import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -44,6 +45,7 @@ __all__ = [
     "format_seconds",
     "format_table",
     "markdown_table",
+    "noise_scale_note",
     "packing_notes",
     "plot_curves",
     "plot_memory",
@@ -225,6 +227,54 @@ def packing_notes(summaries: Sequence[RunSummary]) -> list[str]:
     ]
 
 
+def noise_scale_note(summaries: Sequence[RunSummary]) -> str | None:
+    """What effective batch the gradient noise scale suggests, from each run's last estimate.
+
+    `B_simple` (McCandlish et al., 2018) predicts the critical batch size: below it, doubling
+    the batch nearly halves the steps to a given loss; well above it, more items per step buy
+    little. Each run reports its own last smoothed estimate (`gradaccum.telemetry`); the
+    sentence uses their median and places the compared effective batches against it.
+    """
+    scales = [(s.config, s.noise_scale) for s in summaries if s.noise_scale is not None]
+    if not scales:
+        return None
+    middle = statistics.median(value for _, value in scales)
+    batches = sorted({s.effective_batch for s in summaries})
+    below = [b for b in batches if b < middle / 2]
+    above = [b for b in batches if b > middle * 2]
+    listing = ", ".join(f"{config} {value:,.0f}" for config, value in scales)
+    verdict = []
+    if below:
+        verdict.append(
+            f"effective batches {_listed(below)} sit well below it: larger ones would "
+            "still cut the steps nearly in proportion"
+        )
+    if above:
+        verdict.append(
+            f"{_listed(above)} sit well above it: fewer items per step would reach "
+            "the same loss with fewer items seen"
+        )
+    if not verdict:
+        verdict.append(f"the compared effective batches ({_listed(batches)}) are near it")
+    return (
+        f"Gradient noise scale at the end of training: B_simple ~ {middle:,.0f} (per config: "
+        f"{listing}). It predicts the critical batch size (McCandlish et al. 2018): below it, "
+        "doubling the batch nearly halves the steps to a given loss; well above it, extra items "
+        f"per step buy little. Here {'; '.join(verdict)}."
+    )
+
+
+def _listed(values: Sequence[int]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def _batches(values: Sequence[int]) -> str:
+    """`effective batch 32 is` or `effective batches 32, 64 are`."""
+    if len(values) == 1:
+        return f"effective batch {values[0]} is"
+    return f"effective batches {_listed(values)} are"
+
+
 def read_metrics(path: Path | str) -> list[dict[str, Any]]:
     """Read a `metrics.jsonl` (or any JSON-lines file) into a list of dicts."""
     with Path(path).open() as handle:
@@ -272,6 +322,7 @@ def write_report(
     lines = [f"# {title or f'gradaccum compare: {task}'}", ""]
     direction = _direction(task)
     notes = packing_notes(summaries)
+    noise = noise_scale_note(summaries)
     lines.append(
         f"Task `{task}`; validation metric: {metric}{direction}. Each config is written "
         "micro-batch x accumulation steps; its effective batch is their product."
@@ -291,6 +342,7 @@ def write_report(
         *([""] if notes else []),
         PEAK_MEMORY_NOTE,
         "",
+        *([noise, ""] if noise else []),
         f"![training loss and validation {metric} against samples seen]({paths['curves'].name})",
         "",
         f"![peak memory against micro-batch size]({paths['memory'].name})",

@@ -98,6 +98,7 @@ class StepLog:
     grad_norm: float | None
     time: float
     micro_batches: int | None = None  # micro-batches of the step's window
+    noise_scale: float | None = None  # the gradient noise scale B_simple (gradaccum.telemetry)
 
 
 def resolve(config: TrainConfig, train_items: int | None = None) -> ResolvedRun:
@@ -172,6 +173,7 @@ def build_accumulator(
         accum_dtype=ACCUM_DTYPES.get(run.config.accum_dtype or ""),
         partial_window="step",
         batchnorm=run.config.batchnorm,
+        telemetry=True,  # the gradient noise scale in metrics.jsonl: one norm per window
     )
 
 
@@ -234,6 +236,7 @@ class TrainingRun:
         )
         self.position = Position()  # the next micro-batch; elapsed as of the last checkpoint
         self.history: list[dict[str, float]] = []
+        self.noise_scale: float | None = None  # the last step's B_simple (gradaccum.telemetry)
         self._started = time.perf_counter()
         if resume:
             if out is None:
@@ -294,6 +297,7 @@ class TrainingRun:
             summary = summarize(
                 plan, self.micro_plan, self.history, final.samples, self.peak_bytes, final.elapsed
             )
+            summary = replace(summary, noise_scale=self.noise_scale)
             if self.out:
                 write_jsonl(self.out / "validation.jsonl", self.history)
                 text = json.dumps(asdict(summary), indent=2) + "\n"
@@ -336,7 +340,9 @@ class TrainingRun:
             result.grad_norm,
             _since(self._started),
             micro_batches=position.micro + 1,
+            noise_scale=result.telemetry.noise_scale if result.telemetry else None,
         )
+        self.noise_scale = log.noise_scale
         if metrics:
             metrics.write(json.dumps(asdict(log)) + "\n")
         if on_step:
