@@ -68,6 +68,8 @@ VARIANTS: dict[str, tuple[torch.dtype, dict[str, Any]]] = {
     # and 8, so stop 3 and 4 save an open window, and stop 5 its last micro-batch.
     "tokens-fp16": (torch.float32, {"accumulation_steps": Tokens(5), "precision": "fp16"}),
     "tokens": (torch.float64, {"accumulation_steps": Tokens(5)}),
+    # The noise-scale averages and an open window's first measurement are part of the state.
+    "telemetry": (torch.float64, {"telemetry": True}),
 }
 
 
