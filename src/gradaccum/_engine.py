@@ -193,9 +193,10 @@ class Engine:
                 # still runs one, through the model's outputs, adding nothing.
                 roots = outputs
                 seeds = [torch.zeros_like(t) for t in outputs]
-            reduce = last and self._reduces_last(
-                count, float(value.detach()) * weight, micro_batches=1, graph=bool(roots)
-            )
+            reduce = last and sync.syncs_last_backward  # FSDP2's window policy only:
+            if reduce:  # the loss is read (a device sync) only where ranks agree before it
+                loss = float(value.detach()) * weight
+                reduce = self._reduces_last(count, loss, micro_batches=1, graph=bool(roots))
             if roots:
                 with sync.backward_context(reduce=reduce):
                     torch.autograd.backward(roots, seeds)
