@@ -22,6 +22,7 @@ from gradaccum.window import trainable_parameters
 
 __all__ = [
     "check_fsdp_support",
+    "check_savable",
     "check_saved_state",
     "check_settings",
     "check_materialized",
@@ -215,3 +216,19 @@ def check_saved_state(state: object, version: int, settings: dict[str, Any]) -> 
                 f"the saved Accumulator has {name}={saved!r} but this one has {name}={mine!r}; "
                 "build the Accumulator with the saved settings."
             )
+
+
+def check_savable(*, deferred: bool, open_window: bool) -> None:
+    """Refuse to save an open window whose partial sums the backend keeps to itself.
+
+    Under FSDP2's `sync_policy="window"` they live inside FSDP2 until the window's last backward.
+
+    Raises:
+        ValueError: Naming the two fixes.
+    """
+    if deferred and open_window:
+        raise ValueError(
+            "an open window under FSDP2's sync_policy='window' cannot be saved (FSDP2 holds its "
+            "partial gradient sums until the last backward); save at a window boundary, or "
+            "build the Accumulator with sync_policy='micro'."
+        )

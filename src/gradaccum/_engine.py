@@ -392,7 +392,7 @@ class Engine:
         self.batchnorm.load_state_dict(state["batchnorm"])  # checks, then loads
         self.window.load_state_dict(state["window"], params, held)
         self.runtime.open_window(len(params))
-        self.runtime.load_state_dict(state["precision"])
+        self.runtime.load_state_dict(state["precision"], params)
         if len(self.runtime.buffers) != len(params):
             self.runtime.open_window(len(params))
         self.batchnorm.open_window()

@@ -32,7 +32,12 @@ from typing import Any
 
 import torch
 
-from gradaccum._checks import check_fsdp_support, check_saved_state, check_settings
+from gradaccum._checks import (
+    check_fsdp_support,
+    check_savable,
+    check_saved_state,
+    check_settings,
+)
 from gradaccum._engine import Engine
 from gradaccum.batching import batch_size, check_batch_dim, split_batch
 from gradaccum.batchnorm import BatchNormControl
@@ -351,17 +356,21 @@ class Accumulator:
         )
 
     def _objective(self, loss_total: float, count: int) -> float:
-        if self.normalize is Normalize.SUM:
-            return loss_total
-        return loss_total / count if count else 0.0
+        summed = self.normalize is Normalize.SUM
+        return loss_total if summed else (loss_total / count if count else 0.0)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly, even mid-window: each component's own state."""
-        meter = self._engine.telemetry
+        """Everything needed to resume exactly, even mid-window: each component's own state.
+
+        Raises:
+            ValueError: In an open window under FSDP2's `sync_policy="window"` (see `_checks`).
+        """
+        engine, meter = self._engine, self._engine.telemetry
+        check_savable(deferred=engine.sync.defers, open_window=engine.window.is_open)
         return {
             "version": STATE_VERSION,
             "settings": self._settings(),
-            "engine": self._engine.state_dict(),
+            "engine": engine.state_dict(),
             "auto": None if self._auto is None else self._auto.state_dict(),
             "telemetry": None if meter is None else meter.state_dict(),
             "nonfinite_windows": self.nonfinite_windows,
@@ -383,9 +392,7 @@ class Accumulator:
         """The settings that change what a saved partial window means; they must match."""
         steps = self.accumulation_steps
         return {
-            "accumulation_steps": (
-                f"Tokens({steps.count})" if isinstance(steps, Tokens) else steps
-            ),
+            "accumulation_steps": repr(steps) if isinstance(steps, Tokens) else steps,
             "micro_batch_size": self.micro_batch_size,
             "normalize": self.normalize.value,
             "precision": self.precision.value,

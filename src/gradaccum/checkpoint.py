@@ -8,6 +8,10 @@ fsynced, so a crash at any moment leaves either the old file or the new one unde
 never half of one. Loading uses `torch.load(weights_only=True)` and checks the whole file against
 the objects it is loaded into before changing any of them.
 
+For an FSDP2 model (`fully_shard`) the checkpoint is a folder written through
+`torch.distributed.checkpoint`, each rank writing its own shards (`gradaccum._sharded_checkpoint`);
+every rank calls both functions then.
+
 The RNG states are always saved, but `load_checkpoint` restores them into the process-wide
 generators only when asked (`restore_rng=True`), as a bitwise resume needs; a plain load leaves the
 caller's random streams alone. The helpers that capture, check and restore them are in
@@ -36,6 +40,8 @@ from typing import Any
 import torch
 
 from gradaccum._rng_state import RngStates, capture_rng, checked_rng
+from gradaccum._sharded_checkpoint import load_sharded, save_sharded
+from gradaccum._sync_base import is_fsdp
 from gradaccum.accumulator import Accumulator
 
 __all__ = ["CheckpointError", "load_checkpoint", "load_model_weights", "save_checkpoint"]
@@ -82,6 +88,16 @@ def save_checkpoint(
             f"cannot write checkpoint {target}: folder {target.parent} does not exist; create it "
             "first."
         )
+    if is_fsdp(model):  # a DCP folder, each rank writing its own shards
+        save_sharded(
+            target,
+            model=model,
+            optimizer=optimizer,
+            accumulator=accumulator,
+            scheduler=scheduler,
+            extra=extra,
+        )
+        return
     payload = {
         "format": _FORMAT,
         "version": _VERSION,
@@ -149,6 +165,16 @@ def load_checkpoint(
             or does not fit the model, optimizer, scheduler or accumulator given.
     """
     source = Path(path)
+    if is_fsdp(model):
+        return load_sharded(
+            source,
+            model=model,
+            optimizer=optimizer,
+            accumulator=accumulator,
+            scheduler=scheduler,
+            restore_rng=restore_rng,
+            error=CheckpointError,
+        )
     payload = _read_payload(source)
     for name, wanted in (("accumulator", accumulator), ("scheduler", scheduler)):
         if wanted is not None and payload.get(name) is None:

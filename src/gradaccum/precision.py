@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from gradaccum._dtensor import like_param
 from gradaccum.options import Precision
 
 __all__ = ["PrecisionRuntime"]
@@ -195,11 +196,21 @@ class PrecisionRuntime:
         if not isinstance(buffers, list) or len(buffers) not in (0, param_count):
             raise ValueError("the saved accumulation buffers do not match this model's parameters.")
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()` output (call `check_state` first)."""
+    def load_state_dict(
+        self, state: dict[str, Any], params: Sequence[torch.nn.Parameter] = ()
+    ) -> None:
+        """Restore `state_dict()` output (call `check_state` first); buffers shaped as `params`."""
+        buffers = state["buffers"]
+        owners = list(params) if len(params) == len(buffers) else [None] * len(buffers)
         self.buffers = [
-            None if b is None else b.to(self.device, self.accum_dtype).clone()
-            for b in state["buffers"]
+            None
+            if b is None
+            else (
+                like_param(b, owner, self.accum_dtype)
+                if owner is not None
+                else b.to(self.device, self.accum_dtype)
+            ).clone()
+            for b, owner in zip(buffers, owners, strict=True)
         ]
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])

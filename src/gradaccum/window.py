@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from gradaccum._dtensor import like_param
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, split_batch, to_device
 from gradaccum.divisor import backward_denominator, grad_divisor, scaled_loss
@@ -230,7 +231,7 @@ class Window:
         self.terms = None if terms is None else TermLedger.from_state(terms, params[0].device)
         self._stashed = [None] * len(params)
         for param, grad in zip(params, state["grads"], strict=True):
-            param.grad = None if grad is None else grad.to(param.device, param.dtype).clone()
+            param.grad = None if grad is None else like_param(grad, param).clone()
         self.mark_gradients()
 
 

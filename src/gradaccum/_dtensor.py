@@ -1,0 +1,56 @@
+"""Sharded (DTensor) gradients in saved state: local shards on disk, DTensors again in memory.
+
+An FSDP2 window saved mid-window holds DTensor gradients and buffers. A checkpoint stores each
+rank's local shard (plain tensors load with `weights_only=True`), and loading wraps it back into
+a DTensor laid out like the parameter it belongs to (same mesh, same placements), which needs the
+same number of ranks.
+
+Example:
+    >>> import torch
+    >>> like_param(torch.ones(2), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))).dtype
+    torch.float64
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["like_param", "local_shards"]
+
+
+def local_shards(value: Any) -> Any:
+    """`value` with every DTensor replaced by a copy of this rank's local shard (any nesting)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local().detach().clone()
+    if isinstance(value, dict):
+        return {key: local_shards(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(local_shards(item) for item in value)
+    return value
+
+
+def like_param(
+    tensor: torch.Tensor, param: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """`tensor` on `param`'s device in `dtype` (default: `param`'s), sharded as `param` is.
+
+    A plain tensor meant for a DTensor parameter is taken as this rank's local shard.
+    """
+    from torch.distributed.tensor import DTensor
+
+    dtype = dtype or param.dtype
+    if isinstance(param, DTensor) and not isinstance(tensor, DTensor):
+        sharded: torch.Tensor = DTensor.from_local(
+            tensor.to(param.device, dtype),
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+        return sharded
+    return tensor.to(param.device, dtype)
