@@ -139,9 +139,7 @@ def _needs_argument(method: Any) -> bool:
     )
 
 
-def check_fsdp_support(
-    model: torch.nn.Module, *, buffers: bool, auto: bool, policy: SyncPolicy
-) -> None:
+def check_fsdp_support(model: torch.nn.Module, *, buffers: bool, policy: SyncPolicy) -> None:
     """Raise for settings FSDP2 does not support: `accum_dtype` buffers of deferred gradients.
 
     Under `SyncPolicy.WINDOW` FSDP2 keeps a window's gradient sums to itself until the last
@@ -156,11 +154,6 @@ def check_fsdp_support(
             "sync_policy='micro' (every backward reduce-scatters into the buffers), or "
             "fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)) "
             "and leave accum_dtype=None."
-        )
-    if auto:
-        raise ValueError(
-            "micro_batch_size='auto' does not support FSDP2 yet; pass the int that "
-            "gradaccum.plan_micro_batch chooses on an unsharded copy."
         )
 
 

@@ -17,7 +17,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["like_param", "local_shards"]
+__all__ = ["like_param", "local_shards", "local_tensor"]
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor`: its local shard for a DTensor, else `tensor` itself."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        local: torch.Tensor = tensor.to_local()
+        return local
+    return tensor
 
 
 def local_shards(value: Any) -> Any:

@@ -22,10 +22,12 @@ from typing import Any, Protocol
 import torch
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
+from gradaccum._dtensor import local_tensor
+from gradaccum._sync_base import is_fsdp
 from gradaccum.batching import map_tensors, to_device
 from gradaccum.loss import read_loss
 from gradaccum.memory import track_tensor_bytes
-from gradaccum.options import Precision
+from gradaccum.options import Precision, SyncPolicy
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.sync import sync_context
 
@@ -59,6 +61,7 @@ class Probe:
         sample_batch: Any,
         precision: Precision,
         accum_dtype: torch.dtype | None,
+        policy: SyncPolicy = SyncPolicy.WINDOW,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -70,10 +73,18 @@ class Probe:
         self.measured: dict[int, int] = {}
         # Buffers (BatchNorm statistics, masks, tables) live as long as the parameters do.
         self.parameters_bytes = sum(_nbytes(t) for t in (*model.parameters(), *model.buffers()))
-        self.gradients_bytes = sum(_nbytes(p) for p in self.params)
+        self.sharded = is_fsdp(model)
+        # FSDP2 under the window policy holds every parameter's unsharded gradient sum for the
+        # window; otherwise gradients are as large as this rank's (shard of the) parameters.
+        unsharded = self.sharded and policy is SyncPolicy.WINDOW
+        self.gradients_bytes = sum(
+            p.numel() * p.element_size() if unsharded else _nbytes(p) for p in self.params
+        )
         self.buffers_bytes = 0
         if self.runtime.uses_buffers and accum_dtype is not None:
-            self.buffers_bytes = sum(p.numel() * accum_dtype.itemsize for p in self.params)
+            self.buffers_bytes = sum(
+                local_tensor(p).numel() * accum_dtype.itemsize for p in self.params
+            )
         self.optimizer_bytes, self.step_workspace_bytes = _optimizer_bytes(optimizer)
         self.allocator = CudaAllocatorPeak(self.device) if self.device.type == "cuda" else None
 
@@ -90,7 +101,10 @@ class Probe:
                 param.grad = torch.zeros_like(param)
             if allocator is not None:
                 allocator.start()
-            with track_tensor_bytes() as tracker, sync_context(self.model, sync=False):
+            # FSDP2 reduce-scatters even here: a deferred sum would stay inside it after the
+            # probe and leak into the next window; its gradients are put back below.
+            reduce = self.sharded
+            with track_tensor_bytes() as tracker, sync_context(self.model, sync=reduce):
                 with self.runtime.autocast():
                     value, _, _ = read_loss(self.loss_fn(self.model, micro_batch), size)
                 if value.requires_grad:
@@ -146,14 +160,15 @@ def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """(state bytes after a first step, step temporaries), from a replay on the meta device."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     memo: dict[int, Any] = {}
-    for param in params:
-        meta = torch.nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
-        meta.grad = torch.empty_like(param, device="meta") if param.requires_grad else None
+    for param in params:  # this rank's part only (a DTensor's local shard)
+        local = local_tensor(param)
+        meta = torch.nn.Parameter(torch.empty_like(local, device="meta"), param.requires_grad)
+        meta.grad = torch.empty_like(local, device="meta") if param.requires_grad else None
         memo[id(param)] = meta
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor) and value.dim() > 0:  # not the step counts
-                memo[id(value)] = torch.empty_like(value, device="meta")
+                memo[id(value)] = torch.empty_like(local_tensor(value), device="meta")
     replay = copy.deepcopy(optimizer, memo)
     for group, real in zip(replay.param_groups, optimizer.param_groups, strict=True):
         _same_implementation(group, real["params"])
@@ -190,4 +205,6 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+    """Bytes this rank holds of `tensor` (a DTensor's local shard)."""
+    local = local_tensor(tensor)
+    return local.numel() * local.element_size()

@@ -140,12 +140,11 @@ class Accumulator:
         self.on_nonfinite = parse(OnNonFinite, on_nonfinite, "on_nonfinite")
         runtime = PrecisionRuntime(self.precision, params, accum_dtype)
         policy = parse(SyncPolicy, sync_policy, "sync_policy")
-        check_fsdp_support(model, buffers=runtime.uses_buffers, auto=auto, policy=policy)
-        self._auto = (
-            AutoSizer(memory_budget, runtime.device, regrow_after, AutoSize(micro_batch_size))
-            if auto
-            else None
-        )
+        check_fsdp_support(model, buffers=runtime.uses_buffers, policy=policy)
+        self._auto = None
+        if auto:
+            mode = AutoSize(micro_batch_size)
+            self._auto = AutoSizer(memory_budget, runtime.device, regrow_after, mode, policy=policy)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler

@@ -41,7 +41,7 @@ import torch
 from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_memory
 from gradaccum._tuner import ThroughputTuner
 from gradaccum.batching import map_tensors
-from gradaccum.options import AutoSize, Precision
+from gradaccum.options import AutoSize, Precision, SyncPolicy
 from gradaccum.sizing import MemoryPlan, format_bytes, plan_micro_batch, resolve_budget
 from gradaccum.sync import all_ranks_max, all_ranks_min
 
@@ -79,6 +79,7 @@ class AutoSizer:
         regrow_after: Clean windows after a shrink before trying a larger size; None: never.
         mode: `AutoSize.FASTEST` ("auto") times sizes; `AutoSize.LARGEST` does not.
         clock: Seconds, for timing windows (a fake in tests).
+        policy: FSDP2's sync policy, which sets what gradients a rank holds (the plan's).
     """
 
     def __init__(
@@ -88,6 +89,7 @@ class AutoSizer:
         regrow_after: int | None,
         mode: AutoSize = AutoSize.FASTEST,
         clock: Callable[[], float] = time.perf_counter,
+        policy: SyncPolicy = SyncPolicy.WINDOW,
     ) -> None:
         if device.type != "cuda":
             resolve_budget(memory_budget, device)  # fail at construction, not at the first step
@@ -104,7 +106,7 @@ class AutoSizer:
         self.wait = regrow_after  # clean windows before the next regrowth (doubles on failure)
         self.growing = False  # the current size is a regrowth not yet proven
         self.out_of_memory_events = 0
-        self.device, self.mode, self.clock = device, mode, clock
+        self.device, self.mode, self.clock, self.policy = device, mode, clock, policy
         self.tuner: ThroughputTuner | None = None  # made with the plan, in "auto" mode
         self._model: torch.nn.Module | None = None
 
@@ -128,6 +130,7 @@ class AutoSizer:
                 memory_budget=self.memory_budget,
                 precision=precision,
                 accum_dtype=accum_dtype,
+                sync_policy=self.policy,
             )
             self.plan = plan
             self.planned = self.size = all_ranks_min(model, plan.micro_batch_size)

@@ -47,7 +47,8 @@ from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_m
 from gradaccum._probe import Probe
 from gradaccum.batching import batch_size
 from gradaccum.memory import parse_bytes
-from gradaccum.options import Precision, parse
+from gradaccum.options import Precision, SyncPolicy, parse
+from gradaccum.sync import all_ranks_max
 
 __all__ = ["DEFAULT_MARGIN", "MemoryPlan", "plan_micro_batch", "resolve_budget"]
 
@@ -160,6 +161,7 @@ def plan_micro_batch(
     precision: Precision | str = "fp32",
     accum_dtype: torch.dtype | None = None,
     margin: float = DEFAULT_MARGIN,
+    sync_policy: SyncPolicy | str = "window",
 ) -> MemoryPlan:
     """Measure what a training step needs and pick the largest micro-batch that fits.
 
@@ -173,6 +175,9 @@ def plan_micro_batch(
         precision: The autocast the training will use (activations shrink under bf16/fp16).
         accum_dtype: The accumulation buffers' dtype, if the training uses them.
         margin: Share of the budget left free, in [0, 1).
+        sync_policy: FSDP2's (see `Accumulator`): under `"window"` every rank holds the
+            unsharded gradient sums for the window, under `"micro"` only its shard. Under DDP
+            and FSDP2 every rank plans alike: each probe's peak is the largest rank's.
 
     Returns:
         The `MemoryPlan`; `str(plan)` is a table.
@@ -184,11 +189,12 @@ def plan_micro_batch(
     if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ValueError(f"margin={margin!r} must be a number in [0, 1), e.g. 0.1.")
     mode = parse(Precision, precision, "precision")
+    policy = parse(SyncPolicy, sync_policy, "sync_policy")
     items = batch_size(sample_batch)
     device = next(model.parameters()).device
     budget = resolve_budget(memory_budget, device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        probe = Probe(model, optimizer, loss_fn, sample_batch, mode, accum_dtype)
+        probe = Probe(model, optimizer, loss_fn, sample_batch, mode, accum_dtype, policy)
         sizes = _probe_sizes(probe, items, budget, margin)
     return sizes.plan(_choose(sizes, budget, margin), items, budget, margin, str(device))
 
@@ -293,13 +299,20 @@ def _probe_sizes(probe: Probe, items: int, budget: int, margin: float) -> _Fit:
 def _measured(fit: _Fit, size: int, budget: int) -> bool:
     """Probe `size`; False (and a lower cap) if it ran out of memory."""
     probe = fit.probe
+    peak, failed = 0, 0
     try:
-        probe.activation_peak(size)
-        return True
+        peak = probe.activation_peak(size)
     except Exception as error:  # only out-of-memory errors are survived
         if not is_out_of_memory(error):
             raise
-    release_cached_memory(probe.device)
+        failed = 1
+        release_cached_memory(probe.device)
+    # Every rank plans alike: the largest rank's peak, and out of memory if any rank ran out.
+    peak, failed = (int(v) for v in all_ranks_max(probe.model, [float(peak), float(failed)]))
+    if not failed:
+        probe.measured[size] = peak
+        return True
+    probe.measured.pop(size, None)
     fit.ceiling = min(fit.ceiling, size - 1)
     if size == 1:
         raise MemoryBudgetError(
