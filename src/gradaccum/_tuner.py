@@ -7,7 +7,8 @@ items per second:
 - the candidates are the largest size that fits and the powers of two below it, at most
   `MAX_CANDIDATES` of them (largest first), never more than a window holds;
 - the first timed window is a warm-up and does not count (allocator, lazy initialization);
-- each candidate is timed `ROUNDS` times, interleaved, and its median kept;
+- each candidate is timed `ROUNDS` times, interleaved, and its best (fastest) window kept: a
+  size's first windows pay for memory touched the first time, and noise only ever slows a window;
 - under DDP the ranks agree by taking, for each candidate, the slowest rank's time (one
   all-reduce), so every rank picks the same size;
 - hysteresis: a candidate replaces the incumbent (the largest that fits, or the previous choice)
@@ -27,7 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -125,7 +125,7 @@ class ThroughputTuner:
             self._decide()
 
     def _decide(self) -> None:
-        per_item = [statistics.median(self._seconds[size]) for size in self.sizes]
+        per_item = [min(self._seconds[size]) for size in self.sizes]
         agreed = self._agree(per_item)  # the slowest rank's, so every rank decides alike
         self.rates = {size: 1.0 / max(t, 1e-12) for size, t in zip(self.sizes, agreed, strict=True)}
         best = max(self.sizes, key=lambda size: self.rates[size])
