@@ -20,7 +20,8 @@ import gradaccum
 
 PACKAGE = "gradaccum"
 SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
-UPPER_LAYERS = ("gradaccum.cli", "gradaccum.experiments")
+# The entry point `python -m gradaccum` runs the CLI, so it sits above the core too.
+UPPER_LAYERS = ("gradaccum.cli", "gradaccum.experiments", "gradaccum.__main__")
 HEAVY = ("transformers", "keras", "matplotlib", "rich", "sklearn")
 
 

@@ -178,7 +178,9 @@ def test_charlm_text_ships_as_package_data():
 
 def test_digits_without_scikit_learn_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # makes the import fail
-    with pytest.raises(ImportError, match=r"pip install gradaccum\[cli\]"):
+    with pytest.raises(
+        ImportError, match=r"pip install 'gradaccum\[cli\]' \(see the README, section Installing\)"
+    ):
         get_task("digits").make_data(0)
 
 

@@ -15,6 +15,13 @@ Example:
     True
 """
 
+import importlib.util as _importlib_util
+
+if _importlib_util.find_spec("torch") is None:  # before anything imports it: say how to install
+    from gradaccum._install import torch_missing_message
+
+    raise ImportError(torch_missing_message())
+
 from gradaccum._oom import MemoryBudgetError
 from gradaccum.accumulator import Accumulator, NonFiniteError, StepResult
 from gradaccum.batching import split_batch

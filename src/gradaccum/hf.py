@@ -20,7 +20,7 @@ loss counts them:
 `loss_from_logits` is the same arithmetic for a forward the user writes.
 
 This module needs `transformers` only for the models themselves: it imports nothing from it.
-Install the extra with `pip install gradaccum[hf]`.
+Install the extra with `pip install 'gradaccum[hf]'` (see the README, section Installing).
 
 Example:
     >>> import torch, gradaccum

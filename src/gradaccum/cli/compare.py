@@ -23,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from gradaccum._install import install_hint
 from gradaccum.cli import UsageError
 from gradaccum.cli._args import torch_threads
 from gradaccum.cli._configs import ConfigSpec, parse_config
@@ -168,7 +169,7 @@ def _check(args: argparse.Namespace) -> list[CheckedRun]:
     if importlib.util.find_spec("matplotlib") is None:
         raise UsageError(
             "compare draws its plots with matplotlib, which is not installed; "
-            "install it with: pip install gradaccum[cli]"
+            + install_hint("cli")
         )
     return checked
 

@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from gradaccum._install import install_hint
 from gradaccum.cli import UsageError
 from gradaccum.cli._args import add_threads_option, positive_int, torch_threads
 from gradaccum.cli._demo_sections import (
@@ -127,8 +128,7 @@ def _check(args: argparse.Namespace) -> None:
     for module, package in (("matplotlib", "matplotlib"), ("sklearn", "scikit-learn")):
         if importlib.util.find_spec(module) is None:
             raise UsageError(
-                f"the demo needs {package}, which is not installed; install it with: "
-                "pip install gradaccum[cli]"
+                f"the demo needs {package}, which is not installed; " + install_hint("cli")
             )
     check_out_dir(args.out, replaceable=OUT_NAMES)
 

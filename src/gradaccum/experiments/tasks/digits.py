@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradaccum._install import install_hint
 from gradaccum.experiments.base import TaskData
 
 __all__ = ["DigitsCNN", "DigitsTask"]
@@ -91,8 +92,8 @@ class DigitsTask:
             from sklearn.datasets import load_digits
         except ImportError as error:
             raise ImportError(
-                "the 'digits' task needs scikit-learn, which bundles the data set; install it "
-                "with: pip install gradaccum[cli]"
+                "the 'digits' task needs scikit-learn, which bundles the data set; "
+                + install_hint("cli")
             ) from error
         bunch = load_digits()
         images = torch.as_tensor(bunch.images, dtype=torch.float32).div_(16.0).unsqueeze(1)
