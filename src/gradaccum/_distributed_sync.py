@@ -23,6 +23,8 @@ from gradaccum.options import SyncPolicy
 
 __all__ = ["DDPSync", "FSDP2Sync"]
 
+_NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every `with`
+
 _FLAGS = 6 + 2 * MAX_TERMS  # the exchange row: head, the terms' (count, sum) pairs, flags
 
 
@@ -179,7 +181,7 @@ class DDPSync(_DistributedSync):
         """Every micro-batch, the last included, leaves DDP's reducer out (but see above)."""
         assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
         if self._native:
-            return contextlib.nullcontext()
+            return _NO_CONTEXT
         no_sync: contextlib.AbstractContextManager[None] = self.model.no_sync()
         return no_sync
 
@@ -213,11 +215,11 @@ class FSDP2Sync(_DistributedSync):
 
     def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
         """Window policy: the reduce-scatter off (the last backward may turn it on)."""
-        return self._gradient_sync(False) if self.defers else contextlib.nullcontext()
+        return self._gradient_sync(False) if self.defers else _NO_CONTEXT
 
     def backward_context(self, *, reduce: bool) -> contextlib.AbstractContextManager[None]:
         """FSDP2 reads the flag in its post-backward hooks, so it can change after a forward."""
-        return self._gradient_sync(True) if reduce and self.defers else contextlib.nullcontext()
+        return self._gradient_sync(True) if reduce and self.defers else _NO_CONTEXT
 
     @contextlib.contextmanager
     def _gradient_sync(self, on: bool) -> Iterator[None]:

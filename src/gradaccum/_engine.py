@@ -11,7 +11,6 @@ window rerun after running out of memory. After the commit only the caller's sch
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
 from gradaccum._oom import is_out_of_memory, rng_states, set_rng_states
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
+from gradaccum._sync_base import NO_CONTEXT
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, slice_batch, to_device
 from gradaccum.batchnorm import BatchNormControl
@@ -158,7 +158,7 @@ class Engine:
         micro_batch = to_device(micro_batch, runtime.device)
         self.batchnorm.warn_once(items, expect.items or items * expect.micro_batches)
         outputs: list[torch.Tensor] = []
-        capture = captured_outputs(self.model, outputs) if self._fsdp else contextlib.nullcontext()
+        capture = captured_outputs(self.model, outputs) if self._fsdp else NO_CONTEXT
         with sync.micro_context(last=last), self.batchnorm.micro_context():
             with runtime.autocast(), capture:
                 result = loss_fn(self.model, micro_batch)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from gradaccum._agreement import OUT_OF_MEMORY, RankSummary, WindowAgreement
 
 __all__ = [
+    "NO_CONTEXT",
     "GradSync",
     "LocalSync",
     "Plan",
@@ -29,6 +30,8 @@ __all__ = [
     "process_group",
     "world_size",
 ]
+
+NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every `with`
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
@@ -94,11 +97,11 @@ class GradSync:
 
     def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
         """The context a micro-batch's forward and backward run in."""
-        return contextlib.nullcontext()
+        return NO_CONTEXT
 
     def backward_context(self, *, reduce: bool) -> contextlib.AbstractContextManager[None]:
         """The context of a backward that reduces (`reduce`) or only accumulates gradients."""
-        return contextlib.nullcontext()
+        return NO_CONTEXT
 
     def exchange(self, mine: RankSummary) -> WindowAgreement:
         """Agree on the window over ranks (one small collective when distributed)."""

@@ -54,6 +54,8 @@ __all__ = [
     "warn_if_inexact",
 ]
 
+_NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every `with`
+
 STATE_VERSION = 1
 
 
@@ -126,7 +128,7 @@ class BatchNormControl:
             return self._frozen()
         if self.mode is BatchNormMode.POOLED:
             return self._pooled()
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
 
     def warn_once(self, micro_items: int, window_items: int) -> bool:
         """`warn_if_inexact` at most once, in "micro" mode only; returns whether it warned.

@@ -35,6 +35,8 @@ from gradaccum.options import Precision
 
 __all__ = ["PrecisionRuntime"]
 
+_NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every `with`
+
 _AUTOCAST_DTYPE = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
@@ -93,7 +95,7 @@ class PrecisionRuntime:
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Return the forward-pass context: autocast for bf16/fp16, nothing for fp32."""
         if self.precision is Precision.FP32:
-            return contextlib.nullcontext()
+            return _NO_CONTEXT
         return torch.autocast(self.device.type, dtype=_AUTOCAST_DTYPE[self.precision])
 
     def loss_scale(self) -> float:
