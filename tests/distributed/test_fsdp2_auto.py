@@ -79,31 +79,34 @@ def auto_worker(rank: int, world_size: int, recipe: str, policy: str, mode: str)
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    ("recipe", "policy", "mode"),
+    ("recipe", "policy", "mode", "world_size"),
     [
-        ("blocks+root", "window", "largest"),
-        ("root", "micro", "largest"),
-        ("root", "window", "auto"),
+        ("blocks+root", "window", "largest", 2),
+        ("root", "micro", "largest", 2),
+        ("root", "window", "auto", 2),
+        ("root", "window", "largest", 4),
     ],
 )
 def test_fsdp2_sizes_alike_on_every_rank_and_reruns_exactly(
-    tmp_path: Path, recipe: str, policy: str, mode: str
+    tmp_path: Path, recipe: str, policy: str, mode: str, world_size: int
 ) -> None:
-    results = run_ranks(auto_worker, tmp_path, recipe, policy, mode,
+    results = run_ranks(auto_worker, tmp_path, recipe, policy, mode, world_size=world_size,
                         timeout=200.0, pg_timeout=60.0)  # fmt: skip
-    zero, one = results
-    assert zero["plan"] == one["plan"]  # the same probes, the same size
-    assert zero["sizes"] == one["sizes"]
-    size, parameters, gradients = zero["plan"]
-    assert size == ITEMS  # a roomy budget: the whole batch fits
-    assert parameters == zero["local_bytes"] < zero["global_bytes"]  # this rank's shards
-    assert gradients == (zero["global_bytes"] if policy == "window" else zero["local_bytes"])
+    zero, one = results[:2]
+    for got in results:  # the same probes, the same size, the same reruns
+        assert got["plan"][0] == zero["plan"][0]
+        assert got["sizes"] == zero["sizes"]
+        size, parameters, gradients = got["plan"]
+        assert size == ITEMS  # a roomy budget: the whole batch fits
+        assert parameters == got["local_bytes"] < got["global_bytes"]  # this rank's shards
+        held = got["global_bytes"] if policy == "window" else got["local_bytes"]
+        assert gradients == held
     if mode == "largest":  # 12 fails from window 2 on: 12 -> 9 -> 6 -> 4 fits
         assert zero["sizes"] == [12, 4, 4, 4]
     else:
         assert zero["sizing"] == one["sizing"]
     model = make()
-    windows = [[batch(w, r) for r in (0, 1)] for w in range(WINDOWS)]
+    windows = [[batch(w, r) for r in range(world_size)] for w in range(WINDOWS)]
     want = kept_items_reference(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
                                 windows)  # fmt: skip
     for got in results:

@@ -74,26 +74,26 @@ def resume_worker(rank: int, world_size: int, recipe: str, mode: str, path: str)
     return full(model)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("recipe", ["blocks+root", "root"])
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("recipe", "world_size"), [("blocks+root", 2), ("root", 2), ("blocks+root", 4)]
+)
 def test_sigkill_mid_window_then_resume_is_bitwise_the_uninterrupted_run(
-    tmp_path: Path, recipe: str
+    tmp_path: Path, recipe: str, world_size: int
 ) -> None:
     path = str(tmp_path / "ckpt")
-    reference = run_ranks(resume_worker, tmp_path / "a", recipe, "reference", path,
-                          timeout=120.0, pg_timeout=30.0)  # fmt: skip
-    killed = spawn_ranks(resume_worker, tmp_path / "b", recipe, "kill", path,
-                         timeout=120.0, pg_timeout=30.0)  # fmt: skip
+    run = {"world_size": world_size, "timeout": 150.0, "pg_timeout": 60.0}
+    reference = run_ranks(resume_worker, tmp_path / "a", recipe, "reference", path, **run)
+    killed = spawn_ranks(resume_worker, tmp_path / "b", recipe, "kill", path, **run)
     assert all(o.exitcode == -signal.SIGKILL for o in killed), [o.exitcode for o in killed]
-    assert sorted(p.name for p in Path(path).glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
-    resumed = run_ranks(resume_worker, tmp_path / "c", recipe, "resume", path,
-                        timeout=120.0, pg_timeout=30.0)  # fmt: skip
-    for rank in (0, 1):
+    files = sorted(p.name for p in Path(path).glob("rank*.pt"))
+    assert files == [f"rank{r}.pt" for r in range(world_size)]
+    resumed = run_ranks(resume_worker, tmp_path / "c", recipe, "resume", path, **run)
+    for rank in range(world_size):
         for name, value in reference[rank].items():
             assert torch.equal(resumed[rank][name], value), (rank, name)
     # NEGATIVE CONTROL: without the Accumulator's state the open window's progress is lost.
-    forgot = run_ranks(resume_worker, tmp_path / "d", recipe, "forget", path,
-                       timeout=120.0, pg_timeout=30.0)  # fmt: skip
+    forgot = run_ranks(resume_worker, tmp_path / "d", recipe, "forget", path, **run)
     gap = max((forgot[0][n] - v).abs().max().item() for n, v in reference[0].items())
     assert gap > 1e-3, gap
 

@@ -33,11 +33,16 @@ MICRO_BATCHES = 4
 BF16_ITEMS = 64  # micro-batches of one item: 64 bf16 additions per gradient element
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("recipe", ["blocks+root", "root"])
-def test_the_micro_policy_equals_the_full_batch_step(tmp_path: Path, recipe: str) -> None:
-    results = run_ranks(uneven_worker, tmp_path, recipe, "micro", timeout=120.0, pg_timeout=30.0)
-    expected = reference(2)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("recipe", "world_size"), [("blocks+root", 2), ("root", 2), ("blocks+root", 4), ("root", 4)]
+)
+def test_the_micro_policy_equals_the_full_batch_step(
+    tmp_path: Path, recipe: str, world_size: int
+) -> None:
+    results = run_ranks(uneven_worker, tmp_path, recipe, "micro", world_size=world_size,
+                        timeout=150.0, pg_timeout=60.0)  # fmt: skip
+    expected = reference(world_size)
     for rank, got in enumerate(results):
         for name, want in expected.items():
             torch.testing.assert_close(got["params"][name], want, **EXACT, msg=f"{rank} {name}")
