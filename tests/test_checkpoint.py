@@ -13,9 +13,11 @@ from __future__ import annotations
 import os
 import pathlib
 import random
+import re
 import signal
 import subprocess
 import sys
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ import pytest
 import torch
 
 from gradaccum import Accumulator, CheckpointError, load_checkpoint, save_checkpoint
+from gradaccum.checkpoint import load_model_weights
 from tests.resume_worker import build, train
 from tests.state import assert_bitwise, clone_state
 
@@ -376,7 +379,8 @@ def _stepped(
     """A small run of 3 micro-steps: with `steps=2`, one optimizer step and half a window.
 
     `groups` builds the optimizer with other param groups: "two" (one per layer), "three" (the
-    last layer's weight and bias apart), "other split" (the first weight alone, then the rest).
+    last layer's weight and bias apart), "other split" (the first weight alone, then the rest),
+    "swapped" (one per layer, the last layer first).
     """
     model = _model(seed)
     params = list(model.parameters())
@@ -385,6 +389,7 @@ def _stepped(
         "two": [{"params": params[:2]}, {"params": params[2:]}],
         "three": [{"params": params[:2]}, {"params": params[2:3]}, {"params": params[3:]}],
         "other split": [{"params": params[:1]}, {"params": params[1:]}],
+        "swapped": [{"params": params[2:]}, {"params": params[:2]}],
     }[groups]
     optimizer = optimizer_class(layout, lr=0.1)
     if scheduler == "step":
@@ -427,27 +432,61 @@ def test_optimizer_state_of_another_class_is_refused_before_anything_changes(
     path = _save(tmp_path / "adamw.pt", _stepped(torch.optim.AdamW))
     target = _stepped(torch.optim.SGD, seed=1)
     before = _snapshot(target)
-    with pytest.raises(CheckpointError, match=r"adamw\.pt .*AdamW optimizer.* SGD.*build a AdamW"):
+    with pytest.raises(CheckpointError, match=r"adamw\.pt .*AdamW optimizer.* SGD.*build an AdamW"):
         load_checkpoint(path, **target)
     assert_bitwise(_snapshot(target), before)
 
 
-def test_older_file_without_optimizer_class_is_accepted(tmp_path: Path) -> None:
-    """Negative control: the class check is what catches the mismatch, and only when recorded.
-
-    A file written before the class name was recorded loads into the SGD, which then fails at
-    its next step with the KeyError the check exists to prevent.
-    """
+def test_older_file_without_optimizer_class_is_refused_by_its_group_settings(
+    tmp_path: Path,
+) -> None:
+    """A file that records no class: the param groups' settings tell AdamW from SGD."""
     path = _save(tmp_path / "old.pt", _stepped(torch.optim.AdamW), optimizer_class=True)
     target = _stepped(torch.optim.SGD, seed=1)
-    load_checkpoint(path, **target)
+    before = _snapshot(target)
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, **target)
+    message = str(caught.value)
+    assert "\n" not in message
+    pattern = r"old\.pt holds the state of another optimizer type: .*'betas'.*'momentum'"
+    assert re.search(pattern, message)
+    assert message.endswith("build the optimizer type the run that saved it used.")
+    assert_bitwise(_snapshot(target), before)
+    # Negative control: loaded past the check, that state breaks the SGD's next step.
+    target["optimizer"].load_state_dict(torch.load(path, weights_only=True)["optimizer"])
     with pytest.raises(KeyError):
         target["optimizer"].step()
-    # And a file of the right class loads and fits.
-    same = _save(tmp_path / "sgd.pt", _stepped(torch.optim.SGD))
+    # And an older file of the right type loads and fits.
+    same = _save(tmp_path / "sgd.pt", _stepped(torch.optim.SGD), optimizer_class=True)
     fresh = _stepped(torch.optim.SGD, seed=1)
     load_checkpoint(same, **fresh)
     assert_bitwise(_snapshot(fresh)[2:], _snapshot(_stepped(torch.optim.SGD))[2:])
+
+
+def test_optimizer_of_the_same_name_but_another_type_is_refused(tmp_path: Path) -> None:
+    class AdamW(torch.optim.SGD):  # the recorded class name matches, the state does not
+        pass
+
+    path = _save(tmp_path / "adamw.pt", _stepped(torch.optim.AdamW))
+    target = _stepped(AdamW, seed=1)
+    before = _snapshot(target)
+    with pytest.raises(CheckpointError, match=r"adamw\.pt holds the state of another optimizer"):
+        load_checkpoint(path, **target)
+    assert_bitwise(_snapshot(target), before)
+
+
+def test_optimizer_groups_of_the_same_sizes_in_another_order_are_refused(tmp_path: Path) -> None:
+    path = _save(tmp_path / "groups.pt", _stepped(groups="two"))
+    target = _stepped(groups="swapped", seed=1)
+    before = _snapshot(target)
+    with pytest.raises(
+        CheckpointError,
+        match=r"groups\.pt holds an optimizer 'exp_avg(_sq)?' of shape \(4, 3\) for parameter 0 "
+        r"\(in param-group order\), which has shape \(2, 4\); build the optimizer with the same "
+        r"param groups",
+    ):
+        load_checkpoint(path, **target)
+    assert_bitwise(_snapshot(target), before)
 
 
 @pytest.mark.parametrize(
@@ -567,3 +606,142 @@ def test_temporaries_of_killed_writers_are_cleaned_up(tmp_path: Path) -> None:
     assert not stale.exists()
     assert alive.exists()
     assert (tmp_path / "ckpt.pt").exists()
+
+
+# ----- extra: only what a weights_only load reads back ------------------------------------------
+
+
+class _Point:
+    def __init__(self) -> None:
+        self.x = 1
+
+
+BAD_EXTRAS = {
+    "numpy array": ({"order": np.arange(3)}, r"extra\['order'\] is a numpy\.ndarray"),
+    "numpy scalar": ({"loss": np.float32(1.5)}, r"extra\['loss'\] is a numpy\.float32"),
+    "nested in a list": ({"runs": [1, {"a": range(2)}]}, r"extra\['runs'\]\[1\]\['a'\] is a range"),
+    "object": ({"point": _Point()}, r"extra\['point'\] is a tests\.test_checkpoint\._Point"),
+    "frozenset": ({"seen": frozenset({1})}, r"extra\['seen'\] is a frozenset"),
+    "numpy key": ({np.int64(1): "a"}, r"a key of extra is a numpy\.int64"),
+    "not a dict": (np.zeros(2), r"extra is a numpy\.ndarray"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_EXTRAS))
+def test_extra_that_loading_cannot_read_back_is_refused_at_save_writing_nothing(
+    tmp_path: Path, case: str
+) -> None:
+    extra, where = BAD_EXTRAS[case]
+    model, optimizer = _small()
+    path = tmp_path / "ckpt.pt"
+    with pytest.raises(ValueError, match=where) as caught:
+        save_checkpoint(path, model=model, optimizer=optimizer, extra=extra)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "convert it to a tensor (torch.as_tensor), a list" in message
+    assert message.endswith("Nothing was written.")
+    assert list(tmp_path.iterdir()) == []
+    # An existing checkpoint stays as it was.
+    save_checkpoint(path, model=model, optimizer=optimizer, extra={"epoch": 1})
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match=where):
+        save_checkpoint(path, model=model, optimizer=optimizer, extra=extra)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+def test_every_kind_of_extra_that_saves_loads_back(tmp_path: Path) -> None:
+    """Negative control: what save_checkpoint takes, load_checkpoint returns equal."""
+    extra = {
+        "epoch": 3,
+        "ok": True,
+        "none": None,
+        "lr": 1e-3,
+        "z": 1 + 2j,
+        "name": "run",
+        "raw": b"\x00\x01",
+        "buffer": bytearray(b"ab"),
+        "order": torch.arange(5),
+        "dtype": torch.bfloat16,
+        "device": torch.device("cpu"),
+        "shape": torch.Size([2, 3]),
+        "nested": [(1, "a"), {"b": [torch.ones(2, 2).t()]}],
+        "ids": {1, 2},
+        7: "int key",
+        "ordered": OrderedDict(a=1),
+        "as list": np.arange(3).tolist(),
+        "as tensor": torch.as_tensor(np.arange(3)),
+    }
+    model, optimizer = _small()
+    save_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=optimizer, extra=extra)
+    got = load_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=optimizer)
+    assert got is not None
+    assert got.keys() == extra.keys()
+    for key, value in extra.items():
+        if key == "nested":
+            assert got[key][0] == value[0]
+            assert torch.equal(got[key][1]["b"][0], value[1]["b"][0])
+        elif isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value)
+        else:
+            assert got[key] == value
+            assert type(got[key]) is type(value)
+
+
+def test_file_holding_an_object_loading_refuses_gets_one_plain_line(tmp_path: Path) -> None:
+    """A file written around save_checkpoint's check: the error names the type, no ANSI codes."""
+    model, optimizer = _small()
+    path = tmp_path / "numpy.pt"
+    save_checkpoint(path, model=model, optimizer=optimizer)
+    payload = torch.load(path, weights_only=True)
+    payload["extra"] = {"order": np.arange(3)}
+    torch.save(payload, path)
+    before = clone_state([model.state_dict(), optimizer.state_dict()])
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, model=model, optimizer=optimizer)
+    message = str(caught.value)
+    assert "\x1b" not in message
+    assert "\n" not in message
+    assert re.search(r"numpy\.pt: it holds a numpy\.[\w.]+ object, which weights_only", message)
+    assert "save extra as tensors or lists" in message
+    assert_bitwise([model.state_dict(), optimizer.state_dict()], before)
+    # Negative control: torch's own message carries ANSI escape codes and line breaks.
+    with pytest.raises(Exception, match="\x1b") as raw:
+        torch.load(path, weights_only=True)
+    assert "\n" in str(raw.value)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "random", "pickle-header"])
+def test_damaged_file_errors_are_one_plain_line(tmp_path: Path, kind: str) -> None:
+    path = _damaged_files(tmp_path)[kind]
+    model, optimizer = _small()
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, model=model, optimizer=optimizer)
+    assert "\x1b" not in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+# ----- weights only -----------------------------------------------------------------------------
+
+
+def test_load_model_weights_loads_the_model_alone(tmp_path: Path) -> None:
+    source = _stepped()
+    path = _save(tmp_path / "ckpt.pt", source)
+    target = _stepped(torch.optim.SGD, seed=1, steps=3)  # another optimizer and window: ignored
+    others = _snapshot(target)[1:]
+    states = _rng_states()
+    load_model_weights(path, target["model"])
+    assert_bitwise(target["model"].state_dict(), source["model"].state_dict())
+    assert_bitwise(_snapshot(target)[1:], others)
+    _assert_same_rng_states(_rng_states(), states)
+
+
+def test_load_model_weights_refuses_another_model_changing_nothing(tmp_path: Path) -> None:
+    path = _save(tmp_path / "ckpt.pt", _stepped())
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    before = clone_state(model.state_dict())
+    with pytest.raises(CheckpointError, match=r"ckpt\.pt holds 0\.weight of shape \(4, 3\)"):
+        load_model_weights(path, model)
+    assert_bitwise(model.state_dict(), before)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        load_model_weights(tmp_path / "absent.pt", model)

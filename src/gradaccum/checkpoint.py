@@ -34,11 +34,19 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gradaccum._checkpoint_fit import (
+    CheckpointError,
+    check_class,
+    check_extra,
+    check_optimizer_fits,
+    one_line,
+)
 from gradaccum._rng_state import RngStates, capture_rng, checked_rng
 from gradaccum._sharded_checkpoint import load_sharded, save_sharded
 from gradaccum._sync_base import is_fsdp
@@ -47,14 +55,8 @@ from gradaccum.accumulator import Accumulator
 __all__ = ["CheckpointError", "load_checkpoint", "load_model_weights", "save_checkpoint"]
 
 _FORMAT = "gradaccum-checkpoint"
+_REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 _VERSION = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is damaged, incomplete or of another kind, or does not fit its targets.
-
-    Targets are the model, optimizer, scheduler and accumulator it is loaded into.
-    """
 
 
 def save_checkpoint(
@@ -77,11 +79,15 @@ def save_checkpoint(
         optimizer: The optimizer.
         accumulator: The `Accumulator`, for an exact resume mid-window.
         scheduler: The learning-rate scheduler.
-        extra: Your own plain data (numbers, strings, lists, dicts, tensors).
+        extra: Your own plain data: dicts, lists, tuples and sets of numbers, strings, bytes,
+            tensors, dtypes and devices (what a `weights_only` load reads back).
 
     Raises:
-        ValueError: If the folder of `path` does not exist.
+        ValueError: If the folder of `path` does not exist, or `extra` holds another type (such
+            as a numpy array: convert it with `torch.as_tensor` or `.tolist()`); nothing is
+            written then.
     """
+    check_extra(extra)
     target = Path(path)
     if not target.parent.is_dir():
         raise ValueError(
@@ -185,7 +191,7 @@ def load_checkpoint(
     if missing:
         raise CheckpointError(f"{source} is incomplete: it lacks {', '.join(missing)}.")
     _check_model_fits(source, payload["model"], model.state_dict())
-    _check_optimizer_fits(source, payload, optimizer)
+    check_optimizer_fits(source, payload, optimizer)
     if scheduler is not None:
         _check_scheduler_fits(source, payload, scheduler, optimizer)
     rng = _checked_rng(source, payload["rng"]) if restore_rng else None
@@ -235,9 +241,17 @@ def _read_payload(source: Path) -> dict[str, Any]:
     try:
         payload = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as error:  # damaged bytes fail deep in the unpickler, in many ways
+        refused = _REFUSED_GLOBAL.search(str(error))
+        if refused:
+            raise CheckpointError(
+                f"cannot read checkpoint {source}: it holds a {refused.group(1)} object, which "
+                "weights_only loading refuses (unpickling it could run code); save extra as "
+                "tensors or lists (save_checkpoint refuses anything else), or load the file with "
+                "torch.load(weights_only=False) only if you trust its source."
+            ) from error
         raise CheckpointError(
             f"cannot read checkpoint {source}: it is truncated, corrupted or holds objects that "
-            f"weights_only loading refuses ({type(error).__name__}: {str(error)[:200]})."
+            f"weights_only loading refuses ({one_line(error)})."
         ) from error
     if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
         raise CheckpointError(f"{source} is not a gradaccum checkpoint.")
@@ -276,52 +290,6 @@ def _check_model_fits(source: Path, saved: dict[str, Any], current: dict[str, An
             )
 
 
-def _check_optimizer_fits(
-    source: Path, payload: dict[str, Any], optimizer: torch.optim.Optimizer
-) -> None:
-    """Refuse an optimizer state of another optimizer class or parameter layout.
-
-    Files written before the class name was recorded pass the class check.
-    """
-    _check_class(source, payload.get("optimizer_class"), optimizer, "optimizer")
-    state = payload["optimizer"]
-    saved_groups = state.get("param_groups")
-    if not isinstance(state.get("state"), dict) or not isinstance(saved_groups, list):
-        raise CheckpointError(
-            f"{source} holds a damaged optimizer state (it lacks 'state' or 'param_groups')."
-        )
-    groups = optimizer.param_groups
-    if len(saved_groups) != len(groups):
-        raise CheckpointError(
-            f"{source} holds an optimizer state of {len(saved_groups)} param groups, the "
-            f"optimizer has {len(groups)}; build the optimizer with the same param groups as the "
-            "run that saved it."
-        )
-    for index, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
-        params = saved.get("params") if isinstance(saved, dict) else None
-        if not isinstance(params, list):
-            raise CheckpointError(
-                f"{source} holds a damaged optimizer state: param group {index} lists no params."
-            )
-        if len(params) != len(group["params"]):
-            raise CheckpointError(
-                f"{source} holds {len(params)} params in optimizer param group {index}, the "
-                f"optimizer has {len(group['params'])} there; build the optimizer with the same "
-                "param groups as the run that saved it."
-            )
-
-
-def _check_class(source: Path, saved_class: object, target: object, what: str) -> None:
-    """Refuse the state of another class (files written before the name was recorded pass)."""
-    current_class = type(target).__name__
-    if saved_class is not None and saved_class != current_class:
-        raise CheckpointError(
-            f"{source} holds the state of a {saved_class} {what}, but it is loaded into a "
-            f"{current_class}, whose state and settings differ; build a {saved_class} as the "
-            "run that saved it did."
-        )
-
-
 def _check_scheduler_fits(
     source: Path, payload: dict[str, Any], scheduler: Any, optimizer: torch.optim.Optimizer
 ) -> None:
@@ -330,7 +298,7 @@ def _check_scheduler_fits(
     The load is tried on a copy of the scheduler (sharing the optimizer, which it does not
     change), so nothing real changes.
     """
-    _check_class(source, payload.get("scheduler_class"), scheduler, "scheduler")
+    check_class(source, payload.get("scheduler_class"), scheduler, "scheduler")
     state = payload["scheduler"]
     if not isinstance(state, dict):
         raise CheckpointError(f"{source} holds a damaged scheduler state (not a dict).")
@@ -350,7 +318,7 @@ def _check_scheduler_fits(
     except Exception as error:
         raise CheckpointError(
             f"{source} holds a scheduler state that this {type(scheduler).__name__} cannot load "
-            f"({type(error).__name__}: {str(error)[:200]}); build the scheduler the run that "
+            f"({one_line(error)}); build the scheduler the run that "
             "saved it used."
         ) from error
 
@@ -361,7 +329,7 @@ def _checked_rng(source: Path, state: dict[str, Any]) -> RngStates:
         return checked_rng(state)
     except Exception as error:
         raise CheckpointError(
-            f"{source} holds damaged RNG states ({type(error).__name__}: {str(error)[:200]}); "
+            f"{source} holds damaged RNG states ({one_line(error)}); "
             "load it with restore_rng=False to keep the current ones."
         ) from error
 

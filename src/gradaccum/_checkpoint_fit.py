@@ -1,0 +1,200 @@
+"""What a checkpoint may hold and whether it fits: checks run before anything is written or changed.
+
+- `check_extra`: `save_checkpoint(extra=...)` takes only what a `weights_only` load reads back
+  (plain containers, numbers, strings, bytes, tensors, dtypes, devices), so a file that saved
+  always loads;
+- `check_optimizer_fits`: an optimizer state fits only an optimizer of the same class (by name,
+  and by the settings of its param groups, which also catches files that record no class), with
+  the same number of param groups, of parameters per group, and per-parameter buffers of each
+  parameter's shape;
+- `one_line`: an exception's message as one plain line (no ANSI escapes, no line breaks).
+
+Example:
+    >>> check_extra({"epoch": 3, "order": [2, 0, 1]})
+    >>> import numpy as np
+    >>> check_extra({"order": np.arange(3)})
+    Traceback (most recent call last):
+    ...
+    ValueError: extra['order'] is a numpy.ndarray, which a weights_only load cannot read back; ...
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointError", "check_class", "check_extra", "check_optimizer_fits", "one_line"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is damaged, incomplete or of another kind, or does not fit its targets.
+
+    Targets are the model, optimizer, scheduler and accumulator it is loaded into.
+    """
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def one_line(error: BaseException, limit: int = 200) -> str:
+    """`TypeName: message` of `error` as one plain line, ANSI escapes removed, cut to `limit`."""
+    text = " ".join(_ANSI.sub("", str(error)).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(error).__name__}: {text}"
+
+
+# Leaves a weights_only load reads back, by exact type (a subclass, such as an IntEnum or a
+# numpy scalar deriving from float, is pickled by its own class, which such a load refuses).
+_LEAVES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    bytearray,
+    torch.Tensor,
+    torch.nn.Parameter,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+)
+_CONTAINERS = (dict, OrderedDict, list, tuple, set)
+
+
+def check_extra(extra: object, path: str = "extra") -> None:
+    """Refuse an `extra` that a `weights_only` load could not read back.
+
+    Args:
+        extra: What the caller passes as `save_checkpoint(extra=...)`.
+        path: How to name `extra` in the message.
+
+    Raises:
+        ValueError: Naming the first item of another type and how to convert it.
+    """
+    kind = type(extra)
+    if kind in _LEAVES:
+        return
+    if kind in (dict, OrderedDict) and isinstance(extra, dict):
+        for key, value in extra.items():
+            check_extra(key, f"a key of {path}")
+            check_extra(value, f"{path}[{key!r}]")
+        return
+    if kind in _CONTAINERS and isinstance(extra, list | tuple | set):
+        for index, value in enumerate(extra):
+            check_extra(value, f"{path}[{index}]" if kind is not set else f"an item of {path}")
+        return
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+    raise ValueError(
+        f"{path} is a {name}, which a weights_only load cannot read back; convert it to a tensor "
+        "(torch.as_tensor), a list, a number or a string first. extra takes dicts, lists, tuples "
+        "and sets of numbers, strings, bytes, tensors, dtypes and devices. Nothing was written."
+    )
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1].upper() in "AEIOU" else "a"
+
+
+def check_class(source: Path, saved_class: object, target: object, what: str) -> None:
+    """Refuse the state of another class (files written before the name was recorded pass)."""
+    current_class = type(target).__name__
+    if saved_class is not None and saved_class != current_class:
+        raise CheckpointError(
+            f"{source} holds the state of {_article(str(saved_class))} {saved_class} {what}, but "
+            f"it is loaded into {_article(current_class)} {current_class}, whose state and "
+            f"settings differ; build {_article(str(saved_class))} {saved_class} as the run that "
+            "saved it did."
+        )
+
+
+_SAME_GROUPS = "build the optimizer with the same param groups as the run that saved it"
+# Per-parameter buffers of torch's optimizers that have the parameter's shape.
+_ELEMENTWISE = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta"}
+    | {"sum", "grad_avg", "exp_inf", "ax", "prev", "step_size"}
+)
+
+
+def check_optimizer_fits(
+    source: Path, payload: dict[str, Any], optimizer: torch.optim.Optimizer
+) -> None:
+    """Refuse an optimizer state of another optimizer type or parameter layout.
+
+    The type is read from the recorded class name and, for every file, from the settings of the
+    param groups: a group whose saved settings both lack some of this optimizer's and hold others
+    (an AdamW's `betas` against an SGD's `momentum`) is another optimizer's. A torch version that
+    only adds settings passes.
+    """
+    check_class(source, payload.get("optimizer_class"), optimizer, "optimizer")
+    state = payload["optimizer"]
+    saved_groups = state.get("param_groups")
+    if not isinstance(state.get("state"), dict) or not isinstance(saved_groups, list):
+        raise CheckpointError(
+            f"{source} holds a damaged optimizer state (it lacks 'state' or 'param_groups')."
+        )
+    groups = optimizer.param_groups
+    if len(saved_groups) != len(groups):
+        raise CheckpointError(
+            f"{source} holds an optimizer state of {len(saved_groups)} param groups, the "
+            f"optimizer has {len(groups)}; {_SAME_GROUPS}."
+        )
+    saved_params: list[Any] = []
+    params: list[torch.Tensor] = []
+    for index, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
+        listed = saved.get("params") if isinstance(saved, dict) else None
+        if not isinstance(listed, list):
+            raise CheckpointError(
+                f"{source} holds a damaged optimizer state: param group {index} lists no params."
+            )
+        if len(listed) != len(group["params"]):
+            raise CheckpointError(
+                f"{source} holds {len(listed)} params in optimizer param group {index}, the "
+                f"optimizer has {len(group['params'])} there; {_SAME_GROUPS}."
+            )
+        _check_settings(source, index, saved, group, optimizer)
+        saved_params += listed
+        params += group["params"]
+    _check_buffer_shapes(source, state["state"], saved_params, params)
+
+
+def _check_settings(
+    source: Path,
+    index: int,
+    saved: dict[str, Any],
+    group: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    file_only = sorted(str(key) for key in saved.keys() - group.keys())
+    optimizer_only = sorted(str(key) for key in group.keys() - saved.keys())
+    if file_only and optimizer_only:
+        name = type(optimizer).__name__
+        raise CheckpointError(
+            f"{source} holds the state of another optimizer type: its param group {index} has "
+            f"the settings {file_only[:4]}, which this {name} lacks, and lacks its "
+            f"{optimizer_only[:4]}; build the optimizer type the run that saved it used."
+        )
+
+
+def _check_buffer_shapes(
+    source: Path, state: dict[Any, Any], saved_params: list[Any], params: list[torch.Tensor]
+) -> None:
+    for position, (saved_id, param) in enumerate(zip(saved_params, params, strict=True)):
+        buffers = state.get(saved_id)
+        if not isinstance(buffers, dict):
+            continue  # a parameter that never stepped has no state
+        for name, value in buffers.items():
+            if name not in _ELEMENTWISE or not isinstance(value, torch.Tensor):
+                continue
+            if tuple(value.shape) != tuple(param.shape):
+                raise CheckpointError(
+                    f"{source} holds an optimizer {name!r} of shape {tuple(value.shape)} for "
+                    f"parameter {position} (in param-group order), which has shape "
+                    f"{tuple(param.shape)}; {_SAME_GROUPS}, in the same order."
+                )
