@@ -88,8 +88,20 @@ def policy_worker(rank: int, world_size: int, recipe: str) -> dict[str, Any]:
         acc.step(_batch(rank, torch.float64), masked_loss)
         out[policy] = calls[0] - before
     # bf16 parameters: fp32 buffers (micro policy) against plain bf16 accumulation.
-    for name, options in {"bf16": {}, "buffers": {"accum_dtype": torch.float32}}.items():
-        model = shard(make_tiny().to(torch.bfloat16), world_size, recipe)
+    variants = {
+        "bf16": ({}, False),
+        "buffers": ({"accum_dtype": torch.float32}, False),
+        # fully_shard(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)): FSDP2 reduces
+        # in float32 and hands back bf16 shards, which the buffers then sum in float32.
+        "bf16 mp": ({}, True),
+        "buffers mp": ({"accum_dtype": torch.float32}, True),
+    }
+    for name, (options, mixed) in variants.items():
+        model = make_tiny().to(torch.bfloat16)
+        if mixed:
+            model = _shard_mixed(model, world_size, recipe)
+        else:
+            model = shard(model, world_size, recipe)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         seen: dict[str, list[torch.Tensor]] = {}
 
@@ -101,6 +113,19 @@ def policy_worker(rank: int, world_size: int, recipe: str) -> dict[str, Any]:
         acc.step(_batch(rank, torch.bfloat16, BF16_ITEMS), masked_loss)
         out[name] = torch.cat([g.flatten() for g in seen["grads"]])
     return out
+
+
+def _shard_mixed(model: torch.nn.Module, world_size: int, recipe: str) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if recipe == "blocks+root":
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
 
 
 def _bf16_reference_grad() -> torch.Tensor:
@@ -122,11 +147,12 @@ def test_reduce_scatters_per_window_and_fp32_buffers(tmp_path: Path, recipe: str
     for got in results:
         assert got["window"] == groups  # one per group per window
         assert got["micro"] == groups * MICRO_BATCHES  # one per group per micro-batch
-        native = float((got["bf16"] - want).norm() / want.norm())
-        buffered = float((got["buffers"] - want).norm() / want.norm())
-        print(
-            f"\nbf16 FSDP2 ({recipe}), {BF16_ITEMS} micro-batches: fp32 buffers {buffered:.2e}, "
-            f"native bf16 {native:.2e}, x{native / buffered:.1f}"
-        )
-        # Both carry the bf16 forward/backward rounding; the buffers remove the summation's.
-        assert native >= 2.0 * buffered, (native, buffered)
+        for suffix in ("", " mp"):
+            native = float((got["bf16" + suffix] - want).norm() / want.norm())
+            buffered = float((got["buffers" + suffix] - want).norm() / want.norm())
+            print(
+                f"\nbf16 FSDP2 ({recipe}{suffix}), {BF16_ITEMS} micro-batches: fp32 buffers "
+                f"{buffered:.2e}, native bf16 {native:.2e}, x{native / buffered:.1f}"
+            )
+            # Both carry the bf16 forward/backward rounding; the buffers remove the summation's.
+            assert native >= 2.0 * buffered, (suffix, native, buffered)
