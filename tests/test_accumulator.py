@@ -635,3 +635,42 @@ def test_a_pending_result_reads_its_loss_from_the_device_only_when_asked(
     assert len(reads) == 2
     # Negative control: a finished window's result was read at the boundary, as before.
     assert acc.micro_step(stream[2], _mse).stepped
+
+
+# ----- StepResult.micro_batch_size: the size actually used --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("setting", "items", "used", "micro_batches"),
+    [(64, 16, 16, 1), (16, 16, 16, 1), (8, 20, 8, 3), ("auto", 16, 16, 1)],
+)
+def test_step_reports_the_micro_batch_size_it_used(
+    setting: int | str, items: int, used: int, micro_batches: int
+) -> None:
+    model = _mlp()
+    budget = {"memory_budget": "1GiB"} if setting == "auto" else {}
+    acc = Accumulator(model, _sgd(model), micro_batch_size=setting, telemetry=True, **budget)
+    result = acc.step(_data(items), _mse)
+    assert result.stepped
+    assert (result.micro_batch_size, result.micro_batches) == (used, micro_batches)
+    assert result.telemetry is not None
+    assert result.telemetry.micro_batch_size == used
+    assert acc.micro_batch_size == setting  # the setting stays what was asked for
+
+
+def test_streamed_and_packed_windows_report_their_largest_micro_batch() -> None:
+    model = _mlp()
+    acc = Accumulator(model, _sgd(model), accumulation_steps=3)
+    x, y = _data(9)
+    acc.micro_step((x[:2], y[:2]), _mse)
+    acc.micro_step((x[2:6], y[2:6]), _mse)
+    assert acc.micro_step((x[6:], y[6:]), _mse).micro_batch_size == 4
+    # A token budget of 8 on rows of 4 tokens: micro-batches of 2 rows.
+    packed = Accumulator(model, _sgd(model), micro_batch_size=64)
+    ids = torch.ones(6, 4, dtype=torch.long)
+
+    def rows_loss(m: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return m(batch["input_ids"].to(torch.float64)).pow(2).mean()
+
+    result = packed.step({"input_ids": ids, "attention_mask": ids}, rows_loss, max_tokens=8)
+    assert (result.micro_batch_size, result.micro_batches) == (2, 3)

@@ -304,10 +304,30 @@ def test_a_sparse_gradient_at_the_boundary_is_refused_and_the_window_is_never_st
     assert acc.step(ids, dense).stepped  # not stuck
 
 
-@pytest.mark.parametrize("bad", [lambda m, b: 0.0, "model"])
-def test_a_model_that_is_not_a_module_is_refused(bad: Any) -> None:
-    with pytest.raises(TypeError, match=r"must be a torch\.nn\.Module"):
-        Accumulator(bad, torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
+def _forward(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@pytest.mark.parametrize(
+    ("bad", "what"),
+    [
+        (lambda m, b: 0.0, "function"),
+        (_forward, "function"),
+        ("model", "str"),
+        (nn.Linear, "a class"),
+    ],
+)
+def test_a_model_that_is_not_a_module_is_refused(bad: Any, what: str) -> None:
+    parameter = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([parameter], lr=0.1)
+    with pytest.raises(TypeError) as caught:
+        Accumulator(bad, optimizer, micro_batch_size=2)
+    message = str(caught.value)
+    assert f"must be a torch.nn.Module instance, not {what}: pass the module itself" in message
+    assert "\n" not in message
+    assert not isinstance(caught.value, AttributeError)
+    assert parameter.grad is None
+    assert torch.equal(parameter, torch.zeros(1))
 
 
 def test_a_model_without_data_is_refused_naming_the_fix() -> None:

@@ -174,7 +174,11 @@ def check_settings(
         ValueError: For any invalid setting; the message names the fix.
     """
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model={model!r} must be a torch.nn.Module.")
+        what = "a class" if isinstance(model, type) else type(model).__name__
+        raise TypeError(
+            f"model={model!r} must be a torch.nn.Module instance, not {what}: pass the module "
+            "itself (e.g. MyModel(), not MyModel or a function; the loss goes in loss_fn)."
+        )
     auto = is_auto(micro_batch_size, memory_budget)
     if micro_batch_size is not None and not auto:
         check_micro_batch_size(micro_batch_size)
