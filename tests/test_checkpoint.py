@@ -94,6 +94,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # subprocesses: about 85 s of the engine tests; `make test-fast` skips them
 @pytest.mark.parametrize(("variant", "n", "kills"), CASES, ids=[f"{c[0]}-N{c[1]}" for c in CASES])
 def test_sigkill_then_resume_is_bitwise_equal_to_uninterrupted_run(
     tmp_path: Path, variant: str, n: int, kills: list[int]
@@ -124,6 +125,7 @@ def test_resume_without_accumulator_state_differs(tmp_path: Path) -> None:
     assert gap > 1e-3
 
 
+@pytest.mark.slow  # subprocesses
 def test_crash_in_the_middle_of_a_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     (result,) = _run_workers(
         [["--variant", "base", "--n", "2", "--out", str(tmp_path), "--crash-in-save-at", "3"]]

@@ -182,6 +182,7 @@ def test_str_is_a_table_of_components_and_the_choice() -> None:
     assert "MiB" in text
 
 
+@pytest.mark.slow  # a training subprocess
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc")
 def test_resident_memory_of_training_stays_under_the_budget() -> None:
