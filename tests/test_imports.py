@@ -22,7 +22,7 @@ PACKAGE = "gradaccum"
 SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 # The entry point `python -m gradaccum` runs the CLI, so it sits above the core too.
 UPPER_LAYERS = ("gradaccum.cli", "gradaccum.experiments", "gradaccum.__main__")
-HEAVY = ("transformers", "keras", "matplotlib", "rich", "sklearn")
+HEAVY = ("transformers", "keras", "tensorflow", "jax", "jaxlib", "matplotlib", "rich", "sklearn")
 
 
 def _module_files(root: Path = SRC) -> dict[str, Path]:

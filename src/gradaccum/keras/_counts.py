@@ -1,0 +1,144 @@
+"""The sum and the count behind a Keras loss, so that a window divides once, by its own count.
+
+A Keras loss with a mean reduction returns `sum / divisor` for its batch. The divisor depends on
+the reduction, the mask of `y_pred` (`mask_zero=True` embeddings, `Masking` layers) and, for
+`"mean_with_sample_weight"`, on the sample weights. `loss_sum` rebuilds that divisor, the
+*count*, with Keras's own reduction code, so that `sum(sums) / sum(counts)` over the micro-batches
+of a window equals the loss Keras computes on the whole window at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras import ops
+from keras.src.backend import get_keras_mask
+from keras.src.losses.loss import squeeze_or_expand_to_same_rank
+from keras.src.trainers.compile_utils import get_loss
+
+__all__ = ["MEAN_REDUCTIONS", "loss_count", "loss_sum", "resolve_loss"]
+
+#: Reductions whose batch value is a mean, so a window can divide once by its total count.
+MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+
+def resolve_loss(loss: Any, y_true: Any = None, y_pred: Any = None) -> Any:
+    """A `keras.losses.Loss` for `loss`: a `Loss`, a name such as `"mse"`, or a function.
+
+    Raises:
+        ValueError: if the loss reduction is not a mean (`"sum"`, `None`, `"none"`), since then
+            there is no count to divide by.
+    """
+    resolved = loss if isinstance(loss, keras.losses.Loss) else get_loss(loss, y_true, y_pred)
+    if resolved is None:
+        raise ValueError("loss=None has no count; pass a loss such as 'mse' or a keras Loss")
+    if resolved.reduction not in MEAN_REDUCTIONS:
+        raise ValueError(
+            f"loss {resolved.name!r} has reduction={resolved.reduction!r}; gradaccum.keras "
+            f"divides each window once by its count, so the reduction must be one of "
+            f"{MEAN_REDUCTIONS}; use the default 'sum_over_batch_size'"
+        )
+    return resolved
+
+
+def _values_and_mask(loss: Any, y_true: Any, y_pred: Any) -> tuple[Any, Any]:
+    """The per-element losses and the mask Keras combines from `y_pred` and from them."""
+    in_mask = get_keras_mask(y_pred)
+    y_pred = keras.tree.map_structure(lambda v: ops.convert_to_tensor(v, loss.dtype), y_pred)
+    y_true = keras.tree.map_structure(lambda v: ops.convert_to_tensor(v, loss.dtype), y_true)
+    values = loss.call(y_true, y_pred)
+    out_mask = get_keras_mask(values)
+    if in_mask is not None and out_mask is not None:
+        return values, in_mask & out_mask
+    return values, in_mask if in_mask is not None else out_mask
+
+
+def _size(x: Any, dtype: str) -> Any:
+    return ops.cast(ops.prod(ops.convert_to_tensor(ops.shape(x), dtype="int32")), dtype)
+
+
+def _weights(values: Any, mask: Any, sample_weight: Any) -> Any:
+    """Sample weights times the float mask, shaped for `values`, or None (never in place)."""
+    dtype = values.dtype
+    weights = None if mask is None else ops.cast(mask, dtype)
+    if sample_weight is not None:
+        sample_weight = ops.cast(sample_weight, dtype)
+        if weights is None:
+            weights = sample_weight
+        else:
+            weights, sample_weight = squeeze_or_expand_to_same_rank(weights, sample_weight)
+            weights = ops.multiply(sample_weight, weights)
+    if weights is not None:
+        _, weights = squeeze_or_expand_to_same_rank(values, weights)
+    return weights
+
+
+def _count(loss: Any, values: Any, mask: Any, sample_weight: Any) -> Any:
+    """The divisor Keras's reduction applies to `values` (see `keras.src.losses.loss`)."""
+    dtype = values.dtype
+    if len(values.shape) == 0:
+        # A loss that reduces by itself: Keras does not divide; weigh it as one item.
+        return ops.ones((), dtype)
+    if loss.reduction == "mean_with_sample_weight":
+        weights = _weights(values, mask, sample_weight)
+        return _size(values, dtype) if weights is None else ops.sum(weights)
+    if mask is None:
+        return _size(values, dtype)
+    # Keras weighs valid entries by size(mask) / valid, then divides by size(values).
+    valid = ops.sum(ops.cast(mask, dtype))
+    return ops.divide(ops.multiply(_size(values, dtype), valid), _size(mask, dtype))
+
+
+def loss_count(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+    """The count of items Keras divides `loss`'s sum by on this batch, as a scalar tensor.
+
+    Args:
+        loss: a `keras.losses.Loss`, a loss name (`"sparse_categorical_crossentropy"`) or a
+            loss function; its reduction must be a mean (`MEAN_REDUCTIONS`).
+        y_true: the targets.
+        y_pred: the predictions; a Keras mask on them (for example from
+            `Embedding(mask_zero=True)`) excludes the masked entries from the count.
+        sample_weight: optional weights; they change the count only for
+            `reduction="mean_with_sample_weight"`, as in Keras.
+
+    Returns:
+        A 0-dim float tensor: the number of loss entries (or the summed weights) counted.
+
+    Example:
+        >>> import numpy as np
+        >>> float(loss_count("mse", np.zeros((3, 2)), np.ones((3, 2))))
+        3.0
+    """
+    loss = resolve_loss(loss, y_true, y_pred)
+    values, mask = _values_and_mask(loss, y_true, y_pred)
+    return _count(loss, values, mask, sample_weight)
+
+
+def loss_sum(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -> tuple[Any, Any]:
+    """The sum and the count of `loss` on a batch: Keras's value for it is `sum / count`.
+
+    Use it in a hand-written loop: differentiate the sum, add the counts, and divide the window's
+    summed gradient once by the window's count (`GradientWindow` does that). Masks on `y_pred`
+    and sample weights are counted exactly as Keras counts them.
+
+    Args:
+        loss: a `keras.losses.Loss`, a loss name or a loss function (mean reduction).
+        y_true: the targets.
+        y_pred: the predictions (a Keras mask on them is honoured).
+        sample_weight: optional per-item or per-token weights.
+
+    Returns:
+        `(sum, count)`, two 0-dim tensors.
+
+    Example:
+        >>> import numpy as np
+        >>> total, count = loss_sum("mse", np.zeros((4, 1)), np.full((4, 1), 2.0))
+        >>> float(total), float(count)
+        (16.0, 4.0)
+    """
+    loss = resolve_loss(loss, y_true, y_pred)
+    values, mask = _values_and_mask(loss, y_true, y_pred)
+    weights = _weights(values, mask, sample_weight)
+    total = ops.sum(values if weights is None else ops.multiply(values, weights))
+    return total, _count(loss, values, mask, sample_weight)

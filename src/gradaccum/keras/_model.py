@@ -1,0 +1,320 @@
+"""`AccumulatingModel`: `model.fit` with exact gradient accumulation, on any Keras 3 backend.
+
+The wrapper leaves the wrapped model untouched (no extra weight, saves as before) and adds three
+things around Keras's own `train_step`:
+
+- `compute_loss` returns Keras's loss for the micro-batch plus `probe * count`, where `probe` is
+  a trainable scalar of the wrapper that stays 0: the value (and the progress bar) is unchanged,
+  and the gradient Keras computes for `probe` is the micro-batch's count (times the loss scale).
+  That is how the count reaches the optimizer on every backend, JAX's stateless one included.
+- `compile` wraps the optimizer in a `WindowOptimizer`, which steps it once per window on
+  `sum(count * gradient) / sum(count)`.
+- `fit` adds a callback that tells the optimizer how long an epoch is, so the epoch's last
+  micro-batch settles an open window by the `partial_window` policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+from keras import ops
+
+from gradaccum._warnings import warn_user
+from gradaccum.batchnorm import BatchNormAccumulationWarning
+from gradaccum.keras._counts import MEAN_REDUCTIONS, loss_count
+from gradaccum.keras._optimizer import WindowOptimizer
+
+__all__ = ["PARTIAL_WINDOWS", "AccumulatingModel", "accumulate"]
+
+PARTIAL_WINDOWS = ("step", "drop", "carry")
+CountFn = Callable[[Any, Any, Any, Any], Any]
+
+
+def _check_options(model: Any, steps: Any, partial_window: Any, count: Any) -> None:
+    if not isinstance(model, keras.Model) or isinstance(model, AccumulatingModel):
+        raise TypeError(
+            f"model must be a keras.Model (not yet wrapped), got {type(model).__name__}; "
+            "pass the model you would call fit() on"
+        )
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(
+            f"steps={steps!r} must be a positive int: micro-batches per optimizer step"
+        )
+    if partial_window not in PARTIAL_WINDOWS:
+        raise ValueError(
+            f"partial_window={partial_window!r} must be one of {PARTIAL_WINDOWS}: what the end "
+            "of an epoch does to an open window"
+        )
+    if count is not None and not callable(count):
+        raise TypeError(
+            f"count must be None or a function (x, y, y_pred, sample_weight) -> count, "
+            f"got {type(count).__name__}"
+        )
+
+
+def _check_single_replica() -> None:
+    """Refuse data-parallel training: the counts would be reduced differently from the sums."""
+    replicas = 1
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if replicas > 1 or keras.distribution.distribution() is not None:
+        raise NotImplementedError(
+            "AccumulatingModel runs on one device: under a tf.distribute strategy or a "
+            "keras.distribution the gradients are all-reduced every micro-batch and the count "
+            "probe is not; compile outside the strategy's scope"
+        )
+
+
+def _warn_batchnorm(model: Any, steps: int) -> None:
+    norms = [
+        layer.name
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, keras.layers.BatchNormalization)
+    ]
+    if norms and steps > 1:
+        shown = ", ".join(norms[:3]) + (", ..." if len(norms) > 3 else "")
+        warn_user(
+            BatchNormAccumulationWarning(
+                f"BatchNormalization layers ({shown}) normalize each micro-batch with its own "
+                f"statistics while the optimizer step covers {steps} micro-batches: accumulation "
+                "is not exact, and their moving statistics update once per micro-batch. Use "
+                "GroupNormalization or LayerNormalization for exact accumulation."
+            )
+        )
+
+
+class AccumulatingModel(keras.Model):
+    """Wraps a Keras model so that `fit` takes one exact optimizer step per `steps` micro-batches.
+
+    `fit(batch_size=m)` then runs micro-batches of `m`; every `steps` of them (a window) the
+    optimizer steps once on the gradient of the window's mean loss: the loss Keras would compute
+    on the window's items at once, masks and sample weights counted the same way. The optimizer,
+    its learning-rate schedule, EMA, clipping and weight decay see real steps only.
+
+    Args:
+        model: the `keras.Model` to train; it is trained in place and stays a plain model.
+        steps: micro-batches per optimizer step.
+        partial_window: what the end of an epoch does to an open window: `"step"` (an exact step
+            on the items seen), `"drop"` (discard them) or `"carry"` (finish the window with the
+            next epoch's first micro-batches).
+        count: optional `(x, y, y_pred, sample_weight) -> count` for a custom `compute_loss`; by
+            default the count is the divisor of the first compiled loss (its items, its unmasked
+            tokens, or its summed weights for `"mean_with_sample_weight"`).
+
+    Example:
+        >>> import numpy as np, keras
+        >>> net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> trainer = AccumulatingModel(net, steps=2)
+        >>> trainer.compile(optimizer="sgd", loss="mse")
+        >>> _ = trainer.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=2, verbose=0)
+        >>> trainer.window_state
+        {'steps': 2, 'skipped': 0, 'pending': 0}
+    """
+
+    optimizer: Any  # set by compile(): a WindowOptimizer
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        steps: int,
+        partial_window: str = "step",
+        count: CountFn | None = None,
+    ) -> None:
+        _check_options(model, steps, partial_window, count)
+        super().__init__(dtype=model.dtype_policy, name=f"{model.name}_accumulating")
+        self._probe = self.add_weight(
+            shape=(), initializer="zeros", trainable=True, name="count_probe"
+        )
+        self.model = model
+        self.steps = steps
+        self.partial_window = partial_window
+        self._count_fn = count
+        if hasattr(model, "output_names"):
+            self.output_names = model.output_names
+        self._settle = _SettleWindows(self)
+        _warn_batchnorm(model, steps)
+
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        """Run the wrapped model."""
+        return self.model(inputs, training=training)
+
+    def compile(
+        self, optimizer: Any = "rmsprop", loss: Any = None, *args: Any, **kwargs: Any
+    ) -> None:
+        """Compile as `keras.Model.compile`; the optimizer is then wrapped to step per window."""
+        _check_single_replica()
+        for item in keras.tree.flatten(loss):
+            if isinstance(item, keras.losses.Loss) and item.reduction not in MEAN_REDUCTIONS:
+                raise ValueError(
+                    f"loss {item.name!r} has reduction={item.reduction!r}; accumulation divides "
+                    f"each window once by its count, so use one of {MEAN_REDUCTIONS}"
+                )
+        inner = keras.optimizers.get(optimizer)
+        if isinstance(inner, WindowOptimizer):
+            inner = inner.inner_optimizer
+        if getattr(inner, "gradient_accumulation_steps", None):
+            raise ValueError(
+                f"the optimizer has gradient_accumulation_steps={inner.gradient_accumulation_steps}"
+                f"; remove it: AccumulatingModel(steps={self.steps}) accumulates exactly instead"
+            )
+        static_scale = None if isinstance(inner, keras.optimizers.LossScaleOptimizer) else (
+            inner.loss_scale_factor
+        )  # fmt: skip
+        super().compile(inner, loss, *args, **kwargs)
+        compiled = self.optimizer
+        dynamic = isinstance(compiled, keras.optimizers.LossScaleOptimizer)
+        self.optimizer = WindowOptimizer(
+            compiled.inner_optimizer if dynamic else compiled,
+            steps=self.steps,
+            partial_window=self.partial_window,
+            probe_id=id(self._probe),
+            dynamic=dynamic,
+            initial_scale=compiled.initial_scale if dynamic else 2.0**15,
+            dynamic_growth_steps=compiled.dynamic_growth_steps if dynamic else 2000,
+            static_scale=static_scale,
+        )
+
+    def compute_loss(
+        self,
+        x: Any = None,
+        y: Any = None,
+        y_pred: Any = None,
+        sample_weight: Any = None,
+        training: bool = True,
+    ) -> Any:
+        """Keras's loss plus `probe * count` (0 in value; its gradient carries the count)."""
+        value = super().compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+        )
+        if not training or value is None:
+            return value
+        count = ops.cast(self._count_items(x, y, y_pred, sample_weight), value.dtype)
+        return ops.add(value, ops.multiply(ops.cast(self._probe, value.dtype), count))
+
+    def _count_items(self, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
+        if self._count_fn is not None:
+            return self._count_fn(x, y, y_pred, sample_weight)
+        compiled = self._compile_loss
+        if compiled is None or not compiled._flat_losses:
+            first = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None)
+            return ops.shape(first)[0]
+        path, loss, _, _ = compiled._flat_losses[0]
+        if path:
+            try:
+                for key in path:
+                    y, y_pred = y[key], y_pred[key]
+                    if keras.tree.is_nested(sample_weight):
+                        sample_weight = sample_weight[key]
+            except (KeyError, IndexError, TypeError) as error:
+                raise ValueError(
+                    f"cannot find the first loss's output {path} in y and y_pred; pass "
+                    "count=lambda x, y, y_pred, sample_weight: ... to AccumulatingModel"
+                ) from error
+        return loss_count(loss, y, y_pred, sample_weight)
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """`keras.Model.fit`; `batch_size` is the micro-batch size."""
+        if len(args) > 5:  # callbacks given positionally
+            args = (*args[:5], [*(args[5] or []), self._settle], *args[6:])
+        else:
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self._settle]
+        return super().fit(*args, **kwargs)
+
+    def flush(self, policy: str = "step") -> bool:
+        """Settle an open window now: `"step"` on its items or `"drop"` them.
+
+        Returns:
+            True if the optimizer took a step.
+        """
+        if policy not in ("step", "drop"):
+            raise ValueError(f"policy={policy!r} must be 'step' or 'drop'")
+        return self._window_optimizer().flush(policy)
+
+    @property
+    def window_state(self) -> dict[str, int]:
+        """`steps` taken, windows `skipped` (non-finite or empty), micro-batches `pending`."""
+        return self._window_optimizer().window_state()
+
+    def _window_optimizer(self) -> WindowOptimizer:
+        if not isinstance(self.optimizer, WindowOptimizer):
+            raise RuntimeError(
+                "the optimizer is not accumulating: call AccumulatingModel.compile(...), and do "
+                "not assign trainer.optimizer afterwards"
+            )
+        return self.optimizer
+
+    def save(self, filepath: Any, *args: Any, **kwargs: Any) -> Any:
+        """Save the wrapped model (the wrapper holds no state of its own worth keeping)."""
+        return self.model.save(filepath, *args, **kwargs)
+
+    def save_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> Any:
+        """Save the wrapped model's weights."""
+        return self.model.save_weights(filepath, *args, **kwargs)
+
+    def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> Any:
+        """Load weights into the wrapped model."""
+        return self.model.load_weights(filepath, *args, **kwargs)
+
+    def get_config(self) -> dict[str, Any]:
+        """Not serializable: save the wrapped model (`trainer.model`, or `trainer.save`)."""
+        raise NotImplementedError(
+            "AccumulatingModel is not serialized; save the wrapped model: trainer.save(path)"
+        )
+
+
+class _SettleWindows(keras.callbacks.Callback):
+    """Tells the optimizer the epoch length; settles the leftover when it is unknown."""
+
+    def __init__(self, owner: AccumulatingModel) -> None:
+        super().__init__()
+        self._owner = owner
+        self._epoch_length: int | None = None
+
+    def _optimizer(self) -> WindowOptimizer:
+        optimizer = self._owner._window_optimizer()
+        if not optimizer.built:
+            optimizer.build(self._owner.trainable_variables)
+        return optimizer
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        steps = (self.params or {}).get("steps")
+        carry = self._owner.partial_window == "carry"
+        self._epoch_length = None if carry or not steps else int(steps)
+        self._optimizer().set_epoch_length(self._epoch_length)
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._optimizer().set_epoch_length(self._epoch_length)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        policy = self._owner.partial_window
+        if self._epoch_length is None and policy != "carry":
+            self._optimizer().flush(policy)  # epoch length unknown: settle after the epoch
+
+    def on_train_end(self, logs: Any = None) -> None:
+        pending = self._optimizer().window_state()["pending"]
+        if pending and self._owner.partial_window == "carry":
+            warn_user(
+                UserWarning(
+                    f"{pending} micro-batch(es) wait in an open window (partial_window='carry'): "
+                    "the next fit() finishes it, or call trainer.flush() to step on them now"
+                )
+            )
+
+
+def accumulate(
+    model: Any, steps: int, *, partial_window: str = "step", count: CountFn | None = None
+) -> AccumulatingModel:
+    """Wrap `model` for exact gradient accumulation in `fit`: see `AccumulatingModel`.
+
+    Example:
+        >>> import keras
+        >>> net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> accumulate(net, steps=4).steps
+        4
+    """
+    return AccumulatingModel(model, steps=steps, partial_window=partial_window, count=count)

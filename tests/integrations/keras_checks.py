@@ -1,0 +1,546 @@
+"""Checks of gradaccum.keras on ONE Keras backend, run in a subprocess by test_keras.py.
+
+The backend is fixed when keras is first imported, so `test_keras.py` runs this file once per
+backend (`KERAS_BACKEND=tensorflow|jax`) and reads one JSON line per check. Each check trains
+for several optimizer steps and compares the parameters with a plain Keras run that takes one
+full-batch step per window, in float64: `gap` is the largest relative difference of a weight
+tensor, max |a - b| / max |b|.
+
+Usage: KERAS_BACKEND=jax JAX_ENABLE_X64=1 python tests/integrations/keras_checks.py [names...]
+"""
+
+from __future__ import annotations
+
+if __name__ != "__main__":  # collected by `pytest --doctest-modules`: a worker, not a test module
+    import pytest
+
+    pytest.skip("keras_checks.py runs as test_keras.py's subprocess", allow_module_level=True)
+
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import keras
+from keras import ops
+
+keras.config.set_floatx("float64")
+keras.config.disable_interactive_logging()
+
+import gradaccum.keras as gk  # noqa: E402
+from gradaccum.batchnorm import BatchNormAccumulationWarning  # noqa: E402
+from gradaccum.keras._optimizer import dense  # noqa: E402
+
+BACKEND = keras.backend.backend()
+CHECKS = {}
+# Ragged micro-batches from few distinct sizes: every new shape costs a (JAX/XLA) compilation.
+RAGGED = [5, 3, 5, 3, 5, 5]  # windows of 3: 13 and 13 items
+TOKEN_ROWS = [3] * 6  # equal rows, unequal token counts (random padding)
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+# --- data and models ------------------------------------------------------------------------
+
+
+class Batches(keras.utils.PyDataset):
+    """Exactly these batches, in this order, every epoch (ragged sizes allowed)."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, index):
+        return self.batches[index]
+
+
+def concat(batches):
+    return tuple(np.concatenate(parts) for parts in zip(*batches, strict=True))
+
+
+def windows(micro, steps, policy="step", epochs=1):
+    """The full batches a plain run must take to equal accumulation over `micro` batches."""
+    out, open_ = [], []
+    for _ in range(epochs):
+        for i, batch in enumerate(micro):
+            open_.append(batch)
+            last = i == len(micro) - 1
+            if len(open_) == steps or (last and policy != "carry"):
+                if len(open_) == steps or policy == "step":
+                    out.append(concat(open_))
+                open_ = []
+    return out, open_
+
+
+def regression(sizes, seed=0, features=6, outputs=3):
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=(n, features)), rng.normal(size=(n, outputs))) for n in sizes]
+
+
+def seeded(seed):
+    """A seeded initializer. (keras.utils.set_random_seed would import TensorFlow on every backend
+    to seed it too: seconds of CPU per process.)"""
+    return keras.initializers.GlorotUniform(seed=seed)
+
+
+def mlp(features=6, outputs=3, seed=1, hidden=16, norm=None, regularizer=None):
+    dense = keras.layers.Dense(
+        hidden, activation="relu", kernel_initializer=seeded(seed), kernel_regularizer=regularizer
+    )
+    layers = [keras.Input((features,)), dense]
+    if norm is not None:
+        layers.append(norm)
+    layers.append(keras.layers.Dense(outputs, kernel_initializer=seeded(seed + 1)))
+    return keras.Sequential(layers)
+
+
+def token_data(sizes, seed=0, vocab=11, length=7):
+    """Padded token rows (0 = padding) of random lengths; targets are per-token classes."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in sizes:
+        x = np.zeros((n, length), dtype="int32")
+        y = np.zeros((n, length), dtype="int32")
+        for row in range(n):
+            k = int(rng.integers(1, length + 1))
+            x[row, :k] = rng.integers(1, vocab, size=k)
+            y[row, :k] = rng.integers(0, vocab, size=k)
+        out.append((x, y))
+    return out
+
+
+def token_model(vocab=11, seed=1):
+    embedding = keras.initializers.RandomUniform(-0.5, 0.5, seed=seed)
+    return keras.Sequential(
+        [
+            keras.Input((None,), dtype="int32"),
+            keras.layers.Embedding(vocab, 8, mask_zero=True, embeddings_initializer=embedding),
+            keras.layers.Dense(16, activation="relu", kernel_initializer=seeded(seed + 1)),
+            keras.layers.Dense(vocab, kernel_initializer=seeded(seed + 2)),
+        ]
+    )
+
+
+def weights(model):
+    return [np.asarray(ops.convert_to_numpy(w), dtype="float64") for w in model.weights]
+
+
+def gap(a, b):
+    """The largest relative difference of a weight tensor: max |x - y| / max |y|."""
+    pairs = zip(a, b, strict=True)
+    return max(float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30)) for x, y in pairs)
+
+
+def densified(optimizer):
+    """The reference optimizer sees dense gradients, as the accumulated window does.
+
+    On TensorFlow an Embedding's gradient is an IndexedSlices with one row per token, and Keras's
+    Adam squares each duplicate row separately: that is not the full-batch Adam step.
+    """
+    apply = optimizer.apply
+
+    def dense_apply(grads, trainable_variables=None):
+        return apply([None if g is None else dense(g) for g in grads], trainable_variables)
+
+    optimizer.apply = dense_apply
+    return optimizer
+
+
+def fit_plain(make, optimizer, batches, loss="mse", epochs=1, **compile_kw):
+    model = make()
+    optimizer = densified(optimizer)
+    model.compile(optimizer=optimizer, loss=loss, **compile_kw)
+    model.fit(Batches(batches), epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+def fit_accumulated(make, optimizer, micro, steps, loss="mse", epochs=1, policy="step", **kw):
+    model = make()
+    trainer = gk.accumulate(model, steps=steps, partial_window=policy)
+    trainer.compile(optimizer=optimizer, loss=loss, **kw)
+    trainer.fit(Batches(micro), epochs=epochs, shuffle=False, verbose=0)
+    return model, trainer
+
+
+def compare(make, optimizer_fn, micro, steps, *, loss="mse", epochs=1, policy="step", **kw):
+    full, _ = windows(micro, steps, policy, epochs)
+    ref = fit_plain(make, optimizer_fn(), full, loss=loss, **kw)
+    model, trainer = fit_accumulated(
+        make, optimizer_fn(), micro, steps, loss=loss, epochs=epochs, policy=policy, **kw
+    )
+    return {"gap": gap(weights(model), weights(ref)), "state": trainer.window_state,
+            "full_steps": len(full)}  # fmt: skip
+
+
+# --- checks -----------------------------------------------------------------------------------
+
+
+def adam_with_schedule():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=1, decay_rate=0.5)
+    return keras.optimizers.Adam(schedule)
+
+
+@check
+def adam_schedule_ragged():
+    micro = regression(RAGGED)
+    return compare(mlp, adam_with_schedule, micro, steps=3, epochs=2)
+
+
+@check
+def clipping():
+    micro = regression(RAGGED)
+    clipped = lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.05)  # noqa: E731
+    result = compare(mlp, clipped, micro, 3, epochs=2)
+    # The clip must bind, or the check proves nothing: an unclipped run ends elsewhere.
+    with_clip, _ = fit_accumulated(mlp, clipped(), micro, 3, epochs=2)
+    without, _ = fit_accumulated(mlp, keras.optimizers.SGD(0.5), micro, 3, epochs=2)
+    result["clip_changes_result"] = gap(weights(with_clip), weights(without))
+    return result
+
+
+@check
+def static_loss_scale():
+    """An inner optimizer's fixed loss_scale_factor scales the loss and is divided out exactly."""
+    micro = regression(RAGGED)
+    make_opt = lambda: keras.optimizers.Adam(0.05, loss_scale_factor=128.0)  # noqa: E731
+    return compare(mlp, make_opt, micro, steps=3, epochs=2)
+
+
+@check
+def ema():
+    micro = regression(RAGGED)
+    opt = lambda: keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.5)  # noqa: E731
+    return compare(mlp, opt, micro, steps=3, epochs=2)
+
+
+@check
+def weight_regularizer():
+    """An L2 kernel regularizer is added once per window, not once per micro-batch."""
+    micro = regression(RAGGED)
+    make = lambda: mlp(regularizer=keras.regularizers.L2(0.05))  # noqa: E731
+    return compare(make, lambda: keras.optimizers.SGD(0.2), micro, steps=3, epochs=2)
+
+
+@check
+def masked_token_loss():
+    micro = token_data(TOKEN_ROWS)
+    return compare(token_model, lambda: keras.optimizers.Adam(0.05), micro, steps=3,
+                   loss="sparse_categorical_crossentropy", epochs=2)  # fmt: skip
+
+
+@check
+def custom_count():
+    """count= replaces the compiled loss's count: tokens reproduce it, rows do not."""
+    micro = token_data(TOKEN_ROWS[:4])
+    full, _ = windows(micro, 2, "step")
+    ref = fit_plain(
+        token_model, keras.optimizers.SGD(0.5), full, loss="sparse_categorical_crossentropy"
+    )
+    gaps = {}
+    counts = {
+        "tokens": lambda x, y, y_pred, sample_weight: ops.sum(ops.cast(x > 0, "float64")),
+        "rows": lambda x, y, y_pred, sample_weight: ops.shape(x)[0],
+    }
+    for name, count in counts.items():
+        model = token_model()
+        trainer = gk.accumulate(model, steps=2, count=count)
+        trainer.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy")
+        trainer.fit(Batches(micro), shuffle=False, verbose=0)
+        gaps[name] = gap(weights(model), weights(ref))
+    return {"gap": gaps["tokens"], "gap_rows": gaps["rows"]}
+
+
+@check
+def sample_weight_token_mean():
+    rng = np.random.default_rng(3)
+    micro = [
+        (x, y, (x > 0).astype("float64") * rng.uniform(0.5, 2.0, size=x.shape))
+        for x, y in token_data(TOKEN_ROWS[:4])
+    ]
+    loss = keras.losses.SparseCategoricalCrossentropy(reduction="mean_with_sample_weight")
+    return compare(token_model, lambda: keras.optimizers.SGD(0.5), micro, steps=2, loss=loss)
+
+
+def leftover(policy):
+    micro = regression([4] * 10, seed=5)
+    return compare(
+        mlp, lambda: keras.optimizers.Adam(0.02), micro, steps=4, epochs=2, policy=policy
+    )
+
+
+@check
+def leftover_step():
+    return leftover("step")
+
+
+@check
+def leftover_drop():
+    return leftover("drop")
+
+
+@check
+def leftover_carry():
+    micro = regression([4] * 10, seed=5)
+    full, pending = windows(micro, 4, "carry", epochs=3)
+    ref = fit_plain(mlp, keras.optimizers.Adam(0.02), full)
+    model = mlp()
+    trainer = gk.accumulate(model, steps=4, partial_window="carry")
+    trainer.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Batches(micro), epochs=3, shuffle=False, verbose=0)
+    state = trainer.window_state
+    result = {"gap": gap(weights(model), weights(ref)), "state": state, "pending_ref": len(pending),
+              "warned": any("open window" in str(w.message) for w in caught)}  # fmt: skip
+    stepped = trainer.flush()
+    ref.fit(Batches([concat(pending)]), shuffle=False, verbose=0)
+    result.update(flushed=stepped, gap_after_flush=gap(weights(model), weights(ref)))
+    return result
+
+
+@check
+def leftover_unknown_length():
+    """A generator has no length: the leftover is settled after the epoch (on_epoch_end)."""
+    micro = regression([4] * 10, seed=5)
+    full, _ = windows(micro, 4, "step")
+    ref = fit_plain(mlp, keras.optimizers.Adam(0.02), full)
+    model = mlp()
+    trainer = gk.accumulate(model, steps=4)
+    trainer.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
+    trainer.fit((batch for batch in micro), epochs=1, verbose=0)
+    return {"gap": gap(weights(model), weights(ref)), "state": trainer.window_state}
+
+
+@check
+def steps_per_execution_and_jit():
+    if BACKEND == "torch":  # Keras: "steps_per_execution must be 1 with the PyTorch backend"
+        return {"skipped": "keras's torch backend runs neither steps_per_execution > 1 nor XLA"}
+    micro = regression(RAGGED)
+    return compare(mlp, adam_with_schedule, micro, steps=3, epochs=2,
+                   steps_per_execution=4, jit_compile=True)  # fmt: skip
+
+
+@check
+def builtin_gradient_accumulation_fails():
+    """Negative control: Keras's own gradient_accumulation_steps on the same ragged data."""
+    micro = regression(RAGGED)
+    full, _ = windows(micro, 3, "step", 2)
+    ref = fit_plain(mlp, keras.optimizers.Adam(0.05), full)
+    builtin = fit_plain(
+        mlp, keras.optimizers.Adam(0.05, gradient_accumulation_steps=3), micro, epochs=2
+    )
+    return {"gap": gap(weights(builtin), weights(ref))}
+
+
+def grads_of(model, loss_fn, x, y):  # the seed's loop: gradients of the micro-batch MEAN
+    """Gradients of loss_fn(y, model(x)) for the trainable weights, on this backend."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            value = loss_fn(y, model(x, training=True))
+        return tape.gradient(value, model.trainable_weights)
+    if BACKEND == "torch":
+        import torch
+
+        value = loss_fn(y, model(x, training=True))
+        return list(torch.autograd.grad(value, [v.value for v in model.trainable_weights]))
+    import jax
+
+    def value(trainable):
+        pred, _ = model.stateless_call(
+            trainable, [v.value for v in model.non_trainable_variables], x
+        )
+        return loss_fn(y, pred)
+
+    return jax.grad(value)([v.value for v in model.trainable_variables])
+
+
+@check
+def seed_loop_fails():
+    """Negative control: the seed post's loop, which applies only the current micro-batch."""
+    micro = regression([4] * 8, seed=7)
+    full, _ = windows(micro, 4, "step")
+    ref = fit_plain(mlp, keras.optimizers.SGD(0.1), full)
+    model, optimizer, num_accum = mlp(), keras.optimizers.SGD(0.1), 4
+    loss_fn = keras.losses.MeanSquaredError()
+    accumulation = [ops.zeros(w.shape, w.dtype) for w in model.trainable_weights]
+    for step, (x, y) in enumerate(micro):
+        gradients = grads_of(model, loss_fn, x, y)
+        if step % num_accum == 0:  # the seed's bug: steps on `gradients`, not the sum
+            accumulation = [g / num_accum for g in accumulation]
+            optimizer.apply(gradients, model.trainable_weights)
+            accumulation = [ops.zeros(w.shape, w.dtype) for w in model.trainable_weights]
+        else:
+            accumulation = [a + g for a, g in zip(accumulation, gradients, strict=True)]
+    return {"gap": gap(weights(model), weights(ref))}
+
+
+_SUM_GRADS = {}
+
+
+def sum_grads(model, loss, x, y):
+    """Gradients of the batch's loss SUM and its count: a GradientTape, or a jitted jax.grad."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            total, count = gk.loss_sum(loss, y, model(x, training=True))
+        return tape.gradient(total, model.trainable_weights), count
+    if BACKEND == "torch":
+        import torch
+
+        total, count = gk.loss_sum(loss, y, model(x, training=True))
+        return list(torch.autograd.grad(total, [v.value for v in model.trainable_weights])), count
+    import jax
+
+    if id(model) not in _SUM_GRADS:
+
+        def total(trainable, non_trainable, x, y):
+            pred, _ = model.stateless_call(trainable, non_trainable, x, training=True)
+            return gk.loss_sum(loss, y, pred)
+
+        _SUM_GRADS[id(model)] = jax.jit(jax.grad(total, has_aux=True))
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    return _SUM_GRADS[id(model)](trainable, non_trainable, x, y)
+
+
+@check
+def hand_written_loop():
+    """GradientWindow + loss_sum in a GradientTape / jax.grad loop equals the full-batch step."""
+    micro = token_data(TOKEN_ROWS)
+    full, _ = windows(micro, 3, "step")
+    loss = keras.losses.SparseCategoricalCrossentropy()
+    ref = fit_plain(token_model, keras.optimizers.Adam(0.05), full, loss=loss)
+    model, optimizer = token_model(), keras.optimizers.Adam(0.05)
+    stepped = 0
+    for start in range(0, len(micro), 3):
+        window = gk.GradientWindow.zeros(model.trainable_weights)
+        for x, y in micro[start : start + 3]:
+            window = window.add(*sum_grads(model, loss, x, y))
+        stepped += window.apply(optimizer, model.trainable_weights)
+    return {"gap": gap(weights(model), weights(ref)), "stepped": stepped}
+
+
+@check
+def bad_input_is_refused():
+    """Each bad argument raises an error naming the fix, before anything changes."""
+    messages = {}
+    model = mlp()
+    for label, call in {
+        "steps=0": lambda: gk.accumulate(model, steps=0),
+        "steps=True": lambda: gk.accumulate(model, steps=True),
+        "policy": lambda: gk.accumulate(model, steps=2, partial_window="later"),
+        "count": lambda: gk.accumulate(model, steps=2, count=3),
+        "wrapped": lambda: gk.accumulate(gk.accumulate(model, steps=2), steps=2),
+    }.items():
+        try:
+            call()
+            messages[label] = None
+        except (TypeError, ValueError) as error:
+            messages[label] = str(error)
+    trainer = gk.accumulate(model, steps=2)
+    builtin = keras.optimizers.SGD(gradient_accumulation_steps=2)
+    summed = keras.losses.MeanSquaredError(reduction="sum")
+    for label, kwargs in {
+        "builtin": {"optimizer": builtin, "loss": "mse"},
+        "sum": {"optimizer": "sgd", "loss": summed},
+    }.items():
+        try:
+            trainer.compile(**kwargs)
+            messages[label] = None
+        except ValueError as error:
+            messages[label] = str(error)
+    return {"messages": messages, "compiled": bool(trainer.compiled)}
+
+
+@check
+def loss_sum_matches_keras():
+    """sum / count reproduces Keras's value for each mean reduction, with masks and weights."""
+    rng = np.random.default_rng(0)
+    y_true = rng.integers(0, 5, size=(4, 6))
+    y_pred = keras.ops.convert_to_tensor(rng.normal(size=(4, 6, 5)))
+    mask = keras.ops.convert_to_tensor(rng.uniform(size=(4, 6)) > 0.3)
+    weight = rng.uniform(0.1, 2.0, size=(4, 6))
+    worst = 0.0
+    for reduction in ("sum_over_batch_size", "mean", "mean_with_sample_weight"):
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+        for sw in (None, weight):
+            for use_mask in (False, True):
+                pred = keras.ops.convert_to_tensor(y_pred)
+                if use_mask:
+                    keras.src.backend.set_keras_mask(pred, mask)
+                expected = float(loss(y_true, pred, sample_weight=sw))
+                total, count = gk.loss_sum(loss, y_true, pred, sample_weight=sw)
+                worst = max(worst, abs(float(total) / float(count) - expected) / abs(expected))
+    return {"gap": worst}
+
+
+@check
+def fp16_overflow_skips_the_window():
+    """A non-finite micro-batch under mixed_float16 skips its whole window; the scale halves."""
+    micro = regression([4] * 9, seed=11)
+    poisoned = list(micro)
+    poisoned[4] = (np.full_like(micro[4][0], 1e30), micro[4][1])  # overflows in float16
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model, trainer = fit_accumulated(mlp, keras.optimizers.Adam(0.02), poisoned, steps=3)
+        scale = float(ops.convert_to_numpy(trainer.optimizer.dynamic_scale))
+        kept = micro[:3] + micro[6:]
+        clean, _ = fit_accumulated(mlp, keras.optimizers.Adam(0.02), kept, steps=3)
+        ref = fit_plain(mlp, keras.optimizers.Adam(0.02), windows(kept, 3)[0])
+    finally:
+        keras.config.set_dtype_policy("float64")
+    return {
+        "state": trainer.window_state,
+        "scale": scale,
+        "gap_vs_clean_run": gap(weights(model), weights(clean)),
+        "gap_vs_full_batch": gap(weights(model), weights(ref)),
+        "inner_iterations": int(ops.convert_to_numpy(trainer.optimizer.iterations)),
+    }
+
+
+@check
+def batchnorm_warns():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gk.accumulate(mlp(norm=keras.layers.BatchNormalization()), steps=2)
+    warned = [w for w in caught if issubclass(w.category, BatchNormAccumulationWarning)]
+    micro = regression([4, 4, 4, 4])
+    make = lambda: mlp(norm=keras.layers.BatchNormalization())  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BatchNormAccumulationWarning)
+        result = compare(make, lambda: keras.optimizers.SGD(0.1), micro, steps=2)
+    return {
+        "warned": len(warned),
+        "gap": result["gap"],
+        "file": warned[0].filename if warned else "",
+    }
+
+
+def main(names):
+    for name in names or list(CHECKS):
+        start = time.perf_counter()
+        try:
+            result = CHECKS[name]()
+            result["error"] = None
+        except Exception:  # reported to the test, which fails with the traceback
+            result = {"error": traceback.format_exc()}
+        result.update(name=name, seconds=round(time.perf_counter() - start, 2), backend=BACKEND)
+        print("RESULT " + json.dumps(result, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,235 @@
+"""gradaccum.keras against plain Keras full-batch steps, on the TensorFlow and JAX backends.
+
+The Keras backend is fixed when keras is first imported, so the checks run in one subprocess per
+backend (`keras_checks.py`), all started at once (TensorFlow's import alone takes seconds); each
+test below reads its check's result. Weights are float64, and `gap` is the largest relative
+difference of a weight tensor from the plain full-batch run.
+
+Tolerances: TensorFlow computes float64 throughout (1e-12). On JAX and torch, Keras 3.15's
+`keras.ops.mean` computes float64 tensors in float32 (its `result_type(float64, float32)` is
+float32 there), and losses use it: those backends match to float32 rounding (1e-6 on JAX, where
+cross-entropy stays exact to 1e-15; 1e-5 on torch, where it does not).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+# Tiny models on a 2-core machine shared by several processes: one thread per process is fastest.
+SINGLE_THREAD = {
+    "OMP_NUM_THREADS": "1",
+    "TF_NUM_INTRAOP_THREADS": "1",
+    "TF_NUM_INTEROP_THREADS": "1",
+    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+}
+EXAMPLE = HERE.parents[1] / "examples" / "keras_digits.py"
+BACKENDS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}  # backend -> its module
+TOLERANCE = {"tensorflow": 1e-12, "jax": 1e-6, "torch": 1e-5}
+CAUGHT = 1e-2  # a negative control must end at least this far from the full-batch run
+
+if importlib.util.find_spec("keras") is None:
+    pytest.skip("keras is not installed (pip install 'gradaccum[keras]')", allow_module_level=True)
+
+
+def _available(backend: str) -> bool:
+    return importlib.util.find_spec(BACKENDS[backend]) is not None
+
+
+@pytest.fixture(scope="session")
+def keras_results():
+    """Start every backend's checks at once; return {backend: {check: result}}."""
+    procs = {}
+    for backend in BACKENDS:
+        if not _available(backend):
+            continue
+        env = dict(os.environ, KERAS_BACKEND=backend, JAX_ENABLE_X64="1", TF_CPP_MIN_LOG_LEVEL="3")
+        env.update(SINGLE_THREAD)
+        procs[backend] = subprocess.Popen(
+            [sys.executable, str(HERE / "keras_checks.py")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    example = None
+    if all(importlib.util.find_spec(m) for m in ("tensorflow", "sklearn")):
+        env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
+        env.update(SINGLE_THREAD)
+        example = subprocess.Popen(
+            [sys.executable, str(EXAMPLE)], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    results = {}
+    for backend, proc in procs.items():
+        out, err = proc.communicate(timeout=600)
+        lines = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+        results[backend] = {r["name"]: r for r in lines}
+        results[backend]["_stderr"] = err[-3000:]
+    if example is not None:
+        out, err = example.communicate(timeout=600)
+        results["example"] = {"returncode": example.returncode, "stdout": out, "stderr": err}
+    return results
+
+
+@pytest.fixture(params=list(BACKENDS))
+def backend(request):
+    if not _available(request.param):
+        pytest.skip(f"{request.param} is not installed")
+    return request.param
+
+
+def result(keras_results, backend, name):
+    found = keras_results[backend].get(name)
+    assert found is not None, (
+        f"{backend}: check {name} did not report\n{keras_results[backend]['_stderr']}"
+    )
+    assert found["error"] is None, f"{backend}: {name} raised\n{found['error']}"
+    return found
+
+
+def assert_exact(found, backend, steps):
+    assert found["gap"] < TOLERANCE[backend], found
+    assert found["state"]["steps"] == steps, found
+    assert found["state"]["skipped"] == 0, found
+
+
+# --- exactness against one plain full-batch step per window ----------------------------------
+
+
+def test_adam_with_a_schedule_on_ragged_micro_batches(keras_results, backend):
+    assert_exact(result(keras_results, backend, "adam_schedule_ragged"), backend, steps=4)
+
+
+def test_global_clipping_sees_the_window_gradient(keras_results, backend):
+    found = result(keras_results, backend, "clipping")
+    assert_exact(found, backend, steps=4)
+    assert found["clip_changes_result"] > CAUGHT, "the clip did not bind: the check proves nothing"
+
+
+def test_a_static_loss_scale_is_divided_out(keras_results, backend):
+    assert_exact(result(keras_results, backend, "static_loss_scale"), backend, steps=4)
+
+
+def test_ema_updates_once_per_window(keras_results, backend):
+    assert_exact(result(keras_results, backend, "ema"), backend, steps=4)
+
+
+def test_weight_regularizer_counts_once_per_window(keras_results, backend):
+    assert_exact(result(keras_results, backend, "weight_regularizer"), backend, steps=4)
+
+
+def test_masked_token_loss_divides_by_the_window_tokens(keras_results, backend):
+    assert_exact(result(keras_results, backend, "masked_token_loss"), backend, steps=4)
+
+
+def test_a_custom_count_function_replaces_the_default(keras_results, backend):
+    found = result(keras_results, backend, "custom_count")
+    assert found["gap"] < TOLERANCE[backend], "counting tokens by hand reproduces the default"
+    assert found["gap_rows"] > CAUGHT, "counting rows instead must change the result"
+
+
+def test_sample_weights_with_mean_with_sample_weight(keras_results, backend):
+    assert_exact(result(keras_results, backend, "sample_weight_token_mean"), backend, steps=2)
+
+
+@pytest.mark.parametrize(("policy", "steps"), [("step", 6), ("drop", 4)])
+def test_epoch_end_leftover_policy(keras_results, backend, policy, steps):
+    assert_exact(result(keras_results, backend, f"leftover_{policy}"), backend, steps=steps)
+
+
+def test_epoch_end_leftover_carry_then_flush(keras_results, backend):
+    found = result(keras_results, backend, "leftover_carry")
+    assert_exact(found, backend, steps=7)
+    assert found["state"]["pending"] == found["pending_ref"] == 2
+    assert found["warned"], "an open window at the end of fit() must be warned about"
+    assert found["flushed"], found
+    assert found["gap_after_flush"] < TOLERANCE[backend], found
+
+
+def test_epoch_end_leftover_of_a_dataset_of_unknown_length(keras_results, backend):
+    assert_exact(result(keras_results, backend, "leftover_unknown_length"), backend, steps=3)
+
+
+def test_steps_per_execution_and_jit_compile(keras_results, backend):
+    found = result(keras_results, backend, "steps_per_execution_and_jit")
+    if found.get("skipped"):
+        pytest.skip(found["skipped"])
+    assert_exact(found, backend, steps=4)
+
+
+def test_hand_written_loop_with_gradient_window(keras_results, backend):
+    found = result(keras_results, backend, "hand_written_loop")
+    assert found["gap"] < TOLERANCE[backend], found
+    assert found["stepped"] == 2
+
+
+def test_loss_sum_reproduces_every_mean_reduction(keras_results, backend):
+    assert result(keras_results, backend, "loss_sum_matches_keras")["gap"] < TOLERANCE[backend]
+
+
+# --- negative controls: they must NOT match -----------------------------------------------------
+
+
+def test_keras_builtin_gradient_accumulation_is_not_exact(keras_results, backend):
+    found = result(keras_results, backend, "builtin_gradient_accumulation_fails")
+    assert found["gap"] > CAUGHT, found
+
+
+def test_the_seed_loop_is_not_exact(keras_results, backend):
+    found = result(keras_results, backend, "seed_loop_fails")
+    assert found["gap"] > CAUGHT, found
+
+
+# --- precision, limits, bad input ---------------------------------------------------------------
+
+
+def test_fp16_overflow_skips_the_whole_window(keras_results, backend):
+    found = result(keras_results, backend, "fp16_overflow_skips_the_window")
+    assert found["state"] == {"steps": 2, "skipped": 1, "pending": 0}, found
+    assert found["inner_iterations"] == 2
+    assert found["scale"] == 2.0**14, "the loss scale halves exactly once per bad window"
+    assert found["gap_vs_clean_run"] == 0.0, "the run equals one without the bad window"
+    assert found["gap_vs_full_batch"] < 1e-3, found  # float16 activations: fp16 rounding
+
+
+def test_batchnorm_is_warned_about_and_is_not_exact(keras_results, backend):
+    found = result(keras_results, backend, "batchnorm_warns")
+    assert found["warned"] == 1
+    assert found["file"].endswith("keras_checks.py"), "the warning points at the caller"
+    assert found["gap"] > CAUGHT, "BatchNorm is not additive: the gap is real, hence the warning"
+
+
+def test_bad_input_names_the_fix_and_changes_nothing(keras_results, backend):
+    found = result(keras_results, backend, "bad_input_is_refused")
+    messages = found["messages"]
+    assert all(messages.values()), messages
+    assert "positive int" in messages["steps=0"]
+    assert "positive int" in messages["steps=True"]
+    assert "'step', 'drop', 'carry'" in messages["policy"]
+    assert "remove it" in messages["builtin"]
+    assert "sum_over_batch_size" in messages["sum"]
+    assert found["compiled"] is False, "a refused compile leaves the model uncompiled"
+
+
+# --- the example ----------------------------------------------------------------------------------
+
+
+def test_the_digits_example_catches_the_seed_loop_and_matches_with_the_fix(keras_results):
+    if "example" not in keras_results:
+        pytest.skip("examples/keras_digits.py needs tensorflow and scikit-learn")
+    run = keras_results["example"]
+    assert run["returncode"] == 0, run["stderr"][-3000:]
+    gaps = dict(re.findall(r"^\((\w)\) .*?\s(\d\.\de[-+]\d\d)\s", run["stdout"], re.MULTILINE))
+    assert set(gaps) == {"b", "c", "d"}, run["stdout"]
+    assert float(gaps["b"]) > CAUGHT, "the seed's loop must end far from the full batch"
+    assert float(gaps["c"]) < 1e-12, "the fixed loop matches the full batch"
+    assert float(gaps["d"]) < 1e-12, "fit + accumulate matches the full batch"
