@@ -19,10 +19,12 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Iterator, Sequence
+from typing import Any, NoReturn, TextIO
 
 __all__ = ["COMMANDS", "UsageError", "main"]
 
@@ -74,8 +76,92 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """Write `--option -value` as `--option=-value` for the options that take a value.
+
+    argparse reads a value that starts with "-" and is not a plain number (`-5MiB`, `-1e-3`) as
+    another option and says "expected one argument"; joined, the value reaches the option's own
+    check, which says what is wrong with it.
+    """
+    actions = dict(parser._option_string_actions)
+    for sub in parser._subparsers._group_actions if parser._subparsers else ():
+        for name, command in (getattr(sub, "choices", None) or {}).items():
+            if name in argv:
+                actions.update(command._option_string_actions)
+    joined: list[str] = []
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        action = actions.get(token)
+        following = argv[index + 1] if index + 1 < len(argv) else None
+        if (
+            action is not None
+            and action.nargs is None
+            and token.startswith("--")
+            and following is not None
+            and following.startswith("-")
+            and following not in actions
+            and following != "--"
+        ):
+            joined.append(f"{token}={following}")
+            index += 2
+            continue
+        joined.append(token)
+        index += 1
+    return joined
+
+
+class _PipeSafe:
+    """A text stream whose reader may go away (`gradaccum train | head`): output is then dropped.
+
+    After the first `BrokenPipeError` the stream's file descriptor points at /dev/null, so later
+    writes, and Python's own flush at exit, succeed silently: no traceback, and the run goes on.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._drop()
+
+    def _drop(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _pipe_safe_output() -> Iterator[None]:
+    """Make `sys.stdout` and `sys.stderr` pipe-safe (see `_PipeSafe`) for the block."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _PipeSafe(sys.stdout), _PipeSafe(sys.stderr)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = saved
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `gradaccum` command line.
+
+    Output to a reader that goes away (`gradaccum train ... | head`) is dropped; the command
+    goes on and exits as it would have.
 
     Args:
         argv: The arguments after the program name; `sys.argv[1:]` when None.
@@ -83,7 +169,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit code: 0 success, 1 a failed check, 2 bad usage or input, 130 interrupted.
     """
+    with _pipe_safe_output():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
+    argv = _join_dash_values(parser, list(sys.argv[1:] if argv is None else argv))
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse: --help, --version, or a usage error already printed

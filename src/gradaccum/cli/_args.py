@@ -115,6 +115,10 @@ def byte_count(text: str) -> str:
     Raises:
         argparse.ArgumentTypeError: If `parse_bytes` refuses `text`; the message is its reason.
     """
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is negative; give a size of more than 0 bytes, e.g. 512MiB or 2GiB"
+        )
     try:
         parse_bytes(text)
     except ValueError as error:

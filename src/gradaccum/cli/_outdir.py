@@ -97,6 +97,7 @@ def check_out_dir(path: Path, *, replaceable: Collection[str] = ()) -> None:
             )
         if not os.access(path, os.W_OK | os.X_OK):
             raise UsageError(f"--out {path}: directory is not writable")
+        _probe(path, f"--out {path}: cannot write in it")
         parent = path.resolve().parent
         if not os.access(parent, os.W_OK | os.X_OK):
             raise UsageError(
@@ -111,6 +112,19 @@ def check_out_dir(path: Path, *, replaceable: Collection[str] = ()) -> None:
         raise UsageError(f"--out {path}: cannot create it, {ancestor} is not a directory")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise UsageError(f"--out {path}: cannot create it, {ancestor} is not writable")
+    _probe(ancestor, f"--out {path}: cannot create it in {ancestor}")
+
+
+def _probe(folder: Path, failure: str) -> None:
+    """Create and remove an empty folder in `folder`; on failure raise `failure` and the reason.
+
+    Permission bits do not tell everything (a root user in `/proc`, a read-only mount, a full
+    disk): trying is the only sure check, and it leaves nothing behind.
+    """
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".gradaccum-probe-", dir=folder))
+    except OSError as error:
+        raise UsageError(f"{failure} ({error.strerror or error})") from None
 
 
 @contextlib.contextmanager
@@ -131,8 +145,13 @@ def staged_out_dir(path: Path, *, replaceable: Collection[str] = ()) -> Iterator
     staging: Path | None = None
     done = False
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=parent))
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=parent))
+        except OSError as error:  # what check_out_dir could not foresee
+            raise UsageError(
+                f"--out {path}: cannot create it ({error.strerror or error})"
+            ) from None
         staging.chmod(0o777 & ~_umask())  # mkdtemp made it private; give it a folder's usual mode
         yield staging
         _move_into_place(staging, path, replaceable)
@@ -218,7 +237,10 @@ def resumable_out_dir(path: Path, *, keep_if: str) -> Iterator[Path]:
     """
     absolute = path.absolute()
     created = [folder for folder in (absolute, *absolute.parents) if not folder.exists()]
-    absolute.mkdir(parents=True, exist_ok=True)
+    try:
+        absolute.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # what check_out_dir could not foresee
+        raise UsageError(f"--out {path}: cannot create it ({error.strerror or error})") from None
     try:
         yield path
     except BaseException:

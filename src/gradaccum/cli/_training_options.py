@@ -322,6 +322,9 @@ def validate_config(config: TrainConfig, n_train: int, *, resuming: bool = False
             check_token_budget(train, config.max_tokens)
     except (ValueError, TypeError) as error:
         raise UsageError(one_line(error)) from None
+    batchnorm_layers = len(batchnorm_modules(model))
+    if not batchnorm_layers and not resuming:
+        _refuse_batchnorm_options(config)
     return CheckedRun(
         config=config,
         label=run.label,
@@ -330,9 +333,24 @@ def validate_config(config: TrainConfig, n_train: int, *, resuming: bool = False
         lr=run.lr,
         total_steps=run.total_steps,
         steps_per_epoch=run.steps_per_epoch,
-        batchnorm_layers=len(batchnorm_modules(model)),
+        batchnorm_layers=batchnorm_layers,
         max_tokens=run.max_tokens,
     )
+
+
+def _refuse_batchnorm_options(config: TrainConfig) -> None:
+    """Refuse the BatchNorm options on a model without BatchNorm, where they would do nothing."""
+    if config.bn in ("pooled", "frozen"):
+        raise UsageError(
+            f"--bn {config.bn} acts on BatchNorm layers, and the {config.task} model has none; "
+            "drop --bn (it would change nothing), or use --task shapes"
+        )
+    if config.recalibrate:
+        raise UsageError(
+            f"--recalibrate {config.recalibrate} recomputes BatchNorm statistics, and the "
+            f"{config.task} model has none; drop --recalibrate (it would change nothing), or use "
+            "--task shapes"
+        )
 
 
 def describe_run(checked: CheckedRun) -> str:

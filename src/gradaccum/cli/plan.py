@@ -23,7 +23,13 @@ import sys
 import torch
 
 from gradaccum.cli import PROG, UsageError
-from gradaccum.cli._args import add_threads_option, error_summary, positive_int, torch_threads
+from gradaccum.cli._args import (
+    add_threads_option,
+    byte_count,
+    error_summary,
+    positive_int,
+    torch_threads,
+)
 from gradaccum.cli._check_targets import add_target_arguments, batch_items, build_target
 from gradaccum.memory import parse_bytes
 
@@ -165,6 +171,6 @@ def parse_memory_budget(text: str) -> int:
         UsageError: If `text` is not a positive number with an optional known unit.
     """
     try:
-        return parse_bytes(text)
-    except ValueError as error:
+        return parse_bytes(byte_count(text))
+    except (ValueError, argparse.ArgumentTypeError) as error:
         raise UsageError(f"--memory-budget {error}") from None

@@ -208,8 +208,8 @@ class CharLMTask:
         if norm not in _NORMS:
             raise ValueError(
                 f"norm={norm!r} is not available for the 'charlm' task, which only uses "
-                f"LayerNorm; choose one of {', '.join(_NORMS)} (norm='group' is offered by the "
-                "'shapes' task)."
+                "LayerNorm; leave norm at its default, 'batch' (it changes nothing here), or use "
+                "the 'shapes' task, which offers norm='group'."
             )
         max_len = max(len(line) for line in load_lines()) + 1
         with torch.random.fork_rng(devices=[]):

@@ -123,8 +123,8 @@ class DigitsTask:
         if norm not in _NORMS:
             raise ValueError(
                 f"norm={norm!r} is not available for the 'digits' task, whose CNN has no "
-                f"normalization layer; choose one of {', '.join(_NORMS)} (norm='group' is "
-                "offered by the 'shapes' task)."
+                "normalization layer; leave norm at its default, 'batch' (it changes nothing "
+                "here), or use the 'shapes' task, which offers norm='group'."
             )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

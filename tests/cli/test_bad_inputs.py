@@ -1,0 +1,186 @@
+"""Bad command-line inputs of a newcomer's first runs: one line on stderr, exit 2, nothing written.
+
+Also: output piped to a reader that goes away (`| head`) neither prints a traceback nor stops the
+run.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from gradaccum.cli import main
+
+# (argv after the command's --out, what the one line must say)
+BATCHNORM_CASES = {
+    "bn pooled on digits": (
+        ["train", "--task", "digits", "--bn", "pooled", "--steps", "1"],
+        "--bn pooled acts on BatchNorm layers, and the digits model has none; drop --bn",
+    ),
+    "bn frozen on charlm": (
+        ["train", "--task", "charlm", "--bn", "frozen", "--steps", "1"],
+        "--bn frozen acts on BatchNorm layers, and the charlm model has none; drop --bn",
+    ),
+    "recalibrate on digits": (
+        ["train", "--task", "digits", "--recalibrate", "5", "--steps", "1"],
+        "--recalibrate 5 recomputes BatchNorm statistics, and the digits model has none; drop "
+        "--recalibrate",
+    ),
+    "compare bn pooled on digits": (
+        ["compare", "--task", "digits", "--configs", "8x1", "--bn", "pooled", "--steps", "1"],
+        "--bn pooled acts on BatchNorm layers, and the digits model has none",
+    ),
+    "compare recalibrate on charlm": (
+        ["compare", "--task", "charlm", "--configs", "8x1", "--recalibrate", "2", "--steps", "1"],
+        "--recalibrate 2 recomputes BatchNorm statistics, and the charlm model has none",
+    ),
+}
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], command: str) -> str:
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"gradaccum {command}: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", list(BATCHNORM_CASES))
+def test_batchnorm_options_on_a_model_without_batchnorm_are_refused(tmp_path, capsys, case):
+    argv, expected = BATCHNORM_CASES[case]
+    out = tmp_path / "out"
+    assert main([*argv, "--out", str(out)]) == 2
+    assert expected in _one_line_error(capsys, argv[0])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_batchnorm_options_on_a_model_with_batchnorm_are_accepted(tmp_path, capsys):
+    """Negative control: on shapes (BatchNorm) the same options run."""
+    argv = ["train", "--task", "shapes", "--bn", "pooled", "--recalibrate", "1", "--steps", "1"]
+    assert main([*argv, "--batch-size", "4", "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("command", ["train", "check"])
+def test_the_norm_error_suggests_only_values_the_option_accepts(tmp_path, capsys, command):
+    argv = [command, "--task", "digits", "--norm", "group"]
+    if command == "train":
+        argv += ["--steps", "1", "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    line = _one_line_error(capsys, command)
+    assert "norm='group' is not available for the 'digits' task" in line
+    suggested = set(re.findall(r"'(\w+)'", line.split(";", 1)[1])) - {"digits", "shapes", "group"}
+    assert suggested == {"batch"}
+    assert "none" not in line
+    # Every value it suggests, --norm accepts.
+    for value in suggested:
+        argv = ["train", "--task", "digits", "--norm", value, "--steps", "1"]
+        assert main([*argv, "--out", str(tmp_path / value)]) == 0
+        capsys.readouterr()
+    assert list(tmp_path.iterdir()) == [tmp_path / "batch"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["train", "--task", "digits", "--micro-batch-size", "auto", "--memory-budget", "-5MiB"],
+            "argument --memory-budget: '-5MiB' is negative; give a size of more than 0 bytes",
+        ),
+        (
+            ["plan", "--task", "digits", "--memory-budget", "-5MiB"],
+            "'-5MiB' is negative; give a size of more than 0 bytes",
+        ),
+        (["train", "--task", "digits", "--lr", "-1e-3"], "'-1e-3' must be a finite number > 0"),
+    ],
+)
+def test_a_negative_value_is_named_not_expected_one_argument(tmp_path, capsys, argv, expected):
+    out = [] if argv[0] == "plan" else ["--out", str(tmp_path / "out")]
+    assert main([*argv, *out]) == 2
+    line = _one_line_error(capsys, argv[0])
+    assert expected in line
+    assert "expected one argument" not in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_option_after_an_option_still_says_it_expected_a_value(capsys):
+    """Negative control: `--memory-budget --lr 1` is still a missing value, not a joined one."""
+    assert main(["train", "--task", "digits", "--memory-budget", "--lr", "1"]) == 2
+    assert "argument --memory-budget: expected one argument" in _one_line_error(capsys, "train")
+
+
+@pytest.mark.parametrize("command", ["train", "compare", "demo"])
+def test_an_out_folder_under_proc_is_one_line_and_exit_2(capsys, command):
+    argv = {
+        "train": ["train", "--task", "digits", "--steps", "1"],
+        "compare": ["compare", "--task", "digits", "--configs", "8x1", "--steps", "1"],
+        "demo": ["demo"],
+    }[command]
+    assert main([*argv, "--out", "/proc/gradaccum-out"]) == 2
+    line = _one_line_error(capsys, command)
+    assert "--out /proc/gradaccum-out: cannot create it in /proc" in line
+
+
+def test_an_out_folder_under_proc_in_a_subprocess_prints_no_traceback():
+    done = subprocess.run(
+        [sys.executable, "-m", "gradaccum", *_TRAIN[:3], "--steps", "1", "--out", "/proc/x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(
+        "gradaccum train: error: --out /proc/x: cannot create it in /proc"
+    )
+    assert "Traceback" not in done.stderr
+
+
+# ----- a reader that goes away ------------------------------------------------------------------
+
+_TRAIN = ["train", "--task", "digits", "--steps", "40"]
+
+
+def _run_with_closed_reader(tmp_path, stream: str, entry: str) -> tuple[int, str]:
+    """Run a training with `stream` piped to a reader that closes after 10 bytes.
+
+    Returns the exit code and what the other stream received.
+    """
+    out = tmp_path / "run"
+    code = (
+        "import sys; from gradaccum.cli import main; sys.exit(main(sys.argv[1:]))"
+        if entry == "main"
+        else "import sys; from gradaccum.cli import _main; sys.exit(_main(sys.argv[1:]))"
+    )
+    other = tmp_path / "other.txt"
+    with open(other, "w") as sink:
+        streams = {"stdout": sink, "stderr": sink, stream: subprocess.PIPE}
+        command = [sys.executable, "-c", code, *_TRAIN, "--out", str(out)]
+        proc = subprocess.Popen(command, **streams)  # type: ignore[call-overload]
+        reader = proc.stdout if stream == "stdout" else proc.stderr
+        assert reader is not None
+        reader.read(10)
+        reader.close()  # as `head -c 10` does
+        returncode = proc.wait(timeout=120)
+    return returncode, other.read_text()
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_a_reader_that_goes_away_stops_neither_the_run_nor_prints_a_traceback(tmp_path, stream):
+    returncode, other = _run_with_closed_reader(tmp_path, stream, "main")
+    assert returncode == 0, other
+    assert "Traceback" not in other
+    assert "BrokenPipeError" not in other
+    assert (tmp_path / "run" / "summary.json").is_file()  # the run went to its end
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 40
+
+
+def test_negative_control_without_the_guard_a_closed_stdout_breaks_the_run(tmp_path):
+    returncode, other = _run_with_closed_reader(tmp_path, "stdout", "_main")
+    assert returncode != 0
+    assert "BrokenPipeError" in other
