@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from gradaccum import LossSum, check_equivalence
-from gradaccum.verify import EquivalenceReport
-from gradaccum.verify import find_non_additive
+from gradaccum.verify import EquivalenceReport, find_non_additive
 
 
 def _mlp() -> torch.nn.Module:

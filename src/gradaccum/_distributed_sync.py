@@ -2,8 +2,8 @@
 
 Example:
     >>> from gradaccum._distributed_sync import DDPSync, FSDP2Sync
-    >>> DDPSync.rescales, FSDP2Sync.rescales, FSDP2Sync.syncs_last_backward
-    (True, False, True)
+    >>> DDPSync.rescales, FSDP2Sync.rescales  # DDP rescales uneven denominators; FSDP2 agrees first
+    (True, False)
 """
 
 from __future__ import annotations
