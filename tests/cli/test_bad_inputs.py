@@ -184,3 +184,18 @@ def test_negative_control_without_the_guard_a_closed_stdout_breaks_the_run(tmp_p
     returncode, other = _run_with_closed_reader(tmp_path, "stdout", "_main")
     assert returncode != 0
     assert "BrokenPipeError" in other
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_a_batch_larger_than_the_training_set_is_refused_not_relabelled(tmp_path, capsys, command):
+    """It would run on the whole set under the requested size's label; say so instead."""
+    sizes = ["--batch-size", "5000"] if command == "train" else ["--configs", "5000x1"]
+    argv = [command, "--task", "digits", *sizes, "--steps", "1", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    line = _one_line_error(capsys, command)
+    assert "--batch-size=5000 is larger than digits's training set" in line
+    assert list(tmp_path.iterdir()) == []
+    # Negative control: the whole set exactly is fine.
+    items = int(re.search(r"\((\d+) items\)", line).group(1))
+    ok = ["train", "--task", "digits", "--batch-size", str(items), "--steps", "1"]
+    assert main([*ok, "--out", str(tmp_path / "ok")]) == 0

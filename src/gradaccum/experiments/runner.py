@@ -138,6 +138,11 @@ def resolve(config: TrainConfig, train_items: int | None = None) -> ResolvedRun:
         )
     if train_items is None:
         train_items = batch_size(task.make_data(config.seed).train)
+    if effective > train_items:  # it would run on the whole set, under a label it is not
+        raise ValueError(
+            f"--batch-size={effective} is larger than {task.name}'s training set ({train_items} "
+            f"items); pass --batch-size {train_items} or less."
+        )
     steps_per_epoch = math.ceil(train_items / effective)
     total = config.steps or steps_per_epoch * (config.epochs or task.default_epochs)
     return ResolvedRun(
