@@ -2,7 +2,8 @@
 
 The Keras backend is fixed when keras is first imported, so the checks run in one subprocess per
 backend (`keras_checks.py`), all started at once (TensorFlow's import alone takes seconds); each
-test below reads its check's result. Weights are float64, and `gap` is the largest relative
+test below reads its check's result (the TensorFlow worker also runs examples/keras_digits.py).
+Weights are float64, and `gap` is the largest relative
 difference of a weight tensor from the plain full-batch run.
 
 Tolerances: TensorFlow computes float64 throughout (1e-12). On JAX and torch, Keras 3.15's
@@ -31,7 +32,6 @@ SINGLE_THREAD = {
     "TF_NUM_INTEROP_THREADS": "1",
     "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
 }
-EXAMPLE = HERE.parents[1] / "examples" / "keras_digits.py"
 BACKENDS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}  # backend -> its module
 TOLERANCE = {"tensorflow": 1e-12, "jax": 1e-6, "torch": 1e-5}
 CAUGHT = 1e-2  # a negative control must end at least this far from the full-batch run
@@ -60,23 +60,12 @@ def keras_results():
             stderr=subprocess.PIPE,
             text=True,
         )
-    example = None
-    if all(importlib.util.find_spec(m) for m in ("tensorflow", "sklearn")):
-        env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
-        env.update(SINGLE_THREAD)
-        example = subprocess.Popen(
-            [sys.executable, str(EXAMPLE)], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
     results = {}
     for backend, proc in procs.items():
         out, err = proc.communicate(timeout=600)
         lines = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
         results[backend] = {r["name"]: r for r in lines}
         results[backend]["_stderr"] = err[-3000:]
-    if example is not None:
-        out, err = example.communicate(timeout=600)
-        results["example"] = {"returncode": example.returncode, "stdout": out, "stderr": err}
     return results
 
 
@@ -224,12 +213,13 @@ def test_bad_input_names_the_fix_and_changes_nothing(keras_results, backend):
 
 
 def test_the_digits_example_catches_the_seed_loop_and_matches_with_the_fix(keras_results):
-    if "example" not in keras_results:
-        pytest.skip("examples/keras_digits.py needs tensorflow and scikit-learn")
-    run = keras_results["example"]
-    assert run["returncode"] == 0, run["stderr"][-3000:]
-    gaps = dict(re.findall(r"^\((\w)\) .*?\s(\d\.\de[-+]\d\d)\s", run["stdout"], re.MULTILINE))
-    assert set(gaps) == {"b", "c", "d"}, run["stdout"]
+    if "tensorflow" not in keras_results:
+        pytest.skip("examples/keras_digits.py is a TensorFlow loop")
+    found = result(keras_results, "tensorflow", "digits_example")
+    if found.get("skipped"):
+        pytest.skip(found["skipped"])
+    gaps = dict(re.findall(r"^\((\w)\) .*?\s(\d\.\de[-+]\d\d)\s", found["stdout"], re.MULTILINE))
+    assert set(gaps) == {"b", "c", "d"}, found["stdout"]
     assert float(gaps["b"]) > CAUGHT, "the seed's loop must end far from the full batch"
     assert float(gaps["c"]) < 1e-12, "the fixed loop matches the full batch"
     assert float(gaps["d"]) < 1e-12, "fit + accumulate matches the full batch"

@@ -1,4 +1,4 @@
-"""Without Keras, `import gradaccum` works and `import gradaccum.keras` says how to install it."""
+"""Without Keras, `import gradaccum(.keras)` works and the first use says how to install it."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ def test_gradaccum_keras_without_keras_names_the_extra():
     code = (
         "import sys\n"
         "sys.modules['keras'] = None  # as if keras were not installed\n"
-        "import gradaccum\n"
+        "import gradaccum, gradaccum.keras\n"
         "try:\n"
-        "    import gradaccum.keras\n"
+        "    from gradaccum.keras import accumulate\n"
         "except ImportError as error:\n"
         "    print(error)\n"
     )
