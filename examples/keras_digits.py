@@ -64,28 +64,38 @@ def micro_batches(x, y):
 
 def full_batch(x, y):
     model, optimizer = get_model(), keras.optimizers.Adam(1e-3)
+
+    @tf.function
+    def train_step(batch_x, batch_y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(batch_y, model(batch_x))
+        optimizer.apply(tape.gradient(loss, model.trainable_weights), model.trainable_weights)
+
+    size = MICRO * NUM_ACCUM
     for _ in range(EPOCHS):
-        for i in range(0, len(x), MICRO * NUM_ACCUM):
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y[i : i + MICRO * NUM_ACCUM], model(x[i : i + MICRO * NUM_ACCUM]))
-            optimizer.apply(tape.gradient(loss, model.trainable_weights), model.trainable_weights)
+        for i in range(0, len(x), size):
+            train_step(x[i : i + size], y[i : i + size])
     return model
 
 
 def seed_loop(x, y):
     """The seed's train(): note which gradients apply_gradients receives."""
     model, optimizer = get_model(), keras.optimizers.Adam(1e-3)
+
+    @tf.function
+    def train_step(batch_x, batch_y):
+        with tf.GradientTape() as tape:
+            loss_value = loss_fn(batch_y, model(batch_x))
+        return tape.gradient(loss_value, model.trainable_weights), loss_value
+
     for _ in range(EPOCHS):
         accumulation_gradients = [tf.zeros_like(w) for w in model.trainable_weights]
         for step, (batch_x, batch_y) in enumerate(micro_batches(x, y)):
-            with tf.GradientTape() as tape:
-                loss_value = loss_fn(batch_y, model(batch_x))
-            gradients = tape.gradient(loss_value, model.trainable_weights)
+            gradients, _ = train_step(batch_x, batch_y)
             if step % NUM_ACCUM == 0:
                 accumulation_gradients = [g / NUM_ACCUM for g in accumulation_gradients]
-                optimizer.apply_gradients(
-                    zip(gradients, model.trainable_weights, strict=True)
-                )  # bug
+                # The bug: `gradients` is this micro-batch's alone; the sum above is dropped.
+                optimizer.apply_gradients(zip(gradients, model.trainable_weights, strict=True))
                 accumulation_gradients = [tf.zeros_like(w) for w in model.trainable_weights]
             else:
                 accumulation_gradients = [
@@ -97,12 +107,17 @@ def seed_loop(x, y):
 def fixed_loop(x, y):
     """The same loop, fixed: sum the micro-batch losses' gradients, divide once, apply that."""
     model, optimizer = get_model(), keras.optimizers.Adam(1e-3)
+
+    @tf.function
+    def train_step(batch_x, batch_y):
+        with tf.GradientTape() as tape:
+            loss_sum, count = gk.loss_sum(loss_fn, batch_y, model(batch_x))  # SUM, not mean
+        return tape.gradient(loss_sum, model.trainable_weights), count
+
     for _ in range(EPOCHS):
         window = gk.GradientWindow.zeros(model.trainable_weights)
         for step, (batch_x, batch_y) in enumerate(micro_batches(x, y)):
-            with tf.GradientTape() as tape:
-                loss_sum, count = gk.loss_sum(loss_fn, batch_y, model(batch_x))  # SUM, not mean
-            window = window.add(tape.gradient(loss_sum, model.trainable_weights), count)
+            window = window.add(*train_step(batch_x, batch_y))
             if (step + 1) % NUM_ACCUM == 0:
                 window.apply(optimizer, model.trainable_weights)  # mean over 64 items, once
                 window = gk.GradientWindow.zeros(model.trainable_weights)
