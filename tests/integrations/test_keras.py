@@ -36,6 +36,9 @@ BACKENDS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}  # backe
 TOLERANCE = {"tensorflow": 1e-12, "jax": 1e-6, "torch": 1e-5}
 CAUGHT = 1e-2  # a negative control must end at least this far from the full-batch run
 
+# The first test's setup waits for every backend's subprocess (about a minute on 2 idle cores).
+pytestmark = pytest.mark.timeout(900)
+
 if importlib.util.find_spec("keras") is None:
     pytest.skip("keras is not installed (pip install 'gradaccum[keras]')", allow_module_level=True)
 
