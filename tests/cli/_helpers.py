@@ -7,6 +7,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The columns of every metrics.jsonl row (one per optimizer step).
+METRIC_COLUMNS = {
+    "step",
+    "samples",
+    "loss",
+    "lr",
+    "grad_norm",
+    "time",
+    "micro_batches",
+    "noise_scale",
+}
+
 
 def run_cli(
     *args: str, cwd: Path | None = None, timeout: float = 120

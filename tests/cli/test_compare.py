@@ -22,23 +22,13 @@ import torch
 
 from gradaccum.cli import main
 from gradaccum.experiments.report import CURVES_SIZE, MEMORY_SIZE, PEAK_MEMORY_NOTE
-from tests.cli._helpers import DIGITS_TABLE_COLUMNS, read_jsonl, run_cli
+from tests.cli._helpers import DIGITS_TABLE_COLUMNS, METRIC_COLUMNS, read_jsonl, run_cli
 
 _TIMEOUT = 120
 CONFIGS = ("8x2", "16x1", "8x1")
 STEPS = 20
 FLOAT32_RTOL = 1e-5
 COLUMNS = DIGITS_TABLE_COLUMNS
-METRIC_COLUMNS = {
-    "step",
-    "samples",
-    "loss",
-    "lr",
-    "grad_norm",
-    "time",
-    "micro_batches",
-    "noise_scale",
-}
 RUN_FILES = {"metrics.jsonl", "validation.jsonl", "summary.json", "checkpoint.pt"}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -29,19 +29,9 @@ from gradaccum.cli import main
 from gradaccum.experiments.progress import progress
 from gradaccum.experiments.runner import StepLog
 from gradaccum.experiments.tasks import get_task
-from tests.cli._helpers import read_jsonl, run_cli
+from tests.cli._helpers import METRIC_COLUMNS, read_jsonl, run_cli
 
 _TIMEOUT = 120
-METRIC_COLUMNS = {
-    "step",
-    "samples",
-    "loss",
-    "lr",
-    "grad_norm",
-    "time",
-    "micro_batches",
-    "noise_scale",
-}
 RUN_FILES = {"config.json", "metrics.jsonl", "validation.jsonl", "summary.json", "checkpoint.pt"}
 FLOAT32_RTOL = 1e-5
 

@@ -22,32 +22,11 @@ import torch
 from torch import nn
 
 from tests.distributed._harness import run_ranks
+from tests.distributed.test_uneven_windows import make_tiny
 from tests.reference import kept_items_reference
 
 EXACT = dict(rtol=1e-10, atol=1e-12)
 MICRO, ITEMS, WINDOWS = 3, 7, 3
-
-
-class Tiny(nn.Module):
-    """Embedding and head on the root; two blocks that a user shards one by one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed(x)
-        for block in self.blocks:
-            hidden = block(hidden)
-        return self.head(hidden)
-
-
-def make_tiny() -> Tiny:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return Tiny().double()
 
 
 def rank_batch(window: int, rank: int) -> dict[str, torch.Tensor]:
