@@ -118,6 +118,9 @@ def main() -> int:
     if rank == 0:
         verdict = "yes" if identical else "NO"
         print(f"parameters identical across ranks: {verdict} (max abs difference {gap:.1e})")
+    # Every rank done with its collectives before any tears the group down: gloo's background
+    # threads of a rank still finishing were seen to abort its exit (SIGABRT) in CI.
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if identical else 1
 
