@@ -33,7 +33,7 @@ import torch.distributed as dist
 from gradaccum._dtensor import local_shards
 from gradaccum._rng_state import capture_rng, checked_rng
 
-__all__ = ["load_sharded", "save_sharded"]
+__all__ = ["fsync_folder", "load_sharded", "save_sharded"]
 
 _FORMAT = "gradaccum-sharded-checkpoint"
 _VERSION = 1
@@ -86,7 +86,7 @@ def save_sharded(
         if target.exists():
             os.replace(target, old)
         os.replace(staging, target)
-        _fsync(target.parent)
+        fsync_folder(target.parent)
         if old.exists():
             shutil.rmtree(old)
     dist.barrier()
@@ -203,7 +203,8 @@ def _empty_like(state: Any) -> Any:
     return state
 
 
-def _fsync(folder: Path) -> None:
+def fsync_folder(folder: Path) -> None:
+    """Make a rename in `folder` durable: its entry is on disk once the folder is synced."""
     descriptor = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(descriptor)

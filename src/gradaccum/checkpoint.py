@@ -48,7 +48,7 @@ from gradaccum._checkpoint_fit import (
     one_line,
 )
 from gradaccum._rng_state import RngStates, capture_rng, checked_rng
-from gradaccum._sharded_checkpoint import load_sharded, save_sharded
+from gradaccum._sharded_checkpoint import fsync_folder, load_sharded, save_sharded
 from gradaccum._sync_base import is_fsdp
 from gradaccum.accumulator import Accumulator
 
@@ -126,7 +126,7 @@ def save_checkpoint(
         os.replace(temporary, target)
     finally:
         temporary.unlink(missing_ok=True)
-    _fsync_folder(target.parent)
+    fsync_folder(target.parent)
 
 
 def load_checkpoint(
@@ -350,12 +350,3 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:  # alive, but another user's
         return True
     return True
-
-
-def _fsync_folder(folder: Path) -> None:
-    # The rename is durable only once the folder's entry is on disk.
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
