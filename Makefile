@@ -11,7 +11,7 @@ STAMP   := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e '.[cli,dev,hf,keras]'
+	$(BIN)/python -m pip install --quiet -e '.[cli,dev,hf,keras,tensorboard]'
 	touch $(STAMP)
 
 test: $(STAMP)
