@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradaccum.cli import _demo_sections, main
+from gradaccum.cli import main
+from gradaccum.experiments import demo
 from gradaccum.experiments.report import CURVES_SIZE, MEMORY_SIZE, PEAK_MEMORY_NOTE
 from tests.cli._helpers import DIGITS_TABLE_COLUMNS, run_cli
 
@@ -174,7 +175,7 @@ def test_rerun_replaces_results_and_a_failed_check_exits_1(tmp_path, capsys, mon
     assert float(_cells(first, "(c) naive")[3]) > 1e-6
     assert torch.get_num_threads() == threads  # --threads 1 is undone at the end
     # Negative control of the verdict: the Accumulator run replaced by the naive loop.
-    monkeypatch.setattr(_demo_sections, "_train_accumulated", _demo_sections._train_naive)
+    monkeypatch.setattr(demo, "_train_accumulated", demo._train_naive)
     assert main(["demo", *SMALL, "--out", str(out)]) == 1
     second = capsys.readouterr().out
     assert "verdict: MISMATCH" in second

@@ -1,27 +1,25 @@
-"""The measurements behind `gradaccum demo`, and the sections that show them.
+"""The measurements behind `gradaccum demo` (its sections are in `demo_sections`).
 
-Sections 1-3 (`run_charlm`) train the embedded `charlm` task three ways from the same float64
+`run_charlm` (sections 1-3) trains the embedded `charlm` task three ways from the same float64
 weights, on the same batches, with the same AdamW: a plain full-batch reference written here
 without gradaccum, `gradaccum.Accumulator`, and the naive loop that averages per-micro-batch token
-means. They also measure the activation memory of a full-batch and a micro-batch forward.
-Section 4 (`run_digits`) trains `digits` in three configs with the experiment runner and compares
-the checkpoints it writes.
+means. It also measures the activation memory of a full-batch and a micro-batch forward.
+`run_digits` (section 4) trains `digits` in `DIGITS_CONFIGS` with the experiment runner, writes the
+compare report and compares the checkpoints. Weights are compared with `gaps.tensor_gap`.
 
-Parameters are compared per tensor, as `||p - p_ref|| / ||p_ref||` (`tensor_gap`). An
-element-wise test would mostly measure AdamW: it divides by `sqrt(v) + eps`, so for a weight whose
-gradient is zero in exact arithmetic (such as an attention key bias) it turns rounding noise into
-a visible change of that one weight.
+`OUT_NAMES` lists what the demo writes into its out folder; a folder of only these is a previous
+demo's, which the command replaces.
 
-`Section` renders one section both as terminal text and as markdown. `OUT_NAMES` lists what the
-demo writes into `--out` (see `gradaccum.cli._outdir` for how a previous demo's folder is replaced).
+Example:
+    >>> train = {"tokens": torch.arange(10).view(5, 2), "labels": torch.arange(10).view(5, 2)}
+    >>> [len(batch["labels"]) for batch in charlm_batches(train, steps=3, size=4, seed=0)]
+    [4, 4, 4]
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import textwrap
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradaccum import Accumulator, load_checkpoint
+from gradaccum.experiments.gaps import tensor_gap
 from gradaccum.memory import measure_activation_bytes
 
 __all__ = [
@@ -38,13 +37,9 @@ __all__ = [
     "OUT_NAMES",
     "CharlmResult",
     "DigitsResult",
-    "INDENT",
-    "Section",
     "charlm_batches",
     "run_charlm",
     "run_digits",
-    "tensor_gap",
-    "wrapped",
 ]
 
 IGNORE_INDEX = -100
@@ -52,8 +47,6 @@ IGNORE_INDEX = -100
 DIGITS_CONFIGS = ((32, 1), (8, 4), (8, 1))
 # Everything the demo writes into its out folder; a folder holding only these is replaced.
 OUT_NAMES = frozenset({"report.md", "curves.png", "memory.png", "runs"})
-
-INDENT = "   "
 
 Batch = dict[str, torch.Tensor]
 
@@ -65,7 +58,8 @@ class CharlmResult:
     `losses` maps "reference", "accumulated" and "naive" to the objective of every step, as each
     run computed it. `gaps` maps "accumulated" and "naive" to `(gap, worst tensor)` against the
     reference. `micro_lines` and `tokens` hold the lines and the counted tokens of each micro-batch
-    of the first batch.
+    of the first batch; `full_bytes` and `micro_bytes` the activation bytes of the first batch's
+    forward and of its largest micro-batch's.
     """
 
     steps: int
@@ -88,35 +82,15 @@ class CharlmResult:
 
 @dataclass
 class DigitsResult:
-    """What section 4 measured on `digits`: one summary per config, gaps vs the first config."""
+    """What section 4 measured on `digits`: one summary per config, gaps vs the first config.
+
+    `paths` is what `report.write_report` returned (`"report"` is the compare's `report.md`).
+    """
 
     epochs: int
     summaries: list[Any]
     gaps: dict[str, tuple[float, str]] = field(default_factory=dict)
     paths: dict[str, Path] = field(default_factory=dict)
-
-
-def tensor_gap(
-    params: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]
-) -> tuple[float, str]:
-    """Largest over tensors of `||p - p_ref|| / ||p_ref||`, and the name of that tensor.
-
-    Raises:
-        ValueError: If the two hold different tensor names, or a reference tensor is all zeros
-            while the other is not (no relative gap exists).
-    """
-    if params.keys() != reference.keys():
-        raise ValueError("the two models have different parameters")
-    worst, worst_name = 0.0, ""
-    for name, ref in reference.items():
-        diff = float((params[name].detach().double() - ref.detach().double()).norm())
-        scale = float(ref.detach().double().norm())
-        if scale == 0.0 and diff > 0.0:
-            raise ValueError(f"reference tensor {name} is all zeros; no relative gap exists")
-        gap = diff / scale if scale else 0.0
-        if gap >= worst:
-            worst, worst_name = gap, name
-    return worst, worst_name
 
 
 def charlm_batches(train: Batch, steps: int, size: int, seed: int) -> list[Batch]:
@@ -282,56 +256,3 @@ def run_digits(folder: Path, *, seed: int, epochs: int) -> DigitsResult:
         folder, "digits", result.summaries, curves=curves, settings=settings
     )
     return result
-
-
-@dataclass
-class Section:
-    """One section of the demo, rendered both as terminal text and as markdown.
-
-    `inset_text` and `inset_markdown` go between the introduction and the table (section 4 puts
-    the compare report there).
-    """
-
-    title: str
-    before: list[str]
-    headers: list[str]
-    rows: list[list[str]]
-    after: list[str]
-    right: frozenset[int] = frozenset()
-    inset_text: str = ""
-    inset_markdown: str = ""
-
-    def text(self, number: int) -> str:
-        """The section as aligned terminal text, titled `"<number>. <title>"`."""
-        lines = [f"{number}. {self.title}", *wrapped(self.before), ""]
-        if self.inset_text:
-            lines += [self.inset_text, ""]
-        widths = [max(map(len, column)) for column in zip(self.headers, *self.rows, strict=True)]
-        for cells in [self.headers, *self.rows]:
-            padded = [
-                cell.rjust(width) if index in self.right else cell.ljust(width)
-                for index, (cell, width) in enumerate(zip(cells, widths, strict=True))
-            ]
-            lines.append((INDENT + "  ".join(padded)).rstrip())
-        return "\n".join([*lines, "", *wrapped(self.after)])
-
-    def markdown(self, number: int) -> str:
-        """The section as GitHub markdown, under a `## <number>. <title>` heading."""
-        lines = [f"## {number}. {self.title}", "", " ".join(self.before), ""]
-        if self.inset_markdown:
-            lines += [self.inset_markdown, ""]
-        align = ["---:" if index in self.right else "---" for index in range(len(self.headers))]
-        for cells in [self.headers, align, *self.rows]:
-            lines.append("| " + " | ".join(cells) + " |")
-        return "\n".join([*lines, "", *(f"{line}  " for line in self.after)]).rstrip()
-
-
-def wrapped(paragraphs: list[str]) -> list[str]:
-    """The paragraphs as lines of at most 100 characters, indented by `INDENT`."""
-    return [
-        line
-        for text in paragraphs
-        for line in textwrap.wrap(
-            text, 100, initial_indent=INDENT, subsequent_indent=INDENT, break_on_hyphens=False
-        )
-    ]
