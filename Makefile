@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 
-.PHONY: test test-fast demo lint bench clean
+.PHONY: test test-fast demo docs docs-check lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,9 +30,17 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/gradaccum demo
 
+# README's sample outputs: rerun each command marked `<!-- output: ... -->` and rewrite its block
+# (about a minute); docs-check only compares, ignoring timings, and lists the blocks that differ.
+docs: $(STAMP)
+	$(BIN)/python scripts/readme_outputs.py
+
+docs-check: $(STAMP)
+	$(BIN)/python scripts/readme_outputs.py --check
+
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks examples scripts
+	$(BIN)/ruff format --check src tests benchmarks examples scripts
 	$(BIN)/mypy
 
 # The peers of benchmarks/peers.py come from the bench extra, installed here only (not by test/demo).
