@@ -13,7 +13,7 @@ import importlib.util
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -121,7 +121,7 @@ def test_bf16_runs_and_stays_close() -> None:
 
 
 @pytest.fixture
-def _fresh_dynamo() -> object:
+def _fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
