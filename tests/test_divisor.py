@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradaccum.divisor import backward_denominator, grad_divisor, scaled_loss
+from gradaccum.divisor import backward_denominator, divide_, grad_divisor, scaled_loss
 from gradaccum.options import Normalize
 
 
@@ -110,3 +110,16 @@ def test_scaled_loss_keeps_the_graph_in_one_node_when_exact() -> None:
     assert (
         scaled.grad_fn.next_functions[0][0].next_functions[0][0].name().endswith("AccumulateGrad")
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_divide_is_bitwise_the_division_by_a_python_number(dtype: torch.dtype) -> None:
+    """The one-tensor divisor of the CPU path rounds as a Python number does, whatever its bits."""
+    generator = torch.Generator().manual_seed(3)
+    sizes = ((7, -4), (300, 3))
+    grads = [torch.randn(n, generator=generator).to(dtype) * 10.0**k for n, k in sizes]
+    for divisor in (1.0, 0.75, 12 / 7, 1 + 2.0**-40, 3.0e5 / 1024):
+        expected = [g / divisor for g in grads]
+        ours = [g.clone() for g in grads]
+        divide_(ours, divisor)
+        assert all(torch.equal(a, b) for a, b in zip(ours, expected, strict=True))

@@ -24,7 +24,7 @@ from gradaccum._sync_base import NO_CONTEXT
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, slice_batch, to_device
 from gradaccum.batchnorm import BatchNormControl
-from gradaccum.divisor import Expectation, backward_denominator, grad_divisor, scaled_loss
+from gradaccum.divisor import Expectation, backward_denominator, divide_, grad_divisor, scaled_loss
 from gradaccum.loss import LossTerms, counted_ahead, read_loss, read_terms, warn_if_token_mean
 from gradaccum.norms import clip_, total_norm
 from gradaccum.options import Normalize
@@ -284,8 +284,7 @@ class Engine:
                 loss_scale=window.loss_scale,
                 averaged_over=self.sync.averaged_over,
             )
-            if divisor != 1.0 and held:
-                torch._foreach_div_(held, divisor)
+            divide_(held, divisor)
             norm = total_norm(held)
             norm_value = float(norm)
             if not math.isfinite(norm_value):

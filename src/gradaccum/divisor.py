@@ -46,7 +46,7 @@ import torch
 
 from gradaccum.options import Normalize
 
-__all__ = ["Expectation", "backward_denominator", "grad_divisor", "scaled_loss"]
+__all__ = ["Expectation", "backward_denominator", "divide_", "grad_divisor", "scaled_loss"]
 
 
 def backward_denominator(
@@ -133,6 +133,25 @@ def grad_divisor(
     # Numerator and denominator are exact (an int times a power of two, and a power of two or
     # the folded count times the world size), so the divisor carries at most one rounding.
     return global_count * loss_scale / (denominator * averaged_over)
+
+
+def divide_(grads: list[torch.Tensor], divisor: float) -> None:
+    """Divide every gradient by `divisor` in place (contract point 3): one rounding each.
+
+    On CPU a foreach op loops over the tensors, and a Python number is wrapped and converted to
+    each tensor's dtype once per tensor (an allocation and a copy each). For plain float32 or
+    float64 CPU tensors of one dtype the divisor is made a 0-dim tensor of that dtype once
+    instead: the same bits, since the kernel rounds the number to that dtype either way.
+    """
+    if divisor == 1.0 or not grads:
+        return
+    dtype = grads[0].dtype
+    if dtype in _SIGNIFICAND_BITS and all(
+        type(g) is torch.Tensor and g.is_cpu and g.dtype == dtype for g in grads
+    ):
+        torch._foreach_div_(grads, torch.tensor(divisor, dtype=dtype))
+    else:
+        torch._foreach_div_(grads, divisor)
 
 
 def scaled_loss(

@@ -36,7 +36,7 @@ import torch
 from gradaccum._dtensor import like_param
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, split_batch, to_device
-from gradaccum.divisor import backward_denominator, grad_divisor, scaled_loss
+from gradaccum.divisor import backward_denominator, divide_, grad_divisor, scaled_loss
 from gradaccum.loss import LossSum, LossTerms, counted_ahead, read_loss
 from gradaccum.options import Normalize, parse
 
@@ -320,8 +320,6 @@ def accumulate_grad(
     if window.count > 0 or objective is Normalize.SUM:
         assert window.denominator is not None  # split_batch guarantees a micro-batch
         divisor = grad_divisor(window.count, objective, window.denominator)
-        grads = [p.grad for p in params if p.grad is not None]
-        if divisor != 1.0 and grads:
-            torch._foreach_div_(grads, divisor)
+        divide_([p.grad for p in params if p.grad is not None], divisor)
     assert window.loss_sum is not None
     return LossSum(window.loss_sum, window.count)
