@@ -19,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from gradaccum._agreement import RankSummary, WindowAgreement
@@ -27,6 +29,8 @@ from gradaccum.sync import GradSync
 from gradaccum.window import Window
 
 __all__ = ["held_gradients", "nonfinite_names", "rank_summary", "reduced_gradients"]
+
+_IS_SPARSE = operator.attrgetter("is_sparse")
 
 
 def rank_summary(
@@ -73,7 +77,11 @@ def reduced_gradients(
     held: list[torch.Tensor] = []
     ledger = window.terms
     counts = ledger.global_counts(agreement) if ledger else []  # checks counts given ahead
-    for index, param in enumerate(window.params[: window.held]):
+    params = window.params[: window.held]
+    if ledger is None and sync.world == 1 and not runtime.uses_buffers:  # the `.grad` as they are
+        held = [param.grad for param in params if param.grad is not None]
+        params = []
+    for index, param in enumerate(params):
         grad = runtime.gradient(index, param)
         if ledger is not None:
             combined = ledger.combine(index, grad, counts)
@@ -84,7 +92,7 @@ def reduced_gradients(
             grad = runtime.zeros_for(index, param)  # another rank used it: reduce alike
         if grad is not None:
             held.append(grad)
-    if any(grad.is_sparse for grad in held):
+    if any(map(_IS_SPARSE, held)):  # no Python frame per gradient
         raise ValueError(
             "a parameter received a sparse gradient; gradaccum accumulates dense gradients "
             "only. Use nn.Embedding(..., sparse=False). The window was discarded."

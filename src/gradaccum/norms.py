@@ -16,9 +16,13 @@ Example:
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 __all__ = ["clip_", "total_norm"]
+
+_DEVICE_AND_DTYPE = operator.attrgetter("device", "dtype")
 
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -29,8 +33,7 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """
     if not grads:
         return torch.zeros(())
-    first = grads[0]
-    if any(g.device != first.device or g.dtype != first.dtype for g in grads):
+    if len(set(map(_DEVICE_AND_DTYPE, grads))) > 1:  # no Python frame per gradient
         return torch.nn.utils.get_total_norm(grads)
     # torch.linalg has no stubs (its functions are Any): name the result's type.
     norm: torch.Tensor = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))

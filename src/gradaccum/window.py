@@ -131,7 +131,7 @@ class Window:
             # The loss's own dtype (at least float32): a mixed-dtype add costs ~10x more.
             dtype = torch.promote_types(value.dtype, torch.float32)
             self.loss_sum = torch.zeros((), dtype=dtype, device=value.device)
-        self.loss_sum.add_(value.detach(), alpha=weight)
+        self.loss_sum.add_(value.data, alpha=weight)  # `.data`: detached, not dispatched
         self.count += count
         self.micro_batches += 1
         self.largest_micro_batch = max(self.largest_micro_batch, items)
