@@ -136,6 +136,63 @@ class EquivalenceReport:
             lines += [f"  - {module}" for module in self.non_additive]
         return "\n".join(lines)
 
+    def explain(self) -> str:
+        """The verdict in words, what causes a gap, and the fix for each cause.
+
+        Example:
+            >>> model = torch.nn.Linear(3, 1)
+            >>> batch = {"x": torch.randn(6, 3), "y": torch.randn(6, 1)}
+            >>> def loss_fn(m, b):
+            ...     return torch.nn.functional.mse_loss(m(b["x"]), b["y"])
+            >>> check_equivalence(model, batch, loss_fn, 4).explain().split(".")[0]
+            'result: EXACT'
+        """
+        judged = str(self.internal_dtype or self.dtype).removeprefix("torch.")
+        if self.ok:
+            lines = [
+                f"result: EXACT. The accumulated gradient equals the full-batch gradient to "
+                f"{judged} rounding (max rel diff {self.max_rel_diff:.1e} <= {self.tolerance:.0e})."
+            ]
+        else:
+            lines = [
+                "result: NOT EXACT. The accumulated gradient differs from the full-batch gradient "
+                f"(max rel diff {self.max_rel_diff:.1e} > {self.tolerance:.0e})."
+            ]
+        if self.non_additive:
+            lines.append(
+                "note: these modules can make accumulation inexact, although this check matched:"
+                if self.ok
+                else "cause: these modules behave differently on micro-batches than on the whole "
+                "batch:"
+            )
+            kinds: dict[str, list[NonAdditiveModule]] = {}
+            for module in self.non_additive:
+                kinds.setdefault(module.kind, []).append(module)
+            for kind, modules in kinds.items():
+                more = f" and {len(modules) - 4} more" if len(modules) > 4 else ""
+                names = ", ".join(m.name for m in modules[:4]) + more
+                fix = _FIXES["BatchNorm" if "BatchNorm" in kind else "other"]
+                lines += [f"  {kind} at {names}: {modules[0].reason}", f"    -> {fix}"]
+        elif not self.ok:
+            lines += [
+                "cause: no module behaves differently on micro-batches, so the loss is not "
+                "additive over items. It probably normalizes by something of the micro-batch (a "
+                "token or pixel count, a max, a mean of per-micro-batch means).",
+                "    -> return gradaccum.LossSum(sum of per-item losses, number of items "
+                "counted); a plain scalar is read as a mean weighted by the micro-batch's "
+                "leading dimension.",
+            ]
+        return "\n".join(lines)
+
+
+_FIXES = {
+    "BatchNorm": "convert it with gradaccum.batchnorm.convert_to_groupnorm(model) (exact), or "
+    "train with Accumulator(..., batchnorm='pooled') (running statistics from the whole window) "
+    "or 'frozen' (eval-mode statistics); see docs/batchnorm.md",
+    "other": "check with dropout off (eval mode or p=0); in training, different masks are "
+    "expected noise, not a bug",
+}
+
 
 def check_equivalence(
     model: torch.nn.Module,

@@ -26,7 +26,7 @@ BATCHNORM_CASES = {
     ),
     "recalibrate on digits": (
         ["train", "--task", "digits", "--recalibrate", "5", "--steps", "1"],
-        "--recalibrate 5 recomputes BatchNorm statistics, and the digits model has none; drop "
+        "--recalibrate 5 acts on BatchNorm layers, and the digits model has none; drop "
         "--recalibrate",
     ),
     "compare bn pooled on digits": (
@@ -35,7 +35,7 @@ BATCHNORM_CASES = {
     ),
     "compare recalibrate on charlm": (
         ["compare", "--task", "charlm", "--configs", "8x1", "--recalibrate", "2", "--steps", "1"],
-        "--recalibrate 2 recomputes BatchNorm statistics, and the charlm model has none",
+        "--recalibrate 2 acts on BatchNorm layers, and the charlm model has none",
     ),
 }
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
-import signal
 import struct
 import subprocess
 import sys
@@ -23,13 +23,15 @@ import torch
 from gradaccum.cli import main
 from gradaccum.experiments.report import CURVES_SIZE, MEMORY_SIZE, PEAK_MEMORY_NOTE
 from tests.cli._helpers import DIGITS_TABLE_COLUMNS, METRIC_COLUMNS, read_jsonl, run_cli
+from tests.cli.signal_at import HOOK
+from tests.state import assert_bitwise
 
 _TIMEOUT = 120
 CONFIGS = ("8x2", "16x1", "8x1")
 STEPS = 20
 FLOAT32_RTOL = 1e-5
 COLUMNS = DIGITS_TABLE_COLUMNS
-RUN_FILES = {"metrics.jsonl", "validation.jsonl", "summary.json", "checkpoint.pt"}
+RUN_FILES = {"config.json", "metrics.jsonl", "validation.jsonl", "summary.json", "checkpoint.pt"}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -39,7 +41,8 @@ def _run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
 
 def _markdown_table(text: str) -> list[list[str]]:
     """The rows (header first, separator dropped) of the first markdown table in `text`."""
-    lines = [line for line in text.splitlines() if line.startswith("|")]
+    lines = text.split("\n\n|", 1)[1].split("\n\n")[0].splitlines()
+    lines = [line for line in ("|" + lines[0], *lines[1:]) if line.startswith("|")]
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
     assert rows, text
     assert all(re.fullmatch(r"-+:?", cell) for cell in rows[1]), rows[1]
@@ -75,6 +78,7 @@ def compared(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
 def test_compare_writes_report_plots_and_one_folder_per_config(compared):
     out, _ = compared
     assert {path.name for path in out.iterdir()} == {
+        "compare.json",
         "report.md",
         "curves.png",
         "memory.png",
@@ -209,7 +213,7 @@ def test_malformed_configs_exit_2_and_write_nothing_subprocess(tmp_path, configs
         (["--task", "digits", "--configs", "8x2", "--memory-budget", "1GiB"], "--memory-budget"),
         (["--task", "digits", "--configs", "8x2", "--epochs", "1", "--steps", "2"], "not allowed"),
         (["--task", "digits", "--configs", "8x2", "--norm", "group"], "not available for"),
-        (["--task", "digits"], "the following arguments are required: --configs"),
+        (["--task", "digits"], "--task and --configs are required"),
     ],
 )
 def test_bad_options_exit_2_and_write_nothing(tmp_path, capsys, args, message):
@@ -231,35 +235,77 @@ def test_out_under_a_regular_file_exits_2(tmp_path, capsys):
     assert [path.name for path in tmp_path.iterdir()] == ["file.txt"]
 
 
-@pytest.mark.timeout(_TIMEOUT)
-def test_terminated_compare_removes_finished_config_folders_too(tmp_path):
-    """SIGTERM during the second config: exit 130; the first config's results go as well."""
-    out = tmp_path / "cmp"
-    args = ["compare", "--task", "digits", "--configs", "512x1", "1x1", "--epochs", "20"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gradaccum.cli", *args, "--out", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+def _signalled(args: list[str], hook: str) -> subprocess.CompletedProcess[str]:
+    """Run `gradaccum ARGS` with the test hook of `tests.cli.signal_at` set to `hook`."""
+    env = {**os.environ, HOOK: hook}
+    return subprocess.run(
+        [sys.executable, "-m", "tests.cli.signal_at", *args],
+        capture_output=True, text=True, env=env, timeout=_TIMEOUT, check=False,
+    )  # fmt: skip
+
+
+# 16x1 never reaches micro-batch 2 of a window, so the hook "3:2:..." stops the second config only.
+STOPPED = ["compare", "--task", "digits", "--configs", "16x1", "4x4", "--steps", "6"]
+
+
+@pytest.mark.timeout(3 * _TIMEOUT)
+def test_a_stopped_compare_keeps_finished_configs_and_resumes_to_the_same_weights(tmp_path):
+    """SIGTERM in the second config: the first stays finished, the second resumes bitwise."""
+    reference, out = tmp_path / "reference", tmp_path / "cmp"
+    assert run_cli(*STOPPED, "--out", str(reference)).returncode == 0
+    stopped = _signalled([*STOPPED, "--out", str(out)], "3:2:TERM")
+    assert stopped.returncode == 0, stopped.stderr
+    assert (
+        "stopped config [2/2] 4x4 after step 3 of 6 and 2 of the 4 micro-batches" in stopped.stderr
     )
-    try:
-        seen = []
-        for line in proc.stderr:
-            seen.append(line)
-            if line.startswith("[2/2] 1x1: step 1/"):
-                break
-        assert seen, "no progress on stderr"
-        assert seen[-1].startswith("[2/2]"), "".join(seen)
-        (staging,) = tmp_path.iterdir()
-        assert staging.name.startswith(".cmp.partial-")
-        assert (staging / "512x1" / "summary.json").exists()
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 130, err
+    assert f"resume with: gradaccum compare --resume {out}" in stopped.stderr
+    assert (out / "16x1" / "summary.json").is_file()  # finished: kept
+    assert (out / "4x4" / "checkpoint.pt").is_file()
+    assert not (out / "4x4" / "summary.json").exists()
+    assert not (out / "report.md").exists()
+    resumed = run_cli("compare", "--resume", str(out))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "16x1: finished" in resumed.stdout
+    assert re.search(r"4x4\s+16\s+\S+\s+equal", resumed.stdout), resumed.stdout  # the gap table
+    assert [row["step"] for row in read_jsonl(out / "4x4" / "metrics.jsonl")] == list(range(1, 7))
+    for config in ("16x1", "4x4"):
+        final = torch.load(out / config / "checkpoint.pt", weights_only=True)
+        expected = torch.load(reference / config / "checkpoint.pt", weights_only=True)
+        assert_bitwise(final["model"], expected["model"])
+        assert_bitwise(final["optimizer"], expected["optimizer"])
+    other = torch.load(out / "16x1" / "checkpoint.pt", weights_only=True)["model"]
+    split = torch.load(out / "4x4" / "checkpoint.pt", weights_only=True)["model"]
+    with pytest.raises(AssertionError):  # negative control: the other split is not bitwise equal
+        assert_bitwise(other, split)
+
+
+@pytest.mark.timeout(2 * _TIMEOUT)
+def test_a_second_signal_exits_130_and_keeps_only_finished_configs(tmp_path):
+    out = tmp_path / "cmp"
+    stopped = _signalled([*STOPPED, "--out", str(out)], "3:2:TERM+TERM")
+    assert stopped.returncode == 130, stopped.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        "16x1",
+        "compare.json",
+    ]  # 4x4 had no checkpoint
+    resumed = run_cli("compare", "--resume", str(out))
+    assert resumed.returncode == 0, resumed.stderr
+    assert (out / "4x4" / "summary.json").is_file()
+    assert (out / "report.md").is_file()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--resume", "{out}", "--lr", "0.1"], "--lr cannot be combined with --resume"),
+        (["--resume", "{out}", "--configs", "8x1"], "--configs cannot be combined with --resume"),
+        (["--resume", "{missing}"], "holds no compare.json"),
+    ],
+)
+def test_bad_compare_resume_exits_2(tmp_path, capsys, args, message):
+    names = {"out": tmp_path, "missing": tmp_path / "missing"}
+    assert main(["compare", *(arg.format(**names) for arg in args)]) == 2
+    assert message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gradaccum.cli import UsageError, main
-from gradaccum.cli.plan import parse_memory_budget
+from gradaccum.cli import main
+from gradaccum.cli._args import byte_count
+from gradaccum.memory import parse_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 _TIMEOUT = 60
@@ -126,10 +127,10 @@ def test_plan_bad_input_exits_2_with_one_line(capsys, args, message):
         ("3b", 3),
     ],
 )
-def test_parse_memory_budget(text, expected):
-    assert parse_memory_budget(text) == expected
+def test_memory_budget_forms(text, expected):
+    assert parse_bytes(byte_count(text)) == expected
 
 
-def test_parse_memory_budget_rejects_negative():
-    with pytest.raises(UsageError):
-        parse_memory_budget("-1GB")
+def test_a_negative_memory_budget_is_named(capsys):
+    assert main(["plan", "--task", "digits", "--memory-budget", "-1GB"]) == 2
+    assert "'-1GB' is negative" in capsys.readouterr().err

@@ -24,7 +24,7 @@ import gradaccum.cli.train
 from gradaccum.batchnorm import BatchNormAccumulationWarning
 from gradaccum.cli import UsageError, main
 from gradaccum.cli._args import torch_threads
-from gradaccum.cli._notes import batchnorm_warnings_as_notes, show_batchnorm_notes
+from gradaccum.cli._options import batchnorm_notes, batchnorm_warnings_as_notes
 
 CALLER_THREADS = 2  # differs from the --threads 1 the commands are given
 
@@ -92,12 +92,12 @@ def test_train_restores_threads_and_warning_filters(
     seen: list[int] = []
     silenced: list[bool] = []
 
-    def open_run(*args: Any, **kwargs: Any) -> Any:
+    def open_checked(*args: Any, **kwargs: Any) -> Any:
         seen.append(torch.get_num_threads())
         silenced.append(_ignores_batchnorm_warning())
         raise UsageError("stand-in stops here")
 
-    monkeypatch.setattr(gradaccum.cli.train, "open_run", open_run)
+    monkeypatch.setattr(gradaccum.cli.train, "open_checked", open_checked)
     before = list(warnings.filters)
     argv = ["train", "--task", "digits", "--batch-size", "16", "--micro-batch-size", "8"]
     code = main([*argv, "--steps", "1", "--out", str(tmp_path / "run"), "--threads", "1"])
@@ -114,7 +114,9 @@ def test_compare_restores_the_thread_count_when_interrupted(
     caller_threads: int, monkeypatch, tmp_path: Path, capsys
 ) -> None:
     seen: list[int] = []
-    monkeypatch.setattr(gradaccum.cli.compare, "_train_one", _recording(seen, KeyboardInterrupt()))
+    monkeypatch.setattr(
+        gradaccum.cli.compare, "train_session", _recording(seen, KeyboardInterrupt())
+    )
     argv = ["compare", "--task", "digits", "--configs", "8x1", "4x2", "--steps", "1"]
     code = main([*argv, "--out", str(tmp_path / "cmp"), "--threads", "1"])
     assert code == 130, capsys.readouterr().err
@@ -159,7 +161,7 @@ def test_batchnorm_warning_is_silenced_inside_the_block_only() -> None:
 
 def test_showing_notes_adds_no_process_wide_filter(capsys) -> None:
     before = list(warnings.filters)
-    show_batchnorm_notes([])
+    batchnorm_notes([])
     assert warnings.filters == before
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -126,6 +126,7 @@ def test_train_packs_each_batch_by_the_budget_and_says_so(trained):
 def test_compare_reports_token_configs_under_their_label(compared):
     out, proc = compared
     assert {path.name for path in out.iterdir()} == {
+        "compare.json",
         "report.md", "curves.png", "memory.png", *CONFIGS,
     }  # fmt: skip
     report = (out / "report.md").read_text()
@@ -219,8 +220,8 @@ def test_max_tokens_cannot_change_a_resumed_run(tmp_path, capsys, trained):
         (["--task", "charlm", "--configs", "64@2048"], "malformed config '64@2048'"),
         (["--task", "charlm", "--configs", "@2048t"], "malformed config '@2048t'"),
         (["--task", "charlm", "--configs", "64@2048T"], "or BATCH@TOKENSt, e.g. 64@2048t"),
-        (["--task", "charlm", "--configs", "0@2048t"], "the batch and the token budget must be"),
-        (["--task", "charlm", "--configs", "64@0t"], "the batch and the token budget must be"),
+        (["--task", "charlm", "--configs", "0@2048t"], "malformed config '0@2048t': write"),
+        (["--task", "charlm", "--configs", "64@0t"], "malformed config '64@0t': write"),
         (["--task", "charlm", "--configs", "64@2048t", "64@2048t"], "given twice"),
         (["--task", "charlm", "--configs", "8x8", "64@50t"], "give --max-tokens 85 or more"),
         (["--task", "digits", "--configs", "8x8", "64@2048t"], "use it with --task charlm"),

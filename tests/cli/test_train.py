@@ -287,3 +287,35 @@ def test_read_only_parent_exits_2(tmp_path, capsys):
     assert code == 2
     assert "not writable" in err
     assert list(locked.iterdir()) == []
+
+
+def test_tensorboard_gets_the_metrics_rows_and_the_validation_metric(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    argv = ["train", "--task", "digits", "--batch-size", "64", "--micro-batch-size", "16"]
+    assert main([*argv, "--steps", "3", "--out", str(out), "--tensorboard"]) == 0
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [(event.step, event.value) for event in events.Scalars("train/loss")]
+    assert losses == [(row["step"], pytest.approx(row["loss"], rel=1e-6)) for row in rows]
+    (validation,) = events.Scalars("validation/accuracy")
+    summary = json.loads((out / "summary.json").read_text())
+    assert (validation.step, validation.value) == (3, pytest.approx(summary["final_metric"]))
+
+
+def test_tensorboard_without_the_package_exits_2_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tensorboard" else real(name, *a),
+    )
+    argv = ["train", "--task", "digits", "--steps", "1", "--out", str(tmp_path / "run")]
+    assert main([*argv, "--tensorboard"]) == 2
+    assert "pip install 'gradaccum[tensorboard]'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

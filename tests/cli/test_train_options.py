@@ -119,7 +119,7 @@ def test_resume_of_a_run_started_from_init_weights_needs_no_init_file(tmp_path: 
             "--micro-batch-size", "8", "--bn", "pooled", "--out", str(out)]  # fmt: skip
     env = {**os.environ, "GRADACCUM_TEST_SIGNAL_AT": "1:1:TERM"}
     stopped = subprocess.run(
-        [sys.executable, "-m", "gradaccum.cli", *args, "--init-from", str(init)],
+        [sys.executable, "-m", "tests.cli.signal_at", *args, "--init-from", str(init)],
         capture_output=True, text=True, env=env, timeout=120, check=False,
     )  # fmt: skip
     assert stopped.returncode == 0, stopped.stderr

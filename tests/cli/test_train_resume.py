@@ -8,14 +8,16 @@ uninterrupted run, and with each step logged once. The negative control for "bit
 training with micro-batches of 32: mathematically the same steps and equal to float32 rounding,
 but not bitwise, so the comparison cannot be passed by an exact-in-math but different path.
 
-Most stops use the runner's test hook `GRADACCUM_TEST_SIGNAL_AT=STEP:MICRO:SIG` (the run sends
-itself the signal at that exact position), so a stop lands mid-window deterministically. One test
+Most stops use the test hook `GRADACCUM_TEST_SIGNAL_AT=STEP:MICRO:SIG` of `tests.cli.signal_at`
+(the run sends itself the signal at that exact position; the hook is a patch of the tests, not
+part of the library), so a stop lands mid-window deterministically. One test
 sends a real SIGTERM from outside while the run is going, wherever it lands. Independent
 subprocesses of a test run concurrently to keep the file fast.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -31,15 +33,15 @@ import pytest
 import torch
 
 from gradaccum.cli import main
-from gradaccum.cli._outdir import resumable_out_dir, stop_on_signals
+from gradaccum.cli._outdir import run_folder, stop_on_signals
 from tests.cli._helpers import read_jsonl
+from tests.cli.signal_at import HOOK
 from tests.state import assert_bitwise
 
 _TIMEOUT = 120
 STEPS = 26
 TRAIN = ["train", "--task", "digits", "--batch-size", "64", "--micro-batch-size", "4"]
 TRAIN += ["--steps", str(STEPS)]
-HOOK = "GRADACCUM_TEST_SIGNAL_AT"
 STATES = ("model", "optimizer", "scheduler", "accumulator")
 
 
@@ -48,7 +50,7 @@ def _start(args: list[str], hook: str | None = None) -> subprocess.Popen[str]:
     if hook is not None:
         env[HOOK] = hook
     return subprocess.Popen(
-        [sys.executable, "-m", "gradaccum.cli", *args],
+        [sys.executable, "-m", "tests.cli.signal_at", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -367,13 +369,34 @@ def test_undamaged_copy_resumes_to_the_uninterrupted_result(tmp_path, capsys, st
     _assert_same_run(folder, runs["reference"])
 
 
-def test_finished_run_cannot_be_resumed(capsys, runs):
+def test_finished_run_cannot_be_resumed_without_more_steps(capsys, runs):
     before = _snapshot(runs["reference"])
-    code = main(["train", "--resume", str(runs["reference"])])
-    err = capsys.readouterr().err
-    assert code == 2
-    assert f"the run already finished (step {STEPS} of {STEPS}); there is nothing to resume" in err
+    for more in ([], ["--steps", str(STEPS)], ["--steps", "3"]):
+        code = main(["train", "--resume", str(runs["reference"]), *more])
+        err = capsys.readouterr().err
+        assert code == 2
+        assert ("already finished" if more[-1:] != ["3"] else "outside this run of 3 steps") in err
+        assert "give more --epochs or --steps" in err
     assert _snapshot(runs["reference"]) == before
+
+
+@pytest.mark.timeout(_TIMEOUT)
+def test_a_finished_run_extended_equals_the_longer_run(tmp_path, capsys, runs):
+    """`--resume DIR --steps N` continues a finished run: optimizer and schedule intact."""
+    short = tmp_path / "short"
+    assert main([*TRAIN[:-1], "20", "--out", str(short)]) == 0
+    assert _checkpoint(short)["extra"]["finished"] is True
+    with pytest.raises(AssertionError):  # negative control: 20 steps are not 26
+        assert_bitwise(_checkpoint(short)["model"], _checkpoint(runs["reference"])["model"])
+    assert main(["train", "--resume", str(short), "--steps", str(STEPS)]) == 0
+    assert "resuming at step 20 (+0 micro-batches)" in capsys.readouterr().out
+    final, expected = _checkpoint(short), _checkpoint(runs["reference"])
+    assert final["extra"]["finished"] is True
+    assert_bitwise({k: final[k] for k in STATES}, {k: expected[k] for k in STATES})
+    rows = read_jsonl(short / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert json.loads((short / "config.json").read_text())["config"]["steps"] == STEPS
+    assert json.loads((short / "summary.json").read_text())["optimizer_steps"] == STEPS
 
 
 @pytest.mark.parametrize(
@@ -384,7 +407,7 @@ def test_finished_run_cannot_be_resumed(capsys, runs):
         (["--resume", "{run}", "--lr", "0.1"], "--lr cannot be combined with --resume"),
         (["--resume", "{run}", "--task", "digits", "--seed", "0"], "--task, --seed cannot be"),
         (["--resume", "{run}", "--out", "{missing}"], "--out cannot be combined with --resume"),
-        (["--resume", "{run}", "--steps", "30"], "--steps cannot be combined with --resume"),
+        (["--resume", "{run}", "--warmup", "3"], "--warmup cannot be combined with --resume"),
     ],
 )
 def test_bad_resume_flags_exit_2(tmp_path, capsys, stopped, args, message):
@@ -415,8 +438,8 @@ def test_first_signal_requests_a_stop_second_raises_and_handlers_are_restored():
 
 
 def _crash(folder: Path, files: list[str], error: BaseException) -> None:
-    """Write `files` in a `resumable_out_dir(folder)`, then fail with `error`."""
-    with resumable_out_dir(folder, keep_if="checkpoint.pt"):
+    """Write `files` in a `run_folder(folder)`, then fail with `error`."""
+    with run_folder(folder, keep_if="checkpoint.pt"):
         for name in files:
             (folder / name).write_bytes(b"data")
         raise error

@@ -1,13 +1,7 @@
-"""The `gradaccum` command line.
+"""The `gradaccum` command line: one module per command, each with `add_parser` and `run`.
 
-Each command lives in its own module of this package, named in `COMMANDS`, and exposes two
-functions:
-
-- `add_parser(subparsers)`: registers its sub-parser (name, help, options);
-- `run(args) -> int`: does the work and returns the exit code.
-
-Exit codes: 0 success, 1 the command ran but its check failed, 2 bad usage or input (with a
-one-line message on stderr), 130 interrupted.
+Exit codes: 0 success, 1 the command ran but its check failed, 2 bad usage or input (one line on
+stderr), 130 interrupted.
 
 Example:
     >>> from gradaccum.cli import main
@@ -28,14 +22,7 @@ from typing import Any, NoReturn, TextIO
 
 __all__ = ["COMMANDS", "UsageError", "main"]
 
-# Command name -> module in this package. Add "train", "compare", "check", "plan" here.
-COMMANDS: dict[str, str] = {
-    "demo": "demo",
-    "train": "train",
-    "compare": "compare",
-    "check": "check",
-    "plan": "plan",
-}
+COMMANDS = ("demo", "train", "compare", "check", "plan")  # each a module of this package
 
 PROG = "gradaccum"
 
@@ -52,11 +39,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Build the top-level parser with one sub-parser per command in `COMMANDS`.
-
-    Returns:
-        The parser; each command's sub-parser sets `args.run` to its module's `run`.
-    """
+    """The top-level parser; each command's sub-parser sets `args.run` to its module's `run`."""
     from gradaccum import __version__
 
     parser = _Parser(
@@ -67,12 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(
         title="commands", dest="command", metavar="COMMAND", parser_class=_Parser
     )
-    for name, module_name in COMMANDS.items():
-        module = importlib.import_module(f"{__name__}.{module_name}")
-        sub = module.add_parser(subparsers)
-        if sub.prog.split()[-1] != name:
-            raise RuntimeError(f"command module {module_name!r} registered {sub.prog!r}")
-        sub.set_defaults(run=module.run)
+    for name in COMMANDS:
+        module = importlib.import_module(f"{__name__}.{name}")
+        module.add_parser(subparsers).set_defaults(run=module.run)
     return parser
 
 
@@ -112,10 +92,10 @@ def _join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[
 
 
 class _PipeSafe:
-    """A text stream whose reader may go away (`gradaccum train | head`): output is then dropped.
+    """A stream whose reader may go away (`gradaccum train | head`): its output is then dropped.
 
-    After the first `BrokenPipeError` the stream's file descriptor points at /dev/null, so later
-    writes, and Python's own flush at exit, succeed silently: no traceback, and the run goes on.
+    After a `BrokenPipeError` its descriptor points at /dev/null, so later writes and Python's
+    flush at exit succeed: no traceback, and the run goes on.
     """
 
     def __init__(self, stream: TextIO) -> None:
@@ -158,17 +138,7 @@ def _pipe_safe_output() -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the `gradaccum` command line.
-
-    Output to a reader that goes away (`gradaccum train ... | head`) is dropped; the command
-    goes on and exits as it would have.
-
-    Args:
-        argv: The arguments after the program name; `sys.argv[1:]` when None.
-
-    Returns:
-        The exit code: 0 success, 1 a failed check, 2 bad usage or input, 130 interrupted.
-    """
+    """Run the command line on `argv` (default `sys.argv[1:]`) and return the exit code."""
     with _pipe_safe_output():
         return _main(argv)
 

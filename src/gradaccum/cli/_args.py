@@ -1,25 +1,14 @@
-r"""Argument value types and error wording shared by the `gradaccum` commands.
+r"""Value types for `argparse` and the one-line wording of errors, shared by the commands.
 
-The value types are for `argparse`'s `type=`: they raise `argparse.ArgumentTypeError`, whose
-message argparse prints on one line after the option's name. The error helpers turn an exception
-into one line for a `UsageError`.
+The types raise `argparse.ArgumentTypeError`, which argparse prints on one line after the option.
 
 Example:
-    >>> positive_int("8"), non_negative_int("0"), positive_float("3e-4")
-    (8, 0, 0.0003)
-    >>> int_or_auto("auto"), byte_count(" 2GiB ")
-    ('auto', '2GiB')
-    >>> one_line(ValueError("two\n  lines"))
-    'two lines'
+    >>> positive_int("8"), non_negative_int("0"), positive_float("3e-4"), int_or_auto("auto")
+    (8, 0, 0.0003, 'auto')
+    >>> byte_count(" 2GiB "), one_line(ValueError("two\n  lines"))
+    ('2GiB', 'two lines')
     >>> error_summary(RuntimeError("first line\nsecond line"))
     'RuntimeError: first line'
-    >>> import torch
-    >>> before = torch.get_num_threads()
-    >>> with torch_threads(1):
-    ...     torch.get_num_threads()
-    1
-    >>> torch.get_num_threads() == before
-    True
 """
 
 from __future__ import annotations
@@ -33,10 +22,8 @@ import torch
 from gradaccum.memory import parse_bytes
 
 __all__ = [
-    "add_threads_option",
     "byte_count",
     "error_summary",
-    "first_line",
     "int_or_auto",
     "non_negative_int",
     "one_line",
@@ -47,7 +34,6 @@ __all__ = [
 
 
 def _int_at_least(text: str, minimum: int, requirement: str) -> int:
-    """`text` as an int >= `minimum`; otherwise an error saying it `requirement`."""
     try:
         value = int(text)
     except ValueError:
@@ -58,44 +44,28 @@ def _int_at_least(text: str, minimum: int, requirement: str) -> int:
 
 
 def positive_int(text: str) -> int:
-    """Argparse type: an int >= 1.
-
-    Raises:
-        argparse.ArgumentTypeError: If `text` is not an integer, or is less than 1.
-    """
+    """Argparse type: an int >= 1."""
     return _int_at_least(text, 1, "must be a positive integer")
 
 
 def non_negative_int(text: str) -> int:
-    """Argparse type: an int >= 0.
-
-    Raises:
-        argparse.ArgumentTypeError: If `text` is not an integer, or is negative.
-    """
+    """Argparse type: an int >= 0."""
     return _int_at_least(text, 0, "must be >= 0")
 
 
 def positive_float(text: str) -> float:
-    """Argparse type: a finite float > 0.
-
-    Raises:
-        argparse.ArgumentTypeError: If `text` is not a number, or is not finite and positive.
-    """
+    """Argparse type: a finite float > 0."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
+    if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
     return value
 
 
 def int_or_auto(text: str) -> int | str:
-    """Argparse type: a positive int, or `"auto"`.
-
-    Raises:
-        argparse.ArgumentTypeError: If `text` is neither.
-    """
+    """Argparse type: a positive int, or `"auto"`."""
     if text == "auto":
         return text
     try:
@@ -107,14 +77,7 @@ def int_or_auto(text: str) -> int | str:
 
 
 def byte_count(text: str) -> str:
-    """Argparse type: a byte count that `gradaccum.memory.parse_bytes` accepts, kept as text.
-
-    Returns:
-        `text` without surrounding spaces (a `TrainConfig.memory_budget` is a string).
-
-    Raises:
-        argparse.ArgumentTypeError: If `parse_bytes` refuses `text`; the message is its reason.
-    """
+    """Argparse type: a byte count `gradaccum.memory.parse_bytes` accepts, kept as text."""
     if text.strip().startswith("-"):
         raise argparse.ArgumentTypeError(
             f"{text!r} is negative; give a size of more than 0 bytes, e.g. 512MiB or 2GiB"
@@ -126,29 +89,12 @@ def byte_count(text: str) -> str:
     return text.strip()
 
 
-def add_threads_option(parser: argparse.ArgumentParser) -> None:
-    """Add `--threads N` (torch intra-op threads, default 1) to `parser`."""
-    parser.add_argument(
-        "--threads",
-        type=positive_int,
-        default=1,
-        metavar="N",
-        help="torch intra-op threads (default: 1; the models are tiny, and more threads on a "
-        "shared CPU mostly add synchronization)",
-    )
-
-
 @contextlib.contextmanager
 def torch_threads(count: int | None = None) -> Iterator[None]:
-    """Run the block with `count` torch intra-op threads; restore the previous count after it.
+    """Run the block with `count` torch threads (None: unchanged); restore the count after it.
 
-    Every command that sets threads (`--threads`) runs inside this, so calling a command
-    in-process (`gradaccum.cli.main([...])`) leaves the caller's thread count as it was, whether
-    the command returns or raises.
-
-    Args:
-        count: Threads for the block; None keeps the current count (code in the block may still
-            call `torch.set_num_threads`, and is undone all the same).
+    A command run in-process (`gradaccum.cli.main([...])`) so leaves the caller's thread count as
+    it was, however it ends.
     """
     previous = torch.get_num_threads()
     try:
@@ -159,25 +105,15 @@ def torch_threads(count: int | None = None) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def first_line(error: BaseException) -> str:
-    """The first non-blank line of `error`'s message, stripped; `""` if there is none."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else ""
-
-
 def one_line(error: BaseException) -> str:
-    """`error`'s whole message with its white space folded, or its type's name if it is empty.
+    """`error`'s message with its white space folded (or its type's name if empty).
 
-    For errors of the library, whose message is the reason an input was refused.
+    For the library's errors, whose message is the reason an input was refused.
     """
     return " ".join(str(error).split()) or type(error).__name__
 
 
 def error_summary(error: BaseException) -> str:
-    """`"<type>: <first line>"` of `error`, or its type's name if its message is empty.
-
-    For errors raised by the user's own code, where the type says much of what went wrong and
-    further lines are usually context.
-    """
-    text = first_line(error)
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    """`"<type>: <first line>"`: for errors of the user's code, where the type says much."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

@@ -1,20 +1,14 @@
-"""Where the commands write their results, and what stays behind when a command stops early.
+"""Where the commands write, and what stays behind when one stops early.
 
-A command checks `--out` with `check_out_dir` before doing any work. Then:
+`--out` is checked before any work: it must be new or empty (or, for `demo`, a previous demo's).
+Then:
 
-- `compare` and `demo` write into the hidden staging folder of `staged_out_dir`, which takes the
-  place of `--out` only when the command succeeds. On an error or an interrupt
-  (`terminate_as_interrupt` turns SIGTERM into one) the staging folder is removed, so nothing
-  half-written stays behind.
-- `train` writes into `--out` itself (`resumable_out_dir`), because a stopped run must leave a
-  folder that `--resume` can continue. `stop_on_signals` turns the first SIGTERM or SIGINT into a
-  request to stop at the next micro-batch boundary (after writing a checkpoint); a second one
-  raises KeyboardInterrupt at once. After an error or that second signal, the folder stays if it
-  holds a checkpoint to resume from, and is removed otherwise.
-
-`--out` must be new or an empty folder. A command may also name the files it writes
-(`replaceable`): a folder holding nothing else (its previous results) is then replaced as a whole,
-once the new results are complete.
+- `train` and `compare` write into `--out` itself (`run_folder`), so a stopped run leaves what
+  `--resume` continues. The first SIGTERM or SIGINT only asks to stop (`stop_on_signals`): the run
+  writes a checkpoint at the next micro-batch; a second one interrupts at once. After an error the
+  folder stays if it holds a checkpoint, and is removed otherwise.
+- `demo` writes into a hidden staging folder that replaces `--out` only when complete
+  (`staged_out_dir`); SIGTERM there interrupts (`terminate_as_interrupt`), and nothing stays.
 
 Example:
     >>> default_out_dir("train", "digits").name.startswith("train-digits-")
@@ -39,8 +33,7 @@ __all__ = [
     "StopRequest",
     "check_out_dir",
     "default_out_dir",
-    "resolve_out_dir",
-    "resumable_out_dir",
+    "run_folder",
     "staged_out_dir",
     "stop_on_signals",
     "terminate_as_interrupt",
@@ -57,122 +50,132 @@ def default_out_dir(command: str, task: str) -> Path:
     return candidate
 
 
-def resolve_out_dir(out: Path | None, command: str, task: str) -> Path:
-    """`--out`, or `default_out_dir(command, task)` without it, checked with `check_out_dir`.
-
-    Raises:
-        UsageError: If the folder cannot be used (see `check_out_dir`).
-    """
-    path = default_out_dir(command, task) if out is None else out
-    check_out_dir(path)
-    return path
-
-
 def check_out_dir(path: Path, *, replaceable: Collection[str] = ()) -> None:
-    """Check that results can be written to `path`, without creating anything.
-
-    `path` must be a folder that is empty or holds only `replaceable` entries, or not exist and
-    have a writable folder as its nearest existing ancestor (missing folders in between are
-    created later).
+    """Check that results can be written to `path`, creating nothing.
 
     Args:
-        path: The `--out` folder.
-        replaceable: Names of the entries the command writes; a folder holding only these is a
-            previous run's results, which `staged_out_dir` replaces.
+        path: The `--out` folder: new, empty, or holding only `replaceable` entries.
+        replaceable: Names the command writes; a folder of only these is a previous result.
 
     Raises:
-        UsageError: If `path` exists and is not a folder, holds other entries, or cannot be
-            created or written.
+        UsageError: If `path` is not a folder, holds other entries, or cannot be written.
     """
     if os.path.lexists(path):
         if not path.is_dir():
             raise UsageError(f"--out {path}: exists and is not a directory")
         foreign = sorted(entry.name for entry in path.iterdir() if entry.name not in replaceable)
-        if foreign and not replaceable:
-            raise UsageError(f"--out {path}: directory is not empty; choose a new folder")
         if foreign:
             raise UsageError(
-                f"--out {path}: holds files this command did not write ({', '.join(foreign[:3])}"
-                f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new folder"
+                f"--out {path}: directory is not empty ({', '.join(foreign[:3])}"
+                f"{', ...' if len(foreign) > 3 else ''}); choose a new or empty folder"
             )
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise UsageError(f"--out {path}: directory is not writable")
-        _probe(path, f"--out {path}: cannot write in it")
-        parent = path.resolve().parent
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise UsageError(
-                f"--out {path}: its parent {parent} is not writable, so results cannot be "
-                "moved into place"
-            )
+        _probe(path, f"--out {path}: directory is not writable")
+        if replaceable:
+            _probe(path.resolve().parent, f"--out {path}: its parent is not writable")
         return
     ancestor = path.absolute().parent
     while not os.path.lexists(ancestor):
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise UsageError(f"--out {path}: cannot create it, {ancestor} is not a directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {path}: cannot create it, {ancestor} is not writable")
     _probe(ancestor, f"--out {path}: cannot create it in {ancestor}")
 
 
 def _probe(folder: Path, failure: str) -> None:
-    """Create and remove an empty folder in `folder`; on failure raise `failure` and the reason.
-
-    Permission bits do not tell everything (a root user in `/proc`, a read-only mount, a full
-    disk): trying is the only sure check, and it leaves nothing behind.
-    """
+    """Create and remove a folder in `folder`: permission bits miss `/proc`, read-only mounts."""
     try:
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
         os.rmdir(tempfile.mkdtemp(prefix=".gradaccum-probe-", dir=folder))
     except OSError as error:
         raise UsageError(f"{failure} ({error.strerror or error})") from None
 
 
+def _created_by(path: Path) -> list[Path]:
+    """The folders that creating `path` will create, innermost first."""
+    absolute = path.absolute()
+    return [folder for folder in (absolute, *absolute.parents) if not folder.exists()]
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
 @contextlib.contextmanager
 def staged_out_dir(path: Path, *, replaceable: Collection[str] = ()) -> Iterator[Path]:
-    """Yield a hidden staging folder next to `path`; on success it takes the place of `path`.
+    """Yield a hidden staging folder; when the block succeeds it takes the place of `path`.
 
-    On any exception (including KeyboardInterrupt) the staging folder and any parent folders
-    created for it are removed, `path` is left as it was, and the exception propagates.
-
-    Args:
-        path: The final folder, already checked with `check_out_dir`.
-        replaceable: As for `check_out_dir`: if `path` holds only these entries when the results
-            are complete, it is moved aside and deleted once the staging folder is in its place.
-            Any other non-empty `path` is never overwritten (the final rename fails instead).
+    On any exception (KeyboardInterrupt too) the staging folder and the parents made for it are
+    removed and `path` is left as it was. A `path` holding only `replaceable` entries is replaced.
     """
-    parent = path.absolute().parent
-    created = [folder for folder in (parent, *parent.parents) if not folder.exists()]
+    created = _created_by(path.absolute().parent)
     staging: Path | None = None
-    done = False
     try:
         try:
-            parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=parent))
+            path.absolute().parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(
+                tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.absolute().parent)
+            )
         except OSError as error:  # what check_out_dir could not foresee
             raise UsageError(
                 f"--out {path}: cannot create it ({error.strerror or error})"
             ) from None
-        staging.chmod(0o777 & ~_umask())  # mkdtemp made it private; give it a folder's usual mode
+        mask = os.umask(0)
+        os.umask(mask)
+        staging.chmod(0o777 & ~mask)  # mkdtemp made it private; give it a folder's usual mode
         yield staging
-        _move_into_place(staging, path, replaceable)
-        done = True
+        if path.is_dir() and any(path.iterdir()):  # a previous result: check_out_dir allowed it
+            aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=staging.parent))
+            os.replace(path, aside / "previous")
+            os.replace(staging, path)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(staging, path)
+        staging = None
     finally:
-        if not done:
-            if staging is not None:
-                shutil.rmtree(staging, ignore_errors=True)
-            for folder in created:  # innermost first
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+            _remove_empty(created)
+
+
+@contextlib.contextmanager
+def run_folder(path: Path, *, keep_if: str) -> Iterator[Path]:
+    """Create `path` (checked by `check_out_dir`, or a run's own folder) and yield it.
+
+    On any exception the folder stays if a file named `keep_if` is anywhere in it (a checkpoint
+    to resume from); otherwise what was created here is removed.
+    """
+    created = _created_by(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # what check_out_dir could not foresee
+        raise UsageError(f"--out {path}: cannot create it ({error.strerror or error})") from None
+    existing = {entry.name for entry in path.iterdir()}
+    try:
+        yield path
+    except BaseException:
+        if not any(path.rglob(keep_if)):
+            for entry in path.iterdir():
+                if entry.name in existing:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+            _remove_empty(created)
+        raise
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 @contextlib.contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM raises KeyboardInterrupt, so cleanup code runs.
-
-    Python's default SIGTERM ends the process at once, which would leave a staging folder
-    behind. Only the main thread can install handlers; elsewhere this does nothing.
-    """
-    if threading.current_thread() is not threading.main_thread():
+    """Within the block, SIGTERM raises KeyboardInterrupt, so cleanup code runs (main thread)."""
+    if not _main_thread():
         yield
         return
 
@@ -200,13 +203,11 @@ class StopRequest:
 def stop_on_signals() -> Iterator[StopRequest]:
     """Within the block, the first SIGTERM or SIGINT only sets the yielded `StopRequest`.
 
-    The training loop polls it at every micro-batch boundary, writes a checkpoint and stops. A
-    second signal (either one) raises KeyboardInterrupt at once, as Ctrl-C normally does. The
-    previous handlers are restored afterwards. Only the main thread can install handlers;
-    elsewhere the request is never set.
+    The run polls it at every micro-batch boundary. A second signal raises KeyboardInterrupt at
+    once. The previous handlers are restored afterwards (main thread only; elsewhere a no-op).
     """
     request = StopRequest()
-    if threading.current_thread() is not threading.main_thread():
+    if not _main_thread():
         yield request
         return
 
@@ -221,68 +222,3 @@ def stop_on_signals() -> Iterator[StopRequest]:
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
-
-
-@contextlib.contextmanager
-def resumable_out_dir(path: Path, *, keep_if: str) -> Iterator[Path]:
-    """Create `path` (already checked with `check_out_dir`) and yield it; the run writes there.
-
-    On any exception (including KeyboardInterrupt) the folder stays if it holds `keep_if` (a
-    checkpoint the run can be resumed from). Otherwise everything created here is removed: the
-    folder (or, if it existed empty, its contents) and the parent folders made for it.
-
-    Args:
-        path: The `--out` folder: new, or an existing empty folder.
-        keep_if: Name of the file whose presence makes a stopped run worth keeping.
-    """
-    absolute = path.absolute()
-    created = [folder for folder in (absolute, *absolute.parents) if not folder.exists()]
-    try:
-        absolute.mkdir(parents=True, exist_ok=True)
-    except OSError as error:  # what check_out_dir could not foresee
-        raise UsageError(f"--out {path}: cannot create it ({error.strerror or error})") from None
-    try:
-        yield path
-    except BaseException:
-        if not (absolute / keep_if).exists():
-            if absolute in created:
-                shutil.rmtree(absolute, ignore_errors=True)
-            else:
-                for entry in absolute.iterdir():  # it was empty: everything in it is ours
-                    if entry.is_dir() and not entry.is_symlink():
-                        shutil.rmtree(entry, ignore_errors=True)
-                    else:
-                        entry.unlink(missing_ok=True)
-            for folder in created[1:]:  # innermost first
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
-        raise
-
-
-def _move_into_place(staging: Path, path: Path, replaceable: Collection[str]) -> None:
-    """Rename `staging` to `path`; previous results in `path` are moved aside, then deleted."""
-    previous = (
-        bool(replaceable)
-        and path.is_dir()
-        and any(path.iterdir())
-        and all(entry.name in replaceable for entry in path.iterdir())
-    )
-    if not previous:
-        os.replace(staging, path)  # also replaces an empty `path` folder, and nothing else
-        return
-    aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=staging.parent))
-    try:
-        os.replace(path, aside / "results")
-        try:
-            os.replace(staging, path)
-        except OSError:
-            os.replace(aside / "results", path)
-            raise
-    finally:
-        shutil.rmtree(aside, ignore_errors=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

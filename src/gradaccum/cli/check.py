@@ -1,267 +1,243 @@
 """`gradaccum check`: is accumulating micro-batches exact for this model, batch and loss?
 
-It runs `gradaccum.check_equivalence` (one plain full-batch backward against one accumulated
-backward, on copies of the model, in float64 by default) and prints the per-parameter table. When
-the gradients differ it says why: the modules that mix items of a micro-batch (BatchNorm in train
-mode, dropout), or, when there are none, a loss that is not a sum over items.
+It runs `gradaccum.check_equivalence` (one full-batch backward against one accumulated backward,
+on copies of the model, in float64 by default), prints the per-parameter table and, when they
+differ, why: modules that mix the items of a micro-batch (BatchNorm in train mode, dropout) or a
+loss that is not a sum over items. The target is an embedded task (`--task`, its first B training
+items, model in train mode) or your code (`--model module:factory`, `factory()` returning
+`(model, batch, loss_fn)`; the current directory is importable). `gradaccum plan` uses the same.
 
-The model, batch and loss come from an embedded task (`--task digits|shapes|charlm`, the first
-B training items, model in train mode) or from your own code (`--model module:factory`, where
-`factory()` returns `(model, batch, loss_fn)`; the current directory is importable).
-
-Exit codes: 0 the accumulated gradient equals the full-batch gradient to rounding, 1 it does
-not, 2 bad usage or input (one line on stderr).
+Exit codes: 0 exact to rounding, 1 not exact, 2 bad usage or input.
 
 Example:
-    $ gradaccum check --task shapes --norm group --batch-size 8
-    $ gradaccum check --model mypackage.debug:make_check --micro-batch-size 3
+    >>> [default_micro_batch_size(b) for b in (32, 16, 10, 9, 4, 1)]
+    [11, 6, 4, 5, 3, 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import pkgutil
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from gradaccum.batching import batch_size, map_tensors
 from gradaccum.cli import UsageError
-from gradaccum.cli._args import error_summary, positive_int
-from gradaccum.cli._check_targets import (
-    CheckTarget,
-    add_target_arguments,
-    batch_items,
-    build_target,
-    load_factory,
-    parse_factory_spec,
-)
-from gradaccum.verify import EquivalenceReport, NonAdditiveModule, check_equivalence
+from gradaccum.cli._args import error_summary, one_line, positive_int
+from gradaccum.verify import EquivalenceReport, check_equivalence
 
-# CheckTarget, add_target_arguments, load_factory, parse_factory_spec (from _check_targets) and
-# positive_int (from _args) are re-exported: they were defined here first.
-__all__ = [
-    "CheckTarget",
-    "add_parser",
-    "add_target_arguments",
-    "default_micro_batch_size",
-    "load_factory",
-    "parse_factory_spec",
-    "positive_int",
-    "run",
-]
+__all__ = ["Target", "add_parser", "add_target_options", "build_target", "run"]
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
-_NORMS = ("batch", "group")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register the `check` command.
+@dataclass
+class Target:
+    """A model (in the mode it is checked in), a whole batch, a loss, and how to name them."""
 
-    Args:
-        subparsers: The top-level parser's sub-parser collection.
+    model: torch.nn.Module
+    batch: Any
+    loss_fn: Callable[..., Any]
+    label: str
+    task: str | None = None
 
-    Returns:
-        The `check` sub-parser.
-    """
-    parser = subparsers.add_parser(
-        "check",
-        help="check that accumulating micro-batches gives exactly the full-batch gradient",
-        description=(
-            "Compare the accumulated gradient with the full-batch gradient (check_equivalence) "
-            "for an embedded task or for your own model, print a per-parameter table and name "
-            "what makes accumulation inexact (BatchNorm in train mode, dropout, a loss that is "
-            "not a sum over items). Exit codes: 0 exact to rounding, 1 not exact, 2 bad usage "
-            "or input."
-        ),
-    )
-    add_target_arguments(parser)
-    parser.add_argument(
-        "--micro-batch-size",
-        type=positive_int,
-        default=None,
-        metavar="M",
-        help="items per micro-batch (default: about B/3, chosen so the last micro-batch is "
-        "smaller than the others; the value used is printed)",
+    @property
+    def items(self) -> int:
+        """Items in the batch (its leading dimension)."""
+        return batch_size(self.batch)
+
+
+def add_target_options(parser: argparse.ArgumentParser) -> None:
+    """`--task` or `--model` (one is required), `--batch-size`, `--seed` and `--norm`."""
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--task", metavar="T", help="an embedded task: digits, shapes or charlm")
+    group.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="your code: FACTORY() returns (model, batch, loss_fn)",
     )
     parser.add_argument(
         "--batch-size",
         type=positive_int,
-        default=None,
         metavar="B",
-        help="items in the whole batch: the first B training items of --task (default: the "
-        "task's batch size), or the first B items of the factory's batch (default: all)",
+        help="the first B items (default: the task's batch, or the factory's)",
     )
     parser.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of the task's data and weights, and of the global RNG before the factory "
-        "is called (default: 0)",
+        "--seed", type=int, default=0, help="seed of data, weights and the factory (default: 0)"
     )
     parser.add_argument(
-        "--norm",
-        choices=_NORMS,
-        default=None,
-        help="--task only: normalization layers of the task's model (default: batch; "
-        "'group' is offered by the shapes task)",
+        "--norm", choices=("batch", "group"), help="--task only: the model's normalization"
+    )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the `check` command."""
+    parser = subparsers.add_parser(
+        "check",
+        help="check that accumulating micro-batches gives exactly the full-batch gradient",
+        description="Compare the accumulated gradient with the full-batch gradient for an embedded "
+        "task or your model, print a per-parameter table and name what makes accumulation "
+        "inexact. Exit 0 exact to rounding, 1 not exact, 2 bad usage or input.",
+    )
+    add_target_options(parser)
+    parser.add_argument(
+        "--micro-batch-size",
+        type=positive_int,
+        metavar="M",
+        help="items per micro-batch (default: about B/3, a ragged split)",
     )
     parser.add_argument(
         "--dtype",
         choices=tuple(_DTYPES),
         default="float64",
-        help="compute dtype of both runs (default: float64, where rounding cannot hide a real "
-        "difference; float32 uses a looser tolerance)",
+        help="compute dtype of both runs (default: float64)",
     )
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the check and print its report.
-
-    Args:
-        args: Parsed options: `task` or `model`, `micro_batch_size`, `batch_size`, `seed`,
-            `norm`, `dtype`.
-
-    Returns:
-        0 if the accumulated gradient matches the full-batch gradient to rounding, else 1.
-
-    Raises:
-        UsageError: For an unknown task, a bad factory or factory result, or a bad size.
-    """
+    """Run the check and print its report: 0 if exact to rounding, else 1."""
     torch.manual_seed(args.seed)
     target = build_target(args)
-    size = batch_items(target.batch)
-    micro = args.micro_batch_size
-    chosen = micro is None
-    if chosen:
-        micro = default_micro_batch_size(size)
-    elif micro > size:
+    size = target.items
+    micro = args.micro_batch_size or default_micro_batch_size(size)
+    if micro > size:
         raise UsageError(
-            f"--micro-batch-size {micro} is larger than the batch ({size} items); pass at most "
-            f"{size}, and less than {size} to check an actual split"
+            f"--micro-batch-size {micro} is larger than the batch ({size} items); pass "
+            f"less than {size} to check an actual split"
         )
-    dtype = _DTYPES[args.dtype]
-
     torch.manual_seed(args.seed)
     try:
-        report = check_equivalence(target.model, target.batch, target.loss_fn, micro, dtype=dtype)
+        report = check_equivalence(
+            target.model, target.batch, target.loss_fn, micro, dtype=_DTYPES[args.dtype]
+        )
     except Exception as error:  # the user's model or loss failed on this batch: bad input
         raise UsageError(f"the check could not run: {error_summary(error)}") from error
-
-    _print_header(target, size, micro, chosen, args.dtype)
-    print(report)
-    print()
-    _print_diagnosis(report, target, size)
+    sizes = [micro] * (size // micro) + ([size % micro] if size % micro else [])
+    split = " + ".join(map(str, sizes)) if len(sizes) <= 8 else f"{len(sizes)} micro-batches"
+    how = "--micro-batch-size" if args.micro_batch_size else "default, a ragged split"
+    mode = "train" if target.model.training else "eval"
+    print(f"gradaccum check: {target.label}, model in {mode} mode")
+    print(f"  batch: {size} items; micro-batch size {micro} ({how}): {split}")
+    print(f"  one full-batch backward vs {len(sizes)} accumulated backwards, in {args.dtype}\n")
+    print(report, end="\n\n")
+    _diagnose(report, target, size)
     return 0 if report.ok else 1
 
 
 def default_micro_batch_size(size: int) -> int:
-    """A micro-batch size that splits `size` items raggedly: about a third, last one smaller.
+    """About a third of `size`, chosen so the last micro-batch is smaller (a ragged split).
 
-    A ragged split is the harder case (micro-batches of different sizes must be weighted by
-    their item counts). The last micro-batch keeps at least 2 items where possible, since
-    BatchNorm1d in train mode cannot run on a single item.
-
-    Args:
-        size: Items in the whole batch.
-
-    Returns:
-        The micro-batch size, between 1 and `size`.
-
-    Example:
-        >>> [default_micro_batch_size(b) for b in (32, 16, 10, 9, 4, 1)]
-        [11, 6, 4, 5, 3, 1]
+    The last keeps at least 2 items where possible: BatchNorm1d cannot train on one item.
     """
     if size <= 2:
         return 1
     start = math.ceil(size / 3)
-    for micro in (*range(start, 1, -1), *range(start + 1, size)):
-        if size % micro >= 2:
-            return micro
-    for micro in (*range(start, 1, -1), *range(start + 1, size)):
-        if size % micro != 0:
-            return micro
+    candidates = (*range(start, 1, -1), *range(start + 1, size))
+    for fits in (lambda m: size % m >= 2, lambda m: size % m != 0):
+        for micro in candidates:
+            if fits(micro):
+                return micro
     return max(1, size // 2)
 
 
-def _print_header(target: CheckTarget, size: int, micro: int, chosen: bool, dtype: str) -> None:
-    count = math.ceil(size / micro)
-    sizes = [micro] * (size // micro) + ([size % micro] if size % micro else [])
-    split = " + ".join(map(str, sizes)) if len(sizes) <= 8 else f"{count} micro-batches"
-    how = "default, a ragged split" if chosen else "--micro-batch-size"
-    mode = "train" if target.model.training else "eval"
-    print(f"gradaccum check: {target.label}, model in {mode} mode")
-    print(f"  batch: {size} items; micro-batch size {micro} ({how}): {split}")
-    print(f"  one full-batch backward vs {count} accumulated backwards, in {dtype}")
-    print()
-
-
-def _print_diagnosis(report: EquivalenceReport, target: CheckTarget, size: int) -> None:
+def _diagnose(report: EquivalenceReport, target: Target, size: int) -> None:
     if report.micro_batch_size >= size:
         print(
-            "note: the micro-batch is the whole batch, so the check compares a batch with "
-            "itself; pass a smaller --micro-batch-size."
+            "note: the micro-batch is the whole batch, so the check compares a batch with itself; "
+            "pass a smaller --micro-batch-size."
         )
-    if report.ok:
-        judged = report.internal_dtype or report.dtype  # the precision the tolerance is set by
-        print(
-            f"result: EXACT. The accumulated gradient equals the full-batch gradient to "
-            f"{_dtype_name(judged)} rounding (max rel diff {report.max_rel_diff:.1e} <= "
-            f"{report.tolerance:.0e})."
+    explained = report.explain()
+    if target.task == "shapes":  # the task's own options do what the generic advice says
+        explained = re.sub(
+            r"-> convert it .*",
+            "-> rerun with --norm group (GroupNorm normalizes each image alone), or train with "
+            "--bn pooled (running statistics from the whole window) or --bn frozen; see "
+            "docs/batchnorm.md",
+            explained,
         )
-    else:
-        print(
-            f"result: NOT EXACT. The accumulated gradient differs from the full-batch gradient "
-            f"(max rel diff {report.max_rel_diff:.1e} > {report.tolerance:.0e})."
-        )
-    if report.non_additive:
-        if report.ok:
-            print("note: these modules can make accumulation inexact, although this check matched:")
-        else:
-            print(
-                "cause: these modules behave differently on micro-batches than on the whole batch:"
-            )
-        for kind, modules in _by_kind(report.non_additive).items():
-            names = ", ".join(m.name for m in modules[:4])
-            more = f" and {len(modules) - 4} more" if len(modules) > 4 else ""
-            print(f"  {kind} at {names}{more}: {modules[0].reason}")
-            print(f"    -> {_advice(modules[0], target)}")
-    elif not report.ok:
-        print(
-            "cause: no module behaves differently on micro-batches, so the loss is not additive "
-            "over items. It probably normalizes by something of the micro-batch (a token or pixel "
-            "count, a max, a mean of per-micro-batch means)."
-        )
-        print(
-            "    -> return gradaccum.LossSum(sum of per-item losses, number of items counted); "
-            "a plain scalar is read as a mean weighted by the micro-batch's leading dimension."
-        )
+    print(explained)
 
 
-def _by_kind(modules: tuple[NonAdditiveModule, ...]) -> dict[str, list[NonAdditiveModule]]:
-    grouped: dict[str, list[NonAdditiveModule]] = {}
-    for module in modules:
-        grouped.setdefault(module.kind, []).append(module)
-    return grouped
+def build_target(args: argparse.Namespace) -> Target:
+    """The target of `--task` or `--model`, cut to `--batch-size` items; or a `UsageError`."""
+    if args.task is not None:
+        from gradaccum.experiments.tasks import get_task
 
-
-def _advice(module: NonAdditiveModule, target: CheckTarget) -> str:
-    if "BatchNorm" in module.kind:
-        if target.task == "shapes":
-            return (
-                "rerun with --norm group (GroupNorm normalizes each image alone), or train with "
-                "--bn pooled (running statistics from the whole window) or --bn frozen; see "
-                "docs/batchnorm.md"
-            )
-        return (
-            "convert it with gradaccum.batchnorm.convert_to_groupnorm(model) (exact), or train "
-            "with Accumulator(..., batchnorm='pooled') (running statistics from the whole "
-            "window) or 'frozen' (eval-mode statistics); see docs/batchnorm.md"
+        norm = args.norm or "batch"
+        try:
+            task = get_task(args.task)
+            model, data = task.make_model(args.seed, norm), task.make_data(args.seed)
+        except (ValueError, ImportError) as error:
+            raise UsageError(one_line(error).rstrip(".")) from None
+        label = f"task {args.task} (norm {norm}, seed {args.seed})"
+        target = Target(model.train(), data.train, task.loss_fn, label, args.task)
+        size = args.batch_size or task.default_batch_size
+        return _cut(target, size, f"the {args.task} training set", "")
+    if args.norm is not None:
+        raise UsageError("--norm applies to --task only; build the model you want in the factory")
+    spec = f"--model {args.model!r}"
+    try:
+        result = load_factory(args.model)()
+    except UsageError:
+        raise
+    except Exception as error:
+        raise UsageError(f"{spec}: the factory raised {error_summary(error)}") from error
+    if not isinstance(result, (tuple, list)) or len(result) != 3:
+        size = f" of {len(result)} items" if isinstance(result, (tuple, list)) else ""
+        raise UsageError(
+            f"{spec}: the factory must return (model, batch, loss_fn), got a "
+            f"{type(result).__name__}{size}"
         )
-    return (
-        "check with dropout off (eval mode or p=0); in training, different masks are "
-        "expected noise, not a bug"
-    )
+    model, batch, loss_fn = result
+    if not isinstance(model, torch.nn.Module):
+        got = type(model).__name__
+        raise UsageError(f"{spec}: the factory's first item must be a torch.nn.Module, not {got}")
+    if not callable(loss_fn):
+        got = type(loss_fn).__name__
+        raise UsageError(f"{spec}: the third item must be loss_fn(model, micro_batch), not {got}")
+    target = Target(model, batch, loss_fn, f"model {args.model} (seed {args.seed})")
+    return _cut(target, args.batch_size, "the factory's batch", f"{spec}: ")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _cut(target: Target, size: int | None, source: str, prefix: str) -> Target:
+    try:
+        available = target.items
+    except ValueError as error:
+        raise UsageError(f"{prefix}{error_summary(error)}") from None
+    if size is not None and size > available:
+        raise UsageError(f"--batch-size {size} is larger than {source} ({available} items)")
+    if size is not None:
+        target.batch = map_tensors(target.batch, lambda tensor: tensor[:size])
+    return target
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """The callable `"module:factory"` names; the current directory is importable (`python -m`)."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        if ":" not in spec:
+            raise ValueError(spec)
+        factory = pkgutil.resolve_name(spec)
+    except ValueError:
+        raise UsageError(
+            f"--model {spec!r} is not of the form module:factory (e.g. "
+            "mypackage.debug:make_check, make_check() returning (model, batch, loss_fn))"
+        ) from None
+    except AttributeError as error:
+        raise UsageError(f"--model {spec!r}: {error}") from None
+    except Exception as error:
+        raise UsageError(
+            f"--model {spec!r}: cannot import module: {error_summary(error)}"
+        ) from error
+    if not callable(factory):
+        raise UsageError(f"--model {spec!r}: a {type(factory).__name__}, not a callable factory")
+    return factory

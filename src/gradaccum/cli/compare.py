@@ -1,221 +1,206 @@
 """`gradaccum compare`: train several micro-batch x accumulation configs and compare them.
 
-Each config `MxK` trains with micro-batches of M and K accumulation steps, so an effective batch
-of M*K; a config `B@Nt` (charlm) trains an effective batch of B packed by a token budget of N
-(micro-batches of at most N padded tokens; see `gradaccum.cli._configs`). All run with the same
-seed (same initial weights) and, for equal effective batches, the same batches in the same order.
-On a task without BatchNorm, `8x8`, `64x1` and `64@2048t` therefore end with the same
-parameters, up to float32 rounding.
+A config `MxK` trains micro-batches of M with K accumulation steps (effective batch M*K); `B@Nt`
+(charlm) packs an effective batch of B by a token budget of N. All share the seed, hence the
+initial weights and, for equal effective batches, the batches: on a task without BatchNorm `8x8`,
+`64x1` and `64@2048t` end with the same parameters, to float32 rounding, and the parameter-gap
+table shows it.
 
-Everything is checked (every config resolved) before anything is written. Results go to a hidden
-staging folder renamed to `--out` at the end, so a failure leaves nothing half-written:
-
-- one sub-folder per config with the files of `gradaccum train`;
-- `report.md` with the table, `curves.png` and `memory.png` (see `gradaccum.experiments.report`).
+`--out` gets `compare.json` (the settings, for `--resume`), one `gradaccum train` folder per
+config, written as it trains, and at the end `report.md`, `curves.png` and `memory.png`. The
+first SIGTERM or Ctrl-C stops the config in progress with a checkpoint; `--resume DIR` skips the
+finished configs, resumes the stopped one and trains the rest.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import json
+import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
-from gradaccum._install import install_hint
+import torch
+
 from gradaccum.cli import UsageError
 from gradaccum.cli._args import torch_threads
-from gradaccum.cli._configs import ConfigSpec, parse_config
-from gradaccum.cli._notes import batchnorm_warnings_as_notes, show_batchnorm_notes
-from gradaccum.cli._outdir import resolve_out_dir, staged_out_dir, terminate_as_interrupt
-from gradaccum.cli._training_options import (
-    CheckedRun,
-    add_training_options,
-    build_config,
-    describe_run,
-    train_items,
-    validate_config,
+from gradaccum.cli._options import (
+    OPTIONS,
+    add_options,
+    add_output_options,
+    batchnorm_notes,
+    batchnorm_warnings_as_notes,
+    config_from,
+    describe,
+    given_flags,
+    open_checked,
+    parse_config,
+    require_packages,
 )
-from gradaccum.experiments.base import RunSummary
+from gradaccum.cli._outdir import check_out_dir, default_out_dir, run_folder, stop_on_signals
+from gradaccum.cli.train import CONFIG_NAME, train_session
+from gradaccum.experiments.base import RunSummary, TrainConfig
+from gradaccum.experiments.runner import (
+    CHECKPOINT_NAME,
+    TrainingRun,
+)
+from gradaccum.experiments.settings import RunSettings
 
-__all__ = ["add_parser", "run"]
+__all__ = ["SETTINGS_NAME", "add_parser", "run"]
+
+SETTINGS_NAME = "compare.json"
+FLOAT32_RTOL = 1e-5  # a float32 gap below this is rounding
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register the `compare` command.
-
-    Args:
-        subparsers: The top-level parser's sub-parser collection.
-
-    Returns:
-        The `compare` sub-parser.
-    """
+    """Register the `compare` command."""
     parser = subparsers.add_parser(
         "compare",
         help="compare micro-batch x accumulation configs on an embedded task",
-        description=(
-            "Train one run per config, written MICROxSTEPS (8x2: micro-batches of 8, 2 "
-            "accumulation steps, effective batch 16) or BATCH@TOKENSt (charlm; 64@2048t: batch "
-            "64 packed into micro-batches of at most 2048 padded tokens), all with the same seed "
-            "and data order, "
-            "then write report.md (table), curves.png and memory.png to --out and print the "
-            "table. Batch sizes come from --configs. Exit 2 on bad usage or input, with nothing "
-            "written."
-        ),
+        description="Train one run per config, MICROxSTEPS (8x2: micro-batches of 8, 2 steps, "
+        "batch 16) or BATCH@TOKENSt (charlm; 64@2048t: batch 64 packed into micro-batches of at "
+        "most 2048 padded tokens), with the same seed and data order; write report.md, "
+        "curves.png and memory.png to --out and print the table and the parameter gaps. Ctrl-C "
+        "keeps finished configs; --resume DIR goes on. Exit 2 on bad usage, nothing written.",
     )
-    parser.add_argument(
-        "--configs",
-        nargs="+",
-        required=True,
-        metavar="MxK|B@Nt",
-        help="configs to compare, e.g. 8x1 8x2 16x1 (micro-batch x accumulation steps) or "
-        "64@2048t (batch 64 packed by a budget of 2048 tokens per micro-batch; charlm)",
-    )
-    add_training_options(parser, batch_options=False)
+    parser.add_argument("--configs", nargs="+", metavar="MxK|B@Nt", help="e.g. 8x1 8x2 64@2048t")
+    add_options(parser, batch=False)
+    add_output_options(parser, "compare")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check everything, train each config, write the report and print the table.
-
-    Args:
-        args: The parsed options of `add_parser`.
+    """Check everything, train each config not yet finished, report and print the tables.
 
     Returns:
-        0 on success.
+        0 when every config finished, and when a signal stopped one with a checkpoint.
 
     Raises:
-        UsageError: On bad options or configs, before anything is written.
+        UsageError: On bad options, configs or folder, before anything is written.
     """
     started = time.perf_counter()
-    checked = _check(args)
-    out = resolve_out_dir(args.out, "compare", args.task)
-    with torch_threads(args.threads), batchnorm_warnings_as_notes():
-        return _compare(args, checked, out, started)
-
-
-def _compare(args: argparse.Namespace, checked: list[CheckedRun], out: Path, started: float) -> int:
-    """Train each checked config into `out`, write the report and print the table."""
-    from gradaccum.experiments.report import (
-        PEAK_MEMORY_NOTE,
-        noise_scale_note,
-        packing_notes,
-        print_table,
-        write_report,
-    )
-
-    first = checked[0].config
-    print(f"gradaccum compare: {args.task}, {len(checked)} configs, seed {first.seed}")
-    for item in checked:
-        print(f"  {describe_run(item)}")
-    show_batchnorm_notes(checked)
-    print(f"  writing to {out}")
-    with terminate_as_interrupt(), staged_out_dir(out) as staging:
-        summaries, curves = [], {}
-        for index, item in enumerate(checked, start=1):
-            summary, rows = _train_one(item, staging, f"[{index}/{len(checked)}] {item.label}")
-            summaries.append(summary)
-            curves[item.label] = rows
-        paths = write_report(
-            staging, args.task, summaries, curves=curves, settings=_settings(args, checked)
-        )
-    print()
-    print_table(summaries, title=f"gradaccum compare: {args.task}")
-    for note in packing_notes(summaries):
-        print(note)
-    print(PEAK_MEMORY_NOTE)
-    noise = noise_scale_note(summaries)
-    if noise:
-        print(noise)
-    print()
-    print(f"results in {out}: " + ", ".join(path.name for path in paths.values()))
-    print(f"  and one folder per config: {', '.join(item.label for item in checked)}")
+    with torch_threads(), batchnorm_warnings_as_notes():
+        out, base, labels = _resumed(args) if args.resume is not None else _new(args)
+        require_packages(args, matplotlib=True)
+        torch.set_num_threads(args.threads)
+        configs = {label: base.replace(**_split(label)) for label in labels}
+        sessions = _open_pending(out, configs)
+        print(f"gradaccum compare: {base.task}, {len(labels)} configs, seed {base.seed}")
+        for label in labels:
+            print(f"  {describe(sessions[label]) if label in sessions else label + ': finished'}")
+        batchnorm_notes(list(sessions.values()))
+        print(f"  writing to {out}")
+        with stop_on_signals() as request, run_folder(out, keep_if=CHECKPOINT_NAME):
+            every = args.checkpoint_every
+            RunSettings(base, every, args.threads, tuple(labels)).save(out / SETTINGS_NAME)
+            for index, (label, session) in enumerate(sessions.items(), start=1):
+                with run_folder(out / label, keep_if=CHECKPOINT_NAME):
+                    settings = RunSettings(session.plan.config, every, args.threads)
+                    settings.save(out / label / CONFIG_NAME)
+                    name = f"[{index}/{len(sessions)}] {label}"
+                    board = args.tensorboard
+                    if train_session(session, name, "compare", out, request, every, board) is None:
+                        return 0
+            _report(out, base, labels, args.threads)
     print(f"total time {time.perf_counter() - started:.1f} s")
     return 0
 
 
-def _check(args: argparse.Namespace) -> list[CheckedRun]:
-    for option in ("batch_size", "micro_batch_size", "max_tokens"):
-        if getattr(args, option) is not None:
+def _new(args: argparse.Namespace) -> tuple[Path, TrainConfig, list[str]]:
+    if args.configs is None or args.task is None:
+        raise UsageError("--task and --configs are required (or --resume DIR to continue)")
+    for option in OPTIONS:
+        if option.batch and getattr(args, option.field) is not None:
             raise UsageError(
-                f"--{option.replace('_', '-')} is not a compare option: batch sizes come from "
-                "--configs (e.g. 8x2 = micro-batch 8 x 2 accumulation steps, 64@2048t = batch "
-                "64 packed by 2048 tokens)"
+                f"{option.flag} is not a compare option: batch sizes come from --configs (e.g. "
+                "8x2 = micro-batch 8 x 2 accumulation steps, 64@2048t = batch 64 packed by 2048 "
+                "tokens)"
             )
-    if args.memory_budget is not None:
-        raise UsageError(
-            "--memory-budget is not a compare option: micro-batch sizes come from --configs"
-        )
-    specs = [parse_config(text) for text in args.configs]
-    seen: set[ConfigSpec] = set()
-    for text, spec in zip(args.configs, specs, strict=True):
-        if spec in seen:
+    labels = [_canonical(label) for label in args.configs]
+    for label, text in zip(labels, args.configs, strict=True):
+        if labels.count(label) > 1:
             raise UsageError(f"config {text!r} is given twice")
-        seen.add(spec)
-    items = train_items(args.task, args.seed)
-    checked = [
-        validate_config(
-            build_config(
-                args,
-                batch_size=spec.batch_size,
-                micro_batch_size=spec.micro_batch_size,
-                max_tokens=spec.max_tokens,
-            ),
-            items,
-        )
-        for spec in specs
-    ]
-    if importlib.util.find_spec("matplotlib") is None:
+    out = args.out or default_out_dir("compare", args.task)
+    check_out_dir(out)
+    args.threads = args.threads or 1
+    return out, config_from(args), labels
+
+
+def _resumed(args: argparse.Namespace) -> tuple[Path, TrainConfig, list[str]]:
+    folder: Path = args.resume
+    given = given_flags(args) + (["--configs"] if args.configs else [])
+    if given:
         raise UsageError(
-            "compare draws its plots with matplotlib, which is not installed; "
-            + install_hint("cli")
+            f"{', '.join(given)} cannot be combined with --resume: the compare in {folder} keeps "
+            "its settings; drop them"
         )
-    return checked
+    if not (folder / SETTINGS_NAME).is_file():
+        raise UsageError(f"--resume {folder}: holds no {SETTINGS_NAME} of `gradaccum compare`")
+    try:
+        saved = RunSettings.load(folder / SETTINGS_NAME)
+        labels = [_canonical(label) for label in saved.configs]
+    except (ValueError, UsageError) as error:
+        raise UsageError(f"--resume {folder}: {error}") from None
+    args.threads = args.threads or saved.threads
+    args.checkpoint_every = args.checkpoint_every or saved.checkpoint_every
+    return folder, saved.config, labels
 
 
-def _train_one(
-    item: CheckedRun, staging: Path, label: str
-) -> tuple[RunSummary, list[dict[str, Any]]]:
-    """Train one config into `staging/<label>`; return its summary and per-step logs."""
-    from gradaccum.experiments.progress import progress
-    from gradaccum.experiments.runner import StepLog, train
-
-    folder = staging / item.label
-    folder.mkdir()
-    rows: list[dict[str, Any]] = []
-    with progress(label, item.total_steps) as bar:
-
-        def on_step(log: StepLog, *rest: Any) -> None:
-            rows.append(asdict(log))
-            bar(log, *rest)
-
-        summary = train(item.config, out=folder, on_step=on_step)
-    return summary, rows
+def _canonical(text: str) -> str:
+    batch, micro, tokens = parse_config(text)
+    return f"{micro}x{batch // micro}" if micro else f"{batch}@{tokens}t"
 
 
-def _settings(args: argparse.Namespace, checked: list[CheckedRun]) -> dict[str, Any]:
-    from gradaccum.experiments.tasks import get_task
+def _split(label: str) -> dict[str, int | None]:
+    batch, micro, tokens = parse_config(label)
+    return {"batch_size": batch, "micro_batch_size": micro, "max_tokens": tokens}
 
-    task = get_task(args.task)
-    config = checked[0].config
-    settings: dict[str, Any] = {"seed": config.seed}
-    if config.steps is not None:
-        settings["steps"] = config.steps
-    else:
-        settings["epochs"] = config.epochs or task.default_epochs
-    base_lr = config.lr if config.lr is not None else task.default_lr
-    settings["lr"] = f"{base_lr:g} at batch {task.reference_batch_size}"
-    settings["lr scaling"] = args.lr_scaling
-    settings["warmup"] = f"{config.warmup} steps"
-    settings["precision"] = config.precision
-    if config.accum_dtype:
-        settings["accum dtype"] = config.accum_dtype
-    if args.task == "shapes":
-        settings["norm"] = config.model_norm
-        settings["bn"] = config.bn
-    if config.init_from:
-        settings["init from"] = config.init_from
-    settings["optimizer"] = "AdamW"
-    settings["threads"] = args.threads
-    return settings
+
+def _open_pending(out: Path, configs: dict[str, TrainConfig]) -> dict[str, TrainingRun]:
+    """Open every config not yet finished (resuming those with a checkpoint); all are checked."""
+    sessions = {}
+    for label, config in configs.items():
+        folder = out / label
+        if (folder / "summary.json").is_file():
+            continue
+        resume = (folder / CHECKPOINT_NAME).is_file()
+        if folder.exists() and not resume:  # killed before its first checkpoint: start it again
+            shutil.rmtree(folder)
+        sessions[label] = open_checked(config, folder, resume=resume)
+    return sessions
+
+
+def _report(out: Path, base: TrainConfig, labels: list[str], threads: int) -> None:
+    """Write the report of the finished configs and print the tables."""
+    from gradaccum.experiments import report
+    from gradaccum.experiments.gaps import format_gaps, gap_rows
+
+    summaries = [
+        RunSummary(**json.loads((out / name / "summary.json").read_text())) for name in labels
+    ]
+    curves = {name: report.read_metrics(out / name / "metrics.jsonl") for name in labels}
+    settings = report.report_settings(base, threads)
+    paths = report.write_report(out, base.task, summaries, curves=curves, settings=settings)
+    if len(labels) > 1:
+        batches = {s.config: s.effective_batch for s in summaries}
+        reference, rows = gap_rows(
+            {name: out / name / CHECKPOINT_NAME for name in labels}, batches, FLOAT32_RTOL
+        )
+        table = format_gaps(reference, rows, FLOAT32_RTOL, markdown=True)
+        with paths["report"].open("a") as handle:
+            handle.write(f"\n## Parameter gaps\n\n{table}\n")
+    print()
+    report.print_table(summaries, title=f"gradaccum compare: {base.task}")
+    for note in [
+        *report.packing_notes(summaries),
+        report.PEAK_MEMORY_NOTE,
+        report.noise_scale_note(summaries),
+    ]:
+        if note:
+            print(note)
+    if len(labels) > 1:
+        print()
+        print(format_gaps(reference, rows, FLOAT32_RTOL))
+    print()
+    print(f"results in {out}: " + ", ".join(path.name for path in paths.values()))
+    print(f"  and one folder per config: {', '.join(labels)}")

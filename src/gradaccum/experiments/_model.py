@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from gradaccum._oom import MemoryBudgetError
+from gradaccum import MemoryBudgetError
 from gradaccum.accumulator import Accumulator
 from gradaccum.batching import batch_size, map_tensors
 from gradaccum.batchnorm import BatchNormAccumulationWarning

@@ -57,6 +57,7 @@ __all__ = [
 ]
 
 CHECKPOINT_NAME = "checkpoint.pt"
+_LENGTH = ("epochs", "steps")  # what `--resume` may change: the run's length
 _FORMAT = "gradaccum-train"
 _VERSION = 1
 
@@ -216,20 +217,21 @@ def read_position(
             f"gradaccum reads version {_VERSION}"
         )
     saved = extra.get("config")
-    if saved != config:
-        differing = sorted(
-            key
-            for key in set(config) | set(saved if isinstance(saved, dict) else {})
-            if not isinstance(saved, dict) or saved.get(key) != config.get(key)
-        )
+    saved = dict(saved) if isinstance(saved, dict) else {}
+    differing = sorted(
+        key
+        for key in (set(config) | set(saved)) - set(_LENGTH)  # a run may be extended
+        if saved.get(key) != config.get(key)
+    )
+    if differing:
         raise ResumeError(
             f"{CHECKPOINT_NAME} was written by another configuration than config.json describes "
             f"(they differ in: {', '.join(differing)}); restore config.json or start a new run"
         )
-    if extra.get("finished"):
+    if extra.get("finished") and extra.get("step") == total_steps:
         raise ResumeError(
-            f"the run already finished (step {extra.get('step')} of {total_steps}); there is "
-            "nothing to resume"
+            f"the run already finished (step {extra.get('step')} of {total_steps}); to train it "
+            "longer, give more --epochs or --steps with --resume"
         )
     try:
         position = Position(
@@ -245,7 +247,7 @@ def read_position(
     if position.step >= total_steps or position.micro >= window_micro_batches(position.step):
         raise ResumeError(
             f"{CHECKPOINT_NAME} stands at step {position.step}, micro-batch {position.micro}, "
-            f"outside this run of {total_steps} steps"
+            f"outside this run of {total_steps} steps; give more --epochs or --steps"
         )
     if (extra.get("epoch"), extra.get("batch_in_epoch")) != position.batch_in_epoch(
         steps_per_epoch

@@ -8,7 +8,7 @@ size). `format_table(summaries)` is the same table as aligned text. `gradaccum c
 `plot_curves`, `plot_memory`, `CURVES_SIZE` and `MEMORY_SIZE` are importable from here too.
 
 Example:
-    >>> from gradaccum.experiments.base import RunSummary
+    >>> from gradaccum.experiments.base import RunSummary, TrainConfig
     >>> run = RunSummary(config="8x2", effective_batch=16, micro_batch_size=8,
     ...     accumulation_steps=2, optimizer_steps=90, samples_seen=1438, best_metric=0.95,
     ...     final_metric=0.94, metric="accuracy", peak_memory_bytes=762340,
@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from gradaccum.experiments.base import RunSummary
+from gradaccum.experiments.base import RunSummary, TrainConfig
 from gradaccum.experiments.plots import (
     CURVES_SIZE,
     MEMORY_SIZE,
@@ -51,6 +51,7 @@ __all__ = [
     "plot_memory",
     "print_table",
     "read_metrics",
+    "report_settings",
     "table_rows",
     "write_report",
 ]
@@ -273,6 +274,30 @@ def _batches(values: Sequence[int]) -> str:
     if len(values) == 1:
         return f"effective batch {values[0]} is"
     return f"effective batches {_listed(values)} are"
+
+
+def report_settings(config: TrainConfig, threads: int) -> dict[str, Any]:
+    """The settings `config` shares with the other configs of a compare, as the report says."""
+    from gradaccum.experiments.tasks import get_task
+
+    task = get_task(config.task)
+    settings: dict[str, Any] = {"seed": config.seed}
+    if config.steps is not None:
+        settings["steps"] = config.steps
+    else:
+        settings["epochs"] = config.epochs or task.default_epochs
+    base_lr = config.lr if config.lr is not None else task.default_lr
+    settings["lr"] = f"{base_lr:g} at batch {task.reference_batch_size}"
+    settings["lr scaling"] = getattr(config.lr_scaling, "value", config.lr_scaling)
+    settings["warmup"] = f"{config.warmup} steps"
+    settings["precision"] = config.precision
+    if config.accum_dtype:
+        settings["accum dtype"] = config.accum_dtype
+    if config.task == "shapes":
+        settings["norm"], settings["bn"] = config.model_norm, config.bn
+    if config.init_from:
+        settings["init from"] = config.init_from
+    return {**settings, "optimizer": "AdamW", "threads": threads}
 
 
 def read_metrics(path: Path | str) -> list[dict[str, Any]]:

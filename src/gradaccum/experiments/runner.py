@@ -42,6 +42,7 @@ from gradaccum.experiments._outcome import (
     write_jsonl,
 )
 from gradaccum.experiments._resume import (
+    CHECKPOINT_NAME,
     CheckpointEvery,
     Position,
     ResumeError,
@@ -65,6 +66,7 @@ from gradaccum.experiments.tasks import get_task
 
 __all__ = [
     "ACCUM_DTYPES",
+    "CHECKPOINT_NAME",
     "make_model",
     "resolve_micro_batch_size",
     "CheckpointEvery",
@@ -80,6 +82,7 @@ __all__ = [
     "plain_config",
     "resolve",
     "train",
+    "write_text_atomic",
 ]
 
 
@@ -242,6 +245,7 @@ class TrainingRun:
         self.position = Position()  # the next micro-batch; elapsed as of the last checkpoint
         self.history: list[dict[str, float]] = []
         self.noise_scale: float | None = None  # the last step's B_simple (gradaccum.telemetry)
+        self.board: Any = None  # a TensorBoardLog while `run(tensorboard=True)` runs
         self._started = time.perf_counter()
         if resume:
             if out is None:
@@ -258,6 +262,7 @@ class TrainingRun:
         on_step: Callable[[StepLog, ResolvedRun], None] | None = None,
         checkpoint_every: CheckpointEvery | None = None,
         stop: StopCheck | None = None,
+        tensorboard: bool = False,
     ) -> RunSummary:
         """Train to the end (from the loaded position when resuming) and return the summary.
 
@@ -267,12 +272,18 @@ class TrainingRun:
                 checkpoint is always written.
             stop: Asked before every micro-batch; when it answers True the run writes its
                 checkpoint and raises `RunStopped`.
+            tensorboard: Also log to TensorBoard event files in `out/tensorboard` (needs `out`
+                and the `tensorboard` extra; see `gradaccum.experiments.tensorboard`).
 
         Raises:
             RunStopped: When `stop` asked to stop.
         """
         plan = self.plan
         metrics = None
+        if tensorboard and self.out is not None:
+            from gradaccum.experiments.tensorboard import TensorBoardLog
+
+            self.board = TensorBoardLog(self.out / "tensorboard")
         if self.out is not None:
             resume_step = self.position.step if self.resumed else None
             metrics = open_metrics(self.out / "metrics.jsonl", resume_step=resume_step)
@@ -311,6 +322,9 @@ class TrainingRun:
         finally:
             if metrics:
                 metrics.close()
+            if self.board is not None:
+                self.board.close()
+                self.board = None
         return summary
 
     def _here(self) -> Position:
@@ -350,6 +364,8 @@ class TrainingRun:
         self.noise_scale = log.noise_scale
         if metrics:
             metrics.write(json.dumps(asdict(log)) + "\n")
+        if self.board is not None:
+            self.board.log_step(asdict(log))
         if on_step:
             on_step(log, self.plan)
         if epoch_done or step == self.plan.total_steps:
@@ -364,6 +380,8 @@ class TrainingRun:
                 self.plan.task, self.model, self.data.val, epoch, step, samples, log.loss
             )
             self.history.append(val)
+            if self.board is not None:
+                self.board.log_validation(step, self.plan.task.metric, val["val_metric"])
 
 
 def _scaled_lr(config: TrainConfig, task: Task, effective: int) -> float:

@@ -1,0 +1,115 @@
+"""How far apart the final weights of two runs are: the "equal / differs" table.
+
+The gap of two models is the largest over tensors of `||p - p_ref|| / ||p_ref||`. An element-wise
+test would mostly measure AdamW: it divides by `sqrt(v) + eps`, so a weight whose gradient is zero
+in exact arithmetic (an attention key bias) turns rounding noise into a visible change.
+
+`gap_rows` compares the final checkpoint of every run with a reference run: the first config whose
+effective batch is the first config's and that has one micro-batch per step (`Bx1`), else the first
+config. Configs with the reference's effective batch see the same batches, so on an additive task
+they must be "equal" (below `rtol`); the others are the controls.
+
+Example:
+    >>> a = {"w": torch.tensor([3.0, 4.0])}
+    >>> tensor_gap({"w": torch.tensor([3.0, 4.5])}, a)
+    (0.1, 'w')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["GapRow", "format_gaps", "gap_rows", "tensor_gap"]
+
+
+def tensor_gap(
+    params: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]
+) -> tuple[float, str]:
+    """Largest over tensors of `||p - p_ref|| / ||p_ref||`, and the name of that tensor.
+
+    Raises:
+        ValueError: If the two hold different names, or a reference tensor is all zeros while
+            the other is not (no relative gap exists).
+    """
+    if params.keys() != reference.keys():
+        raise ValueError("the two models have different parameters")
+    worst, worst_name = 0.0, ""
+    for name, ref in reference.items():
+        diff = float((params[name].detach().double() - ref.detach().double()).norm())
+        scale = float(ref.detach().double().norm())
+        if scale == 0.0 and diff > 0.0:
+            raise ValueError(f"reference tensor {name} is all zeros; no relative gap exists")
+        gap = diff / scale if scale else 0.0
+        if gap >= worst:
+            worst, worst_name = gap, name
+    return worst, worst_name
+
+
+@dataclass(frozen=True)
+class GapRow:
+    """One config against the reference: its effective batch, the gap and the verdict."""
+
+    config: str
+    effective_batch: int
+    gap: float
+    tensor: str
+    equal: bool
+
+
+def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    payload = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    return {k: v for k, v in payload["model"].items() if torch.is_floating_point(v)}
+
+
+def gap_rows(
+    checkpoints: Mapping[str, Path], batches: Mapping[str, int], rtol: float
+) -> tuple[str, list[GapRow]]:
+    """The reference config and every other config's gap against it (see the module doc).
+
+    Args:
+        checkpoints: The final `checkpoint.pt` of each config, in table order.
+        batches: The effective batch of each config.
+        rtol: The largest gap that counts as equal.
+    """
+    labels = list(checkpoints)
+    whole = [label for label in labels if label == f"{batches[labels[0]]}x1"]
+    reference = (whole or labels)[0]
+    weights = _weights(checkpoints[reference])
+    rows = []
+    for label in labels:
+        if label != reference:
+            gap, tensor = tensor_gap(_weights(checkpoints[label]), weights)
+            rows.append(GapRow(label, batches[label], gap, tensor, gap < rtol))
+    return reference, rows
+
+
+def format_gaps(reference: str, rows: list[GapRow], rtol: float, *, markdown: bool = False) -> str:
+    """The rows as an aligned text table (or markdown), with one line on how to read it."""
+    headers = ["config", "effective batch", f"param gap vs {reference}", "verdict"]
+    cells = [
+        [r.config, str(r.effective_batch), f"{r.gap:.1e}", "equal" if r.equal else "differs"]
+        for r in rows
+    ]
+    note = (
+        f"Final weights vs {reference}, rtol {rtol:g}: configs with its effective batch see the "
+        "same batches, so on a task without BatchNorm they must be equal; the others differ."
+    )
+    if markdown:
+        lines = [
+            "| " + " | ".join(row) + " |"
+            for row in [headers, ["---", "---:", "---:", "---"], *cells]
+        ]
+        return "\n".join([*lines, "", note])
+    widths = [max(map(len, column)) for column in zip(headers, *cells, strict=True)]
+    lines = [
+        "  ".join(
+            c.rjust(w) if i in (1, 2) else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in [headers, *cells]
+    ]
+    return "\n".join([*lines, note])

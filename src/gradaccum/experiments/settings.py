@@ -1,0 +1,72 @@
+"""The settings file of a run folder: what `--resume` reads back to continue it.
+
+`gradaccum train` writes `config.json` (one configuration); `gradaccum compare` writes
+`compare.json` (the shared configuration and its list of configs). Both are a `RunSettings`.
+
+Example:
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> RunSettings(TrainConfig(task="digits", steps=3), threads=2).save(folder / "config.json")
+    >>> RunSettings.load(folder / "config.json").threads
+    2
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from gradaccum.experiments._every import CheckpointEvery
+from gradaccum.experiments._files import write_text_atomic
+from gradaccum.experiments._resume import plain_config
+from gradaccum.experiments.base import LrScaling, TrainConfig
+
+__all__ = ["RunSettings"]
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """A run's configuration, how often it checkpoints, its threads, and a compare's configs."""
+
+    config: TrainConfig
+    checkpoint_every: CheckpointEvery | None = None
+    threads: int = 1
+    configs: tuple[str, ...] = ()
+
+    def save(self, path: Path) -> None:
+        """Write the settings to `path` as JSON, atomically."""
+        settings = {
+            "config": plain_config(self.config),
+            "checkpoint_every": None
+            if self.checkpoint_every is None
+            else str(self.checkpoint_every),
+            "threads": self.threads,
+            **({"configs": list(self.configs)} if self.configs else {}),
+        }
+        write_text_atomic(path, json.dumps(settings, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> RunSettings:
+        """Read settings that `save` wrote.
+
+        Raises:
+            ValueError: If the file is damaged; the message names what is wrong.
+        """
+        try:
+            settings = json.loads(path.read_text())
+            plain = dict(settings["config"])
+            plain["lr_scaling"] = LrScaling(plain["lr_scaling"])
+            every = settings.get("checkpoint_every")
+            threads = settings.get("threads", 1)
+            if not isinstance(threads, int) or threads < 1:
+                raise ValueError(f"threads={threads!r} is not a positive int")
+            return cls(
+                TrainConfig(**plain),
+                None if every is None else CheckpointEvery.parse(every),
+                threads,
+                tuple(str(label) for label in settings.get("configs", ())),
+            )
+        except (ValueError, KeyError, TypeError) as error:
+            reason = " ".join(str(error).split())
+            raise ValueError(f"{path.name} is damaged ({type(error).__name__}: {reason})") from None
