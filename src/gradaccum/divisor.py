@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -146,9 +147,8 @@ def divide_(grads: list[torch.Tensor], divisor: float) -> None:
     if divisor == 1.0 or not grads:
         return
     dtype = grads[0].dtype
-    if dtype in _SIGNIFICAND_BITS and all(
-        type(g) is torch.Tensor and g.is_cpu and g.dtype == dtype for g in grads
-    ):
+    plain = set(map(type, grads)) == {torch.Tensor}  # not DTensor: no plain divisor for those
+    if plain and dtype in _SIGNIFICAND_BITS and set(map(_CPU_DTYPE, grads)) == {(True, dtype)}:
         torch._foreach_div_(grads, torch.tensor(divisor, dtype=dtype))
     else:
         torch._foreach_div_(grads, divisor)
@@ -184,6 +184,7 @@ def scaled_loss(
 
 
 _SIGNIFICAND_BITS = {torch.float64: 53, torch.float32: 24}
+_CPU_DTYPE = operator.attrgetter("is_cpu", "dtype")
 
 
 @functools.lru_cache(maxsize=64)

@@ -79,13 +79,10 @@ def window_parameters(
         model_params: The model's parameters (`model.parameters()`, or a list of them).
         optimizer: The optimizer, whose parameters come first, in its order.
     """
-    seen: set[int] = set()
-    params: list[torch.nn.Parameter] = []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                params.append(param)
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    seen = set(map(id, params))
+    if len(seen) < len(params):  # a parameter in two groups: keep its first place
+        params = list({id(p): p for p in params}.values())
     held = len(params)
     for param in model_params:
         if param.requires_grad and id(param) not in seen:
