@@ -257,3 +257,40 @@ def test_memory_helpers_are_public_in_gradaccum_memory_only(name):
     assert name in gradaccum.memory.__all__
     assert callable(getattr(gradaccum.memory, name))
     assert name not in gradaccum.__all__
+
+
+# --- the layout: module sizes, the command line's weight, no test hooks in the product ----------
+
+SOURCE = Path(gradaccum.__file__).parent
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_every_module_is_at_most_400_lines():
+    long = {str(p.relative_to(SOURCE)): _lines(p) for p in SOURCE.rglob("*.py") if _lines(p) > 400}
+    assert not long, f"modules over 400 lines: {long}"
+
+
+def test_the_command_line_is_at_most_1500_lines():
+    total = sum(_lines(path) for path in (SOURCE / "cli").glob("*.py"))
+    assert total <= 1500, f"src/gradaccum/cli/ has {total} lines"
+
+
+def test_the_product_holds_no_test_hook():
+    hooks = [p.name for p in SOURCE.rglob("*.py") if "GRADACCUM_TEST" in p.read_text()]
+    assert not hooks, f"test hooks in {hooks}"
+
+
+def test_experiments_use_only_the_public_engine_modules():
+    graph = import_graph()
+    private = {
+        module: sorted(t for t in targets if t.count(".") and t.split(".")[1].startswith("_"))
+        for module, targets in graph.items()
+        if _in_layer(module, "gradaccum.experiments")
+    }
+    allowed = {"gradaccum._install"}  # the wording of install advice, not the engine
+    offending = {m: [t for t in ts if t not in allowed] for m, ts in private.items()}
+    offending = {m: ts for m, ts in offending.items() if ts}
+    assert not offending, f"experiments importing private engine modules: {offending}"

@@ -172,3 +172,21 @@ def test_formatters():
     assert report.format_seconds(59.94) == "59.9 s"
     assert report.format_seconds(61) == "1m 01s"
     assert report.format_seconds(7260) == "2h 01m"
+
+
+def test_the_gap_reference_is_the_whole_batch_of_the_first_shared_effective_batch(tmp_path):
+    from gradaccum.experiments.gaps import format_gaps, gap_rows
+
+    weights = {"8x1": 1.0, "8x2": 2.0 + 1e-7, "16x1": 2.0, "4x4": 2.0 + 1e-3}
+    paths = {}
+    for label, value in weights.items():
+        paths[label] = tmp_path / f"{label}.pt"
+        state = {"w": torch.full((3,), value, dtype=torch.float64), "n": torch.tensor(7)}
+        torch.save({"model": state}, paths[label])
+    batches = {"8x1": 8, "8x2": 16, "16x1": 16, "4x4": 16}
+    reference, rows = gap_rows(paths, batches, 1e-5)
+    assert reference == "16x1"  # the Bx1 of the first effective batch two configs share
+    verdicts = {row.config: (row.equal, round(row.gap, 9)) for row in rows}
+    assert verdicts == {"8x1": (False, 0.5), "8x2": (True, 5e-8), "4x4": (False, 0.0005)}
+    text = format_gaps(reference, rows, 1e-5)
+    assert "8x2                  16            5.0e-08  equal" in text

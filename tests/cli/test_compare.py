@@ -265,7 +265,7 @@ def test_a_stopped_compare_keeps_finished_configs_and_resumes_to_the_same_weight
     assert not (out / "report.md").exists()
     resumed = run_cli("compare", "--resume", str(out))
     assert resumed.returncode == 0, resumed.stderr
-    assert "16x1: finished" in resumed.stdout
+    assert "16x1: done" in resumed.stdout
     assert re.search(r"4x4\s+16\s+\S+\s+equal", resumed.stdout), resumed.stdout  # the gap table
     assert [row["step"] for row in read_jsonl(out / "4x4" / "metrics.jsonl")] == list(range(1, 7))
     for config in ("16x1", "4x4"):

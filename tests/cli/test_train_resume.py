@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from gradaccum.cli import main
-from gradaccum.cli._outdir import run_folder, stop_on_signals
+from gradaccum.experiments.folders import run_folder, stop_on_signals
 from tests.cli._helpers import read_jsonl
 from tests.cli.signal_at import HOOK
 from tests.state import assert_bitwise

@@ -159,9 +159,11 @@ def _main(argv: Sequence[str] | None) -> int:
             file=sys.stderr,
         )
         return 2
+    from gradaccum.experiments.folders import FolderError
+
     try:
         return int(args.run(args))
-    except UsageError as error:
+    except (UsageError, FolderError) as error:
         print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -21,17 +21,6 @@ import torch
 
 from gradaccum.memory import parse_bytes
 
-__all__ = [
-    "byte_count",
-    "error_summary",
-    "int_or_auto",
-    "non_negative_int",
-    "one_line",
-    "positive_float",
-    "positive_int",
-    "torch_threads",
-]
-
 
 def _int_at_least(text: str, minimum: int, requirement: str) -> int:
     try:

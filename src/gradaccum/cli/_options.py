@@ -47,22 +47,6 @@ from gradaccum.experiments.runner import (
 )
 from gradaccum.experiments.tasks import TASKS
 
-__all__ = [
-    "OPTIONS",
-    "Option",
-    "add_options",
-    "add_output_options",
-    "batchnorm_notes",
-    "checkpoint_every",
-    "config_from",
-    "describe",
-    "given_flags",
-    "open_checked",
-    "parse_config",
-    "plan_auto",
-    "require_packages",
-]
-
 
 def token_budget(text: str) -> int:
     """Argparse type of `--max-tokens`: padded tokens (rows x longest row) per micro-batch."""
@@ -261,25 +245,6 @@ def open_checked(config: TrainConfig, out: Path | None, *, resume: bool = False)
     return session
 
 
-def describe(session: TrainingRun) -> str:
-    """One line: batch split, lr, length, precision and seed of an opened run."""
-    plan, config = session.plan, session.plan.config
-    length = f"{plan.total_steps} steps"
-    if config.steps is None:
-        epochs = plan.total_steps // plan.steps_per_epoch
-        length += f" ({epochs} epochs of {plan.steps_per_epoch})"
-    count = plan.accumulation_steps
-    split = (
-        f"{count} micro-batch{'es' if count > 1 else ''} of up to {plan.micro_batch_size}"
-        if plan.max_tokens is None
-        else f"micro-batches packed by length, each at most {plan.max_tokens} padded tokens"
-    )
-    return (
-        f"{plan.label}: batch {plan.effective_batch} = {split}, lr {plan.lr:.3g}, {length}, "
-        f"{config.precision}, seed {config.seed}"
-    )
-
-
 def batchnorm_notes(sessions: list[TrainingRun]) -> None:
     """Print once on stderr why BatchNorm makes a run inexact (or `--bn frozen` untrained)."""
     notes: dict[str, None] = {}
@@ -319,13 +284,7 @@ def plan_auto(config: TrainConfig) -> tuple[TrainConfig, str]:
         choice = resolve_micro_batch_size(config)
     except (ValueError, TypeError) as error:
         raise UsageError(one_line(error)) from None
-    planned = f"auto, --memory-budget {config.memory_budget}: {choice.reason}"
-    fixed = config.replace(
-        micro_batch_size=choice.micro_batch_size,
-        memory_budget=None,
-        extra={**config.extra, "planned_from": planned},
-    )
-    return fixed, (
+    return choice.fixed(config), (
         f"--micro-batch-size auto chose {choice.micro_batch_size} for --memory-budget "
         f"{config.memory_budget} (largest that fits: {choice.plan.micro_batch_size}; `gradaccum "
         f"plan` shows the table): {choice.reason}"

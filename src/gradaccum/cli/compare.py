@@ -31,15 +31,19 @@ from gradaccum.cli._options import (
     batchnorm_notes,
     batchnorm_warnings_as_notes,
     config_from,
-    describe,
     given_flags,
     open_checked,
     parse_config,
     require_packages,
 )
-from gradaccum.cli._outdir import check_out_dir, default_out_dir, run_folder, stop_on_signals
 from gradaccum.cli.train import CONFIG_NAME, train_session
 from gradaccum.experiments.base import RunSummary, TrainConfig
+from gradaccum.experiments.folders import (
+    check_out_dir,
+    default_out_dir,
+    run_folder,
+    stop_on_signals,
+)
 from gradaccum.experiments.runner import (
     CHECKPOINT_NAME,
     TrainingRun,
@@ -87,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
         sessions = _open_pending(out, configs)
         print(f"gradaccum compare: {base.task}, {len(labels)} configs, seed {base.seed}")
         for label in labels:
-            print(f"  {describe(sessions[label]) if label in sessions else label + ': finished'}")
+            print(
+                f"  {sessions[label].plan.describe()}" if label in sessions else f"  {label}: done"
+            )
         batchnorm_notes(list(sessions.values()))
         print(f"  writing to {out}")
         with stop_on_signals() as request, run_folder(out, keep_if=CHECKPOINT_NAME):

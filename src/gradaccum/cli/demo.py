@@ -18,8 +18,8 @@ from pathlib import Path
 from gradaccum._install import install_hint
 from gradaccum.cli import UsageError
 from gradaccum.cli._args import positive_int, torch_threads
-from gradaccum.cli._outdir import check_out_dir, staged_out_dir, terminate_as_interrupt
 from gradaccum.experiments.demo import OUT_NAMES
+from gradaccum.experiments.folders import check_out_dir, staged_out_dir, terminate_as_interrupt
 
 __all__ = ["add_parser", "run"]
 

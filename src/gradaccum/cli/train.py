@@ -27,20 +27,19 @@ from gradaccum.cli._options import (
     batchnorm_notes,
     batchnorm_warnings_as_notes,
     config_from,
-    describe,
     given_flags,
     open_checked,
     plan_auto,
     require_packages,
 )
-from gradaccum.cli._outdir import (
+from gradaccum.experiments.base import RunSummary
+from gradaccum.experiments.folders import (
     StopRequest,
     check_out_dir,
     default_out_dir,
     run_folder,
     stop_on_signals,
 )
-from gradaccum.experiments.base import RunSummary
 from gradaccum.experiments.runner import CHECKPOINT_NAME, CheckpointEvery, RunStopped, TrainingRun
 from gradaccum.experiments.settings import RunSettings
 
@@ -108,7 +107,7 @@ def _open_new(args: argparse.Namespace) -> tuple[TrainingRun, Path, CheckpointEv
     args.threads = args.threads or 1
     torch.set_num_threads(args.threads)  # `run` restores them
     session = open_checked(config, out)
-    print(f"gradaccum train: {config.task} {describe(session)}")
+    print(f"gradaccum train: {config.task} {session.plan.describe()}")
     print(f"  writing to {out}")
     return session, out, args.checkpoint_every
 
@@ -144,7 +143,7 @@ def _open_resumed(args: argparse.Namespace) -> tuple[TrainingRun, Path, Checkpoi
     torch.set_num_threads(args.threads)  # `run` restores them
     session = open_checked(config, folder, resume=True)
     here = session.position
-    print(f"gradaccum train: {config.task} {describe(session)}")
+    print(f"gradaccum train: {config.task} {session.plan.describe()}")
     print(f"  resuming at step {here.step} (+{here.micro} micro-batches) from {folder}")
     return session, folder, args.checkpoint_every or saved.checkpoint_every
 

@@ -60,6 +60,14 @@ class AutoChoice:
     micro_batch_size: int
     reason: str
 
+    def fixed(self, config: TrainConfig) -> TrainConfig:
+        """`config` with this size for "auto", recording how it was chosen (for a resume)."""
+        planned = f"auto, --memory-budget {config.memory_budget}: {self.reason}"
+        extra = {**config.extra, "planned_from": planned}
+        return config.replace(
+            micro_batch_size=self.micro_batch_size, memory_budget=None, extra=extra
+        )
+
 
 def resolve_micro_batch_size(config: TrainConfig, *, timed: bool = True) -> AutoChoice:
     """Plan `--micro-batch-size auto` on the run's model, optimizer and first batch, then time it.

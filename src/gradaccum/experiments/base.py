@@ -161,6 +161,23 @@ class ResolvedRun:
             return self.effective_batch
         return math.ceil(self.effective_batch / self.micro_batch_size)
 
+    def describe(self) -> str:
+        """One line: the batch split, lr, length, precision and seed."""
+        length = f"{self.total_steps} steps"
+        if self.config.steps is None:
+            epochs = self.total_steps // self.steps_per_epoch
+            length += f" ({epochs} epochs of {self.steps_per_epoch})"
+        count = self.accumulation_steps
+        split = (
+            f"{count} micro-batch{'es' if count > 1 else ''} of up to {self.micro_batch_size}"
+            if self.max_tokens is None
+            else f"micro-batches packed by length, each at most {self.max_tokens} padded tokens"
+        )
+        return (
+            f"{self.label}: batch {self.effective_batch} = {split}, lr {self.lr:.3g}, {length}, "
+            f"{self.config.precision}, seed {self.config.seed}"
+        )
+
     @property
     def label(self) -> str:
         """The config as the command line writes it: `MxK`, or `B@Nt` with a token budget."""

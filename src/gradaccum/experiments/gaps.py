@@ -4,10 +4,10 @@ The gap of two models is the largest over tensors of `||p - p_ref|| / ||p_ref||`
 test would mostly measure AdamW: it divides by `sqrt(v) + eps`, so a weight whose gradient is zero
 in exact arithmetic (an attention key bias) turns rounding noise into a visible change.
 
-`gap_rows` compares the final checkpoint of every run with a reference run: the first config whose
-effective batch is the first config's and that has one micro-batch per step (`Bx1`), else the first
-config. Configs with the reference's effective batch see the same batches, so on an additive task
-they must be "equal" (below `rtol`); the others are the controls.
+`gap_rows` compares the final checkpoint of every run with a reference run, taken among the configs
+of the first effective batch that two configs share: its `Bx1` config if given, else the first one.
+Configs with the reference's effective batch see the same batches, so on an additive task they must
+be "equal" (below `rtol`); the others are the controls.
 
 Example:
     >>> a = {"w": torch.tensor([3.0, 4.0])}
@@ -76,8 +76,9 @@ def gap_rows(
         rtol: The largest gap that counts as equal.
     """
     labels = list(checkpoints)
-    whole = [label for label in labels if label == f"{batches[labels[0]]}x1"]
-    reference = (whole or labels)[0]
+    shared = [b for b in batches.values() if list(batches.values()).count(b) > 1]
+    group = [label for label in labels if batches[label] == (shared or [batches[labels[0]]])[0]]
+    reference = next((label for label in group if label == f"{batches[label]}x1"), group[0])
     weights = _weights(checkpoints[reference])
     rows = []
     for label in labels:

@@ -9,8 +9,7 @@ configurations with the same seed and effective batch see the same batches in th
 `8x2`, `16x1` and `16@512t` must end with the same parameters on an additive task.
 
 A run may write `checkpoint.pt` every few steps or micro-batches, stop on request at any
-micro-batch boundary (after writing one) and resume from it exactly: see `open_run` and
-`gradaccum.experiments._resume`.
+micro-batch boundary (after writing one), resume from it exactly and be extended (`open_run`).
 
 Example:
     >>> from gradaccum.experiments.base import TrainConfig
@@ -191,15 +190,11 @@ def train(
     out: Path | None = None,
     on_step: Callable[[StepLog, ResolvedRun], None] | None = None,
 ) -> RunSummary:
-    """Train `config` and return its summary; with `out`, write the run's files there.
+    """Train `config` and return its summary; with `out` (a folder), write the run's files there.
 
-    Files in `out`: `metrics.jsonl` (one line per optimizer step), `validation.jsonl` (one line
-    per epoch), `summary.json` and `checkpoint.pt` (see `gradaccum.load_checkpoint`).
-
-    Args:
-        config: What to train.
-        out: An existing folder for the run's files, or None to write nothing.
-        on_step: Called after every optimizer step (progress bars).
+    Files: `metrics.jsonl` (one line per optimizer step), `validation.jsonl` (one line per epoch),
+    `summary.json` and `checkpoint.pt` (see `gradaccum.load_checkpoint`). `on_step` is called
+    after every optimizer step (progress bars).
     """
     return open_run(config, out=out).run(on_step=on_step)
 

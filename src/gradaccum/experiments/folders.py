@@ -1,14 +1,11 @@
-"""Where the commands write, and what stays behind when one stops early.
+"""Run folders: where results are written, and what stays behind when a run stops early.
 
-`--out` is checked before any work: it must be new or empty (or, for `demo`, a previous demo's).
-Then:
-
-- `train` and `compare` write into `--out` itself (`run_folder`), so a stopped run leaves what
-  `--resume` continues. The first SIGTERM or SIGINT only asks to stop (`stop_on_signals`): the run
-  writes a checkpoint at the next micro-batch; a second one interrupts at once. After an error the
-  folder stays if it holds a checkpoint, and is removed otherwise.
-- `demo` writes into a hidden staging folder that replaces `--out` only when complete
-  (`staged_out_dir`); SIGTERM there interrupts (`terminate_as_interrupt`), and nothing stays.
+A folder is checked before any work (`check_out_dir`): new or empty, or holding only a previous
+result that may be replaced. `gradaccum train` and `compare` write into it (`run_folder`: after an
+error it stays only if it holds a checkpoint to resume from; `stop_on_signals` turns the first
+SIGTERM or SIGINT into a request the runner polls at every micro-batch, to stop with a
+checkpoint). `gradaccum demo` writes into a staging folder that replaces it only when complete
+(`staged_out_dir`). The errors are `FolderError`, one line naming the folder as `--out`.
 
 Example:
     >>> default_out_dir("train", "digits").name.startswith("train-digits-")
@@ -27,17 +24,9 @@ import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
-from gradaccum.cli import UsageError
 
-__all__ = [
-    "StopRequest",
-    "check_out_dir",
-    "default_out_dir",
-    "run_folder",
-    "staged_out_dir",
-    "stop_on_signals",
-    "terminate_as_interrupt",
-]
+class FolderError(ValueError):
+    """A results folder cannot be used; the message says why (the command line exits 2)."""
 
 
 def default_out_dir(command: str, task: str) -> Path:
@@ -58,14 +47,14 @@ def check_out_dir(path: Path, *, replaceable: Collection[str] = ()) -> None:
         replaceable: Names the command writes; a folder of only these is a previous result.
 
     Raises:
-        UsageError: If `path` is not a folder, holds other entries, or cannot be written.
+        FolderError: If `path` is not a folder, holds other entries, or cannot be written.
     """
     if os.path.lexists(path):
         if not path.is_dir():
-            raise UsageError(f"--out {path}: exists and is not a directory")
+            raise FolderError(f"--out {path}: exists and is not a directory")
         foreign = sorted(entry.name for entry in path.iterdir() if entry.name not in replaceable)
         if foreign:
-            raise UsageError(
+            raise FolderError(
                 f"--out {path}: directory is not empty ({', '.join(foreign[:3])}"
                 f"{', ...' if len(foreign) > 3 else ''}); choose a new or empty folder"
             )
@@ -77,7 +66,7 @@ def check_out_dir(path: Path, *, replaceable: Collection[str] = ()) -> None:
     while not os.path.lexists(ancestor):
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise UsageError(f"--out {path}: cannot create it, {ancestor} is not a directory")
+        raise FolderError(f"--out {path}: cannot create it, {ancestor} is not a directory")
     _probe(ancestor, f"--out {path}: cannot create it in {ancestor}")
 
 
@@ -88,13 +77,21 @@ def _probe(folder: Path, failure: str) -> None:
             raise PermissionError(13, "not writable")
         os.rmdir(tempfile.mkdtemp(prefix=".gradaccum-probe-", dir=folder))
     except OSError as error:
-        raise UsageError(f"{failure} ({error.strerror or error})") from None
+        raise FolderError(f"{failure} ({error.strerror or error})") from None
 
 
 def _created_by(path: Path) -> list[Path]:
     """The folders that creating `path` will create, innermost first."""
     absolute = path.absolute()
     return [folder for folder in (absolute, *absolute.parents) if not folder.exists()]
+
+
+@contextlib.contextmanager
+def _usage_error(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as error:
+        raise FolderError(f"--out {path}: cannot create it ({error.strerror or error})") from None
 
 
 def _remove_empty(folders: list[Path]) -> None:
@@ -110,18 +107,13 @@ def staged_out_dir(path: Path, *, replaceable: Collection[str] = ()) -> Iterator
     On any exception (KeyboardInterrupt too) the staging folder and the parents made for it are
     removed and `path` is left as it was. A `path` holding only `replaceable` entries is replaced.
     """
-    created = _created_by(path.absolute().parent)
+    parent = path.absolute().parent
+    created = _created_by(parent)
     staging: Path | None = None
     try:
-        try:
-            path.absolute().parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(
-                tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.absolute().parent)
-            )
-        except OSError as error:  # what check_out_dir could not foresee
-            raise UsageError(
-                f"--out {path}: cannot create it ({error.strerror or error})"
-            ) from None
+        with _usage_error(path):  # what check_out_dir could not foresee
+            parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=parent))
         mask = os.umask(0)
         os.umask(mask)
         staging.chmod(0o777 & ~mask)  # mkdtemp made it private; give it a folder's usual mode
@@ -148,10 +140,8 @@ def run_folder(path: Path, *, keep_if: str) -> Iterator[Path]:
     to resume from); otherwise what was created here is removed.
     """
     created = _created_by(path)
-    try:
+    with _usage_error(path):  # what check_out_dir could not foresee
         path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:  # what check_out_dir could not foresee
-        raise UsageError(f"--out {path}: cannot create it ({error.strerror or error})") from None
     existing = {entry.name for entry in path.iterdir()}
     try:
         yield path
