@@ -190,3 +190,27 @@ def test_the_gap_reference_is_the_whole_batch_of_the_first_shared_effective_batc
     assert verdicts == {"8x1": (False, 0.5), "8x2": (True, 5e-8), "4x4": (False, 0.0005)}
     text = format_gaps(reference, rows, 1e-5)
     assert "8x2                  16            5.0e-08  equal" in text
+
+
+def test_the_gap_verdict_is_the_whole_model_a_noisy_small_tensor_is_only_named(tmp_path):
+    """A key bias (zero exact gradient) ends 1e-4 apart under AdamW; the model does not."""
+    from gradaccum.experiments.gaps import gap_rows
+
+    weight = torch.ones(100, 100, dtype=torch.float64)
+    states = {
+        "64x1": {"w": weight, "k_bias": torch.full((8,), 1e-2, dtype=torch.float64)},
+        "8x8": {
+            "w": weight * (1 + 1e-7),
+            "k_bias": torch.full((8,), 1e-2 + 1e-6, dtype=torch.float64),
+        },
+        "32x1": {"w": weight * 1.01, "k_bias": torch.full((8,), 1e-2, dtype=torch.float64)},
+    }
+    paths = {label: tmp_path / f"{label}.pt" for label in states}
+    for label, state in states.items():
+        torch.save({"model": state}, paths[label])
+    reference, rows = gap_rows(paths, {"64x1": 64, "8x8": 64, "32x1": 32}, 1e-5)
+    twin, control = rows
+    assert (reference, twin.config, twin.equal, twin.tensor) == ("64x1", "8x8", True, "k_bias")
+    assert twin.tensor_gap == pytest.approx(1e-4)  # per tensor it would be "differs"...
+    assert twin.gap < 1e-6  # ...the model is equal to rounding
+    assert (control.config, control.equal) == ("32x1", False)  # negative control
