@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradaccum.divisor import backward_denominator, divide_, grad_divisor, scaled_loss
+from gradaccum.divisor import (
+    backward_denominator,
+    divide_,
+    grad_divisor,
+    scaled_loss,
+    seeded_loss,
+)
 from gradaccum.options import Normalize
 
 
@@ -123,3 +129,30 @@ def test_divide_is_bitwise_the_division_by_a_python_number(dtype: torch.dtype) -
         ours = [g.clone() for g in grads]
         divide_(ours, divisor)
         assert all(torch.equal(a, b) for a, b in zip(ours, expected, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("weight", "denominator", "loss_scale"),
+    [(16, 64.0, 1.0), (1, 512.0, 1.0), (7, 8.0, 2.0**16), (3, 48.0, 1.0), (5, 5.0, 1.0)],
+)
+def test_seeded_loss_gives_the_scaled_loss_gradient_bit_for_bit(
+    dtype: torch.dtype, weight: int, denominator: float, loss_scale: float
+) -> None:
+    """Seeding the backward with the one exact factor changes no bit of any gradient."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 4, dtype=dtype, generator=generator)
+    grads = []
+    for seeded in (False, True):
+        weight_param = torch.linspace(-1.0, 1.0, 4, dtype=dtype).requires_grad_()
+        value = (x @ weight_param).sin().mean()
+        if seeded:
+            root, seed = seeded_loss(value, weight, denominator, loss_scale)
+            exact = weight * loss_scale / denominator
+            assert (seed is None) == (root is not value or weight == denominator)
+            assert seed is None or float(seed) == exact
+        else:
+            root, seed = scaled_loss(value, weight, denominator, loss_scale), None
+        root.backward(seed)
+        grads.append(weight_param.grad)
+    assert torch.equal(grads[0], grads[1])

@@ -24,7 +24,7 @@ from gradaccum._sync_base import NO_CONTEXT
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, slice_batch, to_device
 from gradaccum.batchnorm import BatchNormControl
-from gradaccum.divisor import Expectation, backward_denominator, divide_, grad_divisor, scaled_loss
+from gradaccum.divisor import Expectation, backward_denominator, divide_, grad_divisor, seeded_loss
 from gradaccum.loss import LossTerms, counted_ahead, read_loss, read_terms, warn_if_token_mean
 from gradaccum.norms import clip_, total_norm
 from gradaccum.options import Normalize
@@ -186,8 +186,8 @@ class Engine:
             if window.terms is not None and extra:  # terms whose count the window learns last
                 window.terms.backward_extra(extra, window.params, window.loss_scale, runtime)
             if value.requires_grad:
-                roots = [scaled_loss(value, weight, window.denominator, window.loss_scale)]
-                seeds = None
+                root, seed = seeded_loss(value, weight, window.denominator, window.loss_scale)
+                roots, seeds = [root], None if seed is None else [seed]
             else:
                 # FSDP2's backward is a collective too (it unshards): a loss with no graph
                 # still runs one, through the model's outputs, adding nothing.

@@ -47,7 +47,14 @@ import torch
 
 from gradaccum.options import Normalize
 
-__all__ = ["Expectation", "backward_denominator", "divide_", "grad_divisor", "scaled_loss"]
+__all__ = [
+    "Expectation",
+    "backward_denominator",
+    "divide_",
+    "grad_divisor",
+    "scaled_loss",
+    "seeded_loss",
+]
 
 
 def backward_denominator(
@@ -181,6 +188,29 @@ def scaled_loss(
     if loss_scale != 1.0:
         scaled = scaled * loss_scale
     return scaled / denominator if denominator != 1.0 else scaled
+
+
+def seeded_loss(
+    value: torch.Tensor, weight: int, denominator: float, loss_scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`scaled_loss` as a backward root and its seed (None: the usual seed of one).
+
+    When `scaled_loss` would apply one exact factor, the root is `value` itself, seeded with that
+    factor in `value`'s dtype: every node then receives the same gradient, bit for bit, as in a
+    backward of `value * factor` seeded with one (whose first node computes `1 * factor`), without
+    the multiply, its autograd node and their temporaries.
+
+    Example:
+        >>> import torch
+        >>> seeded_loss(torch.tensor(2.0), weight=16, denominator=64.0)
+        (tensor(2.), tensor(0.2500))
+    """
+    factor = None
+    if type(value) is torch.Tensor and (weight != denominator or loss_scale != 1.0):
+        factor = _single_factor(weight, loss_scale, denominator, value.dtype)
+    if factor is None:
+        return scaled_loss(value, weight, denominator, loss_scale), None
+    return value, torch.full((), factor, dtype=value.dtype, device=value.device)
 
 
 _SIGNIFICAND_BITS = {torch.float64: 53, torch.float32: 24}

@@ -36,7 +36,7 @@ import torch
 from gradaccum._dtensor import like_param
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, split_batch, to_device
-from gradaccum.divisor import backward_denominator, divide_, grad_divisor, scaled_loss
+from gradaccum.divisor import backward_denominator, divide_, grad_divisor, seeded_loss
 from gradaccum.loss import LossSum, LossTerms, counted_ahead, read_loss
 from gradaccum.options import Normalize, parse
 
@@ -309,7 +309,8 @@ def accumulate_grad(
                     "detached, or from frozen parameters only; return the loss with its graph."
                 )
             if value.requires_grad:
-                scaled_loss(value, weight, window.denominator).backward()  # type: ignore[no-untyped-call]
+                root, seed = seeded_loss(value, weight, window.denominator)
+                root.backward(seed)  # type: ignore[no-untyped-call]
             window.add(value, weight, count, items)
     except BaseException:
         window.restore()
