@@ -614,7 +614,11 @@ def test_public_names() -> None:
 def test_a_pending_result_reads_its_loss_from_the_device_only_when_asked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On a GPU a float() per micro-step would make the host wait for every backward."""
+    """On a GPU a float() per micro-step would make the host wait for every backward.
+
+    Simulated on the CPU: every tensor says it is not on the CPU, so the window keeps the loss
+    on the "device" (a CPU loss is read at once, which costs nothing: no device to wait for).
+    """
     model = _mlp()
     acc = Accumulator(model, _sgd(model), accumulation_steps=3)
     reads: list[int] = []
@@ -625,6 +629,7 @@ def test_a_pending_result_reads_its_loss_from_the_device_only_when_asked(
         return real(tensor)
 
     monkeypatch.setattr(torch.Tensor, "__float__", counted)
+    monkeypatch.setattr(torch.Tensor, "is_cpu", property(lambda tensor: False))
     stream = _micro_batches(3)
     first = acc.micro_step(stream[0], _mse)
     second = acc.micro_step(stream[1], _mse)

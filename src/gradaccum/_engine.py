@@ -22,9 +22,9 @@ from gradaccum._oom import is_out_of_memory, rng_states, set_rng_states
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
 from gradaccum._sync_base import NO_CONTEXT
 from gradaccum._terms import TermLedger
-from gradaccum.batching import batch_size, slice_batch, to_device
+from gradaccum.batching import batch_size, on_device, slice_batch, to_device
 from gradaccum.batchnorm import BatchNormControl
-from gradaccum.divisor import Expectation, backward_denominator, divide_, grad_divisor, seeded_loss
+from gradaccum.divisor import Expectation, Seeds, backward_denominator, divide_, grad_divisor
 from gradaccum.loss import LossTerms, counted_ahead, read_loss, read_terms, warn_if_token_mean
 from gradaccum.norms import clip_, total_norm
 from gradaccum.options import Normalize
@@ -66,6 +66,7 @@ class Engine:
         self._last_input: tuple[Any, LossFn] | None = None  # for FSDP2's zero-item settle
         self._rng: list[torch.Tensor] | None = None  # set for windows that may be rerun
         self._token_checks = _TOKEN_MEAN_CHECKS
+        self._seeds = Seeds()
         self.telemetry: TelemetryMeter | None = None  # opt-in (gradaccum.telemetry)
 
     # ---------------------------------------------------------------- micro-batches
@@ -92,6 +93,7 @@ class Engine:
         plan = self.sync.agree_on_plan(count, sizes[0] if sizes else 0)
         counted = counted_ahead(loss_fn, micro_batches) if self.sync.world == 1 else None
         expect = Expectation(count, window_items, counted)
+        move = bool(count) and not on_device(micro_batches[0], self.runtime.device)  # one look
         self._open(rerun_on_oom)
         if plan.expected_items is not None or not count:  # one scale on all ranks (FSDP2)
             self.window.denominator = backward_denominator(
@@ -100,10 +102,9 @@ class Engine:
         try:
             for index in range(plan.micro_batches):
                 last = index == plan.micro_batches - 1
-                if index < count:
-                    self._micro_batch(
-                        micro_batches[index], loss_fn, last=last, expect=expect, items=sizes[index]
-                    )
+                if index < count:  # slices of one batch are where it is: `move` holds for all
+                    batch, items = micro_batches[index], sizes[index]
+                    self._micro_batch(batch, loss_fn, last, expect, items, move)
                 else:  # another rank runs more micro-batches: join its collectives (FSDP2)
                     self._zero_item_micro_batch(
                         micro_batches[0] if count else template, loss_fn, last=last
@@ -125,7 +126,7 @@ class Engine:
         else:
             self._open(rerun=False)
         try:
-            last = self._micro_batch(micro_batch, loss_fn, last=last, expect=expect)
+            last = self._micro_batch(micro_batch, loss_fn, last, expect)
         except BaseException as error:
             self._forget_window(error)
             raise
@@ -147,15 +148,15 @@ class Engine:
         self,
         micro_batch: Any,
         loss_fn: LossFn,
-        *,
         last: bool,
         expect: Expectation,
         items: int | None = None,
+        move: bool = True,
     ) -> bool:
         window, runtime, sync = self.window, self.runtime, self.sync
-        if items is None:
-            items = batch_size(micro_batch, batch_dim=self.batch_dim)
-        micro_batch = to_device(micro_batch, runtime.device)
+        items = batch_size(micro_batch, batch_dim=self.batch_dim) if items is None else items
+        if move:
+            micro_batch = to_device(micro_batch, runtime.device)
         self.batchnorm.warn_once(items, expect.items or items * expect.micro_batches)
         outputs: list[torch.Tensor] = []
         capture = captured_outputs(self.model, outputs) if self._fsdp else NO_CONTEXT
@@ -186,7 +187,8 @@ class Engine:
             if window.terms is not None and extra:  # terms whose count the window learns last
                 window.terms.backward_extra(extra, window.params, window.loss_scale, runtime)
             if value.requires_grad:
-                root, seed = seeded_loss(value, weight, window.denominator, window.loss_scale)
+                scale = window.loss_scale
+                root, seed = self._seeds.seeded_loss(value, weight, window.denominator, scale)
                 roots, seeds = [root], None if seed is None else [seed]
             else:
                 # FSDP2's backward is a collective too (it unshards): a loss with no graph

@@ -341,10 +341,10 @@ class Accumulator:
     def _pending(self) -> StepResult:
         """The open window's progress; its loss is read from the device only if asked for."""
         window = self._engine.window
-        count, loss_sum = window.count, window.loss_sum
+        count, loss_sum, host = window.count, window.loss_sum, window.loss_host
         snapshot = None if loss_sum is None else loss_sum.detach().clone()  # later adds: in place
         loss: Callable[[], float] = lambda: self._objective(  # noqa: E731
-            0.0 if snapshot is None else float(snapshot), count
+            host + (0.0 if snapshot is None else float(snapshot)), count
         )
         return StepResult.pending(
             loss=loss if window.terms is None else window.terms.pending_objective(),

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["batch_size", "map_tensors", "slice_batch", "split_batch", "to_device"]
+__all__ = ["batch_size", "map_tensors", "on_device", "slice_batch", "split_batch", "to_device"]
 
 _Slicer = Callable[[int, int], Any]  # (start, stop) -> that node's items [start, stop)
 _Path = Any  # "batch", or (parent path, template, key): formatted only for an error message
@@ -149,13 +149,18 @@ def to_device(batch: Any, device: torch.device) -> Any:
         >>> to_device({"x": torch.ones(2)}, torch.device("cpu"))["x"].device.type
         'cpu'
     """
-    if _on_device(batch, device):
+    if on_device(batch, device):
         return batch
     return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
 
 
-def _on_device(batch: Any, device: torch.device) -> bool:
-    """Whether every tensor of `batch` is on `device` (this runs once per micro-batch)."""
+def on_device(batch: Any, device: torch.device) -> bool:
+    """Whether every tensor of `batch` is on `device` (the slices of one batch answer alike).
+
+    Example:
+        >>> on_device((torch.ones(2), [1, 2]), torch.device("cpu"))
+        True
+    """
     if isinstance(batch, torch.Tensor):
         return batch.device == device
     if isinstance(batch, Mapping):
@@ -165,7 +170,7 @@ def _on_device(batch: Any, device: torch.device) -> bool:
     else:
         return True
     for value in values:  # noqa: SIM110 - a loop: all(generator) costs more, once per micro-batch
-        if not _on_device(value, device):
+        if not on_device(value, device):
             return False
     return True
 
@@ -256,12 +261,7 @@ def _compile(node: Any, path: _Path, dim: int, sizes: _Sizes, build: bool) -> _S
         if not build:
             return _measured
         lead = (slice(None),) * dim
-
-        def slice_array(start: int, stop: int) -> Any:
-            index = (*lead, slice(start, stop))
-            return node[index]
-
-        return slice_array
+        return lambda start, stop: node[tuple([*lead, slice(start, stop)])]
     if isinstance(node, Mapping):
         entries: Any = node.items()
         template = "[{!r}]"

@@ -49,6 +49,7 @@ from gradaccum.options import Normalize
 
 __all__ = [
     "Expectation",
+    "Seeds",
     "backward_denominator",
     "divide_",
     "grad_divisor",
@@ -190,8 +191,49 @@ def scaled_loss(
     return scaled / denominator if denominator != 1.0 else scaled
 
 
+class Seeds:
+    """Backward seeds kept for reuse: a window's micro-batches mostly share one factor.
+
+    A seed is a 0-dim tensor that autograd only reads. One that something wrote into in place
+    (its version moved: a custom backward that scales its incoming gradient in place) is
+    replaced, so a reused seed always holds its factor.
+
+    Example:
+        >>> import torch
+        >>> seeds = Seeds()
+        >>> seeds.get(0.25, torch.zeros(())) is seeds.get(0.25, torch.zeros(()))
+        True
+    """
+
+    _LIMIT = 16  # fp16 loss scales change: keep the cache small, not every scale ever seen
+
+    def __init__(self) -> None:
+        self._seeds: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, factor: float, like: torch.Tensor) -> torch.Tensor:
+        """A 0-dim tensor holding `factor`, with `like`'s dtype and device."""
+        key = (factor, like.dtype, like.device)
+        seed = self._seeds.get(key)
+        if seed is None or seed._version:
+            if len(self._seeds) >= self._LIMIT:
+                self._seeds.clear()
+            seed = torch.full((), factor, dtype=like.dtype, device=like.device)
+            self._seeds[key] = seed
+        return seed
+
+    def seeded_loss(
+        self, value: torch.Tensor, weight: int, denominator: float, loss_scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`seeded_loss` with a seed from this cache."""
+        return seeded_loss(value, weight, denominator, loss_scale, self)
+
+
 def seeded_loss(
-    value: torch.Tensor, weight: int, denominator: float, loss_scale: float = 1.0
+    value: torch.Tensor,
+    weight: int,
+    denominator: float,
+    loss_scale: float = 1.0,
+    seeds: Seeds | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`scaled_loss` as a backward root and its seed (None: the usual seed of one).
 
@@ -210,6 +252,8 @@ def seeded_loss(
         factor = _single_factor(weight, loss_scale, denominator, value.dtype)
     if factor is None:
         return scaled_loss(value, weight, denominator, loss_scale), None
+    if seeds is not None:
+        return value, seeds.get(factor, value)
     return value, torch.full((), factor, dtype=value.dtype, device=value.device)
 
 

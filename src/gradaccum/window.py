@@ -102,6 +102,9 @@ class Window:
     def _close(self) -> None:
         self.count = 0
         self.micro_batches = 0
+        # The summed loss: a Python float for CPU losses, where reading a scalar costs less than
+        # a tensor add; a device tensor elsewhere, where a read would wait for the device.
+        self.loss_host = 0.0
         self.loss_sum: torch.Tensor | None = None
         self.largest_micro_batch = 0
         self.denominator: float | None = None  # fixed by the first micro-batch
@@ -123,19 +126,23 @@ class Window:
             param.grad = None
 
     def add(self, value: torch.Tensor, weight: int, count: int, items: int) -> None:
-        """Count one micro-batch: one in-place add for the loss (no graph kept, no device sync)."""
-        if self.loss_sum is None:
-            # The loss's own dtype (at least float32): a mixed-dtype add costs ~10x more.
-            dtype = torch.promote_types(value.dtype, torch.float32)
-            self.loss_sum = torch.zeros((), dtype=dtype, device=value.device)
-        self.loss_sum.add_(value.data, alpha=weight)  # `.data`: detached, not dispatched
+        """Count one micro-batch; its loss is read (CPU) or added on its device (no sync)."""
+        if value.is_cpu:
+            self.loss_host += value.item() * weight  # float64: no rounding to the loss's dtype
+        else:
+            if self.loss_sum is None:
+                # The loss's own dtype (at least float32): a mixed-dtype add costs ~10x more.
+                dtype = torch.promote_types(value.dtype, torch.float32)
+                self.loss_sum = torch.zeros((), dtype=dtype, device=value.device)
+            self.loss_sum.add_(value.data, alpha=weight)  # `.data`: detached, not dispatched
         self.count += count
         self.micro_batches += 1
         self.largest_micro_batch = max(self.largest_micro_batch, items)
 
     def loss_total(self) -> float:
         """The summed loss so far as a float (0.0 before any micro-batch)."""
-        return 0.0 if self.loss_sum is None else float(self.loss_sum)
+        on_device = 0.0 if self.loss_sum is None else float(self.loss_sum)
+        return self.loss_host + on_device
 
     def mark_gradients(self) -> None:
         """Remember each gradient after a backward, to catch changes made between micro-batches."""
@@ -183,6 +190,7 @@ class Window:
             "count": self.count,
             "micro_batches": self.micro_batches,
             "loss_sum": None if self.loss_sum is None else self.loss_sum.detach().clone(),
+            "loss_host": self.loss_host,
             "largest_micro_batch": self.largest_micro_batch,
             "denominator": self.denominator,
             "loss_scale": self.loss_scale,
@@ -221,6 +229,7 @@ class Window:
         loss_sum = state["loss_sum"]
         # Cloned: the window adds into loss_sum in place, which must not reach the caller's state.
         self.loss_sum = None if loss_sum is None else loss_sum.to(params[0].device).clone()
+        self.loss_host = float(state.get("loss_host", 0.0))  # absent from older states
         self.largest_micro_batch = int(state["largest_micro_batch"])
         self.denominator = state["denominator"]
         self.loss_scale = float(state["loss_scale"])
@@ -319,5 +328,7 @@ def accumulate_grad(
         assert window.denominator is not None  # split_batch guarantees a micro-batch
         divisor = grad_divisor(window.count, objective, window.denominator)
         divide_([p.grad for p in params if p.grad is not None], divisor)
-    assert window.loss_sum is not None
-    return LossSum(window.loss_sum, window.count)
+    # The loss's dtype (at least float32) and device, as the window summed it.
+    dtype = torch.promote_types(value.dtype, torch.float32)
+    total = torch.tensor(window.loss_total(), dtype=dtype, device=value.device)
+    return LossSum(total, window.count)
