@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
+import warnings
 from collections import OrderedDict, namedtuple
 from types import SimpleNamespace
 
@@ -484,3 +487,183 @@ def test_every_leaf_kind_reassembles_to_the_batch(micro_batch_size: int) -> None
     sizes = [batch_size(mb) for mb in micro_batches]
     assert sum(sizes) == items
     assert all(len(mb["text"]) == size for mb, size in zip(micro_batches, sizes, strict=True))
+
+
+# --- Dataclasses, uncollated examples and objects: never broadcast --------------------------
+
+
+@dataclasses.dataclass
+class Features:
+    x: torch.Tensor
+    y: torch.Tensor
+    tag: str = "train"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FrozenFeatures:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class DerivedFeatures:
+    x: torch.Tensor
+    y: torch.Tensor
+    rows: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = len(self.x)
+
+
+class Holder:
+    """A plain object with tensor attributes: gradaccum cannot know how to rebuild it."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+
+def _regression(items: int = 7) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(items, 4, generator=generator, dtype=torch.float64)
+    y = torch.randn(items, 1, generator=generator, dtype=torch.float64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1).double()
+    return model, x, y
+
+
+def _fields_mse(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    record = batch["features"]
+    if isinstance(record, DerivedFeatures):
+        assert record.rows == len(record.x)  # __post_init__ ran on the micro-batch's rows
+    return torch.nn.functional.mse_loss(model(record.x), record.y)
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    tensors = [p.detach().clone() for p in model.parameters()]
+    tensors += [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    for state in optimizer.state.values():
+        tensors += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+@pytest.mark.parametrize("kind", [Features, FrozenFeatures, DerivedFeatures])
+@pytest.mark.parametrize("nest", ["dict", "tuple-in-dict"])
+def test_dataclass_batches_are_split_field_by_field_like_named_tuples(
+    kind: type, nest: str
+) -> None:
+    model, x, y = _regression()
+    record = kind(x, y)
+    batch = {"ids": torch.arange(7), "features": record}
+    if nest == "tuple-in-dict":
+        batch = {"ids": torch.arange(7), "features": record, "more": (record, "m")}
+    micro_batches = split_batch(batch, 3)
+    assert [type(mb["features"]) for mb in micro_batches] == [kind] * 3
+    assert [len(mb["features"].x) for mb in micro_batches] == [3, 3, 1]
+    assert torch.equal(torch.cat([mb["features"].y for mb in micro_batches]), y)
+    if kind is Features:
+        assert all(mb["features"].tag == "train" for mb in micro_batches)
+    # One step equals the plain full-batch step; handing the record whole to every micro-batch
+    # (the old behaviour, the negative control) counts every item three times over.
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    _fields_mse(reference, batch).backward()
+    ref_opt.step()
+    broadcast = copy.deepcopy(model)
+    for _ in range(3):  # each micro-batch's mean over all 7 items, weighted by its 3 rows
+        (_fields_mse(broadcast, batch) * 3 / 7).backward()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    result = gradaccum.Accumulator(model, optimizer, micro_batch_size=3).step(batch, _fields_mse)
+    assert result.micro_batches == 3
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    naive = broadcast.weight.grad
+    full = copy.deepcopy(broadcast)
+    full.zero_grad()
+    _fields_mse(full, batch).backward()
+    assert not torch.allclose(naive, full.weight.grad, rtol=1e-3)  # 9/7 of it
+
+
+def test_dataclass_tensors_are_moved_and_cast_like_any_leaf() -> None:
+    record = FrozenFeatures(torch.ones(3, 2, dtype=torch.float32), torch.arange(3))
+    doubled = map_tensors({"r": record}, lambda t: t * 2)["r"]
+    assert type(doubled) is FrozenFeatures
+    assert torch.equal(doubled.x, torch.full((3, 2), 2.0))
+    assert type(to_device(record, torch.device("cpu"))) is FrozenFeatures
+    model, x, y = _regression()
+    batch = {"features": Features(x.float(), y.float())}  # check_equivalence casts to float64
+    report = gradaccum.check_equivalence(model.float(), batch, _fields_mse, micro_batch_size=3)
+    assert report.ok, report
+
+
+@pytest.mark.parametrize("holder", ["object", "namespace", "whole-batch"])
+def test_objects_holding_the_batch_are_refused_and_nothing_changes(holder: str) -> None:
+    model, x, y = _regression()
+    held = Holder(x, y) if holder != "namespace" else SimpleNamespace(x=x, y=y)
+    batch = held if holder == "whole-batch" else {"ids": torch.arange(7), "features": held}
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=3)
+    acc.step({"features": Features(x, y)}, _fields_mse)  # optimizer state to protect
+    model.weight.grad = torch.full_like(model.weight, 7.0)
+    before = _state(model, optimizer)
+    with pytest.raises(TypeError, match=r"\.x \(\w+ object\).*Make it a dataclass") as info:
+        acc.step(batch, lambda m, b: _fields_mse(m, {"features": b.get("features", b)}))
+    assert "every micro-batch" in str(info.value)
+    after = _state(model, optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    with pytest.raises(TypeError, match="Make it a dataclass"):
+        split_batch(batch, 3)
+
+
+def test_objects_holding_no_batch_sized_tensor_are_constants() -> None:
+    weights = SimpleNamespace(class_weights=torch.ones(3), name="w")
+    batch = {"x": torch.zeros(5, 2), "w": weights}
+    assert all(mb["w"] is weights for mb in split_batch(batch, 2))
+
+
+def _example_mse(model: torch.nn.Module, examples: list) -> torch.Tensor:
+    x = torch.stack([example["x"] for example in examples])
+    y = torch.stack([example["y"] for example in examples])
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def test_uncollated_examples_are_split_one_example_per_item() -> None:
+    """`[dataset[i] for i in ...]`: each dict is one item, never sliced along its own dim 0."""
+    model, x, y = _regression()
+    model = torch.nn.Linear(4, 4).double()
+    y = y.expand(7, 4)
+    examples = [{"x": x[i], "y": y[i]} for i in range(7)]  # every tensor has 4 rows
+    micro_batches = split_batch(examples, 3)
+    assert [len(mb) for mb in micro_batches] == [3, 3, 1]
+    assert micro_batches[2][0] is examples[6]
+    assert batch_size(examples) == 7
+    # Negative control: read as a container, the examples' 4 features would be the items.
+    sliced = [{k: v[:3] for k, v in example.items()} for example in examples]
+    assert len(sliced) == 7 and len(sliced[0]["x"]) == 3
+    named = [Pair(x[i], "m") for i in range(7)]
+    assert [len(mb) for mb in split_batch(named, 4)] == [4, 3]
+    reference = copy.deepcopy(model)
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    accumulated = copy.deepcopy(model)
+    gradaccum.accumulate_grad(accumulated, examples, _example_mse, micro_batch_size=3)
+    for got, want in zip(accumulated.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=0)
+    containers = (examples[0], examples[1])  # a plain tuple of dicts stays a container
+    assert len(split_batch(containers, 3)[0][0]["x"]) == 3
+
+
+def test_sparse_coo_tensors_split_by_rows_and_other_layouts_are_refused() -> None:
+    dense = torch.arange(20.0).reshape(5, 4)
+    batch = {"x": torch.zeros(5, 1), "s": dense.to_sparse()}
+    parts = [mb["s"].to_dense() for mb in split_batch(batch, 2)]
+    assert torch.equal(torch.cat(parts), dense)
+    assert batch_size(dense.to_sparse()) == 5
+    for bad, name in [(dense.to_sparse_csr(), "sparse_csr"), (_nested(), "nested")]:
+        with pytest.raises(TypeError, match=f"batch\\['s'\\] is a {name} tensor.*dense"):
+            split_batch({"x": torch.zeros(5, 1), "s": bad}, 2)
+
+
+def _nested() -> torch.Tensor:
+    with warnings.catch_warnings():  # nested tensors are a prototype: torch says so
+        warnings.simplefilter("ignore")
+        return torch.nested.nested_tensor([torch.ones(i + 1, 2) for i in range(5)])

@@ -1,24 +1,27 @@
 """Splitting nested batches into micro-batches and moving them to the model's device.
 
-A batch is a tensor, a numpy array, or any nesting of dicts, lists and tuples. Each leaf follows
-one rule, so nothing is broadcast by accident:
+A batch is a tensor, a numpy array, or any nesting of dicts, lists, tuples and dataclasses. Each
+leaf follows one rule, so nothing is broadcast by accident:
 
 ===============================================  ==============================================
 leaf                                             in the micro-batch of items [start, stop)
 ===============================================  ==============================================
-tensor or numpy array                            its slice along ``batch_dim``: a view
+tensor, numpy array or sparse COO tensor         its slice along ``batch_dim`` (COO: a copy)
 list or plain tuple holding no tensor or array   ``x[start:stop]``, one entry per item, so its
 (strings, ints, dicts of them, token lists...)   length must be B (an empty one counts as 0)
-list or plain tuple holding a tensor or array    a container: rebuilt, each entry by these rules
-dict, named tuple, other tuple subclass          a record: rebuilt, each entry by these rules
+list of dicts with the same keys, or of one      ``x[start:stop]``: uncollated examples, one per
+dataclass or named tuple                         item (a plain tuple of them is a container)
+other list or plain tuple holding a tensor       a container: rebuilt, each entry by these rules
+dict, named tuple, dataclass, tuple subclass     a record: rebuilt with its type, entry by entry
 anything else: str, int, float, bool, None...    the same object, whole, in every micro-batch
 ===============================================  ==============================================
 
 A container or record with nothing to split inside is a constant too. B is the shared size of
 the tensors and arrays along ``batch_dim`` (or, with none, of the per-item lists); a disagreement
-raises a ValueError naming every path and size. Pass constants as a dict, a named tuple or an
-object, not a plain list or tuple (one whose length happened to equal B would be split).
-Splitting makes views, never copies, and walks the batch once.
+raises a ValueError naming every path and size. Another object whose attributes hold a tensor of
+B items raises a TypeError (make it a dataclass or a dict); nested and sparse CSR tensors too.
+Pass constants as a dict, a named tuple or an object, not a plain list or tuple (one whose
+length happened to equal B would be split). Splitting makes views and walks the batch once.
 
 Example:
     >>> import torch
@@ -39,12 +42,26 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradaccum._batch_sizes import (
+    OBJECT,
+    Path,
+    Sizes,
+    agreed_size,
+    array_items,
+    check_not_empty,
+    refuse_objects,
+)
+from gradaccum._records import (
+    dataclass_entries,
+    is_dataclass_instance,
+    is_example_list,
+    object_arrays,
+    rebuild_dataclass,
+)
+
 __all__ = ["batch_size", "map_tensors", "on_device", "slice_batch", "split_batch", "to_device"]
 
 _Slicer = Callable[[int, int], Any]  # (start, stop) -> that node's items [start, stop)
-_Path = Any  # "batch", or (parent path, template, key): formatted only for an error message
-_Sizes = list[tuple[_Path, int, str]]  # (path, number of items, kind) of every splittable leaf
-_ARRAY_KINDS = ("tensor", "array")
 _SCALARS = (str, int, float, type(None))  # the usual constants, ruled out first
 _SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
 
@@ -73,7 +90,7 @@ def split_batch(batch: Any, micro_batch_size: int, *, batch_dim: int = 0) -> lis
     """
     check_micro_batch_size(micro_batch_size)
     slicer, size = _plan(batch, batch_dim)
-    _check_not_empty(size)
+    check_not_empty(size)
     step = micro_batch_size
     return [slicer(start, min(start + step, size)) for start in range(0, size, step)]
 
@@ -134,7 +151,7 @@ def batch_size(batch: Any, *, batch_dim: int = 0, allow_empty: bool = False) -> 
     """
     _, size = _plan(batch, batch_dim, build=False)
     if not allow_empty:
-        _check_not_empty(size)
+        check_not_empty(size)
     return size
 
 
@@ -167,6 +184,8 @@ def on_device(batch: Any, device: torch.device) -> bool:
         values: Any = batch.values()
     elif isinstance(batch, (list, tuple)):
         values = batch
+    elif is_dataclass_instance(batch):
+        values = [value for _, value in dataclass_entries(batch)]
     else:
         return True
     for value in values:  # noqa: SIM110 - a loop: all(generator) costs more, once per micro-batch
@@ -207,6 +226,10 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return type(batch)(*(map_tensors(v, fn) for v in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(map_tensors(v, fn) for v in batch)
+    if is_dataclass_instance(batch):
+        return rebuild_dataclass(
+            batch, {k: map_tensors(v, fn) for k, v in dataclass_entries(batch)}
+        )
     return batch
 
 
@@ -216,18 +239,19 @@ def _plan(batch: Any, batch_dim: int, build: bool = True) -> tuple[_Slicer, int]
     With `build=False` (for `batch_size`) the slicer is a placeholder and no closure is made.
     """
     check_batch_dim(batch_dim)
-    if type(batch) is torch.Tensor and batch.ndim > batch_dim and batch.shape[batch_dim]:
+    if type(batch) is torch.Tensor and _plain(batch, batch_dim) and batch.shape[batch_dim]:
         return (_tensor_slicer(batch, batch_dim) if build else _measured), batch.shape[batch_dim]
     flat = _flat_tensors(batch, batch_dim)
     if flat is None:  # the general path
-        sizes: _Sizes = []
+        sizes: Sizes = []
         slicer = _compile(batch, "batch", batch_dim, sizes, build)
         if slicer is None:
+            refuse_objects(sizes, None)
             raise ValueError(
                 f"the batch ({type(batch).__name__}) holds no tensor, array or per-item list; "
                 "pass a tensor, or a dict/list/tuple of tensors that share the batch dimension."
             )
-        return slicer, _agreed_size(sizes, batch_dim)
+        return slicer, agreed_size(sizes, batch_dim)
     size: int = flat[0].shape[batch_dim]
     if not build:
         return _measured, size
@@ -243,21 +267,21 @@ def _flat_tensors(batch: Any, dim: int) -> list[torch.Tensor] | None:
         values = batch
     else:
         return None
-    if not values or not all(type(v) is torch.Tensor and v.ndim > dim for v in values):
+    if not values or not all(type(v) is torch.Tensor and _plain(v, dim) for v in values):
         return None
     size = values[0].shape[dim]
     return values if size and all(v.shape[dim] == size for v in values) else None
 
 
-def _compile(node: Any, path: _Path, dim: int, sizes: _Sizes, build: bool) -> _Slicer | None:
+def _compile(node: Any, path: Path, dim: int, sizes: Sizes, build: bool) -> _Slicer | None:
     """Return the slicer of `node` (None if it is a constant), recording its leaves' sizes."""
     if isinstance(node, _SCALARS):
         return None
     if isinstance(node, torch.Tensor):
-        sizes.append((path, _items(node, path, dim, "tensor"), "tensor"))
+        sizes.append((path, array_items(node, path, dim, "tensor"), "tensor"))
         return _tensor_slicer(node, dim) if build else _measured
     if isinstance(node, np.ndarray):
-        sizes.append((path, _items(node, path, dim, "array"), "array"))
+        sizes.append((path, array_items(node, path, dim, "array"), "array"))
         if not build:
             return _measured
         lead = (slice(None),) * dim
@@ -267,6 +291,9 @@ def _compile(node: Any, path: _Path, dim: int, sizes: _Sizes, build: bool) -> _S
         template = "[{!r}]"
     elif isinstance(node, tuple) and hasattr(node, "_fields"):  # a named tuple is a record
         entries, template = zip(node._fields, node, strict=True), ".{}"
+    elif is_example_list(node):  # uncollated examples, one per item: never split inside
+        sizes.append((path, len(node), "list of examples"))
+        return lambda start, stop: node[start:stop]
     elif _is_record(node) or (isinstance(node, (list, tuple)) and _any_array(node)):
         entries, template = enumerate(node), "[{}]"
     elif isinstance(node, (list, tuple)):  # per-item entries, however many (even none)
@@ -275,7 +302,11 @@ def _compile(node: Any, path: _Path, dim: int, sizes: _Sizes, build: bool) -> _S
         if kind is list or kind is tuple:
             return lambda start, stop: node[start:stop]
         return lambda start, stop: kind(node[start:stop])
-    else:
+    elif is_dataclass_instance(node):  # a record, like a named tuple
+        entries, template = dataclass_entries(node), ".{}"
+    else:  # a constant, unless it holds the batch's items (then refused by `agreed_size`)
+        held = f"{OBJECT}{type(node).__name__}"
+        sizes.extend(((path, "{}", name), n, held) for name, n in object_arrays(node, dim))
         return None
     children = [_compile(v, (path, template, k), dim, sizes, build) for k, v in entries]
     if all(child is None for child in children):
@@ -291,6 +322,12 @@ def _container_slicer(node: Any, children: list[_Slicer | None]) -> _Slicer:
         if kind is dict:
             return lambda start, stop: dict(zip(keys, entries(start, stop), strict=True))
         return lambda start, stop: kind(dict(zip(keys, entries(start, stop), strict=True)))
+    if is_dataclass_instance(node):
+        names, values = zip(*dataclass_entries(node), strict=True)
+        fields = _entries_slicer(values, children)
+        return lambda start, stop: rebuild_dataclass(
+            node, dict(zip(names, fields(start, stop), strict=True))
+        )
     entries = _entries_slicer(node, children)
     if isinstance(node, tuple) and hasattr(node, "_fields"):  # a named tuple
         return lambda start, stop: kind(*entries(start, stop))
@@ -309,9 +346,16 @@ def _entries_slicer(values: Any, children: list[_Slicer | None]) -> _Slicer:
 
 
 def _tensor_slicer(tensor: torch.Tensor, dim: int) -> _Slicer:
+    if tensor.layout is torch.sparse_coo:  # a sparse tensor has no views: a copy of its rows
+        return lambda start, stop: tensor.narrow_copy(dim, start, stop - start)
     if dim == 0:
         return lambda start, stop: tensor[start:stop]
     return lambda start, stop: tensor.narrow(dim, start, stop - start)
+
+
+def _plain(tensor: torch.Tensor, dim: int) -> bool:
+    """Whether `tensor` is dense, not nested, and has `dim`: the fast path slices it as a view."""
+    return tensor.layout is torch.strided and not tensor.is_nested and tensor.ndim > dim
 
 
 def _is_record(node: Any) -> bool:
@@ -333,64 +377,12 @@ def _holds_array(node: Any) -> bool:
         return any(map(_holds_array, node.values()))
     if isinstance(node, (list, tuple)):
         return _any_array(node)
-    return False
+    return is_dataclass_instance(node) and any(_holds_array(v) for _, v in dataclass_entries(node))
 
 
 def _any_array(entries: list[Any] | tuple[Any, ...]) -> bool:
     """Whether some entry holds a tensor or an array; a list of B strings is scanned in C."""
     return not _SCALAR_TYPES.issuperset(map(type, entries)) and any(map(_holds_array, entries))
-
-
-def _items(array: Any, path: _Path, dim: int, kind: str) -> int:
-    if array.ndim <= dim:
-        raise ValueError(
-            f"{_name(path)} is a {array.ndim}-dim {kind}; every tensor and array in a batch needs "
-            f"the batch dimension (batch_dim={dim}). Pass per-batch constants as Python numbers."
-        )
-    return int(array.shape[dim])
-
-
-def _name(path: _Path) -> str:
-    """Format a path built as (parent, template, key) only when a message needs it."""
-    if isinstance(path, str):
-        return path
-    parent, template, key = path
-    return f"{_name(parent)}{template.format(key)}"
-
-
-def _agreed_size(sizes: _Sizes, dim: int) -> int:
-    """Return the B all leaves agree on, else raise naming every path and size."""
-    size = sizes[0][1]
-    if all(n == size for _, n, _ in sizes):
-        return size
-    listing = ", ".join(
-        f"{_name(p)}: {n}" + ("" if k in _ARRAY_KINDS else f" ({k})") for p, n, k in sizes
-    )
-    arrays = {n for _, n, k in sizes if k in _ARRAY_KINDS}
-    if len(arrays) > 1:
-        where = "the leading dimension" if dim == 0 else f"the batch dimension (dim {dim})"
-        raise ValueError(
-            f"batch tensors disagree on {where} ({listing}); every tensor and array must have "
-            f"the same number of items along dim {dim}."
-        )
-    if not arrays:
-        raise ValueError(
-            f"per-item lists disagree on the number of items ({listing}); with no tensor in the "
-            "batch, B is their common length. Give each one entry per item, or pass a constant "
-            "as a non-list value (a dict, a named tuple or an object)."
-        )
-    size = arrays.pop()
-    wrong = " and ".join(_name(p) for p, n, _ in sizes if n != size)
-    raise ValueError(
-        f"{wrong} must hold one entry per item, B={size} ({listing}): a list or tuple holding no "
-        f"tensor is split item by item. Make it a tensor, give it {size} entries, or pass a "
-        "constant as a non-list value (a dict, a named tuple or an object)."
-    )
-
-
-def _check_not_empty(size: int) -> None:
-    if size == 0:
-        raise ValueError("the batch is empty (0 items along the batch dimension); add items.")
 
 
 def _is_int(value: object) -> bool:

@@ -1,0 +1,111 @@
+"""The B of a batch from the sizes of its leaves, and the errors that name every path and size.
+
+`gradaccum.batching` walks a batch once and records, for each leaf it will split (and each
+tensor an object it cannot split holds), a path, a number of items and a kind. Here those sizes
+must agree on one B, and a disagreement raises a ValueError that names every path and the fix.
+A path is built as `(parent path, template, key)` and formatted only when a message needs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ARRAY_KINDS",
+    "OBJECT",
+    "Path",
+    "Sizes",
+    "agreed_size",
+    "array_items",
+    "check_not_empty",
+    "path_name",
+    "refuse_objects",
+]
+
+Path = Any  # "batch", or (parent path, template, key): formatted only for an error message
+Sizes = list[tuple[Path, int, str]]  # (path, number of items, kind) of every splittable leaf
+ARRAY_KINDS = ("tensor", "array")
+_LAYOUTS = (torch.strided, torch.sparse_coo)  # what splits: a view, or a copy of sparse rows
+OBJECT = "object "  # the kind of a tensor an object holds: never split, so it must not be B
+
+
+def array_items(array: Any, path: Path, dim: int, kind: str) -> int:
+    """The items of a tensor or array along `dim`; raise if it has none or cannot be split."""
+    if isinstance(array, torch.Tensor) and (array.is_nested or array.layout not in _LAYOUTS):
+        layout = "nested" if array.is_nested else str(array.layout).removeprefix("torch.")
+        raise TypeError(
+            f"{path_name(path)} is a {layout} tensor, which cannot be split into micro-batches; "
+            "pass a dense tensor (a nested one padded with .to_padded_tensor(0.0) and a mask) "
+            "or a sparse COO one (.to_sparse_coo())."
+        )
+    if array.ndim <= dim:
+        raise ValueError(
+            f"{path_name(path)} is a {array.ndim}-dim {kind}; every tensor and array in a batch "
+            f"needs the batch dimension (batch_dim={dim}). Pass per-batch constants as Python "
+            "numbers."
+        )
+    return int(array.shape[dim])
+
+
+def path_name(path: Path) -> str:
+    """Format a path built as (parent, template, key) only when a message needs it."""
+    if isinstance(path, str):
+        return path
+    parent, template, key = path
+    return f"{path_name(parent)}{template.format(key)}"
+
+
+def agreed_size(sizes: Sizes, dim: int) -> int:
+    """Return the B all leaves agree on, else raise naming every path and size."""
+    held = [entry for entry in sizes if entry[2].startswith(OBJECT)]
+    if held:
+        sizes = [entry for entry in sizes if not entry[2].startswith(OBJECT)]
+    size = sizes[0][1]
+    if all(n == size for _, n, _ in sizes):
+        refuse_objects(held, size)
+        return size
+    listing = ", ".join(
+        f"{path_name(p)}: {n}" + ("" if k in ARRAY_KINDS else f" ({k})") for p, n, k in sizes
+    )
+    arrays = {n for _, n, k in sizes if k in ARRAY_KINDS}
+    if len(arrays) > 1:
+        where = "the leading dimension" if dim == 0 else f"the batch dimension (dim {dim})"
+        raise ValueError(
+            f"batch tensors disagree on {where} ({listing}); every tensor and array must have "
+            f"the same number of items along dim {dim}."
+        )
+    if not arrays:
+        raise ValueError(
+            f"per-item lists disagree on the number of items ({listing}); with no tensor in the "
+            "batch, B is their common length. Give each one entry per item, or pass a constant "
+            "as a non-list value (a dict, a named tuple or an object)."
+        )
+    size = arrays.pop()
+    wrong = " and ".join(path_name(p) for p, n, _ in sizes if n != size)
+    raise ValueError(
+        f"{wrong} must hold one entry per item, B={size} ({listing}): a list or tuple holding no "
+        f"tensor is split item by item. Make it a tensor, give it {size} entries, or pass a "
+        "constant as a non-list value (a dict, a named tuple or an object)."
+    )
+
+
+def refuse_objects(held: Sizes, size: int | None) -> None:
+    """Raise if an object the batching cannot split holds tensors of B items (any, if None)."""
+    wrong = [(p, k) for p, n, k in held if size is None or n == size]
+    if wrong:
+        named = ", ".join(f"{path_name(p)} ({k.removeprefix(OBJECT)} object)" for p, k in wrong)
+        verb = "holds" if len(wrong) == 1 else "hold"
+        raise TypeError(
+            f"{named} {verb} the batch's items, but gradaccum cannot split that object, and "
+            "handing it whole to every micro-batch would count each item many times. Make it a "
+            "dataclass (split field by field), a dict or a named tuple, or pass its tensors in "
+            "the batch itself."
+        )
+
+
+def check_not_empty(size: int) -> None:
+    """Raise if the batch holds no item."""
+    if size == 0:
+        raise ValueError("the batch is empty (0 items along the batch dimension); add items.")

@@ -1,0 +1,102 @@
+"""Batch nodes beyond dicts, lists and tuples: dataclasses, uncollated examples, other objects.
+
+`gradaccum.batching` asks three questions here, so that no batch-sized tensor is ever handed
+whole to every micro-batch by accident:
+
+- a dataclass instance is a record, like a named tuple: split field by field and rebuilt with
+  its own type (`dataclass_entries`, `rebuild_dataclass`);
+- a plain list of records of one structure (dicts with the same keys, or instances of one
+  dataclass or named tuple) is a list of uncollated examples, one per item (`is_example_list`);
+- any other object is a constant, unless its attributes hold tensors or arrays: those are named
+  by `object_arrays`, and the batching refuses the object if one of them has B items.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["dataclass_entries", "is_dataclass_instance", "is_example_list", "object_arrays"]
+
+
+def is_dataclass_instance(node: object) -> bool:
+    """Whether `node` is an instance (not the class) of a dataclass."""
+    return dataclasses.is_dataclass(node) and not isinstance(node, type)
+
+
+def dataclass_entries(node: Any) -> list[tuple[str, Any]]:
+    """The `(name, value)` of every field of the dataclass instance `node`, in order."""
+    return [(field.name, getattr(node, field.name)) for field in dataclasses.fields(node)]
+
+
+def rebuild_dataclass(node: Any, values: dict[str, Any]) -> Any:
+    """A copy of the dataclass instance `node` with its fields set to `values`.
+
+    Fields taken by `__init__` are passed to it (`dataclasses.replace`, so `__post_init__` runs
+    as for any instance); the others are set on the result where they were split. A dataclass
+    that `replace` cannot rebuild (an `InitVar` without a default) is copied and its fields
+    set, frozen or not.
+    """
+    init = {field.name for field in dataclasses.fields(node) if field.init}
+    try:
+        rebuilt = dataclasses.replace(node, **{k: v for k, v in values.items() if k in init})
+    except (TypeError, ValueError):
+        rebuilt, init = copy.copy(node), set()
+    for name, value in values.items():
+        if name not in init and value is not getattr(node, name):  # split: not recomputed
+            object.__setattr__(rebuilt, name, value)  # frozen dataclasses too
+    return rebuilt
+
+
+def is_example_list(node: Any) -> bool:
+    """Whether `node` is a plain list of records of one structure: one uncollated example each.
+
+    Dicts with the same keys, or instances of one dataclass or one named tuple, e.g.
+    `[dataset[i] for i in indices]` or a DataLoader with `collate_fn=list`. Their tensors
+    describe one example each, so the list is split item by item, never along their first
+    dimension. A plain tuple of records stays a container.
+    """
+    if type(node) is not list or not node:
+        return False
+    first = node[0]
+    if isinstance(first, Mapping):
+        keys = first.keys()
+        return all(isinstance(entry, Mapping) and entry.keys() == keys for entry in node)
+    kind = type(first)
+    if is_dataclass_instance(first) or (isinstance(first, tuple) and hasattr(first, "_fields")):
+        return all(type(entry) is kind for entry in node)
+    return False
+
+
+def object_arrays(node: object, dim: int) -> list[tuple[str, int]]:
+    """The attributes of an object that hold tensors or arrays, and their sizes along `dim`.
+
+    Looks at the object's `__dict__` and the dicts, lists and tuples in it; an object without
+    one (a number, a string, a tokenizer's C type) holds none. Tensors with no `dim` are not
+    listed: they cannot hold the batch's items.
+    """
+    attributes = getattr(node, "__dict__", None)
+    if not isinstance(attributes, dict) or isinstance(node, (type, torch.nn.Module)):
+        return []
+    return [
+        (name, int(array.shape[dim]))
+        for key, value in attributes.items()
+        for name, array in _arrays(value, f".{key}")
+        if array.ndim > dim
+    ]
+
+
+def _arrays(value: Any, name: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        yield name, value
+    elif isinstance(value, Mapping):
+        for key, entry in value.items():
+            yield from _arrays(entry, f"{name}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for index, entry in enumerate(value):
+            yield from _arrays(entry, f"{name}[{index}]")
