@@ -510,3 +510,54 @@ def test_plain_scalar_loss_on_padded_labels_warns_once() -> None:
         warnings.simplefilter("error", TokenMeanWarning)
         fresh.step(batch, token_sum)
         fresh.step({"x": batch["x"], "labels": labels.clamp(min=0)}, token_mean)
+
+
+# ------------------------------------------------------------------ a loss that runs a backward
+
+
+def _loss_running_backward(retain: bool, from_call: int) -> Callable[[nn.Module, Any], Any]:
+    calls = {"n": 0}
+
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        value = mse_loss(model, batch)
+        calls["n"] += 1
+        if calls["n"] > from_call:  # the classic blog loop's backward, inside the loss_fn
+            value.backward(retain_graph=retain)
+        return value
+
+    return loss
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+@pytest.mark.parametrize("retain", [True, False])
+@pytest.mark.parametrize("from_call", [0, 2])
+def test_a_loss_fn_running_its_own_backward_is_refused_and_changes_nothing(
+    drive: str, retain: bool, from_call: int
+) -> None:
+    model, optimizer, scheduler, acc = _setup(accumulation_steps=4)
+    _warm_up(acc)
+    before = _everything(model, optimizer, scheduler)
+    loss_fn = _loss_running_backward(retain, from_call)
+    x, y = _batch()
+    with pytest.raises(ValueError, match=r"loss_fn ran a backward itself.*counted twice"):
+        if drive == "step":
+            acc.step((x, y), loss_fn)
+        else:
+            for start in range(0, 11, 3):
+                acc.micro_step((x[start : start + 3], y[start : start + 3]), loss_fn)
+    assert_bitwise(_everything(model, optimizer, scheduler), before)
+    _assert_still_exact(model, optimizer, scheduler, acc)
+
+
+def test_negative_control_a_backward_inside_the_loss_counts_the_gradient_twice() -> None:
+    """Run without the check (Engine on a window that never looks), the step is wrong."""
+    model, optimizer, _, acc = _setup(scheduler=False)
+    reference = copy.deepcopy((model, optimizer))
+    acc._engine.window.check_no_backward_inside = lambda: None  # type: ignore[method-assign]
+    acc.step(_batch(), _loss_running_backward(retain=True, from_call=0))
+    reference_step(reference[0], reference[1], _batch(), mse_loss)
+    gap = max(
+        float((got - want).abs().max())
+        for got, want in zip(model.parameters(), reference[0].parameters(), strict=True)
+    )
+    assert gap > 1e-3

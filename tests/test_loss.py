@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,6 +48,10 @@ def test_one_element_tensor_counts_as_scalar() -> None:
         (torch.tensor(5.0), 5),
         (torch.tensor([7]), 7),
         (torch.tensor(0), 0),
+        (np.int64(6), 6),  # a count summed with numpy
+        (np.int32(2), 2),
+        (np.uint8(4), 4),
+        (np.float64(3.0), 3),
     ],
 )
 def test_loss_sum_counts(count: object, expected: int) -> None:
@@ -83,6 +88,40 @@ def test_loss_sum_counts(count: object, expected: int) -> None:
 def test_bad_results_are_rejected_with_the_fix(result: object, error: type, pattern: str) -> None:
     with pytest.raises(error, match=pattern):
         read_loss(result, 4)
+
+
+class _ModelOutput:
+    """What a Hugging Face model returns: an object with `.loss` and `.logits`."""
+
+    def __init__(self) -> None:
+        self.loss, self.logits = torch.tensor(1.0), torch.zeros(4, 3)
+
+
+@pytest.mark.parametrize(
+    ("result", "where"),
+    [
+        ((torch.tensor(1.0), torch.zeros(4, 3)), r"return result\[0\] \(if it is the loss\) alone"),
+        ({"loss": torch.tensor(1.0), "logits": torch.zeros(4, 3)}, r"return result\['loss'\]"),
+        (_ModelOutput(), r"return result\.loss alone"),
+    ],
+    ids=["tuple", "dict", "model-output"],
+)
+def test_a_whole_model_output_is_refused_naming_where_its_loss_is(
+    result: object, where: str
+) -> None:
+    with pytest.raises(TypeError, match=where) as info:
+        read_loss(result, 4)
+    assert "gradaccum.hf.causal_lm" in str(info.value)  # the exact token count, named
+
+
+@pytest.mark.parametrize("result", [torch.tensor(1.0), LossSum(torch.tensor(2.0), 3)])
+def test_a_counted_loss_without_a_graph_is_refused_where_a_backward_needs_one(
+    result: object,
+) -> None:
+    assert read_loss(result, 4).count > 0  # read alone: a value, no backward needed
+    with pytest.raises(ValueError, match=r"does not require grad.*torch\.no_grad"):
+        read_loss(result, 4, needs_graph=True)
+    assert read_loss(LossSum(torch.tensor(0.0), 0), 4, needs_graph=True).count == 0
 
 
 # --------------------------------------------------------------------------------------------

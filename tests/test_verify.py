@@ -583,3 +583,24 @@ def test_check_runs_under_no_grad() -> None:
         wrong = check_equivalence(_mlp(), _batch(), _squared_mean_residual, 3)
     assert report.ok
     assert not wrong.ok  # NEGATIVE CONTROL
+
+
+def test_a_loss_running_its_own_backward_or_without_graph_is_refused_naming_the_fix() -> None:
+    model = _mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def runs_backward(m: torch.nn.Module, batch) -> torch.Tensor:
+        loss = _mse(m, batch)
+        loss.backward(retain_graph=True)  # counted twice: refused, not reported as a gap
+        return loss
+
+    def without_graph(m: torch.nn.Module, batch) -> torch.Tensor:
+        with torch.no_grad():
+            return _mse(m, batch)
+
+    with pytest.raises(ValueError, match=r"loss_fn ran a backward itself.*Remove the \.backward"):
+        check_equivalence(model, _batch(), runs_backward, micro_batch_size=3)
+    with pytest.raises(ValueError, match=r"does not require grad.*torch\.no_grad"):
+        check_equivalence(model, _batch(), without_graph, micro_batch_size=3)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))

@@ -158,6 +158,45 @@ def test_loss_without_graph_is_rejected_and_changes_no_gradient() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+def _backward_inside(retain: bool, from_micro_batch: int = 0):
+    calls = {"n": 0}
+
+    def loss_fn(m, b):  # the classic blog bug: loss.backward() inside the loss function
+        loss = _mse(m, b)
+        calls["n"] += 1
+        if calls["n"] > from_micro_batch:
+            (loss * len(b[0]) / 11).backward(retain_graph=retain)
+        return loss
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("retain", [True, False])
+@pytest.mark.parametrize("from_micro_batch", [0, 1])
+def test_a_loss_that_runs_its_own_backward_is_refused_and_changes_no_gradient(
+    retain: bool, from_micro_batch: int
+) -> None:
+    model = _mlp()
+    batch = _data()
+    held = [torch.full_like(p, 3.0) for p in model.parameters()]
+    for param, grad in zip(model.parameters(), held, strict=True):
+        param.grad = grad
+    with pytest.raises(ValueError, match=r"loss_fn ran a backward itself.*Remove the \.backward"):
+        accumulate_grad(model, batch, _backward_inside(retain, from_micro_batch), 4)
+    assert all(p.grad is g for p, g in zip(model.parameters(), held, strict=True))
+    assert all(torch.equal(g, torch.full_like(g, 3.0)) for g in held)
+    # Negative control: a hand loop running that loss_fn and its own backward of the returned
+    # loss counts every micro-batch twice (retain_graph=True: no error to stop it).
+    naive, reference = _mlp(), _mlp()
+    loss_fn = _backward_inside(retain=True)
+    for start in range(0, 11, 4):
+        micro = (batch[0][start : start + 4], batch[1][start : start + 4])
+        (loss_fn(naive, micro) * len(micro[0]) / 11).backward()
+    _mse(reference, batch).backward()
+    for got, want in zip(naive.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, 2 * want.grad, rtol=1e-10, atol=1e-12)
+
+
 def test_zero_count_micro_batch_in_accumulate_grad() -> None:
     model = _mlp()
     x, y = _data()

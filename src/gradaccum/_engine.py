@@ -1,12 +1,11 @@
 """The step algorithm: micro-batches in, one transactional window boundary out.
 
-One micro-batch: forward under autocast, read `(sum, count)`, backward `sum * loss_scale /
-denominator` (`gradaccum.divisor`), move low-precision gradients to their buffers. The boundary:
-exchange ─► reduce what the backend did not ─► divide once ─► finite? ─► clip ─►
-optimizer.step() ══ commit ══► loss scale, pooled BatchNorm, close the window. Any exception
-before the commit, or a skipped or dropped window, ends in `_forget_window()`: gradients as before
-the window, fp32 buffers dropped, BatchNorm running and pooled statistics back, and the RNG for a
-window rerun after running out of memory. After the commit only the caller's scheduler can fail.
+A micro-batch: forward under autocast, read `(sum, count)`, backward `sum * loss_scale /
+denominator` (`gradaccum.divisor`), low-precision gradients to buffers. The boundary: exchange ─►
+reduce ─► divide once ─► finite? ─► clip ─► optimizer.step() ══ commit ══► loss scale, pooled
+BatchNorm, close. An exception before the commit, a skipped or dropped window, ends in
+`_forget_window()`: gradients, fp32 buffers, BatchNorm statistics and (OOM rerun) RNG as before
+the window. After the commit only the caller's scheduler can fail.
 """
 
 from __future__ import annotations
@@ -163,12 +162,13 @@ class Engine:
         with sync.micro_context(last=last), self.batchnorm.micro_context():
             with runtime.autocast(), capture:
                 result = loss_fn(self.model, micro_batch)
+            window.check_no_backward_inside()  # a loss.backward() in loss_fn: counted twice
             extra: list[tuple[int, torch.Tensor]] = []
             if isinstance(result, LossTerms):
                 value, logged, extra = self._read_terms(result, expect)
                 weight, count = 1, items
             else:
-                value, weight, count = read_loss(result, items)
+                value, weight, count = read_loss(result, items, needs_graph=True)
                 logged = value
             if weight > 1 and self._token_checks:
                 self._token_checks -= 1
@@ -179,10 +179,9 @@ class Engine:
             if window.denominator is None:  # FSDP2 ranks agree on it (they reduce in the backward)
                 mine = expect.denominator(self.normalize, sync.world, weight, items, count)
                 window.denominator = sync.common_denominator(mine)
-            if count > 0 and not value.requires_grad and not extra:
+            if count > 0 and not value.requires_grad and not extra:  # terms (read_loss: others)
                 raise ValueError(
-                    "the loss does not require grad: it was computed under torch.no_grad(), "
-                    "detached, or from frozen parameters only; return the loss with its graph."
+                    "the loss terms do not require grad; return them with their graph."
                 )
             if window.terms is not None and extra:  # terms whose count the window learns last
                 window.terms.backward_extra(extra, window.params, window.loss_scale, runtime)
@@ -203,6 +202,7 @@ class Engine:
                 with sync.backward_context(reduce=reduce):
                     torch.autograd.backward(roots, seeds)
                 runtime.collect(window.params)
+            window.watch()
         window.add(logged, weight, count, items)
         first = window.micro_batches == 1 and not window.terms and sync.averaged_over == 1
         if self.telemetry is not None and first:  # the noise scale's small batch (DDP: unreduced)

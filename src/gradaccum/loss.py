@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -34,6 +35,7 @@ __all__ = [
     "ReadTerm",
     "Term",
     "TokenMeanWarning",
+    "backward_inside_error",
     "counted_ahead",
     "read_terms",
     "warn_if_token_mean",
@@ -177,7 +179,7 @@ class ReadLoss(NamedTuple):
     count: int  # type: ignore[assignment]  # shadows tuple.count on purpose: the item count
 
 
-def read_loss(result: object, batch_items: int) -> ReadLoss:
+def read_loss(result: object, batch_items: int, *, needs_graph: bool = False) -> ReadLoss:
     """Turn a `loss_fn` result into `(value, weight, count)` after checking it.
 
     A scalar tensor is a mean over the micro-batch's `batch_items` samples (its sum is
@@ -188,17 +190,22 @@ def read_loss(result: object, batch_items: int) -> ReadLoss:
     Args:
         result: What `loss_fn(model, micro_batch)` returned.
         batch_items: The micro-batch's leading dimension, the weight of a plain mean.
+        needs_graph: Refuse a loss that counts items but has no graph to differentiate.
 
     Returns:
         The loss tensor (with its graph), its weight and the item count as an int.
 
     Raises:
         TypeError: If `result` is neither a tensor nor a `LossSum`.
-        ValueError: If the value is not a scalar or the count is negative or not whole.
+        ValueError: If the value is not a scalar, the count is negative or not whole, or (with
+            `needs_graph`) a loss that counts items has no graph (`torch.no_grad()`, detached).
     """
     if isinstance(result, LossSum):
         value = _check_scalar(result.value, "LossSum.value")
-        return ReadLoss(value, 1, _read_count(result.count))
+        count = _read_count(result.count)
+        if needs_graph:
+            _require_graph(value, count)
+        return ReadLoss(value, 1, count)
     if isinstance(result, LossTerms):
         # Only for what needs a backward and nothing exact (memory probes, FSDP2's settle):
         # the engine reads terms with `read_terms`.
@@ -206,10 +213,48 @@ def read_loss(result: object, batch_items: int) -> ReadLoss:
         total = functools.reduce(torch.add, [t.value * t.weight for t in terms])
         return ReadLoss(total, 1, sum(t.count for t in terms))
     if isinstance(result, torch.Tensor):
-        return ReadLoss(_check_scalar(result, "the loss"), batch_items, batch_items)
+        value = _check_scalar(result, "the loss")
+        if needs_graph:
+            _require_graph(value, batch_items)
+        return ReadLoss(value, batch_items, batch_items)
     raise TypeError(
         f"loss_fn returned {type(result).__name__}; return a scalar tensor (the mean over the "
-        "micro-batch) or gradaccum.LossSum(value=sum_of_losses, count=items_counted)."
+        "micro-batch) or gradaccum.LossSum(value=sum_of_losses, count=items_counted)"
+        f"{_loss_inside(result)}."
+    )
+
+
+def _loss_inside(result: object) -> str:
+    """Where the loss is in a model's output that `loss_fn` returned whole, for the message."""
+    if isinstance(result, Mapping) and isinstance(result.get("loss"), torch.Tensor):
+        where = "result['loss']"
+    elif isinstance(getattr(result, "loss", None), torch.Tensor):
+        where = "result.loss"
+    elif isinstance(result, (tuple, list)) and result and isinstance(result[0], torch.Tensor):
+        where = "result[0] (if it is the loss)"
+    else:
+        return ""
+    return (
+        f": return {where} alone (a Hugging Face model's loss is a token mean, weighted by rows "
+        "here: gradaccum.hf.causal_lm and its siblings count tokens exactly)"
+    )
+
+
+def _require_graph(value: torch.Tensor, count: int) -> None:
+    """Raise if a loss that counts items has no graph to differentiate (no_grad, detached)."""
+    if count > 0 and not value.requires_grad:
+        raise ValueError(
+            "the loss does not require grad: it was computed under torch.no_grad(), "
+            "detached, or from frozen parameters only; return the loss with its graph."
+        )
+
+
+def backward_inside_error() -> ValueError:
+    """The error for a `loss_fn` that ran a backward itself (gradients changed inside it)."""
+    return ValueError(
+        "loss_fn ran a backward itself (loss.backward() inside loss_fn): gradaccum runs the "
+        "backward of the loss loss_fn returns, scaled for the window, so these gradients would "
+        "be counted twice. Remove the .backward() call from loss_fn and return the loss."
     )
 
 
@@ -266,6 +311,8 @@ def _read_count(count: object) -> int:
                 "tensor, e.g. (labels != ignore_index).sum()."
             )
         count = count.item()  # one host read per micro-batch: validated before any backward
+    if isinstance(count, numbers.Integral) and not isinstance(count, bool):
+        count = int(count)  # numpy integers too
     if isinstance(count, bool) or not isinstance(count, (int, float)):
         raise TypeError(f"LossSum.count={count!r} must be an int or a 0-dim tensor.")
     if isinstance(count, float) and not (math.isfinite(count) and count.is_integer()):

@@ -38,7 +38,7 @@ from gradaccum._non_additive import (
     hooked_buffers,
 )
 from gradaccum.batching import batch_size, map_tensors, split_batch
-from gradaccum.loss import LossTerms, read_loss
+from gradaccum.loss import LossTerms, backward_inside_error, read_loss
 from gradaccum.window import LossFn, accumulate_grad
 
 __all__ = [
@@ -233,12 +233,14 @@ def check_equivalence(
     with torch.enable_grad():
         with torch.random.fork_rng(devices=devices), precision:
             result = loss_fn(full_model, batch)
+            if any(param.grad is not None for param in full_model.parameters()):
+                raise backward_inside_error()  # the gradient would be counted twice
             if isinstance(result, LossTerms):
                 raise ValueError(
                     "check_equivalence takes a loss with one denominator; compare a "
                     "LossSum.terms loss by stepping Accumulator.step against a full-batch step."
                 )
-            value, weight, count = read_loss(result, batch_size(batch))
+            value, weight, count = read_loss(result, batch_size(batch), needs_graph=True)
             if count > 0:  # the plain full-batch loss itself: no op a user would not write
                 torch.autograd.backward(value if weight == count else value / count)
         with torch.random.fork_rng(devices=devices):

@@ -37,7 +37,7 @@ from gradaccum._dtensor import like_param
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, split_batch, to_device
 from gradaccum.divisor import backward_denominator, divide_, grad_divisor, seeded_loss
-from gradaccum.loss import LossSum, LossTerms, counted_ahead, read_loss
+from gradaccum.loss import LossSum, LossTerms, backward_inside_error, counted_ahead, read_loss
 from gradaccum.options import Normalize, parse
 
 __all__ = [
@@ -112,6 +112,7 @@ class Window:
         self.loss_scale = 1.0
         self._stashed: list[torch.Tensor | None] = []
         self._marks: list[tuple[torch.Tensor | None, int]] = []
+        self._watched: tuple[torch.nn.Parameter, torch.Tensor | None, int] | None = None
 
     @property
     def is_open(self) -> bool:
@@ -143,6 +144,34 @@ class Window:
         """The summed loss so far as a float (0.0 before any micro-batch)."""
         on_device = 0.0 if self.loss_sum is None else float(self.loss_sum)
         return self.loss_host + on_device
+
+    def watch(self) -> None:
+        """After the window's own backward, remember one gradient (see `loss_ran_backward`)."""
+        if self._watched is None:  # a parameter the model uses, if any got a gradient
+            param = next((p for p in self.params if p.grad is not None), self.params[0])
+        else:
+            param = self._watched[0]
+        grad = param.grad
+        self._watched = (param, grad, -1 if grad is None else grad._version)
+
+    def check_no_backward_inside(self) -> None:
+        """Raise if a gradient changed since the window's last backward: `loss_fn` ran its own.
+
+        Called between a `loss_fn` and the window's backward of its loss, once per micro-batch:
+        the first looks at every parameter (all were cleared when the window opened), the
+        others at the one gradient `watch` remembered.
+
+        Raises:
+            ValueError: Naming the fix (remove the `.backward()` from `loss_fn`).
+        """
+        watched = self._watched
+        if watched is None:
+            touched = self.micro_batches == 0 and any(p.grad is not None for p in self.params)
+        else:
+            param, grad, version = watched
+            touched = param.grad is not grad or (grad is not None and grad._version != version)
+        if touched:
+            raise backward_inside_error()
 
     def mark_gradients(self) -> None:
         """Remember each gradient after a backward, to catch changes made between micro-batches."""
@@ -299,12 +328,13 @@ def accumulate_grad(
         for micro_batch in micro_batches:
             items = batch_size(micro_batch)
             result = loss_fn(model, to_device(micro_batch, device))
+            window.check_no_backward_inside()
             if isinstance(result, LossTerms):
                 raise ValueError(
                     "accumulate_grad takes a loss with one denominator; a LossSum.terms loss "
                     "divides each term by its own window count: use Accumulator.step."
                 )
-            value, weight, count = read_loss(result, items)
+            value, weight, count = read_loss(result, items, needs_graph=True)
             if window.denominator is None:
                 # A count known up front (a plain mean's items, or one the loss counts ahead)
                 # is folded into each backward.
@@ -312,14 +342,10 @@ def accumulate_grad(
                 window.denominator = backward_denominator(
                     objective, expected_items=count * len(micro_batches), window_items=folded
                 )
-            if count > 0 and not value.requires_grad:
-                raise ValueError(
-                    "the loss does not require grad: it was computed under torch.no_grad(), "
-                    "detached, or from frozen parameters only; return the loss with its graph."
-                )
             if value.requires_grad:
                 root, seed = seeded_loss(value, weight, window.denominator)
                 root.backward(seed)  # type: ignore[no-untyped-call]
+            window.watch()
             window.add(value, weight, count, items)
     except BaseException:
         window.restore()
