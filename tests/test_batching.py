@@ -639,7 +639,8 @@ def test_uncollated_examples_are_split_one_example_per_item() -> None:
     assert batch_size(examples) == 7
     # Negative control: read as a container, the examples' 4 features would be the items.
     sliced = [{k: v[:3] for k, v in example.items()} for example in examples]
-    assert len(sliced) == 7 and len(sliced[0]["x"]) == 3
+    assert len(sliced) == 7
+    assert len(sliced[0]["x"]) == 3
     named = [Pair(x[i], "m") for i in range(7)]
     assert [len(mb) for mb in split_batch(named, 4)] == [4, 3]
     reference = copy.deepcopy(model)

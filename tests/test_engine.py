@@ -539,12 +539,16 @@ def test_a_loss_fn_running_its_own_backward_is_refused_and_changes_nothing(
     before = _everything(model, optimizer, scheduler)
     loss_fn = _loss_running_backward(retain, from_call)
     x, y = _batch()
-    with pytest.raises(ValueError, match=r"loss_fn ran a backward itself.*counted twice"):
+
+    def run() -> None:
         if drive == "step":
             acc.step((x, y), loss_fn)
-        else:
-            for start in range(0, 11, 3):
-                acc.micro_step((x[start : start + 3], y[start : start + 3]), loss_fn)
+            return
+        for start in range(0, 11, 3):
+            acc.micro_step((x[start : start + 3], y[start : start + 3]), loss_fn)
+
+    with pytest.raises(ValueError, match=r"loss_fn ran a backward itself.*counted twice"):
+        run()
     assert_bitwise(_everything(model, optimizer, scheduler), before)
     _assert_still_exact(model, optimizer, scheduler, acc)
 
