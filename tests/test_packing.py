@@ -8,6 +8,7 @@ makes visibly wrong: its micro-batches hold very different numbers of tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -123,3 +124,43 @@ def test_token_budget_refuses_what_it_cannot_pack_and_changes_nothing() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fitting budget warns about nothing
         Accumulator(model, _optimizer(model)).step(BATCHES[0], token_sum_loss, max_tokens=24)
+
+
+@dataclasses.dataclass(frozen=True)
+class Targets:
+    """Labels kept in a dataclass: a record split (and reordered) field by field."""
+
+    labels: torch.Tensor
+
+
+def _record_loss(model: nn.Module, batch: dict[str, Any]) -> LossSum:
+    for example, row in zip(batch["examples"], batch["row"], strict=True):
+        assert example["row"] == row  # uncollated examples follow their rows
+    return token_sum_loss(model, {"tokens": batch["tokens"], "labels": batch["targets"].labels})
+
+
+def test_dataclasses_and_uncollated_examples_are_reordered_with_their_rows() -> None:
+    batches = []
+    for seed in range(3):
+        batch = _batch(seed)
+        batch["targets"] = Targets(batch.pop("labels"))
+        batch["examples"] = [{"row": r, "id": torch.tensor(r)} for r in batch["row"]]
+        batches.append(batch)
+    for micro_batch in pack_by_tokens(batches[0], 24):
+        rows = micro_batch["row"]
+        assert [e["row"] for e in micro_batch["examples"]] == rows
+        width = micro_batch["tokens"].shape[1]
+        wanted = batches[0]["targets"].labels[rows, :width]
+        assert torch.equal(micro_batch["targets"].labels, wanted)  # trimmed like the tokens
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model))
+    for batch in batches:
+        assert acc.step(batch, _record_loss, max_tokens=24).stepped
+    plain = [
+        {"tokens": b["tokens"], "labels": b["targets"].labels, "row": b["row"]} for b in batches
+    ]
+    assert relative_gap(param_tensors(model), _reference(plain)) < EXACT
+    # Negative control: labels left in their original order (the dataclass not reordered)
+    # pair each row's tokens with another row's labels.
+    shuffled = [{**b, "labels": b["labels"].roll(1, dims=0)} for b in plain]
+    assert relative_gap(_reference(shuffled), _reference(plain)) > 1e-3

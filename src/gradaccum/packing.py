@@ -28,6 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradaccum._records import (
+    dataclass_entries,
+    is_dataclass_instance,
+    is_example_list,
+    rebuild_dataclass,
+)
 from gradaccum._warnings import warn_user
 from gradaccum.batching import batch_size, slice_batch
 
@@ -115,8 +121,10 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
         return [batch]
     if isinstance(batch, Mapping):
         return [t for value in batch.values() for t in _tensors(value)]
-    if isinstance(batch, (list, tuple)):
+    if isinstance(batch, (list, tuple)) and not is_example_list(batch):
         return [t for value in batch for t in _tensors(value)]
+    if is_dataclass_instance(batch):
+        return [t for _, value in dataclass_entries(batch) for t in _tensors(value)]
     return []
 
 
@@ -127,7 +135,7 @@ def _holds_arrays(node: Any) -> bool:
         return any(_holds_arrays(value) for value in node.values())
     if isinstance(node, (list, tuple)):
         return any(_holds_arrays(value) for value in node)
-    return False
+    return is_dataclass_instance(node) and _holds_arrays(dict(dataclass_entries(node)))
 
 
 def _take(node: Any, order: Sequence[int], items: int) -> Any:
@@ -143,10 +151,14 @@ def _take(node: Any, order: Sequence[int], items: int) -> Any:
     if isinstance(node, tuple) and hasattr(node, "_fields"):  # a named tuple: a record
         return type(node)(*(_take(v, order, items) for v in node))
     if isinstance(node, (list, tuple)):
-        if _holds_arrays(node):
+        if _holds_arrays(node) and not is_example_list(node):
             return type(node)(_take(v, order, items) for v in node)
-        if len(node) == items:  # one entry per item
+        if len(node) == items:  # one entry per item (uncollated examples too)
             return type(node)(node[i] for i in order)
+    if is_dataclass_instance(node):  # a record, field by field
+        return rebuild_dataclass(
+            node, {k: _take(v, order, items) for k, v in dataclass_entries(node)}
+        )
     return node
 
 
@@ -160,6 +172,10 @@ def _trim(node: Any, full: int, width: int) -> Any:
         return type(node)({k: _trim(v, full, width) for k, v in node.items()})  # type: ignore[call-arg]
     if isinstance(node, tuple) and hasattr(node, "_fields"):
         return type(node)(*(_trim(v, full, width) for v in node))
-    if isinstance(node, (list, tuple)) and _holds_arrays(node):
+    if isinstance(node, (list, tuple)) and _holds_arrays(node) and not is_example_list(node):
         return type(node)(_trim(v, full, width) for v in node)
+    if is_dataclass_instance(node):
+        return rebuild_dataclass(
+            node, {k: _trim(v, full, width) for k, v in dataclass_entries(node)}
+        )
     return node
