@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradaccum import Accumulator, MemoryBudgetError, MemoryPlan, plan_micro_batch
+from gradaccum.batching import map_tensors
 from gradaccum.memory import measure_activation_bytes, track_tensor_bytes
 from tests.state import assert_bitwise, clone_state
 
@@ -265,3 +267,35 @@ def test_cuda_budget_defaults_to_a_share_of_free_memory(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 24 * 2**30))
     assert resolve_budget(None, torch.device("cuda", 0)) == int(0.9 * 10 * 2**30)
     assert resolve_budget("2GiB", torch.device("cuda", 0)) == 2 * 2**30  # given: used as is
+
+
+@dataclasses.dataclass
+class _Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def test_probes_slice_every_leaf_by_the_batch_rules() -> None:
+    """A probe of n items gets n texts and n rows of a dataclass, as a micro-batch would."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    items = 16
+    batch = {
+        "pair": _Pair(torch.randn(items, 4), torch.randn(items, 1)),
+        "texts": list("a" * items),
+    }
+    seen = []
+
+    def loss_fn(m: nn.Module, b: dict) -> torch.Tensor:
+        seen.append((len(b["texts"]), len(b["pair"].x)))
+        assert len(b["texts"]) == len(b["pair"].x)
+        return F.mse_loss(m(b["pair"].x), b["pair"].y)
+
+    plan = plan_micro_batch(model, batch, loss_fn, optimizer, memory_budget="64MiB")
+    assert plan.micro_batch_size == items
+    assert seen
+    assert all(texts == rows for texts, rows in seen)
+    # Negative control: cutting every tensor to n items (the old probe) leaves the texts whole.
+    cut = map_tensors(batch, lambda t: t[:4])
+    assert (len(cut["texts"]), len(cut["pair"].x)) == (items, 4)

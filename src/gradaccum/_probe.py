@@ -24,7 +24,7 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from gradaccum._dtensor import local_tensor
 from gradaccum._sync_base import is_fsdp
-from gradaccum.batching import map_tensors, to_device
+from gradaccum.batching import batch_size, slice_batch, to_device
 from gradaccum.loss import read_loss
 from gradaccum.memory import track_tensor_bytes
 from gradaccum.options import Precision, SyncPolicy
@@ -67,6 +67,7 @@ class Probe:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.sample_batch = sample_batch
+        self.items = batch_size(sample_batch)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.runtime = PrecisionRuntime(precision, self.params, accum_dtype)
         self.device = self.runtime.device
@@ -92,7 +93,9 @@ class Probe:
         """Peak bytes above the steady state for one forward+backward of `size` items."""
         if size in self.measured:
             return self.measured[size]
-        micro_batch = to_device(map_tensors(self.sample_batch, lambda t: t[:size]), self.device)
+        # The batch's first items by the splitting rules: per-item lists and dataclasses too.
+        first = slice_batch(self.sample_batch, 0, min(size, self.items))
+        micro_batch = to_device(first, self.device)
         allocator = self.allocator
         saved_grads = [p.grad for p in self.params]
         statistics = snapshot_batchnorm(self.model)
