@@ -668,3 +668,46 @@ def _nested() -> torch.Tensor:
     with warnings.catch_warnings():  # nested tensors are a prototype: torch says so
         warnings.simplefilter("ignore")
         return torch.nested.nested_tensor([torch.ones(i + 1, 2) for i in range(5)])
+
+
+def _detection_loss(model: torch.nn.Module, batch: tuple) -> gradaccum.LossSum:
+    """Per-image features pooled from images of different sizes, one target dict per image."""
+    images, targets = batch
+    features = torch.stack([image.mean(dim=(1, 2)) for image in images])
+    scores = model(features)
+    labels = torch.stack([target["label"] for target in targets])
+    value = torch.nn.functional.cross_entropy(scores, labels, reduction="sum")
+    return gradaccum.LossSum(value, len(labels))
+
+
+def test_lists_of_one_tensor_per_item_are_split_when_the_batch_says_so() -> None:
+    """torchvision detection batches: `(list of B images of varied sizes, list of B dicts)`."""
+    generator = torch.Generator().manual_seed(0)
+    images = [torch.randn(3, 5 + i, 4 + 2 * i, generator=generator) for i in range(7)]
+    images = [image.double() for image in images]
+    targets = [{"label": torch.tensor(i % 3), "boxes": torch.rand(i + 1, 4)} for i in range(7)]
+    batch = (images, targets)
+    assert batch_size(batch) == 7  # not 3, the images' channels
+    micro_batches = split_batch(batch, 3)
+    assert [(len(mb[0]), len(mb[1])) for mb in micro_batches] == [(3, 3), (3, 3), (1, 1)]
+    assert micro_batches[2][0][0] is images[6]
+    assert batch_size({"images": images, "ids": torch.arange(7)}) == 7
+    # Negative control: read as a container, each image would be cut along its channels.
+    assert batch_size(images) == 3
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 3).double()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    loss = _detection_loss(reference, batch)
+    (loss.value / loss.count).backward()
+    ref_opt.step()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    result = gradaccum.Accumulator(model, optimizer, micro_batch_size=3).step(
+        batch, _detection_loss
+    )
+    assert (result.micro_batches, result.count) == (3, 7)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    with pytest.raises(ValueError, match="disagree on the leading dimension"):
+        split_batch({"pair": [torch.zeros(4, 2), torch.zeros(3, 2)], "x": torch.zeros(4)}, 2)

@@ -19,6 +19,8 @@ __all__ = [
     "Sizes",
     "agreed_size",
     "array_items",
+    "check_batch_dim",
+    "check_micro_batch_size",
     "check_not_empty",
     "path_name",
     "refuse_objects",
@@ -109,3 +111,25 @@ def check_not_empty(size: int) -> None:
     """Raise if the batch holds no item."""
     if size == 0:
         raise ValueError("the batch is empty (0 items along the batch dimension); add items.")
+
+
+def check_micro_batch_size(micro_batch_size: object, name: str = "micro_batch_size") -> int:
+    """Return `micro_batch_size` if it is a positive int, else raise a ValueError naming the fix."""
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
+        raise ValueError(
+            f"{name}={micro_batch_size!r} must be a positive int (items per micro-batch), "
+            f"got {type(micro_batch_size).__name__}."
+        )
+    if micro_batch_size <= 0:
+        raise ValueError(f"{name}={micro_batch_size} must be a positive int, e.g. {name}=8.")
+    return micro_batch_size
+
+
+def check_batch_dim(batch_dim: object) -> int:
+    """Return `batch_dim` if it is a non-negative int, else raise a ValueError naming the fix."""
+    if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
+        raise ValueError(
+            f"batch_dim={batch_dim!r} must be a non-negative int: the items' dimension in "
+            "every tensor and array, e.g. batch_dim=1 for sequence-first (S, B, ...) tensors."
+        )
+    return batch_dim

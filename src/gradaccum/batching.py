@@ -11,6 +11,8 @@ list or plain tuple holding no tensor or array   ``x[start:stop]``, one entry pe
 (strings, ints, dicts of them, token lists...)   length must be B (an empty one counts as 0)
 list of dicts with the same keys, or of one      ``x[start:stop]``: uncollated examples, one per
 dataclass or named tuple                         item (a plain tuple of them is a container)
+list of tensors, when read as a container its    ``x[start:stop]``: one tensor per item (images
+sizes disagree with the batch's                  of different sizes, as detection models take)
 other list or plain tuple holding a tensor       a container: rebuilt, each entry by these rules
 dict, named tuple, dataclass, tuple subclass     a record: rebuilt with its type, entry by entry
 anything else: str, int, float, bool, None...    the same object, whole, in every micro-batch
@@ -48,6 +50,8 @@ from gradaccum._batch_sizes import (
     Sizes,
     agreed_size,
     array_items,
+    check_batch_dim,
+    check_micro_batch_size,
     check_not_empty,
     refuse_objects,
 )
@@ -194,28 +198,6 @@ def on_device(batch: Any, device: torch.device) -> bool:
     return True
 
 
-def check_micro_batch_size(micro_batch_size: object, name: str = "micro_batch_size") -> int:
-    """Return `micro_batch_size` if it is a positive int, else raise a ValueError naming the fix."""
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
-        raise ValueError(
-            f"{name}={micro_batch_size!r} must be a positive int (items per micro-batch), "
-            f"got {type(micro_batch_size).__name__}."
-        )
-    if micro_batch_size <= 0:
-        raise ValueError(f"{name}={micro_batch_size} must be a positive int, e.g. {name}=8.")
-    return micro_batch_size
-
-
-def check_batch_dim(batch_dim: object) -> int:
-    """Return `batch_dim` if it is a non-negative int, else raise a ValueError naming the fix."""
-    if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
-        raise ValueError(
-            f"batch_dim={batch_dim!r} must be a non-negative int: the items' dimension in "
-            "every tensor and array, e.g. batch_dim=1 for sequence-first (S, B, ...) tensors."
-        )
-    return batch_dim
-
-
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Rebuild `batch` with `fn` applied to every tensor leaf; other leaves are kept as they are."""
     if isinstance(batch, torch.Tensor):
@@ -251,7 +233,14 @@ def _plan(batch: Any, batch_dim: int, build: bool = True) -> tuple[_Slicer, int]
                 f"the batch ({type(batch).__name__}) holds no tensor, array or per-item list; "
                 "pass a tensor, or a dict/list/tuple of tensors that share the batch dimension."
             )
-        return slicer, agreed_size(sizes, batch_dim)
+        try:
+            return slicer, agreed_size(sizes, batch_dim)
+        except ValueError:  # lists of one tensor per item (images of different sizes)?
+            per_item: Sizes = []
+            slicer = _compile(batch, "batch", batch_dim, per_item, build, tensor_lists=True)
+            if slicer is None or len({n for _, n, _ in per_item}) != 1:
+                raise
+            return slicer, agreed_size(per_item, batch_dim)
     size: int = flat[0].shape[batch_dim]
     if not build:
         return _measured, size
@@ -273,8 +262,14 @@ def _flat_tensors(batch: Any, dim: int) -> list[torch.Tensor] | None:
     return values if size and all(v.shape[dim] == size for v in values) else None
 
 
-def _compile(node: Any, path: Path, dim: int, sizes: Sizes, build: bool) -> _Slicer | None:
-    """Return the slicer of `node` (None if it is a constant), recording its leaves' sizes."""
+def _compile(
+    node: Any, path: Path, dim: int, sizes: Sizes, build: bool, tensor_lists: bool = False
+) -> _Slicer | None:
+    """Return the slicer of `node` (None if it is a constant), recording its leaves' sizes.
+
+    With `tensor_lists`, a plain list of tensors is one tensor per item: tried only when the
+    batch's leaves disagree otherwise, e.g. `{"images": [B tensors of varied sizes], ...}`.
+    """
     if isinstance(node, _SCALARS):
         return None
     if isinstance(node, torch.Tensor):
@@ -291,7 +286,7 @@ def _compile(node: Any, path: Path, dim: int, sizes: Sizes, build: bool) -> _Sli
         template = "[{!r}]"
     elif isinstance(node, tuple) and hasattr(node, "_fields"):  # a named tuple is a record
         entries, template = zip(node._fields, node, strict=True), ".{}"
-    elif is_example_list(node):  # uncollated examples, one per item: never split inside
+    elif is_example_list(node) or (tensor_lists and _tensor_list(node)):  # one per item
         sizes.append((path, len(node), "list of examples"))
         return lambda start, stop: node[start:stop]
     elif _is_record(node) or (isinstance(node, (list, tuple)) and _any_array(node)):
@@ -308,7 +303,9 @@ def _compile(node: Any, path: Path, dim: int, sizes: Sizes, build: bool) -> _Sli
         held = f"{OBJECT}{type(node).__name__}"
         sizes.extend(((path, "{}", name), n, held) for name, n in object_arrays(node, dim))
         return None
-    children = [_compile(v, (path, template, k), dim, sizes, build) for k, v in entries]
+    children = [
+        _compile(v, (path, template, k), dim, sizes, build, tensor_lists) for k, v in entries
+    ]
     if all(child is None for child in children):
         return None
     return _container_slicer(node, children) if build else _measured
@@ -356,6 +353,10 @@ def _tensor_slicer(tensor: torch.Tensor, dim: int) -> _Slicer:
 def _plain(tensor: torch.Tensor, dim: int) -> bool:
     """Whether `tensor` is dense, not nested, and has `dim`: the fast path slices it as a view."""
     return tensor.layout is torch.strided and not tensor.is_nested and tensor.ndim > dim
+
+
+def _tensor_list(node: Any) -> bool:
+    return type(node) is list and all(isinstance(entry, torch.Tensor) for entry in node)
 
 
 def _is_record(node: Any) -> bool:
