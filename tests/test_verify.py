@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -604,3 +605,21 @@ def test_a_loss_running_its_own_backward_or_without_graph_is_refused_naming_the_
         check_equivalence(model, _batch(), without_graph, micro_batch_size=3)
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_numpy_batches_are_cast_to_the_check_dtype_like_tensors() -> None:
+    """A float32 numpy batch (a pandas/numpy pipeline) is checked in float64, not refused."""
+    model = _mlp().float()
+    x, y = (t.float().numpy() for t in _batch())
+
+    def numpy_mse(m: torch.nn.Module, batch) -> torch.Tensor:
+        inputs, targets = (torch.as_tensor(a) for a in batch)
+        return torch.nn.functional.mse_loss(m(inputs), targets)
+
+    report = check_equivalence(model, (x, y), numpy_mse, micro_batch_size=3)
+    assert report.ok, report
+    assert report.max_rel_diff < 1e-10  # judged in float64: the arrays were cast too
+    assert x.dtype == np.float32  # the caller's arrays are untouched
+    # Negative control: left in float32, the arrays meet a float64 copy of the model.
+    with pytest.raises(RuntimeError, match="dtype"):
+        numpy_mse(copy.deepcopy(model).double(), (x, y))

@@ -198,20 +198,28 @@ def on_device(batch: Any, device: torch.device) -> bool:
     return True
 
 
-def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Rebuild `batch` with `fn` applied to every tensor leaf; other leaves are kept as they are."""
+def map_tensors(
+    batch: Any,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    arrays: Callable[[np.ndarray], Any] | None = None,
+) -> Any:
+    """Rebuild `batch` with `fn` applied to every tensor leaf (and `arrays` to numpy arrays).
+
+    Other leaves are kept as they are.
+    """
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, Mapping):
-        return type(batch)({k: map_tensors(v, fn) for k, v in batch.items()})  # type: ignore[call-arg]
+        return type(batch)({k: map_tensors(v, fn, arrays) for k, v in batch.items()})  # type: ignore[call-arg]
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
-        return type(batch)(*(map_tensors(v, fn) for v in batch))
+        return type(batch)(*(map_tensors(v, fn, arrays) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(map_tensors(v, fn) for v in batch)
+        return type(batch)(map_tensors(v, fn, arrays) for v in batch)
     if is_dataclass_instance(batch):
-        return rebuild_dataclass(
-            batch, {k: map_tensors(v, fn) for k, v in dataclass_entries(batch)}
-        )
+        values = {k: map_tensors(v, fn, arrays) for k, v in dataclass_entries(batch)}
+        return rebuild_dataclass(batch, values)
+    if arrays is not None and isinstance(batch, np.ndarray):
+        return arrays(batch)
     return batch
 
 

@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -204,9 +205,10 @@ def check_equivalence(
 ) -> EquivalenceReport:
     """Compare the accumulated gradient with the full-batch gradient on copies of `model`.
 
-    The model itself is not touched. Floating tensors of the model and the batch are cast to
-    `dtype`, complex ones to the complex dtype of its precision. Both runs start from the
-    caller's RNG state (CPU, and CUDA when used), which is restored afterwards.
+    The model itself is not touched. Floating tensors of the model and the batch (and the
+    batch's floating numpy arrays) are cast to `dtype`, complex ones to the complex dtype of
+    its precision. Both runs start from the caller's RNG state (CPU, and CUDA when used), which
+    is restored afterwards.
 
     Args:
         model: The model to check.
@@ -225,7 +227,7 @@ def check_equivalence(
     _refuse_unmaterialized(model, batch)
     split_batch(batch, micro_batch_size)  # validates the batch and the size before any work
     full_model, accumulated_model = _cast_copy(model, dtype), _cast_copy(model, dtype)
-    batch = map_tensors(batch, lambda tensor: _cast(tensor, dtype))
+    batch = map_tensors(batch, lambda t: _cast(t, dtype), lambda a: _cast_array(a, dtype))
     devices = cuda_devices([*model.parameters(), *model.buffers(), *_tensors_of(batch)])
     hooked = hooked_buffers(full_model)
     precision = _PrecisionProbe(dtype)
@@ -352,6 +354,17 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if tensor.is_complex():
         return tensor.to(_COMPLEX.get(dtype, torch.complex64))
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _cast_array(array: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """A floating (complex) numpy array in `dtype` (its complex twin), as tensors are cast."""
+    if array.dtype.kind not in "fc":
+        return array
+    target = _COMPLEX.get(dtype, torch.complex64) if array.dtype.kind == "c" else dtype
+    try:
+        return array.astype(torch.empty(0, dtype=target).numpy().dtype)
+    except TypeError:  # a dtype numpy does not have (bfloat16): left as it is
+        return array
 
 
 def _tensors_of(batch: Any) -> list[torch.Tensor]:
