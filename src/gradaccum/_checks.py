@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from gradaccum._batch_sizes import check_micro_batch_size
 from gradaccum._sync_base import is_fsdp
-from gradaccum.batching import check_micro_batch_size
 from gradaccum.options import SyncPolicy, Tokens
 from gradaccum.recovery import is_auto
 from gradaccum.window import trainable_parameters

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from gradaccum._batch_sizes import check_batch_dim
 from gradaccum._checks import (
     check_fsdp_support,
     check_savable,
@@ -39,7 +40,7 @@ from gradaccum._checks import (
     check_settings,
 )
 from gradaccum._engine import Engine
-from gradaccum.batching import batch_size, check_batch_dim, split_batch
+from gradaccum.batching import batch_size, split_batch
 from gradaccum.batchnorm import BatchNormControl
 from gradaccum.divisor import Expectation
 from gradaccum.options import (
