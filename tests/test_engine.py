@@ -565,3 +565,30 @@ def test_negative_control_a_backward_inside_the_loss_counts_the_gradient_twice()
         for got, want in zip(model.parameters(), reference[0].parameters(), strict=True)
     )
     assert gap > 1e-3
+
+
+@pytest.mark.parametrize("drive", ["step", "accumulate_grad"])
+def test_a_graph_shared_by_every_micro_batch_is_refused_with_the_fix(drive: str) -> None:
+    """A tensor with a graph computed once outside loss_fn: the second backward fails."""
+    model, optimizer, scheduler, acc = _setup()
+    _warm_up(acc)
+    before = _everything(model, optimizer, scheduler)
+    factor = model.net[0].weight.sum().exp()  # once per batch, outside loss_fn
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        return mse_loss(m, batch) * factor
+
+    def run() -> None:
+        if drive == "step":
+            acc.step(_batch(), loss_fn)
+        else:
+            gradaccum.accumulate_grad(model, _batch(), loss_fn, 3)
+
+    with pytest.raises(RuntimeError, match="graph a second time") as raised:
+        run()
+    notes = " ".join(getattr(raised.value, "__notes__", []))
+    assert "was discarded" in notes
+    assert "compute it inside loss_fn" in notes
+    assert_bitwise(_everything(model, optimizer, scheduler), before)
+    # Negative control: computed inside loss_fn, the same objective accumulates exactly.
+    _assert_still_exact(model, optimizer, scheduler, acc)

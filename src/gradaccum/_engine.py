@@ -348,12 +348,8 @@ class Engine:
 
     def _forget_window(self, error: BaseException | None = None) -> None:
         """Put back everything the window touched: grads, buffers, BatchNorm, (rerun) RNG."""
-        if error is not None and hasattr(error, "add_note"):
-            error.add_note(
-                f"gradaccum: the open accumulation window ({self.window.micro_batches} "
-                "micro-batches) was discarded; parameters, gradients and BatchNorm statistics "
-                "are as they were before it."
-            )
+        if error is not None:
+            self.window.note_discarded(error)
         self.window.restore()
         self.sync.forget_window()
         self.runtime.clear_buffers()

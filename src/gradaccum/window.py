@@ -201,6 +201,23 @@ class Window:
             "window was discarded."
         )
 
+    def note_discarded(self, error: BaseException) -> None:
+        """Add notes to `error`: the window was discarded, and a hint if the cause is known."""
+        add_note = getattr(error, "add_note", None)
+        if add_note is None:  # Python < 3.11
+            return
+        add_note(
+            f"gradaccum: the open accumulation window ({self.micro_batches} micro-batches) was "
+            "discarded; parameters, gradients and BatchNorm statistics are as they were before it."
+        )
+        if isinstance(error, RuntimeError) and "graph a second time" in str(error):
+            add_note(
+                "gradaccum: every micro-batch runs its own backward, so loss_fn must not use a "
+                "tensor with a graph computed outside it (once per batch, e.g. an embedding "
+                "table or a weight transform): compute it inside loss_fn. retain_graph=True is "
+                "not the fix here."
+            )
+
     def restore(self) -> None:
         """Forget the window: the gradients set aside come back, the totals are cleared."""
         for param, grad in zip(self.params, self._stashed, strict=True):
@@ -347,7 +364,8 @@ def accumulate_grad(
                 root.backward(seed)  # type: ignore[no-untyped-call]
             window.watch()
             window.add(value, weight, count, items)
-    except BaseException:
+    except BaseException as error:
+        window.note_discarded(error)
         window.restore()
         raise
     if window.count > 0 or objective is Normalize.SUM:
