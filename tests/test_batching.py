@@ -615,6 +615,22 @@ def test_objects_holding_the_batch_are_refused_and_nothing_changes(holder: str) 
         split_batch(batch, 3)
 
 
+class SlottedHolder:
+    """Like an attrs class (slots by default): no __dict__ to look into."""
+
+    __slots__ = ("name", "x")
+
+    def __init__(self, x: torch.Tensor, name: str) -> None:
+        self.x, self.name = x, name
+
+
+def test_slotted_objects_holding_the_batch_are_refused_too() -> None:
+    with pytest.raises(TypeError, match=r"batch\['s'\]\.x \(SlottedHolder object\)"):
+        split_batch({"a": torch.zeros(4), "s": SlottedHolder(torch.zeros(4, 2), "t")}, 2)
+    constant = SlottedHolder(torch.ones(3), "t")  # 3 weights, not the batch's 4 items
+    assert split_batch({"a": torch.zeros(4), "s": constant}, 2)[1]["s"] is constant
+
+
 def test_objects_holding_no_batch_sized_tensor_are_constants() -> None:
     weights = SimpleNamespace(class_weights=torch.ones(3), name="w")
     batch = {"x": torch.zeros(5, 2), "w": weights}

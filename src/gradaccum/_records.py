@@ -76,13 +76,18 @@ def is_example_list(node: Any) -> bool:
 def object_arrays(node: object, dim: int) -> list[tuple[str, int]]:
     """The attributes of an object that hold tensors or arrays, and their sizes along `dim`.
 
-    Looks at the object's `__dict__` and the dicts, lists and tuples in it; an object without
-    one (a number, a string, a tokenizer's C type) holds none. Tensors with no `dim` are not
-    listed: they cannot hold the batch's items.
+    Looks at the object's `__dict__` and `__slots__` and the dicts, lists and tuples in them; an
+    object without either (a number, a string, a tokenizer's C type) holds none. Tensors with
+    no `dim` are not listed: they cannot hold the batch's items.
     """
-    attributes = getattr(node, "__dict__", None)
-    if not isinstance(attributes, dict) or isinstance(node, (type, torch.nn.Module)):
+    if isinstance(node, (type, torch.nn.Module)):
         return []
+    attributes = dict(getattr(node, "__dict__", None) or {})
+    for kind in type(node).__mro__:  # `__slots__` classes (attrs' default) hold no __dict__
+        slots = getattr(kind, "__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(node, name):
+                attributes[name] = getattr(node, name)
     return [
         (name, int(array.shape[dim]))
         for key, value in attributes.items()
