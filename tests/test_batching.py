@@ -6,7 +6,7 @@ import copy
 import dataclasses
 import math
 import warnings
-from collections import OrderedDict, namedtuple
+from collections import OrderedDict, defaultdict, namedtuple
 from types import SimpleNamespace
 
 import numpy as np
@@ -629,6 +629,18 @@ def test_slotted_objects_holding_the_batch_are_refused_too() -> None:
         split_batch({"a": torch.zeros(4), "s": SlottedHolder(torch.zeros(4, 2), "t")}, 2)
     constant = SlottedHolder(torch.ones(3), "t")  # 3 weights, not the batch's 4 items
     assert split_batch({"a": torch.zeros(4), "s": constant}, 2)[1]["s"] is constant
+
+
+def test_defaultdicts_are_rebuilt_with_their_default_factory() -> None:
+    counts = defaultdict(int, {"x": torch.arange(5), "inner": defaultdict(list, {"y": _texts(5)})})
+    first, _, last = split_batch(counts, 2)
+    assert type(first) is defaultdict
+    assert first.default_factory is int
+    assert first["inner"].default_factory is list
+    assert last["inner"]["y"] == ["item-4"]
+    moved = to_device(map_tensors(counts, lambda t: t + 1), torch.device("cpu"))
+    assert moved.default_factory is int
+    assert torch.equal(moved["x"], torch.arange(1, 6))
 
 
 def test_objects_holding_no_batch_sized_tensor_are_constants() -> None:

@@ -13,6 +13,7 @@ whole to every micro-batch by accident:
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 from collections.abc import Iterator, Mapping
@@ -21,7 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["dataclass_entries", "is_dataclass_instance", "is_example_list", "object_arrays"]
+__all__ = [
+    "dataclass_entries",
+    "is_dataclass_instance",
+    "is_example_list",
+    "object_arrays",
+    "rebuild_dataclass",
+    "rebuild_mapping",
+]
 
 
 def is_dataclass_instance(node: object) -> bool:
@@ -51,6 +59,16 @@ def rebuild_dataclass(node: Any, values: dict[str, Any]) -> Any:
         if name not in init and value is not getattr(node, name):  # split: not recomputed
             object.__setattr__(rebuilt, name, value)  # frozen dataclasses too
     return rebuilt
+
+
+def rebuild_mapping(node: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
+    """A mapping of `node`'s type holding `values` (a `defaultdict` keeps its default factory)."""
+    kind: Any = type(node)
+    if kind is dict:
+        return values
+    if isinstance(node, collections.defaultdict):
+        return kind(node.default_factory, values)
+    return kind(values)
 
 
 def is_example_list(node: Any) -> bool:

@@ -61,6 +61,7 @@ from gradaccum._records import (
     is_example_list,
     object_arrays,
     rebuild_dataclass,
+    rebuild_mapping,
 )
 
 __all__ = ["batch_size", "map_tensors", "on_device", "slice_batch", "split_batch", "to_device"]
@@ -210,7 +211,7 @@ def map_tensors(
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, Mapping):
-        return type(batch)({k: map_tensors(v, fn, arrays) for k, v in batch.items()})  # type: ignore[call-arg]
+        return rebuild_mapping(batch, {k: map_tensors(v, fn, arrays) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
         return type(batch)(*(map_tensors(v, fn, arrays) for v in batch))
     if isinstance(batch, (list, tuple)):
@@ -326,7 +327,7 @@ def _container_slicer(node: Any, children: list[_Slicer | None]) -> _Slicer:
         keys, entries = list(node), _entries_slicer(list(node.values()), children)
         if kind is dict:
             return lambda start, stop: dict(zip(keys, entries(start, stop), strict=True))
-        return lambda start, stop: kind(dict(zip(keys, entries(start, stop), strict=True)))
+        return lambda a, b: rebuild_mapping(node, dict(zip(keys, entries(a, b), strict=True)))
     if is_dataclass_instance(node):
         names, values = zip(*dataclass_entries(node), strict=True)
         fields = _entries_slicer(values, children)

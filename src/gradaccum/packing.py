@@ -33,6 +33,7 @@ from gradaccum._records import (
     is_dataclass_instance,
     is_example_list,
     rebuild_dataclass,
+    rebuild_mapping,
 )
 from gradaccum._warnings import warn_user
 from gradaccum.batching import batch_size, slice_batch
@@ -147,7 +148,7 @@ def _take(node: Any, order: Sequence[int], items: int) -> Any:
     if isinstance(node, np.ndarray):
         return node[list(order)] if node.ndim and node.shape[0] == items else node
     if isinstance(node, Mapping):
-        return type(node)({k: _take(v, order, items) for k, v in node.items()})  # type: ignore[call-arg]
+        return rebuild_mapping(node, {k: _take(v, order, items) for k, v in node.items()})
     if isinstance(node, tuple) and hasattr(node, "_fields"):  # a named tuple: a record
         return type(node)(*(_take(v, order, items) for v in node))
     if isinstance(node, (list, tuple)):
@@ -169,7 +170,7 @@ def _trim(node: Any, full: int, width: int) -> Any:
     if isinstance(node, torch.Tensor):
         return node[:, :width] if node.ndim >= 2 and node.shape[1] == full else node
     if isinstance(node, Mapping):
-        return type(node)({k: _trim(v, full, width) for k, v in node.items()})  # type: ignore[call-arg]
+        return rebuild_mapping(node, {k: _trim(v, full, width) for k, v in node.items()})
     if isinstance(node, tuple) and hasattr(node, "_fields"):
         return type(node)(*(_trim(v, full, width) for v in node))
     if isinstance(node, (list, tuple)) and _holds_arrays(node) and not is_example_list(node):
