@@ -739,3 +739,28 @@ def test_lists_of_one_tensor_per_item_are_split_when_the_batch_says_so() -> None
         torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
     with pytest.raises(ValueError, match="disagree on the leading dimension"):
         split_batch({"pair": [torch.zeros(4, 2), torch.zeros(3, 2)], "x": torch.zeros(4)}, 2)
+
+
+def test_uncollated_tuples_from_a_tensor_dataset_are_split_per_example() -> None:
+    """`DataLoader(TensorDataset(x, y), collate_fn=list)`: a list of `(x_i, y_i)` pairs."""
+    model, x, _ = _regression()
+    labels = torch.tensor([0, 1, 0, 0, 1, 1, 0])
+    dataset = torch.utils.data.TensorDataset(x, labels)
+    batch = next(iter(torch.utils.data.DataLoader(dataset, batch_size=7, collate_fn=list)))
+    assert batch_size(batch) == 7
+    assert [len(mb) for mb in split_batch(batch, 3)] == [3, 3, 1]
+    model = torch.nn.Linear(4, 2).double()
+
+    def loss_fn(m: torch.nn.Module, examples: list) -> torch.Tensor:
+        inputs = torch.stack([example[0] for example in examples])
+        targets = torch.stack([example[1] for example in examples])
+        return torch.nn.functional.cross_entropy(m(inputs), targets)
+
+    reference = copy.deepcopy(model)
+    loss_fn(reference, batch).backward()
+    gradaccum.accumulate_grad(model, batch, loss_fn, micro_batch_size=3)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=0)
+    # Negative control: a plain pair with a 0-dim tensor is still refused (not read per item).
+    with pytest.raises(ValueError, match="0-dim tensor"):
+        split_batch((torch.zeros(3, 2), torch.tensor(1.0)), 2)

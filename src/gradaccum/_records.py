@@ -27,6 +27,7 @@ __all__ = [
     "is_dataclass_instance",
     "is_example_list",
     "object_arrays",
+    "per_item_list",
     "rebuild_dataclass",
     "rebuild_mapping",
 ]
@@ -89,6 +90,18 @@ def is_example_list(node: Any) -> bool:
     if is_dataclass_instance(first) or (isinstance(first, tuple) and hasattr(first, "_fields")):
         return all(type(entry) is kind for entry in node)
     return False
+
+
+def per_item_list(node: Any) -> bool:
+    """A plain list of tensors, or of plain tuples of one length: per item, if need be.
+
+    Asked only when a batch cannot be read with such lists as containers (their tensors'
+    sizes disagree with the batch's B): images of different sizes, `[(x, y), ...]` examples.
+    """
+    if type(node) is not list or not node or all(type(e) is torch.Tensor for e in node):
+        return type(node) is list
+    size = len(node[0]) if type(node[0]) is tuple else -1
+    return all(type(entry) is tuple and len(entry) == size for entry in node)
 
 
 def object_arrays(node: object, dim: int) -> list[tuple[str, int]]:

@@ -11,8 +11,8 @@ list or plain tuple holding no tensor or array   ``x[start:stop]``, one entry pe
 (strings, ints, dicts of them, token lists...)   length must be B (an empty one counts as 0)
 list of dicts with the same keys, or of one      ``x[start:stop]``: uncollated examples, one per
 dataclass or named tuple                         item (a plain tuple of them is a container)
-list of tensors, when read as a container its    ``x[start:stop]``: one tensor per item (images
-sizes disagree with the batch's                  of different sizes, as detection models take)
+list of tensors or of same-length tuples, when   ``x[start:stop]``: one entry per item (images
+read as a container it disagrees with the batch  of varied sizes, ``collate_fn=list`` pairs)
 other list or plain tuple holding a tensor       a container: rebuilt, each entry by these rules
 dict, named tuple, dataclass, tuple subclass     a record: rebuilt with its type, entry by entry
 anything else: str, int, float, bool, None...    the same object, whole, in every micro-batch
@@ -60,6 +60,7 @@ from gradaccum._records import (
     is_dataclass_instance,
     is_example_list,
     object_arrays,
+    per_item_list,
     rebuild_dataclass,
     rebuild_mapping,
 )
@@ -234,26 +235,29 @@ def _plan(batch: Any, batch_dim: int, build: bool = True) -> tuple[_Slicer, int]
         return (_tensor_slicer(batch, batch_dim) if build else _measured), batch.shape[batch_dim]
     flat = _flat_tensors(batch, batch_dim)
     if flat is None:  # the general path
-        sizes: Sizes = []
-        slicer = _compile(batch, "batch", batch_dim, sizes, build)
-        if slicer is None:
-            refuse_objects(sizes, None)
-            raise ValueError(
-                f"the batch ({type(batch).__name__}) holds no tensor, array or per-item list; "
-                "pass a tensor, or a dict/list/tuple of tensors that share the batch dimension."
-            )
         try:
-            return slicer, agreed_size(sizes, batch_dim)
-        except ValueError:  # lists of one tensor per item (images of different sizes)?
-            per_item: Sizes = []
-            slicer = _compile(batch, "batch", batch_dim, per_item, build, tensor_lists=True)
-            if slicer is None or len({n for _, n, _ in per_item}) != 1:
-                raise
-            return slicer, agreed_size(per_item, batch_dim)
+            return _general(batch, batch_dim, build, lists=False)
+        except ValueError as error:  # lists of one tensor or tuple per item (images, pairs)?
+            try:
+                return _general(batch, batch_dim, build, lists=True)
+            except ValueError:
+                raise error from None
     size: int = flat[0].shape[batch_dim]
     if not build:
         return _measured, size
     return _container_slicer(batch, [_tensor_slicer(t, batch_dim) for t in flat]), size
+
+
+def _general(batch: Any, dim: int, build: bool, lists: bool) -> tuple[_Slicer, int]:
+    sizes: Sizes = []
+    slicer = _compile(batch, "batch", dim, sizes, build, lists)
+    if slicer is None:
+        refuse_objects(sizes, None)
+        raise ValueError(
+            f"the batch ({type(batch).__name__}) holds no tensor, array or per-item list; "
+            "pass a tensor, or a dict/list/tuple of tensors that share the batch dimension."
+        )
+    return slicer, agreed_size(sizes, dim)
 
 
 def _flat_tensors(batch: Any, dim: int) -> list[torch.Tensor] | None:
@@ -276,8 +280,9 @@ def _compile(
 ) -> _Slicer | None:
     """Return the slicer of `node` (None if it is a constant), recording its leaves' sizes.
 
-    With `tensor_lists`, a plain list of tensors is one tensor per item: tried only when the
-    batch's leaves disagree otherwise, e.g. `{"images": [B tensors of varied sizes], ...}`.
+    With `tensor_lists`, a plain list of tensors (or of tuples of one length) is one entry per
+    item: tried only when the batch cannot be read otherwise, e.g. `{"images": [B tensors of
+    varied sizes], ...}` or `[(x, y), ...]` from a loader with `collate_fn=list`.
     """
     if isinstance(node, _SCALARS):
         return None
@@ -295,7 +300,7 @@ def _compile(
         template = "[{!r}]"
     elif isinstance(node, tuple) and hasattr(node, "_fields"):  # a named tuple is a record
         entries, template = zip(node._fields, node, strict=True), ".{}"
-    elif is_example_list(node) or (tensor_lists and _tensor_list(node)):  # one per item
+    elif is_example_list(node) or (tensor_lists and per_item_list(node)):  # one per item
         sizes.append((path, len(node), "list of examples"))
         return lambda start, stop: node[start:stop]
     elif _is_record(node) or (isinstance(node, (list, tuple)) and _any_array(node)):
@@ -362,10 +367,6 @@ def _tensor_slicer(tensor: torch.Tensor, dim: int) -> _Slicer:
 def _plain(tensor: torch.Tensor, dim: int) -> bool:
     """Whether `tensor` is dense, not nested, and has `dim`: the fast path slices it as a view."""
     return tensor.layout is torch.strided and not tensor.is_nested and tensor.ndim > dim
-
-
-def _tensor_list(node: Any) -> bool:
-    return type(node) is list and all(isinstance(entry, torch.Tensor) for entry in node)
 
 
 def _is_record(node: Any) -> bool:
