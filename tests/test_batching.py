@@ -647,6 +647,11 @@ def test_objects_holding_no_batch_sized_tensor_are_constants() -> None:
     weights = SimpleNamespace(class_weights=torch.ones(3), name="w")
     batch = {"x": torch.zeros(5, 2), "w": weights}
     assert all(mb["w"] is weights for mb in split_batch(batch, 2))
+    # A tokenizer-like object is looked into cheaply (not its whole vocabulary), cycles too.
+    loop: list = [1]
+    loop.append(loop)
+    tokenizer = SimpleNamespace(vocab={f"w{i}": i for i in range(100_000)}, loop=loop)
+    assert split_batch({"x": torch.zeros(5, 2), "tok": tokenizer}, 2)[0]["tok"] is tokenizer
 
 
 def _example_mse(model: torch.nn.Module, examples: list) -> torch.Tensor:

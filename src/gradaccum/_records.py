@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -107,8 +108,9 @@ def per_item_list(node: Any) -> bool:
 def object_arrays(node: object, dim: int) -> list[tuple[str, int]]:
     """The attributes of an object that hold tensors or arrays, and their sizes along `dim`.
 
-    Looks at the object's `__dict__` and `__slots__` and the dicts, lists and tuples in them; an
-    object without either (a number, a string, a tokenizer's C type) holds none. Tensors with
+    Looks at the object's `__dict__` and `__slots__` and the dicts, lists and tuples in them (two
+    levels, 64 entries each: cheap for a tokenizer passed whole); an object without either (a
+    number, a string, a C type) holds none. Tensors with
     no `dim` are not listed: they cannot hold the batch's items.
     """
     if isinstance(node, (type, torch.nn.Module)):
@@ -127,12 +129,16 @@ def object_arrays(node: object, dim: int) -> list[tuple[str, int]]:
     ]
 
 
-def _arrays(value: Any, name: str) -> Iterator[tuple[str, Any]]:
+_LOOK = 64  # entries looked at in each container an object holds (a tokenizer's vocab: not all)
+
+
+def _arrays(value: Any, name: str, depth: int = 2) -> Iterator[tuple[str, Any]]:
+    """Tensors and arrays in `value`, through at most `depth` levels of dicts, lists, tuples."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
         yield name, value
-    elif isinstance(value, Mapping):
-        for key, entry in value.items():
-            yield from _arrays(entry, f"{name}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
-        for index, entry in enumerate(value):
-            yield from _arrays(entry, f"{name}[{index}]")
+    elif depth and isinstance(value, Mapping):
+        for key, entry in itertools.islice(value.items(), _LOOK):
+            yield from _arrays(entry, f"{name}[{key!r}]", depth - 1)
+    elif depth and isinstance(value, (list, tuple)):
+        for index, entry in enumerate(value[:_LOOK]):
+            yield from _arrays(entry, f"{name}[{index}]", depth - 1)
