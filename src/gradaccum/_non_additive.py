@@ -4,8 +4,9 @@ BatchNorm in train mode (or without running statistics), dropout, spectral norm'
 iteration, other stateful parametrizations, and modules whose forward pre-hooks change their
 buffers all compute something else on micro-batches than on one full batch. `find_non_additive`
 lists them from the model alone; `hooked_buffers` and `changed_by_hooks` find the hooks that do so
-once `gradaccum.verify.check_equivalence` has run the model. Everything here is re-exported or
-used by `gradaccum.verify`.
+once `gradaccum.verify.check_equivalence` has run the model, and `diverged_buffers` the modules
+whose forward updates a buffer (a running statistic) differently on micro-batches. Everything
+here is re-exported or used by `gradaccum.verify`.
 
 Example:
     >>> import torch
@@ -29,6 +30,7 @@ __all__ = [
     "NonAdditiveModule",
     "changed_by_hooks",
     "cuda_devices",
+    "diverged_buffers",
     "find_non_additive",
     "hooked_buffers",
 ]
@@ -156,6 +158,36 @@ def changed_by_hooks(
                 "see other states than the full batch"
             )
             found.append(NonAdditiveModule(name or "<model>", type(modules[name]).__name__, reason))
+    return found
+
+
+def diverged_buffers(
+    full: torch.nn.Module, accumulated: torch.nn.Module, known: set[str]
+) -> list[NonAdditiveModule]:
+    """Modules whose own buffers ended differently after the micro-batches than the full batch.
+
+    A forward that updates a running statistic (a custom normalization, an EMA) advances it
+    once per micro-batch; a counter of items seen ends the same and is not listed. Modules
+    already listed in `known` (BatchNorm, spectral norm...), or inside them, are skipped.
+    """
+    found = []
+    modules = dict(accumulated.named_modules())
+    for name, module in full.named_modules():
+        label = name or "<model>"
+        if any(label == k or label.startswith(f"{k}.") or k.startswith(f"{label}.") for k in known):
+            continue
+        other = dict(modules[name].named_buffers(recurse=False))
+        changed = [
+            key
+            for key, buffer in module.named_buffers(recurse=False)
+            if key in other and not torch.equal(buffer, other[key])
+        ]
+        if changed:
+            reason = (
+                f"its forward updates its buffers {', '.join(changed)}, once per micro-batch "
+                "instead of once per batch, so later micro-batches see another state"
+            )
+            found.append(NonAdditiveModule(label, type(module).__name__, reason))
     return found
 
 

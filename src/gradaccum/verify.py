@@ -35,6 +35,7 @@ from gradaccum._non_additive import (
     NonAdditiveModule,
     changed_by_hooks,
     cuda_devices,
+    diverged_buffers,
     find_non_additive,
     hooked_buffers,
 )
@@ -172,7 +173,7 @@ class EquivalenceReport:
             for kind, modules in kinds.items():
                 more = f" and {len(modules) - 4} more" if len(modules) > 4 else ""
                 names = ", ".join(m.name for m in modules[:4]) + more
-                fix = _FIXES["BatchNorm" if "BatchNorm" in kind else "other"]
+                fix = _FIXES[_cause(kind, modules[0].reason)]
                 lines += [f"  {kind} at {names}: {modules[0].reason}", f"    -> {fix}"]
         elif not self.ok:
             lines += [
@@ -192,7 +193,17 @@ _FIXES = {
     "or 'frozen' (eval-mode statistics); see docs/batchnorm.md",
     "other": "check with dropout off (eval mode or p=0); in training, different masks are "
     "expected noise, not a bug",
+    "state": "check in eval mode (model.eval()) to confirm the rest is exact; in training the "
+    "state advances once per micro-batch, which no accumulation undoes: update it once per "
+    "window (e.g. from Accumulator's step results) if it must match the full batch",
 }
+
+
+def _cause(kind: str, reason: str) -> str:
+    """Which fix of `_FIXES` a non-additive module calls for."""
+    if "BatchNorm" in kind:
+        return "BatchNorm"
+    return "other" if "random" in reason else "state"
 
 
 def check_equivalence(
@@ -258,6 +269,7 @@ def check_equivalence(
 
     non_additive = find_non_additive(model)
     non_additive += changed_by_hooks(full_model, hooked, {m.name for m in non_additive})
+    non_additive += diverged_buffers(full_model, accumulated_model, {m.name for m in non_additive})
     limit = precision.lowest
     return EquivalenceReport(
         micro_batch_size=micro_batch_size,
