@@ -46,6 +46,8 @@ from gradaccum._checkpoint_fit import (
     check_extra,
     check_optimizer_fits,
     one_line,
+    strip_wrapper_prefixes,
+    unwrapped,
 )
 from gradaccum._rng_state import RngStates, capture_rng, checked_rng
 from gradaccum._sharded_checkpoint import fsync_folder, load_sharded, save_sharded
@@ -107,7 +109,7 @@ def save_checkpoint(
     payload = {
         "format": _FORMAT,
         "version": _VERSION,
-        "model": model.state_dict(),
+        "model": unwrapped(model).state_dict(),  # loads into the model wrapped or not
         "optimizer": optimizer.state_dict(),
         "optimizer_class": type(optimizer).__name__,
         "scheduler": None if scheduler is None else scheduler.state_dict(),
@@ -190,7 +192,8 @@ def load_checkpoint(
     ]
     if missing:
         raise CheckpointError(f"{source} is incomplete: it lacks {', '.join(missing)}.")
-    _check_model_fits(source, payload["model"], model.state_dict())
+    model, weights = unwrapped(model), payload["model"]
+    weights = _check_model_fits(source, weights, model.state_dict())
     check_optimizer_fits(source, payload, optimizer)
     if scheduler is not None:
         _check_scheduler_fits(source, payload, scheduler, optimizer)
@@ -202,7 +205,7 @@ def load_checkpoint(
             accumulator.load_state_dict(payload["accumulator"])
         except ValueError as error:
             raise CheckpointError(f"{source} does not fit the Accumulator: {error}") from error
-    model.load_state_dict(payload["model"])
+    model.load_state_dict(weights)
     optimizer.load_state_dict(payload["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(payload["scheduler"])
@@ -230,8 +233,8 @@ def load_model_weights(path: str | os.PathLike[str], model: torch.nn.Module) -> 
     payload = _read_payload(source)
     if not isinstance(payload.get("model"), dict):
         raise CheckpointError(f"{source} is incomplete: it lacks model.")
-    _check_model_fits(source, payload["model"], model.state_dict())
-    model.load_state_dict(payload["model"])
+    model = unwrapped(model)
+    model.load_state_dict(_check_model_fits(source, payload["model"], model.state_dict()))
 
 
 def _read_payload(source: Path) -> dict[str, Any]:
@@ -266,8 +269,15 @@ def _read_payload(source: Path) -> dict[str, Any]:
 _ARCHITECTURE = "load it into the architecture it was saved from"
 
 
-def _check_model_fits(source: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuse a model state whose keys or tensor shapes differ from the model's."""
+def _check_model_fits(
+    source: Path, saved: dict[str, Any], current: dict[str, Any]
+) -> dict[str, Any]:
+    """The saved model state, refused if its keys or tensor shapes differ from the model's.
+
+    Files saved from a wrapped model by an older gradaccum carry its prefix on every key (the
+    `_orig_mod.` of `torch.compile`, the `module.` of DDP); it is taken off.
+    """
+    saved = strip_wrapper_prefixes(saved, current.keys())
     if saved.keys() != current.keys():
         extra, absent = sorted(saved.keys() - current.keys()), sorted(current.keys() - saved.keys())
         raise CheckpointError(
@@ -288,6 +298,7 @@ def _check_model_fits(source: Path, saved: dict[str, Any], current: dict[str, An
                 f"{source} holds {key} of shape {tuple(value.shape)}, the model has "
                 f"{tuple(tensor.shape)}; {_ARCHITECTURE}."
             )
+    return saved
 
 
 def _check_scheduler_fits(
