@@ -151,6 +151,21 @@ def test_epoch_end_leftover_of_a_dataset_of_unknown_length(keras_results, backen
     assert_exact(result(keras_results, backend, "leftover_unknown_length"), backend, steps=3)
 
 
+def test_carry_over_epochs_of_unknown_length_counts_only_real_micro_batches(keras_results, backend):
+    found = result(keras_results, backend, "carry_over_epochs_of_unknown_length")
+    if found.get("skipped"):
+        pytest.skip(found["skipped"])
+    assert_exact(found, backend, steps=7)
+    assert found["state"]["pending"] == found["pending_ref"] == 2
+    assert found["full_windows_state"] == {"steps": 4, "skipped": 0, "pending": 0}, found
+
+
+def test_window_state_is_readable_from_a_callback_during_fit(keras_results, backend):
+    found = result(keras_results, backend, "window_state_during_fit")
+    assert found["pending"] == [1, 0, 1, 0, 0], found  # the epoch's last window steps on 1
+    assert found["state"] == {"steps": 3, "skipped": 0, "pending": 0}, found
+
+
 def test_steps_per_execution_and_jit_compile(keras_results, backend):
     found = result(keras_results, backend, "steps_per_execution_and_jit")
     if found.get("skipped"):

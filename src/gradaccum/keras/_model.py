@@ -237,7 +237,14 @@ class AccumulatingModel(keras.Model):
 
     @property
     def window_state(self) -> dict[str, int]:
-        """`steps` taken, windows `skipped` (non-finite or empty), micro-batches `pending`."""
+        """`steps` taken, windows `skipped` (non-finite or empty), micro-batches `pending`.
+
+        Readable during `fit` too (a callback): on JAX, where `fit` holds the variables' values
+        until they are synced, reading it syncs them first, as `Callback.model` does.
+        """
+        sync = getattr(self, "jax_state_sync", None)
+        if callable(sync):
+            sync()
         return self._window_optimizer().window_state()
 
     def _window_optimizer(self) -> WindowOptimizer:
