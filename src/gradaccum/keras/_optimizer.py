@@ -62,7 +62,8 @@ def _after(tensor: Any) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
     import tensorflow as tf
 
-    return tf.control_dependencies([tensor])
+    dependencies: contextlib.AbstractContextManager[Any] = tf.control_dependencies([tensor])
+    return dependencies
 
 
 class WindowOptimizer(keras.optimizers.LossScaleOptimizer):
@@ -190,9 +191,7 @@ class WindowOptimizer(keras.optimizers.LossScaleOptimizer):
             epoch_end = ops.logical_and(
                 ops.greater(length, 0), ops.greater_equal(epoch_micro, length)
             )
-            self._epoch_micro.assign(
-                ops.where(epoch_end, ops.zeros_like(epoch_micro), epoch_micro)
-            )
+            self._epoch_micro.assign(ops.where(epoch_end, ops.zeros_like(epoch_micro), epoch_micro))
         full = ops.greater_equal(self._micro.value, self.steps)
         if self.partial_window == "carry":
             return full, ops.zeros((), "bool")
