@@ -382,6 +382,54 @@ def window_state_during_fit():
     return {"pending": seen, "state": trainer.window_state}
 
 
+class _Crash(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise KeyboardInterrupt("the machine went away")
+
+
+@check
+def backup_and_restore_resumes_exactly():
+    """`BackupAndRestore` (save_weights / load_weights each epoch): a run killed after epoch 2
+    and started again ends where the uninterrupted run ends, optimizer state included."""
+    import shutil
+    import tempfile
+
+    micro = regression([4] * 6, seed=4)
+
+    def run(folder, crash=False):
+        model = mlp()
+        trainer = gk.accumulate(model, steps=3)
+        trainer.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        extra = [_Crash()] if crash else []
+        backup = keras.callbacks.BackupAndRestore(folder)
+        trainer.fit(Batches(micro), epochs=4, shuffle=False, verbose=0, callbacks=[backup, *extra])
+        return model, trainer
+
+    whole, _ = run(tempfile.mkdtemp())
+    folder = tempfile.mkdtemp()
+    with contextlib.suppress(KeyboardInterrupt):
+        run(folder, crash=True)
+    backup = os.path.join(tempfile.mkdtemp(), "epoch2.weights.h5")  # a successful fit deletes it
+    shutil.copy(os.path.join(folder, "latest.weights.h5"), backup)
+    resumed, trainer = run(folder)
+    result = {"gap": gap(weights(resumed), weights(whole)), "state": trainer.window_state}
+    # A plain model compiled with the same optimizer reads the optimizer state of the file.
+    plain = mlp()
+    plain.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    plain.optimizer.build(plain.trainable_variables)
+    plain.load_weights(backup)
+    result["plain_iterations"] = int(ops.convert_to_numpy(plain.optimizer.iterations))
+    # NEGATIVE CONTROL: the weights alone (a fresh Adam) resumed from epoch 2 end elsewhere.
+    model = mlp()
+    model.load_weights(backup)  # the plain model has no optimizer to load into
+    trainer = gk.accumulate(model, steps=3)
+    trainer.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    trainer.fit(Batches(micro), epochs=4, initial_epoch=2, shuffle=False, verbose=0)
+    result["gap_weights_only"] = gap(weights(model), weights(whole))
+    return result
+
+
 @check
 def steps_per_execution_and_jit():
     if BACKEND == "torch":  # Keras: "steps_per_execution must be 1 with the PyTorch backend"

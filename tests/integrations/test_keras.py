@@ -166,6 +166,13 @@ def test_window_state_is_readable_from_a_callback_during_fit(keras_results, back
     assert found["state"] == {"steps": 3, "skipped": 0, "pending": 0}, found
 
 
+def test_backup_and_restore_resumes_exactly_with_the_optimizer_state(keras_results, backend):
+    found = result(keras_results, backend, "backup_and_restore_resumes_exactly")
+    assert_exact(found, backend, steps=4)  # the resumed run's own: 2 windows in epochs 3 and 4
+    assert found["plain_iterations"] == 4, found  # 2 epochs of 2 windows, read by a plain model
+    assert found["gap_weights_only"] > CAUGHT, found
+
+
 def test_steps_per_execution_and_jit_compile(keras_results, backend):
     found = result(keras_results, backend, "steps_per_execution_and_jit")
     if found.get("skipped"):

@@ -15,7 +15,8 @@ things around Keras's own `train_step`:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -138,6 +139,8 @@ class AccumulatingModel(keras.Model):
             self.output_names = model.output_names
         self._settle = _SettleWindows(self)
         _warn_batchnorm(model, steps)
+        if model.built:  # the probe exists already: built as the model is (BackupAndRestore)
+            self.built = True
 
     def call(self, inputs: Any, training: Any = None) -> Any:
         """Run the wrapped model."""
@@ -260,12 +263,48 @@ class AccumulatingModel(keras.Model):
         return self.model.save(filepath, *args, **kwargs)
 
     def save_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> Any:
-        """Save the wrapped model's weights."""
-        return self.model.save_weights(filepath, *args, **kwargs)
+        """Save the wrapped model's weights and its optimizer's state, as a compiled model would.
+
+        The file is laid out as a plain model compiled with the inner optimizer writes it, so
+        `BackupAndRestore` and `ModelCheckpoint(save_weights_only=True)` resume the optimizer
+        too, and a plain model loads it. An open window's sums are not in it (save at window
+        boundaries): a warning says so.
+        """
+        pending = self.window_state["pending"] if isinstance(self.optimizer, WindowOptimizer) else 0
+        if pending:
+            warn_user(
+                UserWarning(
+                    f"saving weights while {pending} micro-batch(es) wait in an open window: "
+                    "their gradient sums are not saved; save at window boundaries"
+                )
+            )
+        with self._optimizer_on_model():
+            return self.model.save_weights(filepath, *args, **kwargs)
 
     def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> Any:
-        """Load weights into the wrapped model."""
-        return self.model.load_weights(filepath, *args, **kwargs)
+        """Load weights (and, if the file holds it, the optimizer's state) into the model."""
+        with self._optimizer_on_model():
+            return self.model.load_weights(filepath, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def _optimizer_on_model(self) -> Iterator[None]:
+        """Lend the inner optimizer to the wrapped model, where Keras saves and loads it."""
+        window = self.optimizer if isinstance(self.optimizer, WindowOptimizer) else None
+        if window is None:
+            yield  # not compiled yet: the weights alone
+            return
+        if not window.built:
+            window.build(self.trainable_variables)
+        missing = object()
+        own = self.model.__dict__.get("optimizer", missing)  # compiled before it was wrapped
+        object.__setattr__(self.model, "optimizer", window.inner_optimizer)  # not tracked
+        try:
+            yield
+        finally:
+            if own is missing:
+                object.__delattr__(self.model, "optimizer")
+            else:
+                object.__setattr__(self.model, "optimizer", own)
 
     def get_config(self) -> dict[str, Any]:
         """Not serializable: save the wrapped model (`trainer.model`, or `trainer.save`)."""
