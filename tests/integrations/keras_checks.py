@@ -382,6 +382,70 @@ def window_state_during_fit():
     return {"pending": seen, "state": trainer.window_state}
 
 
+def two_heads(seed=1, masked=False):
+    """Token ids in; a per-row regression head and a per-token (`masked`: mask_zero) head out."""
+    inputs = keras.Input((None,), dtype="int32")
+    embedding = keras.initializers.RandomUniform(-0.5, 0.5, seed=seed)
+    tokens = keras.layers.Embedding(11, 8, mask_zero=masked, embeddings_initializer=embedding)
+    hidden = tokens(inputs)
+    seq = keras.layers.Dense(11, name="seq", kernel_initializer=seeded(seed + 1))(hidden)
+    pooled = keras.layers.GlobalAveragePooling1D()(hidden)
+    row = keras.layers.Dense(2, name="row", kernel_initializer=seeded(seed + 2))(pooled)
+    return keras.Model(inputs, {"row": row, "seq": seq})
+
+
+def two_head_data():
+    rng = np.random.default_rng(2)
+    return [(x, {"row": rng.normal(size=(len(x), 2)), "seq": y}) for x, y in token_data(RAGGED)]
+
+
+def concat_heads(batches):
+    heads = {key: np.concatenate([b[1][key] for b in batches]) for key in ("row", "seq")}
+    return np.concatenate([b[0] for b in batches]), heads
+
+
+@check
+def multi_output_dict_of_losses():
+    """Two heads, a dict of losses and loss weights, ragged micro-batches: both losses count
+    rows (x a fixed size), so one window count divides both exactly."""
+    micro = two_head_data()
+    full = [concat_heads(micro[i : i + 3]) for i in (0, 3)]
+    loss = {"row": "mse", "seq": keras.losses.SparseCategoricalCrossentropy(from_logits=True)}
+    options = {"loss": loss, "loss_weights": {"row": 1.0, "seq": 0.5}}
+    ref = two_heads()
+    ref.compile(optimizer=densified(keras.optimizers.Adam(0.05)), **options)
+    ref.fit(Batches(full + full), shuffle=False, verbose=0)
+    model = two_heads()
+    trainer = gk.accumulate(model, steps=3)
+    trainer.compile(optimizer=keras.optimizers.Adam(0.05), metrics={"row": ["mae"]}, **options)
+    trainer.fit(Batches(micro), epochs=2, shuffle=False, verbose=0)
+    return {"gap": gap(weights(model), weights(ref)), "state": trainer.window_state}
+
+
+@check
+def multi_output_counts_that_differ_are_refused():
+    """A masked token head next to a per-row head: one count cannot divide both; refused at
+    compile(), before any weight changes (a custom count= opts out)."""
+    micro = two_head_data()
+    loss = {"row": "mse", "seq": keras.losses.SparseCategoricalCrossentropy(from_logits=True)}
+    model = two_heads(masked=True)
+    before = weights(model)
+    trainer = gk.accumulate(model, steps=3)
+    try:  # a functional model's masks are known at compile(); a subclassed one's at step one
+        trainer.compile(optimizer=keras.optimizers.Adam(0.05), loss=loss)
+        trainer.fit(Batches(micro), shuffle=False, verbose=0)
+        message = None
+    except ValueError as error:
+        message = str(error)
+    result = {"message": message, "unchanged": gap(weights(model), before) == 0.0}
+    # Negative control: the same heads without the mask train (rows count alike).
+    plain = gk.accumulate(two_heads(), steps=3)
+    plain.compile(optimizer=keras.optimizers.Adam(0.05), loss=loss)
+    plain.fit(Batches(micro), shuffle=False, verbose=0)
+    result["unmasked_state"] = plain.window_state
+    return result
+
+
 class _Crash(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if epoch == 1:

@@ -173,6 +173,20 @@ def test_backup_and_restore_resumes_exactly_with_the_optimizer_state(keras_resul
     assert found["gap_weights_only"] > CAUGHT, found
 
 
+def test_multi_output_dict_of_losses_is_exact(keras_results, backend):
+    assert_exact(result(keras_results, backend, "multi_output_dict_of_losses"), backend, steps=4)
+
+
+def test_multi_output_losses_that_count_differently_are_refused(keras_results, backend):
+    found = result(keras_results, backend, "multi_output_counts_that_differ_are_refused")
+    message = found["message"] or ""
+    assert "count different items" in message, found
+    assert "seq" in message, found
+    assert "count=" in message, found
+    assert found["unchanged"], found
+    assert found["unmasked_state"] == {"steps": 2, "skipped": 0, "pending": 0}, found
+
+
 def test_steps_per_execution_and_jit_compile(keras_results, backend):
     found = result(keras_results, backend, "steps_per_execution_and_jit")
     if found.get("skipped"):

@@ -24,7 +24,7 @@ from keras import ops
 
 from gradaccum._warnings import warn_user
 from gradaccum.batchnorm import BatchNormAccumulationWarning
-from gradaccum.keras._counts import MEAN_REDUCTIONS, loss_count
+from gradaccum.keras._counts import MEAN_REDUCTIONS, loss_count, masked_outputs, varying_count
 from gradaccum.keras._optimizer import WindowOptimizer
 
 __all__ = ["PARTIAL_WINDOWS", "AccumulatingModel", "accumulate"]
@@ -157,6 +157,14 @@ class AccumulatingModel(keras.Model):
                     f"loss {item.name!r} has reduction={item.reduction!r}; accumulation divides "
                     f"each window once by its count, so use one of {MEAN_REDUCTIONS}"
                 )
+        masked = [] if self._count_fn is not None else masked_outputs(self.model, loss)
+        if masked:
+            raise ValueError(
+                f"the compiled losses count different items: outputs {masked} are masked (they "
+                "count unmasked entries), the others count rows; one window count cannot "
+                "divide each loss by its own. Compile one loss, or pass count=... to "
+                "AccumulatingModel if you know the counts stay proportional"
+            )
         inner = keras.optimizers.get(optimizer)
         if isinstance(inner, WindowOptimizer):
             inner = inner.inner_optimizer
@@ -206,18 +214,25 @@ class AccumulatingModel(keras.Model):
         if compiled is None or not compiled._flat_losses:
             first = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None)
             return ops.shape(first)[0]
-        path, loss, _, _ = compiled._flat_losses[0]
-        if path:
-            try:
-                for key in path:
-                    y, y_pred = y[key], y_pred[key]
-                    if keras.tree.is_nested(sample_weight):
-                        sample_weight = sample_weight[key]
-            except (KeyError, IndexError, TypeError) as error:
+        outputs = [(loss, *_at(path, y, y_pred, sample_weight)) for path, loss, _, _ in (
+            compiled._flat_losses
+        )]  # fmt: skip
+        if len(outputs) > 1:  # one count serves every loss only if they count alike
+            kinds = {
+                "/".join(map(str, entry.path)) or "output": varying_count(loss, pred, weight)
+                for entry, (loss, _, pred, weight) in zip(
+                    compiled._flat_losses, outputs, strict=True
+                )
+            }
+            varying = {name: kind or "rows" for name, kind in kinds.items()}
+            if len(set(kinds.values())) > 1:
                 raise ValueError(
-                    f"cannot find the first loss's output {path} in y and y_pred; pass "
-                    "count=lambda x, y, y_pred, sample_weight: ... to AccumulatingModel"
-                ) from error
+                    f"the compiled losses count different items: {varying}; one window count "
+                    "cannot divide each loss by its own, so accumulation would not be exact. "
+                    "Compile one loss (or losses that count rows alike), or pass count=... to "
+                    "AccumulatingModel if you know the counts stay proportional"
+                )
+        loss, y, y_pred, sample_weight = outputs[0]
         return loss_count(loss, y, y_pred, sample_weight)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
@@ -311,6 +326,21 @@ class AccumulatingModel(keras.Model):
         raise NotImplementedError(
             "AccumulatingModel is not serialized; save the wrapped model: trainer.save(path)"
         )
+
+
+def _at(path: Any, y: Any, y_pred: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
+    """`y`, `y_pred` and `sample_weight` of the output a compiled loss is attached to."""
+    try:
+        for key in path or ():
+            y, y_pred = y[key], y_pred[key]
+            if keras.tree.is_nested(sample_weight):
+                sample_weight = sample_weight[key]
+    except (KeyError, IndexError, TypeError) as error:
+        raise ValueError(
+            f"cannot find the loss's output {path} in y and y_pred; pass "
+            "count=lambda x, y, y_pred, sample_weight: ... to AccumulatingModel"
+        ) from error
+    return y, y_pred, sample_weight
 
 
 class _SettleWindows(keras.callbacks.Callback):
