@@ -139,8 +139,7 @@ class AccumulatingModel(keras.Model):
             self.output_names = model.output_names
         self._settle = _SettleWindows(self)
         _warn_batchnorm(model, steps)
-        if model.built:  # the probe exists already: built as the model is (BackupAndRestore)
-            self.built = True
+        self.built = model.built  # the probe exists already: built as the model is
 
     def call(self, inputs: Any, training: Any = None) -> Any:
         """Run the wrapped model."""
@@ -237,6 +236,7 @@ class AccumulatingModel(keras.Model):
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """`keras.Model.fit`; `batch_size` is the micro-batch size."""
+        self.built = self.built or self.model.built  # built since wrapped (BackupAndRestore)
         if len(args) > 5:  # callbacks given positionally
             args = (*args[:5], [*(args[5] or []), self._settle], *args[6:])
         else:
