@@ -806,3 +806,20 @@ def test_another_architecture_under_a_wrapper_is_still_refused(tmp_path: Path) -
     with pytest.raises(CheckpointError, match="shape"):
         load_checkpoint(path, model=torch.nn.DataParallel(other), optimizer=optimizer)
     assert_bitwise(clone_state(other.state_dict()), before)
+
+
+@pytest.mark.parametrize("where", ["cpu", torch.device("cpu"), {"cuda:0": "cpu"}])
+def test_load_takes_a_map_location_and_resumes_the_same(tmp_path: Path, where: Any) -> None:
+    """`map_location` as `torch.load` takes it; the states still land where their objects live."""
+    source = _stepped()
+    path = _save(tmp_path / "ckpt.pt", source)
+    target = _stepped(seed=1)
+    load_checkpoint(path, **target, restore_rng=True, map_location=where)
+    assert_bitwise(_snapshot(target)[0], _snapshot(source)[0])
+    assert_bitwise(_snapshot(target)[2:], _snapshot(source)[2:])
+    other = _model(2)
+    load_model_weights(path, other, map_location=where)
+    assert_bitwise(clone_state(other.state_dict()), clone_state(source["model"].state_dict()))
+    # Negative control: without the load the target's model is another one.
+    with pytest.raises(AssertionError):
+        assert_bitwise(clone_state(_model(1).state_dict()), _snapshot(source)[0])

@@ -139,6 +139,7 @@ def load_checkpoint(
     accumulator: Accumulator | None = None,
     scheduler: Any = None,
     restore_rng: bool = False,
+    map_location: Any = "cpu",
 ) -> dict[str, Any] | None:
     """Restore a checkpoint written by `save_checkpoint`.
 
@@ -162,6 +163,11 @@ def load_checkpoint(
         scheduler: Receives the scheduler state (the checkpoint must hold one).
         restore_rng: Also set the global RNG states of Python, NumPy and torch (and of each CUDA
             device present, up to the number saved) to the saved ones.
+        map_location: Where the file's tensors are read to, as `torch.load` takes it (a device,
+            a string or a mapping); the default reads them to CPU memory, so a file written on
+            a GPU loads on a machine without one. Each state then goes where its object lives
+            (the model's and optimizer's parameters, the window's gradients). FSDP2 folders
+            load in place, each rank to its own shards.
 
     Returns:
         The `extra` dict given to `save_checkpoint`.
@@ -183,7 +189,7 @@ def load_checkpoint(
             restore_rng=restore_rng,
             error=CheckpointError,
         )
-    payload = _read_payload(source)
+    payload = _read_payload(source, map_location)
     for name, wanted in (("accumulator", accumulator), ("scheduler", scheduler)):
         if wanted is not None and payload.get(name) is None:
             raise CheckpointError(f"{source} holds no {name} state; pass {name}=None.")
@@ -215,7 +221,9 @@ def load_checkpoint(
     return extra
 
 
-def load_model_weights(path: str | os.PathLike[str], model: torch.nn.Module) -> None:
+def load_model_weights(
+    path: str | os.PathLike[str], model: torch.nn.Module, *, map_location: Any = "cpu"
+) -> None:
     """Load only the model weights of a checkpoint, e.g. to fine-tune from it.
 
     The file is read and checked as `load_checkpoint` does; the model is unchanged on error. No
@@ -224,25 +232,26 @@ def load_model_weights(path: str | os.PathLike[str], model: torch.nn.Module) -> 
     Args:
         path: The checkpoint file.
         model: Receives the model state.
+        map_location: Where the file's tensors are read to (`torch.load`'s); CPU by default.
 
     Raises:
         FileNotFoundError: If there is no file at `path`.
         CheckpointError: If the file is not a readable gradaccum checkpoint of this model.
     """
     source = Path(path)
-    payload = _read_payload(source)
+    payload = _read_payload(source, map_location)
     if not isinstance(payload.get("model"), dict):
         raise CheckpointError(f"{source} is incomplete: it lacks model.")
     model = unwrapped(model)
     model.load_state_dict(_check_model_fits(source, payload["model"], model.state_dict()))
 
 
-def _read_payload(source: Path) -> dict[str, Any]:
+def _read_payload(source: Path, map_location: Any = "cpu") -> dict[str, Any]:
     """The checked payload of a checkpoint file (format and version), never unpickling code."""
     if not source.is_file():
         raise FileNotFoundError(f"no checkpoint at {source}")
     try:
-        payload = torch.load(source, map_location="cpu", weights_only=True)
+        payload = torch.load(source, map_location=map_location, weights_only=True)
     except Exception as error:  # damaged bytes fail deep in the unpickler, in many ways
         refused = _REFUSED_GLOBAL.search(str(error))
         if refused:
