@@ -173,6 +173,14 @@ def test_backup_and_restore_resumes_exactly_with_the_optimizer_state(keras_resul
     assert found["gap_weights_only"] > CAUGHT, found
 
 
+def test_backup_and_restore_of_epochs_of_unknown_length(keras_results, backend):
+    found = result(keras_results, backend, "backup_and_restore_of_unknown_length")
+    if found.get("skipped"):
+        pytest.skip(found["skipped"])
+    assert_exact(found, backend, steps=6)  # epochs 3 and 4: windows of 4, 4 and 2
+    assert not found["warned_open_window"], "the epoch's leftover must be settled before saving"
+
+
 def test_multi_output_dict_of_losses_is_exact(keras_results, backend):
     assert_exact(result(keras_results, backend, "multi_output_dict_of_losses"), backend, steps=4)
 

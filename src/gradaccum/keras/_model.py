@@ -237,10 +237,11 @@ class AccumulatingModel(keras.Model):
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """`keras.Model.fit`; `batch_size` is the micro-batch size."""
         self.built = self.built or self.model.built  # built since wrapped (BackupAndRestore)
+        # First, so an epoch's leftover is settled before the user's callbacks save or stop.
         if len(args) > 5:  # callbacks given positionally
-            args = (*args[:5], [*(args[5] or []), self._settle], *args[6:])
+            args = (*args[:5], [self._settle, *(args[5] or [])], *args[6:])
         else:
-            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self._settle]
+            kwargs["callbacks"] = [self._settle, *(kwargs.get("callbacks") or [])]
         return super().fit(*args, **kwargs)
 
     def flush(self, policy: str = "step") -> bool:
