@@ -747,3 +747,79 @@ def test_load_model_weights_refuses_another_model_changing_nothing(tmp_path: Pat
     assert_bitwise(model.state_dict(), before)
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         load_model_weights(tmp_path / "absent.pt", model)
+
+
+def _compiled(model: torch.nn.Module) -> torch.nn.Module:
+    return torch.compile(model)  # wraps lazily: nothing compiles until a forward
+
+
+_WRAPPERS = {
+    "plain": lambda model: model,
+    "compiled": _compiled,
+    "data-parallel": torch.nn.DataParallel,  # the `module.` prefix of DDP, without a process group
+    "compiled-data-parallel": lambda model: _compiled(torch.nn.DataParallel(model)),
+}
+
+
+@pytest.mark.parametrize("saved_as", list(_WRAPPERS))
+@pytest.mark.parametrize("loaded_as", ["plain", "compiled", "data-parallel"])
+def test_checkpoint_loads_into_the_model_wrapped_or_not(
+    tmp_path: Path, saved_as: str, loaded_as: str
+) -> None:
+    """`torch.compile` and DDP wrap the same weights: a checkpoint moves between the wrappings."""
+    source = _stepped()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, **{**source, "model": _WRAPPERS[saved_as](source["model"])})
+    target = _stepped(seed=1)
+    wrapped = _WRAPPERS[loaded_as](target["model"])
+    assert load_checkpoint(path, **{**target, "model": wrapped}) is None
+    assert_bitwise(_snapshot(target)[0], _snapshot(source)[0])
+    assert_bitwise(_snapshot(target)[2:], _snapshot(source)[2:])
+    load_model_weights(path, _WRAPPERS[loaded_as](_model(2)))  # the weights alone, likewise
+
+
+def test_older_file_with_a_wrapper_prefix_loads_and_keeps_module_versions(tmp_path: Path) -> None:
+    """Files saved whole from a wrapped model (prefixed keys) load into the plain model."""
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    source(torch.randn(5, 3))  # running statistics move
+    optimizer = torch.optim.SGD(source.parameters(), lr=0.1)
+    path = tmp_path / "old.pt"
+    save_checkpoint(path, model=source, optimizer=optimizer)
+    payload = torch.load(path, weights_only=True)
+    payload["model"] = torch.nn.DataParallel(source).state_dict()  # `module.` on every key
+    torch.save(payload, path)
+    target = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    load_checkpoint(path, model=target, optimizer=torch.optim.SGD(target.parameters(), lr=0.1))
+    assert_bitwise(clone_state(target.state_dict()), clone_state(source.state_dict()))
+
+
+def test_another_architecture_under_a_wrapper_is_still_refused(tmp_path: Path) -> None:
+    """Negative control for the wrapper tests: a prefix never hides a different model."""
+    source = _stepped()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, **{**source, "model": torch.nn.DataParallel(source["model"])})
+    other = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    other = other.double()
+    before = clone_state(other.state_dict())
+    optimizer = torch.optim.AdamW(other.parameters(), lr=0.1)
+    with pytest.raises(CheckpointError, match="shape"):
+        load_checkpoint(path, model=torch.nn.DataParallel(other), optimizer=optimizer)
+    assert_bitwise(clone_state(other.state_dict()), before)
+
+
+@pytest.mark.parametrize("where", ["cpu", torch.device("cpu"), {"cuda:0": "cpu"}])
+def test_load_takes_a_map_location_and_resumes_the_same(tmp_path: Path, where: Any) -> None:
+    """`map_location` as `torch.load` takes it; the states still land where their objects live."""
+    source = _stepped()
+    path = _save(tmp_path / "ckpt.pt", source)
+    target = _stepped(seed=1)
+    load_checkpoint(path, **target, restore_rng=True, map_location=where)
+    assert_bitwise(_snapshot(target)[0], _snapshot(source)[0])
+    assert_bitwise(_snapshot(target)[2:], _snapshot(source)[2:])
+    other = _model(2)
+    load_model_weights(path, other, map_location=where)
+    assert_bitwise(clone_state(other.state_dict()), clone_state(source["model"].state_dict()))
+    # Negative control: without the load the target's model is another one.
+    with pytest.raises(AssertionError):
+        assert_bitwise(clone_state(_model(1).state_dict()), _snapshot(source)[0])

@@ -592,3 +592,37 @@ def test_a_graph_shared_by_every_micro_batch_is_refused_with_the_fix(drive: str)
     assert_bitwise(_everything(model, optimizer, scheduler), before)
     # Negative control: computed inside loss_fn, the same objective accumulates exactly.
     _assert_still_exact(model, optimizer, scheduler, acc)
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_plain_scalar_loss_on_padded_labels_warns_with_one_row_micro_batches(drive: str) -> None:
+    """One row per micro-batch (the usual Hugging Face setup) is a token mean weighted by 1."""
+    import warnings
+
+    model = nn.Linear(4, 3).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    labels = torch.tensor([[0, 1, -100], [2, -100, -100], [1, 2, 0]])
+    batch = {"x": torch.randn(3, 3, 4, dtype=torch.float64), "labels": labels}
+
+    def token_mean(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = m(b["x"]).flatten(0, 1)
+        return nn.functional.cross_entropy(logits, b["labels"].flatten(), ignore_index=-100)
+
+    def token_sum(m: nn.Module, b: dict[str, torch.Tensor]) -> LossSum:
+        logits = m(b["x"]).flatten(0, 1)
+        value = nn.functional.cross_entropy(logits, b["labels"].flatten(), reduction="sum")
+        return LossSum(value, (b["labels"] != -100).sum())
+
+    def run(loss_fn: Any) -> list[warnings.WarningMessage]:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            if drive == "step":
+                Accumulator(model, optimizer, micro_batch_size=1).step(batch, loss_fn)
+            else:
+                acc = Accumulator(model, optimizer, accumulation_steps=3)
+                for row in range(3):
+                    acc.micro_step({k: v[row : row + 1] for k, v in batch.items()}, loss_fn)
+        return [w for w in record if w.category is TokenMeanWarning]
+
+    assert len(run(token_mean)) == 1
+    assert not run(token_sum)  # negative control: the same rows as a LossSum never warn

@@ -365,3 +365,21 @@ def test_counted_ahead_reads_only_loss_functions_that_count() -> None:
     assert counted_ahead(_TokenLoss(ahead=True), batches) == 3
     assert counted_ahead(_TokenLoss(ahead=False), batches) is None
     assert counted_ahead(lambda m, b: None, batches) is None
+
+
+def test_token_mean_check_reads_shift_labels_and_stops_after_warning() -> None:
+    """`shift_labels` (shifted by the pipeline) mark unscored tokens as `labels` do."""
+    import warnings
+
+    from gradaccum.loss import TokenMeanCheck, TokenMeanWarning
+
+    padded = {"shift_labels": torch.tensor([[3, -100]])}
+    scalar = torch.tensor(1.0)
+    check = TokenMeanCheck()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        check.check(scalar, padded)
+        check.check(scalar, padded)  # once only
+        TokenMeanCheck().check(LossSum(scalar, 1), padded)  # negative control: a LossSum
+        TokenMeanCheck().check(scalar, {"labels": torch.tensor([[0.5, -100.0]])})  # regression
+    assert [w.category for w in record] == [TokenMeanWarning]

@@ -355,3 +355,33 @@ def test_largest_does_not_time_anything() -> None:
     results = [acc.step(batch, _loss) for batch in _batches(3)]
     assert [r.micro_batch_size for r in results] == [32] * 3
     assert all(r.sizing is None for r in results)
+
+
+def test_auto_resumes_mid_tuning_in_a_fresh_accumulator_bitwise() -> None:
+    """A run saved while "auto" still times sizes continues in a new Accumulator (new process).
+
+    The fresh Accumulator has a plan and a tuner from the state but has run no window itself:
+    the tuner's agreement over ranks must still find the model.
+    """
+    batches = _batches(12)
+    torch.manual_seed(0)
+    model = Clocked(_inner(), _cache_bound)
+    acc = _accumulator(model, "auto")
+    acc._auto.clock = lambda: model.now
+    sizes = [acc.step(batch, _loss).micro_batch_size for batch in batches[:2]]
+    saved, rng = clone_state([_state(acc), acc.state_dict()]), torch.get_rng_state()
+    assert saved[1]["auto"]["tuner"] is not None  # still timing: the case that failed
+    twin_model = Clocked(_inner(), _cache_bound)
+    twin = _accumulator(twin_model, "auto")
+    twin._auto.clock = lambda: twin_model.now
+    twin.model.load_state_dict(saved[0]["model"])
+    twin.optimizer.load_state_dict(saved[0]["optimizer"])
+    twin.load_state_dict(saved[1])
+    torch.set_rng_state(rng)  # the dropout masks continue, as load_checkpoint(restore_rng=True)
+    sizes += [twin.step(batch, _loss).micro_batch_size for batch in batches[2:]]
+    # Unfinished timing starts over (a warm-up, two rounds), then decides: the step that failed.
+    assert sizes == [32, 32] + [32] + [32, 16, 8, 4] * 2 + [16]
+    assert_bitwise(_state(twin), _state(_reference(sizes, batches)))
+    # NEGATIVE CONTROL: the same sizes without the saved optimizer state end elsewhere.
+    with pytest.raises(AssertionError):
+        assert_bitwise(_state(twin), _state(_reference([32] * 12, batches)))

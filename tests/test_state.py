@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from gradaccum import Accumulator, Tokens, load_checkpoint, save_checkpoint
+from tests.reference import reference_step
 from tests.state import assert_bitwise, clone_state
 
 
@@ -233,3 +234,46 @@ def test_nonfinite_counter_and_scaler_survive_checkpoint(tmp_path: Any) -> None:
     assert acc2.nonfinite_windows == 1
     assert acc2.scaler.get_scale() == scale / 2
     assert math.isfinite(acc2.scaler.get_scale())
+
+
+def _step_run(sizes: list[int | str], resume_at: int, load_optimizer: bool = True) -> Any:
+    """Windows of 10 items by `step()`, window k at `sizes[k]`, resumed before `resume_at`."""
+    generator = torch.Generator().manual_seed(3)
+    batches = [
+        (
+            torch.randn(10, 4, generator=generator, dtype=torch.float64),
+            torch.randn(10, 2, generator=generator, dtype=torch.float64),
+        )
+        for _ in sizes
+    ]
+    model, optimizer, acc = _setup(micro_batch_size=sizes[0], accumulation_steps=None)
+    for index, (size, batch) in enumerate(zip(sizes, batches, strict=True)):
+        if index == resume_at:
+            saved = _via_bytes(_everything(model, optimizer, acc))
+            budget = "1GiB" if size == "auto" else None
+            model, optimizer, acc = _setup(
+                micro_batch_size=size, memory_budget=budget, accumulation_steps=None
+            )
+            model.load_state_dict(saved[0])
+            if load_optimizer:
+                optimizer.load_state_dict(saved[1])
+            acc.load_state_dict(saved[2])
+        acc.step(batch, _mse)
+    return [p.detach().clone() for p in model.parameters()], batches
+
+
+@pytest.mark.parametrize("resumed_at", [5, "auto"])
+def test_resume_at_another_micro_batch_size_is_exact(resumed_at: int | str) -> None:
+    """The split is a speed knob: a state saved between windows resumes at any size."""
+    got, batches = _step_run([3, 3, resumed_at, resumed_at], resume_at=2)
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for batch in batches:
+        reference_step(model, optimizer, batch, _mse)
+    expected = [p.detach() for p in model.parameters()]
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=0)
+    # NEGATIVE CONTROL: the same resume without the optimizer's state misses the reference.
+    lost, _ = _step_run([3, 3, resumed_at, resumed_at], resume_at=2, load_optimizer=False)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(lost, expected, rtol=1e-10, atol=0)

@@ -276,3 +276,34 @@ def test_window_parameters_follow_the_optimizer_then_the_model() -> None:
     assert held == 2
     assert params[:2] == [model[2].weight, log_var]
     assert params[2:] == [model[0].weight, model[0].bias, model[2].bias]
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2])
+def test_accumulate_grad_warns_on_a_token_mean_weighted_by_rows(micro_batch_size: int) -> None:
+    """`accumulate_grad` reads a plain scalar as a row mean, as `Accumulator.step` does: on
+    -100 labels that is a token mean, not the batch's, and it says so (it used to stay silent)."""
+    import warnings
+
+    from gradaccum.loss import TokenMeanWarning
+
+    model = torch.nn.Linear(4, 3).double()
+    labels = torch.tensor([[0, 1, -100], [2, -100, -100], [1, 2, 0]])
+    batch = {"x": torch.randn(3, 3, 4, dtype=torch.float64), "labels": labels}
+
+    def token_mean(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = m(b["x"]).flatten(0, 1)
+        return torch.nn.functional.cross_entropy(logits, b["labels"].flatten())
+
+    def token_sum(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> LossSum:
+        logits = m(b["x"]).flatten(0, 1)
+        value = torch.nn.functional.cross_entropy(logits, b["labels"].flatten(), reduction="sum")
+        return LossSum(value, (b["labels"] != -100).sum())
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        accumulate_grad(model, batch, token_mean, micro_batch_size=micro_batch_size)
+    assert [w.category for w in record].count(TokenMeanWarning) == 1
+    assert record[0].filename == __file__  # points at the caller's line
+    with warnings.catch_warnings():  # negative control: the sum and count never warn
+        warnings.simplefilter("error", TokenMeanWarning)
+        accumulate_grad(model, batch, token_sum, micro_batch_size=micro_batch_size)

@@ -7,7 +7,9 @@
   and by the settings of its param groups, which also catches files that record no class), with
   the same number of param groups, of parameters per group, and per-parameter buffers of each
   parameter's shape;
-- `one_line`: an exception's message as one plain line (no ANSI escapes, no line breaks).
+- `one_line`: an exception's message as one plain line (no ANSI escapes, no line breaks);
+- `unwrapped` / `strip_wrapper_prefixes`: a checkpoint holds the weights of the module inside a
+  `torch.compile` or DDP / DataParallel wrapper, so it loads into the model wrapped or not.
 
 Example:
     >>> check_extra({"epoch": 3, "order": [2, 0, 1]})
@@ -27,7 +29,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "check_class", "check_extra", "check_optimizer_fits", "one_line"]
+__all__ = [
+    "CheckpointError",
+    "check_class",
+    "check_extra",
+    "check_optimizer_fits",
+    "one_line",
+    "strip_wrapper_prefixes",
+    "unwrapped",
+]
 
 
 class CheckpointError(ValueError):
@@ -35,6 +45,37 @@ class CheckpointError(ValueError):
 
     Targets are the model, optimizer, scheduler and accumulator it is loaded into.
     """
+
+
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside `torch.compile`, DDP and DataParallel wrappers (any nesting of them)."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel):
+            model = model.module
+        elif isinstance(inner := getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = inner  # torch.compile's OptimizedModule
+        else:
+            return model
+
+
+def strip_wrapper_prefixes(saved: dict[str, Any], keys: Any) -> dict[str, Any]:
+    """`saved` without the wrapper prefixes on all its keys, if the model's `keys` lack them."""
+    wanted = set(keys)
+    while saved.keys() != wanted and saved:
+        prefix = next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in saved)), None)
+        if prefix is None or any(k.startswith(prefix) for k in wanted):
+            return saved
+        stripped = OrderedDict((key[len(prefix) :], value) for key, value in saved.items())
+        metadata = getattr(saved, "_metadata", None)  # module versions, keyed by module path
+        if isinstance(metadata, dict):
+            stripped._metadata = OrderedDict(  # type: ignore[attr-defined]
+                (k[len(prefix) :] if k.startswith(prefix) else "", v) for k, v in metadata.items()
+            )
+        saved = stripped
+    return saved
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

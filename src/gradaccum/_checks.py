@@ -193,8 +193,14 @@ def check_settings(
     return auto
 
 
-def check_saved_state(state: object, version: int, settings: dict[str, Any]) -> None:
+def check_saved_state(state: object, version: int, settings: dict[str, Any]) -> bool:
     """Raise unless `state` is an `Accumulator.state_dict()` of `version` saved with `settings`.
+
+    `micro_batch_size` may differ: a window never stays open across `step()` calls, and the
+    split changes no result beyond rounding, so a run may resume at another size (or "auto").
+
+    Returns:
+        Whether the saved `micro_batch_size` is this one (an auto state is kept only then).
 
     Raises:
         ValueError: Naming what differs, and the fix.
@@ -206,13 +212,17 @@ def check_saved_state(state: object, version: int, settings: dict[str, Any]) -> 
             f"Accumulator state version {state['version']!r} is not supported; this "
             f"gradaccum reads version {version}."
         )
+    saved_settings = state.get("settings")
+    if not isinstance(saved_settings, dict):
+        raise ValueError("not an Accumulator state: pass what Accumulator.state_dict() returned.")
     for name, mine in settings.items():
-        saved = state["settings"].get(name)
-        if saved != mine:
+        saved = saved_settings.get(name)
+        if saved != mine and name != "micro_batch_size":
             raise ValueError(
                 f"the saved Accumulator has {name}={saved!r} but this one has {name}={mine!r}; "
                 "build the Accumulator with the saved settings."
             )
+    return bool(saved_settings.get("micro_batch_size") == settings.get("micro_batch_size"))
 
 
 def check_savable(*, deferred: bool, open_window: bool) -> None:

@@ -24,7 +24,7 @@ from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, on_device, slice_batch, to_device
 from gradaccum.batchnorm import BatchNormControl
 from gradaccum.divisor import Expectation, Seeds, backward_denominator, divide_, grad_divisor
-from gradaccum.loss import LossTerms, counted_ahead, read_loss, read_terms, warn_if_token_mean
+from gradaccum.loss import LossTerms, TokenMeanCheck, counted_ahead, read_loss, read_terms
 from gradaccum.norms import clip_, total_norm
 from gradaccum.options import Normalize
 from gradaccum.precision import PrecisionRuntime
@@ -34,8 +34,6 @@ from gradaccum.telemetry import TelemetryMeter
 from gradaccum.window import LossFn, Outcome, Window, window_parameters
 
 __all__ = ["Engine", "Outcome"]
-
-_TOKEN_MEAN_CHECKS = 8  # micro-batches inspected for padded labels before the check stops
 
 
 class Engine:
@@ -64,7 +62,7 @@ class Engine:
         self._reduced = False  # the last backward reduced the gradients (FSDP2)
         self._last_input: tuple[Any, LossFn] | None = None  # for FSDP2's zero-item settle
         self._rng: list[torch.Tensor] | None = None  # set for windows that may be rerun
-        self._token_checks = _TOKEN_MEAN_CHECKS
+        self._token_mean = TokenMeanCheck()
         self._seeds = Seeds()
         self.telemetry: TelemetryMeter | None = None  # opt-in (gradaccum.telemetry)
 
@@ -170,10 +168,8 @@ class Engine:
             else:
                 value, weight, count = read_loss(result, items, needs_graph=True)
                 logged = value
-            if weight > 1 and self._token_checks:
-                self._token_checks -= 1
-                if warn_if_token_mean(micro_batch):
-                    self._token_checks = 0
+            if self._token_mean.left:  # a plain mean on -100 labels warns (first few only)
+                self._token_mean.check(result, micro_batch)
             if expect.until is not None:
                 last = sync.sum_over_ranks(window.count + count) >= expect.until
             if window.denominator is None:  # FSDP2 ranks agree on it (they reduce in the backward)

@@ -81,16 +81,17 @@ def checked_rng(state: dict[str, Any]) -> RngStates:
     saved = state["numpy"]
     numpy = (
         saved["kind"],
-        saved["keys"].numpy().astype(np.uint32),
+        saved["keys"].cpu().numpy().astype(np.uint32),  # cpu(): a load may map it elsewhere
         saved["position"],
         saved["has_gauss"],
         saved["gauss"],
     )
     np.random.RandomState().set_state(numpy)
-    cpu = state["torch"]
+    cpu = state["torch"].cpu()
     torch.Generator().set_state(cpu)
     cuda = list(state.get("cuda") or [])
     for device_state in cuda:
         if not isinstance(device_state, torch.Tensor) or device_state.dtype != torch.uint8:
             raise TypeError("a CUDA RNG state is not a uint8 tensor")
+    cuda = [device_state.cpu() for device_state in cuda]  # set_rng_state takes CPU tensors
     return RngStates(python, numpy, cpu, cuda)

@@ -379,10 +379,10 @@ class Accumulator:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()`; raises ValueError naming any mismatch, changing nothing."""
-        check_saved_state(state, STATE_VERSION, self._settings())
+        same_split = check_saved_state(state, STATE_VERSION, self._settings())
         self._engine.load_state_dict(state["engine"])  # checks everything, then loads
-        if self._auto is not None and state.get("auto") is not None:
-            self._auto.load_state_dict(state["auto"])
+        if self._auto is not None and same_split and state.get("auto") is not None:
+            self._auto.load_state_dict(state["auto"])  # kept only by the same auto mode
         if self._engine.telemetry is not None and state.get("telemetry") is not None:
             self._engine.telemetry.load_state_dict(state["telemetry"])
         self.nonfinite_windows = int(state["nonfinite_windows"])

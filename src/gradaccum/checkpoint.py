@@ -46,6 +46,8 @@ from gradaccum._checkpoint_fit import (
     check_extra,
     check_optimizer_fits,
     one_line,
+    strip_wrapper_prefixes,
+    unwrapped,
 )
 from gradaccum._rng_state import RngStates, capture_rng, checked_rng
 from gradaccum._sharded_checkpoint import fsync_folder, load_sharded, save_sharded
@@ -107,7 +109,7 @@ def save_checkpoint(
     payload = {
         "format": _FORMAT,
         "version": _VERSION,
-        "model": model.state_dict(),
+        "model": unwrapped(model).state_dict(),  # loads into the model wrapped or not
         "optimizer": optimizer.state_dict(),
         "optimizer_class": type(optimizer).__name__,
         "scheduler": None if scheduler is None else scheduler.state_dict(),
@@ -137,6 +139,7 @@ def load_checkpoint(
     accumulator: Accumulator | None = None,
     scheduler: Any = None,
     restore_rng: bool = False,
+    map_location: Any = "cpu",
 ) -> dict[str, Any] | None:
     """Restore a checkpoint written by `save_checkpoint`.
 
@@ -160,6 +163,11 @@ def load_checkpoint(
         scheduler: Receives the scheduler state (the checkpoint must hold one).
         restore_rng: Also set the global RNG states of Python, NumPy and torch (and of each CUDA
             device present, up to the number saved) to the saved ones.
+        map_location: Where the file's tensors are read to, as `torch.load` takes it (a device,
+            a string or a mapping); the default reads them to CPU memory, so a file written on
+            a GPU loads on a machine without one. Each state then goes where its object lives
+            (the model's and optimizer's parameters, the window's gradients). FSDP2 folders
+            load in place, each rank to its own shards.
 
     Returns:
         The `extra` dict given to `save_checkpoint`.
@@ -181,7 +189,7 @@ def load_checkpoint(
             restore_rng=restore_rng,
             error=CheckpointError,
         )
-    payload = _read_payload(source)
+    payload = _read_payload(source, map_location)
     for name, wanted in (("accumulator", accumulator), ("scheduler", scheduler)):
         if wanted is not None and payload.get(name) is None:
             raise CheckpointError(f"{source} holds no {name} state; pass {name}=None.")
@@ -190,7 +198,8 @@ def load_checkpoint(
     ]
     if missing:
         raise CheckpointError(f"{source} is incomplete: it lacks {', '.join(missing)}.")
-    _check_model_fits(source, payload["model"], model.state_dict())
+    model, weights = unwrapped(model), payload["model"]
+    weights = _check_model_fits(source, weights, model.state_dict())
     check_optimizer_fits(source, payload, optimizer)
     if scheduler is not None:
         _check_scheduler_fits(source, payload, scheduler, optimizer)
@@ -202,7 +211,7 @@ def load_checkpoint(
             accumulator.load_state_dict(payload["accumulator"])
         except ValueError as error:
             raise CheckpointError(f"{source} does not fit the Accumulator: {error}") from error
-    model.load_state_dict(payload["model"])
+    model.load_state_dict(weights)
     optimizer.load_state_dict(payload["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(payload["scheduler"])
@@ -212,7 +221,9 @@ def load_checkpoint(
     return extra
 
 
-def load_model_weights(path: str | os.PathLike[str], model: torch.nn.Module) -> None:
+def load_model_weights(
+    path: str | os.PathLike[str], model: torch.nn.Module, *, map_location: Any = "cpu"
+) -> None:
     """Load only the model weights of a checkpoint, e.g. to fine-tune from it.
 
     The file is read and checked as `load_checkpoint` does; the model is unchanged on error. No
@@ -221,25 +232,26 @@ def load_model_weights(path: str | os.PathLike[str], model: torch.nn.Module) -> 
     Args:
         path: The checkpoint file.
         model: Receives the model state.
+        map_location: Where the file's tensors are read to (`torch.load`'s); CPU by default.
 
     Raises:
         FileNotFoundError: If there is no file at `path`.
         CheckpointError: If the file is not a readable gradaccum checkpoint of this model.
     """
     source = Path(path)
-    payload = _read_payload(source)
+    payload = _read_payload(source, map_location)
     if not isinstance(payload.get("model"), dict):
         raise CheckpointError(f"{source} is incomplete: it lacks model.")
-    _check_model_fits(source, payload["model"], model.state_dict())
-    model.load_state_dict(payload["model"])
+    model = unwrapped(model)
+    model.load_state_dict(_check_model_fits(source, payload["model"], model.state_dict()))
 
 
-def _read_payload(source: Path) -> dict[str, Any]:
+def _read_payload(source: Path, map_location: Any = "cpu") -> dict[str, Any]:
     """The checked payload of a checkpoint file (format and version), never unpickling code."""
     if not source.is_file():
         raise FileNotFoundError(f"no checkpoint at {source}")
     try:
-        payload = torch.load(source, map_location="cpu", weights_only=True)
+        payload = torch.load(source, map_location=map_location, weights_only=True)
     except Exception as error:  # damaged bytes fail deep in the unpickler, in many ways
         refused = _REFUSED_GLOBAL.search(str(error))
         if refused:
@@ -266,8 +278,15 @@ def _read_payload(source: Path) -> dict[str, Any]:
 _ARCHITECTURE = "load it into the architecture it was saved from"
 
 
-def _check_model_fits(source: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuse a model state whose keys or tensor shapes differ from the model's."""
+def _check_model_fits(
+    source: Path, saved: dict[str, Any], current: dict[str, Any]
+) -> dict[str, Any]:
+    """The saved model state, refused if its keys or tensor shapes differ from the model's.
+
+    Files saved from a wrapped model by an older gradaccum carry its prefix on every key (the
+    `_orig_mod.` of `torch.compile`, the `module.` of DDP); it is taken off.
+    """
+    saved = strip_wrapper_prefixes(saved, current.keys())
     if saved.keys() != current.keys():
         extra, absent = sorted(saved.keys() - current.keys()), sorted(current.keys() - saved.keys())
         raise CheckpointError(
@@ -288,6 +307,7 @@ def _check_model_fits(source: Path, saved: dict[str, Any], current: dict[str, An
                 f"{source} holds {key} of shape {tuple(value.shape)}, the model has "
                 f"{tuple(tensor.shape)}; {_ARCHITECTURE}."
             )
+    return saved
 
 
 def _check_scheduler_fits(

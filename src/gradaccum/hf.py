@@ -110,6 +110,7 @@ class TaskLoss:
             self.task,
             position_ids=batch.get("position_ids"),
             cu_seq_lens=batch.get("cu_seq_lens_q"),
+            attention_mask=batch.get("attention_mask"),
             problem_type=_problem_type(getattr(model, "config", None)),
         )
 
@@ -117,7 +118,13 @@ class TaskLoss:
         """The items `self(model, batch)` will count, from the batch alone."""
         labels = _labels(batch, self.task)
         if self.task is Task.CAUSAL_LM and "shift_labels" not in batch:
-            labels = _shifted(labels, batch.get("position_ids"), batch.get("cu_seq_lens_q"))
+            starts = _document_starts(
+                labels,
+                batch.get("position_ids"),
+                batch.get("cu_seq_lens_q"),
+                batch.get("attention_mask"),
+            )
+            labels = _shifted(labels, starts)
         elif self.task is Task.CLASSIFICATION and labels.is_floating_point():
             return torch.tensor(labels.numel())  # regression or multi-label: every output
         count: torch.Tensor = (labels != IGNORE_INDEX).sum()
@@ -177,6 +184,7 @@ def loss_from_logits(
     *,
     position_ids: torch.Tensor | None = None,
     cu_seq_lens: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
     problem_type: str | None = None,
 ) -> LossSum:
     """The summed loss and the count for logits from the user's own forward.
@@ -188,6 +196,9 @@ def loss_from_logits(
         task: A `Task` or its value.
         position_ids: Causal LM only: positions of a packed row, 0 where a document starts.
         cu_seq_lens: Causal LM only: cumulative document lengths of a flattened row.
+        attention_mask: Causal LM only: with `position_ids`, a 0 after padding (a left-padded
+            row, whose positions start at its first token) is no document boundary: the model
+            scores that token, so this does too.
         problem_type: Classification only: "single_label_classification",
             "multi_label_classification" or "regression"; None infers it as the model does.
 
@@ -205,18 +216,16 @@ def loss_from_logits(
     """
     kind = parse(Task, task, "task")
     if kind is Task.CAUSAL_LM:
-        return _token_cross_entropy(logits, _shifted(labels, position_ids, cu_seq_lens))
+        starts = _document_starts(labels, position_ids, cu_seq_lens, attention_mask)
+        return _token_cross_entropy(logits, _shifted(labels, starts))
     if kind is Task.CLASSIFICATION:
         return _classification_loss(logits, labels, problem_type)
     return _token_cross_entropy(logits, labels)
 
 
-def _shifted(
-    labels: torch.Tensor, position_ids: torch.Tensor | None, cu_seq_lens: torch.Tensor | None
-) -> torch.Tensor:
+def _shifted(labels: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
     """The target of each position: the next label, -100 past a row's end or a document's."""
     shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    starts = _document_starts(labels, position_ids, cu_seq_lens)
     if starts is None:
         return shifted
     # Position j predicts token j + 1: not when j + 1 opens the next document.
@@ -225,12 +234,22 @@ def _shifted(
 
 
 def _document_starts(
-    labels: torch.Tensor, position_ids: torch.Tensor | None, cu_seq_lens: torch.Tensor | None
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    cu_seq_lens: torch.Tensor | None,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """A bool mask shaped like `labels`: True where a packed row starts a new document."""
+    """A bool mask shaped like `labels`: True where a packed row starts a new document.
+
+    A position 0 whose previous position is padding (`attention_mask` 0) starts no new
+    document: it is a left-padded row's first token, which the model predicts and scores.
+    """
     if position_ids is not None:
-        starts = position_ids.to(labels.device) == 0
-        return starts.expand_as(labels)
+        starts = (position_ids.to(labels.device) == 0).expand_as(labels)
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.shape == labels.shape:
+            after_token = F.pad(attention_mask.to(labels.device) != 0, (1, 0), value=True)
+            starts = starts & after_token[..., :-1]
+        return starts
     if cu_seq_lens is not None:
         flat = torch.zeros(labels.numel(), dtype=torch.bool, device=labels.device)
         flat[cu_seq_lens[:-1].to(device=labels.device, dtype=torch.long)] = True

@@ -34,6 +34,7 @@ __all__ = [
     "LossTerms",
     "ReadTerm",
     "Term",
+    "TokenMeanCheck",
     "TokenMeanWarning",
     "backward_inside_error",
     "counted_ahead",
@@ -333,7 +334,9 @@ def warn_if_token_mean(micro_batch: object) -> bool:
     Returns:
         Whether it warned.
     """
-    labels = micro_batch.get("labels") if isinstance(micro_batch, Mapping) else None
+    labels = None
+    if isinstance(micro_batch, Mapping):  # `shift_labels`: a causal LM's, shifted by the pipeline
+        labels = micro_batch.get("labels", micro_batch.get("shift_labels"))
     if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
         return False
     if not bool((labels == _IGNORE_INDEX).any()):
@@ -348,3 +351,24 @@ def warn_if_token_mean(micro_batch: object) -> bool:
         )
     )
     return True
+
+
+class TokenMeanCheck:
+    """Warns once if plain-scalar losses come from batches with -100 labels (a token mean).
+
+    Only the first `checks` plain-scalar micro-batches are inspected (each check reads the
+    labels, a device sync on an accelerator), and none after one warned. A micro-batch of one
+    row is checked too: the token mean of one row, weighted by 1, is still not the window's
+    token mean.
+
+    Args:
+        checks: Plain-scalar micro-batches to inspect at most.
+    """
+
+    def __init__(self, checks: int = 8) -> None:
+        self.left = checks
+
+    def check(self, result: object, micro_batch: object) -> None:
+        """Inspect `micro_batch` if `loss_fn` returned a plain scalar for it."""
+        if self.left and isinstance(result, torch.Tensor):
+            self.left = 0 if warn_if_token_mean(micro_batch) else self.left - 1

@@ -134,7 +134,7 @@ class AutoSizer:
             )
             self.plan = plan
             self.planned = self.size = all_ranks_min(model, plan.micro_batch_size)
-            self._model = model
+        self._model = model  # also after load_state_dict, which restores a size but no model
         return self.size
 
     def _agree(self, seconds: list[float]) -> list[float]:

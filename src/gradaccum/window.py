@@ -37,7 +37,14 @@ from gradaccum._dtensor import like_param
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, split_batch, to_device
 from gradaccum.divisor import backward_denominator, divide_, grad_divisor, seeded_loss
-from gradaccum.loss import LossSum, LossTerms, backward_inside_error, counted_ahead, read_loss
+from gradaccum.loss import (
+    LossSum,
+    LossTerms,
+    TokenMeanCheck,
+    backward_inside_error,
+    counted_ahead,
+    read_loss,
+)
 from gradaccum.options import Normalize, parse
 
 __all__ = [
@@ -341,6 +348,7 @@ def accumulate_grad(
     device = params[0].device
     window = Window()
     window.open(params, len(params), loss_scale=1.0)
+    token_mean = TokenMeanCheck()
     try:
         for micro_batch in micro_batches:
             items = batch_size(micro_batch)
@@ -352,6 +360,7 @@ def accumulate_grad(
                     "divides each term by its own window count: use Accumulator.step."
                 )
             value, weight, count = read_loss(result, items, needs_graph=True)
+            token_mean.check(result, micro_batch)  # a plain mean on -100 labels warns
             if window.denominator is None:
                 # A count known up front (a plain mean's items, or one the loss counts ahead)
                 # is folded into each backward.

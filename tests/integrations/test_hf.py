@@ -73,6 +73,26 @@ def _t5() -> torch.nn.Module:
     return transformers.T5ForConditionalGeneration(config)
 
 
+def _bart() -> torch.nn.Module:
+    config = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        decoder_start_token_id=2,
+    )  # fmt: skip
+    return transformers.BartForConditionalGeneration(config)
+
+
+def _roberta_tokens() -> torch.nn.Module:
+    config = transformers.RobertaConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=40, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=1, num_labels=5,
+    )  # fmt: skip
+    return transformers.RobertaForTokenClassification(config)
+
+
 def _bert_config(**extra: Any) -> Any:
     return transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -121,6 +141,15 @@ def _lengths(step: int) -> list[int]:
 def _lm_batch(generator: torch.Generator, step: int) -> dict[str, torch.Tensor]:
     ids, mask = _padded(generator, _lengths(step))
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _left_padded_lm_batch(generator: torch.Generator, step: int) -> dict[str, torch.Tensor]:
+    """Left padding with the position ids a left-padded row needs (0 at its first token)."""
+    batch = _lm_batch(generator, step)
+    mask = batch["attention_mask"].flip(1)
+    ids, labels = batch["input_ids"].flip(1), batch["labels"].flip(1)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": labels}
 
 
 def _mlm_batch(generator: torch.Generator, step: int) -> dict[str, torch.Tensor]:
@@ -202,10 +231,18 @@ CASES: dict[str, Case] = {
     "gpt2-causal_lm": (_gpt2, _lm_batch, hf.causal_lm, _reference_causal),
     "llama-causal_lm": (_llama, _lm_batch, hf.causal_lm, _reference_causal),
     "lora-llama-causal_lm": (_lora_llama, _lm_batch, hf.causal_lm, _reference_causal),
+    "gpt2-left-padded-causal_lm": (_gpt2, _left_padded_lm_batch, hf.causal_lm, _reference_causal),
     "t5-seq2seq": (_t5, _seq2seq_batch, hf.seq2seq, _reference_aligned),
+    "bart-seq2seq": (_bart, _seq2seq_batch, hf.seq2seq, _reference_aligned),
     "bert-masked_lm": (_bert_mlm, _mlm_batch, hf.masked_lm, _reference_aligned),
     "bert-token_classification": (
         _bert_tokens,
+        _token_batch,
+        hf.token_classification,
+        _reference_aligned,
+    ),
+    "roberta-token_classification": (
+        _roberta_tokens,
         _token_batch,
         hf.token_classification,
         _reference_aligned,
@@ -504,3 +541,44 @@ def test_shift_labels_given_by_the_pipeline_are_scored_as_they_are() -> None:
     reference = hf.causal_lm(model, batch)
     assert int(ours.count) == int(reference.count) == int(hf.causal_lm.items_counted(batch))
     torch.testing.assert_close(ours.value, reference.value, rtol=1e-12, atol=0)
+
+
+def test_left_padded_rows_with_position_ids_score_their_first_token_as_the_model_does() -> None:
+    """A left-padded row's positions start at 0 on its first token, after padding: no document
+    boundary. The model scores that token (predicted from the last pad), and so does the helper."""
+    model = _model(_gpt2)
+    batch = _left_padded_lm_batch(torch.Generator().manual_seed(2), 0)
+    ours = hf.causal_lm(model, batch)
+    with torch.no_grad():
+        theirs = float(model(**batch).loss)
+    scored = int((batch["labels"][:, 1:] != -100).sum())
+    assert int(ours.count) == int(hf.causal_lm.items_counted(batch)) == scored
+    assert float(ours.value) / scored == pytest.approx(theirs, rel=1e-6)
+    # Negative control: without the attention mask the helper cannot tell padding from a packed
+    # document, drops each padded row's first target, and misses the model's mean.
+    blind = hf.causal_lm(model, {k: v for k, v in batch.items() if k != "attention_mask"})
+    assert int(blind.count) < scored
+
+
+@pytest.mark.parametrize("name", ["gpt2-causal_lm", "t5-seq2seq", "bert-masked_lm"])
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_the_models_own_mean_warns_with_one_row_per_micro_batch(name: str, drive: str) -> None:
+    """One row per micro-batch, the usual small-memory setup: `outputs.loss` is that row's token
+    mean, weighted by 1, which the library must say. The helpers never warn."""
+    make, make_batch, helper, _ = CASES[name]
+    batch = _batches(make_batch)[0]
+
+    def warned(loss_fn: Any) -> int:
+        model = _model(make)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            if drive == "step":
+                Accumulator(model, _optimizer(model), micro_batch_size=1).step(batch, loss_fn)
+            else:
+                acc = Accumulator(model, _optimizer(model), accumulation_steps=ROWS)
+                for row in range(ROWS):
+                    acc.micro_step({k: v[row : row + 1] for k, v in batch.items()}, loss_fn)
+        return sum(w.category is TokenMeanWarning for w in record)
+
+    assert warned(_model_mean) == 1
+    assert warned(helper) == 0

@@ -151,6 +151,50 @@ def test_epoch_end_leftover_of_a_dataset_of_unknown_length(keras_results, backen
     assert_exact(result(keras_results, backend, "leftover_unknown_length"), backend, steps=3)
 
 
+def test_carry_over_epochs_of_unknown_length_counts_only_real_micro_batches(keras_results, backend):
+    found = result(keras_results, backend, "carry_over_epochs_of_unknown_length")
+    if found.get("skipped"):
+        pytest.skip(found["skipped"])
+    assert_exact(found, backend, steps=7)
+    assert found["state"]["pending"] == found["pending_ref"] == 2
+    assert found["full_windows_state"] == {"steps": 4, "skipped": 0, "pending": 0}, found
+
+
+def test_window_state_is_readable_from_a_callback_during_fit(keras_results, backend):
+    found = result(keras_results, backend, "window_state_during_fit")
+    assert found["pending"] == [1, 0, 1, 0, 0], found  # the epoch's last window steps on 1
+    assert found["state"] == {"steps": 3, "skipped": 0, "pending": 0}, found
+
+
+def test_backup_and_restore_resumes_exactly_with_the_optimizer_state(keras_results, backend):
+    found = result(keras_results, backend, "backup_and_restore_resumes_exactly")
+    assert_exact(found, backend, steps=4)  # the resumed run's own: 2 windows in epochs 3 and 4
+    assert found["plain_iterations"] == 4, found  # 2 epochs of 2 windows, read by a plain model
+    assert found["gap_weights_only"] > CAUGHT, found
+
+
+def test_backup_and_restore_of_epochs_of_unknown_length(keras_results, backend):
+    found = result(keras_results, backend, "backup_and_restore_of_unknown_length")
+    if found.get("skipped"):
+        pytest.skip(found["skipped"])
+    assert_exact(found, backend, steps=6)  # epochs 3 and 4: windows of 4, 4 and 2
+    assert not found["warned_open_window"], "the epoch's leftover must be settled before saving"
+
+
+def test_multi_output_dict_of_losses_is_exact(keras_results, backend):
+    assert_exact(result(keras_results, backend, "multi_output_dict_of_losses"), backend, steps=4)
+
+
+def test_multi_output_losses_that_count_differently_are_refused(keras_results, backend):
+    found = result(keras_results, backend, "multi_output_counts_that_differ_are_refused")
+    message = found["message"] or ""
+    assert "count different items" in message, found
+    assert "seq" in message, found
+    assert "count=" in message, found
+    assert found["unchanged"], found
+    assert found["unmasked_state"] == {"steps": 2, "skipped": 0, "pending": 0}, found
+
+
 def test_steps_per_execution_and_jit_compile(keras_results, backend):
     found = result(keras_results, backend, "steps_per_execution_and_jit")
     if found.get("skipped"):

@@ -17,7 +17,14 @@ from keras.src.backend import get_keras_mask
 from keras.src.losses.loss import squeeze_or_expand_to_same_rank
 from keras.src.trainers.compile_utils import get_loss
 
-__all__ = ["MEAN_REDUCTIONS", "loss_count", "loss_sum", "resolve_loss"]
+__all__ = [
+    "MEAN_REDUCTIONS",
+    "loss_count",
+    "loss_sum",
+    "masked_outputs",
+    "resolve_loss",
+    "varying_count",
+]
 
 #: Reductions whose batch value is a mean, so a window can divide once by its total count.
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -142,3 +149,51 @@ def loss_sum(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -> 
     weights = _weights(values, mask, sample_weight)
     total = ops.sum(values if weights is None else ops.multiply(values, weights))
     return total, _count(loss, values, mask, sample_weight)
+
+
+def varying_count(loss: Any, y_pred: Any, sample_weight: Any = None) -> str | None:
+    """Why `loss`'s count may not be its batch's rows times a fixed size, or None if it is.
+
+    Read when a step is traced: a Keras mask on `y_pred` (unmasked entries) or the
+    `"mean_with_sample_weight"` reduction (summed weights) make the count vary from batch to
+    batch apart from the rows; several such losses cannot share one window count.
+
+    Example:
+        >>> import numpy as np
+        >>> varying_count("mse", np.ones((2, 1))) is None
+        True
+    """
+    resolved = resolve_loss(loss)
+    if get_keras_mask(y_pred) is not None:
+        return "a masked output (it counts unmasked entries)"
+    if resolved.reduction == "mean_with_sample_weight" and sample_weight is not None:
+        return "reduction='mean_with_sample_weight' (it counts the summed weights)"
+    return None
+
+
+def masked_outputs(model: Any, loss: Any) -> list[str]:
+    """The masked outputs next to unmasked ones that `loss` scores, from a built model's graph.
+
+    A functional or Sequential model knows its outputs' Keras masks before any data flows, so
+    losses that would count differently (see `varying_count`) are found at `compile()`.
+    Models without symbolic outputs (subclassed) return [] here and are checked at the first
+    step instead.
+    """
+    try:
+        outputs = model.output
+    except (AttributeError, ValueError):  # subclassed or not built: no symbolic outputs
+        return []
+    names = list(getattr(model, "output_names", None) or [])
+    flat = keras.tree.flatten(outputs)
+    if isinstance(outputs, dict):
+        named = dict(outputs)
+    else:
+        named = {names[i] if i < len(names) else str(i): out for i, out in enumerate(flat)}
+    if isinstance(loss, dict):
+        scored = [key for key, item in loss.items() if item is not None and key in named]
+    elif isinstance(loss, list | tuple):
+        scored = [key for key, item in zip(named, loss, strict=False) if item is not None]
+    else:
+        scored = list(named) if loss is not None else []
+    masked = [key for key in scored if get_keras_mask(named[key]) is not None]
+    return masked if 0 < len(masked) < len(scored) else []  # all masked: alike

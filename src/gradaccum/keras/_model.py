@@ -15,7 +15,8 @@ things around Keras's own `train_step`:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -23,7 +24,7 @@ from keras import ops
 
 from gradaccum._warnings import warn_user
 from gradaccum.batchnorm import BatchNormAccumulationWarning
-from gradaccum.keras._counts import MEAN_REDUCTIONS, loss_count
+from gradaccum.keras._counts import MEAN_REDUCTIONS, loss_count, masked_outputs, varying_count
 from gradaccum.keras._optimizer import WindowOptimizer
 
 __all__ = ["PARTIAL_WINDOWS", "AccumulatingModel", "accumulate"]
@@ -138,6 +139,7 @@ class AccumulatingModel(keras.Model):
             self.output_names = model.output_names
         self._settle = _SettleWindows(self)
         _warn_batchnorm(model, steps)
+        self.built = model.built  # the probe exists already: built as the model is
 
     def call(self, inputs: Any, training: Any = None) -> Any:
         """Run the wrapped model."""
@@ -154,6 +156,14 @@ class AccumulatingModel(keras.Model):
                     f"loss {item.name!r} has reduction={item.reduction!r}; accumulation divides "
                     f"each window once by its count, so use one of {MEAN_REDUCTIONS}"
                 )
+        masked = [] if self._count_fn is not None else masked_outputs(self.model, loss)
+        if masked:
+            raise ValueError(
+                f"the compiled losses count different items: outputs {masked} are masked (they "
+                "count unmasked entries), the others count rows; one window count cannot "
+                "divide each loss by its own. Compile one loss, or pass count=... to "
+                "AccumulatingModel if you know the counts stay proportional"
+            )
         inner = keras.optimizers.get(optimizer)
         if isinstance(inner, WindowOptimizer):
             inner = inner.inner_optimizer
@@ -203,26 +213,35 @@ class AccumulatingModel(keras.Model):
         if compiled is None or not compiled._flat_losses:
             first = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None)
             return ops.shape(first)[0]
-        path, loss, _, _ = compiled._flat_losses[0]
-        if path:
-            try:
-                for key in path:
-                    y, y_pred = y[key], y_pred[key]
-                    if keras.tree.is_nested(sample_weight):
-                        sample_weight = sample_weight[key]
-            except (KeyError, IndexError, TypeError) as error:
+        outputs = [(loss, *_at(path, y, y_pred, sample_weight)) for path, loss, _, _ in (
+            compiled._flat_losses
+        )]  # fmt: skip
+        if len(outputs) > 1:  # one count serves every loss only if they count alike
+            kinds = {
+                "/".join(map(str, entry.path)) or "output": varying_count(loss, pred, weight)
+                for entry, (loss, _, pred, weight) in zip(
+                    compiled._flat_losses, outputs, strict=True
+                )
+            }
+            varying = {name: kind or "rows" for name, kind in kinds.items()}
+            if len(set(kinds.values())) > 1:
                 raise ValueError(
-                    f"cannot find the first loss's output {path} in y and y_pred; pass "
-                    "count=lambda x, y, y_pred, sample_weight: ... to AccumulatingModel"
-                ) from error
+                    f"the compiled losses count different items: {varying}; one window count "
+                    "cannot divide each loss by its own, so accumulation would not be exact. "
+                    "Compile one loss (or losses that count rows alike), or pass count=... to "
+                    "AccumulatingModel if you know the counts stay proportional"
+                )
+        loss, y, y_pred, sample_weight = outputs[0]
         return loss_count(loss, y, y_pred, sample_weight)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """`keras.Model.fit`; `batch_size` is the micro-batch size."""
+        self.built = self.built or self.model.built  # built since wrapped (BackupAndRestore)
+        # First, so an epoch's leftover is settled before the user's callbacks save or stop.
         if len(args) > 5:  # callbacks given positionally
-            args = (*args[:5], [*(args[5] or []), self._settle], *args[6:])
+            args = (*args[:5], [self._settle, *(args[5] or [])], *args[6:])
         else:
-            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self._settle]
+            kwargs["callbacks"] = [self._settle, *(kwargs.get("callbacks") or [])]
         return super().fit(*args, **kwargs)
 
     def flush(self, policy: str = "step") -> bool:
@@ -237,7 +256,14 @@ class AccumulatingModel(keras.Model):
 
     @property
     def window_state(self) -> dict[str, int]:
-        """`steps` taken, windows `skipped` (non-finite or empty), micro-batches `pending`."""
+        """`steps` taken, windows `skipped` (non-finite or empty), micro-batches `pending`.
+
+        Readable during `fit` too (a callback): on JAX, where `fit` holds the variables' values
+        until they are synced, reading it syncs them first, as `Callback.model` does.
+        """
+        sync = getattr(self, "jax_state_sync", None)
+        if callable(sync):
+            sync()
         return self._window_optimizer().window_state()
 
     def _window_optimizer(self) -> WindowOptimizer:
@@ -253,18 +279,69 @@ class AccumulatingModel(keras.Model):
         return self.model.save(filepath, *args, **kwargs)
 
     def save_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> Any:
-        """Save the wrapped model's weights."""
-        return self.model.save_weights(filepath, *args, **kwargs)
+        """Save the wrapped model's weights and its optimizer's state, as a compiled model would.
+
+        The file is laid out as a plain model compiled with the inner optimizer writes it, so
+        `BackupAndRestore` and `ModelCheckpoint(save_weights_only=True)` resume the optimizer
+        too, and a plain model loads it. An open window's sums are not in it (save at window
+        boundaries): a warning says so.
+        """
+        pending = self.window_state["pending"] if isinstance(self.optimizer, WindowOptimizer) else 0
+        if pending:
+            warn_user(
+                UserWarning(
+                    f"saving weights while {pending} micro-batch(es) wait in an open window: "
+                    "their gradient sums are not saved; save at window boundaries"
+                )
+            )
+        with self._optimizer_on_model():
+            return self.model.save_weights(filepath, *args, **kwargs)
 
     def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> Any:
-        """Load weights into the wrapped model."""
-        return self.model.load_weights(filepath, *args, **kwargs)
+        """Load weights (and, if the file holds it, the optimizer's state) into the model."""
+        with self._optimizer_on_model():
+            return self.model.load_weights(filepath, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def _optimizer_on_model(self) -> Iterator[None]:
+        """Lend the inner optimizer to the wrapped model, where Keras saves and loads it."""
+        window = self.optimizer if isinstance(self.optimizer, WindowOptimizer) else None
+        if window is None:
+            yield  # not compiled yet: the weights alone
+            return
+        if not window.built:
+            window.build(self.trainable_variables)
+        missing = object()
+        own = self.model.__dict__.get("optimizer", missing)  # compiled before it was wrapped
+        object.__setattr__(self.model, "optimizer", window.inner_optimizer)  # not tracked
+        try:
+            yield
+        finally:
+            if own is missing:
+                object.__delattr__(self.model, "optimizer")
+            else:
+                object.__setattr__(self.model, "optimizer", own)
 
     def get_config(self) -> dict[str, Any]:
         """Not serializable: save the wrapped model (`trainer.model`, or `trainer.save`)."""
         raise NotImplementedError(
             "AccumulatingModel is not serialized; save the wrapped model: trainer.save(path)"
         )
+
+
+def _at(path: Any, y: Any, y_pred: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
+    """`y`, `y_pred` and `sample_weight` of the output a compiled loss is attached to."""
+    try:
+        for key in path or ():
+            y, y_pred = y[key], y_pred[key]
+            if keras.tree.is_nested(sample_weight):
+                sample_weight = sample_weight[key]
+    except (KeyError, IndexError, TypeError) as error:
+        raise ValueError(
+            f"cannot find the loss's output {path} in y and y_pred; pass "
+            "count=lambda x, y, y_pred, sample_weight: ... to AccumulatingModel"
+        ) from error
+    return y, y_pred, sample_weight
 
 
 class _SettleWindows(keras.callbacks.Callback):

@@ -15,6 +15,7 @@ non-finite gradient is skipped whole (no inner step) and the scale halves once. 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -46,6 +47,23 @@ def dense(grad: Any) -> Any:
 
         return tf.convert_to_tensor(grad)
     return ops.convert_to_tensor(grad)
+
+
+def _after(tensor: Any) -> contextlib.AbstractContextManager[Any]:
+    """Run the block's ops only once `tensor` exists (TensorFlow), so they need the batch.
+
+    At the end of a dataset of unknown length (a generator, a filtered `tf.data`), Keras's
+    TensorFlow trainer calls the train function once more; fetching the batch fails, but
+    inside the inlined step the variable updates that read no batch value (the window's
+    micro-batch counter) still run. Tied to the batch's count, they no longer count a
+    micro-batch that never came. Other backends run the step only for a real batch.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return contextlib.nullcontext()
+    import tensorflow as tf
+
+    dependencies: contextlib.AbstractContextManager[Any] = tf.control_dependencies([tensor])
+    return dependencies
 
 
 class WindowOptimizer(keras.optimizers.LossScaleOptimizer):
@@ -166,11 +184,14 @@ class WindowOptimizer(keras.optimizers.LossScaleOptimizer):
                 )
         self._count.assign_add(count)
         self._finite.assign(ops.where(finite, self._finite.value, 0))
-        self._micro.assign_add(1)
-        epoch_micro = ops.add(self._epoch_micro.value, 1)
-        length = self._epoch_length.value
-        epoch_end = ops.logical_and(ops.greater(length, 0), ops.greater_equal(epoch_micro, length))
-        self._epoch_micro.assign(ops.where(epoch_end, ops.zeros_like(epoch_micro), epoch_micro))
+        with _after(scaled_count):  # TensorFlow: never for a step whose batch never came
+            self._micro.assign_add(1)
+            epoch_micro = ops.add(self._epoch_micro.value, 1)
+            length = self._epoch_length.value
+            epoch_end = ops.logical_and(
+                ops.greater(length, 0), ops.greater_equal(epoch_micro, length)
+            )
+            self._epoch_micro.assign(ops.where(epoch_end, ops.zeros_like(epoch_micro), epoch_micro))
         full = ops.greater_equal(self._micro.value, self.steps)
         if self.partial_window == "carry":
             return full, ops.zeros((), "bool")
