@@ -128,7 +128,7 @@ class _PipeSafe:
 def _pipe_safe_output() -> Iterator[None]:
     """Make `sys.stdout` and `sys.stderr` pipe-safe (see `_PipeSafe`) for the block."""
     saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _PipeSafe(sys.stdout), _PipeSafe(sys.stderr)  # type: ignore[assignment]
+    sys.stdout, sys.stderr = _PipeSafe(sys.stdout), _PipeSafe(sys.stderr)
     try:
         yield
     finally:
