@@ -21,6 +21,7 @@ import gradaccum
 from gradaccum import Accumulator, LossSum
 from gradaccum._engine import Engine
 from gradaccum.loss import TokenMeanWarning
+from gradaccum.result import PartialStepError
 from gradaccum.sync import LocalSync
 from tests.models import make_model, mse_loss, regression_batch
 from tests.reference import reference_step
@@ -185,24 +186,25 @@ def test_negative_control_without_forgetting_the_window_state_leaks() -> None:
 
 
 def test_a_scheduler_that_raises_after_the_step_never_steps_twice() -> None:
-    """The one thing that cannot be undone: the optimizer stepped, then the scheduler raised.
+    """What cannot be undone: the optimizer stepped, then the scheduler raised anyway.
 
-    The window is committed before the scheduler runs, so the step is taken exactly once, the
+    The scheduler is tried before the step (and put back); one that passes that try and raises
+    only at its real step finds the window committed, so the step is taken exactly once, the
     window is closed, and the next call starts a fresh window.
     """
     model, optimizer, _, acc = _setup(scheduler=False)
     twin = copy.deepcopy((model, optimizer))
 
-    class Broken(torch.optim.lr_scheduler.StepLR):
-        armed = False
+    calls: list[int] = []  # outside the scheduler's state, which the try puts back
 
+    class Broken(torch.optim.lr_scheduler.StepLR):
         def step(self, epoch: Any = None) -> None:
-            if self.armed:
+            calls.append(1)
+            if len(calls) == 3:  # construction, the try, then the real step
                 raise RuntimeError("scheduler failed")
             super().step()
 
-    acc.scheduler = broken = Broken(optimizer, 1)
-    broken.armed = True
+    acc.scheduler = Broken(optimizer, 1)
     batch = _batch()
     with pytest.raises(RuntimeError, match="scheduler failed"):
         acc.step(batch, mse_loss)
@@ -419,7 +421,8 @@ def test_fp16_clipping_never_sees_still_scaled_gradients() -> None:
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
     head_only = torch.optim.SGD(model[2].parameters(), lr=0.1)
     twin = copy.deepcopy(model)
-    acc = Accumulator(model, head_only, micro_batch_size=4, precision="fp16", max_grad_norm=0.1)
+    with pytest.warns(UserWarning, match="in no param group of the optimizer"):
+        acc = Accumulator(model, head_only, micro_batch_size=4, precision="fp16", max_grad_norm=0.1)
     x, y = (t.float() for t in _batch(0, 12))
     result = acc.step((x, y), mse_loss)
     assert result.stepped
@@ -481,6 +484,48 @@ def test_zero_grad_inside_the_window_is_refused(set_to_none: bool) -> None:
     assert_bitwise(_everything(model, optimizer, scheduler), before)
 
 
+@pytest.mark.parametrize("then", ["micro_step", "flush"])
+def test_optimizer_step_inside_the_window_is_refused(then: str) -> None:
+    """A user's optimizer.step() between micro-steps steps on an undivided partial sum."""
+    model, optimizer, scheduler, acc = _setup(micro_batch_size=None, accumulation_steps=3)
+    assert not acc.micro_step(_batch(0, 3), mse_loss).stepped
+    optimizer.step()  # the bug: the Accumulator steps it itself when the window is full
+    stepped = _everything(model, optimizer, scheduler)
+    with pytest.raises(RuntimeError, match=r"weights of 4 parameters .*optimizer\.step\(\)"):
+        acc.micro_step(_batch(1, 3), mse_loss) if then == "micro_step" else acc.flush()
+    # The window is forgotten (no gradient left of it); the user's own step stays.
+    assert all(p.grad is None for p in model.parameters())
+    after = _everything(model, optimizer, scheduler)
+    stepped["grads"] = after["grads"]
+    assert_bitwise(after, stepped)
+    twin = copy.deepcopy((model, optimizer, scheduler))  # then a fresh window is exact
+    stream = [_batch(seed, 3) for seed in (4, 5, 6)]
+    assert [acc.micro_step(b, mse_loss).stepped for b in stream] == [False, False, True]
+    whole = tuple(torch.cat(parts) for parts in zip(*stream, strict=True))
+    reference_step(twin[0], twin[1], whole, mse_loss, scheduler=twin[2])
+    for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+
+
+def test_negative_control_an_optimizer_step_inside_the_window_went_unnoticed() -> None:
+    """Unchecked, the window ran on and stepped twice: once on a partial sum, once at the end."""
+    model, optimizer, _, acc = _setup(micro_batch_size=None, accumulation_steps=3)
+    twin = copy.deepcopy((model, optimizer))
+    stream = [_batch(seed, 3) for seed in (0, 1, 2)]
+    acc.micro_step(stream[0], mse_loss)
+    optimizer.step()
+    acc._engine.window._weights = []  # the check off
+    acc.micro_step(stream[1], mse_loss)
+    assert acc.micro_step(stream[2], mse_loss).stepped
+    whole = tuple(torch.cat(parts) for parts in zip(*stream, strict=True))
+    reference_step(twin[0], twin[1], whole, mse_loss)
+    gap = max(
+        float((p - q).detach().abs().max())
+        for p, q in zip(model.parameters(), twin[0].parameters(), strict=True)
+    )
+    assert gap > 1e-3  # the window's step is not the full-batch step any more
+
+
 def test_plain_scalar_loss_on_padded_labels_warns_once() -> None:
     model = nn.Linear(4, 3).double()
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2)
@@ -510,3 +555,258 @@ def test_plain_scalar_loss_on_padded_labels_warns_once() -> None:
         warnings.simplefilter("error", TokenMeanWarning)
         fresh.step(batch, token_sum)
         fresh.step({"x": batch["x"], "labels": labels.clamp(min=0)}, token_mean)
+
+
+# ------------------------------------------------------------------ optimizer, scheduler failing
+
+_DRIVES = {
+    "step": {"micro_batch_size": 3},
+    "micro_step": {"accumulation_steps": 4},
+    "flush": {"accumulation_steps": 8},
+}
+
+
+def _drive(acc: Accumulator, drive: str, batch: Any, loss_fn: Any = mse_loss) -> Any:
+    """One window of `batch` (11 items) through `step()`, 4 `micro_step()`s, or 4 and `flush()`."""
+    if drive == "step":
+        return acc.step(batch, loss_fn)
+    x, y = batch
+    result = None
+    for start in range(0, len(x), 3):
+        result = acc.micro_step((x[start : start + 3], y[start : start + 3]), loss_fn)
+    return acc.flush() if drive == "flush" else result
+
+
+def _precise(precision: str) -> tuple[nn.Module, Callable[[int], Any]]:
+    """A model and batches for `precision`: float64 for fp32, float32 under autocast."""
+    dtype = torch.float64 if precision == "fp32" else torch.float32
+    model = make_model("mlp", dtype=dtype)
+    return model, lambda seed: regression_batch(torch.Generator().manual_seed(seed), 11, dtype)
+
+
+def _accumulator(model: nn.Module, optimizer: Any, drive: str, precision: str, **kw: Any) -> Any:
+    acc = Accumulator(model, optimizer, precision=precision, **_DRIVES[drive], **kw)
+    if acc.scaler is not None:  # a scale these small gradients do not overflow
+        acc.scaler.load_state_dict({**acc.scaler.state_dict(), "scale": 256.0})
+    return acc
+
+
+def _all_of(model: nn.Module, optimizer: Any, scheduler: Any, acc: Accumulator) -> Any:
+    """`_everything`, the GradScaler and the Accumulator's own state."""
+    scaler = None if acc.scaler is None else acc.scaler.state_dict()
+    return [_everything(model, optimizer, scheduler), clone_state(acc.state_dict()), scaler]
+
+
+class _HalfStepSGD(torch.optim.SGD):
+    """Updates its first param group, then raises: a custom optimizer failing halfway."""
+
+    armed = False
+
+    def step(self, closure: Any = None) -> Any:
+        if not self.armed:
+            return super().step(closure)
+        groups = self.param_groups
+        self.param_groups = groups[:1]
+        try:
+            super().step(closure)
+        finally:
+            self.param_groups = groups
+        raise RuntimeError("the second param group failed")
+
+
+def _half_step_optimizer(model: nn.Module, kind: str) -> Any:
+    first, second = list(model.net[0].parameters()), list(model.net[2].parameters())
+    if kind == "custom":
+        return _HalfStepSGD([{"params": first}, {"params": second}], lr=0.1, momentum=0.9)
+    # torch's own: a tensor lr is refused under foreach=True, group by group, after group 0 stepped
+    groups = [{"params": first}, {"params": second, "lr": torch.tensor(0.01)}]
+    return torch.optim.Adam(groups, lr=0.01, foreach=True)
+
+
+@pytest.mark.parametrize("kind", ["custom", "torch"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("drive", list(_DRIVES))
+def test_an_optimizer_failing_after_it_updated_some_parameters_names_them_and_never_steps_twice(
+    kind: str, precision: str, drive: str
+) -> None:
+    """A half-done `optimizer.step()` is reported, and no retry can step the same weights again."""
+    model, batch = _precise(precision)
+    optimizer = _half_step_optimizer(model, kind)
+    acc = _accumulator(model, optimizer, drive, precision)
+    if kind == "custom":
+        assert _drive(acc, drive, batch(1)).stepped  # momentum state to keep
+        optimizer.armed = True
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), acc.state_dict()))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(PartialStepError, match=r"updated 2 of its 4 parameters \(net\.0\.weight, "):
+        _drive(acc, drive, batch(2))
+    moved = [not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)]
+    assert moved == [True, True, False, False]  # the error named exactly these
+    after = _all_of(model, optimizer, None, acc)
+    with pytest.raises(RuntimeError, match=r"failed halfway.*reload your last checkpoint"):
+        _drive(acc, drive, batch(2))  # the retry is refused before anything runs
+    assert_bitwise(_all_of(model, optimizer, None, acc), after)
+    # What the message says to do: restore a consistent state; then the steps are exact.
+    model.load_state_dict(saved[0])
+    if kind == "custom":
+        optimizer.load_state_dict(saved[1])
+        optimizer.armed = False
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        acc = _accumulator(model, optimizer, drive, precision)
+    acc.load_state_dict(saved[2])
+    twin = copy.deepcopy((model, optimizer))
+    if precision == "fp32":
+        _drive(acc, drive, batch(3))
+        reference_step(twin[0], twin[1], batch(3), mse_loss)
+        for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
+            torch.testing.assert_close(got, want, **EXACT)
+    else:
+        assert _drive(acc, drive, batch(3)).stepped
+
+
+def test_negative_control_without_the_guard_a_retry_steps_the_first_group_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unguarded, the failed call leaves the window forgotten and a retry steps group 0 again."""
+    model, batch = _precise("fp32")
+    optimizer = _half_step_optimizer(model, "custom")
+    acc = _accumulator(model, optimizer, "step", "fp32")
+    twin = copy.deepcopy((model, optimizer))
+    monkeypatch.setattr(
+        gradaccum._engine, "step_optimizer", lambda optimizer, *args: optimizer.step()
+    )
+    optimizer.armed = True
+    with pytest.raises(RuntimeError, match="second param group failed"):
+        acc.step(batch(2), mse_loss)
+    optimizer.armed = False
+    acc.step(batch(2), mse_loss)  # the retry runs
+    reference_step(twin[0], twin[1], batch(2), mse_loss)
+    gap = (model.net[0].weight - twin[0].net[0].weight).detach().abs().max()
+    assert float(gap) > 1e-3  # group 0 stepped twice on the same batch
+
+
+@pytest.mark.parametrize("options", [{"capturable": True}, {"differentiable": True}])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("drive", list(_DRIVES))
+def test_an_optimizer_refusing_its_first_step_leaves_no_state_behind(
+    options: dict[str, bool], precision: str, drive: str
+) -> None:
+    """torch's checks raise after the lazy state init; the state it created is removed."""
+    model, batch = _precise(precision)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, **options)  # CPU refuses both
+    acc = _accumulator(model, optimizer, drive, precision)
+    before = _all_of(model, optimizer, None, acc)
+    with pytest.raises((AssertionError, RuntimeError)) as raised:
+        _drive(acc, drive, batch(1))
+    assert not isinstance(raised.value, PartialStepError)
+    assert len(optimizer.state) == 0
+    assert_bitwise(_all_of(model, optimizer, None, acc), before)
+
+
+def test_negative_control_without_the_cleanup_the_failed_step_leaves_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, batch = _precise("fp32")
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True)
+    acc = _accumulator(model, optimizer, "step", "fp32")
+    monkeypatch.setattr(
+        gradaccum._engine, "step_optimizer", lambda optimizer, *args: optimizer.step()
+    )
+    with pytest.raises(AssertionError):
+        acc.step(batch(1), mse_loss)
+    assert len(optimizer.state) == 4  # exp_avg, exp_avg_sq and step of every parameter
+
+
+def _one_cycle(optimizer: Any) -> Any:
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=2)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("drive", list(_DRIVES))
+def test_a_scheduler_that_would_raise_after_the_step_is_caught_before_it(
+    precision: str, drive: str
+) -> None:
+    """OneCycleLR past total_steps: tried before the optimizer steps, so nothing changed."""
+    model, batch = _precise(precision)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = _one_cycle(optimizer)
+    acc = _accumulator(model, optimizer, drive, precision, scheduler=scheduler)
+    for seed in (1, 2):
+        assert _drive(acc, drive, batch(seed)).stepped
+    before = _all_of(model, optimizer, scheduler, acc)
+    with pytest.raises(ValueError, match="Tried to step 3 times") as raised:
+        _drive(acc, drive, batch(3))
+    assert "tried before optimizer.step() and raised" in "".join(raised.value.__notes__)
+    assert_bitwise(_all_of(model, optimizer, scheduler, acc), before)
+    acc.scheduler = None  # the fix: a longer schedule, or none; the Accumulator goes on
+    twin = copy.deepcopy((model, optimizer))
+    assert _drive(acc, drive, batch(4)).stepped
+    if precision == "fp32":
+        reference_step(twin[0], twin[1], batch(4), mse_loss)
+        for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
+            torch.testing.assert_close(got, want, **EXACT)
+
+
+def test_negative_control_without_trying_the_scheduler_the_step_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, batch = _precise("fp32")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = _one_cycle(optimizer)
+    acc = _accumulator(model, optimizer, "step", "fp32", scheduler=scheduler)
+    for seed in (1, 2):
+        acc.step(batch(seed), mse_loss)
+    before = [p.detach().clone() for p in model.parameters()]
+    monkeypatch.setattr(gradaccum._engine, "try_scheduler", lambda scheduler: None)
+    with pytest.raises(ValueError, match="Tried to step 3 times"):
+        acc.step(batch(3), mse_loss)
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert scheduler.last_epoch == 3  # and the schedule moved past its end
+
+
+_SCHEDULES = {
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=9),
+    "CyclicLR": lambda o: torch.optim.lr_scheduler.CyclicLR(o, 0.01, 0.1, step_size_up=2),
+    "SequentialLR": lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o,
+        [
+            torch.optim.lr_scheduler.LinearLR(o, 0.1, total_iters=2),
+            torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(o, T_0=2),
+        ],
+        milestones=[2],
+    ),
+    "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1 / (step + 1)),
+}
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True])
+@pytest.mark.parametrize("name", list(_SCHEDULES))
+def test_trying_the_scheduler_first_leaves_the_schedule_exact(name: str, tensor_lr: bool) -> None:
+    """The try steps and puts back lr, momentum/betas (tensor lr in place) and the scheduler."""
+    model, batch = _precise("fp32")
+    twin = copy.deepcopy(model)
+
+    def build(m: nn.Module) -> tuple[Any, Any]:
+        lr = torch.tensor(0.01) if tensor_lr else 0.01
+        optimizer = torch.optim.Adam(m.parameters(), lr=lr)
+        return optimizer, _SCHEDULES[name](optimizer)
+
+    optimizer, scheduler = build(model)
+    ref_optimizer, ref_scheduler = build(twin)
+    acc = Accumulator(model, optimizer, micro_batch_size=3, scheduler=scheduler)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "scheduler before optimizer" warning either
+        for seed in range(5):
+            result = acc.step(batch(seed), mse_loss)
+            lr = float(ref_optimizer.param_groups[0]["lr"])
+            reference_step(twin, ref_optimizer, batch(seed), mse_loss, scheduler=ref_scheduler)
+            assert result.lr == lr
+    for got, want in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+    assert scheduler.state_dict()["last_epoch"] == ref_scheduler.state_dict()["last_epoch"] == 5
+    # Control: one scheduler step too many (the try left in place) is a different schedule.
+    ref_scheduler.step()
+    assert float(ref_optimizer.param_groups[0]["lr"]) != float(optimizer.param_groups[0]["lr"])

@@ -2,11 +2,11 @@
 
 One micro-batch: forward under autocast, read `(sum, count)`, backward `sum * loss_scale /
 denominator` (`gradaccum.divisor`), move low-precision gradients to their buffers. The boundary:
-exchange ─► reduce what the backend did not ─► divide once ─► finite? ─► clip ─►
-optimizer.step() ══ commit ══► loss scale, pooled BatchNorm, close the window. Any exception
-before the commit, or a skipped or dropped window, ends in `_forget_window()`: gradients as before
-the window, fp32 buffers dropped, BatchNorm running and pooled statistics back, and the RNG for a
-window rerun after running out of memory. After the commit only the caller's scheduler can fail.
+exchange ─► reduce what the backend did not ─► divide once ─► finite? ─► clip ─► scheduler tried
+─► optimizer.step() ══ commit ══► loss scale, pooled BatchNorm, close (`gradaccum._commit`). Any
+exception before the commit, or a skipped or dropped window, ends in `_forget_window()`: gradients
+as before the window, fp32 buffers dropped, BatchNorm running and pooled statistics back, and the
+RNG for a window rerun after running out of memory.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
+from gradaccum._commit import step_optimizer, try_scheduler
 from gradaccum._oom import is_out_of_memory, rng_states, set_rng_states
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
 from gradaccum._sync_base import NO_CONTEXT
@@ -68,6 +69,7 @@ class Engine:
         self._token_checks = _TOKEN_MEAN_CHECKS
         self._seeds = Seeds()
         self.telemetry: TelemetryMeter | None = None  # opt-in (gradaccum.telemetry)
+        self.broken: str | None = None  # set by a half-done optimizer.step(); a load clears it
 
     # ---------------------------------------------------------------- micro-batches
 
@@ -135,6 +137,8 @@ class Engine:
         return last
 
     def _open(self, rerun: bool) -> None:
+        if self.broken is not None:
+            raise RuntimeError(f"no window was run: the last step failed halfway. {self.broken}")
         params, held = window_parameters(self._model_params, self.optimizer)
         self.sync.begin_window()
         self.window.open(params, held, self.runtime.loss_scale())
@@ -245,13 +249,10 @@ class Engine:
         self, result: LossTerms, expect: Expectation
     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Tensor]]]:
         """A `LossSum.terms` micro-batch: its main root, its logged total and its extra roots."""
-        if self._fsdp:
-            raise ValueError(
-                "LossSum.terms is not supported with FSDP2 yet (each term would need its own "
-                "reduce-scatter); return one LossSum, or use DDP."
-            )
         terms = read_terms(result)
-        ledger = TermLedger.for_micro_batch(self.window.terms, terms, self.normalize, expect)
+        ledger = TermLedger.for_micro_batch(
+            self.window.terms, terms, self.normalize, expect, fsdp=self._fsdp
+        )
         self.window.terms, self.window.denominator = ledger, 1.0  # it divides each term itself
         return ledger.roots(terms)
 
@@ -264,8 +265,8 @@ class Engine:
 
     # ---------------------------------------------------------------- the boundary
 
-    def close_window(self, *, max_grad_norm: float | None) -> Outcome:
-        """Run the boundary transaction; the window is closed or forgotten when this returns."""
+    def close_window(self, *, max_grad_norm: float | None, scheduler: Any = None) -> Outcome:
+        """Run the boundary transaction (`scheduler` tried first); closed or forgotten after it."""
         window, runtime = self.window, self.runtime
         try:
             agreement = self._agreement or self._exchange(rank_summary(window, runtime, self.sync))
@@ -295,7 +296,8 @@ class Engine:
                 clip_(held, max_grad_norm, norm)
             runtime.publish(window.params)
             lr = learning_rate(self.optimizer)
-            self.optimizer.step()
+            try_scheduler(scheduler)
+            step_optimizer(self.optimizer, window.params[: window.held], self._names, self)
         except BaseException:
             if window.is_open:
                 self._forget_window()
@@ -380,12 +382,7 @@ class Engine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Check every component's state first, then restore them; raise changing nothing."""
-        if state.get("batchnorm_mode") != self.batchnorm.mode.value:
-            raise ValueError(
-                f"the saved Accumulator has batchnorm={state.get('batchnorm_mode')!r} but this "
-                f"one has batchnorm={self.batchnorm.mode.value!r}; build the Accumulator with "
-                "the saved settings."
-            )
+        self.batchnorm.check_mode(state.get("batchnorm_mode"))
         params, held = window_parameters(self._model_params, self.optimizer)
         self.sync.check_resume(bool(state["window"].get("micro_batches")))
         self.window.check_state(state["window"], params)
@@ -398,3 +395,4 @@ class Engine:
             self.runtime.open_window(len(params))
         self.batchnorm.open_window()
         self._end()
+        self.broken = None  # the caller restored a consistent state

@@ -298,10 +298,11 @@ class Accumulator:
         """The window boundary, through the engine's transaction; counts what it skipped."""
         window = self._engine.window
         micro_batches = window.micro_batches
-        outcome = self._engine.close_window(max_grad_norm=self.max_grad_norm)
+        outcome = self._engine.close_window(
+            max_grad_norm=self.max_grad_norm, scheduler=self.scheduler
+        )
         if outcome.stepped and self.scheduler is not None:
-            # After the commit: a scheduler that raises leaves the step taken and the window
-            # closed, so nothing can step it twice (docs/reliability.md).
+            # Tried before the commit; raising now, it leaves one step taken (docs/reliability.md)
             self.scheduler.step()
         build = StepResult.stepped if outcome.stepped else StepResult.skipped
         meter = self._engine.telemetry

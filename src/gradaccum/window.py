@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,8 @@ __all__ = [
 ]
 
 LossFn = Callable[[torch.nn.Module, Any], "torch.Tensor | LossSum"]
+
+_VERSION = operator.attrgetter("_version")
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -112,6 +115,7 @@ class Window:
         self.loss_scale = 1.0
         self._stashed: list[torch.Tensor | None] = []
         self._marks: list[tuple[torch.Tensor | None, int]] = []
+        self._weights: list[int] = []  # the parameters' versions at the last mark
 
     @property
     def is_open(self) -> bool:
@@ -145,8 +149,16 @@ class Window:
         return self.loss_host + on_device
 
     def mark_gradients(self) -> None:
-        """Remember each gradient after a backward, to catch changes made between micro-batches."""
+        """Remember each gradient and weight after a backward, to catch later changes to them."""
         self._marks = [(p.grad, -1 if p.grad is None else p.grad._version) for p in self.params]
+        self._weights = list(map(_VERSION, self.params))  # no Python frame per parameter
+
+    def touched_weights(self) -> list[int]:
+        """Indices of params changed in place since the last mark (a user's `optimizer.step()`)."""
+        if not self._weights or list(map(_VERSION, self.params)) == self._weights:
+            return []
+        pairs = zip(self.params, self._weights, strict=True)
+        return [index for index, (param, version) in enumerate(pairs) if param._version != version]
 
     def touched_gradients(self) -> list[int]:
         """Indices of params whose gradient changed since the last mark (a user's `zero_grad`)."""
@@ -159,7 +171,18 @@ class Window:
         ]
 
     def touched_gradients_error(self, names: dict[int, str]) -> RuntimeError | None:
-        """The error for gradients changed since the last mark (a user's `zero_grad`), if any."""
+        """The error for gradients or weights changed since the last mark, if any."""
+        weights = self.touched_weights()
+        if weights:
+            named = [names.get(id(self.params[i]), "<unnamed>") for i in weights[:3]]
+            return RuntimeError(
+                f"the weights of {len(weights)} parameters ({', '.join(named)}, ...) changed "
+                "between two micro-batches of one window: an optimizer.step() (or another "
+                "in-place change to the parameters) inside the accumulation loop steps on a "
+                "partial, undivided sum of the window's gradients. Remove it: the Accumulator "
+                "steps the optimizer itself when the window is full. The window was discarded; "
+                "the change your code made to the weights stays."
+            )
         touched = self.touched_gradients()
         if not touched:
             return None
@@ -185,7 +208,12 @@ class Window:
         self._close()
 
     def state_dict(self) -> dict[str, Any]:
-        """Copies of the totals and of the partial gradients (plain data)."""
+        """Copies of the totals and of the partial gradients (plain data).
+
+        A closed window saves no parameter: its state does not depend on the windows before it
+        (a forgotten one included).
+        """
+        params = self.params if self.is_open else []
         return {
             "count": self.count,
             "micro_batches": self.micro_batches,
@@ -194,9 +222,9 @@ class Window:
             "largest_micro_batch": self.largest_micro_batch,
             "denominator": self.denominator,
             "loss_scale": self.loss_scale,
-            "param_shapes": [list(p.shape) for p in self.params],
+            "param_shapes": [list(p.shape) for p in params],
             "terms": None if self.terms is None else self.terms.state_dict(),
-            "grads": [None if p.grad is None else p.grad.detach().clone() for p in self.params],
+            "grads": [None if p.grad is None else p.grad.detach().clone() for p in params],
         }
 
     def check_state(self, state: dict[str, Any], params: list[torch.nn.Parameter]) -> None:

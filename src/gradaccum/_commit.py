@@ -1,0 +1,143 @@
+"""The window's commit: `optimizer.step()`, taken whole, refused before it starts, or reported.
+
+Three guards around the one call that changes the model, none of which copies a parameter:
+
+- the scheduler is tried first (`try_scheduler`): an `LRScheduler` is stepped, then put back
+  (its own state and the param groups' values), so one that would raise after the step
+  (`OneCycleLR` past `total_steps`, a `LambdaLR` whose lambda fails) raises before anything
+  changed;
+- `optimizer.step()` is watched by the parameters' `_version` counters, read before the call
+  by one C-level `map` (no Python frame per parameter). An optimizer that raises having
+  changed nothing, typically torch's own input checks, has the state entries its lazy
+  initialization created removed, so nothing changed at all;
+- an optimizer that raises after it updated some parameters (a second param group failing
+  torch's checks, a custom optimizer) cannot be undone without a copy of every parameter and
+  its state, which costs the memory of a second model. Instead `PartialStepError` names the
+  parameters it changed and how to continue, and the engine refuses every later window until
+  a state is loaded, so a retried call can never step the same parameters twice.
+
+Example:
+    >>> import torch
+    >>> param = torch.nn.Parameter(torch.ones(2))
+    >>> param.grad = torch.ones(2)
+    >>> step_optimizer(torch.optim.SGD([param], lr=0.5), [param], {})
+    >>> param.tolist()
+    [0.5, 0.5]
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from gradaccum.result import PartialStepError
+
+__all__ = ["Breakable", "PartialStepError", "step_optimizer", "try_scheduler"]
+
+_VERSION = operator.attrgetter("_version")
+
+
+class Breakable(Protocol):
+    """What `step_optimizer` marks when a step failed halfway (the `Engine`)."""
+
+    broken: str | None
+
+
+_SHOWN_NAMES = 5
+
+
+def step_optimizer(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    names: dict[int, str],
+    owner: Breakable | None = None,
+) -> None:
+    """`optimizer.step()`; if it raises, nothing changed, or `PartialStepError` says what did.
+
+    Args:
+        optimizer: The optimizer to step.
+        params: The parameters it holds (watched for changes).
+        names: Parameter names by `id`, for the error.
+        owner: Its `broken` is set to the message when the step raised after changing
+            parameters (the engine then refuses windows until a state is loaded).
+
+    Raises:
+        PartialStepError: If `optimizer.step()` raised after changing some of `params`.
+    """
+    versions = list(map(_VERSION, params))
+    known = len(optimizer.state)  # a dict: state created by this step comes after `known`
+    try:
+        optimizer.step()
+    except BaseException as error:
+        changed = [p for p, v in zip(params, versions, strict=True) if p._version != v]
+        if not changed:
+            for param in list(optimizer.state)[known:]:  # lazily created by this failed step
+                del optimizer.state[param]
+            raise
+        message = _partial_message(optimizer, changed, len(params), names, error)
+        if owner is not None:
+            owner.broken = message
+        if not isinstance(error, Exception):  # Ctrl-C mid-update: keep its type, say what changed
+            if hasattr(error, "add_note"):
+                error.add_note(message)
+            raise
+        raise PartialStepError(message) from error
+
+
+def _partial_message(
+    optimizer: torch.optim.Optimizer,
+    changed: list[torch.Tensor],
+    total: int,
+    names: dict[int, str],
+    error: BaseException,
+) -> str:
+    shown = [names.get(id(p), f"<optimizer param of shape {tuple(p.shape)}>") for p in changed]
+    listed = ", ".join(shown[:_SHOWN_NAMES]) + (", ..." if len(shown) > _SHOWN_NAMES else "")
+    return (
+        f"{type(optimizer).__name__}.step() raised ({type(error).__name__}: {error}) after it "
+        f"had already updated {len(changed)} of its {total} parameters ({listed}); they and "
+        "the optimizer state cannot be put back, so this Accumulator refuses further windows "
+        "rather than step them twice. Fix the cause, then reload your last checkpoint "
+        "(gradaccum.load_checkpoint(path, model=..., optimizer=..., accumulator=acc)), or build "
+        "a new Accumulator to continue from the half-updated weights knowingly."
+    )
+
+
+def try_scheduler(scheduler: Any) -> None:
+    """Step an `LRScheduler` and put it back: raise now what its real step would raise later.
+
+    The param groups' values it sets (lr, momentum, betas; tensor values in place) and its own
+    state are restored whether it raised or not. Other schedulers are not tried.
+    """
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        return
+    state = scheduler.state_dict()
+    groups = [
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+        for g in scheduler.optimizer.param_groups
+    ]
+    try:
+        with warnings.catch_warnings():  # its first step comes before optimizer.step() here
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler.step()
+    except Exception as error:
+        if hasattr(error, "add_note"):
+            error.add_note(
+                f"gradaccum: {type(scheduler).__name__}.step() was tried before optimizer.step() "
+                "and raised, so nothing was stepped; the window was discarded. A scheduler that "
+                "runs out of steps (OneCycleLR's total_steps) needs a longer schedule or a stop "
+                "before it."
+            )
+        raise
+    finally:
+        scheduler.load_state_dict(state)
+        for group, saved in zip(scheduler.optimizer.param_groups, groups, strict=True):
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor) and isinstance(group.get(key), torch.Tensor):
+                    group[key].copy_(value)
+                else:
+                    group[key] = value
