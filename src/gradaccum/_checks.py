@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from gradaccum._sync_base import is_fsdp
+from gradaccum._warnings import warn_user
 from gradaccum.batching import check_micro_batch_size
 from gradaccum.options import SyncPolicy, Tokens
 from gradaccum.recovery import is_auto
@@ -53,6 +54,17 @@ def check_optimizer(optimizer: object, model: torch.nn.Module) -> None:
     Optimizers whose `step` needs a closure (L-BFGS) re-evaluate the loss several times per
     step, which a window of micro-batches cannot offer; they are refused.
     """
+    if isinstance(optimizer, (list, tuple)) and optimizer:
+        kinds = ", ".join(type(o).__name__ for o in optimizer)
+        raise TypeError(
+            f"optimizer is a {type(optimizer).__name__} of {len(optimizer)} ({kinds}); the "
+            "Accumulator steps one torch.optim.Optimizer per window, and stepping only some "
+            "would leave the others' gradients unused. Put every parameter in one optimizer, as "
+            "param groups with their own lr and weight_decay; for two losses over two models (a "
+            "GAN), build one Accumulator per model and its optimizer; for two optimizer types "
+            "over one model (Muon for the 2-D weights, AdamW for the rest), pass one Optimizer "
+            "that steps both (README, 'Two optimizers on one model')."
+        )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer={optimizer!r} must be a torch.optim.Optimizer.")
     model_ids = {id(p) for p in model.parameters() if p.requires_grad}
@@ -67,6 +79,18 @@ def check_optimizer(optimizer: object, model: torch.nn.Module) -> None:
             f"{type(optimizer).__name__}.step() needs a closure that re-evaluates the loss, "
             "which an accumulation window cannot provide; use an optimizer whose step() takes "
             "no argument (SGD, Adam, AdamW, ...)."
+        )
+    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if outside:
+        shown = ", ".join(outside[:3]) + (", ..." if len(outside) > 3 else "")
+        warn_user(
+            UserWarning(
+                f"{len(outside)} trainable parameters of the model ({shown}) are in no param "
+                "group of the optimizer: the Accumulator computes their gradients and clears "
+                "them after every step, so nothing trains them (a second optimizer stepped after "
+                "acc.step() would see no gradient). Add them to the optimizer (README, 'Two "
+                "optimizers on one model'), or freeze them with requires_grad_(False)."
+            )
         )
     if isinstance(optimizer, torch.optim.SparseAdam):
         raise ValueError(
