@@ -80,8 +80,8 @@ class Accumulator:
         accumulation_steps: Micro-batches per window for `micro_step()`, or `Tokens(n)`: a
             window closes once the items counted over all ranks reach `n`.
         normalize: `"mean"`: `sum(loss) / sum(count)` over the window; `"sum"`: `sum(loss)`.
-        scheduler: Stepped once per optimizer step actually taken; its `step()` must need no
-            argument (step `ReduceLROnPlateau` yourself).
+        scheduler: Stepped once per optimizer step taken, and tried before it (one that would
+            raise changes nothing); `step()` takes no argument (step `ReduceLROnPlateau` yourself).
         max_grad_norm: Clip the window's gradient to this total 2-norm.
         precision: `"fp32"`, `"bf16"` or `"fp16"` autocast; fp16 adds a loss scale.
         accum_dtype: Accumulate in buffers of this dtype for less precise parameters.
