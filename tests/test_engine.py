@@ -484,6 +484,51 @@ def test_zero_grad_inside_the_window_is_refused(set_to_none: bool) -> None:
     assert_bitwise(_everything(model, optimizer, scheduler), before)
 
 
+@pytest.mark.parametrize("clear", ["optimizer", "optimizer_keep_tensors", "model"])
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_zero_grad_inside_loss_fn_is_refused(drive: str, clear: str) -> None:
+    """A training step pasted into loss_fn: its zero_grad() would keep only the last micro-batch."""
+    model, optimizer, scheduler, acc = _setup("bn", **_DRIVES[drive])
+    _warm_up(acc) if drive == "step" else _drive(acc, drive, _batch(1))
+    before = _everything(model, optimizer, scheduler)
+
+    def pasted(m: nn.Module, batch: Any) -> torch.Tensor:
+        if clear == "model":
+            m.zero_grad()
+        else:
+            optimizer.zero_grad(set_to_none=clear == "optimizer")
+        return mse_loss(m, batch)
+
+    with pytest.raises(
+        RuntimeError, match=r"changed while loss_fn ran: an optimizer\.zero_grad\(\)"
+    ) as raised:
+        _drive(acc, drive, _batch(), pasted)
+    assert "window (1 micro-batches) was discarded" in "".join(raised.value.__notes__)
+    assert_bitwise(_everything(model, optimizer, scheduler), before)
+    if drive == "step":
+        _assert_still_exact(model, optimizer, scheduler, acc)
+
+
+def test_negative_control_an_unchecked_zero_grad_inside_loss_fn_keeps_the_last_micro_batch() -> (
+    None
+):
+    model, optimizer, _, acc = _setup(scheduler=False)
+    twin = copy.deepcopy((model, optimizer))
+    acc._engine.window.check_watched = lambda names: None  # type: ignore[method-assign]
+
+    def pasted(m: nn.Module, batch: Any) -> torch.Tensor:
+        optimizer.zero_grad()
+        return mse_loss(m, batch)
+
+    acc.step(_batch(), pasted)
+    reference_step(twin[0], twin[1], _batch(), mse_loss)
+    gap = max(
+        float((p - q).detach().abs().max())
+        for p, q in zip(model.parameters(), twin[0].parameters(), strict=True)
+    )
+    assert gap > 1e-3
+
+
 @pytest.mark.parametrize("then", ["micro_step", "flush"])
 def test_optimizer_step_inside_the_window_is_refused(then: str) -> None:
     """A user's optimizer.step() between micro-steps steps on an undivided partial sum."""
@@ -663,6 +708,22 @@ def test_an_optimizer_failing_after_it_updated_some_parameters_names_them_and_ne
             torch.testing.assert_close(got, want, **EXACT)
     else:
         assert _drive(acc, drive, batch(3)).stepped
+
+
+def test_ctrl_c_in_the_middle_of_an_optimizer_step_keeps_its_type_and_says_what_changed() -> None:
+    model, batch = _precise("fp32")
+
+    class Interrupted(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            super().step(closure)
+            raise KeyboardInterrupt  # Ctrl-C lands after the update
+
+    acc = _accumulator(model, Interrupted(model.parameters(), lr=0.1), "step", "fp32")
+    with pytest.raises(KeyboardInterrupt) as raised:
+        acc.step(batch(1), mse_loss)
+    assert "after it had already updated 4 of its 4 parameters" in "".join(raised.value.__notes__)
+    with pytest.raises(RuntimeError, match="failed halfway"):
+        acc.step(batch(1), mse_loss)
 
 
 def test_negative_control_without_the_guard_a_retry_steps_the_first_group_twice(

@@ -167,6 +167,7 @@ class Engine:
         with sync.micro_context(last=last), self.batchnorm.micro_context():
             with runtime.autocast(), capture:
                 result = loss_fn(self.model, micro_batch)
+            window.check_watched(self._names)  # no zero_grad() (or backward) inside loss_fn
             extra: list[tuple[int, torch.Tensor]] = []
             if isinstance(result, LossTerms):
                 value, logged, extra = self._read_terms(result, expect)
@@ -207,6 +208,7 @@ class Engine:
                 with sync.backward_context(reduce=reduce):
                     torch.autograd.backward(roots, seeds)
                 runtime.collect(window.params)
+                window.watch()
         window.add(logged, weight, count, items)
         first = window.micro_batches == 1 and not window.terms and sync.averaged_over == 1
         if self.telemetry is not None and first:  # the noise scale's small batch (DDP: unreduced)

@@ -116,6 +116,7 @@ class Window:
         self._stashed: list[torch.Tensor | None] = []
         self._marks: list[tuple[torch.Tensor | None, int]] = []
         self._weights: list[int] = []  # the parameters' versions at the last mark
+        self._watched: tuple[torch.nn.Parameter, torch.Tensor, int] | None = None
 
     @property
     def is_open(self) -> bool:
@@ -152,6 +153,33 @@ class Window:
         """Remember each gradient and weight after a backward, to catch later changes to them."""
         self._marks = [(p.grad, -1 if p.grad is None else p.grad._version) for p in self.params]
         self._weights = list(map(_VERSION, self.params))  # no Python frame per parameter
+
+    def watch(self) -> None:
+        """Mark one gradient after a backward; a `zero_grad()` clears them all, so one tells.
+
+        O(1) per micro-batch: the parameter is found once per window (the first with a `.grad`;
+        gradients moved to `accum_dtype` buffers are out of a `zero_grad()`'s reach).
+        """
+        param = None if self._watched is None else self._watched[0]
+        if param is None or param.grad is None:
+            param = next((p for p in self.params if p.grad is not None), None)
+        grad = None if param is None else param.grad
+        self._watched = None if param is None or grad is None else (param, grad, grad._version)
+
+    def check_watched(self, names: dict[int, str]) -> None:
+        """Raise if the watched gradient changed since the last backward (inside a `loss_fn`)."""
+        if self._watched is None:
+            return
+        param, grad, version = self._watched
+        if param.grad is not grad or grad._version != version:
+            name = names.get(id(param), "<unnamed>")
+            raise RuntimeError(
+                f"the gradient of {name} changed while loss_fn ran: an optimizer.zero_grad() or "
+                "model.zero_grad() (or a backward()) inside loss_fn drops the window's earlier "
+                "micro-batches. Remove it: loss_fn returns the loss, and the Accumulator runs "
+                "the backward and clears gradients itself after each step. The window was "
+                "discarded."
+            )
 
     def touched_weights(self) -> list[int]:
         """Indices of params changed in place since the last mark (a user's `optimizer.step()`)."""
@@ -267,6 +295,7 @@ class Window:
         for param, grad in zip(params, state["grads"], strict=True):
             param.grad = None if grad is None else like_param(grad, param).clone()
         self.mark_gradients()
+        self._weights = []  # a resume loads the weights too, before or after this state
 
 
 @dataclass(frozen=True)
