@@ -687,10 +687,12 @@ def test_an_optimizer_failing_after_it_updated_some_parameters_names_them_and_ne
         _drive(acc, drive, batch(2))
     moved = [not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)]
     assert moved == [True, True, False, False]  # the error named exactly these
-    after = _all_of(model, optimizer, None, acc)
+    after = _everything(model, optimizer, None)
     with pytest.raises(RuntimeError, match=r"failed halfway.*reload your last checkpoint"):
         _drive(acc, drive, batch(2))  # the retry is refused before anything runs
-    assert_bitwise(_all_of(model, optimizer, None, acc), after)
+    assert_bitwise(_everything(model, optimizer, None), after)
+    with pytest.raises(ValueError, match="not saved: the last optimizer step failed halfway"):
+        acc.state_dict()  # half-updated weights are no state to resume from
     # What the message says to do: restore a consistent state; then the steps are exact.
     model.load_state_dict(saved[0])
     if kind == "custom":

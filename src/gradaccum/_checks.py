@@ -239,14 +239,21 @@ def check_saved_state(state: object, version: int, settings: dict[str, Any]) -> 
             )
 
 
-def check_savable(*, deferred: bool, open_window: bool) -> None:
-    """Refuse to save an open window whose partial sums the backend keeps to itself.
+def check_savable(broken: str | None, *, deferred: bool, open_window: bool) -> None:
+    """Refuse to save a state after a half-done step, or an open window the backend keeps.
 
-    Under FSDP2's `sync_policy="window"` they live inside FSDP2 until the window's last backward.
+    After `PartialStepError` (`broken`), the weights are half-updated: saving them as a resumable
+    state would hide it. Under FSDP2's `sync_policy="window"` an open window's partial sums live
+    inside FSDP2 until the window's last backward.
 
     Raises:
-        ValueError: Naming the two fixes.
+        ValueError: Naming the fixes.
     """
+    if broken is not None:
+        raise ValueError(
+            "the Accumulator state is not saved: the last optimizer step failed halfway, so the "
+            f"weights are half-updated. {broken}"
+        )
     if deferred and open_window:
         raise ValueError(
             "an open window under FSDP2's sync_policy='window' cannot be saved (FSDP2 holds its "

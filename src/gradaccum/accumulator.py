@@ -366,7 +366,7 @@ class Accumulator:
             ValueError: In an open window under FSDP2's `sync_policy="window"` (see `_checks`).
         """
         engine, meter = self._engine, self._engine.telemetry
-        check_savable(deferred=engine.sync.defers, open_window=engine.window.is_open)
+        check_savable(engine.broken, deferred=engine.sync.defers, open_window=engine.window.is_open)
         return {
             "version": STATE_VERSION,
             "settings": self._settings(),
