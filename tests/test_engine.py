@@ -873,3 +873,30 @@ def test_trying_the_scheduler_first_leaves_the_schedule_exact(name: str, tensor_
     # Control: one scheduler step too many (the try left in place) is a different schedule.
     ref_scheduler.step()
     assert float(ref_optimizer.param_groups[0]["lr"]) != float(optimizer.param_groups[0]["lr"])
+
+
+def test_after_a_half_done_step_the_last_checkpoint_reloads_and_the_run_goes_on_exactly(
+    tmp_path: Any,
+) -> None:
+    """What PartialStepError says to do: load_checkpoint(..., accumulator=acc), then go on."""
+    model, batch = _precise("fp32")
+    optimizer = _half_step_optimizer(model, "custom")
+    acc = _accumulator(model, optimizer, "step", "fp32")
+    acc.step(batch(1), mse_loss)
+    path = tmp_path / "last.pt"
+    gradaccum.save_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+    twin = copy.deepcopy((model, optimizer))
+    optimizer.armed = True
+    with pytest.raises(PartialStepError):
+        acc.step(batch(2), mse_loss)
+    with pytest.raises(ValueError, match="failed halfway"):
+        gradaccum.save_checkpoint(
+            tmp_path / "bad.pt", model=model, optimizer=optimizer, accumulator=acc
+        )
+    assert not (tmp_path / "bad.pt").exists()
+    optimizer.armed = False
+    gradaccum.load_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+    acc.step(batch(2), mse_loss)
+    reference_step(twin[0], twin[1], batch(2), mse_loss)
+    for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
