@@ -900,3 +900,22 @@ def test_after_a_half_done_step_the_last_checkpoint_reloads_and_the_run_goes_on_
     reference_step(twin[0], twin[1], batch(2), mse_loss)
     for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
         torch.testing.assert_close(got, want, **EXACT)
+
+
+def test_trying_a_scheduler_puts_back_what_it_changes_in_place() -> None:
+    """A scheduler's own list, appended to by each step, holds each real step once."""
+
+    class Logged(torch.optim.lr_scheduler.StepLR):
+        def __init__(self, optimizer: Any) -> None:
+            self.seen: list[int] = []
+            super().__init__(optimizer, 1, gamma=0.5)
+
+        def step(self, epoch: Any = None) -> None:
+            super().step()
+            self.seen.append(self.last_epoch)
+
+    _, optimizer, _, acc = _setup(scheduler=False)
+    acc.scheduler = logged = Logged(optimizer)
+    for seed in range(3):
+        acc.step(_batch(seed), mse_loss)
+    assert logged.seen == [0, 1, 2, 3]  # construction, then one per step: none from the tries

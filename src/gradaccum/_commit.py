@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import operator
 import warnings
 from collections.abc import Sequence
@@ -115,7 +116,7 @@ def try_scheduler(scheduler: Any) -> None:
     """
     if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
         return
-    state = scheduler.state_dict()
+    state = copy.deepcopy(scheduler.state_dict())  # a scheduler may change its lists in place
     groups = [
         {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
         for g in scheduler.optimizer.param_groups
