@@ -769,3 +769,43 @@ def test_negative_control_one_optimizer_of_two_leaves_the_other_untrained() -> N
     adamw.step()
     after = [p.detach() for p in model.parameters() if p.ndim != 2]
     assert all(torch.equal(a, b) for a, b in zip(after, biases, strict=True))
+
+
+def test_a_gan_with_one_accumulator_per_model_equals_the_plain_loop() -> None:
+    """The refusal's other fix: a GAN's generator and discriminator, one Accumulator each."""
+    torch.manual_seed(0)
+    gen = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    disc = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    gen, disc = gen.double(), disc.double()
+    plain_gen, plain_disc = copy.deepcopy(gen), copy.deepcopy(disc)
+    opt_g, opt_d = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (gen, disc))
+    plain_g, plain_d = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (plain_gen, plain_disc))
+    acc_g, acc_d = (Accumulator(m, o, micro_batch_size=3) for m, o in ((gen, opt_g), (disc, opt_d)))
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+
+    def d_loss(d: Any, batch: Any, g: Any) -> torch.Tensor:
+        real, z = batch
+        ones, zeros = torch.ones(len(real), 1).double(), torch.zeros(len(real), 1).double()
+        return (bce(d(real), ones) + bce(d(g(z).detach()), zeros)) / 2
+
+    def g_loss(g: Any, z: Any, d: Any) -> torch.Tensor:
+        return bce(d(g(z)), torch.ones(len(z), 1).double())
+
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        real = torch.randn(10, 4, generator=generator).double()
+        z = torch.randn(10, 3, generator=generator).double()
+        acc_d.step((real, z), lambda d, b: d_loss(d, b, gen))
+        acc_g.step(z, lambda g, b: g_loss(g, b, disc))
+        plain_d.zero_grad()
+        d_loss(plain_disc, (real, z), plain_gen).backward()
+        plain_d.step()
+        plain_g.zero_grad()
+        g_loss(plain_gen, z, plain_disc).backward()
+        plain_g.step()
+    for got, want in zip(
+        [*gen.parameters(), *disc.parameters()],
+        [*plain_gen.parameters(), *plain_disc.parameters()],
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
