@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import gradaccum
+import gradaccum._commit
 from gradaccum import Accumulator, LossSum
 from gradaccum._engine import Engine
 from gradaccum.loss import TokenMeanWarning
@@ -659,16 +660,36 @@ class _HalfStepSGD(torch.optim.SGD):
         raise RuntimeError("the second param group failed")
 
 
+class _TutorialSGD(torch.optim.Optimizer):
+    """The tutorials' optimizer: it updates through `p.data`, which bumps no version counter."""
+
+    armed = False
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for index, group in enumerate(self.param_groups):
+            if self.armed and index == 1:
+                raise RuntimeError("the second param group failed")
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.data.add_(param.grad, alpha=-group["lr"])
+
+
 def _half_step_optimizer(model: nn.Module, kind: str) -> Any:
     first, second = list(model.net[0].parameters()), list(model.net[2].parameters())
     if kind == "custom":
         return _HalfStepSGD([{"params": first}, {"params": second}], lr=0.1, momentum=0.9)
+    if kind == "data":
+        return _TutorialSGD([{"params": first}, {"params": second}], lr=0.1)
     # torch's own: a tensor lr is refused under foreach=True, group by group, after group 0 stepped
     groups = [{"params": first}, {"params": second, "lr": torch.tensor(0.01)}]
     return torch.optim.Adam(groups, lr=0.01, foreach=True)
 
 
-@pytest.mark.parametrize("kind", ["custom", "torch"])
+@pytest.mark.parametrize("kind", ["custom", "data", "torch"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("drive", list(_DRIVES))
 def test_an_optimizer_failing_after_it_updated_some_parameters_names_them_and_never_steps_twice(
@@ -678,7 +699,7 @@ def test_an_optimizer_failing_after_it_updated_some_parameters_names_them_and_ne
     model, batch = _precise(precision)
     optimizer = _half_step_optimizer(model, kind)
     acc = _accumulator(model, optimizer, drive, precision)
-    if kind == "custom":
+    if kind != "torch":
         assert _drive(acc, drive, batch(1)).stepped  # momentum state to keep
         optimizer.armed = True
     saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), acc.state_dict()))
@@ -695,7 +716,7 @@ def test_an_optimizer_failing_after_it_updated_some_parameters_names_them_and_ne
         acc.state_dict()  # half-updated weights are no state to resume from
     # What the message says to do: restore a consistent state; then the steps are exact.
     model.load_state_dict(saved[0])
-    if kind == "custom":
+    if kind != "torch":
         optimizer.load_state_dict(saved[1])
         optimizer.armed = False
     else:
@@ -710,6 +731,22 @@ def test_an_optimizer_failing_after_it_updated_some_parameters_names_them_and_ne
             torch.testing.assert_close(got, want, **EXACT)
     else:
         assert _drive(acc, drive, batch(3)).stepped
+
+
+def test_negative_control_versions_alone_miss_an_update_through_p_data(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the norms, a half-done step through `p.data` looks like no change at all."""
+    model, batch = _precise("fp32")
+    optimizer = _half_step_optimizer(model, "data")
+    acc = _accumulator(model, optimizer, "step", "fp32")
+    monkeypatch.setattr(gradaccum._commit, "_fingerprint", lambda optimizer, params: None)
+    optimizer.armed = True
+    before = model.net[0].weight.detach().clone()
+    with pytest.raises(RuntimeError, match="second param group failed") as raised:
+        acc.step(batch(1), mse_loss)
+    assert not isinstance(raised.value, PartialStepError)  # unnoticed ...
+    assert not torch.equal(model.net[0].weight, before)  # ... though the weights moved
 
 
 def test_ctrl_c_in_the_middle_of_an_optimizer_step_keeps_its_type_and_says_what_changed() -> None:

@@ -7,9 +7,11 @@ Three guards around the one call that changes the model, none of which copies a 
   (`OneCycleLR` past `total_steps`, a `LambdaLR` whose lambda fails) raises before anything
   changed;
 - `optimizer.step()` is watched by the parameters' `_version` counters, read before the call
-  by one C-level `map` (no Python frame per parameter). An optimizer that raises having
-  changed nothing, typically torch's own input checks, has the state entries its lazy
-  initialization created removed, so nothing changed at all;
+  by one C-level `map` (no Python frame per parameter), and, for an optimizer not from
+  `torch.optim` (which may write through `p.data`, leaving the versions alone), by each
+  parameter's float64 norm (one foreach kernel). An optimizer that raises having changed
+  nothing, typically torch's own input checks, has the state entries its lazy initialization
+  created removed, so nothing changed at all;
 - an optimizer that raises after it updated some parameters (a second param group failing
   torch's checks, a custom optimizer) cannot be undone without a copy of every parameter and
   its state, which costs the memory of a second model. Instead `PartialStepError` names the
@@ -35,6 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
+from gradaccum._dtensor import local_tensor
 from gradaccum.result import PartialStepError
 
 __all__ = ["Breakable", "PartialStepError", "step_optimizer", "try_scheduler"]
@@ -70,11 +73,12 @@ def step_optimizer(
         PartialStepError: If `optimizer.step()` raised after changing some of `params`.
     """
     versions = list(map(_VERSION, params))
+    norms = _fingerprint(optimizer, params)
     known = len(optimizer.state)  # a dict: state created by this step comes after `known`
     try:
         optimizer.step()
     except BaseException as error:
-        changed = [p for p, v in zip(params, versions, strict=True) if p._version != v]
+        changed = _changed(params, versions, norms)
         if not changed:
             for param in list(optimizer.state)[known:]:  # lazily created by this failed step
                 del optimizer.state[param]
@@ -87,6 +91,39 @@ def step_optimizer(
                 error.add_note(message)
             raise
         raise PartialStepError(message) from error
+
+
+def _fingerprint(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
+) -> list[torch.Tensor] | None:
+    """Each parameter's float64 norm, for an optimizer not from `torch.optim`; else None.
+
+    torch's optimizers change parameters in place, which bumps their `_version`; others may
+    write through `p.data` or their own kernels (bitsandbytes), which does not. One foreach
+    kernel over the parameters, only for those optimizers; None where it cannot run.
+    """
+    if type(optimizer).__module__.startswith("torch.optim"):
+        return None
+    try:
+        return _norms(params)
+    except (RuntimeError, TypeError):  # e.g. parameters on several devices, or no float64
+        return None
+
+
+def _norms(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    local = [local_tensor(p).detach() for p in params]
+    return list(torch._foreach_norm(local, 2, dtype=torch.float64))
+
+
+def _changed(
+    params: Sequence[torch.Tensor], versions: list[int], norms: list[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    """The parameters a failed step changed: by their versions, and by their norms if taken."""
+    moved = [p._version != v for p, v in zip(params, versions, strict=True)]
+    if norms is not None:
+        for index, (a, b) in enumerate(zip(norms, _norms(params), strict=True)):
+            moved[index] = moved[index] or not bool((a == b) | (a.isnan() & b.isnan()))
+    return [p for p, m in zip(params, moved, strict=True) if m]
 
 
 def _partial_message(
