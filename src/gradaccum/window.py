@@ -116,7 +116,7 @@ class Window:
         self._stashed: list[torch.Tensor | None] = []
         self._marks: list[tuple[torch.Tensor | None, int]] = []
         self._weights: list[int] = []  # the parameters' versions at the last mark
-        self._watched: tuple[torch.nn.Parameter, torch.Tensor, int] | None = None
+        self._watched: tuple[torch.nn.Parameter, torch.Tensor, int, int] | None = None
 
     @property
     def is_open(self) -> bool:
@@ -155,24 +155,34 @@ class Window:
         self._weights = list(map(_VERSION, self.params))  # no Python frame per parameter
 
     def watch(self) -> None:
-        """Mark one gradient after a backward; a `zero_grad()` clears them all, so one tells.
+        """Mark one parameter and its gradient after a backward (`check_watched` reads them).
 
-        O(1) per micro-batch: the parameter is found once per window (the first with a `.grad`;
-        gradients moved to `accum_dtype` buffers are out of a `zero_grad()`'s reach).
+        A `zero_grad()` clears all gradients, an `optimizer.step()` changes all weights: one
+        tells. O(1) per micro-batch; the parameter (the first with a `.grad`) is found once.
         """
         param = None if self._watched is None else self._watched[0]
         if param is None or param.grad is None:
             param = next((p for p in self.params if p.grad is not None), None)
         grad = None if param is None else param.grad
-        self._watched = None if param is None or grad is None else (param, grad, grad._version)
+        self._watched = None
+        if param is not None and grad is not None:
+            self._watched = (param, grad, grad._version, param._version)
 
     def check_watched(self, names: dict[int, str]) -> None:
-        """Raise if the watched gradient changed since the last backward (inside a `loss_fn`)."""
+        """Raise if the watched gradient or weight changed since the last backward (`loss_fn`)."""
         if self._watched is None:
             return
-        param, grad, version = self._watched
+        param, grad, version, weight = self._watched
+        name = names.get(id(param), "<unnamed>")
+        if param._version != weight:
+            raise RuntimeError(
+                f"the weight {name} changed while loss_fn ran: an optimizer.step() (or another "
+                "in-place change to the parameters) inside loss_fn steps on a partial, undivided "
+                "sum of the window's gradients. Remove it: the Accumulator steps the optimizer "
+                "itself once per window. The window was discarded; the change your code made to "
+                "the weights stays."
+            )
         if param.grad is not grad or grad._version != version:
-            name = names.get(id(param), "<unnamed>")
             raise RuntimeError(
                 f"the gradient of {name} changed while loss_fn ran: an optimizer.zero_grad() or "
                 "model.zero_grad() (or a backward()) inside loss_fn drops the window's earlier "
@@ -190,12 +200,11 @@ class Window:
 
     def touched_gradients(self) -> list[int]:
         """Indices of params whose gradient changed since the last mark (a user's `zero_grad`)."""
+        pairs = enumerate(zip(self.params, self._marks, strict=True))
         return [
-            index
-            for index, (param, (grad, version)) in enumerate(
-                zip(self.params, self._marks, strict=True)
-            )
-            if grad is not None and (param.grad is not grad or grad._version != version)
+            i
+            for i, (p, (grad, v)) in pairs
+            if grad is not None and (p.grad is not grad or grad._version != v)
         ]
 
     def touched_gradients_error(self, names: dict[int, str]) -> RuntimeError | None:
