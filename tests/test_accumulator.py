@@ -809,3 +809,26 @@ def test_a_gan_with_one_accumulator_per_model_equals_the_plain_loop() -> None:
         strict=True,
     ):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_scheduler_of_another_optimizer_is_refused_naming_the_fix() -> None:
+    """A scheduler built on an earlier optimizer (a notebook cell run again) would step nothing."""
+    model = _mlp()
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(stale, 1, gamma=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"another optimizer: .*StepLR\(optimizer, \.\.\.\)"):
+        Accumulator(model, optimizer, micro_batch_size=3, scheduler=scheduler)
+    # Control: unchecked, the steps go on at the first lr while the stale optimizer's decays.
+    acc = Accumulator(model, optimizer, micro_batch_size=3)
+    acc.scheduler = scheduler
+    lrs = [acc.step(_data(seed=seed), _mse).lr for seed in range(3)]
+    assert lrs == [0.1, 0.1, 0.1]
+    assert stale.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+    # Accepted: the optimizer's own scheduler, and one over a part of it (README recipe).
+    muon, adamw = _muon_and_adamw(model)
+    Accumulator(model, _Both(muon, adamw), micro_batch_size=3, scheduler=_step_lr(adamw))
+
+
+def _step_lr(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)

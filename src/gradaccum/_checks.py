@@ -30,6 +30,7 @@ __all__ = [
     "check_max_grad_norm",
     "check_optimizer",
     "check_scheduler",
+    "check_scheduler_optimizer",
     "check_sparse",
 ]
 
@@ -115,6 +116,27 @@ def check_scheduler(scheduler: Any) -> None:
             f"{type(scheduler).__name__}.step() needs an argument (a metric); the Accumulator "
             "steps its scheduler with none. Pass scheduler=None and call "
             f"{type(scheduler).__name__}.step(val_loss) yourself after validation."
+        )
+
+
+def check_scheduler_optimizer(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a scheduler that sets the learning rate of none of `optimizer`'s param groups.
+
+    A scheduler built on an earlier optimizer (a notebook cell run again) would step silently
+    while the optimizer the Accumulator steps keeps its learning rate. One built on a part of
+    the optimizer (an optimizer stepping two, README) shares its groups, and is accepted.
+    """
+    scheduled = getattr(scheduler, "optimizer", None)
+    if not isinstance(scheduled, torch.optim.Optimizer) or scheduled is optimizer:
+        return
+    mine = {id(group) for group in optimizer.param_groups}
+    if not any(id(group) in mine for group in scheduled.param_groups):
+        raise ValueError(
+            f"scheduler={type(scheduler).__name__} sets the learning rate of another optimizer: "
+            f"none of the param groups of its {type(scheduled).__name__} is one of the "
+            f"Accumulator's {type(optimizer).__name__}, so it would change nothing this one "
+            f"steps. Build it on the optimizer you pass: {type(scheduler).__name__}(optimizer, "
+            "...)."
         )
 
 
@@ -213,6 +235,7 @@ def check_settings(
     check_max_grad_norm(max_grad_norm)
     check_scheduler(scheduler)
     check_optimizer(optimizer, model)
+    check_scheduler_optimizer(scheduler, optimizer)
     check_sparse(model)
     return auto
 
