@@ -978,3 +978,25 @@ def test_trying_a_scheduler_puts_back_what_it_changes_in_place() -> None:
     for seed in range(3):
         acc.step(_batch(seed), mse_loss)
     assert logged.seen == [0, 1, 2, 3]  # construction, then one per step: none from the tries
+
+
+def test_a_scheduler_stepped_outside_too_is_warned_of_once() -> None:
+    """A loop moved to the Accumulator that kept its own scheduler.step(): twice per window."""
+    _, _, scheduler, acc = _setup()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # control: stepped by the Accumulator alone, no warning
+        for seed in range(3):
+            acc.step(_batch(seed), mse_loss)
+    assert scheduler.last_epoch == 3
+    scheduler.step()  # the loop's own step
+    with pytest.warns(UserWarning, match=r"StepLR was stepped outside .* \(last_epoch 3 -> 4\)"):
+        acc.step(_batch(3), mse_loss)
+    scheduler.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        acc.step(_batch(4), mse_loss)
+        acc.load_state_dict(acc.state_dict())  # a load may move the scheduler on purpose
+        scheduler.load_state_dict({**scheduler.state_dict(), "last_epoch": 9})
+        acc.step(_batch(5), mse_loss)

@@ -235,6 +235,7 @@ def check_settings(
     check_max_grad_norm(max_grad_norm)
     check_scheduler(scheduler)
     check_optimizer(optimizer, model)
+    assert isinstance(optimizer, torch.optim.Optimizer)  # check_optimizer said so
     check_scheduler_optimizer(scheduler, optimizer)
     check_sparse(model)
     return auto

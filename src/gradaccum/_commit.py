@@ -38,9 +38,10 @@ from typing import Any, Protocol
 import torch
 
 from gradaccum._dtensor import local_tensor
+from gradaccum._warnings import warn_user
 from gradaccum.result import PartialStepError
 
-__all__ = ["Breakable", "PartialStepError", "step_optimizer", "try_scheduler"]
+__all__ = ["Breakable", "PartialStepError", "SchedulerSteps", "step_optimizer", "try_scheduler"]
 
 _VERSION = operator.attrgetter("_version")
 
@@ -179,3 +180,44 @@ def try_scheduler(scheduler: Any) -> None:
                     group[key].copy_(value)
                 else:
                     group[key] = value
+
+
+class SchedulerSteps:
+    """Takes the scheduler's step after a commit, and notices steps taken outside.
+
+    A training loop moved to the Accumulator often keeps its own `scheduler.step()`: with
+    `scheduler=` passed too, the schedule runs twice as fast. The scheduler's `last_epoch` after
+    each step taken here is remembered; one that moved since is warned of, once.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[int, object] | None = None  # (id(scheduler), last_epoch)
+        self._warned = False
+
+    def take(self, scheduler: Any) -> None:
+        """`scheduler.step()`, once per optimizer step taken."""
+        epoch = getattr(scheduler, "last_epoch", None)
+        if self._last is not None and self._last[0] == id(scheduler) and self._last[1] != epoch:
+            self._warn(scheduler, self._last[1], epoch)
+        self._last = None
+        scheduler.step()
+        epoch = getattr(scheduler, "last_epoch", None)
+        self._last = None if epoch is None else (id(scheduler), epoch)
+
+    def forget(self) -> None:
+        """A state was loaded: the scheduler may have moved on purpose."""
+        self._last = None
+
+    def _warn(self, scheduler: Any, was: object, now: object) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        name = type(scheduler).__name__
+        warn_user(
+            UserWarning(
+                f"{name} was stepped outside the Accumulator since its last step (last_epoch "
+                f"{was} -> {now}); the Accumulator already steps it once per optimizer step, so "
+                f"the schedule runs ahead. Remove your own {name}.step() (or pass scheduler=None "
+                "and keep it); after loading a scheduler state, ignore this."
+            )
+        )
