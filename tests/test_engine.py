@@ -530,68 +530,77 @@ def test_negative_control_an_unchecked_zero_grad_inside_loss_fn_keeps_the_last_m
     assert gap > 1e-3
 
 
-@pytest.mark.parametrize("drive", ["step", "micro_step"])
-def test_optimizer_step_inside_loss_fn_is_refused(drive: str) -> None:
-    """A pasted training step that also steps: on a partial, undivided sum of the window."""
+@pytest.mark.parametrize("where", ["between micro_steps", "inside loss_fn", "before flush"])
+def test_optimizer_step_inside_the_window_is_refused_changing_nothing(where: str) -> None:
+    """A loop that kept its optimizer.step(): refused at that call, before it changes anything."""
+    drive = "step" if where == "inside loss_fn" else "micro_step"
     model, optimizer, scheduler, acc = _setup(**_DRIVES[drive])
+    _warm_up(acc) if drive == "step" else _drive(acc, drive, _batch(1))
+    stream = [_batch(seed, 3) for seed in (4, 5, 6, 7)]
+    whole = tuple(torch.cat(parts) for parts in zip(*stream, strict=True))
+    twin = copy.deepcopy((model, optimizer, scheduler))
     calls: list[int] = []
+    refused: list[str] = []
 
-    def pasted(m: nn.Module, batch: Any) -> torch.Tensor:
+    def stepping(m: nn.Module, batch: Any) -> torch.Tensor:
         calls.append(1)
-        if len(calls) == 2:  # the first micro-batch's backward has run: a gradient to step on
-            optimizer.step()
+        if len(calls) == 2:  # the second micro-batch: the first one's gradient is there
+            with pytest.raises(RuntimeError, match="inside an accumulation window") as raised:
+                optimizer.step()
+            refused.append(str(raised.value))
         return mse_loss(m, batch)
 
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match=r"weight net\.0\.weight changed while loss_fn ran"):
-        _drive(acc, drive, _batch(), pasted)
-    assert all(p.grad is None for p in model.parameters())  # the window is forgotten
-    moved = [not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)]
-    assert all(moved)  # the user's own step stays, as the message says
-    _assert_still_exact(model, optimizer, scheduler, acc) if drive == "step" else None
-
-
-@pytest.mark.parametrize("then", ["micro_step", "flush"])
-def test_optimizer_step_inside_the_window_is_refused(then: str) -> None:
-    """A user's optimizer.step() between micro-steps steps on an undivided partial sum."""
-    model, optimizer, scheduler, acc = _setup(micro_batch_size=None, accumulation_steps=3)
-    assert not acc.micro_step(_batch(0, 3), mse_loss).stepped
-    optimizer.step()  # the bug: the Accumulator steps it itself when the window is full
-    stepped = _everything(model, optimizer, scheduler)
-    with pytest.raises(RuntimeError, match=r"weights of 4 parameters .*optimizer\.step\(\)"):
-        acc.micro_step(_batch(1, 3), mse_loss) if then == "micro_step" else acc.flush()
-    # The window is forgotten (no gradient left of it); the user's own step stays.
-    assert all(p.grad is None for p in model.parameters())
-    after = _everything(model, optimizer, scheduler)
-    stepped["grads"] = after["grads"]
-    assert_bitwise(after, stepped)
-    twin = copy.deepcopy((model, optimizer, scheduler))  # then a fresh window is exact
-    stream = [_batch(seed, 3) for seed in (4, 5, 6)]
-    assert [acc.micro_step(b, mse_loss).stepped for b in stream] == [False, False, True]
-    whole = tuple(torch.cat(parts) for parts in zip(*stream, strict=True))
+    if drive == "step":
+        acc.step(whole, stepping)
+        assert "(1 micro-batches so far)" in refused[0]
+    else:
+        acc.micro_step(stream[0], mse_loss)
+        before = _everything(model, optimizer, scheduler)
+        with pytest.raises(RuntimeError, match=r"SGD\.step\(\) was called inside .* \(1 micro"):
+            optimizer.step()
+        assert_bitwise(_everything(model, optimizer, scheduler), before)  # nothing stepped
+        for batch in stream[1:3]:
+            acc.micro_step(batch, mse_loss)
+        if where == "before flush":
+            with pytest.raises(RuntimeError, match="Nothing was stepped; the window is kept"):
+                optimizer.step()
+        acc.micro_step(stream[3], mse_loss)
+    # The window went on: its one step is the full-batch step.
     reference_step(twin[0], twin[1], whole, mse_loss, scheduler=twin[2])
     for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
         torch.testing.assert_close(got, want, **EXACT)
+    optimizer.zero_grad()
+    mse_loss(model, whole).backward()
+    optimizer.step()  # between windows: the user's own step is theirs to take
 
 
-def test_negative_control_an_optimizer_step_inside_the_window_went_unnoticed() -> None:
-    """Unchecked, the window ran on and stepped twice: once on a partial sum, once at the end."""
-    model, optimizer, _, acc = _setup(micro_batch_size=None, accumulation_steps=3)
-    twin = copy.deepcopy((model, optimizer))
-    stream = [_batch(seed, 3) for seed in (0, 1, 2)]
+def test_negative_control_an_unguarded_optimizer_step_inside_the_window_is_a_wrong_step() -> None:
+    """Without the hook, the loop's step lands on a partial sum and the window's step differs."""
+    model, optimizer, scheduler, acc = _setup(**_DRIVES["micro_step"])
+    stream = [_batch(seed, 3) for seed in (4, 5, 6, 7)]
+    whole = tuple(torch.cat(parts) for parts in zip(*stream, strict=True))
+    twin = copy.deepcopy((model, optimizer, scheduler))
+    optimizer._optimizer_step_pre_hooks.clear()  # the guard off
     acc.micro_step(stream[0], mse_loss)
     optimizer.step()
-    acc._engine.window._weights = []  # the checks off
-    acc._engine.window.check_watched = lambda names: None  # type: ignore[method-assign]
-    acc.micro_step(stream[1], mse_loss)
-    assert acc.micro_step(stream[2], mse_loss).stepped
-    whole = tuple(torch.cat(parts) for parts in zip(*stream, strict=True))
-    reference_step(twin[0], twin[1], whole, mse_loss)
+    for batch in stream[1:]:
+        acc.micro_step(batch, mse_loss)
+    reference_step(twin[0], twin[1], whole, mse_loss, scheduler=twin[2])
     gap = max(
         float((p - q).detach().abs().max())
         for p, q in zip(model.parameters(), twin[0].parameters(), strict=True)
     )
-    assert gap > 1e-3  # the window's step is not the full-batch step any more
+    assert gap > 1e-3
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_weights_changed_in_place_by_the_forward_are_no_optimizer_step(drive: str) -> None:
+    """nn.Embedding(max_norm=...) renormalizes its weight in place in every forward: allowed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Flatten(), nn.Linear(8, 1))
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), **_DRIVES[drive])
+    x, y = torch.randint(0, 10, (11, 2)), torch.randn(11, 1)
+    assert _drive(acc, drive, (x, y), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])).stepped
 
 
 def test_plain_scalar_loss_on_padded_labels_warns_once() -> None:
@@ -798,6 +807,7 @@ def test_negative_control_without_the_guard_a_retry_steps_the_first_group_twice(
     monkeypatch.setattr(
         gradaccum._engine, "step_optimizer", lambda optimizer, *args: optimizer.step()
     )
+    optimizer._optimizer_step_pre_hooks.clear()  # its own step would look like the user's
     optimizer.armed = True
     with pytest.raises(RuntimeError, match="second param group failed"):
         acc.step(batch(2), mse_loss)
@@ -835,6 +845,7 @@ def test_negative_control_without_the_cleanup_the_failed_step_leaves_state(
     monkeypatch.setattr(
         gradaccum._engine, "step_optimizer", lambda optimizer, *args: optimizer.step()
     )
+    optimizer._optimizer_step_pre_hooks.clear()  # its own step would look like the user's
     with pytest.raises(AssertionError):
         acc.step(batch(1), mse_loss)
     assert len(optimizer.state) == 4  # exp_avg, exp_avg_sq and step of every parameter

@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import operator
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -41,7 +42,14 @@ from gradaccum._dtensor import local_tensor
 from gradaccum._warnings import warn_user
 from gradaccum.result import PartialStepError
 
-__all__ = ["Breakable", "PartialStepError", "SchedulerSteps", "step_optimizer", "try_scheduler"]
+__all__ = [
+    "Breakable",
+    "PartialStepError",
+    "SchedulerSteps",
+    "refuse_steps_inside",
+    "step_optimizer",
+    "try_scheduler",
+]
 
 _VERSION = operator.attrgetter("_version")
 
@@ -53,6 +61,43 @@ class Breakable(Protocol):
 
 
 _SHOWN_NAMES = 5
+_committing: list[int] = []  # non-empty while `step_optimizer` steps (the Accumulators' own step)
+
+
+class _OpenWindow(Protocol):
+    """What `refuse_steps_inside` reads of a window (`gradaccum.window.Window`)."""
+
+    @property
+    def is_open(self) -> bool: ...
+
+    micro_batches: int
+
+
+def refuse_steps_inside(optimizer: torch.optim.Optimizer, window: _OpenWindow) -> None:
+    """Make `optimizer.step()` raise, changing nothing, when called inside an open `window`.
+
+    A loop moved to the Accumulator that kept its own `optimizer.step()`, between two
+    `micro_step()` calls or inside `loss_fn`, would step on a partial, undivided sum of the
+    window's gradients. A step pre-hook refuses it before anything changes; the Accumulator's
+    own step, and steps between windows, pass. The hook holds the optimizer and the window
+    weakly and is removed with the window.
+    """
+    owner, ref = weakref.ref(optimizer), weakref.ref(window)
+
+    def hook(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        open_window = ref()
+        if _committing or open_window is None or not open_window.is_open:
+            return
+        if stepped is not owner():  # a copy of the optimizer
+            return
+        raise RuntimeError(
+            f"{type(stepped).__name__}.step() was called inside an accumulation window "
+            f"({open_window.micro_batches} micro-batches so far): it would step on a partial, "
+            "undivided sum of the window's gradients. Remove it: the Accumulator steps the "
+            "optimizer itself when the window is full. Nothing was stepped; the window is kept."
+        )
+
+    weakref.finalize(window, optimizer.register_step_pre_hook(hook).remove)
 
 
 def step_optimizer(
@@ -76,6 +121,7 @@ def step_optimizer(
     versions = list(map(_VERSION, params))
     norms = _fingerprint(optimizer, params)
     known = len(optimizer.state)  # a dict: state created by this step comes after `known`
+    _committing.append(1)
     try:
         optimizer.step()
     except BaseException as error:
@@ -92,6 +138,8 @@ def step_optimizer(
                 error.add_note(message)
             raise
         raise PartialStepError(message) from error
+    finally:
+        _committing.pop()
 
 
 def _fingerprint(

@@ -2,11 +2,10 @@
 
 One micro-batch: forward under autocast, read `(sum, count)`, backward `sum * loss_scale /
 denominator` (`gradaccum.divisor`), move low-precision gradients to their buffers. The boundary:
-exchange ─► reduce what the backend did not ─► divide once ─► finite? ─► clip ─► scheduler tried
-─► optimizer.step() ══ commit ══► loss scale, pooled BatchNorm, close (`gradaccum._commit`). Any
-exception before the commit, or a skipped or dropped window, ends in `_forget_window()`: gradients
-as before the window, fp32 buffers dropped, BatchNorm running and pooled statistics back, and the
-RNG for a window rerun after running out of memory.
+exchange ─► reduce ─► divide once ─► finite? ─► clip ─► scheduler tried ─► optimizer.step() ══
+commit ══► loss scale, pooled BatchNorm, close (`gradaccum._commit`). Any exception before the
+commit, a skipped or a dropped window ends in `_forget_window()`: gradients as before the window,
+fp32 buffers dropped, BatchNorm statistics back, and the RNG for a rerun after out-of-memory.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
-from gradaccum._commit import step_optimizer, try_scheduler
+from gradaccum._commit import refuse_steps_inside, step_optimizer, try_scheduler
 from gradaccum._oom import is_out_of_memory, rng_states, set_rng_states
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
 from gradaccum._sync_base import NO_CONTEXT
@@ -58,6 +57,7 @@ class Engine:
         self.runtime, self.sync, self.batchnorm = runtime, sync, batchnorm
         self.batch_dim = batch_dim
         self.window = Window()
+        refuse_steps_inside(optimizer, self.window)  # a user's optimizer.step() mid-window
         self._fsdp = isinstance(sync, FSDP2Sync)  # reduces on its last backward, settles else
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._model_params = list(model.parameters())  # walking the modules costs a window

@@ -27,7 +27,6 @@ Example:
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -51,8 +50,6 @@ __all__ = [
 ]
 
 LossFn = Callable[[torch.nn.Module, Any], "torch.Tensor | LossSum"]
-
-_VERSION = operator.attrgetter("_version")
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -115,8 +112,7 @@ class Window:
         self.loss_scale = 1.0
         self._stashed: list[torch.Tensor | None] = []
         self._marks: list[tuple[torch.Tensor | None, int]] = []
-        self._weights: list[int] = []  # the parameters' versions at the last mark
-        self._watched: tuple[torch.nn.Parameter, torch.Tensor, int, int] | None = None
+        self._watched: tuple[torch.nn.Parameter, torch.Tensor, int] | None = None
 
     @property
     def is_open(self) -> bool:
@@ -150,15 +146,14 @@ class Window:
         return self.loss_host + on_device
 
     def mark_gradients(self) -> None:
-        """Remember each gradient and weight after a backward, to catch later changes to them."""
+        """Remember each gradient after a backward, to catch changes made between micro-batches."""
         self._marks = [(p.grad, -1 if p.grad is None else p.grad._version) for p in self.params]
-        self._weights = list(map(_VERSION, self.params))  # no Python frame per parameter
 
     def watch(self) -> None:
-        """Mark one parameter and its gradient after a backward (`check_watched` reads them).
+        """Mark one gradient after a backward: a `zero_grad()` clears them all, so one tells.
 
-        A `zero_grad()` clears all gradients, an `optimizer.step()` changes all weights: one
-        tells. O(1) per micro-batch; the parameter (the first with a `.grad`) is found once.
+        O(1) per micro-batch: the parameter is found once per window (the first with a `.grad`;
+        gradients moved to `accum_dtype` buffers are out of a `zero_grad()`'s reach).
         """
         param = None if self._watched is None else self._watched[0]
         if param is None or param.grad is None:
@@ -166,60 +161,34 @@ class Window:
         grad = None if param is None else param.grad
         self._watched = None
         if param is not None and grad is not None:
-            self._watched = (param, grad, grad._version, param._version)
+            self._watched = (param, grad, grad._version)
 
     def check_watched(self, names: dict[int, str]) -> None:
-        """Raise if the watched gradient or weight changed since the last backward (`loss_fn`)."""
+        """Raise if the watched gradient changed since the last backward (inside a `loss_fn`)."""
         if self._watched is None:
             return
-        param, grad, version, weight = self._watched
-        name = names.get(id(param), "<unnamed>")
-        if param._version != weight:
-            raise RuntimeError(
-                f"the weight {name} changed while loss_fn ran: an optimizer.step() (or another "
-                "in-place change to the parameters) inside loss_fn steps on a partial, undivided "
-                "sum of the window's gradients. Remove it: the Accumulator steps the optimizer "
-                "itself once per window. The window was discarded; the change your code made to "
-                "the weights stays."
-            )
+        param, grad, version = self._watched
         if param.grad is not grad or grad._version != version:
             raise RuntimeError(
-                f"the gradient of {name} changed while loss_fn ran: an optimizer.zero_grad() or "
-                "model.zero_grad() (or a backward()) inside loss_fn drops the window's earlier "
-                "micro-batches. Remove it: loss_fn returns the loss, and the Accumulator runs "
-                "the backward and clears gradients itself after each step. The window was "
-                "discarded."
+                f"the gradient of {names.get(id(param), '<unnamed>')} changed while loss_fn ran: "
+                "an optimizer.zero_grad() or model.zero_grad() (or a backward()) inside loss_fn "
+                "drops the window's earlier micro-batches. Remove it: loss_fn returns the loss, "
+                "and the Accumulator runs the backward and clears gradients itself after each "
+                "step. The window was discarded."
             )
-
-    def touched_weights(self) -> list[int]:
-        """Indices of params changed in place since the last mark (a user's `optimizer.step()`)."""
-        if not self._weights or list(map(_VERSION, self.params)) == self._weights:
-            return []
-        pairs = zip(self.params, self._weights, strict=True)
-        return [index for index, (param, version) in enumerate(pairs) if param._version != version]
 
     def touched_gradients(self) -> list[int]:
         """Indices of params whose gradient changed since the last mark (a user's `zero_grad`)."""
-        pairs = enumerate(zip(self.params, self._marks, strict=True))
         return [
-            i
-            for i, (p, (grad, v)) in pairs
-            if grad is not None and (p.grad is not grad or grad._version != v)
+            index
+            for index, (param, (grad, version)) in enumerate(
+                zip(self.params, self._marks, strict=True)
+            )
+            if grad is not None and (param.grad is not grad or grad._version != version)
         ]
 
     def touched_gradients_error(self, names: dict[int, str]) -> RuntimeError | None:
-        """The error for gradients or weights changed since the last mark, if any."""
-        weights = self.touched_weights()
-        if weights:
-            named = [names.get(id(self.params[i]), "<unnamed>") for i in weights[:3]]
-            return RuntimeError(
-                f"the weights of {len(weights)} parameters ({', '.join(named)}, ...) changed "
-                "between two micro-batches of one window: an optimizer.step() (or another "
-                "in-place change to the parameters) inside the accumulation loop steps on a "
-                "partial, undivided sum of the window's gradients. Remove it: the Accumulator "
-                "steps the optimizer itself when the window is full. The window was discarded; "
-                "the change your code made to the weights stays."
-            )
+        """The error for gradients changed since the last mark (a user's `zero_grad`), if any."""
         touched = self.touched_gradients()
         if not touched:
             return None
@@ -304,7 +273,6 @@ class Window:
         for param, grad in zip(params, state["grads"], strict=True):
             param.grad = None if grad is None else like_param(grad, param).clone()
         self.mark_gradients()
-        self._weights = []  # a resume loads the weights too, before or after this state
 
 
 @dataclass(frozen=True)
