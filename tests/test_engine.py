@@ -189,19 +189,19 @@ def test_negative_control_without_forgetting_the_window_state_leaks() -> None:
 def test_a_scheduler_that_raises_after_the_step_never_steps_twice() -> None:
     """What cannot be undone: the optimizer stepped, then the scheduler raised anyway.
 
-    The scheduler is tried before the step (and put back); one that passes that try and raises
-    only at its real step finds the window committed, so the step is taken exactly once, the
-    window is closed, and the next call starts a fresh window.
+    A scheduler not from torch is not tried before the step (it may read what the step leaves);
+    raising at its real step, it finds the window committed, so the step is taken exactly once,
+    the window is closed, and the next call starts a fresh window.
     """
     model, optimizer, _, acc = _setup(scheduler=False)
     twin = copy.deepcopy((model, optimizer))
 
-    calls: list[int] = []  # outside the scheduler's state, which the try puts back
+    calls: list[int] = []
 
     class Broken(torch.optim.lr_scheduler.StepLR):
         def step(self, epoch: Any = None) -> None:
             calls.append(1)
-            if len(calls) == 3:  # construction, the try, then the real step
+            if len(calls) == 2:  # construction, then the real step
                 raise RuntimeError("scheduler failed")
             super().step()
 
@@ -972,23 +972,47 @@ def test_after_a_half_done_step_the_last_checkpoint_reloads_and_the_run_goes_on_
         torch.testing.assert_close(got, want, **EXACT)
 
 
-def test_trying_a_scheduler_puts_back_what_it_changes_in_place() -> None:
-    """A scheduler's own list, appended to by each step, holds each real step once."""
+def test_a_scheduler_not_from_torch_is_not_tried_and_steps_while_the_gradients_are_there() -> None:
+    """The contract's order: optimizer.step(), scheduler.step(), then the gradients cleared."""
 
-    class Logged(torch.optim.lr_scheduler.StepLR):
-        def __init__(self, optimizer: Any) -> None:
-            self.seen: list[int] = []
+    class Logged(torch.optim.lr_scheduler.StepLR):  # reads what the step left, as Adafactor's
+        def __init__(self, optimizer: Any, model: nn.Module) -> None:
+            self.seen: list[bool] = []
+            self.model = model
             super().__init__(optimizer, 1, gamma=0.5)
 
         def step(self, epoch: Any = None) -> None:
             super().step()
-            self.seen.append(self.last_epoch)
+            self.seen.append(all(p.grad is not None for p in self.model.parameters()))
 
-    _, optimizer, _, acc = _setup(scheduler=False)
-    acc.scheduler = logged = Logged(optimizer)
+    model, optimizer, _, acc = _setup(scheduler=False)
+    acc.scheduler = logged = Logged(optimizer, model)
     for seed in range(3):
         acc.step(_batch(seed), mse_loss)
-    assert logged.seen == [0, 1, 2, 3]  # construction, then one per step: none from the tries
+    assert logged.seen == [False, True, True, True]  # construction, then once per step, no try
+    assert all(p.grad is None for p in model.parameters())  # cleared after it
+
+
+def test_transformers_adafactor_schedule_reports_the_lr_of_the_full_batch_loop() -> None:
+    """AdafactorSchedule reads the optimizer's state and gradients after its step."""
+    optimization = pytest.importorskip("transformers.optimization")
+    model = make_model("mlp")
+    twin = copy.deepcopy(model)
+
+    def build(m: nn.Module) -> tuple[Any, Any]:
+        options = {"relative_step": True, "warmup_init": True, "lr": None}
+        optimizer = optimization.Adafactor(m.parameters(), **options)
+        return optimizer, optimization.AdafactorSchedule(optimizer)
+
+    optimizer, schedule = build(model)
+    ref_optimizer, ref_schedule = build(twin)
+    acc = Accumulator(model, optimizer, micro_batch_size=3, scheduler=schedule)
+    for seed in range(3):
+        acc.step(_batch(seed), mse_loss)
+        reference_step(twin, ref_optimizer, _batch(seed), mse_loss, scheduler=ref_schedule)
+        assert schedule.get_last_lr() == ref_schedule.get_last_lr()
+    for got, want in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
 
 
 def test_a_scheduler_stepped_outside_too_is_warned_of_once() -> None:

@@ -48,6 +48,7 @@ __all__ = [
     "SchedulerSteps",
     "refuse_steps_inside",
     "step_optimizer",
+    "triable",
     "try_scheduler",
 ]
 
@@ -195,12 +196,12 @@ def _partial_message(
 
 
 def try_scheduler(scheduler: Any) -> None:
-    """Step an `LRScheduler` and put it back: raise now what its real step would raise later.
+    """Step one of torch's schedulers and put it back: raise now what its step would raise later.
 
     The param groups' values it sets (lr, momentum, betas; tensor values in place) and its own
-    state are restored whether it raised or not. Other schedulers are not tried.
+    state are restored whether it raised or not. Only torch's own classes are tried (`triable`).
     """
-    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+    if not triable(scheduler):
         return
     state = copy.deepcopy(scheduler.state_dict())  # a scheduler may change its lists in place
     groups = [
@@ -230,6 +231,17 @@ def try_scheduler(scheduler: Any) -> None:
                     group[key] = value
 
 
+def triable(scheduler: Any) -> bool:
+    """Whether `scheduler` is one of torch's, whose lr follows from its own state alone.
+
+    Others may read the optimizer's state after its step (transformers' `AdafactorSchedule`),
+    which a try before the step cannot give them; they run after the commit only.
+    """
+    if type(scheduler).__module__ != torch.optim.lr_scheduler.__name__:
+        return False
+    return all(triable(inner) for inner in getattr(scheduler, "_schedulers", ()))
+
+
 class SchedulerSteps:
     """Takes the scheduler's step after a commit, and notices steps taken outside.
 
@@ -243,7 +255,9 @@ class SchedulerSteps:
         self._warned = False
 
     def take(self, scheduler: Any) -> None:
-        """`scheduler.step()`, once per optimizer step taken."""
+        """`scheduler.step()` (if any), once per optimizer step taken."""
+        if scheduler is None:
+            return
         epoch = getattr(scheduler, "last_epoch", None)
         if self._last is not None and self._last[0] == id(scheduler) and self._last[1] != epoch:
             self._warn(scheduler, self._last[1], epoch)

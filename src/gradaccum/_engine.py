@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
-from gradaccum._commit import refuse_steps_inside, step_optimizer, try_scheduler
+from gradaccum._commit import SchedulerSteps, refuse_steps_inside, step_optimizer, try_scheduler
 from gradaccum._oom import is_out_of_memory, rng_states, set_rng_states
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
 from gradaccum._sync_base import NO_CONTEXT
@@ -70,6 +70,7 @@ class Engine:
         self._seeds = Seeds()
         self.telemetry: TelemetryMeter | None = None  # opt-in (gradaccum.telemetry)
         self.broken: str | None = None  # set by a half-done optimizer.step(); a load clears it
+        self.schedule = SchedulerSteps()  # the scheduler's real steps, after each commit
 
     # ---------------------------------------------------------------- micro-batches
 
@@ -169,8 +170,13 @@ class Engine:
                 result = loss_fn(self.model, micro_batch)
             window.check_watched(self._names)  # no zero_grad() (or backward) inside loss_fn
             extra: list[tuple[int, torch.Tensor]] = []
-            if isinstance(result, LossTerms):
-                value, logged, extra = self._read_terms(result, expect)
+            if isinstance(result, LossTerms):  # each term divided by its own count
+                terms = read_terms(result)
+                ledger = TermLedger.for_micro_batch(
+                    window.terms, terms, self.normalize, expect, fsdp=self._fsdp
+                )
+                window.terms, window.denominator = ledger, 1.0
+                value, logged, extra = ledger.roots(terms)
                 weight, count = 1, items
             else:
                 value, weight, count = read_loss(result, items)
@@ -247,17 +253,6 @@ class Engine:
         self._agreement = self._exchange(pending)
         return self._agreement.all_graphs
 
-    def _read_terms(
-        self, result: LossTerms, expect: Expectation
-    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Tensor]]]:
-        """A `LossSum.terms` micro-batch: its main root, its logged total and its extra roots."""
-        terms = read_terms(result)
-        ledger = TermLedger.for_micro_batch(
-            self.window.terms, terms, self.normalize, expect, fsdp=self._fsdp
-        )
-        self.window.terms, self.window.denominator = ledger, 1.0  # it divides each term itself
-        return ledger.roots(terms)
-
     def check_gradients_untouched(self) -> None:
         """Refuse a window whose gradients someone changed between its micro-batches."""
         problem = self.window.touched_gradients_error(self._names)
@@ -268,7 +263,7 @@ class Engine:
     # ---------------------------------------------------------------- the boundary
 
     def close_window(self, *, max_grad_norm: float | None, scheduler: Any = None) -> Outcome:
-        """Run the boundary transaction (`scheduler` tried first); closed or forgotten after it."""
+        """Run the boundary transaction (`scheduler`: tried, then stepped after the commit)."""
         window, runtime = self.window, self.runtime
         try:
             agreement = self._agreement or self._exchange(rank_summary(window, runtime, self.sync))
@@ -304,13 +299,17 @@ class Engine:
             if window.is_open:
                 self._forget_window()
             raise
-        # Committed: nothing below can fail on the caller's behalf.
-        runtime.update_scale(finite=True)
-        self.batchnorm.end_window()
-        runtime.clear_buffers()
-        terms, objective = window.terms.report(agreement) if window.terms else (None, None)
-        window.close()
-        self._end()
+        # Committed. The scheduler steps before the gradients are cleared (the contract's
+        # order); raising, it leaves the window closed all the same: nothing steps twice.
+        try:
+            self.schedule.take(scheduler)
+        finally:
+            runtime.update_scale(finite=True)
+            self.batchnorm.end_window()
+            runtime.clear_buffers()
+            terms, objective = window.terms.report(agreement) if window.terms else (None, None)
+            window.close()
+            self._end()
         return Outcome(True, count, loss_sum, norm_value, lr, (), terms, objective)
 
     def discard_window(self) -> None:
@@ -398,3 +397,4 @@ class Engine:
         self.batchnorm.open_window()
         self._end()
         self.broken = None  # the caller restored a consistent state
+        self.schedule.forget()  # and may have moved the scheduler on purpose

@@ -38,7 +38,6 @@ from gradaccum._checks import (
     check_saved_state,
     check_settings,
 )
-from gradaccum._commit import SchedulerSteps
 from gradaccum._engine import Engine
 from gradaccum.batching import batch_size, check_batch_dim, split_batch
 from gradaccum.batchnorm import BatchNormControl
@@ -164,7 +163,6 @@ class Accumulator:
         )
         if telemetry:
             self._engine.telemetry = TelemetryMeter(device=runtime.device)
-        self._schedule = SchedulerSteps()
         self.nonfinite_windows = self.empty_windows = 0  # windows skipped so far: in the state
 
     @property
@@ -301,8 +299,6 @@ class Accumulator:
         outcome = self._engine.close_window(
             max_grad_norm=self.max_grad_norm, scheduler=self.scheduler
         )
-        if outcome.stepped and self.scheduler is not None:  # tried before: docs/reliability.md
-            self._schedule.take(self.scheduler)
         build = StepResult.stepped if outcome.stepped else StepResult.skipped
         meter = self._engine.telemetry
         telemetry = None
@@ -380,7 +376,6 @@ class Accumulator:
         """Restore a `state_dict()`; raises ValueError naming any mismatch, changing nothing."""
         check_saved_state(state, STATE_VERSION, self._settings())
         self._engine.load_state_dict(state["engine"])  # checks everything, then loads
-        self._schedule.forget()
         if self._auto is not None and state.get("auto") is not None:
             self._auto.load_state_dict(state["auto"])
         if self._engine.telemetry is not None and state.get("telemetry") is not None:
