@@ -1,11 +1,12 @@
 """The window's commit: `optimizer.step()`, taken whole, refused before it starts, or reported.
 
-Three guards around the one call that changes the model, none of which copies a parameter:
+Guards around the one call that changes the model, none of which copies a parameter:
 
-- the scheduler is tried first (`try_scheduler`): an `LRScheduler` is stepped, then put back
+- the scheduler is tried first (`try_scheduler`): one of torch's own is stepped, then put back
   (its own state and the param groups' values), so one that would raise after the step
   (`OneCycleLR` past `total_steps`, a `LambdaLR` whose lambda fails) raises before anything
-  changed;
+  changed. Its real step follows the commit (`SchedulerSteps`), which also warns once when the
+  scheduler was stepped outside the Accumulator too;
 - `optimizer.step()` is watched by the parameters' `_version` counters, read before the call
   by one C-level `map` (no Python frame per parameter), and, for an optimizer not from
   `torch.optim` (which may write through `p.data`, leaving the versions alone), by each
@@ -16,7 +17,9 @@ Three guards around the one call that changes the model, none of which copies a 
   torch's checks, a custom optimizer) cannot be undone without a copy of every parameter and
   its state, which costs the memory of a second model. Instead `PartialStepError` names the
   parameters it changed and how to continue, and the engine refuses every later window until
-  a state is loaded, so a retried call can never step the same parameters twice.
+  a state is loaded, so a retried call can never step the same parameters twice;
+- a step pre-hook on the optimizer (`refuse_steps_inside`) refuses the user's own
+  `optimizer.step()` inside an open window, before it changes anything.
 
 Example:
     >>> import torch
@@ -53,16 +56,14 @@ __all__ = [
 ]
 
 _VERSION = operator.attrgetter("_version")
+_SHOWN_NAMES = 5
+_committing: list[int] = []  # non-empty while `step_optimizer` steps (the Accumulators' own step)
 
 
 class Breakable(Protocol):
     """What `step_optimizer` marks when a step failed halfway (the `Engine`)."""
 
     broken: str | None
-
-
-_SHOWN_NAMES = 5
-_committing: list[int] = []  # non-empty while `step_optimizer` steps (the Accumulators' own step)
 
 
 class _OpenWindow(Protocol):
