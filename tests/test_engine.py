@@ -1035,3 +1035,34 @@ def test_a_scheduler_stepped_outside_too_is_warned_of_once() -> None:
         acc.load_state_dict(acc.state_dict())  # a load may move the scheduler on purpose
         scheduler.load_state_dict({**scheduler.state_dict(), "last_epoch": 9})
         acc.step(_batch(5), mse_loss)
+
+
+@pytest.mark.parametrize("stage", ["clip", "scheduler try", "optimizer"])
+@pytest.mark.parametrize("drive", list(_DRIVES))
+def test_ctrl_c_at_every_stage_of_the_boundary_changes_nothing(
+    stage: str, drive: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KeyboardInterrupt in clipping, in the scheduler's try, in an optimizer.step() before it
+    changed anything: every drive, BatchNorm, GradScaler-free fp32; all bitwise as before."""
+    model, optimizer, scheduler, acc = _setup("bn", max_grad_norm=0.5, **_DRIVES[drive])
+    _drive(acc, drive, _batch(1))
+    before = _all_of(model, optimizer, scheduler, acc)
+
+    def interrupt(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    if stage == "clip":
+        monkeypatch.setattr(gradaccum._engine, "clip_", interrupt)
+    elif stage == "scheduler try":
+        monkeypatch.setattr(scheduler, "step", interrupt)
+    else:
+        monkeypatch.setattr(optimizer, "step", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        _drive(acc, drive, _batch(2))
+    monkeypatch.undo()
+    assert_bitwise(_all_of(model, optimizer, scheduler, acc), before)
+    twin = copy.deepcopy((model, optimizer, scheduler))
+    twin_acc = Accumulator(*twin[:2], scheduler=twin[2], max_grad_norm=0.5, **_DRIVES[drive])
+    _drive(acc, drive, _batch(3))
+    _drive(twin_acc, drive, _batch(3))
+    assert_bitwise(clone_state(model.state_dict()), clone_state(twin[0].state_dict()))
