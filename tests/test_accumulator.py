@@ -165,7 +165,9 @@ def test_optimizer_over_part_of_the_model_steps_only_that_part() -> None:
     model = _mlp()
     frozen_before = [p.detach().clone() for p in model[0].parameters()]
     optimizer = torch.optim.SGD(model[2].parameters(), lr=0.1)
-    result = Accumulator(model, optimizer, micro_batch_size=4).step(_data(), _mse)
+    with pytest.warns(UserWarning, match=r"2 trainable parameters of the model \(0\.weight, 0"):
+        acc = Accumulator(model, optimizer, micro_batch_size=4)
+    result = acc.step(_data(), _mse)
     assert result.stepped
     for p, b in zip(model[0].parameters(), frozen_before, strict=True):
         assert torch.equal(p.detach(), b)
@@ -679,3 +681,154 @@ def test_streamed_and_packed_windows_report_their_largest_micro_batch() -> None:
 
     result = packed.step({"input_ids": ids, "attention_mask": ids}, rows_loss, max_tokens=8)
     assert (result.micro_batch_size, result.micro_batches) == (2, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# Two optimizers
+# --------------------------------------------------------------------------------------------
+
+
+class _Both(torch.optim.Optimizer):
+    """README, 'Two optimizers on one model': several optimizers stepped as one."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+        super().__init__([g for o in optimizers for g in o.param_groups], {})
+
+    def step(self, closure: Any = None) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+
+
+def _muon_and_adamw(model: torch.nn.Module) -> tuple[Any, Any]:
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+    return torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(others, lr=0.01)
+
+
+def test_a_list_of_optimizers_is_refused_naming_the_fix() -> None:
+    model = _mlp()
+    before = clone_state(model.state_dict())
+    with pytest.raises(TypeError, match=r"list of 2 \(Muon, AdamW\).*one Optimizer that steps"):
+        Accumulator(model, list(_muon_and_adamw(model)), micro_batch_size=4)
+    assert_bitwise(clone_state(model.state_dict()), before)
+
+
+def test_two_optimizers_stepped_as_one_equal_the_full_batch_steps(tmp_path: Any) -> None:
+    """Muon for the 2-D weights, AdamW for the rest, a scheduler over both, and a resume."""
+    model = _mlp()
+    twin = copy.deepcopy(model)
+    both = _Both(*_muon_and_adamw(model))
+    scheduler = torch.optim.lr_scheduler.StepLR(both, 1, gamma=0.5)
+    acc = Accumulator(model, both, micro_batch_size=3, scheduler=scheduler)
+    muon, adamw = _muon_and_adamw(twin)
+    schedules = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (muon, adamw)]
+    for seed in range(3):
+        batch = _data(seed=seed)
+        assert acc.step(batch, _mse).stepped
+        for optimizer in (muon, adamw):
+            optimizer.zero_grad()
+        _mse(twin, batch).backward()
+        for optimizer, schedule in zip((muon, adamw), schedules, strict=True):
+            optimizer.step()
+            schedule.step()
+    for got, want in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    path = tmp_path / "both.pt"
+    gradaccum.save_checkpoint(
+        path, model=model, optimizer=both, accumulator=acc, scheduler=scheduler
+    )
+    again = _mlp()
+    both_again = _Both(*_muon_and_adamw(again))
+    schedule_again = torch.optim.lr_scheduler.StepLR(both_again, 1, gamma=0.5)
+    acc_again = Accumulator(again, both_again, micro_batch_size=3, scheduler=schedule_again)
+    gradaccum.load_checkpoint(
+        path, model=again, optimizer=both_again, accumulator=acc_again, scheduler=schedule_again
+    )
+    acc.step(_data(seed=9), _mse)
+    acc_again.step(_data(seed=9), _mse)
+    assert_bitwise(clone_state(again.state_dict()), clone_state(model.state_dict()))
+
+
+def test_negative_control_one_optimizer_of_two_leaves_the_other_untrained() -> None:
+    """Given only Muon, the AdamW stepped after acc.step() finds no gradient: warned of."""
+    model = _mlp()
+    muon, adamw = _muon_and_adamw(model)
+    with pytest.warns(UserWarning, match="a second optimizer stepped after acc.step"):
+        acc = Accumulator(model, muon, micro_batch_size=3)
+    biases = [p.detach().clone() for p in model.parameters() if p.ndim != 2]
+    acc.step(_data(), _mse)
+    adamw.step()
+    after = [p.detach() for p in model.parameters() if p.ndim != 2]
+    assert all(torch.equal(a, b) for a, b in zip(after, biases, strict=True))
+
+
+def test_a_gan_with_one_accumulator_per_model_equals_the_plain_loop() -> None:
+    """The refusal's other fix: a GAN's generator and discriminator, one Accumulator each."""
+    torch.manual_seed(0)
+    gen = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    disc = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    gen, disc = gen.double(), disc.double()
+    plain_gen, plain_disc = copy.deepcopy(gen), copy.deepcopy(disc)
+    opt_g, opt_d = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (gen, disc))
+    plain_g, plain_d = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (plain_gen, plain_disc))
+    acc_g, acc_d = (Accumulator(m, o, micro_batch_size=3) for m, o in ((gen, opt_g), (disc, opt_d)))
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+
+    def d_loss(d: Any, batch: Any, g: Any) -> torch.Tensor:
+        real, z = batch
+        ones, zeros = torch.ones(len(real), 1).double(), torch.zeros(len(real), 1).double()
+        return (bce(d(real), ones) + bce(d(g(z).detach()), zeros)) / 2
+
+    def g_loss(g: Any, z: Any, d: Any) -> torch.Tensor:
+        return bce(d(g(z)), torch.ones(len(z), 1).double())
+
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        real = torch.randn(10, 4, generator=generator).double()
+        z = torch.randn(10, 3, generator=generator).double()
+        acc_d.step((real, z), lambda d, b: d_loss(d, b, gen))
+        acc_g.step(z, lambda g, b: g_loss(g, b, disc))
+        plain_d.zero_grad()
+        d_loss(plain_disc, (real, z), plain_gen).backward()
+        plain_d.step()
+        plain_g.zero_grad()
+        g_loss(plain_gen, z, plain_disc).backward()
+        plain_g.step()
+    for got, want in zip(
+        [*gen.parameters(), *disc.parameters()],
+        [*plain_gen.parameters(), *plain_disc.parameters()],
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_scheduler_of_another_optimizer_is_refused_naming_the_fix() -> None:
+    """A scheduler built on an earlier optimizer (a notebook cell run again) would step nothing."""
+    model = _mlp()
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(stale, 1, gamma=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"another optimizer: .*StepLR\(optimizer, \.\.\.\)"):
+        Accumulator(model, optimizer, micro_batch_size=3, scheduler=scheduler)
+    # Control: unchecked, the steps go on at the first lr while the stale optimizer's decays.
+    acc = Accumulator(model, optimizer, micro_batch_size=3)
+    acc.scheduler = scheduler
+    lrs = [acc.step(_data(seed=seed), _mse).lr for seed in range(3)]
+    assert lrs == [0.1, 0.1, 0.1]
+    assert stale.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+    # Accepted: the optimizer's own scheduler, and one over a part of it (README recipe).
+    muon, adamw = _muon_and_adamw(model)
+    Accumulator(model, _Both(muon, adamw), micro_batch_size=3, scheduler=_step_lr(adamw))
+
+
+def _step_lr(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)

@@ -18,9 +18,11 @@ import torch
 from torch import nn
 
 import gradaccum
+import gradaccum._commit
 from gradaccum import Accumulator, LossSum
 from gradaccum._engine import Engine
 from gradaccum.loss import TokenMeanWarning
+from gradaccum.result import PartialStepError
 from gradaccum.sync import LocalSync
 from tests.models import make_model, mse_loss, regression_batch
 from tests.reference import reference_step
@@ -185,24 +187,25 @@ def test_negative_control_without_forgetting_the_window_state_leaks() -> None:
 
 
 def test_a_scheduler_that_raises_after_the_step_never_steps_twice() -> None:
-    """The one thing that cannot be undone: the optimizer stepped, then the scheduler raised.
+    """What cannot be undone: the optimizer stepped, then the scheduler raised anyway.
 
-    The window is committed before the scheduler runs, so the step is taken exactly once, the
-    window is closed, and the next call starts a fresh window.
+    A scheduler not from torch is not tried before the step (it may read what the step leaves);
+    raising at its real step, it finds the window committed, so the step is taken exactly once,
+    the window is closed, and the next call starts a fresh window.
     """
     model, optimizer, _, acc = _setup(scheduler=False)
     twin = copy.deepcopy((model, optimizer))
 
-    class Broken(torch.optim.lr_scheduler.StepLR):
-        armed = False
+    calls: list[int] = []
 
+    class Broken(torch.optim.lr_scheduler.StepLR):
         def step(self, epoch: Any = None) -> None:
-            if self.armed:
+            calls.append(1)
+            if len(calls) == 2:  # construction, then the real step
                 raise RuntimeError("scheduler failed")
             super().step()
 
-    acc.scheduler = broken = Broken(optimizer, 1)
-    broken.armed = True
+    acc.scheduler = Broken(optimizer, 1)
     batch = _batch()
     with pytest.raises(RuntimeError, match="scheduler failed"):
         acc.step(batch, mse_loss)
@@ -419,7 +422,8 @@ def test_fp16_clipping_never_sees_still_scaled_gradients() -> None:
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
     head_only = torch.optim.SGD(model[2].parameters(), lr=0.1)
     twin = copy.deepcopy(model)
-    acc = Accumulator(model, head_only, micro_batch_size=4, precision="fp16", max_grad_norm=0.1)
+    with pytest.warns(UserWarning, match="in no param group of the optimizer"):
+        acc = Accumulator(model, head_only, micro_batch_size=4, precision="fp16", max_grad_norm=0.1)
     x, y = (t.float() for t in _batch(0, 12))
     result = acc.step((x, y), mse_loss)
     assert result.stepped
@@ -479,6 +483,122 @@ def test_zero_grad_inside_the_window_is_refused(set_to_none: bool) -> None:
     with pytest.raises(RuntimeError, match="zero_grad"):
         acc.micro_step(_batch(1, 3), mse_loss)
     assert_bitwise(_everything(model, optimizer, scheduler), before)
+
+
+@pytest.mark.parametrize("clear", ["optimizer", "optimizer_keep_tensors", "model"])
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_zero_grad_inside_loss_fn_is_refused(drive: str, clear: str) -> None:
+    """A training step pasted into loss_fn: its zero_grad() would keep only the last micro-batch."""
+    model, optimizer, scheduler, acc = _setup("bn", **_DRIVES[drive])
+    _warm_up(acc) if drive == "step" else _drive(acc, drive, _batch(1))
+    before = _everything(model, optimizer, scheduler)
+
+    def pasted(m: nn.Module, batch: Any) -> torch.Tensor:
+        if clear == "model":
+            m.zero_grad()
+        else:
+            optimizer.zero_grad(set_to_none=clear == "optimizer")
+        return mse_loss(m, batch)
+
+    with pytest.raises(ValueError, match=r"changed \.grad \(an optimizer\.zero_grad\(\)") as raised:
+        _drive(acc, drive, _batch(), pasted)
+    assert "window (1 micro-batches) was discarded" in "".join(raised.value.__notes__)
+    assert_bitwise(_everything(model, optimizer, scheduler), before)
+    if drive == "step":
+        _assert_still_exact(model, optimizer, scheduler, acc)
+
+
+def test_negative_control_an_unchecked_zero_grad_inside_loss_fn_keeps_the_last_micro_batch() -> (
+    None
+):
+    model, optimizer, _, acc = _setup(scheduler=False)
+    twin = copy.deepcopy((model, optimizer))
+    acc._engine.window.check_no_backward_inside = lambda: None  # type: ignore[method-assign]
+
+    def pasted(m: nn.Module, batch: Any) -> torch.Tensor:
+        optimizer.zero_grad()
+        return mse_loss(m, batch)
+
+    acc.step(_batch(), pasted)
+    reference_step(twin[0], twin[1], _batch(), mse_loss)
+    gap = max(
+        float((p - q).detach().abs().max())
+        for p, q in zip(model.parameters(), twin[0].parameters(), strict=True)
+    )
+    assert gap > 1e-3
+
+
+@pytest.mark.parametrize("where", ["between micro_steps", "inside loss_fn", "before flush"])
+def test_optimizer_step_inside_the_window_is_refused_changing_nothing(where: str) -> None:
+    """A loop that kept its optimizer.step(): refused at that call, before it changes anything."""
+    drive = "step" if where == "inside loss_fn" else "micro_step"
+    model, optimizer, scheduler, acc = _setup(**_DRIVES[drive])
+    _warm_up(acc) if drive == "step" else _drive(acc, drive, _batch(1))
+    stream = [_batch(seed, 3) for seed in (4, 5, 6, 7)]
+    whole = tuple(torch.cat(parts) for parts in zip(*stream, strict=True))
+    twin = copy.deepcopy((model, optimizer, scheduler))
+    calls: list[int] = []
+    refused: list[str] = []
+
+    def stepping(m: nn.Module, batch: Any) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 2:  # the second micro-batch: the first one's gradient is there
+            with pytest.raises(RuntimeError, match="inside an accumulation window") as raised:
+                optimizer.step()
+            refused.append(str(raised.value))
+        return mse_loss(m, batch)
+
+    if drive == "step":
+        acc.step(whole, stepping)
+        assert "(1 micro-batches so far)" in refused[0]
+    else:
+        acc.micro_step(stream[0], mse_loss)
+        before = _everything(model, optimizer, scheduler)
+        with pytest.raises(RuntimeError, match=r"SGD\.step\(\) was called inside .* \(1 micro"):
+            optimizer.step()
+        assert_bitwise(_everything(model, optimizer, scheduler), before)  # nothing stepped
+        for batch in stream[1:3]:
+            acc.micro_step(batch, mse_loss)
+        if where == "before flush":
+            with pytest.raises(RuntimeError, match="Nothing was stepped; the window is kept"):
+                optimizer.step()
+        acc.micro_step(stream[3], mse_loss)
+    # The window went on: its one step is the full-batch step.
+    reference_step(twin[0], twin[1], whole, mse_loss, scheduler=twin[2])
+    for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+    optimizer.zero_grad()
+    mse_loss(model, whole).backward()
+    optimizer.step()  # between windows: the user's own step is theirs to take
+
+
+def test_negative_control_an_unguarded_optimizer_step_inside_the_window_is_a_wrong_step() -> None:
+    """Without the hook, the loop's step lands on a partial sum and the window's step differs."""
+    model, optimizer, scheduler, acc = _setup(**_DRIVES["micro_step"])
+    stream = [_batch(seed, 3) for seed in (4, 5, 6, 7)]
+    whole = tuple(torch.cat(parts) for parts in zip(*stream, strict=True))
+    twin = copy.deepcopy((model, optimizer, scheduler))
+    optimizer._optimizer_step_pre_hooks.clear()  # the guard off
+    acc.micro_step(stream[0], mse_loss)
+    optimizer.step()
+    for batch in stream[1:]:
+        acc.micro_step(batch, mse_loss)
+    reference_step(twin[0], twin[1], whole, mse_loss, scheduler=twin[2])
+    gap = max(
+        float((p - q).detach().abs().max())
+        for p, q in zip(model.parameters(), twin[0].parameters(), strict=True)
+    )
+    assert gap > 1e-3
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_weights_changed_in_place_by_the_forward_are_no_optimizer_step(drive: str) -> None:
+    """nn.Embedding(max_norm=...) renormalizes its weight in place in every forward: allowed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Flatten(), nn.Linear(8, 1))
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), **_DRIVES[drive])
+    x, y = torch.randint(0, 10, (11, 2)), torch.randn(11, 1)
+    assert _drive(acc, drive, (x, y), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])).stepped
 
 
 def test_plain_scalar_loss_on_padded_labels_warns_once() -> None:
@@ -626,3 +746,437 @@ def test_plain_scalar_loss_on_padded_labels_warns_with_one_row_micro_batches(dri
 
     assert len(run(token_mean)) == 1
     assert not run(token_sum)  # negative control: the same rows as a LossSum never warn
+
+
+# ------------------------------------------------------------------ optimizer, scheduler failing
+
+_DRIVES = {
+    "step": {"micro_batch_size": 3},
+    "micro_step": {"accumulation_steps": 4},
+    "flush": {"accumulation_steps": 8},
+}
+
+
+def _drive(acc: Accumulator, drive: str, batch: Any, loss_fn: Any = mse_loss) -> Any:
+    """One window of `batch` (11 items) through `step()`, 4 `micro_step()`s, or 4 and `flush()`."""
+    if drive == "step":
+        return acc.step(batch, loss_fn)
+    x, y = batch
+    result = None
+    for start in range(0, len(x), 3):
+        result = acc.micro_step((x[start : start + 3], y[start : start + 3]), loss_fn)
+    return acc.flush() if drive == "flush" else result
+
+
+def _precise(precision: str) -> tuple[nn.Module, Callable[[int], Any]]:
+    """A model and batches for `precision`: float64 for fp32, float32 under autocast."""
+    dtype = torch.float64 if precision == "fp32" else torch.float32
+    model = make_model("mlp", dtype=dtype)
+    return model, lambda seed: regression_batch(torch.Generator().manual_seed(seed), 11, dtype)
+
+
+def _accumulator(model: nn.Module, optimizer: Any, drive: str, precision: str, **kw: Any) -> Any:
+    acc = Accumulator(model, optimizer, precision=precision, **_DRIVES[drive], **kw)
+    if acc.scaler is not None:  # a scale these small gradients do not overflow
+        acc.scaler.load_state_dict({**acc.scaler.state_dict(), "scale": 256.0})
+    return acc
+
+
+def _all_of(model: nn.Module, optimizer: Any, scheduler: Any, acc: Accumulator) -> Any:
+    """`_everything`, the GradScaler and the Accumulator's own state."""
+    scaler = None if acc.scaler is None else acc.scaler.state_dict()
+    return [_everything(model, optimizer, scheduler), clone_state(acc.state_dict()), scaler]
+
+
+class _HalfStepSGD(torch.optim.SGD):
+    """Updates its first param group, then raises: a custom optimizer failing halfway."""
+
+    armed = False
+
+    def step(self, closure: Any = None) -> Any:
+        if not self.armed:
+            return super().step(closure)
+        groups = self.param_groups
+        self.param_groups = groups[:1]
+        try:
+            super().step(closure)
+        finally:
+            self.param_groups = groups
+        raise RuntimeError("the second param group failed")
+
+
+class _TutorialSGD(torch.optim.Optimizer):
+    """The tutorials' optimizer: it updates through `p.data`, which bumps no version counter."""
+
+    armed = False
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for index, group in enumerate(self.param_groups):
+            if self.armed and index == 1:
+                raise RuntimeError("the second param group failed")
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.data.add_(param.grad, alpha=-group["lr"])
+
+
+def _half_step_optimizer(model: nn.Module, kind: str) -> Any:
+    first, second = list(model.net[0].parameters()), list(model.net[2].parameters())
+    if kind == "custom":
+        return _HalfStepSGD([{"params": first}, {"params": second}], lr=0.1, momentum=0.9)
+    if kind == "data":
+        return _TutorialSGD([{"params": first}, {"params": second}], lr=0.1)
+    # torch's own: a tensor lr is refused under foreach=True, group by group, after group 0 stepped
+    groups = [{"params": first}, {"params": second, "lr": torch.tensor(0.01)}]
+    return torch.optim.Adam(groups, lr=0.01, foreach=True)
+
+
+@pytest.mark.parametrize("kind", ["custom", "data", "torch"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("drive", list(_DRIVES))
+def test_an_optimizer_failing_after_it_updated_some_parameters_names_them_and_never_steps_twice(
+    kind: str, precision: str, drive: str
+) -> None:
+    """A half-done `optimizer.step()` is reported, and no retry can step the same weights again."""
+    model, batch = _precise(precision)
+    optimizer = _half_step_optimizer(model, kind)
+    acc = _accumulator(model, optimizer, drive, precision)
+    if kind != "torch":
+        assert _drive(acc, drive, batch(1)).stepped  # momentum state to keep
+        optimizer.armed = True
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), acc.state_dict()))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(PartialStepError, match=r"updated 2 of its 4 parameters \(net\.0\.weight, "):
+        _drive(acc, drive, batch(2))
+    moved = [not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)]
+    assert moved == [True, True, False, False]  # the error named exactly these
+    after = _everything(model, optimizer, None)
+    with pytest.raises(RuntimeError, match=r"failed halfway.*reload your last checkpoint"):
+        _drive(acc, drive, batch(2))  # the retry is refused before anything runs
+    assert_bitwise(_everything(model, optimizer, None), after)
+    with pytest.raises(ValueError, match="not saved: the last optimizer step failed halfway"):
+        acc.state_dict()  # half-updated weights are no state to resume from
+    # What the message says to do: restore a consistent state; then the steps are exact.
+    model.load_state_dict(saved[0])
+    if kind != "torch":
+        optimizer.load_state_dict(saved[1])
+        optimizer.armed = False
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        acc = _accumulator(model, optimizer, drive, precision)
+    acc.load_state_dict(saved[2])
+    twin = copy.deepcopy((model, optimizer))
+    if precision == "fp32":
+        _drive(acc, drive, batch(3))
+        reference_step(twin[0], twin[1], batch(3), mse_loss)
+        for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
+            torch.testing.assert_close(got, want, **EXACT)
+    else:
+        assert _drive(acc, drive, batch(3)).stepped
+
+
+def test_negative_control_versions_alone_miss_an_update_through_p_data(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the norms, a half-done step through `p.data` looks like no change at all."""
+    model, batch = _precise("fp32")
+    optimizer = _half_step_optimizer(model, "data")
+    acc = _accumulator(model, optimizer, "step", "fp32")
+    monkeypatch.setattr(gradaccum._commit, "_fingerprint", lambda optimizer, params: None)
+    optimizer.armed = True
+    before = model.net[0].weight.detach().clone()
+    with pytest.raises(RuntimeError, match="second param group failed") as raised:
+        acc.step(batch(1), mse_loss)
+    assert not isinstance(raised.value, PartialStepError)  # unnoticed ...
+    assert not torch.equal(model.net[0].weight, before)  # ... though the weights moved
+
+
+def test_ctrl_c_in_the_middle_of_an_optimizer_step_keeps_its_type_and_says_what_changed() -> None:
+    model, batch = _precise("fp32")
+
+    class Interrupted(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            super().step(closure)
+            raise KeyboardInterrupt  # Ctrl-C lands after the update
+
+    acc = _accumulator(model, Interrupted(model.parameters(), lr=0.1), "step", "fp32")
+    with pytest.raises(KeyboardInterrupt) as raised:
+        acc.step(batch(1), mse_loss)
+    assert "after it had already updated 4 of its 4 parameters" in "".join(raised.value.__notes__)
+    with pytest.raises(RuntimeError, match="failed halfway"):
+        acc.step(batch(1), mse_loss)
+
+
+def test_negative_control_without_the_guard_a_retry_steps_the_first_group_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unguarded, the failed call leaves the window forgotten and a retry steps group 0 again."""
+    model, batch = _precise("fp32")
+    optimizer = _half_step_optimizer(model, "custom")
+    acc = _accumulator(model, optimizer, "step", "fp32")
+    twin = copy.deepcopy((model, optimizer))
+    monkeypatch.setattr(
+        gradaccum._engine, "step_optimizer", lambda optimizer, *args: optimizer.step()
+    )
+    optimizer._optimizer_step_pre_hooks.clear()  # its own step would look like the user's
+    optimizer.armed = True
+    with pytest.raises(RuntimeError, match="second param group failed"):
+        acc.step(batch(2), mse_loss)
+    optimizer.armed = False
+    acc.step(batch(2), mse_loss)  # the retry runs
+    reference_step(twin[0], twin[1], batch(2), mse_loss)
+    gap = (model.net[0].weight - twin[0].net[0].weight).detach().abs().max()
+    assert float(gap) > 1e-3  # group 0 stepped twice on the same batch
+
+
+@pytest.mark.parametrize("options", [{"capturable": True}, {"differentiable": True}])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("drive", list(_DRIVES))
+def test_an_optimizer_refusing_its_first_step_leaves_no_state_behind(
+    options: dict[str, bool], precision: str, drive: str
+) -> None:
+    """torch's checks raise after the lazy state init; the state it created is removed."""
+    model, batch = _precise(precision)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, **options)  # CPU refuses both
+    acc = _accumulator(model, optimizer, drive, precision)
+    before = _all_of(model, optimizer, None, acc)
+    with pytest.raises((AssertionError, RuntimeError)) as raised:
+        _drive(acc, drive, batch(1))
+    assert not isinstance(raised.value, PartialStepError)
+    assert len(optimizer.state) == 0
+    assert_bitwise(_all_of(model, optimizer, None, acc), before)
+
+
+def test_negative_control_without_the_cleanup_the_failed_step_leaves_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, batch = _precise("fp32")
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True)
+    acc = _accumulator(model, optimizer, "step", "fp32")
+    monkeypatch.setattr(
+        gradaccum._engine, "step_optimizer", lambda optimizer, *args: optimizer.step()
+    )
+    optimizer._optimizer_step_pre_hooks.clear()  # its own step would look like the user's
+    with pytest.raises(AssertionError):
+        acc.step(batch(1), mse_loss)
+    assert len(optimizer.state) == 4  # exp_avg, exp_avg_sq and step of every parameter
+
+
+def _one_cycle(optimizer: Any) -> Any:
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=2)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("drive", list(_DRIVES))
+def test_a_scheduler_that_would_raise_after_the_step_is_caught_before_it(
+    precision: str, drive: str
+) -> None:
+    """OneCycleLR past total_steps: tried before the optimizer steps, so nothing changed."""
+    model, batch = _precise(precision)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = _one_cycle(optimizer)
+    acc = _accumulator(model, optimizer, drive, precision, scheduler=scheduler)
+    for seed in (1, 2):
+        assert _drive(acc, drive, batch(seed)).stepped
+    before = _all_of(model, optimizer, scheduler, acc)
+    with pytest.raises(ValueError, match="Tried to step 3 times") as raised:
+        _drive(acc, drive, batch(3))
+    assert "tried before optimizer.step() and raised" in "".join(raised.value.__notes__)
+    assert_bitwise(_all_of(model, optimizer, scheduler, acc), before)
+    acc.scheduler = None  # the fix: a longer schedule, or none; the Accumulator goes on
+    twin = copy.deepcopy((model, optimizer))
+    assert _drive(acc, drive, batch(4)).stepped
+    if precision == "fp32":
+        reference_step(twin[0], twin[1], batch(4), mse_loss)
+        for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
+            torch.testing.assert_close(got, want, **EXACT)
+
+
+def test_negative_control_without_trying_the_scheduler_the_step_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, batch = _precise("fp32")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = _one_cycle(optimizer)
+    acc = _accumulator(model, optimizer, "step", "fp32", scheduler=scheduler)
+    for seed in (1, 2):
+        acc.step(batch(seed), mse_loss)
+    before = [p.detach().clone() for p in model.parameters()]
+    monkeypatch.setattr(gradaccum._engine, "try_scheduler", lambda scheduler: None)
+    with pytest.raises(ValueError, match="Tried to step 3 times"):
+        acc.step(batch(3), mse_loss)
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert scheduler.last_epoch == 3  # and the schedule moved past its end
+
+
+_SCHEDULES = {
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=9),
+    "CyclicLR": lambda o: torch.optim.lr_scheduler.CyclicLR(o, 0.01, 0.1, step_size_up=2),
+    "SequentialLR": lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o,
+        [
+            torch.optim.lr_scheduler.LinearLR(o, 0.1, total_iters=2),
+            torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(o, T_0=2),
+        ],
+        milestones=[2],
+    ),
+    "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1 / (step + 1)),
+}
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True])
+@pytest.mark.parametrize("name", list(_SCHEDULES))
+def test_trying_the_scheduler_first_leaves_the_schedule_exact(name: str, tensor_lr: bool) -> None:
+    """The try steps and puts back lr, momentum/betas (tensor lr in place) and the scheduler."""
+    model, batch = _precise("fp32")
+    twin = copy.deepcopy(model)
+
+    def build(m: nn.Module) -> tuple[Any, Any]:
+        lr = torch.tensor(0.01) if tensor_lr else 0.01
+        optimizer = torch.optim.Adam(m.parameters(), lr=lr)
+        return optimizer, _SCHEDULES[name](optimizer)
+
+    optimizer, scheduler = build(model)
+    ref_optimizer, ref_scheduler = build(twin)
+    acc = Accumulator(model, optimizer, micro_batch_size=3, scheduler=scheduler)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "scheduler before optimizer" warning either
+        for seed in range(5):
+            result = acc.step(batch(seed), mse_loss)
+            lr = float(ref_optimizer.param_groups[0]["lr"])
+            reference_step(twin, ref_optimizer, batch(seed), mse_loss, scheduler=ref_scheduler)
+            assert result.lr == lr
+    for got, want in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+    assert scheduler.state_dict()["last_epoch"] == ref_scheduler.state_dict()["last_epoch"] == 5
+    # Control: one scheduler step too many (the try left in place) is a different schedule.
+    ref_scheduler.step()
+    assert float(ref_optimizer.param_groups[0]["lr"]) != float(optimizer.param_groups[0]["lr"])
+
+
+def test_after_a_half_done_step_the_last_checkpoint_reloads_and_the_run_goes_on_exactly(
+    tmp_path: Any,
+) -> None:
+    """What PartialStepError says to do: load_checkpoint(..., accumulator=acc), then go on."""
+    model, batch = _precise("fp32")
+    optimizer = _half_step_optimizer(model, "custom")
+    acc = _accumulator(model, optimizer, "step", "fp32")
+    acc.step(batch(1), mse_loss)
+    path = tmp_path / "last.pt"
+    gradaccum.save_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+    twin = copy.deepcopy((model, optimizer))
+    optimizer.armed = True
+    with pytest.raises(PartialStepError):
+        acc.step(batch(2), mse_loss)
+    with pytest.raises(ValueError, match="failed halfway"):
+        gradaccum.save_checkpoint(
+            tmp_path / "bad.pt", model=model, optimizer=optimizer, accumulator=acc
+        )
+    assert not (tmp_path / "bad.pt").exists()
+    optimizer.armed = False
+    gradaccum.load_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+    acc.step(batch(2), mse_loss)
+    reference_step(twin[0], twin[1], batch(2), mse_loss)
+    for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+
+
+def test_a_scheduler_not_from_torch_is_not_tried_and_steps_while_the_gradients_are_there() -> None:
+    """The contract's order: optimizer.step(), scheduler.step(), then the gradients cleared."""
+
+    class Logged(torch.optim.lr_scheduler.StepLR):  # reads what the step left, as Adafactor's
+        def __init__(self, optimizer: Any, model: nn.Module) -> None:
+            self.seen: list[bool] = []
+            self.model = model
+            super().__init__(optimizer, 1, gamma=0.5)
+
+        def step(self, epoch: Any = None) -> None:
+            super().step()
+            self.seen.append(all(p.grad is not None for p in self.model.parameters()))
+
+    model, optimizer, _, acc = _setup(scheduler=False)
+    acc.scheduler = logged = Logged(optimizer, model)
+    for seed in range(3):
+        acc.step(_batch(seed), mse_loss)
+    assert logged.seen == [False, True, True, True]  # construction, then once per step, no try
+    assert all(p.grad is None for p in model.parameters())  # cleared after it
+
+
+def test_transformers_adafactor_schedule_reports_the_lr_of_the_full_batch_loop() -> None:
+    """AdafactorSchedule reads the optimizer's state and gradients after its step."""
+    optimization = pytest.importorskip("transformers.optimization")
+    model = make_model("mlp")
+    twin = copy.deepcopy(model)
+
+    def build(m: nn.Module) -> tuple[Any, Any]:
+        options = {"relative_step": True, "warmup_init": True, "lr": None}
+        optimizer = optimization.Adafactor(m.parameters(), **options)
+        return optimizer, optimization.AdafactorSchedule(optimizer)
+
+    optimizer, schedule = build(model)
+    ref_optimizer, ref_schedule = build(twin)
+    acc = Accumulator(model, optimizer, micro_batch_size=3, scheduler=schedule)
+    for seed in range(3):
+        acc.step(_batch(seed), mse_loss)
+        reference_step(twin, ref_optimizer, _batch(seed), mse_loss, scheduler=ref_schedule)
+        assert schedule.get_last_lr() == ref_schedule.get_last_lr()
+    for got, want in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+
+
+def test_a_scheduler_stepped_outside_too_is_warned_of_once() -> None:
+    """A loop moved to the Accumulator that kept its own scheduler.step(): twice per window."""
+    _, _, scheduler, acc = _setup()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # control: stepped by the Accumulator alone, no warning
+        for seed in range(3):
+            acc.step(_batch(seed), mse_loss)
+    assert scheduler.last_epoch == 3
+    scheduler.step()  # the loop's own step
+    with pytest.warns(UserWarning, match=r"StepLR was stepped outside .* \(last_epoch 3 -> 4\)"):
+        acc.step(_batch(3), mse_loss)
+    scheduler.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        acc.step(_batch(4), mse_loss)
+        acc.load_state_dict(acc.state_dict())  # a load may move the scheduler on purpose
+        scheduler.load_state_dict({**scheduler.state_dict(), "last_epoch": 9})
+        acc.step(_batch(5), mse_loss)
+
+
+@pytest.mark.parametrize("stage", ["clip", "scheduler try", "optimizer"])
+@pytest.mark.parametrize("drive", list(_DRIVES))
+def test_ctrl_c_at_every_stage_of_the_boundary_changes_nothing(
+    stage: str, drive: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KeyboardInterrupt in clipping, in the scheduler's try, in an optimizer.step() before it
+    changed anything: every drive, BatchNorm, GradScaler-free fp32; all bitwise as before."""
+    model, optimizer, scheduler, acc = _setup("bn", max_grad_norm=0.5, **_DRIVES[drive])
+    _drive(acc, drive, _batch(1))
+    before = _all_of(model, optimizer, scheduler, acc)
+
+    def interrupt(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    if stage == "clip":
+        monkeypatch.setattr(gradaccum._engine, "clip_", interrupt)
+    elif stage == "scheduler try":
+        monkeypatch.setattr(scheduler, "step", interrupt)
+    else:
+        monkeypatch.setattr(optimizer, "step", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        _drive(acc, drive, _batch(2))
+    monkeypatch.undo()
+    assert_bitwise(_all_of(model, optimizer, scheduler, acc), before)
+    twin = copy.deepcopy((model, optimizer, scheduler))
+    twin_acc = Accumulator(*twin[:2], scheduler=twin[2], max_grad_norm=0.5, **_DRIVES[drive])
+    _drive(acc, drive, _batch(3))
+    _drive(twin_acc, drive, _batch(3))
+    assert_bitwise(clone_state(model.state_dict()), clone_state(twin[0].state_dict()))

@@ -16,6 +16,7 @@ import torch
 
 from gradaccum._batch_sizes import check_micro_batch_size
 from gradaccum._sync_base import is_fsdp
+from gradaccum._warnings import warn_user
 from gradaccum.options import SyncPolicy, Tokens
 from gradaccum.recovery import is_auto
 from gradaccum.window import trainable_parameters
@@ -29,6 +30,7 @@ __all__ = [
     "check_max_grad_norm",
     "check_optimizer",
     "check_scheduler",
+    "check_scheduler_optimizer",
     "check_sparse",
 ]
 
@@ -53,6 +55,17 @@ def check_optimizer(optimizer: object, model: torch.nn.Module) -> None:
     Optimizers whose `step` needs a closure (L-BFGS) re-evaluate the loss several times per
     step, which a window of micro-batches cannot offer; they are refused.
     """
+    if isinstance(optimizer, (list, tuple)) and optimizer:
+        kinds = ", ".join(type(o).__name__ for o in optimizer)
+        raise TypeError(
+            f"optimizer is a {type(optimizer).__name__} of {len(optimizer)} ({kinds}); the "
+            "Accumulator steps one torch.optim.Optimizer per window, and stepping only some "
+            "would leave the others' gradients unused. Put every parameter in one optimizer, as "
+            "param groups with their own lr and weight_decay; for two losses over two models (a "
+            "GAN), build one Accumulator per model and its optimizer; for two optimizer types "
+            "over one model (Muon for the 2-D weights, AdamW for the rest), pass one Optimizer "
+            "that steps both (README, 'Two optimizers on one model')."
+        )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer={optimizer!r} must be a torch.optim.Optimizer.")
     model_ids = {id(p) for p in model.parameters() if p.requires_grad}
@@ -67,6 +80,18 @@ def check_optimizer(optimizer: object, model: torch.nn.Module) -> None:
             f"{type(optimizer).__name__}.step() needs a closure that re-evaluates the loss, "
             "which an accumulation window cannot provide; use an optimizer whose step() takes "
             "no argument (SGD, Adam, AdamW, ...)."
+        )
+    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if outside:
+        shown = ", ".join(outside[:3]) + (", ..." if len(outside) > 3 else "")
+        warn_user(
+            UserWarning(
+                f"{len(outside)} trainable parameters of the model ({shown}) are in no param "
+                "group of the optimizer: the Accumulator computes their gradients and clears "
+                "them after every step, so nothing trains them (a second optimizer stepped after "
+                "acc.step() would see no gradient). Add them to the optimizer (README, 'Two "
+                "optimizers on one model'), or freeze them with requires_grad_(False)."
+            )
         )
     if isinstance(optimizer, torch.optim.SparseAdam):
         raise ValueError(
@@ -91,6 +116,27 @@ def check_scheduler(scheduler: Any) -> None:
             f"{type(scheduler).__name__}.step() needs an argument (a metric); the Accumulator "
             "steps its scheduler with none. Pass scheduler=None and call "
             f"{type(scheduler).__name__}.step(val_loss) yourself after validation."
+        )
+
+
+def check_scheduler_optimizer(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a scheduler that sets the learning rate of none of `optimizer`'s param groups.
+
+    A scheduler built on an earlier optimizer (a notebook cell run again) would step silently
+    while the optimizer the Accumulator steps keeps its learning rate. One built on a part of
+    the optimizer (an optimizer stepping two, README) shares its groups, and is accepted.
+    """
+    scheduled = getattr(scheduler, "optimizer", None)
+    if not isinstance(scheduled, torch.optim.Optimizer) or scheduled is optimizer:
+        return
+    mine = {id(group) for group in optimizer.param_groups}
+    if not any(id(group) in mine for group in scheduled.param_groups):
+        raise ValueError(
+            f"scheduler={type(scheduler).__name__} sets the learning rate of another optimizer: "
+            f"none of the param groups of its {type(scheduled).__name__} is one of the "
+            f"Accumulator's {type(optimizer).__name__}, so it would change nothing this one "
+            f"steps. Build it on the optimizer you pass: {type(scheduler).__name__}(optimizer, "
+            "...)."
         )
 
 
@@ -189,6 +235,8 @@ def check_settings(
     check_max_grad_norm(max_grad_norm)
     check_scheduler(scheduler)
     check_optimizer(optimizer, model)
+    assert isinstance(optimizer, torch.optim.Optimizer)  # check_optimizer said so
+    check_scheduler_optimizer(scheduler, optimizer)
     check_sparse(model)
     return auto
 
@@ -225,14 +273,21 @@ def check_saved_state(state: object, version: int, settings: dict[str, Any]) -> 
     return bool(saved_settings.get("micro_batch_size") == settings.get("micro_batch_size"))
 
 
-def check_savable(*, deferred: bool, open_window: bool) -> None:
-    """Refuse to save an open window whose partial sums the backend keeps to itself.
+def check_savable(broken: str | None, *, deferred: bool, open_window: bool) -> None:
+    """Refuse to save a state after a half-done step, or an open window the backend keeps.
 
-    Under FSDP2's `sync_policy="window"` they live inside FSDP2 until the window's last backward.
+    After `PartialStepError` (`broken`), the weights are half-updated: saving them as a resumable
+    state would hide it. Under FSDP2's `sync_policy="window"` an open window's partial sums live
+    inside FSDP2 until the window's last backward.
 
     Raises:
-        ValueError: Naming the two fixes.
+        ValueError: Naming the fixes.
     """
+    if broken is not None:
+        raise ValueError(
+            "the Accumulator state is not saved: the last optimizer step failed halfway, so the "
+            f"weights are half-updated. {broken}"
+        )
     if deferred and open_window:
         raise ValueError(
             "an open window under FSDP2's sync_policy='window' cannot be saved (FSDP2 holds its "

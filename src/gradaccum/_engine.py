@@ -1,11 +1,11 @@
 """The step algorithm: micro-batches in, one transactional window boundary out.
 
-A micro-batch: forward under autocast, read `(sum, count)`, backward `sum * loss_scale /
-denominator` (`gradaccum.divisor`), low-precision gradients to buffers. The boundary: exchange ─►
-reduce ─► divide once ─► finite? ─► clip ─► optimizer.step() ══ commit ══► loss scale, pooled
-BatchNorm, close. An exception before the commit, a skipped or dropped window, ends in
-`_forget_window()`: gradients, fp32 buffers, BatchNorm statistics and (OOM rerun) RNG as before
-the window. After the commit only the caller's scheduler can fail.
+One micro-batch: forward under autocast, read `(sum, count)`, backward `sum * loss_scale /
+denominator` (`gradaccum.divisor`), move low-precision gradients to their buffers. The boundary:
+exchange ─► reduce ─► divide once ─► finite? ─► clip ─► scheduler tried ─► optimizer.step() ══
+commit ══► loss scale, pooled BatchNorm, close (`gradaccum._commit`). Any exception before the
+commit, a skipped or a dropped window ends in `_forget_window()`: gradients as before the window,
+fp32 buffers dropped, BatchNorm statistics back, and the RNG for a rerun after out-of-memory.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
+from gradaccum._commit import SchedulerSteps, refuse_steps_inside, step_optimizer, try_scheduler
 from gradaccum._oom import is_out_of_memory, rng_states, set_rng_states
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
 from gradaccum._sync_base import NO_CONTEXT
@@ -54,6 +55,7 @@ class Engine:
         self.runtime, self.sync, self.batchnorm = runtime, sync, batchnorm
         self.batch_dim = batch_dim
         self.window = Window()
+        refuse_steps_inside(optimizer, self.window)  # a user's optimizer.step() mid-window
         self._fsdp = isinstance(sync, FSDP2Sync)  # reduces on its last backward, settles else
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._model_params = list(model.parameters())  # walking the modules costs a window
@@ -65,6 +67,8 @@ class Engine:
         self._token_mean = TokenMeanCheck()
         self._seeds = Seeds()
         self.telemetry: TelemetryMeter | None = None  # opt-in (gradaccum.telemetry)
+        self.broken: str | None = None  # set by a half-done optimizer.step(); a load clears it
+        self.schedule = SchedulerSteps()  # the scheduler's real steps, after each commit
 
     # ---------------------------------------------------------------- micro-batches
 
@@ -132,6 +136,8 @@ class Engine:
         return last
 
     def _open(self, rerun: bool) -> None:
+        if self.broken is not None:
+            raise RuntimeError(f"no window was run: the last step failed halfway. {self.broken}")
         params, held = window_parameters(self._model_params, self.optimizer)
         self.sync.begin_window()
         self.window.open(params, held, self.runtime.loss_scale())
@@ -160,10 +166,15 @@ class Engine:
         with sync.micro_context(last=last), self.batchnorm.micro_context():
             with runtime.autocast(), capture:
                 result = loss_fn(self.model, micro_batch)
-            window.check_no_backward_inside()  # a loss.backward() in loss_fn: counted twice
+            window.check_no_backward_inside()  # no backward or zero_grad() inside loss_fn
             extra: list[tuple[int, torch.Tensor]] = []
-            if isinstance(result, LossTerms):
-                value, logged, extra = self._read_terms(result, expect)
+            if isinstance(result, LossTerms):  # each term divided by its own count
+                terms = read_terms(result)
+                ledger = TermLedger.for_micro_batch(
+                    window.terms, terms, self.normalize, expect, fsdp=self._fsdp
+                )
+                window.terms, window.denominator = ledger, 1.0
+                value, logged, extra = ledger.roots(terms)
                 weight, count = 1, items
             else:
                 value, weight, count = read_loss(result, items, needs_graph=True)
@@ -237,20 +248,6 @@ class Engine:
         self._agreement = self._exchange(pending)
         return self._agreement.all_graphs
 
-    def _read_terms(
-        self, result: LossTerms, expect: Expectation
-    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Tensor]]]:
-        """A `LossSum.terms` micro-batch: its main root, its logged total and its extra roots."""
-        if self._fsdp:
-            raise ValueError(
-                "LossSum.terms is not supported with FSDP2 yet (each term would need its own "
-                "reduce-scatter); return one LossSum, or use DDP."
-            )
-        terms = read_terms(result)
-        ledger = TermLedger.for_micro_batch(self.window.terms, terms, self.normalize, expect)
-        self.window.terms, self.window.denominator = ledger, 1.0  # it divides each term itself
-        return ledger.roots(terms)
-
     def check_gradients_untouched(self) -> None:
         """Refuse a window whose gradients someone changed between its micro-batches."""
         problem = self.window.touched_gradients_error(self._names)
@@ -260,8 +257,8 @@ class Engine:
 
     # ---------------------------------------------------------------- the boundary
 
-    def close_window(self, *, max_grad_norm: float | None) -> Outcome:
-        """Run the boundary transaction; the window is closed or forgotten when this returns."""
+    def close_window(self, *, max_grad_norm: float | None, scheduler: Any = None) -> Outcome:
+        """Run the boundary transaction (`scheduler`: tried, then stepped after the commit)."""
         window, runtime = self.window, self.runtime
         try:
             agreement = self._agreement or self._exchange(rank_summary(window, runtime, self.sync))
@@ -291,18 +288,23 @@ class Engine:
                 clip_(held, max_grad_norm, norm)
             runtime.publish(window.params)
             lr = learning_rate(self.optimizer)
-            self.optimizer.step()
+            try_scheduler(scheduler)
+            step_optimizer(self.optimizer, window.params[: window.held], self._names, self)
         except BaseException:
             if window.is_open:
                 self._forget_window()
             raise
-        # Committed: nothing below can fail on the caller's behalf.
-        runtime.update_scale(finite=True)
-        self.batchnorm.end_window()
-        runtime.clear_buffers()
-        terms, objective = window.terms.report(agreement) if window.terms else (None, None)
-        window.close()
-        self._end()
+        # Committed. The scheduler steps before the gradients are cleared (the contract's
+        # order); raising, it leaves the window closed all the same: nothing steps twice.
+        try:
+            self.schedule.take(scheduler)
+        finally:
+            runtime.update_scale(finite=True)
+            self.batchnorm.end_window()
+            runtime.clear_buffers()
+            terms, objective = window.terms.report(agreement) if window.terms else (None, None)
+            window.close()
+            self._end()
         return Outcome(True, count, loss_sum, norm_value, lr, (), terms, objective)
 
     def discard_window(self) -> None:
@@ -372,12 +374,7 @@ class Engine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Check every component's state first, then restore them; raise changing nothing."""
-        if state.get("batchnorm_mode") != self.batchnorm.mode.value:
-            raise ValueError(
-                f"the saved Accumulator has batchnorm={state.get('batchnorm_mode')!r} but this "
-                f"one has batchnorm={self.batchnorm.mode.value!r}; build the Accumulator with "
-                "the saved settings."
-            )
+        self.batchnorm.check_mode(state.get("batchnorm_mode"))
         params, held = window_parameters(self._model_params, self.optimizer)
         self.sync.check_resume(bool(state["window"].get("micro_batches")))
         self.window.check_state(state["window"], params)
@@ -390,3 +387,5 @@ class Engine:
             self.runtime.open_window(len(params))
         self.batchnorm.open_window()
         self._end()
+        self.broken = None  # the caller restored a consistent state
+        self.schedule.forget()  # and may have moved the scheduler on purpose

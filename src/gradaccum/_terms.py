@@ -94,8 +94,19 @@ class TermLedger:
         terms: Sequence[ReadTerm],
         normalize: Normalize,
         expect: Expectation,
+        *,
+        fsdp: bool = False,
     ) -> TermLedger:
-        """The window's ledger: `ledger`, checked against `terms`, or a new one from them."""
+        """The window's ledger: `ledger`, checked against `terms`, or a new one from them.
+
+        Raises:
+            ValueError: Under FSDP2 (`fsdp`), which does not support terms yet.
+        """
+        if fsdp:
+            raise ValueError(
+                "LossSum.terms is not supported with FSDP2 yet (each term would need its own "
+                "reduce-scatter); return one LossSum, or use DDP."
+            )
         if ledger is None:
             ahead = expect.counted if isinstance(expect.counted, dict) else None
             return cls(terms, normalize, expected_micro_batches=expect.micro_batches, ahead=ahead)

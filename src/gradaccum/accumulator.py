@@ -81,8 +81,8 @@ class Accumulator:
         accumulation_steps: Micro-batches per window for `micro_step()`, or `Tokens(n)`: a
             window closes once the items counted over all ranks reach `n`.
         normalize: `"mean"`: `sum(loss) / sum(count)` over the window; `"sum"`: `sum(loss)`.
-        scheduler: Stepped once per optimizer step actually taken; its `step()` must need no
-            argument (step `ReduceLROnPlateau` yourself).
+        scheduler: Stepped once per optimizer step taken, and tried before it (one that would
+            raise changes nothing); `step()` takes no argument (step `ReduceLROnPlateau` yourself).
         max_grad_norm: Clip the window's gradient to this total 2-norm.
         precision: `"fp32"`, `"bf16"` or `"fp16"` autocast; fp16 adds a loss scale.
         accum_dtype: Accumulate in buffers of this dtype for less precise parameters.
@@ -164,9 +164,7 @@ class Accumulator:
         )
         if telemetry:
             self._engine.telemetry = TelemetryMeter(device=runtime.device)
-        # Windows dropped as non-finite and as empty so far: part of the state, for exact resume.
-        self.nonfinite_windows = 0
-        self.empty_windows = 0
+        self.nonfinite_windows = self.empty_windows = 0  # windows skipped so far: in the state
 
     @property
     def plan(self) -> MemoryPlan | None:
@@ -299,11 +297,9 @@ class Accumulator:
         """The window boundary, through the engine's transaction; counts what it skipped."""
         window = self._engine.window
         micro_batches = window.micro_batches
-        outcome = self._engine.close_window(max_grad_norm=self.max_grad_norm)
-        if outcome.stepped and self.scheduler is not None:
-            # After the commit: a scheduler that raises leaves the step taken and the window
-            # closed, so nothing can step it twice (docs/reliability.md).
-            self.scheduler.step()
+        outcome = self._engine.close_window(
+            max_grad_norm=self.max_grad_norm, scheduler=self.scheduler
+        )
         build = StepResult.stepped if outcome.stepped else StepResult.skipped
         meter = self._engine.telemetry
         telemetry = None
@@ -366,7 +362,7 @@ class Accumulator:
             ValueError: In an open window under FSDP2's `sync_policy="window"` (see `_checks`).
         """
         engine, meter = self._engine, self._engine.telemetry
-        check_savable(deferred=engine.sync.defers, open_window=engine.window.is_open)
+        check_savable(engine.broken, deferred=engine.sync.defers, open_window=engine.window.is_open)
         return {
             "version": STATE_VERSION,
             "settings": self._settings(),

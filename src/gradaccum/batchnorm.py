@@ -215,6 +215,14 @@ class BatchNormControl:
         }
         return {"version": STATE_VERSION, "mode": self.mode.value, "pending": pending}
 
+    def check_mode(self, saved: object) -> None:
+        """Raise ValueError unless a saved Accumulator used this `batchnorm` mode."""
+        if saved != self.mode.value:
+            raise ValueError(
+                f"the saved Accumulator has batchnorm={saved!r} but this one has "
+                f"batchnorm={self.mode.value!r}; build the Accumulator with the saved settings."
+            )
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output; raise ValueError naming any mismatch, changing nothing."""
         pending = state.get("pending") if isinstance(state, Mapping) else None

@@ -253,10 +253,11 @@ def _require_graph(value: torch.Tensor, count: int) -> None:
 def backward_inside_error() -> ValueError:
     """The error for a `loss_fn` that ran a backward itself (gradients changed inside it)."""
     return ValueError(
-        "loss_fn ran a backward itself (loss.backward() inside loss_fn) or changed .grad: "
-        "gradaccum runs the backward of the loss loss_fn returns, scaled for the window, so "
-        "these gradients would be counted twice. Remove the .backward() call (and any "
-        "zero_grad()) from loss_fn and return the loss."
+        "loss_fn ran a backward itself (loss.backward() inside loss_fn) or changed .grad (an "
+        "optimizer.zero_grad() or model.zero_grad() inside loss_fn): gradaccum runs the "
+        "backward of the loss loss_fn returns, scaled for the window, so these gradients would "
+        "be counted twice, or the window's earlier micro-batches dropped. Remove the "
+        ".backward() and zero_grad() calls from loss_fn and return the loss."
     )
 
 

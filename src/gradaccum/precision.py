@@ -179,11 +179,17 @@ class PrecisionRuntime:
         self.scaler.load_state_dict(state)
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler state and copies of the buffers (plain data for weights-only loading)."""
+        """The scaler state and copies of the buffers (plain data for weights-only loading).
+
+        No buffer held (a closed window) saves an empty list, whatever windows came before.
+        """
+        held = any(b is not None for b in self.buffers)
         return {
             "accum_dtype": None if self.accum_dtype is None else str(self.accum_dtype),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
-            "buffers": [None if b is None else b.detach().clone() for b in self.buffers],
+            "buffers": [None if b is None else b.detach().clone() for b in self.buffers]
+            if held
+            else [],
         }
 
     def check_state(self, state: dict[str, Any], param_count: int) -> None:

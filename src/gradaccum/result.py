@@ -20,11 +20,20 @@ from typing import Any, Protocol, cast, overload
 
 from gradaccum.telemetry import Telemetry
 
-__all__ = ["NonFiniteError", "StepResult", "learning_rate"]
+__all__ = ["NonFiniteError", "PartialStepError", "StepResult", "learning_rate"]
 
 
 class NonFiniteError(FloatingPointError):
     """A window's loss or gradient was inf or NaN and `on_nonfinite="raise"` was set."""
+
+
+class PartialStepError(RuntimeError):
+    """`optimizer.step()` raised after it had updated some parameters; they cannot be put back.
+
+    The message names them. The Accumulator refuses further windows until a state is loaded
+    (`load_checkpoint(..., accumulator=acc)` or `acc.load_state_dict`), so that no retry steps
+    the same parameters twice.
+    """
 
 
 class _Build(Protocol):

@@ -238,7 +238,12 @@ class Window:
         self._close()
 
     def state_dict(self) -> dict[str, Any]:
-        """Copies of the totals and of the partial gradients (plain data)."""
+        """Copies of the totals and of the partial gradients (plain data).
+
+        A closed window saves no parameter: its state does not depend on the windows before it
+        (a forgotten one included).
+        """
+        params = self.params if self.is_open else []
         return {
             "count": self.count,
             "micro_batches": self.micro_batches,
@@ -247,9 +252,9 @@ class Window:
             "largest_micro_batch": self.largest_micro_batch,
             "denominator": self.denominator,
             "loss_scale": self.loss_scale,
-            "param_shapes": [list(p.shape) for p in self.params],
+            "param_shapes": [list(p.shape) for p in params],
             "terms": None if self.terms is None else self.terms.state_dict(),
-            "grads": [None if p.grad is None else p.grad.detach().clone() for p in self.params],
+            "grads": [None if p.grad is None else p.grad.detach().clone() for p in params],
         }
 
     def check_state(self, state: dict[str, Any], params: list[torch.nn.Parameter]) -> None:

@@ -1,0 +1,286 @@
+"""The window's commit: `optimizer.step()`, taken whole, refused before it starts, or reported.
+
+Guards around the one call that changes the model, none of which copies a parameter:
+
+- the scheduler is tried first (`try_scheduler`): one of torch's own is stepped, then put back
+  (its own state and the param groups' values), so one that would raise after the step
+  (`OneCycleLR` past `total_steps`, a `LambdaLR` whose lambda fails) raises before anything
+  changed. Its real step follows the commit (`SchedulerSteps`), which also warns once when the
+  scheduler was stepped outside the Accumulator too;
+- `optimizer.step()` is watched by the parameters' `_version` counters, read before the call
+  by one C-level `map` (no Python frame per parameter), and, for an optimizer not from
+  `torch.optim` (which may write through `p.data`, leaving the versions alone), by each
+  parameter's float64 norm (one foreach kernel). An optimizer that raises having changed
+  nothing, typically torch's own input checks, has the state entries its lazy initialization
+  created removed, so nothing changed at all;
+- an optimizer that raises after it updated some parameters (a second param group failing
+  torch's checks, a custom optimizer) cannot be undone without a copy of every parameter and
+  its state, which costs the memory of a second model. Instead `PartialStepError` names the
+  parameters it changed and how to continue, and the engine refuses every later window until
+  a state is loaded, so a retried call can never step the same parameters twice;
+- a step pre-hook on the optimizer (`refuse_steps_inside`) refuses the user's own
+  `optimizer.step()` inside an open window, before it changes anything.
+
+Example:
+    >>> import torch
+    >>> param = torch.nn.Parameter(torch.ones(2))
+    >>> param.grad = torch.ones(2)
+    >>> step_optimizer(torch.optim.SGD([param], lr=0.5), [param], {})
+    >>> param.tolist()
+    [0.5, 0.5]
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from gradaccum._dtensor import local_tensor
+from gradaccum._warnings import warn_user
+from gradaccum.result import PartialStepError
+
+__all__ = [
+    "Breakable",
+    "PartialStepError",
+    "SchedulerSteps",
+    "refuse_steps_inside",
+    "step_optimizer",
+    "triable",
+    "try_scheduler",
+]
+
+_VERSION = operator.attrgetter("_version")
+_SHOWN_NAMES = 5
+_committing: list[int] = []  # non-empty while `step_optimizer` steps (the Accumulators' own step)
+
+
+class Breakable(Protocol):
+    """What `step_optimizer` marks when a step failed halfway (the `Engine`)."""
+
+    broken: str | None
+
+
+class _OpenWindow(Protocol):
+    """What `refuse_steps_inside` reads of a window (`gradaccum.window.Window`)."""
+
+    @property
+    def is_open(self) -> bool: ...
+
+    micro_batches: int
+
+
+def refuse_steps_inside(optimizer: torch.optim.Optimizer, window: _OpenWindow) -> None:
+    """Make `optimizer.step()` raise, changing nothing, when called inside an open `window`.
+
+    A loop moved to the Accumulator that kept its own `optimizer.step()`, between two
+    `micro_step()` calls or inside `loss_fn`, would step on a partial, undivided sum of the
+    window's gradients. A step pre-hook refuses it before anything changes; the Accumulator's
+    own step, and steps between windows, pass. The hook holds the optimizer and the window
+    weakly and is removed with the window.
+    """
+    owner, ref = weakref.ref(optimizer), weakref.ref(window)
+
+    def hook(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        open_window = ref()
+        if _committing or open_window is None or not open_window.is_open:
+            return
+        if stepped is not owner():  # a copy of the optimizer
+            return
+        raise RuntimeError(
+            f"{type(stepped).__name__}.step() was called inside an accumulation window "
+            f"({open_window.micro_batches} micro-batches so far): it would step on a partial, "
+            "undivided sum of the window's gradients. Remove it: the Accumulator steps the "
+            "optimizer itself when the window is full. Nothing was stepped; the window is kept."
+        )
+
+    weakref.finalize(window, optimizer.register_step_pre_hook(hook).remove)
+
+
+def step_optimizer(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    names: dict[int, str],
+    owner: Breakable | None = None,
+) -> None:
+    """`optimizer.step()`; if it raises, nothing changed, or `PartialStepError` says what did.
+
+    Args:
+        optimizer: The optimizer to step.
+        params: The parameters it holds (watched for changes).
+        names: Parameter names by `id`, for the error.
+        owner: Its `broken` is set to the message when the step raised after changing
+            parameters (the engine then refuses windows until a state is loaded).
+
+    Raises:
+        PartialStepError: If `optimizer.step()` raised after changing some of `params`.
+    """
+    versions = list(map(_VERSION, params))
+    norms = _fingerprint(optimizer, params)
+    known = len(optimizer.state)  # a dict: state created by this step comes after `known`
+    _committing.append(1)
+    try:
+        optimizer.step()
+    except BaseException as error:
+        changed = _changed(params, versions, norms)
+        if not changed:
+            for param in list(optimizer.state)[known:]:  # lazily created by this failed step
+                del optimizer.state[param]
+            raise
+        message = _partial_message(optimizer, changed, len(params), names, error)
+        if owner is not None:
+            owner.broken = message
+        if not isinstance(error, Exception):  # Ctrl-C mid-update: keep its type, say what changed
+            if hasattr(error, "add_note"):
+                error.add_note(message)
+            raise
+        raise PartialStepError(message) from error
+    finally:
+        _committing.pop()
+
+
+def _fingerprint(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
+) -> list[torch.Tensor] | None:
+    """Each parameter's float64 norm, for an optimizer not from `torch.optim`; else None.
+
+    torch's optimizers change parameters in place, which bumps their `_version`; others may
+    write through `p.data` or their own kernels (bitsandbytes), which does not. One foreach
+    kernel over the parameters, only for those optimizers; None where it cannot run.
+    """
+    if type(optimizer).__module__.startswith("torch.optim"):
+        return None
+    try:
+        return _norms(params)
+    except (RuntimeError, TypeError):  # e.g. parameters on several devices, or no float64
+        return None
+
+
+def _norms(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    local = [local_tensor(p).detach() for p in params]
+    return list(torch._foreach_norm(local, 2, dtype=torch.float64))
+
+
+def _changed(
+    params: Sequence[torch.Tensor], versions: list[int], norms: list[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    """The parameters a failed step changed: by their versions, and by their norms if taken."""
+    moved = [p._version != v for p, v in zip(params, versions, strict=True)]
+    if norms is not None:
+        for index, (a, b) in enumerate(zip(norms, _norms(params), strict=True)):
+            moved[index] = moved[index] or not bool((a == b) | (a.isnan() & b.isnan()))
+    return [p for p, m in zip(params, moved, strict=True) if m]
+
+
+def _partial_message(
+    optimizer: torch.optim.Optimizer,
+    changed: list[torch.Tensor],
+    total: int,
+    names: dict[int, str],
+    error: BaseException,
+) -> str:
+    shown = [names.get(id(p), f"<optimizer param of shape {tuple(p.shape)}>") for p in changed]
+    listed = ", ".join(shown[:_SHOWN_NAMES]) + (", ..." if len(shown) > _SHOWN_NAMES else "")
+    return (
+        f"{type(optimizer).__name__}.step() raised ({type(error).__name__}: {error}) after it "
+        f"had already updated {len(changed)} of its {total} parameters ({listed}); they and "
+        "the optimizer state cannot be put back, so this Accumulator refuses further windows "
+        "rather than step them twice. Fix the cause, then reload your last checkpoint "
+        "(gradaccum.load_checkpoint(path, model=..., optimizer=..., accumulator=acc)), or build "
+        "a new Accumulator to continue from the half-updated weights knowingly."
+    )
+
+
+def try_scheduler(scheduler: Any) -> None:
+    """Step one of torch's schedulers and put it back: raise now what its step would raise later.
+
+    The param groups' values it sets (lr, momentum, betas; tensor values in place) and its own
+    state are restored whether it raised or not. Only torch's own classes are tried (`triable`).
+    """
+    if not triable(scheduler):
+        return
+    state = copy.deepcopy(scheduler.state_dict())  # a scheduler may change its lists in place
+    groups = [
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+        for g in scheduler.optimizer.param_groups
+    ]
+    try:
+        with warnings.catch_warnings():  # its first step comes before optimizer.step() here
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler.step()
+    except Exception as error:
+        if hasattr(error, "add_note"):
+            error.add_note(
+                f"gradaccum: {type(scheduler).__name__}.step() was tried before optimizer.step() "
+                "and raised, so nothing was stepped; the window was discarded. A scheduler that "
+                "runs out of steps (OneCycleLR's total_steps) needs a longer schedule or a stop "
+                "before it."
+            )
+        raise
+    finally:
+        scheduler.load_state_dict(state)
+        for group, saved in zip(scheduler.optimizer.param_groups, groups, strict=True):
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor) and isinstance(group.get(key), torch.Tensor):
+                    group[key].copy_(value)
+                else:
+                    group[key] = value
+
+
+def triable(scheduler: Any) -> bool:
+    """Whether `scheduler` is one of torch's, whose lr follows from its own state alone.
+
+    Others may read the optimizer's state after its step (transformers' `AdafactorSchedule`),
+    which a try before the step cannot give them; they run after the commit only.
+    """
+    if type(scheduler).__module__ != torch.optim.lr_scheduler.__name__:
+        return False
+    return all(triable(inner) for inner in getattr(scheduler, "_schedulers", ()))
+
+
+class SchedulerSteps:
+    """Takes the scheduler's step after a commit, and notices steps taken outside.
+
+    A training loop moved to the Accumulator often keeps its own `scheduler.step()`: with
+    `scheduler=` passed too, the schedule runs twice as fast. The scheduler's `last_epoch` after
+    each step taken here is remembered; one that moved since is warned of, once.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[int, object] | None = None  # (id(scheduler), last_epoch)
+        self._warned = False
+
+    def take(self, scheduler: Any) -> None:
+        """`scheduler.step()` (if any), once per optimizer step taken."""
+        if scheduler is None:
+            return
+        epoch = getattr(scheduler, "last_epoch", None)
+        if self._last is not None and self._last[0] == id(scheduler) and self._last[1] != epoch:
+            self._warn(scheduler, self._last[1], epoch)
+        self._last = None
+        scheduler.step()
+        epoch = getattr(scheduler, "last_epoch", None)
+        self._last = None if epoch is None else (id(scheduler), epoch)
+
+    def forget(self) -> None:
+        """A state was loaded: the scheduler may have moved on purpose."""
+        self._last = None
+
+    def _warn(self, scheduler: Any, was: object, now: object) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        name = type(scheduler).__name__
+        warn_user(
+            UserWarning(
+                f"{name} was stepped outside the Accumulator since its last step (last_epoch "
+                f"{was} -> {now}); the Accumulator already steps it once per optimizer step, so "
+                f"the schedule runs ahead. Remove your own {name}.step() (or pass scheduler=None "
+                "and keep it); after loading a scheduler state, ignore this."
+            )
+        )
