@@ -57,7 +57,6 @@ __all__ = [
 
 _VERSION = operator.attrgetter("_version")
 _SHOWN_NAMES = 5
-_committing: list[int] = []  # non-empty while `step_optimizer` steps (the Accumulators' own step)
 
 
 class Breakable(Protocol):
@@ -73,6 +72,7 @@ class _OpenWindow(Protocol):
     def is_open(self) -> bool: ...
 
     micro_batches: int
+    committing: bool  # True while the Accumulator's own `optimizer.step()` runs
 
 
 def refuse_steps_inside(optimizer: torch.optim.Optimizer, window: _OpenWindow) -> None:
@@ -88,7 +88,7 @@ def refuse_steps_inside(optimizer: torch.optim.Optimizer, window: _OpenWindow) -
 
     def hook(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         open_window = ref()
-        if _committing or open_window is None or not open_window.is_open:
+        if open_window is None or not open_window.is_open or open_window.committing:
             return
         if stepped is not owner():  # a copy of the optimizer
             return
@@ -107,6 +107,7 @@ def step_optimizer(
     params: Sequence[torch.Tensor],
     names: dict[int, str],
     owner: Breakable | None = None,
+    window: _OpenWindow | None = None,
 ) -> None:
     """`optimizer.step()`; if it raises, nothing changed, or `PartialStepError` says what did.
 
@@ -116,6 +117,8 @@ def step_optimizer(
         names: Parameter names by `id`, for the error.
         owner: Its `broken` is set to the message when the step raised after changing
             parameters (the engine then refuses windows until a state is loaded).
+        window: The open window whose step this is: its `committing` flag lets the step through
+            `refuse_steps_inside`'s hook (per window, so no process-wide flag).
 
     Raises:
         PartialStepError: If `optimizer.step()` raised after changing some of `params`.
@@ -123,7 +126,8 @@ def step_optimizer(
     versions = list(map(_VERSION, params))
     norms = _fingerprint(optimizer, params)
     known = len(optimizer.state)  # a dict: state created by this step comes after `known`
-    _committing.append(1)
+    if window is not None:
+        window.committing = True  # the step pre-hook lets this step through
     try:
         optimizer.step()
     except BaseException as error:
@@ -141,7 +145,8 @@ def step_optimizer(
             raise
         raise PartialStepError(message) from error
     finally:
-        _committing.pop()
+        if window is not None:
+            window.committing = False
 
 
 def _fingerprint(

@@ -289,7 +289,7 @@ class Engine:
             runtime.publish(window.params)
             lr = learning_rate(self.optimizer)
             try_scheduler(scheduler)
-            step_optimizer(self.optimizer, window.params[: window.held], self._names, self)
+            step_optimizer(self.optimizer, window.params[: window.held], self._names, self, window)
         except BaseException:
             if window.is_open:
                 self._forget_window()

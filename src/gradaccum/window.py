@@ -107,6 +107,7 @@ class Window:
         self._close()
 
     def _close(self) -> None:
+        self.committing = False  # set by `_commit.step_optimizer` around the window's own step
         self.count = 0
         self.micro_batches = 0
         # The summed loss: a Python float for CPU losses, where reading a scalar costs less than
