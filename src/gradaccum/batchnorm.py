@@ -100,6 +100,25 @@ def warn_if_inexact(model: nn.Module, micro_items: int, window_items: int) -> bo
     return True
 
 
+def _check_freezable(modules: list[tuple[str, _BatchNorm]]) -> None:
+    """Refuse "frozen" for BatchNorm without running statistics (eval mode uses batch ones).
+
+    Raises:
+        ValueError: Naming the layers built with `track_running_stats=False`, and the fixes.
+    """
+    untracked = [name or "<model>" for name, m in modules if m.running_mean is None]
+    if untracked:
+        shown = ", ".join(repr(name) for name in untracked[:3])
+        more = f" and {len(untracked) - 3} more" if len(untracked) > 3 else ""
+        raise ValueError(
+            f"batchnorm='frozen' cannot freeze BatchNorm layers {shown}{more}: they have "
+            "track_running_stats=False, so even in eval mode they normalize with micro-batch "
+            "statistics and accumulation would not be exact. Use "
+            "gradaccum.batchnorm.convert_to_groupnorm(model) (exact), build them with "
+            "track_running_stats=True, or pass batchnorm='micro' knowing it is inexact."
+        )
+
+
 class BatchNormControl:
     """Applies a `BatchNormMode` to a model's BatchNorm layers, one micro-batch at a time.
 
@@ -111,11 +130,17 @@ class BatchNormControl:
     Args:
         model: The model (possibly wrapped).
         mode: `"micro"`, `"pooled"` or `"frozen"` (or a `BatchNormMode`).
+
+    Raises:
+        ValueError: For an unknown mode, or "frozen" with BatchNorm layers that keep no running
+            statistics (`track_running_stats=False`).
     """
 
     def __init__(self, model: nn.Module, mode: BatchNormMode | str) -> None:
         self.mode = parse(BatchNormMode, mode, "batchnorm")
         self.modules = batchnorm_modules(model)
+        if self.mode is BatchNormMode.FROZEN:
+            _check_freezable(self.modules)
         self._model = model
         self._by_name = dict(self.modules)
         self._pending: Record = {}  # "pooled": the window's statistics so far
