@@ -355,3 +355,34 @@ def test_largest_does_not_time_anything() -> None:
     results = [acc.step(batch, _loss) for batch in _batches(3)]
     assert [r.micro_batch_size for r in results] == [32] * 3
     assert all(r.sizing is None for r in results)
+
+
+def test_sizing_says_when_a_window_ran_out_of_memory_and_was_rerun() -> None:
+    """`StepResult.sizing` tells why a window ran smaller: "largest" and "auto" alike."""
+    batches = _batches(3)
+    torch.manual_seed(0)
+    model = OomAt(_inner(), "backward")
+    acc = _accumulator(model, "largest")
+    acc._auto.planned = acc._auto.size = 8
+    first = acc.step(batches[0], _loss)
+    model.arm(2)
+    second, third = acc.step(batches[1], _loss), acc.step(batches[2], _loss)
+    assert first.sizing is None  # nothing to tell: the planned size ran
+    assert second.sizing == ("largest 6: ran out of memory at 8; the window was rerun whole at 6")
+    assert third.sizing is None  # a clean window at the smaller size
+    # NEGATIVE CONTROL: the same run without the fault says nothing of memory.
+    torch.manual_seed(0)
+    clean = _accumulator(OomAt(_inner(), "backward"), "largest")
+    clean._auto.planned = clean._auto.size = 8
+    assert all(clean.step(b, _loss).sizing is None for b in batches)
+    # "auto": the tuner's reason, then the rerun.
+    torch.manual_seed(0)
+    model = OomAt(_inner(), "forward")
+    acc = _accumulator(model, "auto")
+    acc.step(batches[0], _loss)  # plans, then the warm-up
+    model.arm(0)
+    timed = acc.step(batches[1], _loss)
+    assert timed.sizing is not None
+    assert timed.sizing.startswith(f"auto {timed.micro_batch_size}: ")
+    assert timed.sizing.endswith(f"; the window was rerun whole at {timed.micro_batch_size})")
+    assert "ran out of memory at " in timed.sizing

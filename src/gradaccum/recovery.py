@@ -163,7 +163,7 @@ class AutoSizer:
             tried.append(size)
             start = self.clock()
             try:
-                result = attempt(size, None if tuner is None else tuner.note())
+                result = attempt(size, _note(tuner, size, tried))
             except BaseException as error:
                 if not is_out_of_memory(error):
                     raise
@@ -260,6 +260,19 @@ class AutoSizer:
             f"planned size {self.planned}, predicted peak "
             f"{format_bytes(self.plan.predicted_peak_bytes)}"
         )
+
+
+def _note(tuner: ThroughputTuner | None, size: int, tried: list[int]) -> str | None:
+    """`StepResult.sizing`: the tuner's reason ("auto"), and any out-of-memory rerun.
+
+    "largest" has no note unless the window ran out of memory and was rerun smaller.
+    """
+    note = None if tuner is None else tuner.note()
+    if len(tried) == 1:
+        return note
+    failed = ", ".join(str(s) for s in tried[:-1])
+    rerun = f"ran out of memory at {failed}; the window was rerun whole at {size}"
+    return f"largest {size}: {rerun}" if note is None else f"{note} ({rerun})"
 
 
 def _plain_plan(plan: MemoryPlan) -> dict[str, Any]:
