@@ -14,7 +14,7 @@ items per second:
 - hysteresis: a candidate replaces the incumbent (the largest that fits, or the previous choice)
   only if it is at least `MARGIN` faster, so timing noise cannot make the choice flip-flop;
 - when the work per item changes a lot (`SHAPE_CHANGE`x, e.g. longer sequences), the candidates are
-  timed again.
+  timed again, also midway through a timing (so one decision compares windows of one shape).
 
 Example:
     >>> times = {64: 1.0, 32: 0.5, 16: 0.6, 8: 0.9}  # seconds per window of 64 items
@@ -161,16 +161,18 @@ class ThroughputTuner:
     def observe(self, window_items: int, work_per_item: float) -> bool:
         """Time again when the work per item moved `SHAPE_CHANGE`x since timing; True if so.
 
+        Also while timing: one decision compares windows of one shape, so timing starts over
+        at the new shape, and the shape timed is what later windows are compared with.
         `work_per_item` is any measure proportional to an item's cost (its tensor elements).
         """
-        if self.work is None or self.chosen is None:
-            self.work = self.work or work_per_item
+        if self.work is None:
+            self.work = work_per_item
             return False
         ratio = work_per_item / max(self.work, 1e-12)
         if 1 / SHAPE_CHANGE < ratio < SHAPE_CHANGE:
             return False
         self.work = work_per_item
-        self._start(window_items)
+        self._start(max(window_items, self.window_items))  # a short batch keeps the candidates
         return True
 
     def state_dict(self) -> dict[str, Any]:

@@ -150,12 +150,14 @@ class AutoSizer:
         Raises:
             MemoryBudgetError: If even size 1 runs out of memory.
         """
-        if self.tuner is None and self.mode is AutoSize.FASTEST:
-            assert self.planned is not None
-            self.tuner = ThroughputTuner(self.planned, items, self._agree)
         tuner, tried = self.tuner, []
-        if tuner is not None:
-            tuner.observe(items, _work_per_item(batch, items))
+        if self.mode is AutoSize.FASTEST:
+            # Ranks time alike: the same candidates, restarted on the same windows (DDP).
+            work, most = self._agree([_work_per_item(batch, items), float(items)])
+            if tuner is None:
+                assert self.planned is not None
+                tuner = self.tuner = ThroughputTuner(self.planned, int(most), self._agree)
+            tuner.observe(int(most), work)
         while True:
             timing = tuner is not None and tuner.tuning
             size = tuner.next_size() if tuner is not None and timing else self.size
