@@ -386,3 +386,43 @@ def test_sizing_says_when_a_window_ran_out_of_memory_and_was_rerun() -> None:
     assert timed.sizing.startswith(f"auto {timed.micro_batch_size}: ")
     assert timed.sizing.endswith(f"; the window was rerun whole at {timed.micro_batch_size})")
     assert "ran out of memory at " in timed.sizing
+
+
+def _small_then_full(count: int, small: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A small first batch (a smoke test, a short shard), then full batches."""
+    batches = _batches(count)
+    x, y = batches[0]
+    return [(x[:small], y[:small]), *batches[1:]]
+
+
+@pytest.mark.parametrize("mode", ["largest", "auto"])
+def test_a_small_first_batch_does_not_cap_the_size_for_good(mode: str) -> None:
+    """The plan takes the whole first batch (4 items fit); a larger batch is planned again."""
+    batches = _small_then_full(4)
+    torch.manual_seed(0)  # as `_reference` does, for the same dropout masks
+    acc = _accumulator(OomAbove(_inner()), mode)
+    results = [acc.step(batch, _loss) for batch in batches]
+    sizes = [r.micro_batch_size for r in results]
+    assert acc.plan is not None
+    assert acc.plan.batch_size == BATCH  # the plan now is the full batch's
+    assert sizes[0] == 4
+    assert sizes[1] == BATCH  # "largest", or "auto"'s warm-up at the new largest that fits
+    assert all(r.count == len(b[1]) and r.stepped for r, b in zip(results, batches, strict=True))
+    assert_bitwise(_state(acc), _state(_reference(sizes, batches)))
+    # NEGATIVE CONTROL: capped at the first batch's 4, the full batches run 8 micro-batches of 4,
+    # a different rounding of the same step: the comparison can fail.
+    with pytest.raises(AssertionError):
+        assert_bitwise(_state(acc), _state(_reference([4] * 4, batches)))
+
+
+def test_a_plan_below_its_batch_or_after_out_of_memory_is_not_made_again() -> None:
+    batches = _small_then_full(3)
+    torch.manual_seed(0)
+    model = OomAt(_inner(), "forward")
+    acc = _accumulator(model, "largest")
+    acc.step(batches[0], _loss)
+    model.arm(0)  # the 4-item window fails once: 4 -> 3
+    assert acc.step(batches[0], _loss).micro_batch_size == 3
+    assert acc.step(batches[1], _loss).micro_batch_size == 3  # memory is short: no new plan
+    assert acc.plan is not None
+    assert acc.plan.batch_size == 4

@@ -1,6 +1,7 @@
 """`micro_batch_size="auto"`: plan on the first batch, run the fastest size, survive out of memory.
 
-`"auto"` plans the largest size that fits the memory budget on the first batch, then times a
+`"auto"` plans the largest size that fits the memory budget on the first batch (again on a larger
+batch, if the plan took every item of its own and nothing ran out of memory), then times a
 few sizes up to it on real windows and keeps the fastest (`gradaccum._tuner`); `"largest"` keeps
 the largest that fits. Every split gives the same step, so the choice changes speed only (the
 floating-point rounding may differ in the last bits between splits).
@@ -40,7 +41,7 @@ import torch
 
 from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_memory
 from gradaccum._tuner import ThroughputTuner
-from gradaccum.batching import map_tensors
+from gradaccum.batching import batch_size, map_tensors
 from gradaccum.options import AutoSize, Precision, SyncPolicy
 from gradaccum.sizing import MemoryPlan, format_bytes, plan_micro_batch, resolve_budget
 from gradaccum.sync import all_ranks_max, all_ranks_min
@@ -108,6 +109,7 @@ class AutoSizer:
         self.out_of_memory_events = 0
         self.device, self.mode, self.clock, self.policy = device, mode, clock, policy
         self.tuner: ThroughputTuner | None = None  # made with the plan, in "auto" mode
+        self.capped = False  # the plan took every item of its batch: a larger one plans again
         self._model: torch.nn.Module | None = None
 
     def ensure_plan(
@@ -120,7 +122,15 @@ class AutoSizer:
         precision: Precision,
         accum_dtype: torch.dtype | None,
     ) -> int:
-        """Plan on the first batch (every rank takes the smallest rank's size); the size to run."""
+        """Plan on the first batch (every rank takes the smallest rank's size); the size to run.
+
+        A plan capped by its batch (every item fitted) is made again on a larger batch, so a
+        small first batch does not cap the size for good; an out-of-memory shrink ends this.
+        """
+        if self.capped and not self.out_of_memory_events:
+            assert self.planned is not None
+            if all_ranks_min(model, batch_size(batch)) > self.planned:
+                self.size = self.tuner = None  # a larger batch: plan on it
         if self.size is None:
             plan = plan_micro_batch(
                 model,
@@ -134,6 +144,7 @@ class AutoSizer:
             )
             self.plan = plan
             self.planned = self.size = all_ranks_min(model, plan.micro_batch_size)
+            self.capped = self.planned >= all_ranks_min(model, plan.batch_size)
             self._model = model
         return self.size
 
@@ -234,6 +245,7 @@ class AutoSizer:
             "wait": self.wait,
             "growing": self.growing,
             "out_of_memory_events": self.out_of_memory_events,
+            "capped": self.capped,
             "plan": None if self.plan is None else _plain_plan(self.plan),
             "tuner": None if self.tuner is None else self.tuner.state_dict(),
         }
@@ -244,6 +256,7 @@ class AutoSizer:
         self.clean_windows, self.wait = int(state["clean_windows"]), state["wait"]
         self.growing = bool(state["growing"])
         self.out_of_memory_events = int(state["out_of_memory_events"])
+        self.capped = bool(state.get("capped", False))
         plan = state["plan"]
         self.plan = (
             None
