@@ -81,6 +81,7 @@ class AutoSizer:
         mode: `AutoSize.FASTEST` ("auto") times sizes; `AutoSize.LARGEST` does not.
         clock: Seconds, for timing windows (a fake in tests).
         policy: FSDP2's sync policy, which sets what gradients a rank holds (the plan's).
+        dim: The items' dimension of the batches (`Accumulator(batch_dim=)`).
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class AutoSizer:
         mode: AutoSize = AutoSize.FASTEST,
         clock: Callable[[], float] = time.perf_counter,
         policy: SyncPolicy = SyncPolicy.WINDOW,
+        dim: int = 0,
     ) -> None:
         if device.type != "cuda":
             resolve_budget(memory_budget, device)  # fail at construction, not at the first step
@@ -108,6 +110,7 @@ class AutoSizer:
         self.growing = False  # the current size is a regrowth not yet proven
         self.out_of_memory_events = 0
         self.device, self.mode, self.clock, self.policy = device, mode, clock, policy
+        self.dim = dim
         self.tuner: ThroughputTuner | None = None  # made with the plan, in "auto" mode
         self.capped = False  # the plan took every item of its batch: a larger one plans again
         self._model: torch.nn.Module | None = None
@@ -129,7 +132,7 @@ class AutoSizer:
         """
         if self.capped and not self.out_of_memory_events:
             assert self.planned is not None
-            if all_ranks_min(model, batch_size(batch)) > self.planned:
+            if all_ranks_min(model, batch_size(batch, batch_dim=self.dim)) > self.planned:
                 self.size = self.tuner = None  # a larger batch: plan on it
         if self.size is None:
             plan = plan_micro_batch(
@@ -141,6 +144,7 @@ class AutoSizer:
                 precision=precision,
                 accum_dtype=accum_dtype,
                 sync_policy=self.policy,
+                batch_dim=self.dim,
             )
             self.plan = plan
             self.planned = self.size = all_ranks_min(model, plan.micro_batch_size)

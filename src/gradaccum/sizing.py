@@ -162,6 +162,7 @@ def plan_micro_batch(
     accum_dtype: torch.dtype | None = None,
     margin: float = DEFAULT_MARGIN,
     sync_policy: SyncPolicy | str = "window",
+    batch_dim: int = 0,
 ) -> MemoryPlan:
     """Measure what a training step needs and pick the largest micro-batch that fits.
 
@@ -178,6 +179,8 @@ def plan_micro_batch(
         sync_policy: FSDP2's (see `Accumulator`): under `"window"` every rank holds the
             unsharded gradient sums for the window, under `"micro"` only its shard. Under DDP
             and FSDP2 every rank plans alike: each probe's peak is the largest rank's.
+        batch_dim: The items' dimension of the batch's tensors (1 for `(seq, batch, ...)`), as
+            `Accumulator(batch_dim=)` reads them.
 
     Returns:
         The `MemoryPlan`; `str(plan)` is a table.
@@ -190,11 +193,11 @@ def plan_micro_batch(
         raise ValueError(f"margin={margin!r} must be a number in [0, 1), e.g. 0.1.")
     mode = parse(Precision, precision, "precision")
     policy = parse(SyncPolicy, sync_policy, "sync_policy")
-    items = batch_size(sample_batch)
+    items = batch_size(sample_batch, batch_dim=batch_dim)
     device = next(model.parameters()).device
     budget = resolve_budget(memory_budget, device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        probe = Probe(model, optimizer, loss_fn, sample_batch, mode, accum_dtype, policy)
+        probe = Probe(model, optimizer, loss_fn, sample_batch, mode, accum_dtype, policy, batch_dim)
         sizes = _probe_sizes(probe, items, budget, margin)
     return sizes.plan(_choose(sizes, budget, margin), items, budget, margin, str(device))
 
