@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
-from gradaccum._oom import is_out_of_memory, rng_states, set_rng_states
+from gradaccum._oom import is_out_of_memory, optimizer_step_guard, rng_states, set_rng_states
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
 from gradaccum._sync_base import NO_CONTEXT
 from gradaccum._terms import TermLedger
@@ -295,7 +295,8 @@ class Engine:
                 clip_(held, max_grad_norm, norm)
             runtime.publish(window.params)
             lr = learning_rate(self.optimizer)
-            self.optimizer.step()
+            with optimizer_step_guard():  # out of memory here is not rerun: it may have stepped
+                self.optimizer.step()
         except BaseException:
             if window.is_open:
                 self._forget_window()
