@@ -23,6 +23,10 @@ from gradaccum.options import Precision
         (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried 8 GB"), True),
         (RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"), True),
         (MemoryError(), True),
+        # cuDNN and cuBLAS report a failed allocation in their own words (convolutions, GEMMs).
+        (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), True),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate`"), True),
+        (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED"), False),
         (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x2)"), False),
         (ValueError("out of memory"), False),  # not an allocator's error type
         (KeyboardInterrupt(), False),

@@ -25,8 +25,14 @@ __all__ = [
     "release_cached_memory",
 ]
 
-# Older PyTorch raised plain RuntimeErrors; these phrases mark the allocators' messages.
-_OOM_PHRASES = ("out of memory", "can't allocate memory", "failed to allocate memory")
+# Older PyTorch raised plain RuntimeErrors; these phrases mark the allocators' messages, and
+# cuDNN's and cuBLAS's own word for a failed allocation (CUDNN_/CUBLAS_STATUS_ALLOC_FAILED).
+_OOM_PHRASES = (
+    "out of memory",
+    "can't allocate memory",
+    "failed to allocate memory",
+    "status_alloc_failed",
+)
 
 
 class MemoryBudgetError(RuntimeError):
