@@ -426,3 +426,23 @@ def test_a_plan_below_its_batch_or_after_out_of_memory_is_not_made_again() -> No
     assert acc.step(batches[1], _loss).micro_batch_size == 3  # memory is short: no new plan
     assert acc.plan is not None
     assert acc.plan.batch_size == 4
+
+
+def test_sizing_of_a_window_smaller_than_the_size_says_what_ran() -> None:
+    """A short batch runs as one micro-batch of its items; the note does not claim the candidate."""
+    batches = _batches(3)
+    torch.manual_seed(0)
+    acc = _accumulator(_inner(), "auto")
+    first = acc.step(batches[0], _loss)  # warm-up at 32
+    x, y = batches[1]
+    short = acc.step((x[:5], y[:5]), _loss)
+    assert first.sizing is not None
+    assert first.sizing.startswith("auto 32: warm-up")
+    assert short.micro_batch_size == 5
+    assert short.sizing is not None
+    assert short.sizing.startswith("auto 32: ")  # the candidate being timed ...
+    assert short.sizing.endswith(
+        "(the window's 5 items ran as one micro-batch)"
+    )  # ... and what ran
+    # NEGATIVE CONTROL: a full window says nothing of it.
+    assert "ran as one micro-batch" not in acc.step(batches[2], _loss).sizing

@@ -180,7 +180,7 @@ class AutoSizer:
             tried.append(size)
             start = self.clock()
             try:
-                result = attempt(size, _note(tuner, size, tried))
+                result = attempt(size, _note(tuner, size, tried, items))
             except BaseException as error:
                 if not is_out_of_memory(error):
                     raise
@@ -281,12 +281,14 @@ class AutoSizer:
         )
 
 
-def _note(tuner: ThroughputTuner | None, size: int, tried: list[int]) -> str | None:
+def _note(tuner: ThroughputTuner | None, size: int, tried: list[int], items: int) -> str | None:
     """`StepResult.sizing`: the tuner's reason ("auto"), and any out-of-memory rerun.
 
     "largest" has no note unless the window ran out of memory and was rerun smaller.
     """
     note = None if tuner is None else tuner.note()
+    if note is not None and size > items:
+        note = f"{note} (the window's {items} items ran as one micro-batch)"
     if len(tried) == 1:
         return note
     failed = ", ".join(str(s) for s in tried[:-1])
