@@ -680,3 +680,17 @@ def test_accumulator_warns_once_and_not_when_the_micro_batch_is_the_window() -> 
     assert len(found) == 1
     assert "pooled" in str(found[0].message)
     assert found[0].filename.endswith("test_batchnorm.py")  # points at the caller's line
+
+
+def test_convert_to_groupnorm_refuses_an_uninitialized_lazy_batchnorm_naming_it() -> None:
+    """A LazyBatchNorm before its first forward has no channel count: say so, change nothing."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.LazyBatchNorm2d())
+    with pytest.raises(ValueError, match=r"'2'.*LazyBatchNorm2d.*forward"):
+        convert_to_groupnorm(model)
+    assert isinstance(model[1], nn.BatchNorm2d)  # nothing was replaced
+    assert isinstance(model[2], nn.LazyBatchNorm2d)
+    # After one forward it has its channels and converts (the positive side).
+    model(torch.randn(2, 3, 6, 6))
+    converted = convert_to_groupnorm(model, num_groups=4)
+    assert [type(m).__name__ for m in converted] == ["Conv2d", "GroupNorm", "GroupNorm"]
+    assert converted[2].num_channels == 8

@@ -106,16 +106,13 @@ def _check_freezable(modules: list[tuple[str, _BatchNorm]]) -> None:
     Raises:
         ValueError: Naming the layers built with `track_running_stats=False`, and the fixes.
     """
-    untracked = [name or "<model>" for name, m in modules if m.running_mean is None]
+    untracked = [repr(name or "<model>") for name, m in modules if m.running_mean is None]
     if untracked:
-        shown = ", ".join(repr(name) for name in untracked[:3])
-        more = f" and {len(untracked) - 3} more" if len(untracked) > 3 else ""
         raise ValueError(
-            f"batchnorm='frozen' cannot freeze BatchNorm layers {shown}{more}: they have "
-            "track_running_stats=False, so even in eval mode they normalize with micro-batch "
-            "statistics and accumulation would not be exact. Use "
-            "gradaccum.batchnorm.convert_to_groupnorm(model) (exact), build them with "
-            "track_running_stats=True, or pass batchnorm='micro' knowing it is inexact."
+            f"batchnorm='frozen' cannot freeze BatchNorm layers {', '.join(untracked)}: built with "
+            "track_running_stats=False, they normalize with batch statistics even in eval mode, so "
+            "accumulation would be inexact. Use gradaccum.batchnorm.convert_to_groupnorm(model) "
+            "(exact), track_running_stats=True, or batchnorm='micro' knowing it is inexact."
         )
 
 
@@ -298,6 +295,9 @@ def convert_to_groupnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
     Returns:
         The model; a new GroupNorm if `model` itself is a BatchNorm.
 
+    Raises:
+        ValueError: For a bad `num_groups`, or a lazy BatchNorm that has seen no input.
+
     Example:
         >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 48, 3), torch.nn.BatchNorm2d(48))
         >>> convert_to_groupnorm(net)[1].num_groups
@@ -305,9 +305,18 @@ def convert_to_groupnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
     """
     if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1:
         raise ValueError(f"num_groups={num_groups!r} must be a positive int.")
+    found = batchnorm_modules(model)
+    lazy = [
+        f"{name or '<model>'!r} ({type(m).__name__})" for name, m in found if not m.num_features
+    ]
+    if lazy:
+        raise ValueError(
+            f"convert_to_groupnorm: {', '.join(lazy)} has not seen an input yet, so its channel "
+            "count is unknown; run one forward pass (e.g. model(sample_batch)) first."
+        )
     if isinstance(model, _BatchNorm):
         return _groupnorm_like(model, num_groups)
-    for name, module in batchnorm_modules(model):
+    for name, module in found:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, _groupnorm_like(module, num_groups))
