@@ -446,3 +446,24 @@ def test_sizing_of_a_window_smaller_than_the_size_says_what_ran() -> None:
     )  # ... and what ran
     # NEGATIVE CONTROL: a full window says nothing of it.
     assert "ran as one micro-batch" not in acc.step(batches[2], _loss).sizing
+
+
+@pytest.mark.parametrize("mode", ["largest", "auto"])
+def test_giving_up_leaves_the_size_as_it_was_for_a_retry(mode: str) -> None:
+    """After MemoryBudgetError nothing changed, the sizer included: a retry once memory is back
+    runs at the size of before, not at 1."""
+    batches = _batches(3)
+    torch.manual_seed(0)
+    model = OomAbove(_inner())
+    acc = _accumulator(model, mode)
+    first = acc.step(batches[0], _loss)
+    before = acc._auto.state_dict()
+    model.threshold = 0  # another process holds the memory for a while
+    with pytest.raises(MemoryBudgetError):
+        acc.step(batches[1], _loss)
+    assert acc._auto.state_dict() == before
+    model.threshold = math.inf  # it let go
+    retry = acc.step(batches[1], _loss)
+    assert retry.micro_batch_size == first.micro_batch_size == BATCH
+    # NEGATIVE CONTROL: the sizes tried shrink to 1; had they stayed, the retry would run at 1.
+    assert retry.micro_batch_size != 1

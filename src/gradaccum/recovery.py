@@ -163,7 +163,8 @@ class AutoSizer:
         says what the window runs at and why (`StepResult.sizing`).
 
         Raises:
-            MemoryBudgetError: If even size 1 runs out of memory.
+            MemoryBudgetError: If even size 1 runs out of memory; the sizer is then as it was
+                before the window (a retry after memory was freed runs at the same size).
         """
         tuner, tried = self.tuner, []
         if self.mode is AutoSize.FASTEST:
@@ -185,10 +186,13 @@ class AutoSizer:
                 if not is_out_of_memory(error):
                     raise
                 release_cached_memory(self.device)
+                if len(tried) == 1:  # what the sizer was before this window, should it give up
+                    before = self.state_dict()
                 self.size = size
                 try:
                     self.shrink(tried)
                 except MemoryBudgetError as budget_error:
+                    self.load_state_dict(before)  # nothing changed: the next window as before
                     raise budget_error from error
                 if tuner is not None and timing:
                     tuner.limit(self.size)  # time again, below what ran out of memory
