@@ -339,3 +339,33 @@ def test_plan_and_auto_read_items_along_batch_dim() -> None:
     # NEGATIVE CONTROL: read along dim 0, the 5 time steps pass for 5 items.
     wrong = plan_micro_batch(model, (x, y), _sequence_first_loss, optimizer, memory_budget="1GiB")
     assert wrong.batch_size == 5
+
+
+def test_cuda_default_budget_adds_back_what_the_model_already_holds(monkeypatch) -> None:
+    """Free memory excludes the parameters (and any gradients, optimizer state) already on the
+    device, which the plan counts in its fixed part: the default budget adds them back."""
+    from gradaccum._probe import resident_bytes
+    from gradaccum.sizing import resolve_budget
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1))
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = (torch.randn(64, 512), torch.randn(64, 1))
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert resident_bytes(model, optimizer) == weights  # before training: the weights alone
+    _loss(model, batch).backward()
+    optimizer.step()  # now gradients and both Adam moments (and 4-byte steps) are resident
+    steps = 4 * len(list(model.parameters()))
+    assert resident_bytes(model, optimizer) == 4 * weights + steps
+    resident = resident_bytes(model, optimizer)
+    # The device: the model's state is allocated, 4 MiB are still free.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * 2**20, 24 * 2**30))
+    budget = resolve_budget(None, torch.device("cuda", 0), resident=resident)
+    assert budget == int(0.9 * 4 * 2**20) + resident
+    plan = plan_micro_batch(model, batch, _loss, optimizer, memory_budget=budget)
+    assert plan.micro_batch_size == 64  # the free memory holds the step and the activations
+    # NEGATIVE CONTROL: the free share alone counts the resident state twice and gives up.
+    with pytest.raises(MemoryBudgetError):
+        plan_micro_batch(
+            model, batch, _loss, optimizer, memory_budget=resolve_budget(None, torch.device("cuda"))
+        )

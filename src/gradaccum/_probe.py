@@ -31,7 +31,7 @@ from gradaccum.options import Precision, SyncPolicy
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.sync import sync_context
 
-__all__ = ["CudaAllocatorPeak", "Probe", "snapshot_batchnorm"]
+__all__ = ["CudaAllocatorPeak", "Probe", "resident_bytes", "snapshot_batchnorm"]
 
 
 class _AllocatorStatistics(Protocol):
@@ -149,6 +149,16 @@ class CudaAllocatorPeak:
         """Peak bytes allocated since `start()`, above what was allocated then."""
         self.memory.synchronize(self.device)
         return self.memory.max_memory_allocated(self.device) - self.before
+
+
+def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes a plan counts that are already allocated, so not in the free memory.
+
+    The parameters and buffers, the gradients present, and the optimizer's state so far.
+    """
+    grads = sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+    weights = sum(_nbytes(t) for t in (*model.parameters(), *model.buffers()))
+    return weights + grads + _state_bytes(optimizer)
 
 
 def snapshot_batchnorm(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
