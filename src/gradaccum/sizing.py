@@ -172,7 +172,7 @@ def plan_micro_batch(
         loss_fn: `loss_fn(model, micro_batch) -> Tensor | LossSum`.
         optimizer: The optimizer over the model's parameters; its state is measured.
         memory_budget: Bytes, or a string such as `"512MiB"` or `"2GB"`. Required on CPU; on
-            CUDA it defaults to 90% of the free device memory.
+            CUDA it defaults to 90% of the free device memory plus the model state already there.
         precision: The autocast the training will use (activations shrink under bf16/fp16).
         accum_dtype: The accumulation buffers' dtype, if the training uses them.
         margin: Share of the budget left free, in [0, 1).
