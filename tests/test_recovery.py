@@ -467,3 +467,24 @@ def test_giving_up_leaves_the_size_as_it_was_for_a_retry(mode: str) -> None:
     assert retry.micro_batch_size == first.micro_batch_size == BATCH
     # NEGATIVE CONTROL: the sizes tried shrink to 1; had they stayed, the retry would run at 1.
     assert retry.micro_batch_size != 1
+
+
+def test_sizing_after_a_shrink_names_the_size_that_ran_not_the_choice() -> None:
+    batches = _batches(16)
+    torch.manual_seed(0)
+    model = OomAt(_inner(), "forward")
+    acc = _accumulator(model, "auto", regrow_after=2)
+    results = [acc.step(batch, _loss) for batch in batches[:10]]  # warm-up, 8 timed, 1 chosen
+    assert acc._auto.tuner is not None
+    assert not acc._auto.tuner.tuning
+    chosen = acc._auto.tuner.chosen
+    assert results[-1].sizing.startswith(f"auto {chosen}: ")
+    model.arm(0)
+    results = [acc.step(batch, _loss) for batch in batches[10:]]
+    for result in results:  # shrunk, then clean windows, then regrown to the choice
+        assert result.sizing.startswith(f"auto {result.micro_batch_size}: ")
+    assert results[0].micro_batch_size < chosen
+    assert f"the choice is {chosen}, out of memory since" in results[0].sizing
+    assert results[-1].micro_batch_size == chosen
+    # NEGATIVE CONTROL: the tuner's own note still names the choice, not what ran.
+    assert acc._auto.tuner.note().startswith(f"auto {chosen}: ")

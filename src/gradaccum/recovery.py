@@ -291,6 +291,8 @@ def _note(tuner: ThroughputTuner | None, size: int, tried: list[int], items: int
     "largest" has no note unless the window ran out of memory and was rerun smaller.
     """
     note = None if tuner is None else tuner.note()
+    if tuner is not None and not tuner.tuning and size != tuner.chosen:  # shrunk, or regrowing
+        note = f"auto {size}: the choice is {tuner.chosen}, out of memory since ({tuner.reason})"
     if note is not None and size > items:
         note = f"{note} (the window's {items} items ran as one micro-batch)"
     if len(tried) == 1:
