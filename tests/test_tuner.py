@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradaccum._tuner import MARGIN, ROUNDS, ThroughputTuner, candidates
+from gradaccum._tuner import MARGIN, MAX_RESTARTS, ROUNDS, ThroughputTuner, candidates
 
 
 def _tune(tuner: ThroughputTuner, seconds: dict[int, float], items: int = 64) -> list[int]:
@@ -178,3 +178,21 @@ def test_a_shape_change_on_a_short_window_keeps_the_candidates() -> None:
     assert tuner.sizes == [64, 32, 16, 8]
     # NEGATIVE CONTROL: a tuner built on the short window alone has only its sizes.
     assert ThroughputTuner(fits=64, window_items=3).sizes == [3, 2, 1]
+
+
+def test_shapes_that_never_settle_cannot_keep_it_timing_forever() -> None:
+    """Work per item alternating 3x every window: the timing restarts at most MAX_RESTARTS times."""
+    tuner = ThroughputTuner(fits=64, window_items=64)
+    windows = 0
+    while tuner.tuning and windows < 100:
+        tuner.observe(64, work_per_item=10.0 if windows % 2 else 30.0)
+        tuner.record(tuner.next_size(), items=64, seconds=1.0)
+        windows += 1
+    assert not tuner.tuning
+    assert windows == 1 + MAX_RESTARTS + len(tuner.sizes) * ROUNDS  # warm-ups, then timed
+    # NEGATIVE CONTROL: each restart did happen (the timing began again with a warm-up).
+    restarted = ThroughputTuner(fits=64, window_items=64)
+    restarted.observe(64, work_per_item=10.0)
+    restarted.record(restarted.next_size(), items=64, seconds=1.0)
+    assert restarted.observe(64, work_per_item=30.0)
+    assert restarted.note().startswith("auto 64: warm-up")
