@@ -196,3 +196,18 @@ def test_shapes_that_never_settle_cannot_keep_it_timing_forever() -> None:
     restarted.record(restarted.next_size(), items=64, seconds=1.0)
     assert restarted.observe(64, work_per_item=30.0)
     assert restarted.note().startswith("auto 64: warm-up")
+
+
+def test_no_measurable_work_never_times_again() -> None:
+    """Batches without tensors (raw text tokenized in the loss, NumPy arrays) measure 0 work per
+    item: that is no shape change, so a decision stands."""
+    tuner = ThroughputTuner(fits=64, window_items=64)
+    assert not tuner.observe(64, work_per_item=0.0)
+    _tune(tuner, {64: 1.0, 32: 0.5, 16: 0.6, 8: 0.9})
+    assert tuner.chosen == 32
+    for _ in range(5):
+        assert not tuner.observe(64, work_per_item=0.0)
+    assert tuner.chosen == 32
+    # NEGATIVE CONTROL: a measurable 3x change does time again.
+    assert tuner.observe(64, work_per_item=3.0) is False  # from 0: nothing to compare with
+    assert tuner.observe(64, work_per_item=9.0)

@@ -176,10 +176,10 @@ class ThroughputTuner:
         at the new shape, and the shape timed is what later windows are compared with.
         `work_per_item` is any measure proportional to an item's cost (its tensor elements).
         """
-        if self.work is None:
-            self.work = work_per_item
+        if self.work is None or self.work <= 0 or work_per_item <= 0:
+            self.work = work_per_item  # 0: nothing measurable (no tensor), so no shape to change
             return False
-        ratio = work_per_item / max(self.work, 1e-12)
+        ratio = work_per_item / self.work
         if 1 / SHAPE_CHANGE < ratio < SHAPE_CHANGE:
             return False
         if self.chosen is None and self.restarts >= MAX_RESTARTS:
