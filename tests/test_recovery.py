@@ -488,3 +488,23 @@ def test_sizing_after_a_shrink_names_the_size_that_ran_not_the_choice() -> None:
     assert results[-1].micro_batch_size == chosen
     # NEGATIVE CONTROL: the tuner's own note still names the choice, not what ran.
     assert acc._auto.tuner.note().startswith(f"auto {chosen}: ")
+
+
+def test_numpy_batches_are_timed_again_when_their_items_grow() -> None:
+    """NumPy arrays count as work per item too: 4x longer rows time the candidates again."""
+    import numpy as np
+
+    def loss(model: nn.Module, batch: dict) -> torch.Tensor:
+        x = torch.as_tensor(batch["x"]).double()
+        return F.cross_entropy(model(x.view(len(x), -1, 6).mean(1)), torch.as_tensor(batch["y"]))
+
+    torch.manual_seed(0)
+    acc = _accumulator(_inner(), "auto")
+    generator = np.random.default_rng(0)
+    short = {"x": generator.standard_normal((BATCH, 6)), "y": generator.integers(0, 3, BATCH)}
+    long = {"x": generator.standard_normal((BATCH, 24)), "y": short["y"]}
+    notes = [acc.step(short, loss).sizing for _ in range(10)]  # warm-up, 8 timed, decided
+    assert "timing" not in notes[-1]
+    assert "warm-up" not in notes[-1]
+    assert acc.step(short, loss).sizing == notes[-1]  # the same shape: the decision stands
+    assert "warm-up" in acc.step(long, loss).sizing  # NEGATIVE CONTROL: 4x the work: re-timed

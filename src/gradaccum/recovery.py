@@ -309,15 +309,15 @@ def _plain_plan(plan: MemoryPlan) -> dict[str, Any]:
 
 
 def _work_per_item(batch: Any, items: int) -> float:
-    """Tensor elements per item: what an item costs, for noticing longer sequences."""
+    """Tensor (and NumPy array) elements per item: what an item costs, for longer sequences."""
     total = 0
 
-    def count(tensor: torch.Tensor) -> torch.Tensor:
+    def count(tensor: Any) -> Any:
         nonlocal total
-        total += tensor.numel()
+        total += tensor.numel() if isinstance(tensor, torch.Tensor) else tensor.size
         return tensor
 
-    map_tensors(batch, count)
+    map_tensors(batch, count, arrays=count)
     return total / max(items, 1)
 
 
