@@ -346,6 +346,43 @@ def test_frozen_keeps_running_stats_bitwise_and_is_exact():
     assert gap > 1e-2 * plain_reference[0].weight.grad.abs().max()
 
 
+def test_frozen_refuses_batchnorm_without_running_statistics_and_changes_nothing():
+    # A BatchNorm built with track_running_stats=False normalizes with batch statistics even in
+    # eval mode, so "frozen" cannot make it an affine map: silently it would be inexact.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(4, 4, 3, padding=1),
+        nn.BatchNorm2d(4, track_running_stats=False),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    ).double()
+    x, y = torch.randn(12, 3, 5, 5, dtype=torch.float64), torch.randint(0, 3, (12,))
+
+    def loss(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(batch[0]), batch[1])
+
+    before = copy.deepcopy(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"'4'.*track_running_stats=False.*convert_to_groupnorm"):
+        Accumulator(model, optimizer, micro_batch_size=4, batchnorm="frozen")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    # Negative control: what "frozen" would do (eval-mode layers) is not the full-batch gradient.
+    reference, micro = copy.deepcopy(model).eval(), copy.deepcopy(model).eval()
+    loss(reference, (x, y)).backward()
+    for start in range(0, 12, 4):
+        (loss(micro, (x[start : start + 4], y[start : start + 4])) * 4 / 12).backward()
+    gap = (micro[0].weight.grad - reference[0].weight.grad).abs().max()
+    assert gap > 1e-3 * reference[0].weight.grad.abs().max()
+    # Layers that do track running statistics are frozen exactly (the positive side).
+    tracked = copy.deepcopy(model)
+    tracked[4] = nn.BatchNorm2d(4).double()
+    Accumulator(tracked, torch.optim.SGD(tracked.parameters(), lr=0.1), batchnorm="frozen")
+
+
 def test_frozen_restores_training_flag_after_an_error():
     model, _shape = _bn_model("2d")
     control = BatchNormControl(model, "frozen")
@@ -643,3 +680,17 @@ def test_accumulator_warns_once_and_not_when_the_micro_batch_is_the_window() -> 
     assert len(found) == 1
     assert "pooled" in str(found[0].message)
     assert found[0].filename.endswith("test_batchnorm.py")  # points at the caller's line
+
+
+def test_convert_to_groupnorm_refuses_an_uninitialized_lazy_batchnorm_naming_it() -> None:
+    """A LazyBatchNorm before its first forward has no channel count: say so, change nothing."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.LazyBatchNorm2d())
+    with pytest.raises(ValueError, match=r"'2'.*LazyBatchNorm2d.*forward"):
+        convert_to_groupnorm(model)
+    assert isinstance(model[1], nn.BatchNorm2d)  # nothing was replaced
+    assert isinstance(model[2], nn.LazyBatchNorm2d)
+    # After one forward it has its channels and converts (the positive side).
+    model(torch.randn(2, 3, 6, 6))
+    converted = convert_to_groupnorm(model, num_groups=4)
+    assert [type(m).__name__ for m in converted] == ["Conv2d", "GroupNorm", "GroupNorm"]
+    assert converted[2].num_channels == 8

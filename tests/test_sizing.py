@@ -299,3 +299,73 @@ def test_probes_slice_every_leaf_by_the_batch_rules() -> None:
     # Negative control: cutting every tensor to n items (the old probe) leaves the texts whole.
     cut = map_tensors(batch, lambda t: t[:4])
     assert (len(cut["texts"]), len(cut["pair"].x)) == (items, 4)
+
+
+class _SequenceFirst(nn.Module):
+    """A GRU over `(seq, batch, features)`: items are along dim 1, time along dim 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(4, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+def _sequence_first_loss(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    out = model(batch[0])
+    return F.cross_entropy(out.reshape(-1, 3), batch[1].reshape(-1))
+
+
+def test_plan_and_auto_read_items_along_batch_dim() -> None:
+    """Sequence-first batches: the plan counts and slices items along `batch_dim`, not time."""
+    torch.manual_seed(0)
+    model = _SequenceFirst()
+    x, y = torch.randn(5, 24, 4), torch.randint(0, 3, (5, 24))  # 5 steps, 24 items
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = plan_micro_batch(
+        model, (x, y), _sequence_first_loss, optimizer, memory_budget="1GiB", batch_dim=1
+    )
+    assert plan.batch_size == 24
+    assert plan.micro_batch_size == 24  # 1 GiB holds all of them
+    acc = Accumulator(
+        model, optimizer, micro_batch_size="largest", memory_budget="1GiB", batch_dim=1
+    )
+    result = acc.step((x, y), _sequence_first_loss)
+    assert (result.micro_batch_size, result.micro_batches, result.count) == (24, 1, 24)
+    # NEGATIVE CONTROL: read along dim 0, the 5 time steps pass for 5 items.
+    wrong = plan_micro_batch(model, (x, y), _sequence_first_loss, optimizer, memory_budget="1GiB")
+    assert wrong.batch_size == 5
+
+
+def test_cuda_default_budget_adds_back_what_the_model_already_holds(monkeypatch) -> None:
+    """Free memory excludes the parameters (and any gradients, optimizer state) already on the
+    device, which the plan counts in its fixed part: the default budget adds them back."""
+    from gradaccum._probe import resident_bytes
+    from gradaccum.sizing import resolve_budget
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1))
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = (torch.randn(64, 512), torch.randn(64, 1))
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert resident_bytes(model, optimizer) == weights  # before training: the weights alone
+    _loss(model, batch).backward()
+    optimizer.step()  # now gradients and both Adam moments (and 4-byte steps) are resident
+    steps = 4 * len(list(model.parameters()))
+    assert resident_bytes(model, optimizer) == 4 * weights + steps
+    resident = resident_bytes(model, optimizer)
+    # The device: the model's state is allocated, 4 MiB are still free.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * 2**20, 24 * 2**30))
+    budget = resolve_budget(None, torch.device("cuda", 0), resident=resident)
+    assert budget == int(0.9 * 4 * 2**20) + resident
+    plan = plan_micro_batch(model, batch, _loss, optimizer, memory_budget=budget)
+    assert plan.micro_batch_size == 64  # the free memory holds the step and the activations
+    # NEGATIVE CONTROL: the free share alone counts the resident state twice and gives up.
+    with pytest.raises(MemoryBudgetError):
+        plan_micro_batch(
+            model, batch, _loss, optimizer, memory_budget=resolve_budget(None, torch.device("cuda"))
+        )

@@ -12,10 +12,12 @@ Windows of 128 items in micro-batches of 8, 600 steps: over 5 data seeds the est
 
 from __future__ import annotations
 
+import copy
 import statistics
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from gradaccum import Accumulator, LossSum
 from gradaccum.telemetry import TelemetryMeter
@@ -120,3 +122,34 @@ def test_state_round_trip_keeps_the_averages() -> None:
         meter.grad_sq,
         meter.noise_scale(),
     )
+
+
+def test_a_first_micro_batch_that_counts_nothing_does_not_lose_the_estimate() -> None:
+    """Token losses: a first micro-batch whose labels are all ignored adds nothing to the
+    gradient, so the small-batch gradient is read after the first micro-batch that counts."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).double()
+    x = torch.randn(12, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (12,))
+    y[:4] = -100  # the first micro-batch of 4 counts no item
+
+    def loss(m: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossSum:
+        summed = F.cross_entropy(m(batch[0]), batch[1], ignore_index=-100, reduction="sum")
+        return LossSum(summed, (batch[1] != -100).sum())
+
+    def grad_sq(rows: slice) -> float:
+        probe = copy.deepcopy(model)
+        value = loss(probe, (x[rows], y[rows]))
+        (value.value / value.count).backward()
+        return sum(float(p.grad.pow(2).sum()) for p in probe.parameters())
+
+    small_sq, big_sq = grad_sq(slice(4, 8)), grad_sq(slice(0, 12))  # b=4 (items 4-7), B=8
+    expected_trace = (small_sq - big_sq) / (1 / 4 - 1 / 8)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), micro_batch_size=4,
+                      telemetry=True)  # fmt: skip
+    telemetry = acc.step((x, y), loss).telemetry
+    assert telemetry is not None
+    assert telemetry.step_trace == pytest.approx(expected_trace, rel=1e-9)
+    # NEGATIVE CONTROL: micro-batches 2 and 3 together (b=8 = B) would give no estimate at all,
+    # and the full batch's gradient is not the small one.
+    assert abs(small_sq - big_sq) > 1e-6 * big_sq

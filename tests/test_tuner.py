@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradaccum._tuner import MARGIN, ROUNDS, ThroughputTuner, candidates
+from gradaccum._tuner import MARGIN, MAX_RESTARTS, ROUNDS, ThroughputTuner, candidates
 
 
 def _tune(tuner: ThroughputTuner, seconds: dict[int, float], items: int = 64) -> list[int]:
@@ -137,3 +137,77 @@ def test_state_dict_keeps_the_decision_and_restarts_unfinished_timing() -> None:
     again.load_state_dict(half.state_dict())
     assert again.tuning
     assert again.sizes == [64, 32, 16, 8]
+
+
+def test_a_shape_change_while_timing_times_again_at_the_new_shape() -> None:
+    """One decision compares windows of one shape: short windows timed, then long ones, is noise.
+
+    Windows of short items (work 10) begin the timing; midway the items get 3x longer. The
+    timing starts over at the new shape, and once decided at that shape the next long window
+    does not time again (the reference is the shape timed, not the very first window's).
+    """
+    tuner = ThroughputTuner(fits=64, window_items=64)
+    assert not tuner.observe(64, work_per_item=10.0)
+    for _ in range(3):  # the warm-up and two timed windows, at the short shape
+        tuner.record(tuner.next_size(), items=64, seconds=1.0)
+    assert tuner.observe(64, work_per_item=30.0)  # 3x: the windows timed so far do not count
+    assert tuner.tuning
+    assert tuner.note().startswith("auto 64: warm-up")
+    long_windows = {64: 3.0, 32: 1.5, 16: 1.8, 8: 2.7}
+    while tuner.tuning:
+        assert not tuner.observe(64, work_per_item=30.0)
+        size = tuner.next_size()
+        tuner.record(size, items=64, seconds=long_windows[size])
+    assert tuner.chosen == 32
+    assert not tuner.observe(64, work_per_item=31.0)  # the shape timed: no new timing
+    assert tuner.chosen == 32
+    # NEGATIVE CONTROL: a change of less than SHAPE_CHANGE while timing does not restart it.
+    other = ThroughputTuner(fits=64, window_items=64)
+    other.observe(64, work_per_item=10.0)
+    other.record(other.next_size(), items=64, seconds=1.0)
+    assert not other.observe(64, work_per_item=15.0)
+    assert other.note().startswith("auto 64: timing")
+
+
+def test_a_shape_change_on_a_short_window_keeps_the_candidates() -> None:
+    """A short last batch of longer items times again, but not only sizes up to its rows."""
+    tuner = ThroughputTuner(fits=64, window_items=64)
+    tuner.observe(64, work_per_item=10.0)
+    _tune(tuner, {64: 1.0, 32: 0.5, 16: 0.6, 8: 0.9})
+    assert tuner.observe(3, work_per_item=40.0)
+    assert tuner.sizes == [64, 32, 16, 8]
+    # NEGATIVE CONTROL: a tuner built on the short window alone has only its sizes.
+    assert ThroughputTuner(fits=64, window_items=3).sizes == [3, 2, 1]
+
+
+def test_shapes_that_never_settle_cannot_keep_it_timing_forever() -> None:
+    """Work per item alternating 3x every window: the timing restarts at most MAX_RESTARTS times."""
+    tuner = ThroughputTuner(fits=64, window_items=64)
+    windows = 0
+    while tuner.tuning and windows < 100:
+        tuner.observe(64, work_per_item=10.0 if windows % 2 else 30.0)
+        tuner.record(tuner.next_size(), items=64, seconds=1.0)
+        windows += 1
+    assert not tuner.tuning
+    assert windows == 1 + MAX_RESTARTS + len(tuner.sizes) * ROUNDS  # warm-ups, then timed
+    # NEGATIVE CONTROL: each restart did happen (the timing began again with a warm-up).
+    restarted = ThroughputTuner(fits=64, window_items=64)
+    restarted.observe(64, work_per_item=10.0)
+    restarted.record(restarted.next_size(), items=64, seconds=1.0)
+    assert restarted.observe(64, work_per_item=30.0)
+    assert restarted.note().startswith("auto 64: warm-up")
+
+
+def test_no_measurable_work_never_times_again() -> None:
+    """Batches without tensors (raw text tokenized in the loss, NumPy arrays) measure 0 work per
+    item: that is no shape change, so a decision stands."""
+    tuner = ThroughputTuner(fits=64, window_items=64)
+    assert not tuner.observe(64, work_per_item=0.0)
+    _tune(tuner, {64: 1.0, 32: 0.5, 16: 0.6, 8: 0.9})
+    assert tuner.chosen == 32
+    for _ in range(5):
+        assert not tuner.observe(64, work_per_item=0.0)
+    assert tuner.chosen == 32
+    # NEGATIVE CONTROL: a measurable 3x change does time again.
+    assert tuner.observe(64, work_per_item=3.0) is False  # from 0: nothing to compare with
+    assert tuner.observe(64, work_per_item=9.0)

@@ -174,6 +174,10 @@ def test_eval_mode_batchnorm_without_running_statistics_is_non_additive() -> Non
     )
     assert not report.ok
     assert [m.name for m in report.non_additive] == ["1"]
+    # It has no running statistics to update: the reason says what it does instead.
+    reason = report.non_additive[0].reason
+    assert "track_running_stats=False" in reason
+    assert "running statistics once per" not in reason
     # NEGATIVE CONTROL: with running statistics, eval mode is additive and not listed.
     tracked = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).eval()
     fine = check_equivalence(

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import torch
 
 from gradaccum._dtensor import local_tensor
+from gradaccum._oom import optimizer_step_guard
 from gradaccum._warnings import warn_user
 from gradaccum.result import PartialStepError
 
@@ -129,7 +130,8 @@ def step_optimizer(
     if window is not None:
         window.committing = True  # the step pre-hook lets this step through
     try:
-        optimizer.step()
+        with optimizer_step_guard():  # out of memory here is not rerun smaller: it may have stepped
+            optimizer.step()
     except BaseException as error:
         changed = _changed(params, versions, norms)
         if not changed:

@@ -211,8 +211,8 @@ class Engine:
                 runtime.collect(window.params)
             window.watch()
         window.add(logged, weight, count, items)
-        first = window.micro_batches == 1 and not window.terms and sync.averaged_over == 1
-        if self.telemetry is not None and first:  # the noise scale's small batch (DDP: unreduced)
+        first = window.count == count and not window.terms and sync.averaged_over == 1
+        if self.telemetry is not None and first:  # the first that counts (DDP: unreduced)
             scale = (window.denominator or 1.0) / (window.loss_scale * max(count, 1))
             self.telemetry.first_micro_batch(held_gradients(window, runtime), count, scale)
         self._reduced = reduce

@@ -85,6 +85,9 @@ def find_non_additive(model: torch.nn.Module) -> list[NonAdditiveModule]:
             reason = (
                 "normalizes with micro-batch statistics and updates running statistics "
                 "once per micro-batch"
+                if module.running_mean is not None
+                else "normalizes with micro-batch statistics, even in eval mode "
+                "(track_running_stats=False: no running statistics)"
             )
             found.append(NonAdditiveModule(label, kind, reason))
         elif module.training and (

@@ -9,34 +9,81 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 import torch
+
+from gradaccum.result import PartialStepError
 
 __all__ = [
     "rng_states",
     "set_rng_states",
     "MemoryBudgetError",
+    "OptimizerStepMemoryError",
     "is_out_of_memory",
+    "optimizer_step_guard",
     "release_cached_memory",
 ]
 
-# Older PyTorch raised plain RuntimeErrors; these phrases mark the allocators' messages.
-_OOM_PHRASES = ("out of memory", "can't allocate memory", "failed to allocate memory")
+# Older PyTorch raised plain RuntimeErrors; these phrases mark the allocators' messages, and
+# cuDNN's and cuBLAS's own word for a failed allocation (CUDNN_/CUBLAS_STATUS_ALLOC_FAILED).
+_OOM_PHRASES = (
+    "out of memory",
+    "can't allocate memory",
+    "failed to allocate memory",
+    "status_alloc_failed",
+)
 
 
 class MemoryBudgetError(RuntimeError):
     """Even the smallest micro-batch does not fit: automatic sizing gives up instead of looping."""
 
 
+class OptimizerStepMemoryError(torch.OutOfMemoryError):
+    """`optimizer.step()` ran out of memory: its window is not rerun (`optimizer_step_guard`)."""
+
+
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether `error` is an allocator running out of memory (CUDA, CPU, MPS and older forms)."""
+    """Whether `error` is an allocator running out of memory (CUDA, CPU, MPS and older forms).
+
+    False for `OptimizerStepMemoryError` and `PartialStepError` (which may quote one): a window
+    whose step failed is not rerun smaller.
+    """
+    if isinstance(error, (OptimizerStepMemoryError, PartialStepError)):
+        return False
     if isinstance(error, torch.OutOfMemoryError):
         return True
     if isinstance(error, (RuntimeError, MemoryError)):
         message = str(error).lower()
         return isinstance(error, MemoryError) or any(p in message for p in _OOM_PHRASES)
     return False
+
+
+@contextlib.contextmanager
+def optimizer_step_guard() -> Iterator[None]:
+    """Around `optimizer.step()`: out of memory there becomes `OptimizerStepMemoryError`.
+
+    A step that fails may already have updated some parameters or optimizer state (a foreach
+    step updates them op by op), and the micro-batch size does not change what it needs, so a
+    rerun of the window at a smaller size would step twice for nothing. The error says so.
+
+    Raises:
+        OptimizerStepMemoryError: From the allocator's error, which stays its `__cause__`.
+    """
+    try:
+        yield
+    except BaseException as error:
+        if not is_out_of_memory(error):
+            raise
+        raise OptimizerStepMemoryError(
+            f"optimizer.step() ran out of memory ({error}). The window is not rerun at a smaller "
+            "micro-batch size: the step's memory does not depend on it, and the step may already "
+            "have updated some parameters or optimizer state. Leave room for the optimizer: a "
+            "smaller memory_budget, an optimizer with less state (SGD, bf16 state) or "
+            "foreach=False (fewer temporaries); then reload a checkpoint to resume exactly."
+        ) from error
 
 
 def release_cached_memory(device: torch.device) -> None:

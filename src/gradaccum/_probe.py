@@ -31,7 +31,7 @@ from gradaccum.options import Precision, SyncPolicy
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.sync import sync_context
 
-__all__ = ["CudaAllocatorPeak", "Probe", "snapshot_batchnorm"]
+__all__ = ["CudaAllocatorPeak", "Probe", "resident_bytes", "snapshot_batchnorm"]
 
 
 class _AllocatorStatistics(Protocol):
@@ -62,12 +62,14 @@ class Probe:
         precision: Precision,
         accum_dtype: torch.dtype | None,
         policy: SyncPolicy = SyncPolicy.WINDOW,
+        batch_dim: int = 0,
     ) -> None:
         self.model = model
+        self.batch_dim = batch_dim  # the items' dimension (1 for sequence-first batches)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.sample_batch = sample_batch
-        self.items = batch_size(sample_batch)
+        self.items = batch_size(sample_batch, batch_dim=batch_dim)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.runtime = PrecisionRuntime(precision, self.params, accum_dtype)
         self.device = self.runtime.device
@@ -94,7 +96,7 @@ class Probe:
         if size in self.measured:
             return self.measured[size]
         # The batch's first items by the splitting rules: per-item lists and dataclasses too.
-        first = slice_batch(self.sample_batch, 0, min(size, self.items))
+        first = slice_batch(self.sample_batch, 0, min(size, self.items), batch_dim=self.batch_dim)
         micro_batch = to_device(first, self.device)
         allocator = self.allocator
         saved_grads = [p.grad for p in self.params]
@@ -147,6 +149,16 @@ class CudaAllocatorPeak:
         """Peak bytes allocated since `start()`, above what was allocated then."""
         self.memory.synchronize(self.device)
         return self.memory.max_memory_allocated(self.device) - self.before
+
+
+def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes a plan counts that are already allocated, so not in the free memory.
+
+    The parameters and buffers, the gradients present, and the optimizer's state so far.
+    """
+    grads = sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+    weights = sum(_nbytes(t) for t in (*model.parameters(), *model.buffers()))
+    return weights + grads + _state_bytes(optimizer)
 
 
 def snapshot_batchnorm(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:

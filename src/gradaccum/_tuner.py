@@ -14,7 +14,8 @@ items per second:
 - hysteresis: a candidate replaces the incumbent (the largest that fits, or the previous choice)
   only if it is at least `MARGIN` faster, so timing noise cannot make the choice flip-flop;
 - when the work per item changes a lot (`SHAPE_CHANGE`x, e.g. longer sequences), the candidates are
-  timed again.
+  timed again, also midway through a timing (so one decision compares windows of one shape), at
+  most `MAX_RESTARTS` times per timing, so shapes that never settle cannot keep it timing forever.
 
 Example:
     >>> times = {64: 1.0, 32: 0.5, 16: 0.6, 8: 0.9}  # seconds per window of 64 items
@@ -31,9 +32,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["MARGIN", "MAX_CANDIDATES", "ROUNDS", "SHAPE_CHANGE", "ThroughputTuner", "candidates"]
+__all__ = [
+    "MARGIN",
+    "MAX_CANDIDATES",
+    "MAX_RESTARTS",
+    "ROUNDS",
+    "SHAPE_CHANGE",
+    "ThroughputTuner",
+    "candidates",
+]
 
 MAX_CANDIDATES = 4
+MAX_RESTARTS = 2  # shape changes that may start one timing over before it just finishes
 ROUNDS = 2
 MARGIN = 0.05
 SHAPE_CHANGE = 2.0
@@ -77,6 +87,7 @@ class ThroughputTuner:
         self.reason = "timing the candidates"
         self.rates: dict[int, float] = {}  # items per second of each candidate, once decided
         self.work: float | None = None  # work per item of the windows timed
+        self.restarts = 0  # timings started over midway by a shape change, since the last choice
         self._start(window_items)
 
     def _start(self, window_items: int) -> None:
@@ -161,16 +172,21 @@ class ThroughputTuner:
     def observe(self, window_items: int, work_per_item: float) -> bool:
         """Time again when the work per item moved `SHAPE_CHANGE`x since timing; True if so.
 
+        Also while timing: one decision compares windows of one shape, so timing starts over
+        at the new shape, and the shape timed is what later windows are compared with.
         `work_per_item` is any measure proportional to an item's cost (its tensor elements).
         """
-        if self.work is None or self.chosen is None:
-            self.work = self.work or work_per_item
+        if self.work is None or self.work <= 0 or work_per_item <= 0:
+            self.work = work_per_item  # 0: nothing measurable (no tensor), so no shape to change
             return False
-        ratio = work_per_item / max(self.work, 1e-12)
+        ratio = work_per_item / self.work
         if 1 / SHAPE_CHANGE < ratio < SHAPE_CHANGE:
             return False
+        if self.chosen is None and self.restarts >= MAX_RESTARTS:
+            return False  # shapes that never settle: finish this timing rather than time forever
+        self.restarts = self.restarts + 1 if self.chosen is None else 0
         self.work = work_per_item
-        self._start(window_items)
+        self._start(max(window_items, self.window_items))  # a short batch keeps the candidates
         return True
 
     def state_dict(self) -> dict[str, Any]:

@@ -144,8 +144,8 @@ class Accumulator:
         check_fsdp_support(model, buffers=runtime.uses_buffers, policy=policy)
         self._auto = None
         if auto:
-            mode = AutoSize(micro_batch_size)
-            self._auto = AutoSizer(memory_budget, runtime.device, regrow_after, mode, policy=policy)
+            mode, dev, dim = AutoSize(micro_batch_size), runtime.device, self.batch_dim
+            self._auto = AutoSizer(memory_budget, dev, regrow_after, mode, policy=policy, dim=dim)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler

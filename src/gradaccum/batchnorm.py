@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from gradaccum._groupnorm import batchnorm_modules, convert_to_groupnorm
 from gradaccum._pooled_stats import (
     Record,
     Stats,
@@ -63,16 +64,6 @@ class BatchNormAccumulationWarning(UserWarning):
     """BatchNorm layers in train mode make micro-batch accumulation inexact."""
 
 
-def batchnorm_modules(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
-    """All BatchNorm modules of `model` (1d, 2d, 3d, lazy and SyncBatchNorm), with their names.
-
-    Example:
-        >>> [name for name, _ in batchnorm_modules(torch.nn.Sequential(torch.nn.BatchNorm2d(3)))]
-        ['0']
-    """
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
-
-
 def warn_if_inexact(model: nn.Module, micro_items: int, window_items: int) -> bool:
     """Warn if BatchNorm layers using batch statistics see micro-batches smaller than the window.
 
@@ -100,6 +91,22 @@ def warn_if_inexact(model: nn.Module, micro_items: int, window_items: int) -> bo
     return True
 
 
+def _check_freezable(modules: list[tuple[str, _BatchNorm]]) -> None:
+    """Refuse "frozen" for BatchNorm without running statistics (eval mode uses batch ones).
+
+    Raises:
+        ValueError: Naming the layers built with `track_running_stats=False`, and the fixes.
+    """
+    untracked = [repr(name or "<model>") for name, m in modules if m.running_mean is None]
+    if untracked:
+        raise ValueError(
+            f"batchnorm='frozen' cannot freeze BatchNorm layers {', '.join(untracked)}: built with "
+            "track_running_stats=False, they normalize with batch statistics even in eval mode, so "
+            "accumulation would be inexact. Use gradaccum.batchnorm.convert_to_groupnorm(model) "
+            "(exact), track_running_stats=True, or batchnorm='micro' knowing it is inexact."
+        )
+
+
 class BatchNormControl:
     """Applies a `BatchNormMode` to a model's BatchNorm layers, one micro-batch at a time.
 
@@ -111,11 +118,17 @@ class BatchNormControl:
     Args:
         model: The model (possibly wrapped).
         mode: `"micro"`, `"pooled"` or `"frozen"` (or a `BatchNormMode`).
+
+    Raises:
+        ValueError: For an unknown mode, or "frozen" with BatchNorm layers that keep no running
+            statistics (`track_running_stats=False`).
     """
 
     def __init__(self, model: nn.Module, mode: BatchNormMode | str) -> None:
         self.mode = parse(BatchNormMode, mode, "batchnorm")
         self.modules = batchnorm_modules(model)
+        if self.mode is BatchNormMode.FROZEN:
+            _check_freezable(self.modules)
         self._model = model
         self._by_name = dict(self.modules)
         self._pending: Record = {}  # "pooled": the window's statistics so far
@@ -262,50 +275,6 @@ def _load_calls(name: str, module: _BatchNorm | None, calls: Any) -> list[Stats 
         device, dtype = running_mean.device, stat_dtype(running_mean.device)
         loaded.append((count, mean.to(device, dtype).clone(), m2.to(device, dtype).clone()))
     return loaded
-
-
-def _group_count(channels: int, num_groups: int) -> int:
-    """The largest divisor of `channels` that is at most `num_groups`."""
-    return next(g for g in range(min(num_groups, channels), 0, -1) if channels % g == 0)
-
-
-def convert_to_groupnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
-    """Replace every BatchNorm of `model` by a GroupNorm, in place; accumulation becomes exact.
-
-    Each GroupNorm gets the largest group count that divides the channels and is at most
-    `num_groups`, the BatchNorm's `eps` and a copy of its affine weight and bias (same device,
-    dtype, `requires_grad` and training flag). GroupNorm suits feature maps `(N, C, *)`; for
-    BatchNorm1d over plain features `(N, C)` pass a small `num_groups` (1 is a LayerNorm), as a
-    one-channel group normalizes a single number. Build the optimizer after converting.
-
-    Returns:
-        The model; a new GroupNorm if `model` itself is a BatchNorm.
-
-    Example:
-        >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 48, 3), torch.nn.BatchNorm2d(48))
-        >>> convert_to_groupnorm(net)[1].num_groups
-        24
-    """
-    if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1:
-        raise ValueError(f"num_groups={num_groups!r} must be a positive int.")
-    if isinstance(model, _BatchNorm):
-        return _groupnorm_like(model, num_groups)
-    for name, module in batchnorm_modules(model):
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, _groupnorm_like(module, num_groups))
-    return model
-
-
-def _groupnorm_like(bn: _BatchNorm, num_groups: int) -> nn.GroupNorm:
-    channels, like = bn.num_features, bn.weight if bn.affine else bn.running_mean
-    factory: dict[str, Any] = {} if like is None else {"device": like.device, "dtype": like.dtype}
-    groups = _group_count(channels, num_groups)
-    gn = nn.GroupNorm(groups, channels, eps=bn.eps, affine=bn.affine, **factory)
-    if bn.affine:
-        gn.weight = nn.Parameter(bn.weight.detach().clone(), bn.weight.requires_grad)
-        gn.bias = nn.Parameter(bn.bias.detach().clone(), bn.bias.requires_grad)
-    return gn.train(bn.training)
 
 
 def _default_forward(model: nn.Module, batch: Any) -> Any:

@@ -1,6 +1,7 @@
 """`micro_batch_size="auto"`: plan on the first batch, run the fastest size, survive out of memory.
 
-`"auto"` plans the largest size that fits the memory budget on the first batch, then times a
+`"auto"` plans the largest size that fits the memory budget on the first batch (again on a larger
+batch, if the plan took every item of its own and nothing ran out of memory), then times a
 few sizes up to it on real windows and keeps the fastest (`gradaccum._tuner`); `"largest"` keeps
 the largest that fits. Every split gives the same step, so the choice changes speed only (the
 floating-point rounding may differ in the last bits between splits).
@@ -40,7 +41,7 @@ import torch
 
 from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_memory
 from gradaccum._tuner import ThroughputTuner
-from gradaccum.batching import map_tensors
+from gradaccum.batching import batch_size, map_tensors
 from gradaccum.options import AutoSize, Precision, SyncPolicy
 from gradaccum.sizing import MemoryPlan, format_bytes, plan_micro_batch, resolve_budget
 from gradaccum.sync import all_ranks_max, all_ranks_min
@@ -80,6 +81,7 @@ class AutoSizer:
         mode: `AutoSize.FASTEST` ("auto") times sizes; `AutoSize.LARGEST` does not.
         clock: Seconds, for timing windows (a fake in tests).
         policy: FSDP2's sync policy, which sets what gradients a rank holds (the plan's).
+        dim: The items' dimension of the batches (`Accumulator(batch_dim=)`).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class AutoSizer:
         mode: AutoSize = AutoSize.FASTEST,
         clock: Callable[[], float] = time.perf_counter,
         policy: SyncPolicy = SyncPolicy.WINDOW,
+        dim: int = 0,
     ) -> None:
         if device.type != "cuda":
             resolve_budget(memory_budget, device)  # fail at construction, not at the first step
@@ -107,7 +110,9 @@ class AutoSizer:
         self.growing = False  # the current size is a regrowth not yet proven
         self.out_of_memory_events = 0
         self.device, self.mode, self.clock, self.policy = device, mode, clock, policy
+        self.dim = dim
         self.tuner: ThroughputTuner | None = None  # made with the plan, in "auto" mode
+        self.capped = False  # the plan took every item of its batch: a larger one plans again
         self._model: torch.nn.Module | None = None
 
     def ensure_plan(
@@ -120,7 +125,15 @@ class AutoSizer:
         precision: Precision,
         accum_dtype: torch.dtype | None,
     ) -> int:
-        """Plan on the first batch (every rank takes the smallest rank's size); the size to run."""
+        """Plan on the first batch (every rank takes the smallest rank's size); the size to run.
+
+        A plan capped by its batch (every item fitted) is made again on a larger batch, so a
+        small first batch does not cap the size for good; an out-of-memory shrink ends this.
+        """
+        if self.capped and not self.out_of_memory_events:
+            assert self.planned is not None
+            if all_ranks_min(model, batch_size(batch, batch_dim=self.dim)) > self.planned:
+                self.size = self.tuner = None  # a larger batch: plan on it
         if self.size is None:
             plan = plan_micro_batch(
                 model,
@@ -131,9 +144,11 @@ class AutoSizer:
                 precision=precision,
                 accum_dtype=accum_dtype,
                 sync_policy=self.policy,
+                batch_dim=self.dim,
             )
             self.plan = plan
             self.planned = self.size = all_ranks_min(model, plan.micro_batch_size)
+            self.capped = self.planned >= all_ranks_min(model, plan.batch_size)
         self._model = model  # also after load_state_dict, which restores a size but no model
         return self.size
 
@@ -148,14 +163,17 @@ class AutoSizer:
         says what the window runs at and why (`StepResult.sizing`).
 
         Raises:
-            MemoryBudgetError: If even size 1 runs out of memory.
+            MemoryBudgetError: If even size 1 runs out of memory; the sizer is then as it was
+                before the window (a retry after memory was freed runs at the same size).
         """
-        if self.tuner is None and self.mode is AutoSize.FASTEST:
-            assert self.planned is not None
-            self.tuner = ThroughputTuner(self.planned, items, self._agree)
         tuner, tried = self.tuner, []
-        if tuner is not None:
-            tuner.observe(items, _work_per_item(batch, items))
+        if self.mode is AutoSize.FASTEST:
+            # Ranks time alike: the same candidates, restarted on the same windows (DDP).
+            work, most = self._agree([_work_per_item(batch, items), float(items)])
+            if tuner is None:
+                assert self.planned is not None
+                tuner = self.tuner = ThroughputTuner(self.planned, int(most), self._agree)
+            tuner.observe(int(most), work)
         while True:
             timing = tuner is not None and tuner.tuning
             size = tuner.next_size() if tuner is not None and timing else self.size
@@ -163,15 +181,18 @@ class AutoSizer:
             tried.append(size)
             start = self.clock()
             try:
-                result = attempt(size, None if tuner is None else tuner.note())
+                result = attempt(size, _note(tuner, size, tried, items))
             except BaseException as error:
                 if not is_out_of_memory(error):
                     raise
                 release_cached_memory(self.device)
+                if len(tried) == 1:  # what the sizer was before this window, should it give up
+                    before = self.state_dict()
                 self.size = size
                 try:
                     self.shrink(tried)
                 except MemoryBudgetError as budget_error:
+                    self.load_state_dict(before)  # nothing changed: the next window as before
                     raise budget_error from error
                 if tuner is not None and timing:
                     tuner.limit(self.size)  # time again, below what ran out of memory
@@ -232,6 +253,7 @@ class AutoSizer:
             "wait": self.wait,
             "growing": self.growing,
             "out_of_memory_events": self.out_of_memory_events,
+            "capped": self.capped,
             "plan": None if self.plan is None else _plain_plan(self.plan),
             "tuner": None if self.tuner is None else self.tuner.state_dict(),
         }
@@ -242,6 +264,7 @@ class AutoSizer:
         self.clean_windows, self.wait = int(state["clean_windows"]), state["wait"]
         self.growing = bool(state["growing"])
         self.out_of_memory_events = int(state["out_of_memory_events"])
+        self.capped = bool(state.get("capped", False))
         plan = state["plan"]
         self.plan = (
             None
@@ -262,6 +285,23 @@ class AutoSizer:
         )
 
 
+def _note(tuner: ThroughputTuner | None, size: int, tried: list[int], items: int) -> str | None:
+    """`StepResult.sizing`: the tuner's reason ("auto"), and any out-of-memory rerun.
+
+    "largest" has no note unless the window ran out of memory and was rerun smaller.
+    """
+    note = None if tuner is None else tuner.note()
+    if tuner is not None and not tuner.tuning and size != tuner.chosen:  # shrunk, or regrowing
+        note = f"auto {size}: the choice is {tuner.chosen}, out of memory since ({tuner.reason})"
+    if note is not None and size > items:
+        note = f"{note} (the window's {items} items ran as one micro-batch)"
+    if len(tried) == 1:
+        return note
+    failed = ", ".join(str(s) for s in tried[:-1])
+    rerun = f"ran out of memory at {failed}; the window was rerun whole at {size}"
+    return f"largest {size}: {rerun}" if note is None else f"{note} ({rerun})"
+
+
 def _plain_plan(plan: MemoryPlan) -> dict[str, Any]:
     plain = asdict(plan)
     plain["probes"] = [list(p) for p in plan.probes]
@@ -269,15 +309,15 @@ def _plain_plan(plan: MemoryPlan) -> dict[str, Any]:
 
 
 def _work_per_item(batch: Any, items: int) -> float:
-    """Tensor elements per item: what an item costs, for noticing longer sequences."""
+    """Tensor (and NumPy array) elements per item: what an item costs, for longer sequences."""
     total = 0
 
-    def count(tensor: torch.Tensor) -> torch.Tensor:
+    def count(tensor: Any) -> Any:
         nonlocal total
-        total += tensor.numel()
+        total += tensor.numel() if isinstance(tensor, torch.Tensor) else tensor.size
         return tensor
 
-    map_tensors(batch, count)
+    map_tensors(batch, count, arrays=count)
     return total / max(items, 1)
 
 

@@ -96,7 +96,9 @@ class StepResult:
             and ranks divided by its count or constant), read-only; empty otherwise. At a
             boundary the means are over every rank, pending ones over this rank so far.
         sizing: With `micro_batch_size="auto"`, what size the window ran at and why (timing a
-            candidate, or the fastest found, with its items per second); None otherwise.
+            candidate, or the fastest found, with its items per second), and, in "auto" or
+            "largest" mode, the sizes that ran out of memory before the window was rerun whole
+            at a smaller one; None otherwise.
         telemetry: With `Accumulator(telemetry=True)`, the step's `Telemetry` (gradient noise
             scale, items per second, micro-batch size, peak memory); None otherwise.
     """

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_memory
-from gradaccum._probe import Probe
+from gradaccum._probe import Probe, resident_bytes
 from gradaccum.batching import batch_size
 from gradaccum.memory import parse_bytes
 from gradaccum.options import Precision, SyncPolicy, parse
@@ -162,6 +162,7 @@ def plan_micro_batch(
     accum_dtype: torch.dtype | None = None,
     margin: float = DEFAULT_MARGIN,
     sync_policy: SyncPolicy | str = "window",
+    batch_dim: int = 0,
 ) -> MemoryPlan:
     """Measure what a training step needs and pick the largest micro-batch that fits.
 
@@ -171,13 +172,15 @@ def plan_micro_batch(
         loss_fn: `loss_fn(model, micro_batch) -> Tensor | LossSum`.
         optimizer: The optimizer over the model's parameters; its state is measured.
         memory_budget: Bytes, or a string such as `"512MiB"` or `"2GB"`. Required on CPU; on
-            CUDA it defaults to 90% of the free device memory.
+            CUDA it defaults to 90% of the free device memory plus the model state already there.
         precision: The autocast the training will use (activations shrink under bf16/fp16).
         accum_dtype: The accumulation buffers' dtype, if the training uses them.
         margin: Share of the budget left free, in [0, 1).
         sync_policy: FSDP2's (see `Accumulator`): under `"window"` every rank holds the
             unsharded gradient sums for the window, under `"micro"` only its shard. Under DDP
             and FSDP2 every rank plans alike: each probe's peak is the largest rank's.
+        batch_dim: The items' dimension of the batch's tensors (1 for `(seq, batch, ...)`), as
+            `Accumulator(batch_dim=)` reads them.
 
     Returns:
         The `MemoryPlan`; `str(plan)` is a table.
@@ -190,17 +193,23 @@ def plan_micro_batch(
         raise ValueError(f"margin={margin!r} must be a number in [0, 1), e.g. 0.1.")
     mode = parse(Precision, precision, "precision")
     policy = parse(SyncPolicy, sync_policy, "sync_policy")
-    items = batch_size(sample_batch)
+    items = batch_size(sample_batch, batch_dim=batch_dim)
     device = next(model.parameters()).device
-    budget = resolve_budget(memory_budget, device)
+    resident = resident_bytes(model, optimizer) if memory_budget is None else 0
+    budget = resolve_budget(memory_budget, device, resident=resident)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        probe = Probe(model, optimizer, loss_fn, sample_batch, mode, accum_dtype, policy)
+        probe = Probe(model, optimizer, loss_fn, sample_batch, mode, accum_dtype, policy, batch_dim)
         sizes = _probe_sizes(probe, items, budget, margin)
     return sizes.plan(_choose(sizes, budget, margin), items, budget, margin, str(device))
 
 
-def resolve_budget(memory_budget: int | str | None, device: torch.device) -> int:
-    """The budget in bytes: as given, or on CUDA a share of the free memory.
+def resolve_budget(
+    memory_budget: int | str | None, device: torch.device, *, resident: int = 0
+) -> int:
+    """The budget in bytes: as given, or on CUDA a share of the free memory plus `resident`.
+
+    `resident` is what the plan counts that is already allocated, so not free: the
+    parameters, any gradients and optimizer state (`gradaccum._probe.resident_bytes`).
 
     Raises:
         ValueError: If it is malformed, or missing on a device without memory statistics.
@@ -209,7 +218,7 @@ def resolve_budget(memory_budget: int | str | None, device: torch.device) -> int
         return parse_bytes(memory_budget)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * _CUDA_FREE_SHARE)
+        return int(free * _CUDA_FREE_SHARE) + resident
     raise ValueError(
         f"memory_budget is required on {device.type}: there is no free-memory figure to default "
         "to; pass e.g. memory_budget='2GiB' (or --memory-budget 2GiB)."

@@ -5,8 +5,9 @@
 - **the gradient noise scale** `B_simple = tr(Σ) / |G|²` (McCandlish et al., 2018, "An Empirical
   Model of Large-Batch Training", appendix A.1): the batch size above which a larger batch
   stops paying for itself. Its cheap unbiased estimator needs the squared norm of a mean gradient
-  at two batch sizes. Accumulation has both for free: after the window's first micro-batch the
-  accumulated gradient is that micro-batch's (`b` items), and at the boundary it is the window's
+  at two batch sizes. Accumulation has both for free: after the window's first micro-batch that
+  counts an item (earlier ones, whose labels were all ignored, add nothing) the accumulated
+  gradient is that micro-batch's (`b` items), and at the boundary it is the window's
   (`B` items, all ranks). With `|g_b|²` and `|g_B|²`:
 
       |G|²  ≈ (B |g_B|² - b |g_b|²) / (B - b)        tr(Σ) ≈ (|g_b|² - |g_B|²) / (1/b - 1/B)
