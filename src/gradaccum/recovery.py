@@ -150,12 +150,15 @@ class AutoSizer:
         Raises:
             MemoryBudgetError: If even size 1 runs out of memory.
         """
-        if self.tuner is None and self.mode is AutoSize.FASTEST:
-            assert self.planned is not None
-            self.tuner = ThroughputTuner(self.planned, items, self._agree)
+        if self.mode is AutoSize.FASTEST:
+            # Ranks must time the same candidates and restart alike: the largest rank's
+            # window and work per item (one small all-reduce per window, in "auto" only).
+            seen, work = self._agree([float(items), _work_per_item(batch, items)])
+            if self.tuner is None:
+                assert self.planned is not None
+                self.tuner = ThroughputTuner(self.planned, int(seen), self._agree)
+            self.tuner.observe(int(seen), work)
         tuner, tried = self.tuner, []
-        if tuner is not None:
-            tuner.observe(items, _work_per_item(batch, items))
         while True:
             timing = tuner is not None and tuner.tuning
             size = tuner.next_size() if tuner is not None and timing else self.size
