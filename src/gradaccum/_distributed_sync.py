@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from gradaccum._agreement import OUT_OF_MEMORY, RankMismatchError, RankSummary, WindowAgreement
-from gradaccum._allreduce import all_reduce_sum
-from gradaccum._sync_base import GradSync, Plan, device_for, process_group
+from gradaccum._allreduce import all_reduce_sum, broadcast_from_first
+from gradaccum._sync_base import FAILED_COUNT, GradSync, Plan, device_for, process_group
 from gradaccum.loss import MAX_TERMS
 from gradaccum.options import SyncPolicy
 
@@ -81,9 +81,18 @@ class _DistributedSync(GradSync):
         return False
 
     def sum_over_ranks(self, value: int) -> int:
-        """`value` summed over ranks: one all-reduce of one number."""
+        """`value` summed over ranks: one all-reduce of one number.
+
+        Raises:
+            RankMismatchError: If a rank sent `FAILED_COUNT` (its micro-batch raised).
+        """
         tensor = torch.tensor([value], dtype=torch.int64, device=device_for(self.group))
         dist.all_reduce(tensor, group=self.group)
+        if value != FAILED_COUNT and int(tensor.item()) < 0:
+            raise RankMismatchError(
+                "another rank raised inside this accumulation window (see its own traceback); "
+                "the window was discarded on every rank, and nothing was stepped."
+            )
         return int(tensor.item())
 
     def _gather_plans(self, micro_batches: int, first_items: int) -> list[tuple[int, int]]:
@@ -122,6 +131,10 @@ class _DistributedSync(GradSync):
 class DDPSync(_DistributedSync):
     """DDP: every backward under `no_sync()`, then one flat all-reduce (SUM) per window.
 
+    No forward broadcasts buffers (DDP would in a forward that may sync, a collective that a
+    rank running fewer micro-batches would miss); every step, taken by all ranks alike,
+    broadcasts rank 0's buffers instead, so BatchNorm statistics never drift apart.
+
     `DistributedDataParallel(static_graph=True)` must see its first iteration synchronize, so
     the very first window lets DDP reduce (and average) every micro-batch's backward itself; the
     library then neither reduces it again nor undoes less than DDP's mean. Every later window
@@ -133,6 +146,11 @@ class DDPSync(_DistributedSync):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
         self._native = bool(getattr(model, "static_graph", False))  # the first window, if so
+        # DDP(broadcast_buffers=True) broadcasts rank 0's buffers in a forward that may sync:
+        # a collective that a rank with fewer (or no) micro-batches would miss. The library
+        # broadcasts them itself, once per window, when every rank is at the boundary.
+        broadcast = bool(getattr(model, "broadcast_buffers", True))
+        self._buffers = list(getattr(model, "modules_buffers", [])) if broadcast else []
 
     def uneven_windows(self) -> bool:
         """Uneven micro-batch counts, except in a static graph's first (DDP-reduced) window."""
@@ -182,8 +200,14 @@ class DDPSync(_DistributedSync):
         assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
         if self._native:
             return _NO_CONTEXT
+        self.model.require_forward_param_sync = False  # no buffer broadcast in the forward
         no_sync: contextlib.AbstractContextManager[None] = self.model.no_sync()
         return no_sync
+
+    def sync_buffers(self) -> None:
+        """Rank 0's buffers (BatchNorm statistics) to every rank, as DDP's forward would."""
+        if self._buffers:
+            broadcast_from_first(self._buffers, self.group)
 
     def reduce(self, grads: Sequence[torch.Tensor]) -> None:
         """Sum `grads` over ranks in place: async, in bounded flat buckets (`_allreduce`)."""

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from gradaccum._agreement import OUT_OF_MEMORY, RankSummary, WindowAgreement
 
 __all__ = [
+    "FAILED_COUNT",
     "NO_CONTEXT",
     "GradSync",
     "LocalSync",
@@ -32,6 +33,7 @@ __all__ = [
 ]
 
 NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every `with`
+FAILED_COUNT = -(2**40)  # sent to `sum_over_ranks` by a rank whose micro-batch raised
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
@@ -142,6 +144,9 @@ class GradSync:
 
     def check_resume(self, open_window: bool) -> None:
         """Raise ValueError if a saved window cannot continue on this backend."""
+
+    def sync_buffers(self) -> None:
+        """A step was taken on every rank: make the module's buffers equal over ranks."""
 
 
 class Plan(NamedTuple):
