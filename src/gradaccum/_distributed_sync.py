@@ -178,7 +178,22 @@ class DDPSync(_DistributedSync):
         return Plan(micro_batches, None)
 
     def begin_window(self) -> None:
-        """A window opens: DDP averages it only if it is a static graph's first."""
+        """A window opens: DDP averages it only if it is a static graph's first.
+
+        Raises:
+            ValueError: Under `DistributedDataParallel.join()` (every rank, before any forward).
+        """
+        join = getattr(self.model, "_join_config", None)  # set by DistributedDataParallel.join()
+        if join is not None and join.enable:
+            raise ValueError(
+                "DistributedDataParallel.join() cannot run gradaccum windows: it shadows DDP's "
+                "own collectives, not the Accumulator's exchange and reduction once per window, "
+                "so a rank out of inputs would leave the others waiting (and DDP keeps join "
+                "enabled on this model after the context). Wrap the model without join(): give "
+                "every rank the same number of micro_step() calls per epoch "
+                "(DistributedSampler(drop_last=False) pads the shards), or use step(), whose "
+                "ranks may hold different numbers of items, an empty batch included."
+            )
         self.averaged_over = self.world if self._native else 1
 
     def end_window(self) -> None:

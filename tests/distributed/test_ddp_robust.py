@@ -418,3 +418,40 @@ def test_a_rank_that_raises_in_micro_step_makes_every_rank_raise(tmp_path: Path)
             assert any(got["stepped"]), name
             for key, value in want.items():
                 torch.testing.assert_close(got["params"][key], value, **EXACT, msg=key)
+
+
+def join_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """Uneven inputs under `DistributedDataParallel.join()`: rank 0 has 3 micro-batches, rank 1
+    one. Before the fix rank 1 joined while rank 0 waited in the window's exchange (a hang)."""
+    ddp = DistributedDataParallel(make_net())
+    optimizer = make_optimizer(ddp.parameters())
+    acc = Accumulator(ddp, optimizer, accumulation_steps=2)
+    before = copy.deepcopy(_params(ddp))
+    batch = rank_batch(0, rank)
+    raised = []
+    for drive in ("stream", "step"):
+        try:
+            with ddp.join():
+                if drive == "step":
+                    Accumulator(ddp, optimizer, micro_batch_size=MICRO).step(batch, masked_loss)
+                for start in range(0, MICRO * (3 if rank == 0 else 1), MICRO):
+                    acc.micro_step(
+                        {k: v[start : start + MICRO] for k, v in batch.items()}, model_loss
+                    )
+                acc.flush()
+        except ValueError as error:
+            raised.append(str(error))
+    unchanged = all(torch.equal(p, before[n]) for n, p in _params(ddp).items())
+    return {"raised": raised, "unchanged": unchanged}
+
+
+@pytest.mark.timeout(120)
+def test_join_is_refused_on_every_rank_before_any_forward(tmp_path: Path) -> None:
+    outcomes = spawn_ranks(join_worker, tmp_path, timeout=90.0, pg_timeout=20.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    for outcome in outcomes:
+        assert len(outcome.result["raised"]) == 2, outcome.result
+        for message in outcome.result["raised"]:
+            assert "DistributedDataParallel.join() cannot run gradaccum windows" in message
+            assert "DistributedSampler(drop_last=False)" in message
+        assert outcome.result["unchanged"]
