@@ -25,7 +25,7 @@ __all__ = ["DDPSync", "FSDP2Sync"]
 
 _NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every `with`
 
-_FLAGS = 6 + 2 * MAX_TERMS  # the exchange row: head, the terms' (count, sum) pairs, flags
+_FLAGS = 7 + 2 * MAX_TERMS  # the exchange row: head, the terms' (count, sum) pairs, flags
 
 
 class _DistributedSync(GradSync):
@@ -49,6 +49,7 @@ class _DistributedSync(GradSync):
             mine.denominator,
             mine.failed,
             mine.graph,
+            self.flushing,
         ]
         terms = list(mine.terms) or [0.0] * (2 * MAX_TERMS)  # fixed width: rows must match
         row = torch.tensor(
@@ -63,6 +64,7 @@ class _DistributedSync(GradSync):
         failed = tuple(int(r) for r in torch.nonzero(failures).flatten().tolist())
         if not failed:
             self._check_alike(table)
+            _check_flushing_alike(table[:, 6])
         return WindowAgreement(
             denominator=float(table[:, 3].max().item()),
             count=int(table[:, 0].sum().item()),
@@ -71,7 +73,7 @@ class _DistributedSync(GradSync):
             all_out_of_memory=bool(failed) and all(failures[list(failed)] == OUT_OF_MEMORY),
             has_grad=tuple(bool(flag) for flag in table[:, _FLAGS:].amax(dim=0).tolist()),
             all_graphs=bool(table[:, 5].all()),
-            terms=tuple(table[:, 6:_FLAGS].sum(dim=0).tolist()) if mine.terms else (),
+            terms=tuple(table[:, 7:_FLAGS].sum(dim=0).tolist()) if mine.terms else (),
         )
 
     rescales = False  # whether power-of-two denominators are rescaled to one before reducing
@@ -128,6 +130,23 @@ class _DistributedSync(GradSync):
         )
 
 
+def _check_flushing_alike(flushing: torch.Tensor) -> None:
+    """Raise on every rank if some ranks' data ended (`flush()`) while others closed a full window.
+
+    Raises:
+        RankMismatchError: Naming the ranks at `flush()`.
+    """
+    if 0 < int(flushing.sum().item()) < len(flushing):
+        ranks = ", ".join(str(rank) for rank in torch.nonzero(flushing).flatten().tolist())
+        raise RankMismatchError(
+            f"rank {ranks} called flush() (its data ended) while the other ranks closed a full "
+            "window and have more: the ranks hold different numbers of micro-batches. The "
+            "window was discarded on every rank. Give every rank the same number of "
+            "micro_step() calls per epoch (DistributedSampler pads its shards unless "
+            "drop_last=True), or use step(), whose ranks may hold different numbers of items."
+        )
+
+
 class DDPSync(_DistributedSync):
     """DDP: every backward under `no_sync()`, then one flat all-reduce (SUM) per window.
 
@@ -142,6 +161,7 @@ class DDPSync(_DistributedSync):
     """
 
     rescales = True
+    joins_flush = True  # a rank whose data ended on a window boundary still joins flush()
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
@@ -198,6 +218,7 @@ class DDPSync(_DistributedSync):
 
     def end_window(self) -> None:
         """A window ended (stepped, skipped or forgotten): DDP has seen its first iteration."""
+        self.flushing = False
         if self._native and self.averaged_over > 1:
             self._native = False
 

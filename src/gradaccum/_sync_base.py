@@ -96,6 +96,8 @@ class GradSync:
     averaged_over = 1  # what the backend's own reduction divides the summed gradient by
     syncs_last_backward = False  # whether the last backward itself reduces gradients
     defers = False  # whether the backend holds unreduced sums until a synchronized backward
+    joins_flush = False  # whether a rank with no open window joins `flush()`'s exchange (DDP)
+    flushing = False  # set while `flush()` closes a window (ranks must all be flushing)
 
     def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
         """The context a micro-batch's forward and backward run in."""
@@ -138,6 +140,7 @@ class GradSync:
 
     def end_window(self) -> None:
         """A window ended: stepped, skipped or forgotten."""
+        self.flushing = False
 
     def forget_window(self) -> None:
         """A window is forgotten: undo what the backend holds for it."""

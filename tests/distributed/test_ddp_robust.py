@@ -20,10 +20,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator, LossSum
+from gradaccum.sync import RankMismatchError
 from tests.distributed._harness import describe, spawn_ranks
 from tests.reference import kept_items_reference
 
@@ -455,3 +457,84 @@ def test_join_is_refused_on_every_rank_before_any_forward(tmp_path: Path) -> Non
             assert "DistributedDataParallel.join() cannot run gradaccum windows" in message
             assert "DistributedSampler(drop_last=False)" in message
         assert outcome.result["unchanged"]
+
+
+# Streams of different lengths (a sharded IterableDataset, a sampler that does not pad):
+# `accumulation_steps=3`, then `flush()`. Rank 1 always has 6 micro-batches; rank 0 has 7 or 8
+# (its last, partial window has no partner: rank 1's data ended on a boundary), 9 (a full window
+# against rank 1's flush: refused on both) or 6 (nothing to flush anywhere).
+STREAM_LENGTHS = (7, 8, 9, 6)
+
+
+def stream_part(index: int, rank: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + 10 * index + rank)
+    x = torch.randn(2, 4, generator=generator, dtype=torch.float64)
+    y = torch.randn(2, 2, generator=generator, dtype=torch.float64)
+    return {"x": x, "y": y, "keep": torch.ones(2, dtype=torch.bool)}
+
+
+def uneven_stream_worker(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for length in STREAM_LENGTHS:
+        ddp = DistributedDataParallel(make_net())
+        acc = Accumulator(ddp, make_optimizer(ddp.parameters()), accumulation_steps=3)
+        results: list[Any] = []
+        before: dict[str, torch.Tensor] = {}
+        try:
+            for index in range(length if rank == 0 else 6):
+                if index % 3 == 0:
+                    before = copy.deepcopy(_params(ddp))
+                results.append(acc.micro_step(stream_part(index, rank), masked_loss).stepped)
+            if index % 3 == 2:  # the last window closed: flush() opens none here
+                before = copy.deepcopy(_params(ddp))
+            flushed = acc.flush()
+            results.append(("flush", flushed.stepped, flushed.skipped))
+        except RankMismatchError as error:
+            results.append(str(error))
+            results.append(all(torch.equal(p, before[n]) for n, p in _params(ddp).items()))
+        dist.barrier()  # every rank leaves the stream at the same collective
+        out[str(length)] = {"results": results, "params": _params(ddp)}
+    return out
+
+
+def stream_reference(length: int, *, drop_last: bool = False) -> dict[str, torch.Tensor]:
+    lengths = (length, 6)
+    windows = []
+    for start in range(0, length, 3):
+        window = [
+            stream_part(index, rank)
+            for rank in (0, 1)
+            for index in range(start, min(start + 3, lengths[rank]))
+        ]
+        windows.append(window)
+    if drop_last:
+        windows = windows[:-1]
+    model = make_net()
+    return kept_items_reference(model, make_optimizer(model.parameters()), windows)
+
+
+@pytest.mark.timeout(120)
+def test_streams_of_different_lengths_flush_together_or_raise_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Before the fix a rank whose data ended on a window boundary made no collective in
+    `flush()`, and the other rank's flush waited for it."""
+    outcomes = spawn_ranks(uneven_stream_worker, tmp_path, timeout=90.0, pg_timeout=20.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    zero, one = (o.result for o in outcomes)
+    for length in ("7", "8"):  # rank 1 joins rank 0's partial window: an exact step
+        assert zero[length]["results"][-1] == ("flush", True, False), zero[length]
+        assert one[length]["results"][-1] == ("flush", True, False), one[length]
+        want = stream_reference(int(length))
+        for got in (zero, one):
+            for name, value in want.items():
+                torch.testing.assert_close(got[length]["params"][name], value, **EXACT)
+        # NEGATIVE CONTROL: without rank 0's last window the parameters are elsewhere.
+        dropped = stream_reference(int(length), drop_last=True)
+        assert max((dropped[n] - want[n]).abs().max().item() for n in want) > 1e-4
+    for got in (zero, one):  # 9 against 6: a full window meets a flush; refused everywhere
+        message, unchanged = got["9"]["results"][-2:]
+        assert message.startswith("rank 1 called flush() (its data ended)"), message
+        assert "DistributedSampler" in message
+        assert unchanged is True
+        assert got["6"]["results"][-1] == ("flush", False, False)  # nothing left anywhere
