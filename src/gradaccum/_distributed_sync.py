@@ -18,6 +18,7 @@ import torch.distributed as dist
 from gradaccum._agreement import OUT_OF_MEMORY, RankMismatchError, RankSummary, WindowAgreement
 from gradaccum._allreduce import all_reduce_sum, broadcast_from_first
 from gradaccum._sync_base import FAILED_COUNT, GradSync, Plan, device_for, process_group
+from gradaccum._warnings import warn_user
 from gradaccum.loss import MAX_TERMS
 from gradaccum.options import SyncPolicy
 
@@ -166,6 +167,7 @@ class DDPSync(_DistributedSync):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
         self._native = bool(getattr(model, "static_graph", False))  # the first window, if so
+        self._hook_warned = False
         # DDP(broadcast_buffers=True) broadcasts rank 0's buffers in a forward that may sync:
         # a collective that a rank with fewer (or no) micro-batches would miss. The library
         # broadcasts them itself, once per window, when every rank is at the boundary.
@@ -213,6 +215,15 @@ class DDPSync(_DistributedSync):
                 "every rank the same number of micro_step() calls per epoch "
                 "(DistributedSampler(drop_last=False) pads the shards), or use step(), whose "
                 "ranks may hold different numbers of items, an empty batch included."
+            )
+        if getattr(self.model, "_comm_hooks", None) and not self._hook_warned:
+            self._hook_warned = True  # DDP.register_comm_hook(): its reducer never runs here
+            warn_user(
+                UserWarning(
+                    "the DDP communication hook registered on this model is not used: gradaccum "
+                    "reduces each window's gradients itself, once, in their own dtype (exact); "
+                    "remove register_comm_hook() to silence this."
+                )
             )
         self.averaged_over = self.world if self._native else 1
 

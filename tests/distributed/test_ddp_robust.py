@@ -538,3 +538,33 @@ def test_streams_of_different_lengths_flush_together_or_raise_on_every_rank(
         assert "DistributedSampler" in message
         assert unchanged is True
         assert got["6"]["results"][-1] == ("flush", False, False)  # nothing left anywhere
+
+
+def comm_hook_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """DDP with the fp16 compression hook registered: it is never called (the library reduces
+    in float64 itself), the user is told once, and the steps are exact."""
+    import warnings
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = DistributedDataParallel(make_net())
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    acc = Accumulator(ddp, make_optimizer(ddp.parameters()), micro_batch_size=MICRO)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for window in range(WINDOWS):
+            assert acc.step(rank_batch(window, rank), masked_loss).stepped
+    hook_warnings = [str(w.message) for w in caught if "communication hook" in str(w.message)]
+    return {"warnings": hook_warnings, "params": _params(ddp)}
+
+
+@pytest.mark.timeout(120)
+def test_a_registered_comm_hook_is_named_unused_and_the_steps_stay_exact(tmp_path: Path) -> None:
+    outcomes = spawn_ranks(comm_hook_worker, tmp_path, timeout=90.0, pg_timeout=20.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    want = reference_params()
+    for outcome in outcomes:
+        assert len(outcome.result["warnings"]) == 1, outcome.result["warnings"]
+        assert "remove register_comm_hook()" in outcome.result["warnings"][0]
+        for name, value in want.items():
+            torch.testing.assert_close(outcome.result["params"][name], value, **EXACT)
