@@ -29,11 +29,22 @@ __all__ = [
     "device_for",
     "is_fsdp",
     "process_group",
+    "uncompiled",
     "world_size",
 ]
 
 NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every `with`
 FAILED_COUNT = -(2**40)  # sent to `sum_over_ranks` by a rank whose micro-batch raised
+
+
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module `torch.compile` wrapped (`OptimizedModule._orig_mod`), else `model` itself.
+
+    `torch.compile(DistributedDataParallel(model))` is how PyTorch's docs combine the two: the
+    wrapper must not hide the DDP (or FSDP2) model from the library.
+    """
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
@@ -42,13 +53,14 @@ def is_fsdp(model: torch.nn.Module) -> bool:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch built without distributed support
         return False
-    return isinstance(model, FSDPModule)
+    return isinstance(uncompiled(model), FSDPModule)
 
 
 def process_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
     """The process group the model's gradients are reduced over, or None if not distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    model = uncompiled(model)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         group: dist.ProcessGroup = model.process_group
         return group
