@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from gradaccum._agreement import OUT_OF_MEMORY, RankMismatchError, RankSummary, WindowAgreement
-from gradaccum._allreduce import all_reduce_sum
-from gradaccum._sync_base import GradSync, Plan, device_for, process_group
+from gradaccum._allreduce import all_reduce_sum, broadcast_from_first
+from gradaccum._sync_base import FAILED_COUNT, GradSync, Plan, device_for, process_group
+from gradaccum._warnings import warn_user
 from gradaccum.loss import MAX_TERMS
 from gradaccum.options import SyncPolicy
 
@@ -25,7 +26,7 @@ __all__ = ["DDPSync", "FSDP2Sync"]
 
 _NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every `with`
 
-_FLAGS = 6 + 2 * MAX_TERMS  # the exchange row: head, the terms' (count, sum) pairs, flags
+_FLAGS = 7 + 2 * MAX_TERMS  # the exchange row: head, the terms' (count, sum) pairs, flags
 
 
 class _DistributedSync(GradSync):
@@ -49,6 +50,7 @@ class _DistributedSync(GradSync):
             mine.denominator,
             mine.failed,
             mine.graph,
+            self.flushing,
         ]
         terms = list(mine.terms) or [0.0] * (2 * MAX_TERMS)  # fixed width: rows must match
         row = torch.tensor(
@@ -63,6 +65,7 @@ class _DistributedSync(GradSync):
         failed = tuple(int(r) for r in torch.nonzero(failures).flatten().tolist())
         if not failed:
             self._check_alike(table)
+            _check_flushing_alike(table[:, 6])
         return WindowAgreement(
             denominator=float(table[:, 3].max().item()),
             count=int(table[:, 0].sum().item()),
@@ -71,7 +74,7 @@ class _DistributedSync(GradSync):
             all_out_of_memory=bool(failed) and all(failures[list(failed)] == OUT_OF_MEMORY),
             has_grad=tuple(bool(flag) for flag in table[:, _FLAGS:].amax(dim=0).tolist()),
             all_graphs=bool(table[:, 5].all()),
-            terms=tuple(table[:, 6:_FLAGS].sum(dim=0).tolist()) if mine.terms else (),
+            terms=tuple(table[:, 7:_FLAGS].sum(dim=0).tolist()) if mine.terms else (),
         )
 
     rescales = False  # whether power-of-two denominators are rescaled to one before reducing
@@ -81,9 +84,18 @@ class _DistributedSync(GradSync):
         return False
 
     def sum_over_ranks(self, value: int) -> int:
-        """`value` summed over ranks: one all-reduce of one number."""
+        """`value` summed over ranks: one all-reduce of one number.
+
+        Raises:
+            RankMismatchError: If a rank sent `FAILED_COUNT` (its micro-batch raised).
+        """
         tensor = torch.tensor([value], dtype=torch.int64, device=device_for(self.group))
         dist.all_reduce(tensor, group=self.group)
+        if value != FAILED_COUNT and int(tensor.item()) < 0:
+            raise RankMismatchError(
+                "another rank raised inside this accumulation window (see its own traceback); "
+                "the window was discarded on every rank, and nothing was stepped."
+            )
         return int(tensor.item())
 
     def _gather_plans(self, micro_batches: int, first_items: int) -> list[tuple[int, int]]:
@@ -119,8 +131,29 @@ class _DistributedSync(GradSync):
         )
 
 
+def _check_flushing_alike(flushing: torch.Tensor) -> None:
+    """Raise on every rank if some ranks' data ended (`flush()`) while others closed a full window.
+
+    Raises:
+        RankMismatchError: Naming the ranks at `flush()`.
+    """
+    if 0 < int(flushing.sum().item()) < len(flushing):
+        ranks = ", ".join(str(rank) for rank in torch.nonzero(flushing).flatten().tolist())
+        raise RankMismatchError(
+            f"rank {ranks} called flush() (its data ended) while the other ranks closed a full "
+            "window and have more: the ranks hold different numbers of micro-batches. The "
+            "window was discarded on every rank. Give every rank the same number of "
+            "micro_step() calls per epoch (DistributedSampler pads its shards unless "
+            "drop_last=True), or use step(), whose ranks may hold different numbers of items."
+        )
+
+
 class DDPSync(_DistributedSync):
     """DDP: every backward under `no_sync()`, then one flat all-reduce (SUM) per window.
+
+    No forward broadcasts buffers (DDP would in a forward that may sync, a collective that a
+    rank running fewer micro-batches would miss); every step, taken by all ranks alike,
+    broadcasts rank 0's buffers instead, so BatchNorm statistics never drift apart.
 
     `DistributedDataParallel(static_graph=True)` must see its first iteration synchronize, so
     the very first window lets DDP reduce (and average) every micro-batch's backward itself; the
@@ -129,10 +162,17 @@ class DDPSync(_DistributedSync):
     """
 
     rescales = True
+    joins_flush = True  # a rank whose data ended on a window boundary still joins flush()
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
         self._native = bool(getattr(model, "static_graph", False))  # the first window, if so
+        self._hook_warned = False
+        # DDP(broadcast_buffers=True) broadcasts rank 0's buffers in a forward that may sync:
+        # a collective that a rank with fewer (or no) micro-batches would miss. The library
+        # broadcasts them itself, once per window, when every rank is at the boundary.
+        broadcast = bool(getattr(model, "broadcast_buffers", True))
+        self._buffers = list(getattr(model, "modules_buffers", [])) if broadcast else []
 
     def uneven_windows(self) -> bool:
         """Uneven micro-batch counts, except in a static graph's first (DDP-reduced) window."""
@@ -160,11 +200,36 @@ class DDPSync(_DistributedSync):
         return Plan(micro_batches, None)
 
     def begin_window(self) -> None:
-        """A window opens: DDP averages it only if it is a static graph's first."""
+        """A window opens: DDP averages it only if it is a static graph's first.
+
+        Raises:
+            ValueError: Under `DistributedDataParallel.join()` (every rank, before any forward).
+        """
+        join = getattr(self.model, "_join_config", None)  # set by DistributedDataParallel.join()
+        if join is not None and join.enable:
+            raise ValueError(
+                "DistributedDataParallel.join() cannot run gradaccum windows: it shadows DDP's "
+                "own collectives, not the Accumulator's exchange and reduction once per window, "
+                "so a rank out of inputs would leave the others waiting (and DDP keeps join "
+                "enabled on this model after the context). Wrap the model without join(): give "
+                "every rank the same number of micro_step() calls per epoch "
+                "(DistributedSampler(drop_last=False) pads the shards), or use step(), whose "
+                "ranks may hold different numbers of items, an empty batch included."
+            )
+        if getattr(self.model, "_comm_hooks", None) and not self._hook_warned:
+            self._hook_warned = True  # DDP.register_comm_hook(): its reducer never runs here
+            warn_user(
+                UserWarning(
+                    "the DDP communication hook registered on this model is not used: gradaccum "
+                    "reduces each window's gradients itself, once, in their own dtype (exact); "
+                    "remove register_comm_hook() to silence this."
+                )
+            )
         self.averaged_over = self.world if self._native else 1
 
     def end_window(self) -> None:
         """A window ended (stepped, skipped or forgotten): DDP has seen its first iteration."""
+        self.flushing = False
         if self._native and self.averaged_over > 1:
             self._native = False
 
@@ -182,8 +247,14 @@ class DDPSync(_DistributedSync):
         assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
         if self._native:
             return _NO_CONTEXT
+        self.model.require_forward_param_sync = False  # no buffer broadcast in the forward
         no_sync: contextlib.AbstractContextManager[None] = self.model.no_sync()
         return no_sync
+
+    def sync_buffers(self) -> None:
+        """Rank 0's buffers (BatchNorm statistics) to every rank, as DDP's forward would."""
+        if self._buffers:
+            broadcast_from_first(self._buffers, self.group)
 
     def reduce(self, grads: Sequence[torch.Tensor]) -> None:
         """Sum `grads` over ranks in place: async, in bounded flat buckets (`_allreduce`)."""

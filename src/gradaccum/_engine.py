@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
+from gradaccum._agreement import RankMismatchError
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
 from gradaccum._commit import SchedulerSteps, refuse_steps_inside, step_optimizer, try_scheduler
 from gradaccum._oom import is_out_of_memory, rng_states, set_rng_states
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
-from gradaccum._sync_base import NO_CONTEXT
+from gradaccum._sync_base import FAILED_COUNT, NO_CONTEXT
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, on_device, slice_batch, to_device
 from gradaccum.batchnorm import BatchNormControl
@@ -60,7 +61,7 @@ class Engine:
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._model_params = list(model.parameters())  # walking the modules costs a window
         self._agreement: WindowAgreement | None = None  # FSDP2 agrees before the last backward
-        self._exchanged = False  # this window's exchange has started (never run it twice)
+        self._exchanged = self._next_sum = False  # exchange started; others next sum (Tokens)
         self._reduced = False  # the last backward reduced the gradients (FSDP2)
         self._last_input: tuple[Any, LossFn] | None = None  # for FSDP2's zero-item settle
         self._rng: list[torch.Tensor] | None = None  # set for windows that may be rerun
@@ -126,10 +127,11 @@ class Engine:
             self.check_gradients_untouched()
         else:
             self._open(rerun=False)
+        self._next_sum = expect.until is not None  # the others sum this one's count first
         try:
             last = self._micro_batch(micro_batch, loss_fn, last, expect)
         except BaseException as error:
-            self._forget_window(error)
+            self._fail(error, rerun=False)  # DDP: the other ranks raise at their next collective
             raise
         if not last:  # the caller's code runs before the next micro-batch: watch the grads
             self.window.mark_gradients()
@@ -183,6 +185,7 @@ class Engine:
                 self._token_mean.check(result, micro_batch)
             if expect.until is not None:
                 last = sync.sum_over_ranks(window.count + count) >= expect.until
+                self._next_sum = not last  # the other ranks' next collective: a sum or exchange
             if window.denominator is None:  # FSDP2 ranks agree on it (they reduce in the backward)
                 mine = expect.denominator(self.normalize, sync.world, weight, items, count)
                 window.denominator = sync.common_denominator(mine)
@@ -301,6 +304,7 @@ class Engine:
         finally:
             runtime.update_scale(finite=True)
             self.batchnorm.end_window()
+            self.sync.sync_buffers()  # DDP: rank 0's statistics everywhere, once per window
             runtime.clear_buffers()
             terms, objective = window.terms.report(agreement) if window.terms else (None, None)
             window.close()
@@ -337,10 +341,13 @@ class Engine:
 
     # ---------------------------------------------------------------- forgetting
 
-    def _fail(self, error: BaseException) -> None:
-        """A window raised: tell the other ranks (DDP), so none waits, then forget it."""
-        if self.sync.world > 1 and not self._exchanged and not self._fsdp:
-            kind = OUT_OF_MEMORY if is_out_of_memory(error) else FAILED
+    def _fail(self, error: BaseException, *, rerun: bool = True) -> None:
+        """A window raised: tell the other ranks (DDP) at their next collective; forget it."""
+        ddp = self.sync.world > 1 and not self._fsdp and not isinstance(error, RankMismatchError)
+        if ddp and self._next_sum:  # a `Tokens` window: the others sum their counts next
+            self.sync.sum_over_ranks(FAILED_COUNT)
+        elif ddp and not self._exchanged:
+            kind = OUT_OF_MEMORY if rerun and is_out_of_memory(error) else FAILED
             self._exchange(rank_summary(self.window, self.runtime, self.sync, failed=kind))
         self._forget_window(error)
 
@@ -359,7 +366,7 @@ class Engine:
     def _end(self) -> None:
         self.sync.end_window()
         self._agreement, self._exchanged, self._reduced = None, False, False
-        self._last_input, self._rng = None, None
+        self._last_input, self._rng, self._next_sum = None, None, False
 
     # ---------------------------------------------------------------- state
 

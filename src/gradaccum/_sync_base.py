@@ -21,6 +21,7 @@ import torch.distributed as dist
 from gradaccum._agreement import OUT_OF_MEMORY, RankSummary, WindowAgreement
 
 __all__ = [
+    "FAILED_COUNT",
     "NO_CONTEXT",
     "GradSync",
     "LocalSync",
@@ -28,10 +29,22 @@ __all__ = [
     "device_for",
     "is_fsdp",
     "process_group",
+    "uncompiled",
     "world_size",
 ]
 
 NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every `with`
+FAILED_COUNT = -(2**40)  # sent to `sum_over_ranks` by a rank whose micro-batch raised
+
+
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module `torch.compile` wrapped (`OptimizedModule._orig_mod`), else `model` itself.
+
+    `torch.compile(DistributedDataParallel(model))` is how PyTorch's docs combine the two: the
+    wrapper must not hide the DDP (or FSDP2) model from the library.
+    """
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
@@ -40,13 +53,14 @@ def is_fsdp(model: torch.nn.Module) -> bool:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch built without distributed support
         return False
-    return isinstance(model, FSDPModule)
+    return isinstance(uncompiled(model), FSDPModule)
 
 
 def process_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
     """The process group the model's gradients are reduced over, or None if not distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    model = uncompiled(model)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         group: dist.ProcessGroup = model.process_group
         return group
@@ -94,6 +108,8 @@ class GradSync:
     averaged_over = 1  # what the backend's own reduction divides the summed gradient by
     syncs_last_backward = False  # whether the last backward itself reduces gradients
     defers = False  # whether the backend holds unreduced sums until a synchronized backward
+    joins_flush = False  # whether a rank with no open window joins `flush()`'s exchange (DDP)
+    flushing = False  # set while `flush()` closes a window (ranks must all be flushing)
 
     def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
         """The context a micro-batch's forward and backward run in."""
@@ -136,12 +152,16 @@ class GradSync:
 
     def end_window(self) -> None:
         """A window ended: stepped, skipped or forgotten."""
+        self.flushing = False
 
     def forget_window(self) -> None:
         """A window is forgotten: undo what the backend holds for it."""
 
     def check_resume(self, open_window: bool) -> None:
         """Raise ValueError if a saved window cannot continue on this backend."""
+
+    def sync_buffers(self) -> None:
+        """A step was taken on every rank: make the module's buffers equal over ranks."""
 
 
 class Plan(NamedTuple):

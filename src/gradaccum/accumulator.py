@@ -33,12 +33,7 @@ from typing import Any
 import torch
 
 from gradaccum._batch_sizes import check_batch_dim
-from gradaccum._checks import (
-    check_fsdp_support,
-    check_savable,
-    check_saved_state,
-    check_settings,
-)
+from gradaccum._checks import check_fsdp_support, check_savable, check_saved_state, check_settings
 from gradaccum._engine import Engine
 from gradaccum.batching import batch_size, split_batch
 from gradaccum.batchnorm import BatchNormControl
@@ -146,13 +141,9 @@ class Accumulator:
         if auto:
             mode, dev, dim = AutoSize(micro_batch_size), runtime.device, self.batch_dim
             self._auto = AutoSizer(memory_budget, dev, regrow_after, mode, policy=policy, dim=dim)
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.micro_batch_size = micro_batch_size
-        self.accumulation_steps = accumulation_steps
-        self.max_grad_norm = max_grad_norm
-        self.memory_budget = memory_budget
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.micro_batch_size, self.accumulation_steps = micro_batch_size, accumulation_steps
+        self.max_grad_norm, self.memory_budget = max_grad_norm, memory_budget
         self._engine = Engine(
             model,
             optimizer,
@@ -283,15 +274,25 @@ class Accumulator:
             `"step"`: the step over the items seen; `"drop"`: a result with `stepped=False`
             after discarding them; `"carry"`: the open window's progress, kept for later.
         """
-        window = self._engine.window
-        if not window.is_open or self.partial_window is PartialWindow.CARRY:
+        engine = self._engine
+        window, sync = engine.window, engine.sync
+        step, carry = (self.partial_window is m for m in (PartialWindow.STEP, PartialWindow.CARRY))
+        if carry or not (window.is_open or (step and sync.joins_flush)):
             return self._pending()
-        self._engine.check_gradients_untouched()
-        if self.partial_window is PartialWindow.STEP:
-            return self._close(window.largest_micro_batch)
-        result = self._pending()
-        self._engine.discard_window()
-        return result
+        if window.is_open:
+            engine.check_gradients_untouched()
+        else:  # DDP: join the ranks whose data left a partial window
+            engine.run_window([], lambda model, batch: model(batch), window_items=0, size=[])
+        if not step:
+            result = self._pending()
+            engine.discard_window()
+            return result
+        sync.flushing, empty = True, self.empty_windows  # vs a full window: every rank raises
+        result = self._close(window.largest_micro_batch)  # the window's end resets `flushing`
+        if result.micro_batches or result.stepped or result.count:
+            return result
+        self.empty_windows = empty  # nothing ran here, and no rank counted an item
+        return self._pending()
 
     def _close(self, micro_batch_size: int, sizing: str | None = None) -> StepResult:
         """The window boundary, through the engine's transaction; counts what it skipped."""

@@ -178,7 +178,8 @@ def plan_micro_batch(
         margin: Share of the budget left free, in [0, 1).
         sync_policy: FSDP2's (see `Accumulator`): under `"window"` every rank holds the
             unsharded gradient sums for the window, under `"micro"` only its shard. Under DDP
-            and FSDP2 every rank plans alike: each probe's peak is the largest rank's.
+            and FSDP2 every rank plans alike: up to the smallest rank's batch, within the
+            smallest rank's budget, and each probe's peak is the largest rank's.
         batch_dim: The items' dimension of the batch's tensors (1 for `(seq, batch, ...)`), as
             `Accumulator(batch_dim=)` reads them.
 
@@ -193,10 +194,14 @@ def plan_micro_batch(
         raise ValueError(f"margin={margin!r} must be a number in [0, 1), e.g. 0.1.")
     mode = parse(Precision, precision, "precision")
     policy = parse(SyncPolicy, sync_policy, "sync_policy")
-    items = batch_size(sample_batch, batch_dim=batch_dim)
     device = next(model.parameters()).device
     resident = resident_bytes(model, optimizer) if memory_budget is None else 0
-    budget = resolve_budget(memory_budget, device, resident=resident)
+    # Every rank probes the same sizes (each probe is a collective): the smallest batch, budget.
+    mine = [
+        -batch_size(sample_batch, batch_dim=batch_dim),
+        -resolve_budget(memory_budget, device, resident=resident),
+    ]
+    items, budget = (int(-value) for value in all_ranks_max(model, [float(v) for v in mine]))
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         probe = Probe(model, optimizer, loss_fn, sample_batch, mode, accum_dtype, policy, batch_dim)
         sizes = _probe_sizes(probe, items, budget, margin)

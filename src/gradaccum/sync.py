@@ -49,6 +49,7 @@ from gradaccum._sync_base import (
     device_for,
     is_fsdp,
     process_group,
+    uncompiled,
     world_size,
 )
 from gradaccum.options import SyncPolicy
@@ -80,7 +81,7 @@ def grad_sync_for(model: torch.nn.Module, policy: SyncPolicy = SyncPolicy.WINDOW
     Raises:
         ValueError: For `SyncPolicy.MICRO` on a DDP model (it holds full gradients anyway).
     """
-    group = process_group(model)
+    group, model = process_group(model), uncompiled(model)  # torch.compile(DDP(...)): the DDP
     if group is None or dist.get_world_size(group) == 1:
         return LocalSync()
     if is_fsdp(model):

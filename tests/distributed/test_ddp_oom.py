@@ -150,3 +150,79 @@ def test_auto_ranks_time_alike_and_choose_the_same_size(tmp_path: Path) -> None:
     assert "fastest: 8" in zero["sizing"]
     for name, value in zero["params"].items():
         assert torch.equal(value, one["params"][name]), name
+
+
+# Ranks holding different batch sizes (the last batch of a DistributedSampler, a token budget):
+# rank 0 has 12 items per window, rank 1 has 5; in window 2 rank 0's batch also carries a wide
+# extra tensor (longer sequences: more work per item), which restarts the "auto" timing.
+UNEVEN_ITEMS = (12, 5)
+UNEVEN_WINDOWS = 9
+
+
+def _uneven_batch(window: int, rank: int) -> tuple[torch.Tensor, ...]:
+    x, y = _batch(window, rank)
+    items = UNEVEN_ITEMS[rank]
+    if window >= 2 and rank == 0:
+        return x[:items], y[:items], torch.zeros(items, 64)
+    return x[:items], y[:items]
+
+
+def _sum_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Any:
+    from gradaccum import LossSum
+
+    return LossSum(F.cross_entropy(model(batch[0]), batch[1], reduction="sum"), len(batch[1]))
+
+
+def uneven_auto_worker(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mode in ("auto", "largest"):
+        torch.manual_seed(3)
+        inner = nn.Sequential(nn.Linear(5, 12), nn.Tanh(), nn.Linear(12, 4)).double()
+        ddp = DistributedDataParallel(inner)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        acc = Accumulator(ddp, optimizer, micro_batch_size=mode, memory_budget="256MiB")
+        results = [acc.step(_uneven_batch(w, rank), _sum_loss) for w in range(UNEVEN_WINDOWS)]
+        out[mode] = {
+            "sizes": [r.micro_batch_size for r in results],
+            "stepped": all(r.stepped for r in results),
+            "params": {n: p.detach().clone() for n, p in inner.named_parameters()},
+        }
+    return out
+
+
+def _uneven_reference(per_rank_mean: bool) -> dict[str, torch.Tensor]:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(5, 12), nn.Tanh(), nn.Linear(12, 4)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for window in range(UNEVEN_WINDOWS):
+        batches = [_uneven_batch(window, rank) for rank in (0, 1)]
+        optimizer.zero_grad(set_to_none=True)
+        if per_rank_mean:
+            losses = [F.cross_entropy(model(b[0]), b[1]) for b in batches]
+            (sum(losses) / 2).backward()
+        else:
+            x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+            F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_auto_agrees_when_ranks_hold_different_batch_sizes(tmp_path: Path) -> None:
+    """Before the fix each rank planned and timed up to its own batch size: different probe and
+    candidate counts, so the ranks' small all-reduces paired up wrongly and they hung."""
+    outcomes = spawn_ranks(uneven_auto_worker, tmp_path, timeout=90.0, pg_timeout=20.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    want = _uneven_reference(per_rank_mean=False)
+    for mode in ("auto", "largest"):
+        zero, one = (o.result[mode] for o in outcomes)
+        assert zero["stepped"], mode
+        assert one["stepped"], mode
+        assert zero["sizes"] == one["sizes"], mode  # every rank runs the same size
+        assert max(zero["sizes"]) <= UNEVEN_ITEMS[1], mode  # planned on the smaller batch
+        for got in (zero, one):
+            for name, value in want.items():
+                torch.testing.assert_close(got["params"][name], value, rtol=1e-10, atol=1e-12)
+    # NEGATIVE CONTROL: the mean of per-rank means steps elsewhere; the comparison can fail.
+    control = _uneven_reference(per_rank_mean=True)
+    assert max((control[n] - want[n]).abs().max().item() for n in want) > 1e-3

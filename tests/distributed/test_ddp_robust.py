@@ -20,10 +20,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator, LossSum
+from gradaccum.sync import RankMismatchError
 from tests.distributed._harness import describe, spawn_ranks
 from tests.reference import kept_items_reference
 
@@ -252,3 +254,349 @@ def test_the_reference_counts_the_zero_item_rank_right(tmp_path: Path) -> None:
         sum(int(rank_batch(window, rank)["keep"].sum()) for rank in (0, 1)) for window in range(3)
     ]
     assert counts == [13, 7, 13]
+
+
+# BatchNorm under DDP (broadcast_buffers=True, the default). DDP broadcasts rank 0's buffers in
+# a forward that may sync: the very first one under no_sync() too, so a rank with no micro-batch
+# in the first window left the others waiting in that broadcast. Rank 0 runs 3 micro-batches
+# per window, rank 1 one, and none in window 0.
+BN_ITEMS = {0: 6, 1: 2}
+BN_MICRO, BN_WINDOWS = 2, 3
+
+
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
+def make_bn_net() -> BNNet:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return BNNet().double()
+
+
+def bn_batch(window: int, rank: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(10 * window + rank)
+    items = 0 if (window, rank) == (0, 1) else BN_ITEMS[rank]
+    x = torch.randn(items, 4, generator=generator, dtype=torch.float64)
+    return {"x": x, "y": torch.randn(items, 2, generator=generator, dtype=torch.float64)}
+
+
+def bn_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
+    return LossSum((model(batch["x"]) - batch["y"]).pow(2).sum(), len(batch["x"]))
+
+
+def batchnorm_worker(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mode in ("micro", "pooled"):
+        net = make_bn_net()
+        ddp = DistributedDataParallel(net)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        acc = Accumulator(ddp, optimizer, micro_batch_size=BN_MICRO, batchnorm=mode)
+        stepped = [acc.step(bn_batch(w, rank), bn_loss).stepped for w in range(BN_WINDOWS)]
+        out[mode] = {
+            "stepped": all(stepped),
+            "params": _params(net),
+            "buffers": {n: b.detach().clone() for n, b in net.named_buffers()},
+        }
+    return out
+
+
+def batchnorm_reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
+    """Full-batch steps over every rank's micro-batches (BatchNorm normalizes each micro-batch);
+    the running statistics are rank 0's. Also returns rank 1's own (what it held unbroadcast)."""
+    net = make_bn_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    own: dict[str, torch.Tensor] = {}
+    for window in range(BN_WINDOWS):
+        saved = [b.detach().clone() for b in net.bn.buffers()]
+        optimizer.zero_grad(set_to_none=True)
+        count = sum(len(bn_batch(window, rank)["x"]) for rank in (0, 1))
+        for rank in (1, 0):  # rank 0 last: its statistics are the ones kept
+            with torch.no_grad():
+                for buffer, value in zip(net.bn.buffers(), saved, strict=True):
+                    buffer.copy_(value)
+            batch = bn_batch(window, rank)
+            for start in range(0, len(batch["x"]), BN_MICRO):
+                part = {k: v[start : start + BN_MICRO] for k, v in batch.items()}
+                (bn_loss(net, part).value / count).backward()
+            if rank == 1:
+                own = {n: b.detach().clone() for n, b in net.named_buffers()}
+        optimizer.step()
+    buffers = {n: b.detach().clone() for n, b in net.named_buffers()}
+    return _params(net), buffers, own
+
+
+@pytest.mark.timeout(120)
+def test_batchnorm_with_uneven_and_empty_first_windows_stays_equal_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    outcomes = spawn_ranks(batchnorm_worker, tmp_path, timeout=90.0, pg_timeout=20.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    params, buffers, own = batchnorm_reference()
+    for mode in ("micro", "pooled"):
+        zero, one = (o.result[mode] for o in outcomes)
+        for got in (zero, one):
+            assert got["stepped"], mode
+            for name, value in params.items():
+                torch.testing.assert_close(got["params"][name], value, **EXACT, msg=name)
+            for name, value in zero["buffers"].items():  # rank 0's statistics everywhere
+                assert torch.equal(got["buffers"][name], value), (mode, name)
+    for name, value in buffers.items():  # "micro": as rank 0's micro-batches left them
+        torch.testing.assert_close(outcomes[1].result["micro"]["buffers"][name], value, **EXACT)
+    # NEGATIVE CONTROL: unbroadcast, rank 1 would hold its own statistics, far from rank 0's.
+    assert (own["bn.running_mean"] - buffers["bn.running_mean"]).abs().max() > 1e-3
+
+
+def streamed_failure_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """`micro_step()` windows (3 micro-batches, then `Tokens(13)`) where rank 1's `loss_fn` raises
+    in the second micro-batch; both ranks then run the next window over the same data."""
+    from gradaccum import Tokens
+
+    out: dict[str, Any] = {}
+    for name, steps in (("fixed", 3), ("tokens", Tokens(13))):
+        ddp = DistributedDataParallel(make_net())
+        optimizer = make_optimizer(ddp.parameters())
+        acc = Accumulator(ddp, optimizer, accumulation_steps=steps)
+        before = copy.deepcopy(_params(ddp))
+        batch = rank_batch(0, rank)
+
+        def flaky(model: nn.Module, part: dict[str, Any]) -> LossSum:
+            if rank == 1 and part.get("boom") is not None:
+                raise ValueError("rank 1's loss failed")
+            return masked_loss(model, part)
+
+        raised, calls = None, 0
+        try:
+            for start in range(0, ITEMS, MICRO):
+                part = {k: v[start : start + MICRO] for k, v in batch.items()}
+                calls += 1
+                if calls == 2:
+                    part["boom"] = True  # a non-tensor leaf, passed as it is
+                acc.micro_step(part, flaky)
+        except Exception as error:  # every rank must raise, none may wait
+            raised = f"{type(error).__name__}: {error}"
+        unchanged = all(torch.equal(p, before[n]) for n, p in _params(ddp).items())
+        grads_clear = all(p.grad is None for p in ddp.parameters())
+        results = []
+        for start in range(0, ITEMS, MICRO):  # window 0 again, whole: it must step exactly
+            part = {k: v[start : start + MICRO] for k, v in batch.items()}
+            results.append(acc.micro_step(part, masked_loss))
+        if not any(r.stepped for r in results):
+            results.append(acc.flush())
+        out[name] = {
+            "raised": raised,
+            "calls": calls,
+            "unchanged": unchanged,
+            "grads_clear": grads_clear,
+            "stepped": [r.stepped for r in results],
+            "params": _params(ddp),
+        }
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_raises_in_micro_step_makes_every_rank_raise(tmp_path: Path) -> None:
+    """Before the fix the failing rank forgot its window alone: the others went on, their
+    windows paired with the wrong ones (or waited in a count's sum that never came)."""
+    outcomes = spawn_ranks(streamed_failure_worker, tmp_path, timeout=90.0, pg_timeout=20.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    want = reference_params(windows=1)
+    for name in ("fixed", "tokens"):
+        other, failing = (o.result[name] for o in outcomes)
+        assert failing["raised"] == "ValueError: rank 1's loss failed", name
+        assert other["raised"] is not None, name
+        assert other["raised"].startswith("RankMismatchError"), (name, other["raised"])
+        assert "raised inside this accumulation window" in other["raised"]
+        # fixed: rank 0 learns it at its window's boundary (3rd call); Tokens: at the 2nd count.
+        assert other["calls"] == (3 if name == "fixed" else 2), name
+        for got in (other, failing):
+            assert got["unchanged"], name
+            assert got["grads_clear"], name
+            assert any(got["stepped"]), name
+            for key, value in want.items():
+                torch.testing.assert_close(got["params"][key], value, **EXACT, msg=key)
+
+
+def join_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """Uneven inputs under `DistributedDataParallel.join()`: rank 0 has 3 micro-batches, rank 1
+    one. Before the fix rank 1 joined while rank 0 waited in the window's exchange (a hang)."""
+    ddp = DistributedDataParallel(make_net())
+    optimizer = make_optimizer(ddp.parameters())
+    acc = Accumulator(ddp, optimizer, accumulation_steps=2)
+    before = copy.deepcopy(_params(ddp))
+    batch = rank_batch(0, rank)
+    raised = []
+    for drive in ("stream", "step"):
+        try:
+            with ddp.join():
+                if drive == "step":
+                    Accumulator(ddp, optimizer, micro_batch_size=MICRO).step(batch, masked_loss)
+                for start in range(0, MICRO * (3 if rank == 0 else 1), MICRO):
+                    acc.micro_step(
+                        {k: v[start : start + MICRO] for k, v in batch.items()}, model_loss
+                    )
+                acc.flush()
+        except ValueError as error:
+            raised.append(str(error))
+    unchanged = all(torch.equal(p, before[n]) for n, p in _params(ddp).items())
+    return {"raised": raised, "unchanged": unchanged}
+
+
+@pytest.mark.timeout(120)
+def test_join_is_refused_on_every_rank_before_any_forward(tmp_path: Path) -> None:
+    outcomes = spawn_ranks(join_worker, tmp_path, timeout=90.0, pg_timeout=20.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    for outcome in outcomes:
+        assert len(outcome.result["raised"]) == 2, outcome.result
+        for message in outcome.result["raised"]:
+            assert "DistributedDataParallel.join() cannot run gradaccum windows" in message
+            assert "DistributedSampler(drop_last=False)" in message
+        assert outcome.result["unchanged"]
+
+
+# Streams of different lengths (a sharded IterableDataset, a sampler that does not pad):
+# `accumulation_steps=3`, then `flush()`. Rank 1 always has 6 micro-batches; rank 0 has 7 or 8
+# (its last, partial window has no partner: rank 1's data ended on a boundary), 9 (a full window
+# against rank 1's flush: refused on both) or 6 (nothing to flush anywhere).
+STREAM_LENGTHS = (7, 8, 9, 6)
+
+
+def stream_part(index: int, rank: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + 10 * index + rank)
+    x = torch.randn(2, 4, generator=generator, dtype=torch.float64)
+    y = torch.randn(2, 2, generator=generator, dtype=torch.float64)
+    return {"x": x, "y": y, "keep": torch.ones(2, dtype=torch.bool)}
+
+
+def uneven_stream_worker(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for length in STREAM_LENGTHS:
+        ddp = DistributedDataParallel(make_net())
+        acc = Accumulator(ddp, make_optimizer(ddp.parameters()), accumulation_steps=3)
+        results: list[Any] = []
+        before: dict[str, torch.Tensor] = {}
+        try:
+            for index in range(length if rank == 0 else 6):
+                if index % 3 == 0:
+                    before = copy.deepcopy(_params(ddp))
+                results.append(acc.micro_step(stream_part(index, rank), masked_loss).stepped)
+            if index % 3 == 2:  # the last window closed: flush() opens none here
+                before = copy.deepcopy(_params(ddp))
+            flushed = acc.flush()
+            results.append(("flush", flushed.stepped, flushed.skipped))
+        except RankMismatchError as error:
+            results.append(str(error))
+            results.append(all(torch.equal(p, before[n]) for n, p in _params(ddp).items()))
+        dist.barrier()  # every rank leaves the stream at the same collective
+        out[str(length)] = {"results": results, "params": _params(ddp)}
+    return out
+
+
+def stream_reference(length: int, *, drop_last: bool = False) -> dict[str, torch.Tensor]:
+    lengths = (length, 6)
+    windows = []
+    for start in range(0, length, 3):
+        window = [
+            stream_part(index, rank)
+            for rank in (0, 1)
+            for index in range(start, min(start + 3, lengths[rank]))
+        ]
+        windows.append(window)
+    if drop_last:
+        windows = windows[:-1]
+    model = make_net()
+    return kept_items_reference(model, make_optimizer(model.parameters()), windows)
+
+
+@pytest.mark.timeout(120)
+def test_streams_of_different_lengths_flush_together_or_raise_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Before the fix a rank whose data ended on a window boundary made no collective in
+    `flush()`, and the other rank's flush waited for it."""
+    outcomes = spawn_ranks(uneven_stream_worker, tmp_path, timeout=90.0, pg_timeout=20.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    zero, one = (o.result for o in outcomes)
+    for length in ("7", "8"):  # rank 1 joins rank 0's partial window: an exact step
+        assert zero[length]["results"][-1] == ("flush", True, False), zero[length]
+        assert one[length]["results"][-1] == ("flush", True, False), one[length]
+        want = stream_reference(int(length))
+        for got in (zero, one):
+            for name, value in want.items():
+                torch.testing.assert_close(got[length]["params"][name], value, **EXACT)
+        # NEGATIVE CONTROL: without rank 0's last window the parameters are elsewhere.
+        dropped = stream_reference(int(length), drop_last=True)
+        assert max((dropped[n] - want[n]).abs().max().item() for n in want) > 1e-4
+    for got in (zero, one):  # 9 against 6: a full window meets a flush; refused everywhere
+        message, unchanged = got["9"]["results"][-2:]
+        assert message.startswith("rank 1 called flush() (its data ended)"), message
+        assert "DistributedSampler" in message
+        assert unchanged is True
+        assert got["6"]["results"][-1] == ("flush", False, False)  # nothing left anywhere
+
+
+def comm_hook_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """DDP with the fp16 compression hook registered: it is never called (the library reduces
+    in float64 itself), the user is told once, and the steps are exact."""
+    import warnings
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = DistributedDataParallel(make_net())
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    acc = Accumulator(ddp, make_optimizer(ddp.parameters()), micro_batch_size=MICRO)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for window in range(WINDOWS):
+            assert acc.step(rank_batch(window, rank), masked_loss).stepped
+    hook_warnings = [str(w.message) for w in caught if "communication hook" in str(w.message)]
+    return {"warnings": hook_warnings, "params": _params(ddp)}
+
+
+@pytest.mark.timeout(120)
+def test_a_registered_comm_hook_is_named_unused_and_the_steps_stay_exact(tmp_path: Path) -> None:
+    outcomes = spawn_ranks(comm_hook_worker, tmp_path, timeout=90.0, pg_timeout=20.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    want = reference_params()
+    for outcome in outcomes:
+        assert len(outcome.result["warnings"]) == 1, outcome.result["warnings"]
+        assert "remove register_comm_hook()" in outcome.result["warnings"][0]
+        for name, value in want.items():
+            torch.testing.assert_close(outcome.result["params"][name], value, **EXACT)
+
+
+def compiled_ddp_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """`torch.compile(DistributedDataParallel(model))`, as PyTorch's docs combine them. Before
+    the fix the compile wrapper hid the DDP model: the library ran a one-process window and DDP
+    reduced (and averaged) every backward, which hung when ranks ran different numbers."""
+    net = make_net()
+    compiled = torch.compile(DistributedDataParallel(net), backend="aot_eager")
+    acc = Accumulator(compiled, make_optimizer(compiled.parameters()), micro_batch_size=MICRO)
+    for window in range(WINDOWS):
+        batch = rank_batch(window, rank)
+        if rank == 1:  # fewer micro-batches on rank 1: 1 against 3 (its dropped items cut off)
+            batch = {k: v[:MICRO] for k, v in batch.items()}
+        assert acc.step(batch, model_loss).stepped
+    return {"params": _params(net)}
+
+
+@pytest.mark.timeout(180)
+def test_a_compiled_ddp_model_is_reduced_once_per_window_exactly(tmp_path: Path) -> None:
+    outcomes = spawn_ranks(compiled_ddp_worker, tmp_path, timeout=150.0, pg_timeout=30.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    model = make_net()
+    windows = [
+        [rank_batch(w, 0), {k: v[:MICRO] for k, v in rank_batch(w, 1).items()}]
+        for w in range(WINDOWS)
+    ]
+    want = kept_items_reference(model, make_optimizer(model.parameters()), windows)
+    for outcome in outcomes:
+        for name, value in want.items():
+            torch.testing.assert_close(outcome.result["params"][name], value, **EXACT, msg=name)
+    # NEGATIVE CONTROL: the mean of the two ranks' own means (DDP's averaging) is elsewhere.
+    assert window0_gradient(per_rank_mean=True).sub(window0_gradient(False)).abs().max() > 1e-3
