@@ -6,7 +6,9 @@
 - `DistributedDataParallel(static_graph=True)`: its first window is synchronized by DDP itself
   (every micro-batch), the later ones by the library, and every step is exact;
 - a rank whose `loss_fn` raises mid-window: every rank raises, none waits, nothing changed, and
-  the next window is exact.
+  the next window is exact;
+- `micro_batch_size="auto"` (ranks agree on the sizes; the unused parameter stays `None`), and a
+  learnable loss weight held by the optimizer outside the DDP model (reduced over ranks).
 
 Each rank reports; the single-process references (one full-batch step on every rank's data)
 are computed here, in the test process, with plain PyTorch.
@@ -117,7 +119,11 @@ def _run(rank: int, *, drive: str, static_graph: bool = False, bf16: bool = Fals
     options: dict[str, Any] = {"accum_dtype": torch.float32} if bf16 else {}
     # A static graph's first window is synchronized by DDP itself: every rank must run the model.
     loss_fn = model_loss if static_graph else masked_loss
-    if drive == "step":
+    if drive == "auto":  # the sizes it plans and times: every rank agrees, every window exact
+        acc = Accumulator(ddp, optimizer, micro_batch_size="auto", memory_budget="256MiB")
+        for window in range(WINDOWS):
+            acc.step(rank_batch(window, rank, dtype), loss_fn)
+    elif drive == "step":
         acc = Accumulator(ddp, optimizer, micro_batch_size=MICRO, **options)
         for window in range(WINDOWS):
             acc.step(rank_batch(window, rank, dtype), loss_fn)
@@ -172,9 +178,42 @@ def _failure_mid_window(rank: int) -> dict[str, Any]:
     return {"raised": raised, "unchanged": unchanged, "grads_clear": grads_clear}
 
 
+def weighted_loss(model: nn.Module, batch: dict[str, Any], weight: torch.Tensor) -> LossSum:
+    """`masked_loss` scaled by a learnable weight that lives outside the model."""
+    loss = masked_loss(model, batch)
+    return LossSum(loss.value * weight if loss.value.requires_grad else loss.value, loss.count)
+
+
+def _outside_weight(rank: int) -> dict[str, Any]:
+    """A learnable loss weight held by the optimizer but not the model: reduced over ranks too."""
+    ddp = DistributedDataParallel(make_net())
+    weight = nn.Parameter(torch.tensor(0.75, dtype=torch.float64))
+    acc = Accumulator(ddp, make_optimizer([*ddp.parameters(), weight]), micro_batch_size=MICRO)
+    for window in range(WINDOWS):
+        acc.step(rank_batch(window, rank), lambda m, b: weighted_loss(m, b, weight))
+    return {"params": _params(ddp), "weight": weight.detach().clone()}
+
+
+def outside_weight_reference(ranks: tuple[int, ...] = (0, 1)) -> dict[str, torch.Tensor]:
+    """Plain PyTorch: the full batch of `ranks`' kept items, the weight in the same optimizer."""
+    model, weight = make_net(), nn.Parameter(torch.tensor(0.75, dtype=torch.float64))
+    optimizer = make_optimizer([*model.parameters(), weight])
+    for window in range(WINDOWS):
+        batches = [rank_batch(window, rank) for rank in ranks]
+        x = torch.cat([b["x"][b["keep"]] for b in batches])
+        y = torch.cat([b["y"][b["keep"]] for b in batches])
+        optimizer.zero_grad(set_to_none=True)
+        ((model(x) - y).pow(2).sum() * weight / len(x)).backward()
+        optimizer.step()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {**params, "weight": weight.detach().clone()}
+
+
 def robust_worker(rank: int, world_size: int) -> dict[str, Any]:
     torch.manual_seed(0)
     return {
+        "auto": _run(rank, drive="auto"),
+        "outside": _outside_weight(rank),
         "step": _run(rank, drive="step"),
         "stream": _run(rank, drive="stream"),
         "static": _run(rank, drive="step", static_graph=True),
@@ -195,7 +234,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", ["step", "stream", "static", "static_stream"])
+@pytest.mark.parametrize("case", ["step", "stream", "static", "static_stream", "auto"])
 def test_a_rank_whose_last_micro_batch_has_no_graph_matches_the_reference(
     runs: list[dict[str, Any]], case: str
 ) -> None:
@@ -211,7 +250,7 @@ def test_a_rank_whose_last_micro_batch_has_no_graph_matches_the_reference(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", ["step", "stream", "bf16", "static"])
+@pytest.mark.parametrize("case", ["step", "stream", "bf16", "static", "auto"])
 def test_a_parameter_no_rank_uses_keeps_no_gradient_and_does_not_move(
     runs: list[dict[str, Any]], case: str
 ) -> None:
@@ -225,6 +264,21 @@ def test_a_parameter_no_rank_uses_keeps_no_gradient_and_does_not_move(
     spare.grad = torch.zeros_like(spare)
     optimizer.step()
     assert not torch.equal(spare, torch.ones(3, dtype=torch.float64))
+
+
+@pytest.mark.timeout(180)
+def test_a_learnable_weight_outside_the_model_is_reduced_over_ranks(
+    runs: list[dict[str, Any]],
+) -> None:
+    """The optimizer's parameter outside the DDP model: summed over ranks, divided once."""
+    expected = outside_weight_reference()
+    for run in runs:
+        torch.testing.assert_close(run["outside"]["weight"], expected["weight"], **EXACT)
+        for name, got in run["outside"]["params"].items():
+            torch.testing.assert_close(got, expected[name], **EXACT, msg=name)
+    # NEGATIVE CONTROL: the weight trained on rank 0's items alone (not reduced) ends elsewhere.
+    alone = outside_weight_reference(ranks=(0,))["weight"]
+    assert abs(float(alone - expected["weight"])) > 1e-4
 
 
 @pytest.mark.timeout(180)
