@@ -1,6 +1,7 @@
 """The fastest micro-batch size that fits: timed on real windows, decided with hysteresis.
 
-Because every split of a window gives the same step, the micro-batch size is a pure speed knob.
+Because every split of a window gives the same step, the micro-batch size is a pure speed knob
+(train-mode BatchNorm aside, whose batch is the micro-batch: see docs/memory.md).
 `ThroughputTuner` times a few candidates, one real window each, and keeps the one with the most
 items per second:
 
