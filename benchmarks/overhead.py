@@ -404,7 +404,7 @@ def profile_targets(model: nn.Module, opt: torch.optim.Optimizer) -> list[tuple[
     """What `--profile` times: the work both loops share (labels starting with `=`: the model's
     forward, the loss, backward, the optimizer), and the library's functions where they are
     looked up."""
-    from gradaccum import _engine, accumulator, batching, divisor, loss, precision, sync, window
+    from gradaccum import _engine, accumulator, batchnorm, precision, sync, window
 
     targets: list[tuple[object, str, str]] = [
         (type(model), "forward", "= model forward"),
@@ -419,6 +419,7 @@ def profile_targets(model: nn.Module, opt: torch.optim.Optimizer) -> list[tuple[
         (window, window.Window),
         (precision, precision.PrecisionRuntime),
         (sync, sync.LocalSync),
+        (batchnorm, batchnorm.BatchNormControl),
     )
     for module, owner in owners:
         for name, value in vars(owner).items():
@@ -426,12 +427,9 @@ def profile_targets(model: nn.Module, opt: torch.optim.Optimizer) -> list[tuple[
                 targets.append((owner, name, f"{module.__name__[10:]}.py: {name}"))
     for module in (accumulator, _engine, window):
         for name, value in vars(module).items():
-            if inspect.isfunction(value) and value.__module__ in (
-                batching.__name__,
-                loss.__name__,
-                sync.__name__,
-                divisor.__name__,
-            ):
+            if inspect.isfunction(value) and value.__module__.startswith("gradaccum."):
+                if value.__module__ == module.__name__:
+                    continue
                 targets.append((module, name, f"{value.__module__[10:]}.py: {name}"))
     return targets
 
