@@ -157,7 +157,7 @@ def divide_(grads: list[torch.Tensor], divisor: float) -> None:
     dtype = grads[0].dtype
     plain = set(map(type, grads)) == {torch.Tensor}  # not DTensor: no plain divisor for those
     if plain and dtype in _SIGNIFICAND_BITS and set(map(_CPU_DTYPE, grads)) == {(True, dtype)}:
-        torch._foreach_div_(grads, torch.tensor(divisor, dtype=dtype))
+        torch._foreach_div_(grads, torch.full((), divisor, dtype=dtype))
     else:
         torch._foreach_div_(grads, divisor)
 
