@@ -19,7 +19,7 @@ from torch import nn
 import gradaccum
 from gradaccum import Accumulator, LossSum
 from gradaccum.loss import MAX_TERMS, Term
-from tests.models import IGNORE_INDEX, make_model, token_batch
+from tests.models import IGNORE_INDEX, NUM_CLASSES, make_model, token_batch
 from tests.reference import param_tensors, relative_gap, split
 from tests.state import assert_bitwise, clone_state
 
@@ -343,3 +343,112 @@ def test_a_damaged_terms_ledger_is_refused_before_anything_loads() -> None:
         fresh.load_state_dict(state)
     assert_bitwise(_snapshot(fresh_model, fresh), before)
     assert fresh.state_dict()["engine"]["window"]["micro_batches"] == 0
+
+
+# ---------------------------------------------------------------- weighted means
+
+CLASS_WEIGHTS = torch.linspace(0.3, 2.1, NUM_CLASSES, dtype=torch.float64)
+
+
+def _weighted_ce_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(
+        model(batch["tokens"]).flatten(0, 1),
+        batch["labels"].flatten(),
+        weight=CLASS_WEIGHTS,
+        ignore_index=IGNORE_INDEX,
+        label_smoothing=0.1,
+        reduction="sum",
+    )
+
+
+def _summed_weights(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    labels = batch["labels"]
+    return CLASS_WEIGHTS[labels[labels != IGNORE_INDEX]].sum()
+
+
+def weighted_ce(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+    """`CrossEntropyLoss(weight=...)`'s mean divides by the targets' summed weights: a term
+    whose count is that sum (a real number, not a number of items)."""
+    return LossSum.terms(ce=(_weighted_ce_sum(model, batch), _summed_weights(batch)))
+
+
+def _weighted_reference(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain loop: nn.CrossEntropyLoss(weight=..., ignore_index=...) on the whole batch."""
+    model = make_model("token")
+    optimizer = _optimizer(model)
+    criterion = nn.CrossEntropyLoss(
+        weight=CLASS_WEIGHTS, ignore_index=IGNORE_INDEX, label_smoothing=0.1
+    )
+    criterion(model(batch["tokens"]).flatten(0, 1), batch["labels"].flatten()).backward()
+    optimizer.step()
+    return param_tensors(model)
+
+
+@pytest.mark.parametrize("micro", [1, 3, 7])
+def test_class_weighted_cross_entropy_is_exact_as_a_term_counting_summed_weights(
+    micro: int,
+) -> None:
+    """Was refused: a term's count had to be a whole number, so a class-weighted mean had no
+    exact recipe. Splits of 1 item include micro-batches whose weights sum to 0."""
+    batch = _batch(40, 7)
+    batch["labels"][2] = IGNORE_INDEX  # a row with no target: its micro-batch counts 0.0
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model), micro_batch_size=micro)
+    result = acc.step(batch, weighted_ce)
+    assert result.stepped
+    assert relative_gap(param_tensors(model), _weighted_reference(batch)) < EXACT
+    expected = float(_weighted_ce_sum(make_model("token"), batch) / _summed_weights(batch))
+    assert result.loss == pytest.approx(expected, rel=1e-12)
+
+
+def test_class_weighted_terms_stream_and_resume_mid_window_exactly() -> None:
+    """micro_step + flush, with a state saved after 2 micro-batches loaded into a fresh
+    Accumulator: the summed weights so far are kept as they are (not truncated to items)."""
+    batch = _batch(41, 9)
+    micro_batches = split(batch, 2)
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model), accumulation_steps=8)
+    for micro_batch in micro_batches[:2]:
+        acc.micro_step(micro_batch, weighted_ce)
+    state = acc.state_dict()
+    resumed = Accumulator(model, _optimizer(model), accumulation_steps=8)
+    resumed.optimizer.load_state_dict(acc.optimizer.state_dict())
+    resumed.load_state_dict(state)
+    for micro_batch in micro_batches[2:]:
+        assert not resumed.micro_step(micro_batch, weighted_ce).stepped
+    assert resumed.flush().stepped
+    assert relative_gap(param_tensors(model), _weighted_reference(batch)) < EXACT
+
+
+def test_negative_control_class_weighted_mean_returned_plainly_is_not_exact() -> None:
+    """The plain scalar (read as a mean over rows) and a LossSum counting targets both miss."""
+
+    def plain(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return _weighted_ce_sum(model, batch) / _summed_weights(batch).clamp(min=1e-12)
+
+    def by_targets(model: nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
+        return LossSum(_weighted_ce_sum(model, batch), (batch["labels"] != IGNORE_INDEX).sum())
+
+    batch = _batch(40, 7)
+    for loss_fn in (plain, by_targets):
+        model = make_model("token")
+        Accumulator(model, _optimizer(model), micro_batch_size=3).step(batch, loss_fn)
+        assert relative_gap(param_tensors(model), _weighted_reference(batch)) > 1e-4
+
+
+def test_a_fractional_loss_sum_count_names_the_weighted_term_recipe_and_changes_nothing() -> None:
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model), micro_batch_size=3)
+    before = _snapshot(model, acc)
+
+    def summed_weights_as_count(model: nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
+        return LossSum(_weighted_ce_sum(model, batch), _summed_weights(batch))
+
+    with pytest.raises(ValueError, match=r"whole number.*LossSum\.terms\(loss="):
+        acc.step(_batch(40, 7), summed_weights_as_count)
+    for bad in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="count"):
+            acc.step(
+                _batch(40, 7), lambda m, b, bad=bad: LossSum.terms(x=(m(b["tokens"]).sum(), bad))
+            )
+    assert_bitwise(_snapshot(model, acc), before)

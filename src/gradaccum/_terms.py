@@ -55,7 +55,7 @@ class TermLedger:
         normalize: Normalize,
         *,
         expected_micro_batches: int,
-        ahead: Mapping[str, int] | None,
+        ahead: Mapping[str, float] | None,
     ) -> None:
         self.names = tuple(t.name for t in first)
         self.weights = tuple(t.weight for t in first)
@@ -73,7 +73,7 @@ class TermLedger:
                 fixed = float(given) if given else None
             self.fixed.append(fixed)
             self.from_ahead.append(bool(given))
-            expected = term.count * expected_micro_batches
+            expected = math.ceil(term.count * expected_micro_batches)  # its magnitude only
             self.scales.append(
                 fixed or backward_denominator(normalize, expected_items=expected, window_items=None)
             )
@@ -83,7 +83,7 @@ class TermLedger:
         self.main = tuple(i for i in range(len(self.names)) if self.fixed[i] is not None)
         self.main += main_unknown
         self.extra = tuple(i for i in unknown if i not in main_unknown)
-        self.counts = [0] * len(self.names)
+        self.counts = [0.0] * len(self.names)  # items, or summed weights (a weighted mean)
         self._sums: list[torch.Tensor | None] = [None] * len(self.names)  # read at the boundary
         self.buffers: dict[int, list[torch.Tensor | None]] = {}
 
@@ -333,7 +333,7 @@ class TermLedger:
         ledger.main = tuple(int(i) for i in state["main"])
         ledger.extra = tuple(int(i) for i in state["extra"])
         ledger.main_is_known = all(ledger.fixed[i] is not None for i in ledger.main)
-        ledger.counts = [int(c) for c in state["counts"]]
+        ledger.counts = [float(c) for c in state["counts"]]
         ledger._sums = [None if t is None else t.to(device).clone() for t in state["sums"]]
         ledger.buffers = {
             int(i): [None if g is None else g.to(device).clone() for g in b]

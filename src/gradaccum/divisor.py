@@ -94,7 +94,7 @@ class Expectation:
 
     micro_batches: int
     items: int | None = None
-    counted: int | dict[str, int] | None = None
+    counted: int | dict[str, float] | None = None
     until: int | None = None
 
     def denominator(

@@ -107,7 +107,9 @@ class Term:
 
     Attributes:
         value: Scalar tensor, the term summed over its items in this micro-batch.
-        count: Items this micro-batch counts for the term (the window adds them up).
+        count: Items this micro-batch counts for the term (the window adds them up); for a
+            weighted mean, the items' summed weights, a real number >= 0 (e.g. `w[targets].sum()`
+            for `cross_entropy(..., weight=w)`, whose mean divides by it).
         weight: A constant factor on the normalized term.
         denominator: A constant to divide by instead of the window's count (e.g. Dr. GRPO's
             `G * max_len`); then `count` is not needed.
@@ -137,7 +139,7 @@ class ReadTerm(NamedTuple):
     name: str
     value: torch.Tensor
     weight: float
-    count: int  # type: ignore[assignment]  # shadows tuple.count on purpose: the item count
+    count: float  # type: ignore[assignment]  # shadows tuple.count: items, or summed weights
     denominator: float | None
 
 
@@ -145,9 +147,10 @@ def read_terms(result: LossTerms) -> list[ReadTerm]:
     """Check every term of `result` (before any backward, so a bad term changes nothing).
 
     Raises:
-        ValueError: For a value that is not a floating scalar, a count that is not a whole
-            number >= 0, a weight or denominator that is not finite (a denominator must be
-            > 0), or a term with both or neither of `count` and `denominator`.
+        ValueError: For a value that is not a floating scalar, a count that is not a finite
+            number >= 0 (a term's count may be a sum of weights), a weight or denominator that
+            is not finite (a denominator must be > 0), or a term with both or neither of
+            `count` and `denominator`.
     """
     read = []
     for name, term in result.terms.items():
@@ -167,7 +170,7 @@ def read_terms(result: LossTerms) -> list[ReadTerm]:
                 raise ValueError(
                     f"term {name!r} has denominator={term.denominator!r}; it must be > 0."
                 )
-        count = 0 if term.count is None else _read_count(term.count)
+        count = 0.0 if term.count is None else _count_number(term.count, f"term {name!r}'s count")
         read.append(ReadTerm(name, value, weight, count, denominator))
     return read
 
@@ -212,7 +215,7 @@ def read_loss(result: object, batch_items: int, *, needs_graph: bool = False) ->
         # the engine reads terms with `read_terms`.
         terms = read_terms(result)
         total = functools.reduce(torch.add, [t.value * t.weight for t in terms])
-        return ReadLoss(total, 1, sum(t.count for t in terms))
+        return ReadLoss(total, 1, math.ceil(sum(t.count for t in terms)))
     if isinstance(result, torch.Tensor):
         value = _check_scalar(result, "the loss")
         if needs_graph:
@@ -261,7 +264,7 @@ def backward_inside_error() -> ValueError:
     )
 
 
-def counted_ahead(loss_fn: object, micro_batches: Sequence[Any]) -> int | dict[str, int] | None:
+def counted_ahead(loss_fn: object, micro_batches: Sequence[Any]) -> int | dict[str, float] | None:
     """The items `loss_fn` will count over `micro_batches`, when it can say so before running.
 
     A loss function may have an `items_counted(micro_batch)` method (the `gradaccum.hf` losses
@@ -284,10 +287,10 @@ def counted_ahead(loss_fn: object, micro_batches: Sequence[Any]) -> int | dict[s
         return None
     counts = [count_items(micro_batch) for micro_batch in micro_batches]
     if counts and all(isinstance(c, Mapping) for c in counts):
-        per_term: dict[str, int] = {}
+        per_term: dict[str, float] = {}
         for count in counts:
             for name, items in count.items():
-                per_term[name] = per_term.get(name, 0) + _read_count(items)
+                per_term[name] = per_term.get(name, 0) + _count_number(items, f"{name!r} count")
         return per_term
     total = sum(_read_count(count) for count in counts)
     return total or None
@@ -307,22 +310,40 @@ def _check_scalar(value: object, what: str) -> torch.Tensor:
 
 
 def _read_count(count: object) -> int:
+    number = _count_number(count, "LossSum.count")
+    if not number.is_integer():
+        raise ValueError(
+            f"LossSum.count={number!r} must be a whole number of items. A weighted mean (e.g. "
+            "cross_entropy(..., weight=w), which divides by the targets' summed weights "
+            "w[targets].sum()) is exact as LossSum.terms(loss=(weighted_sum, summed_weights)): "
+            "a term's count may be a sum of weights."
+        )
+    return int(number)
+
+
+def _count_number(count: object, what: str) -> float:
+    """`count` as a finite number >= 0 (a Python or numpy number, or a one-element tensor)."""
     if isinstance(count, torch.Tensor):
         if count.numel() != 1:
             raise ValueError(
-                f"LossSum.count has shape {tuple(count.shape)}; it must be an int or a 0-dim "
+                f"{what} has shape {tuple(count.shape)}; it must be an int or a 0-dim "
                 "tensor, e.g. (labels != ignore_index).sum()."
             )
         count = count.item()  # one host read per micro-batch: validated before any backward
     if isinstance(count, numbers.Integral) and not isinstance(count, bool):
         count = int(count)  # numpy integers too
+    elif isinstance(count, numbers.Real) and not isinstance(count, bool):
+        count = float(count)  # numpy floats too
     if isinstance(count, bool) or not isinstance(count, (int, float)):
-        raise TypeError(f"LossSum.count={count!r} must be an int or a 0-dim tensor.")
-    if isinstance(count, float) and not (math.isfinite(count) and count.is_integer()):
-        raise ValueError(f"LossSum.count={count!r} must be a whole number of items.")
+        raise TypeError(f"{what}={count!r} must be an int or a 0-dim tensor.")
+    if not math.isfinite(count):
+        raise ValueError(
+            f"{what}={count!r} must be finite: a whole number of items (a term's count may "
+            "also be a sum of weights)."
+        )
     if count < 0:
-        raise ValueError(f"LossSum.count={count!r} must be >= 0: it counts the items summed.")
-    return int(count)
+        raise ValueError(f"{what}={count!r} must be >= 0: it counts the items summed.")
+    return float(count)
 
 
 def warn_if_token_mean(micro_batch: object) -> bool:
