@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradaccum._warnings import warn_user
+from gradaccum._token_mean import TokenMeanCheck, TokenMeanWarning, warn_if_token_mean
 
 __all__ = [
     "MAX_TERMS",
@@ -41,12 +41,6 @@ __all__ = [
     "read_terms",
     "warn_if_token_mean",
 ]
-
-_IGNORE_INDEX = -100  # the Hugging Face convention for unscored label positions
-
-
-class TokenMeanWarning(UserWarning):
-    """A plain-scalar loss on a batch with unscored label positions: a token mean read by rows."""
 
 
 @dataclass(frozen=True)
@@ -344,53 +338,3 @@ def _count_number(count: object, what: str) -> float:
     if count < 0:
         raise ValueError(f"{what}={count!r} must be >= 0: it counts the items summed.")
     return float(count)
-
-
-def warn_if_token_mean(micro_batch: object) -> bool:
-    """Warn if a plain-scalar loss's batch has `labels` with -100: a token mean read by rows.
-
-    Called for losses returned as plain scalars (a mean over the micro-batch's rows). A batch
-    `{"labels": ...}` holding -100 (unscored positions, the Hugging Face convention) means the
-    scalar is a token mean, and weighting it by rows is not the full-batch token mean.
-
-    Returns:
-        Whether it warned.
-    """
-    labels = None
-    if isinstance(micro_batch, Mapping):  # `shift_labels`: a causal LM's, shifted by the pipeline
-        labels = micro_batch.get("labels", micro_batch.get("shift_labels"))
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
-        return False
-    if not bool((labels == _IGNORE_INDEX).any()):
-        return False
-    warn_user(
-        TokenMeanWarning(
-            "loss_fn returned a plain scalar, read as a mean over the micro-batch's "
-            f"{labels.shape[0]} rows, but the batch's labels hold {_IGNORE_INDEX} (unscored "
-            "positions): a token mean is being weighted by rows, which is not the full-batch "
-            "token mean. Return gradaccum.LossSum(sum_of_token_losses, "
-            "count=number_of_scored_tokens) instead."
-        )
-    )
-    return True
-
-
-class TokenMeanCheck:
-    """Warns once if plain-scalar losses come from batches with -100 labels (a token mean).
-
-    Only the first `checks` plain-scalar micro-batches are inspected (each check reads the
-    labels, a device sync on an accelerator), and none after one warned. A micro-batch of one
-    row is checked too: the token mean of one row, weighted by 1, is still not the window's
-    token mean.
-
-    Args:
-        checks: Plain-scalar micro-batches to inspect at most.
-    """
-
-    def __init__(self, checks: int = 8) -> None:
-        self.left = checks
-
-    def check(self, result: object, micro_batch: object) -> None:
-        """Inspect `micro_batch` if `loss_fn` returned a plain scalar for it."""
-        if self.left and isinstance(result, torch.Tensor):
-            self.left = 0 if warn_if_token_mean(micro_batch) else self.left - 1
