@@ -452,3 +452,34 @@ def test_a_fractional_loss_sum_count_names_the_weighted_term_recipe_and_changes_
                 _batch(40, 7), lambda m, b, bad=bad: LossSum.terms(x=(m(b["tokens"]).sum(), bad))
             )
     assert_bitwise(_snapshot(model, acc), before)
+
+
+# ---------------------------------------------------------------- a term some micro-batches lack
+
+
+def _aux_only_where_long(model: nn.Module, batch: dict[str, torch.Tensor], *, omit: bool) -> Any:
+    """`two_terms`, but a micro-batch without a long row has no auxiliary item: it leaves the
+    term out (`omit`), or returns it counting 0 with a constant value (the recipe)."""
+    p = _parts(model, batch)
+    terms: dict[str, Any] = {"ce": (p["ce"], p["tokens"])}
+    if int(p["rows"]) > 0:
+        terms["aux"] = Term(p["aux"], count=p["rows"], weight=AUX_WEIGHT)
+    elif not omit:
+        terms["aux"] = Term(torch.zeros((), dtype=torch.float64), count=0, weight=AUX_WEIGHT)
+    return LossSum.terms(**terms)
+
+
+def test_a_term_absent_from_some_micro_batches_is_refused_naming_the_zero_count_recipe() -> None:
+    batch = _batch(50, 7)
+    long_rows = (batch["labels"] != IGNORE_INDEX).sum(1) >= 3
+    assert bool(long_rows[0])  # the first micro-batch has the term,
+    assert not bool(long_rows.all())  # some later ones lack it
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model), micro_batch_size=1, max_grad_norm=1.0)
+    before = _snapshot(model, acc)
+    with pytest.raises(ValueError, match=r"counting 0.*Term\(torch\.zeros\(\(\)\), count=0\)"):
+        acc.step(batch, lambda m, b: _aux_only_where_long(m, b, omit=True))
+    assert_bitwise(_snapshot(model, acc), before)
+    assert acc.step(batch, lambda m, b: _aux_only_where_long(m, b, omit=False)).stepped
+    expected, _ = _reference([batch])
+    assert relative_gap(param_tensors(model), expected) < EXACT

@@ -146,7 +146,9 @@ class TermLedger:
         if names != self.names:
             raise ValueError(
                 f"this micro-batch's loss has terms {list(names)}, the window's first had "
-                f"{list(self.names)}; return the same terms, in the same order, every time."
+                f"{list(self.names)}; return the same terms, in the same order, every time. A "
+                "term with no item in a micro-batch is still returned, counting 0: e.g. "
+                "Term(aux[mask].sum(), count=mask.sum()), or Term(torch.zeros(()), count=0)."
             )
         for term, fixed in zip(terms, self.fixed, strict=True):
             if term.denominator is not None and term.denominator != fixed:
