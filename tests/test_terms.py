@@ -483,3 +483,39 @@ def test_a_term_absent_from_some_micro_batches_is_refused_naming_the_zero_count_
     assert acc.step(batch, lambda m, b: _aux_only_where_long(m, b, omit=False)).stepped
     expected, _ = _reference([batch])
     assert relative_gap(param_tensors(model), expected) < EXACT
+
+
+def test_a_learnable_term_weight_is_refused_and_multiplying_the_value_is_exact() -> None:
+    """`Term(weight=torch.exp(-s))` with `s` a parameter (uncertainty weighting) was read with
+    float(): its graph dropped, `s` silently never moved. It is refused naming the fix, changing
+    nothing; the fix, the weight on the value, steps `s` as the full-batch objective does."""
+    batch = _batch(60, 7)
+    log_var = nn.Parameter(torch.tensor(0.5, dtype=torch.float64))
+
+    def weighted_terms(model: nn.Module, batch: dict[str, torch.Tensor], *, on_value: bool) -> Any:
+        p = _parts(model, batch)
+        if on_value:
+            aux = Term(p["aux"] * torch.exp(-log_var), count=p["rows"])
+        else:
+            aux = Term(p["aux"], count=p["rows"], weight=torch.exp(-log_var))  # type: ignore[arg-type]
+        return LossSum.terms(ce=(p["ce"], p["tokens"]), aux=aux)
+
+    model = make_model("token")
+    optimizer = torch.optim.SGD([*model.parameters(), log_var], lr=0.5)
+    acc = Accumulator(model, optimizer, micro_batch_size=3)
+    before = _snapshot(model, acc)
+    with pytest.raises(ValueError, match=r"requires grad.*Term\(value \* weight"):
+        acc.step(batch, lambda m, b: weighted_terms(m, b, on_value=False))
+    assert_bitwise(_snapshot(model, acc), before)
+    assert log_var.grad is None
+    assert acc.step(batch, lambda m, b: weighted_terms(m, b, on_value=True)).stepped
+
+    reference = make_model("token")
+    reference_log_var = nn.Parameter(torch.tensor(0.5, dtype=torch.float64))
+    p = _parts(reference, batch)
+    objective = p["ce"] / p["tokens"] + torch.exp(-reference_log_var) * p["aux"] / p["rows"]
+    objective.backward()
+    torch.optim.SGD([*reference.parameters(), reference_log_var], lr=0.5).step()
+    assert relative_gap(param_tensors(model), param_tensors(reference)) < EXACT
+    assert log_var.item() != 0.5
+    assert log_var.item() == pytest.approx(reference_log_var.item(), rel=1e-12)

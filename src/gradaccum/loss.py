@@ -104,7 +104,7 @@ class Term:
         count: Items this micro-batch counts for the term (the window adds them up); for a
             weighted mean, the items' summed weights, a real number >= 0 (e.g. `w[targets].sum()`
             for `cross_entropy(..., weight=w)`, whose mean divides by it).
-        weight: A constant factor on the normalized term.
+        weight: A constant factor on the normalized term (a learnable one multiplies `value`).
         denominator: A constant to divide by instead of the window's count (e.g. Dr. GRPO's
             `G * max_len`); then `count` is not needed.
 
@@ -153,6 +153,13 @@ def read_terms(result: LossTerms) -> list[ReadTerm]:
             raise ValueError(
                 f"term {name!r} needs exactly one of count= (divide by the window's count) and "
                 "denominator= (divide by a constant)."
+            )
+        if isinstance(term.weight, torch.Tensor) and term.weight.requires_grad:
+            # float() would drop its graph: the learnable weight would silently never move.
+            raise ValueError(
+                f"term {name!r} has a weight that requires grad (a learnable weight); a Term's "
+                "weight is a constant. Multiply the value instead, Term(value * weight, "
+                "count=...), so that its gradient reaches the weight."
             )
         weight = float(term.weight)
         if not math.isfinite(weight):
