@@ -468,3 +468,53 @@ def test_negative_controls_no_ignore_index_warning_without_minus_100_integer_tar
     gradaccum.accumulate_grad(model, (x, y), _ignore_index_ce_sum, micro_batch_size=4)
     for exact, accumulated in zip(full.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(accumulated.grad, exact.grad, rtol=1e-10, atol=0)
+
+
+def _mean_times_count(model: torch.nn.Module, batch: Any) -> LossSum:
+    """The usual 'mean to sum' conversion: nan * 0 on a micro-batch whose targets are all -100."""
+    x, y = batch
+    count = (y != IGNORE).sum()
+    return LossSum(
+        torch.nn.functional.cross_entropy(model(x), y, ignore_index=IGNORE) * count, count
+    )
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step", "accumulate_grad", "terms"])
+def test_a_mean_times_a_zero_count_is_refused_naming_the_sum(drive: str) -> None:
+    """Rows 3-5 have no target: their micro-batch's mean is nan, and nan * 0 made the whole
+    window non-finite, silently skipped where the full batch steps. It is refused naming
+    reduction='sum', changing nothing; the sum itself is exact."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 4, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (9,), generator=generator)
+    y[3:6] = IGNORE
+    model = torch.nn.Linear(4, 3).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = copy.deepcopy(model.state_dict())
+
+    def as_terms(m: torch.nn.Module, b: Any) -> Any:
+        loss = _mean_times_count(m, b)
+        return LossSum.terms(ce=(loss.value, loss.count))
+
+    def run() -> None:
+        if drive in ("step", "terms"):
+            acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=3)
+            acc.step((x, y), _mean_times_count if drive == "step" else as_terms)
+        elif drive == "micro_step":
+            acc = gradaccum.Accumulator(model, optimizer, accumulation_steps=3)
+            for micro_batch in gradaccum.split_batch((x, y), 3):
+                acc.micro_step(micro_batch, _mean_times_count)
+        else:
+            gradaccum.accumulate_grad(model, (x, y), _mean_times_count, micro_batch_size=3)
+
+    with pytest.raises(ValueError, match=r"counts 0 items but is nan.*reduction='sum'"):
+        run()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name])
+    assert all(p.grad is None for p in model.parameters())
+
+    full = copy.deepcopy(model)
+    torch.nn.functional.cross_entropy(full(x), y, ignore_index=IGNORE).backward()
+    gradaccum.accumulate_grad(model, (x, y), _ignore_index_ce_sum, micro_batch_size=3)
+    for exact, accumulated in zip(full.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(accumulated.grad, exact.grad, rtol=1e-10, atol=0)

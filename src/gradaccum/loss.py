@@ -172,6 +172,8 @@ def read_terms(result: LossTerms) -> list[ReadTerm]:
                     f"term {name!r} has denominator={term.denominator!r}; it must be > 0."
                 )
         count = 0.0 if term.count is None else _count_number(term.count, f"term {name!r}'s count")
+        if term.count is not None:
+            _refuse_nan_over_nothing(value, count, f"term {name!r}")
         read.append(ReadTerm(name, value, weight, count, denominator))
     return read
 
@@ -203,13 +205,15 @@ def read_loss(result: object, batch_items: int, *, needs_graph: bool = False) ->
     Raises:
         TypeError: If `result` is neither a tensor nor a `LossSum`.
         ValueError: If the value is not a scalar, the count is negative or not whole, or (with
-            `needs_graph`) a loss that counts items has no graph (`torch.no_grad()`, detached).
+            `needs_graph`) a loss that counts items has no graph (`torch.no_grad()`, detached),
+            or one that counts none is not finite (a mean over nothing, times 0).
     """
     if isinstance(result, LossSum):
         value = _check_scalar(result.value, "LossSum.value")
         count = _read_count(result.count)
         if needs_graph:
             _require_graph(value, count)
+            _refuse_nan_over_nothing(value, count, "LossSum.value")
         return ReadLoss(value, 1, count)
     if isinstance(result, LossTerms):
         # Only for what needs a backward and nothing exact (memory probes, FSDP2's settle):
@@ -251,6 +255,21 @@ def _require_graph(value: torch.Tensor, count: int) -> None:
         raise ValueError(
             "the loss does not require grad: it was computed under torch.no_grad(), "
             "detached, or from frozen parameters only; return the loss with its graph."
+        )
+
+
+def _refuse_nan_over_nothing(value: torch.Tensor, count: float, what: str) -> None:
+    """Raise if a loss counting no item is not finite: a mean over nothing, times the count 0.
+
+    `cross_entropy(..., ignore_index=-100) * n` on a micro-batch whose targets are all ignored
+    is `nan * 0`: its backward would make the whole window non-finite (skipped), where the full
+    batch steps. Read only for micro-batches that count nothing (one device read).
+    """
+    if count == 0 and not bool(torch.isfinite(value.detach())):
+        raise ValueError(
+            f"{what} counts 0 items but is {value.item()}: a mean over no item (e.g. "
+            "cross_entropy(..., ignore_index=-100) on targets that are all ignored) times the "
+            "count 0 is nan. Return the sum itself, reduction='sum', which is 0 over no item."
         )
 
 
