@@ -196,6 +196,21 @@ class TermLedger:
         """Each term's summed value so far (one device read per term)."""
         return [0.0 if total is None else float(total) for total in self._sums]
 
+    def budget(self, term: str | None) -> int:
+        """The window's count so far of `term`, the one a `Tokens` budget counts.
+
+        Raises:
+            ValueError: If `term` is None or not a term of this loss (before any backward).
+        """
+        if term not in self.names:
+            raise ValueError(
+                f"Tokens(..., term={term!r}): a LossSum.terms loss counts each term apart, so a "
+                "Tokens window must name the term whose count fills it (its rows would be "
+                f"another budget): one of {list(self.names)}, e.g. Tokens(65536, "
+                f"term={self.names[0]!r})."
+            )
+        return math.ceil(self.counts[self.names.index(term)])
+
     def pending_objective(self) -> Callable[[], float]:
         """A reader of this rank's objective so far, each term over its own count so far.
 

@@ -92,12 +92,14 @@ class Expectation:
         counted: What the loss says it will count over the window, ahead (`items_counted`):
             one int, or one per `LossSum.terms` term.
         until: The count, over all ranks, at which a window of counted items closes.
+        until_term: The `LossSum.terms` term whose count `until` is (`Tokens.term`).
     """
 
     micro_batches: int
     items: int | None = None
     counted: int | dict[str, float] | None = None
     until: int | None = None
+    until_term: str | None = None
 
     def denominator(
         self,

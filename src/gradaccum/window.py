@@ -226,6 +226,10 @@ class Window:
                 "not the fix here."
             )
 
+    def budget(self, count: int, term: str | None) -> int:
+        """What a `Tokens` window has counted, with a micro-batch of `count` (terms: `term`'s)."""
+        return self.count + count if self.terms is None else self.terms.budget(term)
+
     def restore(self) -> None:
         """Forget the window: the gradients set aside come back, the totals are cleared."""
         for param, grad in zip(self.params, self._stashed, strict=True):
