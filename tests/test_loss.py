@@ -383,3 +383,138 @@ def test_token_mean_check_reads_shift_labels_and_stops_after_warning() -> None:
         TokenMeanCheck().check(LossSum(scalar, 1), padded)  # negative control: a LossSum
         TokenMeanCheck().check(scalar, {"labels": torch.tensor([[0.5, -100.0]])})  # regression
     assert [w.category for w in record] == [TokenMeanWarning]
+
+
+def _ignore_index_ce(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    x, y = (batch["x"], batch["target"]) if isinstance(batch, dict) else batch
+    return torch.nn.functional.cross_entropy(model(x), y, ignore_index=IGNORE)
+
+
+def _ignore_index_ce_sum(model: torch.nn.Module, batch: Any) -> LossSum:
+    x, y = batch
+    value = torch.nn.functional.cross_entropy(model(x), y, ignore_index=IGNORE, reduction="sum")
+    return LossSum(value, (y != IGNORE).sum())
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step", "accumulate_grad"])
+@pytest.mark.parametrize("layout", ["tuple", "list", "dict"])
+def test_a_plain_ignore_index_mean_warns_whatever_the_batch_layout(drive: str, layout: str) -> None:
+    """`cross_entropy(..., ignore_index=-100)` returned plainly on an `(x, y)` batch is a mean
+    over the scored targets weighted by rows: 0.5 off the full-batch step here. It warned only
+    for a dict's `labels`; the targets of a tuple, a list or another key were never looked at."""
+    import warnings
+
+    from gradaccum.loss import TokenMeanWarning
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 6, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 5, (11,), generator=generator)
+    y[[1, 2, 3, 7]] = IGNORE
+    batch: Any = {"tuple": (x, y), "list": [x, y], "dict": {"x": x, "target": y}}[layout]
+    model = torch.nn.Linear(6, 5).double()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        if drive == "step":
+            acc = gradaccum.Accumulator(
+                model, torch.optim.SGD(model.parameters()), micro_batch_size=4
+            )
+            acc.step(batch, _ignore_index_ce)
+        elif drive == "micro_step":
+            acc = gradaccum.Accumulator(
+                model, torch.optim.SGD(model.parameters()), accumulation_steps=3
+            )
+            for micro_batch in gradaccum.split_batch(batch, 4):
+                acc.micro_step(micro_batch, _ignore_index_ce)
+        else:
+            gradaccum.accumulate_grad(model, batch, _ignore_index_ce, micro_batch_size=4)
+    caught = [w for w in record if w.category is TokenMeanWarning]
+    assert len(caught) == 1
+    assert caught[0].filename == __file__
+    where = "batch['target']" if layout == "dict" else "batch[1]"
+    assert where in str(caught[0].message)
+    assert "LossSum" in str(caught[0].message)
+
+
+def test_negative_controls_no_ignore_index_warning_without_minus_100_integer_targets() -> None:
+    """A LossSum, integer inputs (token ids), float targets holding -100.0 and targets without
+    -100 never warn; the LossSum recipe is the exact one."""
+    import warnings
+
+    from gradaccum.loss import TokenMeanWarning
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 6, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 5, (11,), generator=generator)
+    y[[1, 2, 3, 7]] = IGNORE
+    model = torch.nn.Linear(6, 5).double()
+    embedding = torch.nn.Embedding(9, 5).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TokenMeanWarning)
+        gradaccum.accumulate_grad(model, (x, y), _ignore_index_ce_sum, micro_batch_size=4)
+        gradaccum.accumulate_grad(model, (x, y.clamp(min=0)), _ignore_index_ce, micro_batch_size=4)
+        ids = torch.randint(0, 9, (11,), generator=generator)
+        gradaccum.accumulate_grad(
+            embedding, (ids, y.clamp(min=0)), _ignore_index_ce, micro_batch_size=4
+        )
+        regression = (x, torch.full((11, 5), -100.0, dtype=torch.float64))
+        gradaccum.accumulate_grad(
+            model,
+            regression,
+            lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+            micro_batch_size=4,
+        )
+    full = copy.deepcopy(model)
+    torch.nn.functional.cross_entropy(full(x), y, ignore_index=IGNORE).backward()
+    gradaccum.accumulate_grad(model, (x, y), _ignore_index_ce_sum, micro_batch_size=4)
+    for exact, accumulated in zip(full.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(accumulated.grad, exact.grad, rtol=1e-10, atol=0)
+
+
+def _mean_times_count(model: torch.nn.Module, batch: Any) -> LossSum:
+    """The usual 'mean to sum' conversion: nan * 0 on a micro-batch whose targets are all -100."""
+    x, y = batch
+    count = (y != IGNORE).sum()
+    return LossSum(
+        torch.nn.functional.cross_entropy(model(x), y, ignore_index=IGNORE) * count, count
+    )
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step", "accumulate_grad", "terms"])
+def test_a_mean_times_a_zero_count_is_refused_naming_the_sum(drive: str) -> None:
+    """Rows 3-5 have no target: their micro-batch's mean is nan, and nan * 0 made the whole
+    window non-finite, silently skipped where the full batch steps. It is refused naming
+    reduction='sum', changing nothing; the sum itself is exact."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 4, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (9,), generator=generator)
+    y[3:6] = IGNORE
+    model = torch.nn.Linear(4, 3).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = copy.deepcopy(model.state_dict())
+
+    def as_terms(m: torch.nn.Module, b: Any) -> Any:
+        loss = _mean_times_count(m, b)
+        return LossSum.terms(ce=(loss.value, loss.count))
+
+    def run() -> None:
+        if drive in ("step", "terms"):
+            acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=3)
+            acc.step((x, y), _mean_times_count if drive == "step" else as_terms)
+        elif drive == "micro_step":
+            acc = gradaccum.Accumulator(model, optimizer, accumulation_steps=3)
+            for micro_batch in gradaccum.split_batch((x, y), 3):
+                acc.micro_step(micro_batch, _mean_times_count)
+        else:
+            gradaccum.accumulate_grad(model, (x, y), _mean_times_count, micro_batch_size=3)
+
+    with pytest.raises(ValueError, match=r"counts 0 items but is nan.*reduction='sum'"):
+        run()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name])
+    assert all(p.grad is None for p in model.parameters())
+
+    full = copy.deepcopy(model)
+    torch.nn.functional.cross_entropy(full(x), y, ignore_index=IGNORE).backward()
+    gradaccum.accumulate_grad(model, (x, y), _ignore_index_ce_sum, micro_batch_size=3)
+    for exact, accumulated in zip(full.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(accumulated.grad, exact.grad, rtol=1e-10, atol=0)

@@ -550,3 +550,68 @@ def test_runtime_buffers_only_less_precise_parameters() -> None:
 
 def test_nonfinite_error_is_exported() -> None:
     assert gradaccum.NonFiniteError is NonFiniteError
+
+
+# ------------------------------------------------------------------ a loss in a low precision
+
+
+def _low_precision_loss(dtype: torch.dtype) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
+    """A float64 model whose loss is handed back in `dtype` (a hand-written loss under autocast,
+    or a `.to(dtype)`): the full-batch step seeds it with 1, exact in any dtype."""
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1]).to(dtype)
+
+    return loss_fn
+
+
+def _twelve_rows() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    batch = (
+        torch.randn(12, 4, generator=generator, dtype=torch.float64),
+        torch.randn(12, 2, generator=generator, dtype=torch.float64),
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    return model.double(), batch
+
+
+def _full_batch_grads(model: torch.nn.Module, batch: Any, dtype: torch.dtype) -> list[torch.Tensor]:
+    reference = copy.deepcopy(model)
+    _low_precision_loss(dtype)(reference, batch).backward()
+    return [p.grad for p in reference.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("drive", ["step", "accumulate_grad"])
+def test_a_low_precision_loss_gets_exact_backward_seeds(dtype: torch.dtype, drive: str) -> None:
+    """12 rows split 5 + 5 + 2: a folded seed 5/12 rounded to bfloat16 was 3e-3 off the
+    full-batch gradient; a power-of-two denominator gives the seed 5/16, exact, and the
+    boundary divides by 12/16 in float64."""
+    model, batch = _twelve_rows()
+    expected = _full_batch_grads(model, batch, dtype)
+    if drive == "step":  # SGD with lr=1: each parameter moves by its gradient
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=1.0), micro_batch_size=5)
+        before = [p.detach().clone() for p in model.parameters()]
+        assert acc.step(batch, _low_precision_loss(dtype)).stepped
+        actual = [b - p.detach() for b, p in zip(before, model.parameters(), strict=True)]
+    else:
+        gradaccum.accumulate_grad(model, batch, _low_precision_loss(dtype), micro_batch_size=5)
+        actual = [p.grad for p in model.parameters()]
+    for got, want in zip(actual, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
+
+
+def test_negative_control_a_hand_loop_folding_the_count_into_a_bfloat16_loss_is_off() -> None:
+    """`loss * n / B` on the bfloat16 loss (the seed the fold gave): more than 1e-4 off."""
+    model, batch = _twelve_rows()
+    expected = _full_batch_grads(model, batch, torch.bfloat16)
+    for start in range(0, 12, 5):
+        part = (batch[0][start : start + 5], batch[1][start : start + 5])
+        loss = _low_precision_loss(torch.bfloat16)(model, part)
+        (loss * len(part[0]) / 12).backward()
+    gap = max(
+        float((p.grad - want).abs().max() / want.abs().max())
+        for p, want in zip(model.parameters(), expected, strict=True)
+    )
+    assert gap > 1e-4

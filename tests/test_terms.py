@@ -19,7 +19,7 @@ from torch import nn
 import gradaccum
 from gradaccum import Accumulator, LossSum
 from gradaccum.loss import MAX_TERMS, Term
-from tests.models import IGNORE_INDEX, make_model, token_batch
+from tests.models import IGNORE_INDEX, NUM_CLASSES, make_model, token_batch
 from tests.reference import param_tensors, relative_gap, split
 from tests.state import assert_bitwise, clone_state
 
@@ -343,3 +343,179 @@ def test_a_damaged_terms_ledger_is_refused_before_anything_loads() -> None:
         fresh.load_state_dict(state)
     assert_bitwise(_snapshot(fresh_model, fresh), before)
     assert fresh.state_dict()["engine"]["window"]["micro_batches"] == 0
+
+
+# ---------------------------------------------------------------- weighted means
+
+CLASS_WEIGHTS = torch.linspace(0.3, 2.1, NUM_CLASSES, dtype=torch.float64)
+
+
+def _weighted_ce_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(
+        model(batch["tokens"]).flatten(0, 1),
+        batch["labels"].flatten(),
+        weight=CLASS_WEIGHTS,
+        ignore_index=IGNORE_INDEX,
+        label_smoothing=0.1,
+        reduction="sum",
+    )
+
+
+def _summed_weights(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    labels = batch["labels"]
+    return CLASS_WEIGHTS[labels[labels != IGNORE_INDEX]].sum()
+
+
+def weighted_ce(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+    """`CrossEntropyLoss(weight=...)`'s mean divides by the targets' summed weights: a term
+    whose count is that sum (a real number, not a number of items)."""
+    return LossSum.terms(ce=(_weighted_ce_sum(model, batch), _summed_weights(batch)))
+
+
+def _weighted_reference(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain loop: nn.CrossEntropyLoss(weight=..., ignore_index=...) on the whole batch."""
+    model = make_model("token")
+    optimizer = _optimizer(model)
+    criterion = nn.CrossEntropyLoss(
+        weight=CLASS_WEIGHTS, ignore_index=IGNORE_INDEX, label_smoothing=0.1
+    )
+    criterion(model(batch["tokens"]).flatten(0, 1), batch["labels"].flatten()).backward()
+    optimizer.step()
+    return param_tensors(model)
+
+
+@pytest.mark.parametrize("micro", [1, 3, 7])
+def test_class_weighted_cross_entropy_is_exact_as_a_term_counting_summed_weights(
+    micro: int,
+) -> None:
+    """Was refused: a term's count had to be a whole number, so a class-weighted mean had no
+    exact recipe. Splits of 1 item include micro-batches whose weights sum to 0."""
+    batch = _batch(40, 7)
+    batch["labels"][2] = IGNORE_INDEX  # a row with no target: its micro-batch counts 0.0
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model), micro_batch_size=micro)
+    result = acc.step(batch, weighted_ce)
+    assert result.stepped
+    assert relative_gap(param_tensors(model), _weighted_reference(batch)) < EXACT
+    expected = float(_weighted_ce_sum(make_model("token"), batch) / _summed_weights(batch))
+    assert result.loss == pytest.approx(expected, rel=1e-12)
+
+
+def test_class_weighted_terms_stream_and_resume_mid_window_exactly() -> None:
+    """micro_step + flush, with a state saved after 2 micro-batches loaded into a fresh
+    Accumulator: the summed weights so far are kept as they are (not truncated to items)."""
+    batch = _batch(41, 9)
+    micro_batches = split(batch, 2)
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model), accumulation_steps=8)
+    for micro_batch in micro_batches[:2]:
+        acc.micro_step(micro_batch, weighted_ce)
+    state = acc.state_dict()
+    resumed = Accumulator(model, _optimizer(model), accumulation_steps=8)
+    resumed.optimizer.load_state_dict(acc.optimizer.state_dict())
+    resumed.load_state_dict(state)
+    for micro_batch in micro_batches[2:]:
+        assert not resumed.micro_step(micro_batch, weighted_ce).stepped
+    assert resumed.flush().stepped
+    assert relative_gap(param_tensors(model), _weighted_reference(batch)) < EXACT
+
+
+def test_negative_control_class_weighted_mean_returned_plainly_is_not_exact() -> None:
+    """The plain scalar (read as a mean over rows) and a LossSum counting targets both miss."""
+
+    def plain(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return _weighted_ce_sum(model, batch) / _summed_weights(batch).clamp(min=1e-12)
+
+    def by_targets(model: nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
+        return LossSum(_weighted_ce_sum(model, batch), (batch["labels"] != IGNORE_INDEX).sum())
+
+    batch = _batch(40, 7)
+    for loss_fn in (plain, by_targets):
+        model = make_model("token")
+        Accumulator(model, _optimizer(model), micro_batch_size=3).step(batch, loss_fn)
+        assert relative_gap(param_tensors(model), _weighted_reference(batch)) > 1e-4
+
+
+def test_a_fractional_loss_sum_count_names_the_weighted_term_recipe_and_changes_nothing() -> None:
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model), micro_batch_size=3)
+    before = _snapshot(model, acc)
+
+    def summed_weights_as_count(model: nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
+        return LossSum(_weighted_ce_sum(model, batch), _summed_weights(batch))
+
+    with pytest.raises(ValueError, match=r"whole number.*LossSum\.terms\(loss="):
+        acc.step(_batch(40, 7), summed_weights_as_count)
+    for bad in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="count"):
+            acc.step(
+                _batch(40, 7), lambda m, b, bad=bad: LossSum.terms(x=(m(b["tokens"]).sum(), bad))
+            )
+    assert_bitwise(_snapshot(model, acc), before)
+
+
+# ---------------------------------------------------------------- a term some micro-batches lack
+
+
+def _aux_only_where_long(model: nn.Module, batch: dict[str, torch.Tensor], *, omit: bool) -> Any:
+    """`two_terms`, but a micro-batch without a long row has no auxiliary item: it leaves the
+    term out (`omit`), or returns it counting 0 with a constant value (the recipe)."""
+    p = _parts(model, batch)
+    terms: dict[str, Any] = {"ce": (p["ce"], p["tokens"])}
+    if int(p["rows"]) > 0:
+        terms["aux"] = Term(p["aux"], count=p["rows"], weight=AUX_WEIGHT)
+    elif not omit:
+        terms["aux"] = Term(torch.zeros((), dtype=torch.float64), count=0, weight=AUX_WEIGHT)
+    return LossSum.terms(**terms)
+
+
+def test_a_term_absent_from_some_micro_batches_is_refused_naming_the_zero_count_recipe() -> None:
+    batch = _batch(50, 7)
+    long_rows = (batch["labels"] != IGNORE_INDEX).sum(1) >= 3
+    assert bool(long_rows[0])  # the first micro-batch has the term,
+    assert not bool(long_rows.all())  # some later ones lack it
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model), micro_batch_size=1, max_grad_norm=1.0)
+    before = _snapshot(model, acc)
+    with pytest.raises(ValueError, match=r"counting 0.*Term\(torch\.zeros\(\(\)\), count=0\)"):
+        acc.step(batch, lambda m, b: _aux_only_where_long(m, b, omit=True))
+    assert_bitwise(_snapshot(model, acc), before)
+    assert acc.step(batch, lambda m, b: _aux_only_where_long(m, b, omit=False)).stepped
+    expected, _ = _reference([batch])
+    assert relative_gap(param_tensors(model), expected) < EXACT
+
+
+def test_a_learnable_term_weight_is_refused_and_multiplying_the_value_is_exact() -> None:
+    """`Term(weight=torch.exp(-s))` with `s` a parameter (uncertainty weighting) was read with
+    float(): its graph dropped, `s` silently never moved. It is refused naming the fix, changing
+    nothing; the fix, the weight on the value, steps `s` as the full-batch objective does."""
+    batch = _batch(60, 7)
+    log_var = nn.Parameter(torch.tensor(0.5, dtype=torch.float64))
+
+    def weighted_terms(model: nn.Module, batch: dict[str, torch.Tensor], *, on_value: bool) -> Any:
+        p = _parts(model, batch)
+        if on_value:
+            aux = Term(p["aux"] * torch.exp(-log_var), count=p["rows"])
+        else:
+            aux = Term(p["aux"], count=p["rows"], weight=torch.exp(-log_var))  # type: ignore[arg-type]
+        return LossSum.terms(ce=(p["ce"], p["tokens"]), aux=aux)
+
+    model = make_model("token")
+    optimizer = torch.optim.SGD([*model.parameters(), log_var], lr=0.5)
+    acc = Accumulator(model, optimizer, micro_batch_size=3)
+    before = _snapshot(model, acc)
+    with pytest.raises(ValueError, match=r"requires grad.*Term\(value \* weight"):
+        acc.step(batch, lambda m, b: weighted_terms(m, b, on_value=False))
+    assert_bitwise(_snapshot(model, acc), before)
+    assert log_var.grad is None
+    assert acc.step(batch, lambda m, b: weighted_terms(m, b, on_value=True)).stepped
+
+    reference = make_model("token")
+    reference_log_var = nn.Parameter(torch.tensor(0.5, dtype=torch.float64))
+    p = _parts(reference, batch)
+    objective = p["ce"] / p["tokens"] + torch.exp(-reference_log_var) * p["aux"] / p["rows"]
+    objective.backward()
+    torch.optim.SGD([*reference.parameters(), reference_log_var], lr=0.5).step()
+    assert relative_gap(param_tensors(model), param_tensors(reference)) < EXACT
+    assert log_var.item() != 0.5
+    assert log_var.item() == pytest.approx(reference_log_var.item(), rel=1e-12)

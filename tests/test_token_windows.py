@@ -142,3 +142,65 @@ def test_micro_batches_that_count_nothing_keep_the_window_open() -> None:
     result = acc.flush()  # a mean over no item: skipped, and counted as an empty window
     assert not result.stepped
     assert acc.empty_windows == 1
+
+
+def _ce_and_rows(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> object:
+    """Token CE plus a per-row auxiliary term: two counts, tokens and rows."""
+    from gradaccum.loss import Term
+
+    tokens = token_sum_loss(model, batch)
+    aux = model(batch["tokens"]).pow(2).mean(dim=(1, 2)).sum()
+    rows = batch["tokens"].shape[0]
+    return LossSum.terms(ce=(tokens.value, tokens.count), aux=Term(aux, count=rows, weight=0.1))
+
+
+def test_a_terms_loss_fills_the_budget_with_the_named_term_and_refuses_no_name() -> None:
+    """With LossSum.terms the window counted its rows: Tokens(28) of tokens became 28 rows,
+    about 6 times the window asked for, silently. `Tokens(n, term="ce")` closes the window
+    where the same budget closes for a LossSum of those tokens; without `term` the first
+    micro_step is refused, changing nothing."""
+    micro_batches = _micro_batches()
+    windows = _windows(micro_batches, BUDGET)
+    model = make_model("token")
+    acc = Accumulator(model, _sgd(model), accumulation_steps=Tokens(BUDGET, term="ce"))
+    results = [acc.micro_step(batch, _ce_and_rows) for batch in micro_batches]
+    closed = [index for index, result in enumerate(results) if result.stepped]
+    complete = [w for w in windows if sum(_counted(micro_batches[i]) for i in w) >= BUDGET]
+    assert closed == [window[-1] for window in complete]
+    reference = make_model("token")
+    reference_optimizer = _sgd(reference)
+    for window in complete:  # each window: one plain step, each term over its own count
+        batch = concat_batches([micro_batches[i] for i in window])
+        tokens = token_sum_loss(reference, batch)
+        aux = reference(batch["tokens"]).pow(2).mean(dim=(1, 2)).sum()
+        reference_optimizer.zero_grad(set_to_none=True)
+        (tokens.value / tokens.count + 0.1 * aux / batch["tokens"].shape[0]).backward()
+        reference_optimizer.step()
+    assert relative_gap(param_tensors(model), param_tensors(reference)) < EXACT
+
+    unnamed = make_model("token")
+    before = copy.deepcopy(unnamed.state_dict())
+    acc = Accumulator(unnamed, _sgd(unnamed), accumulation_steps=Tokens(BUDGET))
+    with pytest.raises(ValueError, match=r"must name the term.*Tokens\(65536, term='ce'\)"):
+        acc.micro_step(micro_batches[0], _ce_and_rows)
+    assert all(torch.equal(v, before[k]) for k, v in unnamed.state_dict().items())
+    assert all(p.grad is None for p in unnamed.parameters())
+    with pytest.raises(ValueError, match=r"term must be a term's name"):
+        Tokens(BUDGET, term=3)  # type: ignore[arg-type]
+
+
+def test_the_budget_term_keeps_saved_settings_compatible_and_is_part_of_them() -> None:
+    """Saved states compare `repr(Tokens)`: without a term it is the text of before `term`
+    existed, so older states still load; a state of another budget term is refused."""
+    assert repr(Tokens(BUDGET)) == f"Tokens(count={BUDGET})"
+    assert repr(Tokens(BUDGET, term="ce")) == f"Tokens(count={BUDGET}, term='ce')"
+    model = make_model("token")
+    acc = Accumulator(model, _sgd(model), accumulation_steps=Tokens(BUDGET, term="ce"))
+    acc.micro_step(_micro_batches(1)[0], _ce_and_rows)
+    state = acc.state_dict()
+    other = make_model("token")
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        Accumulator(other, _sgd(other), accumulation_steps=Tokens(BUDGET)).load_state_dict(state)
+    resumed = Accumulator(other, _sgd(other), accumulation_steps=Tokens(BUDGET, term="ce"))
+    resumed.load_state_dict(state)
+    assert resumed.state_dict()["engine"]["window"]["micro_batches"] == 1

@@ -672,3 +672,42 @@ def test_a_module_updating_a_buffer_in_forward_is_named_as_the_cause() -> None:
     report = check_equivalence(stateful.eval(), _batch(), _mse, micro_batch_size=3)
     assert report.ok
     assert report.non_additive == ()
+
+
+def _in_batch_negatives(model: torch.nn.Module, batch) -> torch.Tensor:
+    """InfoNCE: each row's positive against every other row of its batch as negatives."""
+    anchors = torch.nn.functional.normalize(model(batch[0]), dim=-1)
+    positives = torch.nn.functional.normalize(model(batch[0] + 0.1), dim=-1)
+    logits = anchors @ positives.T / 0.1
+    return torch.nn.functional.cross_entropy(logits, torch.arange(len(logits)))
+
+
+def _class_weighted(model: torch.nn.Module, batch) -> torch.Tensor:
+    weight = torch.tensor([0.2, 1.0, 3.0], dtype=torch.float64)
+    return torch.nn.functional.cross_entropy(model(batch[0]), batch[1], weight=weight)
+
+
+@pytest.mark.parametrize("loss_fn", [_in_batch_negatives, _class_weighted])
+def test_a_loss_not_additive_over_items_is_explained_with_both_causes(loss_fn) -> None:
+    """No module is at fault: the explanation names the loss, both ways it can fail (a count of
+    the micro-batch, such as summed class weights; in-batch negatives, which nothing makes
+    exact) and each fix. It named a count of the micro-batch only, and the table nothing."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    batch = (torch.randn(10, 4), torch.randint(0, 3, (10,)))
+    report = check_equivalence(model, batch, loss_fn, micro_batch_size=3)
+    assert not report.ok
+    assert ".explain()" in str(report)
+    explained = report.explain()
+    assert "summed class weights" in explained
+    assert "LossSum.terms(loss=" in explained
+    assert "in-batch negatives" in explained
+    assert "no accumulation is exact" in explained
+    # Control: an additive loss on the same model is exact and its table points nowhere.
+    exact = check_equivalence(model, batch, _mse_3, micro_batch_size=3)
+    assert exact.ok
+    assert ".explain()" not in str(exact)
+
+
+def _mse_3(model: torch.nn.Module, batch) -> torch.Tensor:
+    return model(batch[0]).pow(2).mean()

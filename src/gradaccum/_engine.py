@@ -184,10 +184,11 @@ class Engine:
             if self._token_mean.left:  # a plain mean on -100 labels warns (first few only)
                 self._token_mean.check(result, micro_batch)
             if expect.until is not None:
-                last = sync.sum_over_ranks(window.count + count) >= expect.until
+                last = sync.sum_over_ranks(window.budget(count, expect.until_term)) >= expect.until
                 self._next_sum = not last  # the other ranks' next collective: a sum or exchange
             if window.denominator is None:  # FSDP2 ranks agree on it (they reduce in the backward)
-                mine = expect.denominator(self.normalize, sync.world, weight, items, count)
+                dtype = value.dtype  # a bf16 loss takes no folded count: its seeds stay exact
+                mine = expect.denominator(self.normalize, sync.world, weight, items, count, dtype)
                 window.denominator = sync.common_denominator(mine)
             if count > 0 and not value.requires_grad and not extra:  # terms (read_loss: others)
                 raise ValueError(

@@ -27,11 +27,13 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm as _LegacySpectralNorm
 
 __all__ = [
+    "LOSS_CAUSES",
     "NonAdditiveModule",
     "changed_by_hooks",
     "cuda_devices",
     "diverged_buffers",
     "find_non_additive",
+    "fix_for",
     "hooked_buffers",
 ]
 
@@ -197,3 +199,39 @@ def diverged_buffers(
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
     """Every CUDA device when any of `tensors` is on one (their RNGs are forked too), else none."""
     return list(range(torch.cuda.device_count())) if any(t.is_cuda for t in tensors) else []
+
+
+_FIXES = {
+    "BatchNorm": "convert it with gradaccum.batchnorm.convert_to_groupnorm(model) (exact), or "
+    "train with Accumulator(..., batchnorm='pooled') (running statistics from the whole window) "
+    "or 'frozen' (eval-mode statistics); see docs/batchnorm.md",
+    "other": "check with dropout off (eval mode or p=0); in training, different masks are "
+    "expected noise, not a bug",
+    "state": "check in eval mode (model.eval()) to confirm the rest is exact; in training the "
+    "state advances once per micro-batch, which no accumulation undoes: update it once per "
+    "window (e.g. from Accumulator's step results) if it must match the full batch",
+}
+
+
+def fix_for(kind: str, reason: str) -> str:
+    """The fix a non-additive module of `kind` (found for `reason`) calls for."""
+    if "BatchNorm" in kind:
+        return _FIXES["BatchNorm"]
+    return _FIXES["other" if "random" in reason else "state"]
+
+
+# What `EquivalenceReport.explain` says when no module explains a gap: the loss itself.
+LOSS_CAUSES = [
+    "cause: no module behaves differently on micro-batches, so the loss is not additive over "
+    "items. Either it normalizes by something of the micro-batch (a token, pixel or "
+    "masked-position count, the targets' summed class weights of cross_entropy(weight=...), "
+    "a max, a mean of per-micro-batch means),",
+    "    -> return gradaccum.LossSum(sum of per-item losses, number of items counted) (summed "
+    "weights: LossSum.terms(loss=(weighted_sum, summed_weights))); a plain scalar is read as a "
+    "mean weighted by the micro-batch's leading dimension.",
+    "or each item's loss depends on the other items of its batch (in-batch negatives: "
+    "InfoNCE, CLIP; batch statistics; a penalty on the parameters' gradient over the batch),",
+    "    -> no accumulation is exact there: the loss sees the micro-batch as its batch. Use the "
+    "largest micro_batch_size that fits, or gather the negatives over the window yourself "
+    "(docs/losses.md).",
+]

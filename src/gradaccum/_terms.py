@@ -55,7 +55,7 @@ class TermLedger:
         normalize: Normalize,
         *,
         expected_micro_batches: int,
-        ahead: Mapping[str, int] | None,
+        ahead: Mapping[str, float] | None,
     ) -> None:
         self.names = tuple(t.name for t in first)
         self.weights = tuple(t.weight for t in first)
@@ -73,7 +73,7 @@ class TermLedger:
                 fixed = float(given) if given else None
             self.fixed.append(fixed)
             self.from_ahead.append(bool(given))
-            expected = term.count * expected_micro_batches
+            expected = math.ceil(term.count * expected_micro_batches)  # its magnitude only
             self.scales.append(
                 fixed or backward_denominator(normalize, expected_items=expected, window_items=None)
             )
@@ -83,7 +83,7 @@ class TermLedger:
         self.main = tuple(i for i in range(len(self.names)) if self.fixed[i] is not None)
         self.main += main_unknown
         self.extra = tuple(i for i in unknown if i not in main_unknown)
-        self.counts = [0] * len(self.names)
+        self.counts = [0.0] * len(self.names)  # items, or summed weights (a weighted mean)
         self._sums: list[torch.Tensor | None] = [None] * len(self.names)  # read at the boundary
         self.buffers: dict[int, list[torch.Tensor | None]] = {}
 
@@ -146,7 +146,9 @@ class TermLedger:
         if names != self.names:
             raise ValueError(
                 f"this micro-batch's loss has terms {list(names)}, the window's first had "
-                f"{list(self.names)}; return the same terms, in the same order, every time."
+                f"{list(self.names)}; return the same terms, in the same order, every time. A "
+                "term with no item in a micro-batch is still returned, counting 0: e.g. "
+                "Term(aux[mask].sum(), count=mask.sum()), or Term(torch.zeros(()), count=0)."
             )
         for term, fixed in zip(terms, self.fixed, strict=True):
             if term.denominator is not None and term.denominator != fixed:
@@ -193,6 +195,21 @@ class TermLedger:
     def sums(self) -> list[float]:
         """Each term's summed value so far (one device read per term)."""
         return [0.0 if total is None else float(total) for total in self._sums]
+
+    def budget(self, term: str | None) -> int:
+        """The window's count so far of `term`, the one a `Tokens` budget counts.
+
+        Raises:
+            ValueError: If `term` is None or not a term of this loss (before any backward).
+        """
+        if term not in self.names:
+            raise ValueError(
+                f"Tokens(..., term={term!r}): a LossSum.terms loss counts each term apart, so a "
+                "Tokens window must name the term whose count fills it (its rows would be "
+                f"another budget): one of {list(self.names)}, e.g. Tokens(65536, "
+                f"term={self.names[0]!r})."
+            )
+        return math.ceil(self.counts[self.names.index(term)])
 
     def pending_objective(self) -> Callable[[], float]:
         """A reader of this rank's objective so far, each term over its own count so far.
@@ -333,7 +350,7 @@ class TermLedger:
         ledger.main = tuple(int(i) for i in state["main"])
         ledger.extra = tuple(int(i) for i in state["extra"])
         ledger.main_is_known = all(ledger.fixed[i] is not None for i in ledger.main)
-        ledger.counts = [int(c) for c in state["counts"]]
+        ledger.counts = [float(c) for c in state["counts"]]
         ledger._sums = [None if t is None else t.to(device).clone() for t in state["sums"]]
         ledger.buffers = {
             int(i): [None if g is None else g.to(device).clone() for g in b]

@@ -260,7 +260,7 @@ class Accumulator:
             )
         engine, steps = self._engine, self.accumulation_steps
         if isinstance(steps, Tokens):  # a window of a few micro-batches, closed by its count
-            expect, last = Expectation(2, until=steps.count), False
+            expect, last = Expectation(2, until=steps.count, until_term=steps.term), False
         else:
             expect, last = Expectation(steps), engine.window.micro_batches + 1 == steps
         if engine.run_micro_batch(micro_batch, loss_fn, last=last, expect=expect):

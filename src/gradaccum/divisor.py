@@ -19,7 +19,8 @@ Nothing else in the package multiplies or divides a gradient.
 
 - a plain mean over a batch known up front on one process folds the division into each backward
   (`denominator = B`: `mean_i * n_i / B`, exactly the hand loop); the divisor is then `B / B`,
-  exactly 1, and the boundary divides by nothing;
+  exactly 1, and the boundary divides by nothing. Not for a bfloat16 or float16 loss
+  (`folds_counts`): its seed `n_i / B` would be rounded to 8 or 11 bits;
 - otherwise it is the power of two nearest the expected count: summed losses would give fp16
   activation gradients about `count` times too large, and scaling by a power of two is exact, so
   the boundary's division is the one rounding.
@@ -52,6 +53,7 @@ __all__ = [
     "Seeds",
     "backward_denominator",
     "divide_",
+    "folds_counts",
     "grad_divisor",
     "scaled_loss",
     "seeded_loss",
@@ -90,24 +92,36 @@ class Expectation:
         counted: What the loss says it will count over the window, ahead (`items_counted`):
             one int, or one per `LossSum.terms` term.
         until: The count, over all ranks, at which a window of counted items closes.
+        until_term: The `LossSum.terms` term whose count `until` is (`Tokens.term`).
     """
 
     micro_batches: int
     items: int | None = None
-    counted: int | dict[str, int] | None = None
+    counted: int | dict[str, float] | None = None
     until: int | None = None
+    until_term: str | None = None
 
     def denominator(
-        self, normalize: Normalize, world: int, weight: int, items: int, count: int
+        self,
+        normalize: Normalize,
+        world: int,
+        weight: int,
+        items: int,
+        count: int,
+        loss_dtype: torch.dtype = torch.float32,
     ) -> float:
-        """`backward_denominator` from the window's first micro-batch (`items`, `count`)."""
+        """`backward_denominator` from the window's first micro-batch (`items`, `count`).
+
+        A count known up front is folded in unless the loss is in a low precision
+        (`folds_counts`).
+        """
         if self.until:
             expected = self.until // world
         else:
             expected = (items if world > 1 or not count else count) * self.micro_batches
         counted = self.counted if isinstance(self.counted, int) else None
         known = self.items if weight > 1 else counted  # a plain mean's items, or counted ahead
-        folded = known if known and world == 1 else None
+        folded = known if known and world == 1 and folds_counts(loss_dtype) else None
         return backward_denominator(normalize, expected_items=expected, window_items=folded)
 
 
@@ -259,6 +273,20 @@ def seeded_loss(
 
 _SIGNIFICAND_BITS = {torch.float64: 53, torch.float32: 24}
 _CPU_DTYPE = operator.attrgetter("is_cpu", "dtype")
+# Seeds may also be exact in a low-precision loss's dtype, within its normal range.
+_SEED_BITS = {**_SIGNIFICAND_BITS, torch.bfloat16: 8, torch.float16: 11}
+_SEED_RANGE = {torch.float16: (2.0**-14, 2.0**16)}
+
+
+def folds_counts(loss_dtype: torch.dtype) -> bool:
+    """Whether a loss of `loss_dtype` may have a known count folded into its backward.
+
+    A folded seed `n / B` is rounded to the loss's dtype; in bfloat16 or float16 (8 or 11 bits)
+    that is an error of up to 2e-3 the full-batch step (seed 1) does not make. A power-of-two
+    denominator keeps the seed `n / 2**k` exact (up to 256 rows in bfloat16, 2048 in float16),
+    and the boundary divides by the rest in the gradients' dtype.
+    """
+    return loss_dtype in _SIGNIFICAND_BITS
 
 
 @functools.lru_cache(maxsize=64)
@@ -276,6 +304,7 @@ def _single_factor(
         and _exact_in(weight, dtype)
         and _exact_in(loss_scale, dtype)
         and _exact_in(numerator, dtype)
+        and _exact_in(numerator / denominator, dtype)
     ):
         return numerator / denominator
     return None
@@ -286,12 +315,10 @@ def _is_power_of_two(number: float) -> bool:
 
 
 def _exact_in(number: float, dtype: torch.dtype) -> bool:
-    """Whether `number` is exact in `dtype`, far from its range's ends.
-
-    Only float32 and float64 qualify: their range holds any item count, fp16's does not.
-    """
-    bits = _SIGNIFICAND_BITS.get(dtype)
-    if bits is None or not 2.0**-100 < abs(number) < 2.0**100:
+    """Whether `number` is exact in `dtype`, far from its range's ends (float16's are near)."""
+    bits = _SEED_BITS.get(dtype)
+    low, high = _SEED_RANGE.get(dtype, (2.0**-100, 2.0**100))
+    if bits is None or not low <= abs(number) < high:
         return False
     significand = math.frexp(number)[0]
     return (significand * 2.0**bits).is_integer()

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradaccum._warnings import warn_user
+from gradaccum._token_mean import TokenMeanCheck, TokenMeanWarning, warn_if_token_mean
 
 __all__ = [
     "MAX_TERMS",
@@ -41,12 +41,6 @@ __all__ = [
     "read_terms",
     "warn_if_token_mean",
 ]
-
-_IGNORE_INDEX = -100  # the Hugging Face convention for unscored label positions
-
-
-class TokenMeanWarning(UserWarning):
-    """A plain-scalar loss on a batch with unscored label positions: a token mean read by rows."""
 
 
 @dataclass(frozen=True)
@@ -107,8 +101,10 @@ class Term:
 
     Attributes:
         value: Scalar tensor, the term summed over its items in this micro-batch.
-        count: Items this micro-batch counts for the term (the window adds them up).
-        weight: A constant factor on the normalized term.
+        count: Items this micro-batch counts for the term (the window adds them up); for a
+            weighted mean, the items' summed weights, a real number >= 0 (e.g. `w[targets].sum()`
+            for `cross_entropy(..., weight=w)`, whose mean divides by it).
+        weight: A constant factor on the normalized term (a learnable one multiplies `value`).
         denominator: A constant to divide by instead of the window's count (e.g. Dr. GRPO's
             `G * max_len`); then `count` is not needed.
 
@@ -137,7 +133,7 @@ class ReadTerm(NamedTuple):
     name: str
     value: torch.Tensor
     weight: float
-    count: int  # type: ignore[assignment]  # shadows tuple.count on purpose: the item count
+    count: float  # type: ignore[assignment]  # shadows tuple.count: items, or summed weights
     denominator: float | None
 
 
@@ -145,9 +141,10 @@ def read_terms(result: LossTerms) -> list[ReadTerm]:
     """Check every term of `result` (before any backward, so a bad term changes nothing).
 
     Raises:
-        ValueError: For a value that is not a floating scalar, a count that is not a whole
-            number >= 0, a weight or denominator that is not finite (a denominator must be
-            > 0), or a term with both or neither of `count` and `denominator`.
+        ValueError: For a value that is not a floating scalar, a count that is not a finite
+            number >= 0 (a term's count may be a sum of weights), a weight or denominator that
+            is not finite (a denominator must be > 0), or a term with both or neither of
+            `count` and `denominator`.
     """
     read = []
     for name, term in result.terms.items():
@@ -156,6 +153,13 @@ def read_terms(result: LossTerms) -> list[ReadTerm]:
             raise ValueError(
                 f"term {name!r} needs exactly one of count= (divide by the window's count) and "
                 "denominator= (divide by a constant)."
+            )
+        if isinstance(term.weight, torch.Tensor) and term.weight.requires_grad:
+            # float() would drop its graph: the learnable weight would silently never move.
+            raise ValueError(
+                f"term {name!r} has a weight that requires grad (a learnable weight); a Term's "
+                "weight is a constant. Multiply the value instead, Term(value * weight, "
+                "count=...), so that its gradient reaches the weight."
             )
         weight = float(term.weight)
         if not math.isfinite(weight):
@@ -167,7 +171,9 @@ def read_terms(result: LossTerms) -> list[ReadTerm]:
                 raise ValueError(
                     f"term {name!r} has denominator={term.denominator!r}; it must be > 0."
                 )
-        count = 0 if term.count is None else _read_count(term.count)
+        count = 0.0 if term.count is None else _count_number(term.count, f"term {name!r}'s count")
+        if term.count is not None:
+            _refuse_nan_over_nothing(value, count, f"term {name!r}")
         read.append(ReadTerm(name, value, weight, count, denominator))
     return read
 
@@ -199,20 +205,22 @@ def read_loss(result: object, batch_items: int, *, needs_graph: bool = False) ->
     Raises:
         TypeError: If `result` is neither a tensor nor a `LossSum`.
         ValueError: If the value is not a scalar, the count is negative or not whole, or (with
-            `needs_graph`) a loss that counts items has no graph (`torch.no_grad()`, detached).
+            `needs_graph`) a loss that counts items has no graph (`torch.no_grad()`, detached),
+            or one that counts none is not finite (a mean over nothing, times 0).
     """
     if isinstance(result, LossSum):
         value = _check_scalar(result.value, "LossSum.value")
         count = _read_count(result.count)
         if needs_graph:
             _require_graph(value, count)
+            _refuse_nan_over_nothing(value, count, "LossSum.value")
         return ReadLoss(value, 1, count)
     if isinstance(result, LossTerms):
         # Only for what needs a backward and nothing exact (memory probes, FSDP2's settle):
         # the engine reads terms with `read_terms`.
         terms = read_terms(result)
         total = functools.reduce(torch.add, [t.value * t.weight for t in terms])
-        return ReadLoss(total, 1, sum(t.count for t in terms))
+        return ReadLoss(total, 1, math.ceil(sum(t.count for t in terms)))
     if isinstance(result, torch.Tensor):
         value = _check_scalar(result, "the loss")
         if needs_graph:
@@ -250,6 +258,21 @@ def _require_graph(value: torch.Tensor, count: int) -> None:
         )
 
 
+def _refuse_nan_over_nothing(value: torch.Tensor, count: float, what: str) -> None:
+    """Raise if a loss counting no item is not finite: a mean over nothing, times the count 0.
+
+    `cross_entropy(..., ignore_index=-100) * n` on a micro-batch whose targets are all ignored
+    is `nan * 0`: its backward would make the whole window non-finite (skipped), where the full
+    batch steps. Read only for micro-batches that count nothing (one device read).
+    """
+    if count == 0 and not bool(torch.isfinite(value.detach())):
+        raise ValueError(
+            f"{what} counts 0 items but is {value.item()}: a mean over no item (e.g. "
+            "cross_entropy(..., ignore_index=-100) on targets that are all ignored) times the "
+            "count 0 is nan. Return the sum itself, reduction='sum', which is 0 over no item."
+        )
+
+
 def backward_inside_error() -> ValueError:
     """The error for a `loss_fn` that ran a backward itself (gradients changed inside it)."""
     return ValueError(
@@ -261,7 +284,7 @@ def backward_inside_error() -> ValueError:
     )
 
 
-def counted_ahead(loss_fn: object, micro_batches: Sequence[Any]) -> int | dict[str, int] | None:
+def counted_ahead(loss_fn: object, micro_batches: Sequence[Any]) -> int | dict[str, float] | None:
     """The items `loss_fn` will count over `micro_batches`, when it can say so before running.
 
     A loss function may have an `items_counted(micro_batch)` method (the `gradaccum.hf` losses
@@ -284,10 +307,10 @@ def counted_ahead(loss_fn: object, micro_batches: Sequence[Any]) -> int | dict[s
         return None
     counts = [count_items(micro_batch) for micro_batch in micro_batches]
     if counts and all(isinstance(c, Mapping) for c in counts):
-        per_term: dict[str, int] = {}
+        per_term: dict[str, float] = {}
         for count in counts:
             for name, items in count.items():
-                per_term[name] = per_term.get(name, 0) + _read_count(items)
+                per_term[name] = per_term.get(name, 0) + _count_number(items, f"{name!r} count")
         return per_term
     total = sum(_read_count(count) for count in counts)
     return total or None
@@ -307,69 +330,37 @@ def _check_scalar(value: object, what: str) -> torch.Tensor:
 
 
 def _read_count(count: object) -> int:
+    number = _count_number(count, "LossSum.count")
+    if not number.is_integer():
+        raise ValueError(
+            f"LossSum.count={number!r} must be a whole number of items. A weighted mean (e.g. "
+            "cross_entropy(..., weight=w), which divides by the targets' summed weights "
+            "w[targets].sum()) is exact as LossSum.terms(loss=(weighted_sum, summed_weights)): "
+            "a term's count may be a sum of weights."
+        )
+    return int(number)
+
+
+def _count_number(count: object, what: str) -> float:
+    """`count` as a finite number >= 0 (a Python or numpy number, or a one-element tensor)."""
     if isinstance(count, torch.Tensor):
         if count.numel() != 1:
             raise ValueError(
-                f"LossSum.count has shape {tuple(count.shape)}; it must be an int or a 0-dim "
+                f"{what} has shape {tuple(count.shape)}; it must be an int or a 0-dim "
                 "tensor, e.g. (labels != ignore_index).sum()."
             )
         count = count.item()  # one host read per micro-batch: validated before any backward
     if isinstance(count, numbers.Integral) and not isinstance(count, bool):
         count = int(count)  # numpy integers too
+    elif isinstance(count, numbers.Real) and not isinstance(count, bool):
+        count = float(count)  # numpy floats too
     if isinstance(count, bool) or not isinstance(count, (int, float)):
-        raise TypeError(f"LossSum.count={count!r} must be an int or a 0-dim tensor.")
-    if isinstance(count, float) and not (math.isfinite(count) and count.is_integer()):
-        raise ValueError(f"LossSum.count={count!r} must be a whole number of items.")
-    if count < 0:
-        raise ValueError(f"LossSum.count={count!r} must be >= 0: it counts the items summed.")
-    return int(count)
-
-
-def warn_if_token_mean(micro_batch: object) -> bool:
-    """Warn if a plain-scalar loss's batch has `labels` with -100: a token mean read by rows.
-
-    Called for losses returned as plain scalars (a mean over the micro-batch's rows). A batch
-    `{"labels": ...}` holding -100 (unscored positions, the Hugging Face convention) means the
-    scalar is a token mean, and weighting it by rows is not the full-batch token mean.
-
-    Returns:
-        Whether it warned.
-    """
-    labels = None
-    if isinstance(micro_batch, Mapping):  # `shift_labels`: a causal LM's, shifted by the pipeline
-        labels = micro_batch.get("labels", micro_batch.get("shift_labels"))
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
-        return False
-    if not bool((labels == _IGNORE_INDEX).any()):
-        return False
-    warn_user(
-        TokenMeanWarning(
-            "loss_fn returned a plain scalar, read as a mean over the micro-batch's "
-            f"{labels.shape[0]} rows, but the batch's labels hold {_IGNORE_INDEX} (unscored "
-            "positions): a token mean is being weighted by rows, which is not the full-batch "
-            "token mean. Return gradaccum.LossSum(sum_of_token_losses, "
-            "count=number_of_scored_tokens) instead."
+        raise TypeError(f"{what}={count!r} must be an int or a 0-dim tensor.")
+    if not math.isfinite(count):
+        raise ValueError(
+            f"{what}={count!r} must be finite: a whole number of items (a term's count may "
+            "also be a sum of weights)."
         )
-    )
-    return True
-
-
-class TokenMeanCheck:
-    """Warns once if plain-scalar losses come from batches with -100 labels (a token mean).
-
-    Only the first `checks` plain-scalar micro-batches are inspected (each check reads the
-    labels, a device sync on an accelerator), and none after one warned. A micro-batch of one
-    row is checked too: the token mean of one row, weighted by 1, is still not the window's
-    token mean.
-
-    Args:
-        checks: Plain-scalar micro-batches to inspect at most.
-    """
-
-    def __init__(self, checks: int = 8) -> None:
-        self.left = checks
-
-    def check(self, result: object, micro_batch: object) -> None:
-        """Inspect `micro_batch` if `loss_fn` returned a plain scalar for it."""
-        if self.left and isinstance(result, torch.Tensor):
-            self.left = 0 if warn_if_token_mean(micro_batch) else self.left - 1
+    if count < 0:
+        raise ValueError(f"{what}={count!r} must be >= 0: it counts the items summed.")
+    return float(count)

@@ -81,7 +81,7 @@ class AutoSize(str, enum.Enum):
     LARGEST = "largest"  # the largest that fits
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Tokens:
     """A window of counted items, for `Accumulator(accumulation_steps=Tokens(n))`.
 
@@ -89,13 +89,18 @@ class Tokens:
     over all ranks to at least `count`: the tokens a `LossSum` counts, or the items of a plain
     mean. Every rank learns the total after each forward (one all-reduce of one number), so all
     ranks close the window together. A window overshoots `count` by less than a micro-batch.
+    A `LossSum.terms` loss counts each term apart: `term` names the one whose count fills the
+    budget (required for such a loss; its rows would be a silent other budget).
 
     Example:
         >>> Tokens(65_536)
         Tokens(count=65536)
+        >>> Tokens(65_536, term="ce").term
+        'ce'
     """
 
     count: int
+    term: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
@@ -103,6 +108,13 @@ class Tokens:
                 f"Tokens(count={self.count!r}): count must be a positive int, the tokens "
                 "(items counted) per window, e.g. Tokens(65536)."
             )
+        if self.term is not None and not isinstance(self.term, str):
+            raise ValueError(f"Tokens(term={self.term!r}): term must be a term's name, e.g. 'ce'.")
+
+    def __repr__(self) -> str:
+        # Saved states compare settings by this text: the one of before `term` stays the same.
+        term = "" if self.term is None else f", term={self.term!r}"
+        return f"Tokens(count={self.count!r}{term})"
 
 
 E = TypeVar("E", bound=enum.Enum)

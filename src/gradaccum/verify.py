@@ -32,11 +32,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from gradaccum._non_additive import (
+    LOSS_CAUSES,
     NonAdditiveModule,
     changed_by_hooks,
     cuda_devices,
     diverged_buffers,
     find_non_additive,
+    fix_for,
     hooked_buffers,
 )
 from gradaccum.batching import batch_size, map_tensors, split_batch
@@ -136,6 +138,8 @@ class EquivalenceReport:
         if self.non_additive:
             lines.append("non-additive modules (accumulation cannot be exact with these):")
             lines += [f"  - {module}" for module in self.non_additive]
+        elif not self.ok:  # the loss itself: a count of the micro-batch, or in-batch negatives
+            lines.append("no non-additive module: the loss is not additive; .explain() says why")
         return "\n".join(lines)
 
     def explain(self) -> str:
@@ -173,37 +177,11 @@ class EquivalenceReport:
             for kind, modules in kinds.items():
                 more = f" and {len(modules) - 4} more" if len(modules) > 4 else ""
                 names = ", ".join(m.name for m in modules[:4]) + more
-                fix = _FIXES[_cause(kind, modules[0].reason)]
+                fix = fix_for(kind, modules[0].reason)
                 lines += [f"  {kind} at {names}: {modules[0].reason}", f"    -> {fix}"]
         elif not self.ok:
-            lines += [
-                "cause: no module behaves differently on micro-batches, so the loss is not "
-                "additive over items. It probably normalizes by something of the micro-batch (a "
-                "token or pixel count, a max, a mean of per-micro-batch means).",
-                "    -> return gradaccum.LossSum(sum of per-item losses, number of items "
-                "counted); a plain scalar is read as a mean weighted by the micro-batch's "
-                "leading dimension.",
-            ]
+            lines += LOSS_CAUSES
         return "\n".join(lines)
-
-
-_FIXES = {
-    "BatchNorm": "convert it with gradaccum.batchnorm.convert_to_groupnorm(model) (exact), or "
-    "train with Accumulator(..., batchnorm='pooled') (running statistics from the whole window) "
-    "or 'frozen' (eval-mode statistics); see docs/batchnorm.md",
-    "other": "check with dropout off (eval mode or p=0); in training, different masks are "
-    "expected noise, not a bug",
-    "state": "check in eval mode (model.eval()) to confirm the rest is exact; in training the "
-    "state advances once per micro-batch, which no accumulation undoes: update it once per "
-    "window (e.g. from Accumulator's step results) if it must match the full batch",
-}
-
-
-def _cause(kind: str, reason: str) -> str:
-    """Which fix of `_FIXES` a non-additive module calls for."""
-    if "BatchNorm" in kind:
-        return "BatchNorm"
-    return "other" if "random" in reason else "state"
 
 
 def check_equivalence(

@@ -36,7 +36,7 @@ import torch
 from gradaccum._dtensor import like_param
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, split_batch, to_device
-from gradaccum.divisor import backward_denominator, divide_, grad_divisor, seeded_loss
+from gradaccum.divisor import backward_denominator, divide_, folds_counts, grad_divisor, seeded_loss
 from gradaccum.loss import (
     LossSum,
     LossTerms,
@@ -226,6 +226,10 @@ class Window:
                 "not the fix here."
             )
 
+    def budget(self, count: int, term: str | None) -> int:
+        """What a `Tokens` window has counted, with a micro-batch of `count` (terms: `term`'s)."""
+        return self.count + count if self.terms is None else self.terms.budget(term)
+
     def restore(self) -> None:
         """Forget the window: the gradients set aside come back, the totals are cleared."""
         for param, grad in zip(self.params, self._stashed, strict=True):
@@ -371,6 +375,7 @@ def accumulate_grad(
                 # A count known up front (a plain mean's items, or one the loss counts ahead)
                 # is folded into each backward.
                 folded = (total_items if weight > 1 else counted) or None
+                folded = folded if folds_counts(value.dtype) else None  # bf16: exact seeds
                 window.denominator = backward_denominator(
                     objective, expected_items=count * len(micro_batches), window_items=folded
                 )

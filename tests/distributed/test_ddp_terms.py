@@ -13,11 +13,18 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from gradaccum import Accumulator
+from gradaccum import Accumulator, LossSum
 from tests.distributed._harness import run_ranks
 from tests.models import IGNORE_INDEX, concat_batches, make_model, token_batch
 from tests.reference import param_tensors, relative_gap, split
-from tests.test_terms import TwoTermsCountedAhead, pre_weighted, reference_objective, two_terms
+from tests.test_terms import (
+    CLASS_WEIGHTS,
+    TwoTermsCountedAhead,
+    pre_weighted,
+    reference_objective,
+    two_terms,
+    weighted_ce,
+)
 
 MICRO = 3
 EXACT = 1e-10
@@ -62,7 +69,16 @@ def terms_worker(rank: int, world_size: int) -> dict[str, Any]:
         "ahead": _run(rank, TwoTermsCountedAhead(), stream=False),
         "stream": _run(rank, two_terms, stream=True),
         "control": _run(rank, pre_weighted, stream=False),
+        "weighted": _run(rank, weighted_ce, stream=False),
+        "weighted_control": _run(rank, weighted_ce_by_targets, stream=False),
     }
+
+
+def weighted_ce_by_targets(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
+    """The control: the class-weighted sum over the number of targets, not their weights."""
+    return LossSum(
+        weighted_ce(model, batch).terms["ce"].value, (batch["labels"] != IGNORE_INDEX).sum()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +117,30 @@ def test_negative_control_pre_weighting_per_micro_batch_on_two_ranks(
     runs: list[dict[str, Any]],
 ) -> None:
     assert relative_gap(runs[0]["control"]["params"], _reference()[0]) > 1e-4
+
+
+@pytest.fixture(scope="module")
+def weighted_reference() -> dict[str, torch.Tensor]:
+    model = make_model("token")
+    optimizer = _optimizer(model)
+    criterion = torch.nn.CrossEntropyLoss(
+        weight=CLASS_WEIGHTS, ignore_index=IGNORE_INDEX, label_smoothing=0.1
+    )
+    for seed, items in WINDOWS:
+        batch = concat_batches([rank_batch(seed, rank, items) for rank in range(2)])
+        optimizer.zero_grad(set_to_none=True)
+        criterion(model(batch["tokens"]).flatten(0, 1), batch["labels"].flatten()).backward()
+        optimizer.step()
+    return param_tensors(model)
+
+
+def test_class_weighted_cross_entropy_on_two_ranks_is_the_full_batch_step(
+    runs: list[dict[str, Any]], weighted_reference: dict[str, torch.Tensor]
+) -> None:
+    """A term's count may be a sum of class weights (a real number): summed over ranks in the
+    float64 exchange, it is the denominator of `CrossEntropyLoss(weight=...)` on both ranks'
+    data at once. Control: the same sum over the number of targets is not."""
+    for rank, run in enumerate(runs):
+        gap = relative_gap(run["weighted"]["params"], weighted_reference)
+        assert gap < EXACT, f"rank {rank}: {gap:.1e} from the full-batch reference"
+    assert relative_gap(runs[0]["weighted_control"]["params"], weighted_reference) > 1e-4

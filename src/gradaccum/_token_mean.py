@@ -1,0 +1,104 @@
+"""A plain-scalar loss on a batch whose integer targets hold -100: a token mean read by rows.
+
+A scalar loss is read as a mean over the micro-batch's rows. Targets holding -100 (the
+`ignore_index` of `torch.nn.functional.cross_entropy` and the Hugging Face convention for
+unscored positions) mean the scalar is a mean over the targets that count, and weighting it by
+rows is not the full-batch mean. `TokenMeanCheck` looks at the first few micro-batches and warns
+once.
+
+Example:
+    >>> import torch, warnings
+    >>> batch = (torch.randn(2, 3), torch.tensor([1, -100]))
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warn_if_token_mean(batch)
+    True
+    >>> caught[0].category.__name__
+    'TokenMeanWarning'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from gradaccum._warnings import warn_user
+
+__all__ = ["TokenMeanCheck", "TokenMeanWarning", "warn_if_token_mean"]
+
+_IGNORE_INDEX = -100  # cross_entropy's default ignore_index, and Hugging Face's unscored label
+
+
+class TokenMeanWarning(UserWarning):
+    """A plain-scalar loss on a batch with unscored label positions: a token mean read by rows."""
+
+
+def _targets(micro_batch: object) -> Iterator[tuple[str, torch.Tensor]]:
+    """Where a micro-batch's integer targets may be, named as the user would index them.
+
+    A dict's `labels` (or `shift_labels`, a causal LM's shifted by the pipeline) when it has
+    them; otherwise every integer tensor at the top level of a dict, tuple or list (`(x, y)`
+    batches, `{"x": ..., "target": ...}`): inputs such as token ids or masks never hold -100.
+    """
+    if isinstance(micro_batch, Mapping):
+        named = [key for key in ("labels", "shift_labels") if key in micro_batch]
+        keys = named[:1] or list(micro_batch)
+        items = [(f"[{key!r}]", micro_batch[key]) for key in keys]
+    elif isinstance(micro_batch, (tuple, list)):
+        items = [(f"[{index}]", value) for index, value in enumerate(micro_batch)]
+    else:
+        return
+    for where, value in items:
+        if isinstance(value, torch.Tensor) and not (
+            value.is_floating_point() or value.is_complex() or value.dtype == torch.bool
+        ):
+            yield where, value
+
+
+def warn_if_token_mean(micro_batch: object) -> bool:
+    """Warn if a plain-scalar loss's batch has integer targets with -100: a mean read by rows.
+
+    Called for losses returned as plain scalars (a mean over the micro-batch's rows). Targets
+    holding -100 (unscored positions) mean the scalar is a mean over the scored targets, and
+    weighting it by rows is not the full-batch mean.
+
+    Returns:
+        Whether it warned.
+    """
+    for where, labels in _targets(micro_batch):
+        if not bool((labels == _IGNORE_INDEX).any()):
+            continue
+        warn_user(
+            TokenMeanWarning(
+                "loss_fn returned a plain scalar, read as a mean over the micro-batch's "
+                f"{labels.shape[0]} rows, but the batch's labels (batch{where}) hold "
+                f"{_IGNORE_INDEX} (unscored positions, ignore_index): a mean over the scored "
+                "targets is being weighted by rows, which is not the full-batch mean. Return "
+                "gradaccum.LossSum(sum_of_losses (reduction='sum'), "
+                "count=number_of_scored_targets) instead."
+            )
+        )
+        return True
+    return False
+
+
+class TokenMeanCheck:
+    """Warns once if plain-scalar losses come from batches with -100 labels (a token mean).
+
+    Only the first `checks` plain-scalar micro-batches are inspected (each check reads the
+    labels, a device sync on an accelerator), and none after one warned. A micro-batch of one
+    row is checked too: the token mean of one row, weighted by 1, is still not the window's
+    token mean.
+
+    Args:
+        checks: Plain-scalar micro-batches to inspect at most.
+    """
+
+    def __init__(self, checks: int = 8) -> None:
+        self.left = checks
+
+    def check(self, result: object, micro_batch: object) -> None:
+        """Inspect `micro_batch` if `loss_fn` returned a plain scalar for it."""
+        if self.left and isinstance(result, torch.Tensor):
+            self.left = 0 if warn_if_token_mean(micro_batch) else self.left - 1
