@@ -8,9 +8,13 @@ longest row. Every row lands in exactly one micro-batch, so with sums and counts
 still exactly the full-batch step; only the order of the rows changes.
 
 Lengths are read from the batch's `attention_mask` (rows must be right-padded, as
-Hugging Face pads for training), or, without one, taken as the full width. A row longer than the
-budget runs alone, with a warning (`TokenBudgetWarning`): refusing it would stop a run over one
-outlier, and splitting a sequence is not exact.
+Hugging Face pads for training), or, without one, taken as the full width. Trimming cuts only
+the tensors as wide as the mask (dim 1), and never a scored label: a row reaches at least to
+its last label that is not -100 in a tensor named `*labels` as wide as the mask. So labels on
+their own axis that are as wide by chance (a seq2seq target, multi-label targets) and scored
+padding (labels copied from the input ids) are kept whole, and counted in the budget. A row
+longer than the budget runs alone, with a warning (`TokenBudgetWarning`): refusing it would
+stop a run over one outlier, and splitting a sequence is not exact.
 
 Example:
     >>> import torch
@@ -40,19 +44,24 @@ from gradaccum.batching import batch_size, slice_batch
 
 __all__ = ["TokenBudgetWarning", "pack_by_tokens", "sequence_lengths"]
 
+IGNORE_INDEX = -100  # a label that is not scored: past a row's end, trimming may drop it
+
 
 class TokenBudgetWarning(UserWarning):
     """A row longer than the token budget runs alone in its micro-batch."""
 
 
 def sequence_lengths(batch: Any) -> list[int]:
-    """Each row's length: its `attention_mask` sum, else the batch's widest 2-D tensor's width.
+    """Each row's length, else the batch's widest 2-D tensor's width for every row.
+
+    A row's length is its `attention_mask` sum, or more: up to its last scored label (not -100)
+    in a tensor named `*labels` as wide as the mask, so that trimming never drops one.
 
     Raises:
         ValueError: If the attention mask is not right-padded (its ones are not a prefix).
     """
-    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+    mask = _mask(batch)
+    if mask is not None:
         lengths = mask.sum(dim=1)
         positions = torch.arange(mask.shape[1], device=mask.device)
         if not bool(((positions[None, :] < lengths[:, None]) == mask.bool()).all()):
@@ -60,6 +69,10 @@ def sequence_lengths(batch: Any) -> list[int]:
                 "max_tokens needs right-padded rows: each attention_mask row must be ones then "
                 "zeros. Pad on the right (tokenizer.padding_side = 'right')."
             )
+        for labels in _labels(batch, mask.shape):  # scored past the mask: kept, and counted
+            scored = labels.ne(IGNORE_INDEX).reshape(*mask.shape, -1).any(dim=2)
+            reach = torch.where(scored, positions + 1, 0).amax(dim=1)
+            lengths = torch.maximum(lengths, reach.to(lengths.device))
         return [int(n) for n in lengths.tolist()]
     width = _full_width(batch)
     return [width] * batch_size(batch)
@@ -101,7 +114,8 @@ def pack_by_tokens(batch: Any, max_tokens: int) -> list[Any]:
                 f"{too_long[0]} tokens); each runs alone in its own micro-batch."
             )
         )
-    full = _full_width(batch)
+    mask = _mask(batch)  # without one, every row is as wide as the batch: nothing is trimmed
+    full = _full_width(batch) if mask is None else mask.shape[1]
     ordered = _take(batch, order, len(lengths))
     micro_batches, start = [], 0
     for rows, width in runs:
@@ -109,6 +123,28 @@ def pack_by_tokens(batch: Any, max_tokens: int) -> list[Any]:
         micro_batches.append(_trim(piece, full, width))
         start += rows
     return micro_batches
+
+
+def _mask(batch: Any) -> torch.Tensor | None:
+    """The batch's 2-D `attention_mask`, which gives the rows' lengths and the trimmed width."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    return mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
+
+
+def _labels(node: Any, shape: torch.Size, name: str = "") -> list[torch.Tensor]:
+    """The tensors named `*labels` (keys and fields, at any depth) whose rows are `shape`."""
+    if isinstance(node, torch.Tensor):
+        wide = name.endswith("labels") and node.ndim >= 2 and node.shape[:2] == shape
+        return [node] if wide else []
+    if isinstance(node, Mapping):
+        entries: Any = node.items()
+    elif isinstance(node, tuple) and hasattr(node, "_fields"):
+        entries = zip(node._fields, node, strict=True)
+    elif is_dataclass_instance(node):
+        entries = dataclass_entries(node)
+    else:
+        return []
+    return [t for key, value in entries for t in _labels(value, shape, str(key))]
 
 
 def _full_width(batch: Any) -> int:
@@ -164,7 +200,7 @@ def _take(node: Any, order: Sequence[int], items: int) -> Any:
 
 
 def _trim(node: Any, full: int, width: int) -> Any:
-    """Cut every tensor whose dim 1 is the padded width `full` to `width` (right padding)."""
+    """Cut every tensor whose dim 1 is the mask's width `full` to `width` (right padding)."""
     if width >= full:
         return node
     if isinstance(node, torch.Tensor):
