@@ -320,6 +320,35 @@ def test_per_item_list_of_wrong_length_is_refused_naming_path_and_fix(
         batch_size(batch)
 
 
+def test_the_fixes_the_batch_errors_name_work() -> None:
+    """Each fix an error names, applied as written, makes the batch split. The per-item-list
+    error once said to pass a constant "as a dict": a dict HOLDING the list still splits it."""
+    x = torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="must hold one entry per item") as info:
+        split_batch({"x": x, "classes": ["cat", "dog", "bird"]}, 2)
+    message = str(info.value)
+    assert "bind it to loss_fn (a closure or functools.partial)" in message
+    assert "a named tuple or a dict of numbers and strings, which pass whole" in message
+    for constant in (Config(0.1, "cat"), {"h": 3, "w": "dog"}):
+        micro_batches = split_batch({"x": x, "classes": constant}, 2)
+        assert [mb["classes"] for mb in micro_batches] == [constant, constant]
+    # Negative control: the list inside a dict or a named tuple is still split item by item.
+    for wrapped in ({"names": ["cat", "dog", "bird"]}, Config(["cat", "dog", "bird"], "n")):
+        with pytest.raises(ValueError, match="must hold one entry per item"):
+            split_batch({"x": x, "classes": wrapped}, 2)
+    # A constant tensor of another size, or a 0-dim one: taken out of the batch.
+    for batch in ({"x": x, "emb": torch.zeros(10, 2)}, {"x": x, "temperature": torch.tensor(2.0)}):
+        with pytest.raises(ValueError, match="out of the batch and bind it to loss_fn"):
+            split_batch(batch, 2)
+    # Sequence-first: per-item (B,) labels need their items along dim 1, as the error says.
+    seq, labels = torch.randn(5, 4, 3), torch.arange(4)
+    with pytest.raises(ValueError, match=r"shape \(1, B\) with x\.reshape\(1, -1\)"):
+        split_batch({"seq": seq, "y": labels}, 3, batch_dim=1)
+    for given, read in ((labels.reshape(1, -1), lambda y: y[0].tolist()), (labels.tolist(), list)):
+        micro_batches = split_batch({"seq": seq, "y": given}, 3, batch_dim=1)
+        assert [read(mb["y"]) for mb in micro_batches] == [[0, 1, 2], [3]]
+
+
 def test_batch_without_tensors_takes_its_size_from_per_item_lists() -> None:
     """The tokenizer-in-the-loss workflow: the loss function turns raw text into tensors."""
     batch = {"text": _texts(5), "label": (0, 1, 0, 1, 1), "lang": "en"}

@@ -22,8 +22,8 @@ A container or record with nothing to split inside is a constant too. B is the s
 the tensors and arrays along ``batch_dim`` (or, with none, of the per-item lists); a disagreement
 raises a ValueError naming every path and size. Another object whose attributes hold a tensor of
 B items raises a TypeError (make it a dataclass or a dict); nested and sparse CSR tensors too.
-Pass constants as a dict, a named tuple or an object, not a plain list or tuple (one whose
-length happened to equal B would be split). Splitting makes views and walks the batch once.
+A constant of B items (B class names, a B x B matrix) looks per-item and is split: bind constants
+to `loss_fn` (a closure, functools.partial). Splitting makes views and walks the batch once.
 
 Example:
     >>> import torch
