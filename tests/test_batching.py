@@ -347,6 +347,15 @@ def test_the_fixes_the_batch_errors_name_work() -> None:
     for given, read in ((labels.reshape(1, -1), lambda y: y[0].tolist()), (labels.tolist(), list)):
         micro_batches = split_batch({"seq": seq, "y": given}, 3, batch_dim=1)
         assert [read(mb["y"]) for mb in micro_batches] == [[0, 1, 2], [3]]
+    # ... and nn.Transformer's (B, S) key padding mask goes in transposed, as the error says.
+    padding = torch.arange(5)[None, :] >= torch.tensor([5, 2, 4, 1])[:, None]  # (B, S)
+    with pytest.raises(ValueError, match=r"\(B, S\) key padding mask.*transposed \(x\.t\(\)\)"):
+        split_batch({"seq": seq, "padding": padding}, 3, batch_dim=1)
+    micro_batches = split_batch({"seq": seq, "padding": padding.t()}, 3, batch_dim=1)
+    assert [mb["padding"].t().tolist() for mb in micro_batches] == [
+        padding[:3].tolist(),
+        padding[3:].tolist(),
+    ]
 
 
 def test_batch_without_tensors_takes_its_size_from_per_item_lists() -> None:

@@ -43,16 +43,12 @@ def array_items(array: Any, path: Path, dim: int, kind: str) -> int:
             "or a sparse COO one (.to_sparse_coo())."
         )
     if array.ndim <= dim:
-        ones = "1, " * dim
-        per_item = (
-            ""
-            if array.ndim != 1
-            # e.g. (B,) labels of a (S, B, E) batch
-            else (
-                f" A per-item {kind} (labels, lengths) needs its items along dim {dim} too: give it "
-                f"shape ({ones}B) with x.reshape({ones}-1), or pass a list (x.tolist())."
+        ones, per_item = "1, " * dim, ""
+        if array.ndim == 1:  # e.g. (B,) labels of a (S, B, E) batch
+            per_item = (
+                f" A per-item {kind} (labels, lengths) needs its items along dim {dim} too: "
+                f"give it shape ({ones}B) with x.reshape({ones}-1), or pass a list (x.tolist())."
             )
-        )
         raise ValueError(
             f"{path_name(path)} is a {array.ndim}-dim {kind}; every tensor and array in a batch "
             f"needs the batch dimension (batch_dim={dim}).{per_item} Pass per-batch constants "
@@ -84,10 +80,17 @@ def agreed_size(sizes: Sizes, dim: int) -> int:
     arrays = {n for _, n, k in sizes if k in ARRAY_KINDS}
     if len(arrays) > 1:
         where = "the leading dimension" if dim == 0 else f"the batch dimension (dim {dim})"
+        first = ""
+        if dim:  # nn.Transformer's padding masks are (B, S) in a sequence-first batch
+            first = (
+                f" A batch-first tensor, such as a (B, S) key padding mask, goes in with its "
+                f"items at dim {dim}: transposed (x.t()), and back with .t() in loss_fn."
+            )
         raise ValueError(
             f"batch tensors disagree on {where} ({listing}); every tensor and array must have "
-            f"the same number of items along dim {dim}. If one is the same for every item "
-            f"(class embeddings, a class-by-class matrix), take it out of the batch and {_BIND}."
+            f"the same number of items along dim {dim}.{first} If one is the same for every "
+            f"item (class embeddings, a class-by-class matrix), take it out of the batch and "
+            f"{_BIND}."
         )
     if not arrays:
         raise ValueError(
