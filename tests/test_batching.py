@@ -784,6 +784,57 @@ def test_lists_of_one_tensor_per_item_are_split_when_the_batch_says_so() -> None
         split_batch({"pair": [torch.zeros(4, 2), torch.zeros(3, 2)], "x": torch.zeros(4)}, 2)
 
 
+def test_torchvision_detection_collate_tuples_are_split_per_image() -> None:
+    """torchvision's detection `collate_fn` is `tuple(zip(*batch))`: a tuple of B images and a
+    tuple of B target dicts (with a 0-dim `image_id`). Once refused as a container whose
+    tensors disagree; now one image and one target per item, and the step is exact."""
+    generator = torch.Generator().manual_seed(0)
+    images = tuple(torch.randn(3, 5 + i, 4 + 2 * i, generator=generator).double() for i in range(7))
+    targets = tuple(
+        {"label": torch.tensor(i % 3), "boxes": torch.rand(i + 1, 4), "image_id": torch.tensor(i)}
+        for i in range(7)
+    )
+    batch = (images, targets)
+    assert batch_size(batch) == 7
+    micro_batches = split_batch(batch, 3)
+    assert [(len(mb[0]), len(mb[1])) for mb in micro_batches] == [(3, 3), (3, 3), (1, 1)]
+    assert type(micro_batches[0][0]) is tuple
+    assert micro_batches[2][1][0] is targets[6]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 3).double()
+    reference = copy.deepcopy(model)
+    loss = _detection_loss(reference, batch)
+    (loss.value / loss.count).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    result = gradaccum.Accumulator(model, optimizer, micro_batch_size=3).step(
+        batch, _detection_loss
+    )
+    assert (result.micro_batches, result.count) == (3, 7)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    # The batch itself is never a per-item tuple: (x, y) of 4 and 3 rows stays a wrong batch.
+    with pytest.raises(ValueError, match="disagree on the leading dimension"):
+        split_batch((torch.zeros(4, 2), torch.zeros(3, 2)), 2)
+
+
+def test_a_default_collate_pair_of_mismatched_tensors_is_refused() -> None:
+    """`default_collate` makes `[x, y]` lists: x of 4 rows and y of 3 (a user's bug) were read
+    as 2 items, one tensor each, and the loss saw `[x]` alone. Entries that are not alike (other
+    ndim or dtype) are never one per item: the batch is refused naming both sizes."""
+    for batch in (
+        [torch.zeros(4, 2), torch.zeros(3, dtype=torch.long)],
+        [torch.zeros(4, 2), torch.zeros(3)],
+        [torch.zeros(4, 2), torch.zeros(3, 2, dtype=torch.float16)],
+    ):
+        with pytest.raises(ValueError, match=r"disagree.*batch\[0\]: 4, batch\[1\]: 3"):
+            split_batch(batch, 1)
+    # Negative control: alike tensors of varied sizes are still one per item (images).
+    images = [torch.zeros(2 + i, 5) for i in range(3)]
+    assert [len(mb) for mb in split_batch(images, 2)] == [2, 1]
+
+
 def test_uncollated_tuples_from_a_tensor_dataset_are_split_per_example() -> None:
     """`DataLoader(TensorDataset(x, y), collate_fn=list)`: a list of `(x_i, y_i)` pairs."""
     model, x, _ = _regression()

@@ -93,15 +93,29 @@ def is_example_list(node: Any) -> bool:
     return False
 
 
-def per_item_list(node: Any) -> bool:
-    """A plain list of tensors, or of plain tuples of one length: per item, if need be.
+def per_item_list(node: Any, nested: bool = True) -> bool:
+    """A plain list of alike tensors, or of plain tuples of one length: per item, if need be.
 
     Asked only when a batch cannot be read with such lists as containers (their tensors'
     sizes disagree with the batch's B): images of different sizes, `[(x, y), ...]` examples.
+    Alike tensors share ndim and dtype: `[x, y]` of 4 and 3 rows is a wrong batch, not 2
+    items. Inside a container, a plain tuple of alike tensors or of uncollated examples is
+    per item too: torchvision's detection `collate_fn`, `tuple(zip(*batch))`.
     """
-    if type(node) is not list or not node or all(type(e) is torch.Tensor for e in node):
-        return type(node) is list
-    size = len(node[0]) if type(node[0]) is tuple else -1
+    kind = type(node)
+    if kind is not list and not (kind is tuple and nested and node):
+        return False
+    if not node:
+        return True
+    first = node[0]
+    if type(first) is torch.Tensor:
+        return all(
+            type(e) is torch.Tensor and e.ndim == first.ndim and e.dtype == first.dtype
+            for e in node
+        )
+    if kind is tuple:
+        return is_example_list(list(node))
+    size = len(first) if type(first) is tuple else -1
     return all(type(entry) is tuple and len(entry) == size for entry in node)
 
 

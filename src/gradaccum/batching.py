@@ -11,8 +11,9 @@ list or plain tuple holding no tensor or array   ``x[start:stop]``, one entry pe
 (strings, ints, dicts of them, token lists...)   length must be B (an empty one counts as 0)
 list of dicts with the same keys, or of one      ``x[start:stop]``: uncollated examples, one per
 dataclass or named tuple                         item (a plain tuple of them is a container)
-list of tensors or of same-length tuples, when   ``x[start:stop]``: one entry per item (images
-read as a container it disagrees with the batch  of varied sizes, ``collate_fn=list`` pairs)
+list of alike tensors or same-length tuples, or  ``x[start:stop]``: one entry per item (images
+a nested plain tuple of alike tensors or dicts,  of varied sizes, ``collate_fn=list`` pairs,
+read as a container it disagrees with the batch  torchvision's ``tuple(zip(*batch))``)
 other list or plain tuple holding a tensor       a container: rebuilt, each entry by these rules
 dict, named tuple, dataclass, tuple subclass     a record: rebuilt with its type, entry by entry
 anything else: str, int, float, bool, None...    the same object, whole, in every micro-batch
@@ -280,9 +281,8 @@ def _compile(
 ) -> _Slicer | None:
     """Return the slicer of `node` (None if it is a constant), recording its leaves' sizes.
 
-    With `tensor_lists`, a plain list of tensors (or of tuples of one length) is one entry per
-    item: tried only when the batch cannot be read otherwise, e.g. `{"images": [B tensors of
-    varied sizes], ...}` or `[(x, y), ...]` from a loader with `collate_fn=list`.
+    With `tensor_lists`, lists of alike tensors or of tuples (`per_item_list`) are one entry per
+    item: tried only when the batch cannot be read otherwise (images of varied sizes).
     """
     if isinstance(node, _SCALARS):
         return None
@@ -300,7 +300,7 @@ def _compile(
         template = "[{!r}]"
     elif isinstance(node, tuple) and hasattr(node, "_fields"):  # a named tuple is a record
         entries, template = zip(node._fields, node, strict=True), ".{}"
-    elif is_example_list(node) or (tensor_lists and per_item_list(node)):  # one per item
+    elif is_example_list(node) or (tensor_lists and per_item_list(node, path != "batch")):
         sizes.append((path, len(node), "list of examples"))
         return lambda start, stop: node[start:stop]
     elif _is_record(node) or (isinstance(node, (list, tuple)) and _any_array(node)):
