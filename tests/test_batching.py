@@ -669,6 +669,38 @@ def test_slotted_objects_holding_the_batch_are_refused_too() -> None:
     assert split_batch({"a": torch.zeros(4), "s": constant}, 2)[1]["s"] is constant
 
 
+def test_sequences_of_b_entries_that_cannot_be_split_are_refused() -> None:
+    """A range, deque or array of B entries went whole to every micro-batch: each micro-batch's
+    loss saw all B indices (silently wrong). Refused naming the fix, changing nothing; one of
+    another length is a constant."""
+    import array
+    import collections
+
+    model, x, y = _regression()  # 7 items
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=3)
+    before = _state(model, optimizer)
+
+    def indexed_mse(m: torch.nn.Module, batch: dict) -> torch.Tensor:
+        rows = torch.tensor(list(batch["rows"]))
+        return torch.nn.functional.mse_loss(m(x[rows]), y[rows])
+
+    for rows in (range(7), collections.deque(range(7)), array.array("i", range(7))):
+        with pytest.raises(TypeError, match=r"batch\['rows'\] \(\w+ object\).*list\(x\)"):
+            acc.step({"ids": torch.arange(7), "rows": rows}, indexed_mse)
+        after = _state(model, optimizer)
+        assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    # The named fix: a list is split item by item, and the step is the full-batch step.
+    reference = copy.deepcopy(model)
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    assert acc.step({"ids": torch.arange(7), "rows": list(range(7))}, indexed_mse).stepped
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    constant = range(3)  # 3 entries, not the batch's 7: passed whole
+    assert split_batch({"ids": torch.arange(7), "c": constant}, 3)[2]["c"] is constant
+
+
 def test_defaultdicts_are_rebuilt_with_their_default_factory() -> None:
     counts = defaultdict(int, {"x": torch.arange(5), "inner": defaultdict(list, {"y": _texts(5)})})
     first, _, last = split_batch(counts, 2)

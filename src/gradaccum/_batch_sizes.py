@@ -123,7 +123,7 @@ def refuse_objects(held: Sizes, size: int | None) -> None:
             f"{named} {verb} the batch's items, but gradaccum cannot split that object, and "
             "handing it whole to every micro-batch would count each item many times. Make it a "
             "dataclass (split field by field), a dict or a named tuple, or pass its tensors in "
-            "the batch itself."
+            "the batch itself; make a range, deque or array a list (list(x))."
         )
 
 

@@ -17,7 +17,7 @@ import collections
 import copy
 import dataclasses
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -122,6 +122,9 @@ def per_item_list(node: Any, nested: bool = True) -> bool:
 def object_arrays(node: object, dim: int) -> list[tuple[str, int]]:
     """The attributes of an object that hold tensors or arrays, and their sizes along `dim`.
 
+    A sequence that is not a list or tuple (a range, a deque) is listed itself, with its
+    length: one of B entries would reach every micro-batch whole, each entry many times.
+
     Looks at the object's `__dict__` and `__slots__` and the dicts, lists and tuples in them (two
     levels, 64 entries each: cheap for a tokenizer passed whole); an object without either (a
     number, a string, a C type) holds none. Tensors with
@@ -129,6 +132,8 @@ def object_arrays(node: object, dim: int) -> list[tuple[str, int]]:
     """
     if isinstance(node, (type, torch.nn.Module)):
         return []
+    if isinstance(node, Sequence) and not isinstance(node, (str, bytes, bytearray)):
+        return [("", len(node))]
     attributes = dict(getattr(node, "__dict__", None) or {})
     for kind in type(node).__mro__:  # `__slots__` classes (attrs' default) hold no __dict__
         slots = getattr(kind, "__slots__", ())
