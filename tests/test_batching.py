@@ -867,6 +867,26 @@ def test_a_default_collate_pair_of_mismatched_tensors_is_refused() -> None:
     assert [len(mb) for mb in split_batch(images, 2)] == [2, 1]
 
 
+def test_default_collate_columns_of_a_per_sample_list_are_split_per_item() -> None:
+    """`default_collate` turns a per-sample list of L strings (5 captions per image) into L
+    tuples of B strings: refused before as a per-item list of L entries. Each micro-batch is
+    now what collating its own samples gives."""
+    samples = [
+        {"x": torch.full((2,), float(i)), "captions": [f"c{i}-{j}" for j in range(3)]}
+        for i in range(5)
+    ]
+    batch = next(iter(torch.utils.data.DataLoader(samples, batch_size=5)))
+    assert len(batch["captions"]) == 3  # L tuples of B
+    assert batch_size(batch) == 5
+    for start, micro_batch in zip((0, 2, 4), split_batch(batch, 2), strict=True):
+        own = next(iter(torch.utils.data.DataLoader(samples[start : start + 2], batch_size=2)))
+        assert micro_batch["captions"] == own["captions"]
+        assert torch.equal(micro_batch["x"], own["x"])
+    # Negative control: B pairs of strings (what collate_fn=list makes) are still one per item.
+    pairs = {"x": torch.zeros(3, 2), "pairs": [("a", "b"), ("c", "d"), ("e", "f")]}
+    assert [mb["pairs"] for mb in split_batch(pairs, 2)] == [[("a", "b"), ("c", "d")], [("e", "f")]]
+
+
 def test_uncollated_tuples_from_a_tensor_dataset_are_split_per_example() -> None:
     """`DataLoader(TensorDataset(x, y), collate_fn=list)`: a list of `(x_i, y_i)` pairs."""
     model, x, _ = _regression()

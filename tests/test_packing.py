@@ -252,3 +252,19 @@ def test_scored_padding_is_kept_and_counted_in_the_budget() -> None:
     for batch in batches:
         assert acc.step(batch, token_sum_loss, max_tokens=24).count == batch["labels"].numel()
     assert relative_gap(param_tensors(model), _reference(batches)) < EXACT
+
+
+def test_every_leaf_the_batching_splits_follows_its_row() -> None:
+    """Rows are sorted by length: images of varied sizes (a list, one per item) and
+    default_collate's caption columns (tuples of B strings) stayed in data order while the
+    tokens were sorted, pairing each row with another row's image and captions."""
+    batch = _batch(0)
+    rows = len(LENGTHS)
+    batch["images"] = [torch.full((3, 2 + row % 4, 2), float(row)) for row in range(rows)]
+    batch["captions"] = [tuple(f"c{row}-{j}" for row in range(rows)) for j in range(2)]
+    micro_batches = pack_by_tokens(batch, max_tokens=24)
+    assert len(micro_batches) > 2
+    for micro_batch in micro_batches:
+        assert [int(image[0, 0, 0]) for image in micro_batch["images"]] == micro_batch["row"]
+        for j, column in enumerate(micro_batch["captions"]):
+            assert list(column) == [f"c{row}-{j}" for row in micro_batch["row"]]

@@ -24,14 +24,22 @@ import numpy as np
 import torch
 
 __all__ = [
+    "SCALARS",
+    "any_array",
+    "collated_columns",
     "dataclass_entries",
     "is_dataclass_instance",
     "is_example_list",
+    "is_record",
     "object_arrays",
     "per_item_list",
     "rebuild_dataclass",
     "rebuild_mapping",
 ]
+
+
+SCALARS = (str, int, float, type(None))  # the usual constants, ruled out first
+_SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
 
 
 def is_dataclass_instance(node: object) -> bool:
@@ -161,3 +169,39 @@ def _arrays(value: Any, name: str, depth: int = 2) -> Iterator[tuple[str, Any]]:
     elif depth and isinstance(value, (list, tuple)):
         for index, entry in enumerate(value[:_LOOK]):
             yield from _arrays(entry, f"{name}[{index}]", depth - 1)
+
+
+def is_record(node: Any) -> bool:
+    """Whether `node` is a tuple subclass (torch.Size, a struct sequence...): never per-item."""
+    return isinstance(node, tuple) and type(node) is not tuple
+
+
+def holds_array(node: Any) -> bool:
+    """Whether `node` is, or nests, a tensor or an array (then a list of it is a container)."""
+    if isinstance(node, SCALARS):
+        return False
+    if isinstance(node, (torch.Tensor, np.ndarray)):
+        return True
+    if isinstance(node, Mapping):
+        return any(map(holds_array, node.values()))
+    if isinstance(node, (list, tuple)):
+        return any_array(node)
+    return is_dataclass_instance(node) and any(holds_array(v) for _, v in dataclass_entries(node))
+
+
+def any_array(entries: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether some entry holds a tensor or an array; a list of B strings is scanned in C."""
+    return not _SCALAR_TYPES.issuperset(map(type, entries)) and any(map(holds_array, entries))
+
+
+def collated_columns(node: Any) -> bool:
+    """A plain list of plain tuples of one length holding no array: columns, if need be.
+
+    `default_collate` turns a per-sample list of L strings into L tuples of B strings each
+    (COCO's 5 captions per image): a container whose tuples are per item. Asked only when the
+    batch cannot be read otherwise, since `[(a, b), ...]` is also B pairs, one per item.
+    """
+    if type(node) is not list or not node or type(node[0]) is not tuple:
+        return False
+    size = len(node[0])
+    return all(type(e) is tuple and len(e) == size for e in node) and not any_array(node)

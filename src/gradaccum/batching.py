@@ -24,7 +24,10 @@ the tensors and arrays along ``batch_dim`` (or, with none, of the per-item lists
 raises a ValueError naming every path and size. Another object whose attributes hold a tensor of
 B items raises a TypeError (make it a dataclass or a dict); nested and sparse CSR tensors too.
 A constant of B items (B class names, a B x B matrix) looks per-item and is split: bind constants
-to `loss_fn` (a closure, functools.partial). Splitting makes views and walks the batch once.
+to `loss_fn` (a closure, functools.partial). A list of L tuples of B strings each, the layout
+`default_collate` makes of a per-sample list (5 captions per image), is read as L per-item
+tuples when the batch cannot be read otherwise. Splitting makes views and walks the batch once;
+`take_batch` reorders the items by the same rules (`gradaccum.packing` sorts rows with it).
 
 Example:
     >>> import torch
@@ -56,21 +59,32 @@ from gradaccum._batch_sizes import (
     check_not_empty,
     refuse_objects,
 )
+from gradaccum._device import map_tensors, on_device, to_device
 from gradaccum._records import (
+    SCALARS,
+    any_array,
+    collated_columns,
     dataclass_entries,
     is_dataclass_instance,
     is_example_list,
+    is_record,
     object_arrays,
     per_item_list,
     rebuild_dataclass,
     rebuild_mapping,
 )
 
-__all__ = ["batch_size", "map_tensors", "on_device", "slice_batch", "split_batch", "to_device"]
+__all__ = [
+    "batch_size",
+    "map_tensors",
+    "on_device",
+    "slice_batch",
+    "split_batch",
+    "take_batch",
+    "to_device",
+]
 
 _Slicer = Callable[[int, int], Any]  # (start, stop) -> that node's items [start, stop)
-_SCALARS = (str, int, float, type(None))  # the usual constants, ruled out first
-_SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
 
 
 def split_batch(batch: Any, micro_batch_size: int, *, batch_dim: int = 0) -> list[Any]:
@@ -134,6 +148,15 @@ def slice_batch(batch: Any, start: int, stop: int, *, batch_dim: int = 0) -> Any
     return slicer(start, stop)
 
 
+def take_batch(batch: Any, order: list[int], *, batch_dim: int = 0) -> Any:
+    """`batch` with its items in `order` (a permutation of `range(B)`), by the same rules.
+
+    `gradaccum.packing` sorts rows this way: every leaf `split_batch` splits is reordered.
+    """
+    slicer, size = _plan(batch, batch_dim, order=order)
+    return slicer(0, size)
+
+
 def batch_size(batch: Any, *, batch_dim: int = 0, allow_empty: bool = False) -> int:
     """Return B, the number of items every tensor, array and per-item list of `batch` agrees on.
 
@@ -162,96 +185,40 @@ def batch_size(batch: Any, *, batch_dim: int = 0, allow_empty: bool = False) -> 
     return size
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Return `batch` with every tensor moved to `device` (non-blocking where it can be).
-
-    A batch already on `device` is returned as it is, without rebuilding its containers. Other
-    leaves, numpy arrays included, are kept as they are.
-
-    Example:
-        >>> import torch
-        >>> to_device({"x": torch.ones(2)}, torch.device("cpu"))["x"].device.type
-        'cpu'
-    """
-    if on_device(batch, device):
-        return batch
-    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
-
-
-def on_device(batch: Any, device: torch.device) -> bool:
-    """Whether every tensor of `batch` is on `device` (the slices of one batch answer alike).
-
-    Example:
-        >>> on_device((torch.ones(2), [1, 2]), torch.device("cpu"))
-        True
-    """
-    if isinstance(batch, torch.Tensor):
-        return batch.device == device
-    if isinstance(batch, Mapping):
-        values: Any = batch.values()
-    elif isinstance(batch, (list, tuple)):
-        values = batch
-    elif is_dataclass_instance(batch):
-        values = [value for _, value in dataclass_entries(batch)]
-    else:
-        return True
-    for value in values:  # noqa: SIM110 - a loop: all(generator) costs more, once per micro-batch
-        if not on_device(value, device):
-            return False
-    return True
-
-
-def map_tensors(
-    batch: Any,
-    fn: Callable[[torch.Tensor], torch.Tensor],
-    arrays: Callable[[np.ndarray], Any] | None = None,
-) -> Any:
-    """Rebuild `batch` with `fn` applied to every tensor leaf (and `arrays` to numpy arrays).
-
-    Other leaves are kept as they are.
-    """
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        return rebuild_mapping(batch, {k: map_tensors(v, fn, arrays) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
-        return type(batch)(*(map_tensors(v, fn, arrays) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(map_tensors(v, fn, arrays) for v in batch)
-    if is_dataclass_instance(batch):
-        values = {k: map_tensors(v, fn, arrays) for k, v in dataclass_entries(batch)}
-        return rebuild_dataclass(batch, values)
-    if arrays is not None and isinstance(batch, np.ndarray):
-        return arrays(batch)
-    return batch
-
-
-def _plan(batch: Any, batch_dim: int, build: bool = True) -> tuple[_Slicer, int]:
+def _plan(
+    batch: Any, batch_dim: int, build: bool = True, order: list[int] | None = None
+) -> tuple[_Slicer, int]:
     """Return the slicer of `batch` and its B, walking it once; raise naming what is wrong.
 
-    With `build=False` (for `batch_size`) the slicer is a placeholder and no closure is made.
+    With `build=False` (for `batch_size`) the slicer is a placeholder and no closure is made;
+    with `order`, the slicer's leaves are reordered first (`take_batch`).
     """
     check_batch_dim(batch_dim)
-    if type(batch) is torch.Tensor and _plain(batch, batch_dim) and batch.shape[batch_dim]:
+    plain = order is None and type(batch) is torch.Tensor and _plain(batch, batch_dim)
+    if plain and batch.shape[batch_dim]:
         return (_tensor_slicer(batch, batch_dim) if build else _measured), batch.shape[batch_dim]
-    flat = _flat_tensors(batch, batch_dim)
-    if flat is None:  # the general path
+    flat = None if order is not None else _flat_tensors(batch, batch_dim)
+    if flat is None:  # the general path: as it reads, else by the fallbacks of `_compile`
         try:
-            return _general(batch, batch_dim, build, lists=False)
-        except ValueError as error:  # lists of one tensor or tuple per item (images, pairs)?
-            try:
-                return _general(batch, batch_dim, build, lists=True)
-            except ValueError:
-                raise error from None
+            return _general(batch, batch_dim, build, 0, order)
+        except ValueError as error:
+            for lists in (1, 2):
+                try:
+                    return _general(batch, batch_dim, build, lists, order)
+                except ValueError:
+                    pass
+            raise error from None
     size: int = flat[0].shape[batch_dim]
     if not build:
         return _measured, size
     return _container_slicer(batch, [_tensor_slicer(t, batch_dim) for t in flat]), size
 
 
-def _general(batch: Any, dim: int, build: bool, lists: bool) -> tuple[_Slicer, int]:
+def _general(
+    batch: Any, dim: int, build: bool, lists: int, order: list[int] | None = None
+) -> tuple[_Slicer, int]:
     sizes: Sizes = []
-    slicer = _compile(batch, "batch", dim, sizes, build, lists)
+    slicer = _compile(batch, "batch", dim, sizes, build, lists, order)
     if slicer is None:
         refuse_objects(sizes, None)
         raise ValueError(
@@ -277,22 +244,32 @@ def _flat_tensors(batch: Any, dim: int) -> list[torch.Tensor] | None:
 
 
 def _compile(
-    node: Any, path: Path, dim: int, sizes: Sizes, build: bool, tensor_lists: bool = False
+    node: Any,
+    path: Path,
+    dim: int,
+    sizes: Sizes,
+    build: bool,
+    tensor_lists: int = 0,
+    order: list[int] | None = None,
 ) -> _Slicer | None:
     """Return the slicer of `node` (None if it is a constant), recording its leaves' sizes.
 
-    With `tensor_lists`, lists of alike tensors or of tuples (`per_item_list`) are one entry per
-    item: tried only when the batch cannot be read otherwise (images of varied sizes).
+    Fallbacks, tried only when the batch cannot be read otherwise: with `tensor_lists` >= 1,
+    lists of alike tensors or of tuples (`per_item_list`) are one entry per item (images of
+    varied sizes); with 2, a list of tuples of strings is columns (`collated_columns`).
     """
-    if isinstance(node, _SCALARS):
+    if isinstance(node, SCALARS):
         return None
     if isinstance(node, torch.Tensor):
         sizes.append((path, array_items(node, path, dim, "tensor"), "tensor"))
+        if order is not None and len(order) == node.shape[dim]:  # else `agreed_size` raises
+            node = node.index_select(dim, torch.tensor(order, device=node.device))
         return _tensor_slicer(node, dim) if build else _measured
     if isinstance(node, np.ndarray):
         sizes.append((path, array_items(node, path, dim, "array"), "array"))
         if not build:
             return _measured
+        node = node if order is None else np.take(node, order, axis=dim)
         lead = (slice(None),) * dim
         return lambda start, stop: node[tuple([*lead, slice(start, stop)])]
     if isinstance(node, Mapping):
@@ -300,14 +277,17 @@ def _compile(
         template = "[{!r}]"
     elif isinstance(node, tuple) and hasattr(node, "_fields"):  # a named tuple is a record
         entries, template = zip(node._fields, node, strict=True), ".{}"
+    elif tensor_lists > 1 and collated_columns(node):  # a container of per-item tuples
+        entries, template = enumerate(node), "[{}]"
     elif is_example_list(node) or (tensor_lists and per_item_list(node, path != "batch")):
         sizes.append((path, len(node), "list of examples"))
+        node = _reordered(node, order)
         return lambda start, stop: node[start:stop]
-    elif _is_record(node) or (isinstance(node, (list, tuple)) and _any_array(node)):
+    elif is_record(node) or (isinstance(node, (list, tuple)) and any_array(node)):
         entries, template = enumerate(node), "[{}]"
     elif isinstance(node, (list, tuple)):  # per-item entries, however many (even none)
         sizes.append((path, len(node), type(node).__name__))
-        kind = type(node)
+        kind, node = type(node), _reordered(node, order)
         if kind is list or kind is tuple:
             return lambda start, stop: node[start:stop]
         return lambda start, stop: kind(node[start:stop])
@@ -318,7 +298,7 @@ def _compile(
         sizes.extend(((path, "{}", name), n, held) for name, n in object_arrays(node, dim))
         return None
     children = [
-        _compile(v, (path, template, k), dim, sizes, build, tensor_lists) for k, v in entries
+        _compile(v, (path, template, k), dim, sizes, build, tensor_lists, order) for k, v in entries
     ]
     if all(child is None for child in children):
         return None
@@ -369,31 +349,15 @@ def _plain(tensor: torch.Tensor, dim: int) -> bool:
     return tensor.layout is torch.strided and not tensor.is_nested and tensor.ndim > dim
 
 
-def _is_record(node: Any) -> bool:
-    """Whether `node` is a tuple subclass (torch.Size, a struct sequence...): never per-item."""
-    return isinstance(node, tuple) and type(node) is not tuple
-
-
 def _measured(start: int, stop: int) -> Any:
     raise AssertionError("a batch measured by batch_size has no slicer")
 
 
-def _holds_array(node: Any) -> bool:
-    """Whether `node` is, or nests, a tensor or an array (then a list of it is a container)."""
-    if isinstance(node, _SCALARS):
-        return False
-    if isinstance(node, (torch.Tensor, np.ndarray)):
-        return True
-    if isinstance(node, Mapping):
-        return any(map(_holds_array, node.values()))
-    if isinstance(node, (list, tuple)):
-        return _any_array(node)
-    return is_dataclass_instance(node) and any(_holds_array(v) for _, v in dataclass_entries(node))
-
-
-def _any_array(entries: list[Any] | tuple[Any, ...]) -> bool:
-    """Whether some entry holds a tensor or an array; a list of B strings is scanned in C."""
-    return not _SCALAR_TYPES.issuperset(map(type, entries)) and any(map(_holds_array, entries))
+def _reordered(items: Any, order: list[int] | None) -> Any:
+    """A per-item list or tuple with its entries in `order` (unchanged if None or too short)."""
+    if order is None or len(order) != len(items):  # a wrong length: `agreed_size` raises
+        return items
+    return type(items)([items[i] for i in order])
 
 
 def _is_int(value: object) -> bool:

@@ -26,7 +26,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,7 @@ from gradaccum._records import (
     rebuild_mapping,
 )
 from gradaccum._warnings import warn_user
-from gradaccum.batching import batch_size, slice_batch
+from gradaccum.batching import batch_size, slice_batch, take_batch
 
 __all__ = ["TokenBudgetWarning", "pack_by_tokens", "sequence_lengths"]
 
@@ -116,7 +116,7 @@ def pack_by_tokens(batch: Any, max_tokens: int) -> list[Any]:
         )
     mask = _mask(batch)  # without one, every row is as wide as the batch: nothing is trimmed
     full = _full_width(batch) if mask is None else mask.shape[1]
-    ordered = _take(batch, order, len(lengths))
+    ordered = take_batch(batch, order)  # every leaf the batching splits, by its rules
     micro_batches, start = [], 0
     for rows, width in runs:
         piece = slice_batch(ordered, start, start + rows)
@@ -173,30 +173,6 @@ def _holds_arrays(node: Any) -> bool:
     if isinstance(node, (list, tuple)):
         return any(_holds_arrays(value) for value in node)
     return is_dataclass_instance(node) and _holds_arrays(dict(dataclass_entries(node)))
-
-
-def _take(node: Any, order: Sequence[int], items: int) -> Any:
-    """`node` with its items in `order`, by the splitting rules of `gradaccum.batching`."""
-    if isinstance(node, torch.Tensor):
-        if node.ndim == 0 or node.shape[0] != items:
-            return node
-        return node.index_select(0, torch.tensor(order, device=node.device))
-    if isinstance(node, np.ndarray):
-        return node[list(order)] if node.ndim and node.shape[0] == items else node
-    if isinstance(node, Mapping):
-        return rebuild_mapping(node, {k: _take(v, order, items) for k, v in node.items()})
-    if isinstance(node, tuple) and hasattr(node, "_fields"):  # a named tuple: a record
-        return type(node)(*(_take(v, order, items) for v in node))
-    if isinstance(node, (list, tuple)):
-        if _holds_arrays(node) and not is_example_list(node):
-            return type(node)(_take(v, order, items) for v in node)
-        if len(node) == items:  # one entry per item (uncollated examples too)
-            return type(node)(node[i] for i in order)
-    if is_dataclass_instance(node):  # a record, field by field
-        return rebuild_dataclass(
-            node, {k: _take(v, order, items) for k, v in dataclass_entries(node)}
-        )
-    return node
 
 
 def _trim(node: Any, full: int, width: int) -> Any:
