@@ -257,14 +257,17 @@ def test_scored_padding_is_kept_and_counted_in_the_budget() -> None:
 def test_every_leaf_the_batching_splits_follows_its_row() -> None:
     """Rows are sorted by length: images of varied sizes (a list, one per item) and
     default_collate's caption columns (tuples of B strings) stayed in data order while the
-    tokens were sorted, pairing each row with another row's image and captions."""
+    tokens were sorted, pairing each row with another row's image and captions; and an image
+    as tall as the mask is wide was cut like a row of tokens. Only what is split is trimmed."""
     batch = _batch(0)
     rows = len(LENGTHS)
-    batch["images"] = [torch.full((3, 2 + row % 4, 2), float(row)) for row in range(rows)]
+    width = max(LENGTHS)  # images as tall as the mask is wide: not the tokens' width, not cut
+    batch["images"] = [torch.full((3, width, 1 + row % 4), float(row)) for row in range(rows)]
     batch["captions"] = [tuple(f"c{row}-{j}" for row in range(rows)) for j in range(2)]
     micro_batches = pack_by_tokens(batch, max_tokens=24)
     assert len(micro_batches) > 2
     for micro_batch in micro_batches:
         assert [int(image[0, 0, 0]) for image in micro_batch["images"]] == micro_batch["row"]
+        assert all(image.shape[1] == width for image in micro_batch["images"])
         for j, column in enumerate(micro_batch["captions"]):
             assert list(column) == [f"c{row}-{j}" for row in micro_batch["row"]]

@@ -27,7 +27,7 @@ A constant of B items (B class names, a B x B matrix) looks per-item and is spli
 to `loss_fn` (a closure, functools.partial). A list of L tuples of B strings each, the layout
 `default_collate` makes of a per-sample list (5 captions per image), is read as L per-item
 tuples when the batch cannot be read otherwise. Splitting makes views and walks the batch once;
-`take_batch` reorders the items by the same rules (`gradaccum.packing` sorts rows with it).
+`take_batch` and `map_leaves` reorder and map the leaves by the same rules (`gradaccum.packing`).
 
 Example:
     >>> import torch
@@ -79,12 +79,14 @@ __all__ = [
     "map_tensors",
     "on_device",
     "slice_batch",
+    "map_leaves",
     "split_batch",
     "take_batch",
     "to_device",
 ]
 
 _Slicer = Callable[[int, int], Any]  # (start, stop) -> that node's items [start, stop)
+_Hook = Callable[[Any], Any]  # a leaf -> the leaf its slicer is built over (`map_leaves`)
 
 
 def split_batch(batch: Any, micro_batch_size: int, *, batch_dim: int = 0) -> list[Any]:
@@ -148,13 +150,32 @@ def slice_batch(batch: Any, start: int, stop: int, *, batch_dim: int = 0) -> Any
     return slicer(start, stop)
 
 
+def map_leaves(batch: Any, fn: Callable[[Any], Any], *, batch_dim: int = 0) -> Any:
+    """`batch` rebuilt with `fn` applied to every leaf `split_batch` splits, read by its rules.
+
+    The leaves are tensors and arrays, per-item lists and tuples, and lists of examples; the
+    tensors inside a per-item list are not leaves. `fn` must keep each leaf's items.
+    """
+    slicer, size = _plan(batch, batch_dim, hook=fn)
+    return slicer(0, size)
+
+
 def take_batch(batch: Any, order: list[int], *, batch_dim: int = 0) -> Any:
     """`batch` with its items in `order` (a permutation of `range(B)`), by the same rules.
 
     `gradaccum.packing` sorts rows this way: every leaf `split_batch` splits is reordered.
     """
-    slicer, size = _plan(batch, batch_dim, order=order)
-    return slicer(0, size)
+
+    def reorder(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor | np.ndarray):
+            if leaf.shape[batch_dim] != len(order):  # a wrong batch: `agreed_size` raises
+                return leaf
+            if isinstance(leaf, np.ndarray):
+                return np.take(leaf, order, axis=batch_dim)
+            return leaf.index_select(batch_dim, torch.tensor(order, device=leaf.device))
+        return type(leaf)([leaf[i] for i in order]) if len(leaf) == len(order) else leaf
+
+    return map_leaves(batch, reorder, batch_dim=batch_dim)
 
 
 def batch_size(batch: Any, *, batch_dim: int = 0, allow_empty: bool = False) -> int:
@@ -186,25 +207,25 @@ def batch_size(batch: Any, *, batch_dim: int = 0, allow_empty: bool = False) -> 
 
 
 def _plan(
-    batch: Any, batch_dim: int, build: bool = True, order: list[int] | None = None
+    batch: Any, batch_dim: int, build: bool = True, hook: _Hook | None = None
 ) -> tuple[_Slicer, int]:
     """Return the slicer of `batch` and its B, walking it once; raise naming what is wrong.
 
     With `build=False` (for `batch_size`) the slicer is a placeholder and no closure is made;
-    with `order`, the slicer's leaves are reordered first (`take_batch`).
+    with `hook`, the slicer is built over `hook(leaf)` for every leaf (`map_leaves`).
     """
     check_batch_dim(batch_dim)
-    plain = order is None and type(batch) is torch.Tensor and _plain(batch, batch_dim)
+    plain = hook is None and type(batch) is torch.Tensor and _plain(batch, batch_dim)
     if plain and batch.shape[batch_dim]:
         return (_tensor_slicer(batch, batch_dim) if build else _measured), batch.shape[batch_dim]
-    flat = None if order is not None else _flat_tensors(batch, batch_dim)
+    flat = None if hook is not None else _flat_tensors(batch, batch_dim)
     if flat is None:  # the general path: as it reads, else by the fallbacks of `_compile`
         try:
-            return _general(batch, batch_dim, build, 0, order)
+            return _general(batch, batch_dim, build, 0, hook)
         except ValueError as error:
             for lists in (1, 2):
                 try:
-                    return _general(batch, batch_dim, build, lists, order)
+                    return _general(batch, batch_dim, build, lists, hook)
                 except ValueError:
                     pass
             raise error from None
@@ -215,10 +236,10 @@ def _plan(
 
 
 def _general(
-    batch: Any, dim: int, build: bool, lists: int, order: list[int] | None = None
+    batch: Any, dim: int, build: bool, lists: int, hook: _Hook | None = None
 ) -> tuple[_Slicer, int]:
     sizes: Sizes = []
-    slicer = _compile(batch, "batch", dim, sizes, build, lists, order)
+    slicer = _compile(batch, "batch", dim, sizes, build, lists, hook)
     if slicer is None:
         refuse_objects(sizes, None)
         raise ValueError(
@@ -250,7 +271,7 @@ def _compile(
     sizes: Sizes,
     build: bool,
     tensor_lists: int = 0,
-    order: list[int] | None = None,
+    hook: _Hook | None = None,
 ) -> _Slicer | None:
     """Return the slicer of `node` (None if it is a constant), recording its leaves' sizes.
 
@@ -262,14 +283,12 @@ def _compile(
         return None
     if isinstance(node, torch.Tensor):
         sizes.append((path, array_items(node, path, dim, "tensor"), "tensor"))
-        if order is not None and len(order) == node.shape[dim]:  # else `agreed_size` raises
-            node = node.index_select(dim, torch.tensor(order, device=node.device))
-        return _tensor_slicer(node, dim) if build else _measured
+        return _tensor_slicer(_hooked(node, hook), dim) if build else _measured
     if isinstance(node, np.ndarray):
         sizes.append((path, array_items(node, path, dim, "array"), "array"))
         if not build:
             return _measured
-        node = node if order is None else np.take(node, order, axis=dim)
+        node = _hooked(node, hook)
         lead = (slice(None),) * dim
         return lambda start, stop: node[tuple([*lead, slice(start, stop)])]
     if isinstance(node, Mapping):
@@ -281,13 +300,13 @@ def _compile(
         entries, template = enumerate(node), "[{}]"
     elif is_example_list(node) or (tensor_lists and per_item_list(node, path != "batch")):
         sizes.append((path, len(node), "list of examples"))
-        node = _reordered(node, order)
+        node = _hooked(node, hook)
         return lambda start, stop: node[start:stop]
     elif is_record(node) or (isinstance(node, (list, tuple)) and any_array(node)):
         entries, template = enumerate(node), "[{}]"
     elif isinstance(node, (list, tuple)):  # per-item entries, however many (even none)
         sizes.append((path, len(node), type(node).__name__))
-        kind, node = type(node), _reordered(node, order)
+        kind, node = type(node), _hooked(node, hook)
         if kind is list or kind is tuple:
             return lambda start, stop: node[start:stop]
         return lambda start, stop: kind(node[start:stop])
@@ -298,7 +317,7 @@ def _compile(
         sizes.extend(((path, "{}", name), n, held) for name, n in object_arrays(node, dim))
         return None
     children = [
-        _compile(v, (path, template, k), dim, sizes, build, tensor_lists, order) for k, v in entries
+        _compile(v, (path, template, k), dim, sizes, build, tensor_lists, hook) for k, v in entries
     ]
     if all(child is None for child in children):
         return None
@@ -353,11 +372,8 @@ def _measured(start: int, stop: int) -> Any:
     raise AssertionError("a batch measured by batch_size has no slicer")
 
 
-def _reordered(items: Any, order: list[int] | None) -> Any:
-    """A per-item list or tuple with its entries in `order` (unchanged if None or too short)."""
-    if order is None or len(order) != len(items):  # a wrong length: `agreed_size` raises
-        return items
-    return type(items)([items[i] for i in order])
+def _hooked(leaf: Any, hook: _Hook | None) -> Any:
+    return leaf if hook is None else hook(leaf)
 
 
 def _is_int(value: object) -> bool:

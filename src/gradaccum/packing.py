@@ -26,21 +26,18 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from gradaccum._records import (
     dataclass_entries,
     is_dataclass_instance,
     is_example_list,
-    rebuild_dataclass,
-    rebuild_mapping,
 )
 from gradaccum._warnings import warn_user
-from gradaccum.batching import batch_size, slice_batch, take_batch
+from gradaccum.batching import batch_size, map_leaves, slice_batch, take_batch
 
 __all__ = ["TokenBudgetWarning", "pack_by_tokens", "sequence_lengths"]
 
@@ -118,9 +115,9 @@ def pack_by_tokens(batch: Any, max_tokens: int) -> list[Any]:
     full = _full_width(batch) if mask is None else mask.shape[1]
     ordered = take_batch(batch, order)  # every leaf the batching splits, by its rules
     micro_batches, start = [], 0
-    for rows, width in runs:
-        piece = slice_batch(ordered, start, start + rows)
-        micro_batches.append(_trim(piece, full, width))
+    for rows, width in runs:  # trimmed as read in the whole batch: what is split, by its rules
+        trimmed = ordered if width >= full else map_leaves(ordered, _trimmer(full, width))
+        micro_batches.append(slice_batch(trimmed, start, start + rows))
         start += rows
     return micro_batches
 
@@ -165,30 +162,11 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
     return []
 
 
-def _holds_arrays(node: Any) -> bool:
-    if isinstance(node, (torch.Tensor, np.ndarray)):
-        return True
-    if isinstance(node, Mapping):
-        return any(_holds_arrays(value) for value in node.values())
-    if isinstance(node, (list, tuple)):
-        return any(_holds_arrays(value) for value in node)
-    return is_dataclass_instance(node) and _holds_arrays(dict(dataclass_entries(node)))
+def _trimmer(full: int, width: int) -> Callable[[Any], Any]:
+    """Cut a leaf tensor whose dim 1 is the mask's width `full` to `width` (right padding)."""
 
+    def trim(leaf: Any) -> Any:
+        wide = isinstance(leaf, torch.Tensor) and leaf.ndim >= 2 and leaf.shape[1] == full
+        return leaf[:, :width] if wide else leaf
 
-def _trim(node: Any, full: int, width: int) -> Any:
-    """Cut every tensor whose dim 1 is the mask's width `full` to `width` (right padding)."""
-    if width >= full:
-        return node
-    if isinstance(node, torch.Tensor):
-        return node[:, :width] if node.ndim >= 2 and node.shape[1] == full else node
-    if isinstance(node, Mapping):
-        return rebuild_mapping(node, {k: _trim(v, full, width) for k, v in node.items()})
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-        return type(node)(*(_trim(v, full, width) for v in node))
-    if isinstance(node, (list, tuple)) and _holds_arrays(node) and not is_example_list(node):
-        return type(node)(_trim(v, full, width) for v in node)
-    if is_dataclass_instance(node):
-        return rebuild_dataclass(
-            node, {k: _trim(v, full, width) for k, v in dataclass_entries(node)}
-        )
-    return node
+    return trim
