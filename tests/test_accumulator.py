@@ -297,12 +297,66 @@ def test_step_while_a_streaming_window_is_open_raises_and_keeps_the_window() -> 
     acc = Accumulator(model, _sgd(model), micro_batch_size=3, accumulation_steps=2)
     acc.micro_step(stream[0], _mse)
     grads = [p.grad.clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match=r"call flush\(\) first"):
+    with pytest.raises(RuntimeError, match=r"call flush\('step'\) or flush\('drop'\) first"):
         acc.step(_data(), _mse)
     for p, g in zip(model.parameters(), grads, strict=True):
         assert torch.equal(p.grad, g)
     assert acc.micro_step(stream[1], _mse).stepped
     _assert_params_close(model, reference)
+
+
+def test_flush_settles_a_window_this_once_as_asked() -> None:
+    """A loader that raises mid-window leaves the window open (the exception is outside the
+    Accumulator's calls): `flush("drop")` discards it, bitwise, whatever `partial_window`
+    says; a carried window, which `flush()` keeps and `step()` refuses, settles with
+    `flush("step")`. A bad choice raises naming the valid ones and changes nothing."""
+    model = _mlp()
+    twin = copy.deepcopy(model)  # the same run without the micro-batch the loader left open
+    optimizer, twin_optimizer = _sgd(model), _sgd(twin)
+    stream = _micro_batches(5)
+    acc = Accumulator(model, optimizer, micro_batch_size=3, accumulation_steps=2)
+    twin_acc = Accumulator(twin, twin_optimizer, accumulation_steps=2)
+    for micro_batch in stream[:2]:  # one full window: momentum state
+        acc.micro_step(micro_batch, _mse)
+        twin_acc.micro_step(micro_batch, _mse)
+    before = _snapshot(model, optimizer)
+
+    def train(loader) -> None:
+        for micro_batch in loader:
+            acc.micro_step(micro_batch, _mse)
+
+    def loader():
+        yield stream[2]
+        raise OSError("corrupt shard")
+
+    with pytest.raises(OSError, match="corrupt shard"):
+        train(loader())
+    assert all(p.grad is not None for p in model.parameters())  # the open window's sums
+    with pytest.raises(ValueError, match="partial_window='nope' is not a valid choice"):
+        acc.flush("nope")
+    assert acc.flush("carry").micro_batches == 1  # kept, and still kept
+    dropped = acc.flush("drop")
+    assert (dropped.stepped, dropped.micro_batches, dropped.count) == (False, 1, 3)
+    _assert_unchanged(before, model, optimizer)  # grads are None again too
+    for micro_batch in stream[3:5]:  # the next window holds its own items only
+        acc.micro_step(micro_batch, _mse)
+        twin_acc.micro_step(micro_batch, _mse)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+    model = _mlp()
+    reference, _, _ = _reference_step(model, _cat(stream[:2]))
+    acc = Accumulator(model, _sgd(model), micro_batch_size=3, accumulation_steps=4,
+                      partial_window="carry")  # fmt: skip
+    for micro_batch in stream[:2]:
+        acc.micro_step(micro_batch, _mse)
+    assert not acc.flush().stepped  # carried
+    with pytest.raises(RuntimeError, match=r"flush\('step'\) or flush\('drop'\)"):
+        acc.step(_cat(stream[2:4]), _mse)
+    settled = acc.flush("step")
+    assert (settled.stepped, settled.micro_batches, settled.count) == (True, 2, 6)
+    _assert_params_close(model, reference)
+    assert acc.step(_cat(stream[2:4]), _mse).stepped  # the fix the message named works
 
 
 def test_failure_mid_stream_forgets_the_whole_window() -> None:

@@ -320,6 +320,44 @@ def test_per_item_list_of_wrong_length_is_refused_naming_path_and_fix(
         batch_size(batch)
 
 
+def test_the_fixes_the_batch_errors_name_work() -> None:
+    """Each fix an error names, applied as written, makes the batch split. The per-item-list
+    error once said to pass a constant "as a dict": a dict HOLDING the list still splits it."""
+    x = torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="must hold one entry per item") as info:
+        split_batch({"x": x, "classes": ["cat", "dog", "bird"]}, 2)
+    message = str(info.value)
+    assert "bind it to loss_fn (a closure or functools.partial)" in message
+    assert "a named tuple or a dict of numbers and strings, which pass whole" in message
+    for constant in (Config(0.1, "cat"), {"h": 3, "w": "dog"}):
+        micro_batches = split_batch({"x": x, "classes": constant}, 2)
+        assert [mb["classes"] for mb in micro_batches] == [constant, constant]
+    # Negative control: the list inside a dict or a named tuple is still split item by item.
+    for wrapped in ({"names": ["cat", "dog", "bird"]}, Config(["cat", "dog", "bird"], "n")):
+        with pytest.raises(ValueError, match="must hold one entry per item"):
+            split_batch({"x": x, "classes": wrapped}, 2)
+    # A constant tensor of another size, or a 0-dim one: taken out of the batch.
+    for batch in ({"x": x, "emb": torch.zeros(10, 2)}, {"x": x, "temperature": torch.tensor(2.0)}):
+        with pytest.raises(ValueError, match="out of the batch and bind it to loss_fn"):
+            split_batch(batch, 2)
+    # Sequence-first: per-item (B,) labels need their items along dim 1, as the error says.
+    seq, labels = torch.randn(5, 4, 3), torch.arange(4)
+    with pytest.raises(ValueError, match=r"shape \(1, B\) with x\.reshape\(1, -1\)"):
+        split_batch({"seq": seq, "y": labels}, 3, batch_dim=1)
+    for given, read in ((labels.reshape(1, -1), lambda y: y[0].tolist()), (labels.tolist(), list)):
+        micro_batches = split_batch({"seq": seq, "y": given}, 3, batch_dim=1)
+        assert [read(mb["y"]) for mb in micro_batches] == [[0, 1, 2], [3]]
+    # ... and nn.Transformer's (B, S) key padding mask goes in transposed, as the error says.
+    padding = torch.arange(5)[None, :] >= torch.tensor([5, 2, 4, 1])[:, None]  # (B, S)
+    with pytest.raises(ValueError, match=r"\(B, S\) key padding mask.*transposed \(x\.t\(\)\)"):
+        split_batch({"seq": seq, "padding": padding}, 3, batch_dim=1)
+    micro_batches = split_batch({"seq": seq, "padding": padding.t()}, 3, batch_dim=1)
+    assert [mb["padding"].t().tolist() for mb in micro_batches] == [
+        padding[:3].tolist(),
+        padding[3:].tolist(),
+    ]
+
+
 def test_batch_without_tensors_takes_its_size_from_per_item_lists() -> None:
     """The tokenizer-in-the-loss workflow: the loss function turns raw text into tensors."""
     batch = {"text": _texts(5), "label": (0, 1, 0, 1, 1), "lang": "en"}
@@ -631,6 +669,38 @@ def test_slotted_objects_holding_the_batch_are_refused_too() -> None:
     assert split_batch({"a": torch.zeros(4), "s": constant}, 2)[1]["s"] is constant
 
 
+def test_sequences_of_b_entries_that_cannot_be_split_are_refused() -> None:
+    """A range, deque or array of B entries went whole to every micro-batch: each micro-batch's
+    loss saw all B indices (silently wrong). Refused naming the fix, changing nothing; one of
+    another length is a constant."""
+    import array
+    import collections
+
+    model, x, y = _regression()  # 7 items
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=3)
+    before = _state(model, optimizer)
+
+    def indexed_mse(m: torch.nn.Module, batch: dict) -> torch.Tensor:
+        rows = torch.tensor(list(batch["rows"]))
+        return torch.nn.functional.mse_loss(m(x[rows]), y[rows])
+
+    for rows in (range(7), collections.deque(range(7)), array.array("i", range(7))):
+        with pytest.raises(TypeError, match=r"batch\['rows'\] \(\w+ object\).*list\(x\)"):
+            acc.step({"ids": torch.arange(7), "rows": rows}, indexed_mse)
+        after = _state(model, optimizer)
+        assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    # The named fix: a list is split item by item, and the step is the full-batch step.
+    reference = copy.deepcopy(model)
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    assert acc.step({"ids": torch.arange(7), "rows": list(range(7))}, indexed_mse).stepped
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    constant = range(3)  # 3 entries, not the batch's 7: passed whole
+    assert split_batch({"ids": torch.arange(7), "c": constant}, 3)[2]["c"] is constant
+
+
 def test_defaultdicts_are_rebuilt_with_their_default_factory() -> None:
     counts = defaultdict(int, {"x": torch.arange(5), "inner": defaultdict(list, {"y": _texts(5)})})
     first, _, last = split_batch(counts, 2)
@@ -744,6 +814,77 @@ def test_lists_of_one_tensor_per_item_are_split_when_the_batch_says_so() -> None
         torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
     with pytest.raises(ValueError, match="disagree on the leading dimension"):
         split_batch({"pair": [torch.zeros(4, 2), torch.zeros(3, 2)], "x": torch.zeros(4)}, 2)
+
+
+def test_torchvision_detection_collate_tuples_are_split_per_image() -> None:
+    """torchvision's detection `collate_fn` is `tuple(zip(*batch))`: a tuple of B images and a
+    tuple of B target dicts (with a 0-dim `image_id`). Once refused as a container whose
+    tensors disagree; now one image and one target per item, and the step is exact."""
+    generator = torch.Generator().manual_seed(0)
+    images = tuple(torch.randn(3, 5 + i, 4 + 2 * i, generator=generator).double() for i in range(7))
+    targets = tuple(
+        {"label": torch.tensor(i % 3), "boxes": torch.rand(i + 1, 4), "image_id": torch.tensor(i)}
+        for i in range(7)
+    )
+    batch = (images, targets)
+    assert batch_size(batch) == 7
+    micro_batches = split_batch(batch, 3)
+    assert [(len(mb[0]), len(mb[1])) for mb in micro_batches] == [(3, 3), (3, 3), (1, 1)]
+    assert type(micro_batches[0][0]) is tuple
+    assert micro_batches[2][1][0] is targets[6]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 3).double()
+    reference = copy.deepcopy(model)
+    loss = _detection_loss(reference, batch)
+    (loss.value / loss.count).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    result = gradaccum.Accumulator(model, optimizer, micro_batch_size=3).step(
+        batch, _detection_loss
+    )
+    assert (result.micro_batches, result.count) == (3, 7)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    # The batch itself is never a per-item tuple: (x, y) of 4 and 3 rows stays a wrong batch.
+    with pytest.raises(ValueError, match="disagree on the leading dimension"):
+        split_batch((torch.zeros(4, 2), torch.zeros(3, 2)), 2)
+
+
+def test_a_default_collate_pair_of_mismatched_tensors_is_refused() -> None:
+    """`default_collate` makes `[x, y]` lists: x of 4 rows and y of 3 (a user's bug) were read
+    as 2 items, one tensor each, and the loss saw `[x]` alone. Entries that are not alike (other
+    ndim or dtype) are never one per item: the batch is refused naming both sizes."""
+    for batch in (
+        [torch.zeros(4, 2), torch.zeros(3, dtype=torch.long)],
+        [torch.zeros(4, 2), torch.zeros(3)],
+        [torch.zeros(4, 2), torch.zeros(3, 2, dtype=torch.float16)],
+    ):
+        with pytest.raises(ValueError, match=r"disagree.*batch\[0\]: 4, batch\[1\]: 3"):
+            split_batch(batch, 1)
+    # Negative control: alike tensors of varied sizes are still one per item (images).
+    images = [torch.zeros(2 + i, 5) for i in range(3)]
+    assert [len(mb) for mb in split_batch(images, 2)] == [2, 1]
+
+
+def test_default_collate_columns_of_a_per_sample_list_are_split_per_item() -> None:
+    """`default_collate` turns a per-sample list of L strings (5 captions per image) into L
+    tuples of B strings: refused before as a per-item list of L entries. Each micro-batch is
+    now what collating its own samples gives."""
+    samples = [
+        {"x": torch.full((2,), float(i)), "captions": [f"c{i}-{j}" for j in range(3)]}
+        for i in range(5)
+    ]
+    batch = next(iter(torch.utils.data.DataLoader(samples, batch_size=5)))
+    assert len(batch["captions"]) == 3  # L tuples of B
+    assert batch_size(batch) == 5
+    for start, micro_batch in zip((0, 2, 4), split_batch(batch, 2), strict=True):
+        own = next(iter(torch.utils.data.DataLoader(samples[start : start + 2], batch_size=2)))
+        assert micro_batch["captions"] == own["captions"]
+        assert torch.equal(micro_batch["x"], own["x"])
+    # Negative control: B pairs of strings (what collate_fn=list makes) are still one per item.
+    pairs = {"x": torch.zeros(3, 2), "pairs": [("a", "b"), ("c", "d"), ("e", "f")]}
+    assert [mb["pairs"] for mb in split_batch(pairs, 2)] == [[("a", "b"), ("c", "d")], [("e", "f")]]
 
 
 def test_uncollated_tuples_from_a_tensor_dataset_are_split_per_example() -> None:

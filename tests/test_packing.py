@@ -164,3 +164,110 @@ def test_dataclasses_and_uncollated_examples_are_reordered_with_their_rows() -> 
     # pair each row's tokens with another row's labels.
     shuffled = [{**b, "labels": b["labels"].roll(1, dims=0)} for b in plain]
     assert relative_gap(_reference(shuffled), _reference(plain)) > 1e-3
+
+
+# --- trimming never drops a scored label ------------------------------------------------------
+
+
+def _target_loss(model: nn.Module, batch: dict[str, Any]) -> LossSum:
+    """An encoder-decoder in miniature: the row's masked token logits, summed, score every
+    position of `labels`, which lie on their own axis (their width and lengths are their own)."""
+    logits = model(batch["tokens"]) * batch["attention_mask"][..., None]
+    pooled = logits.sum(dim=1)  # (rows, classes): padding adds nothing
+    labels = batch["labels"]
+    scores = pooled[:, None, :].expand(-1, labels.shape[1], -1)
+    value = nn.functional.cross_entropy(
+        scores.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return LossSum(value, (labels != IGNORE_INDEX).sum())
+
+
+def _target_batch(seed: int, width: int) -> dict[str, Any]:
+    """`_batch` with targets of `width` columns whose lengths differ from the inputs' lengths."""
+    generator = torch.Generator().manual_seed(100 + seed)
+    batch = _batch(seed)
+    lengths = torch.tensor(LENGTHS[::-1])[:, None] + (width - max(LENGTHS))
+    labels = torch.randint(0, 5, (len(LENGTHS), width), generator=generator)
+    batch["labels"] = labels.masked_fill(torch.arange(width)[None, :] >= lengths, IGNORE_INDEX)
+    return batch
+
+
+def _reference_with(loss_fn: Any, batches: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    model = make_model("token")
+    optimizer = _optimizer(model)
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        (loss.value / loss.count).backward()
+        optimizer.step()
+    return param_tensors(model)
+
+
+@pytest.mark.parametrize("width", [max(LENGTHS), max(LENGTHS) + 3])
+def test_labels_on_their_own_axis_are_never_trimmed_to_the_inputs_rows(width: int) -> None:
+    """Targets as wide as the attention mask by chance (a seq2seq batch padded to one width)
+    were cut to each micro-batch's longest INPUT row, losing scored labels; wider ones were cut
+    to the mask's rows while the inputs kept their full width."""
+    batches = [_target_batch(seed, width) for seed in range(3)]
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model))
+    for batch in batches:
+        for micro_batch in pack_by_tokens(batch, max_tokens=24):
+            assert micro_batch["tokens"].shape[1] == micro_batch["attention_mask"].shape[1]
+        result = acc.step(batch, _target_loss, max_tokens=24)
+        assert result.count == int((batch["labels"] != IGNORE_INDEX).sum())
+    assert relative_gap(param_tensors(model), _reference_with(_target_loss, batches)) < EXACT
+    # Negative control: the targets cut to the inputs' rows (what the trimming did) are far off.
+    cut = [{**b, "labels": b["labels"][:, : max(LENGTHS)].clone()} for b in batches]
+    for b in cut:
+        b["labels"][b["attention_mask"] == 0] = IGNORE_INDEX
+    gap = relative_gap(_reference_with(_target_loss, cut), _reference_with(_target_loss, batches))
+    assert gap > 1e-3
+
+
+def test_targets_wider_than_the_mask_are_kept_whole() -> None:
+    """Multi-label targets of shape (rows, 20) beside tokens of width 12: never trimmed."""
+    batch = _batch(0)
+    batch["labels"] = torch.randint(0, 2, (len(LENGTHS), 20)).double()
+    (micro_batch,) = pack_by_tokens(batch, max_tokens=200)  # all rows fit in one
+    assert micro_batch["labels"].shape == (len(LENGTHS), 20)  # was cut to 12 columns
+    for micro_batch in pack_by_tokens(batch, max_tokens=24):
+        assert micro_batch["labels"].shape[1] == 20
+        assert micro_batch["tokens"].shape[1] == micro_batch["attention_mask"].sum(1).max()
+
+
+def test_scored_padding_is_kept_and_counted_in_the_budget() -> None:
+    """Labels copied from the tokens (padding scored, no -100): each row reaches the full
+    width, so no micro-batch drops a label, and the budget counts what the rows really hold."""
+    batches = []
+    for seed in range(3):
+        batch = _batch(seed)
+        batch["labels"] = batch["tokens"] % 5  # padding holds label 0, scored
+        batches.append(batch)
+    assert sequence_lengths(batches[0]) == [max(LENGTHS)] * len(LENGTHS)
+    for micro_batch in pack_by_tokens(batches[0], max_tokens=24):
+        assert micro_batch["labels"].shape == (2, max(LENGTHS))  # 2 rows x 12 <= 24
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model))
+    for batch in batches:
+        assert acc.step(batch, token_sum_loss, max_tokens=24).count == batch["labels"].numel()
+    assert relative_gap(param_tensors(model), _reference(batches)) < EXACT
+
+
+def test_every_leaf_the_batching_splits_follows_its_row() -> None:
+    """Rows are sorted by length: images of varied sizes (a list, one per item) and
+    default_collate's caption columns (tuples of B strings) stayed in data order while the
+    tokens were sorted, pairing each row with another row's image and captions; and an image
+    as tall as the mask is wide was cut like a row of tokens. Only what is split is trimmed."""
+    batch = _batch(0)
+    rows = len(LENGTHS)
+    width = max(LENGTHS)  # images as tall as the mask is wide: not the tokens' width, not cut
+    batch["images"] = [torch.full((3, width, 1 + row % 4), float(row)) for row in range(rows)]
+    batch["captions"] = [tuple(f"c{row}-{j}" for row in range(rows)) for j in range(2)]
+    micro_batches = pack_by_tokens(batch, max_tokens=24)
+    assert len(micro_batches) > 2
+    for micro_batch in micro_batches:
+        assert [int(image[0, 0, 0]) for image in micro_batch["images"]] == micro_batch["row"]
+        assert all(image.shape[1] == width for image in micro_batch["images"])
+        for j, column in enumerate(micro_batch["captions"]):
+            assert list(column) == [f"c{row}-{j}" for row in micro_batch["row"]]

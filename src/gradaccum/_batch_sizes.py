@@ -43,10 +43,16 @@ def array_items(array: Any, path: Path, dim: int, kind: str) -> int:
             "or a sparse COO one (.to_sparse_coo())."
         )
     if array.ndim <= dim:
+        ones, per_item = "1, " * dim, ""
+        if array.ndim == 1:  # e.g. (B,) labels of a (S, B, E) batch
+            per_item = (
+                f" A per-item {kind} (labels, lengths) needs its items along dim {dim} too: "
+                f"give it shape ({ones}B) with x.reshape({ones}-1), or pass a list (x.tolist())."
+            )
         raise ValueError(
             f"{path_name(path)} is a {array.ndim}-dim {kind}; every tensor and array in a batch "
-            f"needs the batch dimension (batch_dim={dim}). Pass per-batch constants as Python "
-            "numbers."
+            f"needs the batch dimension (batch_dim={dim}).{per_item} Pass per-batch constants "
+            f"as Python numbers, or take the {kind} out of the batch and {_BIND}."
         )
     return int(array.shape[dim])
 
@@ -74,23 +80,37 @@ def agreed_size(sizes: Sizes, dim: int) -> int:
     arrays = {n for _, n, k in sizes if k in ARRAY_KINDS}
     if len(arrays) > 1:
         where = "the leading dimension" if dim == 0 else f"the batch dimension (dim {dim})"
+        first = ""
+        if dim:  # nn.Transformer's padding masks are (B, S) in a sequence-first batch
+            first = (
+                f" A batch-first tensor, such as a (B, S) key padding mask, goes in with its "
+                f"items at dim {dim}: transposed (x.t()), and back with .t() in loss_fn."
+            )
         raise ValueError(
             f"batch tensors disagree on {where} ({listing}); every tensor and array must have "
-            f"the same number of items along dim {dim}."
+            f"the same number of items along dim {dim}.{first} If one is the same for every "
+            f"item (class embeddings, a class-by-class matrix), take it out of the batch and "
+            f"{_BIND}."
         )
     if not arrays:
         raise ValueError(
             f"per-item lists disagree on the number of items ({listing}); with no tensor in the "
-            "batch, B is their common length. Give each one entry per item, or pass a constant "
-            "as a non-list value (a dict, a named tuple or an object)."
+            f"batch, B is their common length. Give each one entry per item. {_CONSTANT}"
         )
     size = arrays.pop()
     wrong = " and ".join(path_name(p) for p, n, _ in sizes if n != size)
     raise ValueError(
         f"{wrong} must hold one entry per item, B={size} ({listing}): a list or tuple holding no "
-        f"tensor is split item by item. Make it a tensor, give it {size} entries, or pass a "
-        "constant as a non-list value (a dict, a named tuple or an object)."
+        f"tensor is split item by item. Make it a tensor or give it {size} entries. {_CONSTANT}"
     )
+
+
+_BIND = "bind it to loss_fn (a closure or functools.partial)"
+_CONSTANT = (  # a dict or named tuple holding the list would still split it: not a fix
+    "If it is the same for every item (class names, a shape), take it out of the batch and "
+    f"{_BIND}, or pass its values as a named tuple or a dict of numbers and strings, which "
+    "pass whole."
+)
 
 
 def refuse_objects(held: Sizes, size: int | None) -> None:
@@ -103,7 +123,7 @@ def refuse_objects(held: Sizes, size: int | None) -> None:
             f"{named} {verb} the batch's items, but gradaccum cannot split that object, and "
             "handing it whole to every micro-batch would count each item many times. Make it a "
             "dataclass (split field by field), a dict or a named tuple, or pass its tensors in "
-            "the batch itself."
+            "the batch itself; make a range, deque or array a list (list(x))."
         )
 
 

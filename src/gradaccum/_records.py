@@ -17,21 +17,29 @@ import collections
 import copy
 import dataclasses
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 __all__ = [
+    "SCALARS",
+    "any_array",
+    "collated_columns",
     "dataclass_entries",
     "is_dataclass_instance",
     "is_example_list",
+    "is_record",
     "object_arrays",
     "per_item_list",
     "rebuild_dataclass",
     "rebuild_mapping",
 ]
+
+
+SCALARS = (str, int, float, type(None))  # the usual constants, ruled out first
+_SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
 
 
 def is_dataclass_instance(node: object) -> bool:
@@ -93,20 +101,37 @@ def is_example_list(node: Any) -> bool:
     return False
 
 
-def per_item_list(node: Any) -> bool:
-    """A plain list of tensors, or of plain tuples of one length: per item, if need be.
+def per_item_list(node: Any, nested: bool = True) -> bool:
+    """A plain list of alike tensors, or of plain tuples of one length: per item, if need be.
 
     Asked only when a batch cannot be read with such lists as containers (their tensors'
     sizes disagree with the batch's B): images of different sizes, `[(x, y), ...]` examples.
+    Alike tensors share ndim and dtype: `[x, y]` of 4 and 3 rows is a wrong batch, not 2
+    items. Inside a container, a plain tuple of alike tensors or of uncollated examples is
+    per item too: torchvision's detection `collate_fn`, `tuple(zip(*batch))`.
     """
-    if type(node) is not list or not node or all(type(e) is torch.Tensor for e in node):
-        return type(node) is list
-    size = len(node[0]) if type(node[0]) is tuple else -1
+    kind = type(node)
+    if kind is not list and not (kind is tuple and nested and node):
+        return False
+    if not node:
+        return True
+    first = node[0]
+    if type(first) is torch.Tensor:
+        return all(
+            type(e) is torch.Tensor and e.ndim == first.ndim and e.dtype == first.dtype
+            for e in node
+        )
+    if kind is tuple:
+        return is_example_list(list(node))
+    size = len(first) if type(first) is tuple else -1
     return all(type(entry) is tuple and len(entry) == size for entry in node)
 
 
 def object_arrays(node: object, dim: int) -> list[tuple[str, int]]:
     """The attributes of an object that hold tensors or arrays, and their sizes along `dim`.
+
+    A sequence that is not a list or tuple (a range, a deque) is listed itself, with its
+    length: one of B entries would reach every micro-batch whole, each entry many times.
 
     Looks at the object's `__dict__` and `__slots__` and the dicts, lists and tuples in them (two
     levels, 64 entries each: cheap for a tokenizer passed whole); an object without either (a
@@ -115,6 +140,8 @@ def object_arrays(node: object, dim: int) -> list[tuple[str, int]]:
     """
     if isinstance(node, (type, torch.nn.Module)):
         return []
+    if isinstance(node, Sequence) and not isinstance(node, (str, bytes, bytearray)):
+        return [("", len(node))]
     attributes = dict(getattr(node, "__dict__", None) or {})
     for kind in type(node).__mro__:  # `__slots__` classes (attrs' default) hold no __dict__
         slots = getattr(kind, "__slots__", ())
@@ -142,3 +169,39 @@ def _arrays(value: Any, name: str, depth: int = 2) -> Iterator[tuple[str, Any]]:
     elif depth and isinstance(value, (list, tuple)):
         for index, entry in enumerate(value[:_LOOK]):
             yield from _arrays(entry, f"{name}[{index}]", depth - 1)
+
+
+def is_record(node: Any) -> bool:
+    """Whether `node` is a tuple subclass (torch.Size, a struct sequence...): never per-item."""
+    return isinstance(node, tuple) and type(node) is not tuple
+
+
+def holds_array(node: Any) -> bool:
+    """Whether `node` is, or nests, a tensor or an array (then a list of it is a container)."""
+    if isinstance(node, SCALARS):
+        return False
+    if isinstance(node, (torch.Tensor, np.ndarray)):
+        return True
+    if isinstance(node, Mapping):
+        return any(map(holds_array, node.values()))
+    if isinstance(node, (list, tuple)):
+        return any_array(node)
+    return is_dataclass_instance(node) and any(holds_array(v) for _, v in dataclass_entries(node))
+
+
+def any_array(entries: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether some entry holds a tensor or an array; a list of B strings is scanned in C."""
+    return not _SCALAR_TYPES.issuperset(map(type, entries)) and any(map(holds_array, entries))
+
+
+def collated_columns(node: Any) -> bool:
+    """A plain list of plain tuples of one length holding no array: columns, if need be.
+
+    `default_collate` turns a per-sample list of L strings into L tuples of B strings each
+    (COCO's 5 captions per image): a container whose tuples are per item. Asked only when the
+    batch cannot be read otherwise, since `[(a, b), ...]` is also B pairs, one per item.
+    """
+    if type(node) is not list or not node or type(node[0]) is not tuple:
+        return False
+    size = len(node[0])
+    return all(type(e) is tuple and len(e) == size for e in node) and not any_array(node)

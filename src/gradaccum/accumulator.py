@@ -185,7 +185,8 @@ class Accumulator:
         if engine.window.is_open:
             raise RuntimeError(
                 f"step() was called while a streaming window holds "
-                f"{engine.window.micro_batches} micro-batches; call flush() first."
+                f"{engine.window.micro_batches} micro-batches; call flush('step') or "
+                "flush('drop') first."
             )
         if max_tokens is not None:
             return self._step_packed(batch, loss_fn, max_tokens)
@@ -267,16 +268,22 @@ class Accumulator:
             return self._close(engine.window.largest_micro_batch)
         return self._pending()
 
-    def flush(self) -> StepResult:
+    def flush(self, partial_window: PartialWindow | str | None = None) -> StepResult:
         """Settle a partial window at the end of the data, as `partial_window` says.
+
+        Args:
+            partial_window: This once instead of the setting (the same on every rank): `"drop"`
+                a window your loader left open by raising, `"step"` a carried one.
 
         Returns:
             `"step"`: the step over the items seen; `"drop"`: a result with `stepped=False`
             after discarding them; `"carry"`: the open window's progress, kept for later.
         """
+        chosen = self.partial_window if partial_window is None else partial_window
+        mode = parse(PartialWindow, chosen, "partial_window")
         engine = self._engine
         window, sync = engine.window, engine.sync
-        step, carry = (self.partial_window is m for m in (PartialWindow.STEP, PartialWindow.CARRY))
+        step, carry = (mode is m for m in (PartialWindow.STEP, PartialWindow.CARRY))
         if carry or not (window.is_open or (step and sync.joins_flush)):
             return self._pending()
         if window.is_open:
@@ -328,12 +335,7 @@ class Accumulator:
             return result
         self.nonfinite_windows += 1
         if self.on_nonfinite is OnNonFinite.RAISE:
-            raise NonFiniteError(
-                f"window of {micro_batches} micro-batches has loss sum {outcome.loss_sum} and "
-                f"grad norm {outcome.grad_norm}; non-finite gradients in: "
-                f"{list(outcome.nonfinite_names)}. The window was discarded; pass "
-                "on_nonfinite='skip' to skip such windows instead."
-            )
+            raise NonFiniteError.of_window(micro_batches, outcome)
         return result
 
     def _pending(self) -> StepResult:

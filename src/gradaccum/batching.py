@@ -11,8 +11,9 @@ list or plain tuple holding no tensor or array   ``x[start:stop]``, one entry pe
 (strings, ints, dicts of them, token lists...)   length must be B (an empty one counts as 0)
 list of dicts with the same keys, or of one      ``x[start:stop]``: uncollated examples, one per
 dataclass or named tuple                         item (a plain tuple of them is a container)
-list of tensors or of same-length tuples, when   ``x[start:stop]``: one entry per item (images
-read as a container it disagrees with the batch  of varied sizes, ``collate_fn=list`` pairs)
+list of alike tensors or same-length tuples, or  ``x[start:stop]``: one entry per item (images
+a nested plain tuple of alike tensors or dicts,  of varied sizes, ``collate_fn=list`` pairs,
+read as a container it disagrees with the batch  torchvision's ``tuple(zip(*batch))``)
 other list or plain tuple holding a tensor       a container: rebuilt, each entry by these rules
 dict, named tuple, dataclass, tuple subclass     a record: rebuilt with its type, entry by entry
 anything else: str, int, float, bool, None...    the same object, whole, in every micro-batch
@@ -22,8 +23,11 @@ A container or record with nothing to split inside is a constant too. B is the s
 the tensors and arrays along ``batch_dim`` (or, with none, of the per-item lists); a disagreement
 raises a ValueError naming every path and size. Another object whose attributes hold a tensor of
 B items raises a TypeError (make it a dataclass or a dict); nested and sparse CSR tensors too.
-Pass constants as a dict, a named tuple or an object, not a plain list or tuple (one whose
-length happened to equal B would be split). Splitting makes views and walks the batch once.
+A constant of B items (B class names, a B x B matrix) looks per-item and is split: bind constants
+to `loss_fn` (a closure, functools.partial). A list of L tuples of B strings each, the layout
+`default_collate` makes of a per-sample list (5 captions per image), is read as L per-item
+tuples when the batch cannot be read otherwise. Splitting makes views and walks the batch once;
+`take_batch` and `map_leaves` reorder and map the leaves by the same rules (`gradaccum.packing`).
 
 Example:
     >>> import torch
@@ -55,21 +59,34 @@ from gradaccum._batch_sizes import (
     check_not_empty,
     refuse_objects,
 )
+from gradaccum._device import map_tensors, on_device, to_device
 from gradaccum._records import (
+    SCALARS,
+    any_array,
+    collated_columns,
     dataclass_entries,
     is_dataclass_instance,
     is_example_list,
+    is_record,
     object_arrays,
     per_item_list,
     rebuild_dataclass,
     rebuild_mapping,
 )
 
-__all__ = ["batch_size", "map_tensors", "on_device", "slice_batch", "split_batch", "to_device"]
+__all__ = [
+    "batch_size",
+    "map_tensors",
+    "on_device",
+    "slice_batch",
+    "map_leaves",
+    "split_batch",
+    "take_batch",
+    "to_device",
+]
 
 _Slicer = Callable[[int, int], Any]  # (start, stop) -> that node's items [start, stop)
-_SCALARS = (str, int, float, type(None))  # the usual constants, ruled out first
-_SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
+_Hook = Callable[[Any], Any]  # a leaf -> the leaf its slicer is built over (`map_leaves`)
 
 
 def split_batch(batch: Any, micro_batch_size: int, *, batch_dim: int = 0) -> list[Any]:
@@ -133,6 +150,34 @@ def slice_batch(batch: Any, start: int, stop: int, *, batch_dim: int = 0) -> Any
     return slicer(start, stop)
 
 
+def map_leaves(batch: Any, fn: Callable[[Any], Any], *, batch_dim: int = 0) -> Any:
+    """`batch` rebuilt with `fn` applied to every leaf `split_batch` splits, read by its rules.
+
+    The leaves are tensors and arrays, per-item lists and tuples, and lists of examples; the
+    tensors inside a per-item list are not leaves. `fn` must keep each leaf's items.
+    """
+    slicer, size = _plan(batch, batch_dim, hook=fn)
+    return slicer(0, size)
+
+
+def take_batch(batch: Any, order: list[int], *, batch_dim: int = 0) -> Any:
+    """`batch` with its items in `order` (a permutation of `range(B)`), by the same rules.
+
+    `gradaccum.packing` sorts rows this way: every leaf `split_batch` splits is reordered.
+    """
+
+    def reorder(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor | np.ndarray):
+            if leaf.shape[batch_dim] != len(order):  # a wrong batch: `agreed_size` raises
+                return leaf
+            if isinstance(leaf, np.ndarray):
+                return np.take(leaf, order, axis=batch_dim)
+            return leaf.index_select(batch_dim, torch.tensor(order, device=leaf.device))
+        return type(leaf)([leaf[i] for i in order]) if len(leaf) == len(order) else leaf
+
+    return map_leaves(batch, reorder, batch_dim=batch_dim)
+
+
 def batch_size(batch: Any, *, batch_dim: int = 0, allow_empty: bool = False) -> int:
     """Return B, the number of items every tensor, array and per-item list of `batch` agrees on.
 
@@ -161,96 +206,40 @@ def batch_size(batch: Any, *, batch_dim: int = 0, allow_empty: bool = False) -> 
     return size
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Return `batch` with every tensor moved to `device` (non-blocking where it can be).
-
-    A batch already on `device` is returned as it is, without rebuilding its containers. Other
-    leaves, numpy arrays included, are kept as they are.
-
-    Example:
-        >>> import torch
-        >>> to_device({"x": torch.ones(2)}, torch.device("cpu"))["x"].device.type
-        'cpu'
-    """
-    if on_device(batch, device):
-        return batch
-    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
-
-
-def on_device(batch: Any, device: torch.device) -> bool:
-    """Whether every tensor of `batch` is on `device` (the slices of one batch answer alike).
-
-    Example:
-        >>> on_device((torch.ones(2), [1, 2]), torch.device("cpu"))
-        True
-    """
-    if isinstance(batch, torch.Tensor):
-        return batch.device == device
-    if isinstance(batch, Mapping):
-        values: Any = batch.values()
-    elif isinstance(batch, (list, tuple)):
-        values = batch
-    elif is_dataclass_instance(batch):
-        values = [value for _, value in dataclass_entries(batch)]
-    else:
-        return True
-    for value in values:  # noqa: SIM110 - a loop: all(generator) costs more, once per micro-batch
-        if not on_device(value, device):
-            return False
-    return True
-
-
-def map_tensors(
-    batch: Any,
-    fn: Callable[[torch.Tensor], torch.Tensor],
-    arrays: Callable[[np.ndarray], Any] | None = None,
-) -> Any:
-    """Rebuild `batch` with `fn` applied to every tensor leaf (and `arrays` to numpy arrays).
-
-    Other leaves are kept as they are.
-    """
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        return rebuild_mapping(batch, {k: map_tensors(v, fn, arrays) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
-        return type(batch)(*(map_tensors(v, fn, arrays) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(map_tensors(v, fn, arrays) for v in batch)
-    if is_dataclass_instance(batch):
-        values = {k: map_tensors(v, fn, arrays) for k, v in dataclass_entries(batch)}
-        return rebuild_dataclass(batch, values)
-    if arrays is not None and isinstance(batch, np.ndarray):
-        return arrays(batch)
-    return batch
-
-
-def _plan(batch: Any, batch_dim: int, build: bool = True) -> tuple[_Slicer, int]:
+def _plan(
+    batch: Any, batch_dim: int, build: bool = True, hook: _Hook | None = None
+) -> tuple[_Slicer, int]:
     """Return the slicer of `batch` and its B, walking it once; raise naming what is wrong.
 
-    With `build=False` (for `batch_size`) the slicer is a placeholder and no closure is made.
+    With `build=False` (for `batch_size`) the slicer is a placeholder and no closure is made;
+    with `hook`, the slicer is built over `hook(leaf)` for every leaf (`map_leaves`).
     """
     check_batch_dim(batch_dim)
-    if type(batch) is torch.Tensor and _plain(batch, batch_dim) and batch.shape[batch_dim]:
+    plain = hook is None and type(batch) is torch.Tensor and _plain(batch, batch_dim)
+    if plain and batch.shape[batch_dim]:
         return (_tensor_slicer(batch, batch_dim) if build else _measured), batch.shape[batch_dim]
-    flat = _flat_tensors(batch, batch_dim)
-    if flat is None:  # the general path
+    flat = None if hook is not None else _flat_tensors(batch, batch_dim)
+    if flat is None:  # the general path: as it reads, else by the fallbacks of `_compile`
         try:
-            return _general(batch, batch_dim, build, lists=False)
-        except ValueError as error:  # lists of one tensor or tuple per item (images, pairs)?
-            try:
-                return _general(batch, batch_dim, build, lists=True)
-            except ValueError:
-                raise error from None
+            return _general(batch, batch_dim, build, 0, hook)
+        except ValueError as error:
+            for lists in (1, 2):
+                try:
+                    return _general(batch, batch_dim, build, lists, hook)
+                except ValueError:
+                    pass
+            raise error from None
     size: int = flat[0].shape[batch_dim]
     if not build:
         return _measured, size
     return _container_slicer(batch, [_tensor_slicer(t, batch_dim) for t in flat]), size
 
 
-def _general(batch: Any, dim: int, build: bool, lists: bool) -> tuple[_Slicer, int]:
+def _general(
+    batch: Any, dim: int, build: bool, lists: int, hook: _Hook | None = None
+) -> tuple[_Slicer, int]:
     sizes: Sizes = []
-    slicer = _compile(batch, "batch", dim, sizes, build, lists)
+    slicer = _compile(batch, "batch", dim, sizes, build, lists, hook)
     if slicer is None:
         refuse_objects(sizes, None)
         raise ValueError(
@@ -276,23 +265,30 @@ def _flat_tensors(batch: Any, dim: int) -> list[torch.Tensor] | None:
 
 
 def _compile(
-    node: Any, path: Path, dim: int, sizes: Sizes, build: bool, tensor_lists: bool = False
+    node: Any,
+    path: Path,
+    dim: int,
+    sizes: Sizes,
+    build: bool,
+    tensor_lists: int = 0,
+    hook: _Hook | None = None,
 ) -> _Slicer | None:
     """Return the slicer of `node` (None if it is a constant), recording its leaves' sizes.
 
-    With `tensor_lists`, a plain list of tensors (or of tuples of one length) is one entry per
-    item: tried only when the batch cannot be read otherwise, e.g. `{"images": [B tensors of
-    varied sizes], ...}` or `[(x, y), ...]` from a loader with `collate_fn=list`.
+    Fallbacks, tried only when the batch cannot be read otherwise: with `tensor_lists` >= 1,
+    lists of alike tensors or of tuples (`per_item_list`) are one entry per item (images of
+    varied sizes); with 2, a list of tuples of strings is columns (`collated_columns`).
     """
-    if isinstance(node, _SCALARS):
+    if isinstance(node, SCALARS):
         return None
     if isinstance(node, torch.Tensor):
         sizes.append((path, array_items(node, path, dim, "tensor"), "tensor"))
-        return _tensor_slicer(node, dim) if build else _measured
+        return _tensor_slicer(_hooked(node, hook), dim) if build else _measured
     if isinstance(node, np.ndarray):
         sizes.append((path, array_items(node, path, dim, "array"), "array"))
         if not build:
             return _measured
+        node = _hooked(node, hook)
         lead = (slice(None),) * dim
         return lambda start, stop: node[tuple([*lead, slice(start, stop)])]
     if isinstance(node, Mapping):
@@ -300,14 +296,17 @@ def _compile(
         template = "[{!r}]"
     elif isinstance(node, tuple) and hasattr(node, "_fields"):  # a named tuple is a record
         entries, template = zip(node._fields, node, strict=True), ".{}"
-    elif is_example_list(node) or (tensor_lists and per_item_list(node)):  # one per item
+    elif tensor_lists > 1 and collated_columns(node):  # a container of per-item tuples
+        entries, template = enumerate(node), "[{}]"
+    elif is_example_list(node) or (tensor_lists and per_item_list(node, path != "batch")):
         sizes.append((path, len(node), "list of examples"))
+        node = _hooked(node, hook)
         return lambda start, stop: node[start:stop]
-    elif _is_record(node) or (isinstance(node, (list, tuple)) and _any_array(node)):
+    elif is_record(node) or (isinstance(node, (list, tuple)) and any_array(node)):
         entries, template = enumerate(node), "[{}]"
     elif isinstance(node, (list, tuple)):  # per-item entries, however many (even none)
         sizes.append((path, len(node), type(node).__name__))
-        kind = type(node)
+        kind, node = type(node), _hooked(node, hook)
         if kind is list or kind is tuple:
             return lambda start, stop: node[start:stop]
         return lambda start, stop: kind(node[start:stop])
@@ -318,7 +317,7 @@ def _compile(
         sizes.extend(((path, "{}", name), n, held) for name, n in object_arrays(node, dim))
         return None
     children = [
-        _compile(v, (path, template, k), dim, sizes, build, tensor_lists) for k, v in entries
+        _compile(v, (path, template, k), dim, sizes, build, tensor_lists, hook) for k, v in entries
     ]
     if all(child is None for child in children):
         return None
@@ -369,31 +368,12 @@ def _plain(tensor: torch.Tensor, dim: int) -> bool:
     return tensor.layout is torch.strided and not tensor.is_nested and tensor.ndim > dim
 
 
-def _is_record(node: Any) -> bool:
-    """Whether `node` is a tuple subclass (torch.Size, a struct sequence...): never per-item."""
-    return isinstance(node, tuple) and type(node) is not tuple
-
-
 def _measured(start: int, stop: int) -> Any:
     raise AssertionError("a batch measured by batch_size has no slicer")
 
 
-def _holds_array(node: Any) -> bool:
-    """Whether `node` is, or nests, a tensor or an array (then a list of it is a container)."""
-    if isinstance(node, _SCALARS):
-        return False
-    if isinstance(node, (torch.Tensor, np.ndarray)):
-        return True
-    if isinstance(node, Mapping):
-        return any(map(_holds_array, node.values()))
-    if isinstance(node, (list, tuple)):
-        return _any_array(node)
-    return is_dataclass_instance(node) and any(_holds_array(v) for _, v in dataclass_entries(node))
-
-
-def _any_array(entries: list[Any] | tuple[Any, ...]) -> bool:
-    """Whether some entry holds a tensor or an array; a list of B strings is scanned in C."""
-    return not _SCALAR_TYPES.issuperset(map(type, entries)) and any(map(_holds_array, entries))
+def _hooked(leaf: Any, hook: _Hook | None) -> Any:
+    return leaf if hook is None else hook(leaf)
 
 
 def _is_int(value: object) -> bool:

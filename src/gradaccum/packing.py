@@ -8,9 +8,13 @@ longest row. Every row lands in exactly one micro-batch, so with sums and counts
 still exactly the full-batch step; only the order of the rows changes.
 
 Lengths are read from the batch's `attention_mask` (rows must be right-padded, as
-Hugging Face pads for training), or, without one, taken as the full width. A row longer than the
-budget runs alone, with a warning (`TokenBudgetWarning`): refusing it would stop a run over one
-outlier, and splitting a sequence is not exact.
+Hugging Face pads for training), or, without one, taken as the full width. Trimming cuts only
+the tensors as wide as the mask (dim 1), and never a scored label: a row reaches at least to
+its last label that is not -100 in a tensor named `*labels` as wide as the mask. So labels on
+their own axis that are as wide by chance (a seq2seq target, multi-label targets) and scored
+padding (labels copied from the input ids) are kept whole, and counted in the budget. A row
+longer than the budget runs alone, with a warning (`TokenBudgetWarning`): refusing it would
+stop a run over one outlier, and splitting a sequence is not exact.
 
 Example:
     >>> import torch
@@ -22,23 +26,22 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from gradaccum._records import (
     dataclass_entries,
     is_dataclass_instance,
     is_example_list,
-    rebuild_dataclass,
-    rebuild_mapping,
 )
 from gradaccum._warnings import warn_user
-from gradaccum.batching import batch_size, slice_batch
+from gradaccum.batching import batch_size, map_leaves, slice_batch, take_batch
 
 __all__ = ["TokenBudgetWarning", "pack_by_tokens", "sequence_lengths"]
+
+IGNORE_INDEX = -100  # a label that is not scored: past a row's end, trimming may drop it
 
 
 class TokenBudgetWarning(UserWarning):
@@ -46,13 +49,16 @@ class TokenBudgetWarning(UserWarning):
 
 
 def sequence_lengths(batch: Any) -> list[int]:
-    """Each row's length: its `attention_mask` sum, else the batch's widest 2-D tensor's width.
+    """Each row's length, else the batch's widest 2-D tensor's width for every row.
+
+    A row's length is its `attention_mask` sum, or more: up to its last scored label (not -100)
+    in a tensor named `*labels` as wide as the mask, so that trimming never drops one.
 
     Raises:
         ValueError: If the attention mask is not right-padded (its ones are not a prefix).
     """
-    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+    mask = _mask(batch)
+    if mask is not None:
         lengths = mask.sum(dim=1)
         positions = torch.arange(mask.shape[1], device=mask.device)
         if not bool(((positions[None, :] < lengths[:, None]) == mask.bool()).all()):
@@ -60,6 +66,10 @@ def sequence_lengths(batch: Any) -> list[int]:
                 "max_tokens needs right-padded rows: each attention_mask row must be ones then "
                 "zeros. Pad on the right (tokenizer.padding_side = 'right')."
             )
+        for labels in _labels(batch, mask.shape):  # scored past the mask: kept, and counted
+            scored = labels.ne(IGNORE_INDEX).reshape(*mask.shape, -1).any(dim=2)
+            reach = torch.where(scored, positions + 1, 0).amax(dim=1)
+            lengths = torch.maximum(lengths, reach.to(lengths.device))
         return [int(n) for n in lengths.tolist()]
     width = _full_width(batch)
     return [width] * batch_size(batch)
@@ -101,14 +111,37 @@ def pack_by_tokens(batch: Any, max_tokens: int) -> list[Any]:
                 f"{too_long[0]} tokens); each runs alone in its own micro-batch."
             )
         )
-    full = _full_width(batch)
-    ordered = _take(batch, order, len(lengths))
+    mask = _mask(batch)  # without one, every row is as wide as the batch: nothing is trimmed
+    full = _full_width(batch) if mask is None else mask.shape[1]
+    ordered = take_batch(batch, order)  # every leaf the batching splits, by its rules
     micro_batches, start = [], 0
-    for rows, width in runs:
-        piece = slice_batch(ordered, start, start + rows)
-        micro_batches.append(_trim(piece, full, width))
+    for rows, width in runs:  # trimmed as read in the whole batch: what is split, by its rules
+        trimmed = ordered if width >= full else map_leaves(ordered, _trimmer(full, width))
+        micro_batches.append(slice_batch(trimmed, start, start + rows))
         start += rows
     return micro_batches
+
+
+def _mask(batch: Any) -> torch.Tensor | None:
+    """The batch's 2-D `attention_mask`, which gives the rows' lengths and the trimmed width."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    return mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
+
+
+def _labels(node: Any, shape: torch.Size, name: str = "") -> list[torch.Tensor]:
+    """The tensors named `*labels` (keys and fields, at any depth) whose rows are `shape`."""
+    if isinstance(node, torch.Tensor):
+        wide = name.endswith("labels") and node.ndim >= 2 and node.shape[:2] == shape
+        return [node] if wide else []
+    if isinstance(node, Mapping):
+        entries: Any = node.items()
+    elif isinstance(node, tuple) and hasattr(node, "_fields"):
+        entries = zip(node._fields, node, strict=True)
+    elif is_dataclass_instance(node):
+        entries = dataclass_entries(node)
+    else:
+        return []
+    return [t for key, value in entries for t in _labels(value, shape, str(key))]
 
 
 def _full_width(batch: Any) -> int:
@@ -129,54 +162,11 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
     return []
 
 
-def _holds_arrays(node: Any) -> bool:
-    if isinstance(node, (torch.Tensor, np.ndarray)):
-        return True
-    if isinstance(node, Mapping):
-        return any(_holds_arrays(value) for value in node.values())
-    if isinstance(node, (list, tuple)):
-        return any(_holds_arrays(value) for value in node)
-    return is_dataclass_instance(node) and _holds_arrays(dict(dataclass_entries(node)))
+def _trimmer(full: int, width: int) -> Callable[[Any], Any]:
+    """Cut a leaf tensor whose dim 1 is the mask's width `full` to `width` (right padding)."""
 
+    def trim(leaf: Any) -> Any:
+        wide = isinstance(leaf, torch.Tensor) and leaf.ndim >= 2 and leaf.shape[1] == full
+        return leaf[:, :width] if wide else leaf
 
-def _take(node: Any, order: Sequence[int], items: int) -> Any:
-    """`node` with its items in `order`, by the splitting rules of `gradaccum.batching`."""
-    if isinstance(node, torch.Tensor):
-        if node.ndim == 0 or node.shape[0] != items:
-            return node
-        return node.index_select(0, torch.tensor(order, device=node.device))
-    if isinstance(node, np.ndarray):
-        return node[list(order)] if node.ndim and node.shape[0] == items else node
-    if isinstance(node, Mapping):
-        return rebuild_mapping(node, {k: _take(v, order, items) for k, v in node.items()})
-    if isinstance(node, tuple) and hasattr(node, "_fields"):  # a named tuple: a record
-        return type(node)(*(_take(v, order, items) for v in node))
-    if isinstance(node, (list, tuple)):
-        if _holds_arrays(node) and not is_example_list(node):
-            return type(node)(_take(v, order, items) for v in node)
-        if len(node) == items:  # one entry per item (uncollated examples too)
-            return type(node)(node[i] for i in order)
-    if is_dataclass_instance(node):  # a record, field by field
-        return rebuild_dataclass(
-            node, {k: _take(v, order, items) for k, v in dataclass_entries(node)}
-        )
-    return node
-
-
-def _trim(node: Any, full: int, width: int) -> Any:
-    """Cut every tensor whose dim 1 is the padded width `full` to `width` (right padding)."""
-    if width >= full:
-        return node
-    if isinstance(node, torch.Tensor):
-        return node[:, :width] if node.ndim >= 2 and node.shape[1] == full else node
-    if isinstance(node, Mapping):
-        return rebuild_mapping(node, {k: _trim(v, full, width) for k, v in node.items()})
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-        return type(node)(*(_trim(v, full, width) for v in node))
-    if isinstance(node, (list, tuple)) and _holds_arrays(node) and not is_example_list(node):
-        return type(node)(_trim(v, full, width) for v in node)
-    if is_dataclass_instance(node):
-        return rebuild_dataclass(
-            node, {k: _trim(v, full, width) for k, v in dataclass_entries(node)}
-        )
-    return node
+    return trim

@@ -26,6 +26,16 @@ __all__ = ["NonFiniteError", "PartialStepError", "StepResult", "learning_rate"]
 class NonFiniteError(FloatingPointError):
     """A window's loss or gradient was inf or NaN and `on_nonfinite="raise"` was set."""
 
+    @classmethod
+    def of_window(cls, micro_batches: int, outcome: Any) -> NonFiniteError:
+        """The error for a skipped window's `Outcome` (`gradaccum.window`), naming the fix."""
+        return cls(
+            f"window of {micro_batches} micro-batches has loss sum {outcome.loss_sum} and "
+            f"grad norm {outcome.grad_norm}; non-finite gradients in: "
+            f"{list(outcome.nonfinite_names)}. The window was discarded; pass "
+            "on_nonfinite='skip' to skip such windows instead."
+        )
+
 
 class PartialStepError(RuntimeError):
     """`optimizer.step()` raised after it had updated some parameters; they cannot be put back.

@@ -516,10 +516,12 @@ def test_core_does_not_import_transformers() -> None:
     assert out.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize("name", ["llama-causal_lm", "bert-masked_lm"])
+@pytest.mark.parametrize("name", ["llama-causal_lm", "bert-masked_lm", "t5-seq2seq"])
 def test_token_budget_micro_batches_equal_the_full_batch_steps(name: str) -> None:
     """Rows sorted by length, packed within 24 padded tokens and trimmed to each micro-batch's
-    longest row: attention over the trimmed rows is the same, so is the step."""
+    longest row: attention over the trimmed rows is the same, so is the step. The seq2seq
+    targets are as wide as the inputs (SEQ) with other lengths: trimmed, they must keep every
+    scored label (they were once cut to the inputs' lengths)."""
     make, make_batch, helper, _ = CASES[name]
     model = _model(make)
     acc = Accumulator(model, _optimizer(model), max_grad_norm=0.5)
