@@ -283,6 +283,64 @@ def test_fp16_scale_is_fixed_within_a_window() -> None:
     assert math.frexp(scales[0] / INITIAL_SCALE)[0] == 0.5
 
 
+def _scaler_settings(acc: Accumulator, **settings: float) -> None:
+    state = acc.scaler.state_dict()
+    state.update(settings)
+    acc.scaler.load_state_dict(state)
+
+
+def test_fp16_scale_follows_gradscaler_exactly_with_any_factors() -> None:
+    """The scale after each window equals a plain loop's `torch.amp.GradScaler`, bit for bit,
+    with factors that are not powers of two (torch keeps the scale in float32; the update was
+    done in Python floats: 1473.8999999999999 where GradScaler has 1473.9000244140625)."""
+    settings = {"growth_factor": 1.7, "backoff_factor": 0.3, "growth_interval": 2}
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    acc = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=1e-3), micro_batch_size=2, precision="fp16"
+    )
+    _scaler_settings(acc, scale=1000.0, **settings)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1000.0, **settings)
+    mine, theirs = [], []
+    for window in range(12):
+        poisoned = window in (4, 9)
+
+        def loss_fn(m, b, poisoned=poisoned) -> torch.Tensor:
+            return _mse(m, b) * float("inf") if poisoned else _mse(m, b)
+
+        batch = _batch(window)
+        assert acc.step(batch, loss_fn).skipped == poisoned
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(reference, batch)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        mine.append(acc.scaler.get_scale())
+        theirs.append(scaler.get_scale())
+    assert mine == theirs
+    assert acc.scaler.state_dict() == scaler.state_dict()
+    assert len(set(theirs)) > 4  # it grew and backed off with inexact factors
+
+
+def test_fp16_scale_never_grows_past_float32() -> None:
+    """GradScaler keeps the scale when growing it would overflow float32; a scale grown to 2**128
+    in Python floats overflowed every later window's loss, skipping clean windows."""
+    model = _mlp()
+    acc = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=1e-3), micro_batch_size=2, precision="fp16"
+    )
+    _scaler_settings(acc, scale=2.0**126, growth_interval=1)
+
+    def tiny(m, b) -> torch.Tensor:
+        return _mse(m, b) * 0.0
+
+    results = [acc.step(_batch(i), tiny) for i in range(4)]
+    assert [r.stepped for r in results] == [True] * 4
+    assert acc.scaler.get_scale() == 2.0**127  # the largest float32 power of two
+
+
 def test_fp16_clean_window_matches_float64_within_fp16_rounding() -> None:
     model = _mlp()
     x, y = _batch(3, items=7)  # micro-batches of 2, 2, 2, 1

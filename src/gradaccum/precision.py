@@ -24,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -163,19 +162,26 @@ class PrecisionRuntime:
         self.buffers = [None] * len(self.buffers)
 
     def update_scale(self, *, finite: bool) -> None:
-        """Update the loss scale once per closed window, by GradScaler's own rule."""
+        """Update the loss scale once per closed window, by GradScaler's own rule.
+
+        torch's own kernel, on a float32 scale as GradScaler keeps it: factors that are not
+        powers of two round as they do there, and a growth that would overflow float32 is not
+        taken (in Python floats the scale grew to 2**128, which overflows every loss it scales).
+        """
         if self.scaler is None:
             return
         state = self.scaler.state_dict()
-        if not finite:
-            state["scale"] = state["scale"] * state["backoff_factor"]
-            state["_growth_tracker"] = 0
-        elif state["_growth_tracker"] + 1 >= state["growth_interval"]:
-            grown = state["scale"] * state["growth_factor"]
-            state["scale"] = grown if math.isfinite(grown) else state["scale"]
-            state["_growth_tracker"] = 0
-        else:
-            state["_growth_tracker"] += 1
+        scale = torch.full((1,), state["scale"], dtype=torch.float32)
+        tracker = torch.full((1,), state["_growth_tracker"], dtype=torch.int32)
+        torch._amp_update_scale_(
+            scale,
+            tracker,
+            torch.full((1,), 0.0 if finite else 1.0),
+            state["growth_factor"],
+            state["backoff_factor"],
+            state["growth_interval"],
+        )
+        state["scale"], state["_growth_tracker"] = scale.item(), int(tracker.item())
         self.scaler.load_state_dict(state)
 
     def state_dict(self) -> dict[str, Any]:
