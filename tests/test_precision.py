@@ -540,6 +540,53 @@ def test_bf16_buffers_with_clipping_clip_what_the_optimizer_sees() -> None:
     assert clipped == pytest.approx(0.01, rel=1e-2)
 
 
+def _fp16_weights_with_a_huge_gradient(**settings: Any):
+    """A float16 linear layer whose window gradient (1e5 per weight) exceeds float16's 65504,
+    while each micro-batch's share (2.5e4) and their float32 sum are finite."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).half()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    acc = Accumulator(model, optimizer, micro_batch_size=2, scheduler=scheduler, **settings)
+    x = torch.full((8, 4), 1000.0, dtype=torch.float16)
+
+    def loss_fn(m, b) -> LossSum:
+        return LossSum(m(b).float().sum() * 100.0, len(b))
+
+    return model, optimizer, scheduler, acc, x, loss_fn
+
+
+@pytest.mark.parametrize("on_nonfinite", ["skip", "raise"])
+def test_a_buffered_gradient_overflowing_its_parameters_dtype_is_a_nonfinite_window(
+    on_nonfinite: str,
+) -> None:
+    """float32 buffers hold a finite sum that is inf once written back to float16 `.grad`: the
+    optimizer stepped on it (every weight inf). Such a window is non-finite, like the same
+    window accumulated in float16 `.grad`: skipped whole, or raised, nothing changed."""
+    model, optimizer, scheduler, acc, x, loss_fn = _fp16_weights_with_a_huge_gradient(
+        accum_dtype=torch.float32, on_nonfinite=on_nonfinite
+    )
+    before = _snapshot(model, optimizer, scheduler)
+    if on_nonfinite == "raise":
+        with pytest.raises(NonFiniteError, match="weight"):
+            acc.step(x, loss_fn)
+    else:
+        result = acc.step(x, loss_fn)
+        assert (result.stepped, result.skipped) == (False, True)
+        assert math.isfinite(result.grad_norm)  # the sum itself was finite (float32)
+    assert_bitwise(before, _snapshot(model, optimizer, scheduler))
+    assert acc.state_dict()["engine"]["precision"]["buffers"] == []  # the window is gone
+    # NEGATIVE CONTROL: without buffers the float16 sum overflows and the window is skipped too.
+    *_, plain, x, loss_fn = _fp16_weights_with_a_huge_gradient()
+    assert plain.step(x, loss_fn).skipped
+    # Clipping in the float32 buffers brings it in range: the window steps, finite.
+    model, *_, clipped, x, loss_fn = _fp16_weights_with_a_huge_gradient(
+        accum_dtype=torch.float32, max_grad_norm=1.0
+    )
+    assert clipped.step(x, loss_fn).stepped
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
 def test_float32_buffers_on_float32_parameters_change_nothing() -> None:
     results = []
     for accum_dtype in (None, torch.float32):

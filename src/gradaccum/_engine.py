@@ -289,7 +289,8 @@ class Engine:
                 return self._skip(agreement, norm_value, finite=False)
             if max_grad_norm is not None and held:
                 clip_(held, max_grad_norm, norm)
-            runtime.publish(window.params)
+            if not runtime.publish(window.params, norm_value, max_grad_norm):  # fp16 overflow
+                return self._skip(agreement, norm_value, finite=False)
             lr = learning_rate(self.optimizer)
             try_scheduler(scheduler)
             step_optimizer(self.optimizer, window.params[: window.held], self._names, self, window)

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -147,15 +148,37 @@ class PrecisionRuntime:
         param.grad = torch.zeros_like(param)
         return param.grad
 
-    def publish(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Write buffered gradients back to `.grad` in each parameter's dtype, for the step."""
+    def publish(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        norm: float = 0.0,
+        max_norm: float | None = None,
+    ) -> bool:
+        """Write buffered gradients back to `.grad` in each parameter's dtype, for the step.
+
+        A buffer's finite sum can exceed a float16 parameter's range (65504) and become inf in
+        its `.grad`. A window total `norm` (after clipping to `max_norm`) below half the
+        narrowest such range rules that out without looking; otherwise the written gradients
+        are checked.
+
+        Returns:
+            False if a written gradient is not finite (the window must be skipped).
+        """
         if not self.uses_buffers:
-            return
+            return True
+        written: list[torch.Tensor] = []
+        narrowest = math.inf
         for index, param in enumerate(params):
             buffer = self.buffers[index]
             if buffer is not None:
                 param.grad = buffer.to(param.dtype)
+                written.append(param.grad)
+                narrowest = min(narrowest, torch.finfo(param.dtype).max)
                 self.buffers[index] = None
+        bound = norm if max_norm is None else min(norm, max_norm)
+        if bound < narrowest / 2:
+            return True
+        return all(bool(torch.isfinite(grad).all()) for grad in written)
 
     def clear_buffers(self) -> None:
         """Drop every buffer (the window closed, or was forgotten)."""
