@@ -341,6 +341,26 @@ def test_fp16_scale_never_grows_past_float32() -> None:
     assert acc.scaler.get_scale() == 2.0**127  # the largest float32 power of two
 
 
+def test_fp16_scale_updates_under_a_float64_default_dtype() -> None:
+    """`torch.set_default_dtype(torch.float64)` set by the user changes no tensor the scale
+    update makes (torch's kernel takes float32 only)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = _mlp().float()
+        acc = Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2, precision="fp16"
+        )
+        _scaler_settings(acc, scale=INITIAL_SCALE, growth_interval=1)
+        batch = tuple(t.float() for t in _batch(0))
+        assert acc.step(batch, _mse).stepped
+        assert acc.scaler.get_scale() == 2 * INITIAL_SCALE
+        assert acc.step(batch, lambda m, b: _mse(m, b) * float("inf")).skipped
+        assert acc.scaler.get_scale() == INITIAL_SCALE
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def test_fp16_clean_window_matches_float64_within_fp16_rounding() -> None:
     model = _mlp()
     x, y = _batch(3, items=7)  # micro-batches of 2, 2, 2, 1

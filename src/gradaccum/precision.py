@@ -199,7 +199,7 @@ class PrecisionRuntime:
         torch._amp_update_scale_(
             scale,
             tracker,
-            torch.full((1,), 0.0 if finite else 1.0),
+            torch.full((1,), 0.0 if finite else 1.0, dtype=torch.float32),
             state["growth_factor"],
             state["backoff_factor"],
             state["growth_interval"],
