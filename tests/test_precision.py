@@ -607,6 +607,44 @@ def test_a_buffered_gradient_overflowing_its_parameters_dtype_is_a_nonfinite_win
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
+@pytest.mark.parametrize("on_nonfinite", ["skip", "raise"])
+def test_finite_gradients_whose_norm_overflows_are_a_nonfinite_window(on_nonfinite: str) -> None:
+    """Every gradient finite (1e20), their float32 2-norm inf: the window is non-finite, as
+    `clip_grad_norm_(..., error_if_nonfinite=True)` refuses the same full-batch gradient (its
+    default would scale every gradient by 0 and step). Nothing changes either way."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    acc = Accumulator(
+        model,
+        optimizer,
+        micro_batch_size=2,
+        max_grad_norm=1.0,
+        scheduler=scheduler,
+        on_nonfinite=on_nonfinite,
+    )
+    x = torch.full((8, 4), 1e19)
+
+    def loss_fn(m, b) -> LossSum:
+        return LossSum(m(b).sum() * 10.0, len(b))
+
+    loss = loss_fn(reference, x)
+    (loss.value / loss.count).backward()
+    assert all(bool(torch.isfinite(p.grad).all()) for p in reference.parameters())
+    with pytest.raises(RuntimeError, match="non-finite"):
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0, error_if_nonfinite=True)
+    before = _snapshot(model, optimizer, scheduler)
+    if on_nonfinite == "raise":
+        with pytest.raises(NonFiniteError, match="grad norm inf"):
+            acc.step(x, loss_fn)
+    else:
+        result = acc.step(x, loss_fn)
+        assert (result.stepped, result.skipped, result.grad_norm) == (False, True, math.inf)
+    assert_bitwise(before, _snapshot(model, optimizer, scheduler))
+
+
 def test_float32_buffers_on_float32_parameters_change_nothing() -> None:
     results = []
     for accum_dtype in (None, torch.float32):
