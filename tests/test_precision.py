@@ -607,6 +607,28 @@ def test_a_buffered_gradient_overflowing_its_parameters_dtype_is_a_nonfinite_win
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
+def test_only_the_optimizers_buffered_gradients_must_fit_their_dtype() -> None:
+    """A float16 parameter the optimizer does not hold (its gradient is cleared unused) may
+    overflow when written back; the optimizer's own, large but in range, still step."""
+    torch.manual_seed(0)
+    held, other = torch.nn.Linear(4, 1, bias=False), torch.nn.Linear(4, 1, bias=False)
+    model = torch.nn.ModuleDict({"held": held, "other": other}).half()
+    optimizer = torch.optim.SGD(model["held"].parameters(), lr=1e-9)
+    with pytest.warns(UserWarning, match="in no param group"):
+        acc = Accumulator(model, optimizer, micro_batch_size=2, accum_dtype=torch.float32)
+    x = torch.full((8, 4), 1000.0, dtype=torch.float16)
+
+    def loss_fn(m, b) -> LossSum:  # d/d(held) = 40000 each (norm 8e4), d/d(other) = 1e5
+        return LossSum(
+            m["held"](b).float().sum() * 40.0 + m["other"](b).float().sum() * 100.0, len(b)
+        )
+
+    result = acc.step(x, loss_fn)
+    assert result.stepped
+    assert result.grad_norm == pytest.approx(8e4)
+    assert bool(torch.isfinite(held.weight).all())
+
+
 @pytest.mark.parametrize("on_nonfinite", ["skip", "raise"])
 def test_finite_gradients_whose_norm_overflows_are_a_nonfinite_window(on_nonfinite: str) -> None:
     """Every gradient finite (1e20), their float32 2-norm inf: the window is non-finite, as

@@ -289,7 +289,7 @@ class Engine:
                 return self._skip(agreement, norm_value, finite=False)
             if max_grad_norm is not None and held:
                 clip_(held, max_grad_norm, norm)
-            if not runtime.publish(window.params, norm_value, max_grad_norm):  # fp16 overflow
+            if not runtime.publish(window.params, norm_value, max_grad_norm, window.held):
                 return self._skip(agreement, norm_value, finite=False)
             lr = learning_rate(self.optimizer)
             try_scheduler(scheduler)

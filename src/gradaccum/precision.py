@@ -153,13 +153,14 @@ class PrecisionRuntime:
         params: Sequence[torch.nn.Parameter],
         norm: float = 0.0,
         max_norm: float | None = None,
+        held: int | None = None,
     ) -> bool:
         """Write buffered gradients back to `.grad` in each parameter's dtype, for the step.
 
         A buffer's finite sum can exceed a float16 parameter's range (65504) and become inf in
         its `.grad`. A window total `norm` (after clipping to `max_norm`) below half the
         narrowest such range rules that out without looking; otherwise the written gradients
-        are checked.
+        of the first `held` parameters (the optimizer's; default all) are checked.
 
         Returns:
             False if a written gradient is not finite (the window must be skipped).
@@ -172,8 +173,9 @@ class PrecisionRuntime:
             buffer = self.buffers[index]
             if buffer is not None:
                 param.grad = buffer.to(param.dtype)
-                written.append(param.grad)
-                narrowest = min(narrowest, torch.finfo(param.dtype).max)
+                if held is None or index < held:
+                    written.append(param.grad)
+                    narrowest = min(narrowest, torch.finfo(param.dtype).max)
                 self.buffers[index] = None
         bound = norm if max_norm is None else min(norm, max_norm)
         if bound < narrowest / 2:
