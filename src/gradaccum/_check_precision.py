@@ -1,14 +1,15 @@
-"""How precisely `check_equivalence` can judge a gap: the dtypes a model computes and sums in.
+"""How precisely `check_equivalence` can judge a gap: the least precise dtype a model computes in.
 
 `PrecisionProbe` records the least precise dtype any differentiable result of a run had (a
-Llama-style RMSNorm's `x.float()` inside a float64 check); `tolerance` turns that, the check's
-own dtype and the number of micro-batches into the largest relative gap rounding explains.
+Llama-style RMSNorm's `x.float()` inside a float64 check, bf16 autocast); `tolerance` turns
+that dtype, or the check's own, and the number of micro-batches into the largest relative gap
+rounding explains.
 
 Example:
     >>> import torch
-    >>> tolerance(torch.float64, torch.float64, micro_batches=4)
+    >>> tolerance(torch.float64, micro_batches=4)
     1e-10
-    >>> tolerance(torch.bfloat16, torch.bfloat16, micro_batches=16)
+    >>> tolerance(torch.bfloat16, micro_batches=16)
     0.0390625
 """
 
@@ -28,19 +29,19 @@ _TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 _LOW_PRECISION_TOLERANCE = 1e-2
 
 
-def tolerance(computed: torch.dtype, dtype: torch.dtype, micro_batches: int) -> float:
-    """The largest relative gap rounding explains, computing in `computed`, summing in `dtype`.
+def tolerance(computed: torch.dtype, micro_batches: int) -> float:
+    """The largest relative gap rounding explains for gradients computed in `computed`.
 
-    A check in bfloat16 or float16 also sums the micro-batches' gradients in that dtype's
-    `.grad` (as an Accumulator without `accum_dtype` does): each sum rounds, an error growing
-    like the square root of the number of sums, which bfloat16's 8-bit significand makes as
-    large as the forward's own (1.1e-2 to 1.8e-2 over 16 to 32 bf16 micro-batches).
+    `computed` is the least precise dtype of the run: the check's own, or one the model computes
+    in inside (autocast, `.to(torch.bfloat16)`). In bfloat16 or float16 each micro-batch's
+    gradient is rounded to that dtype once more (its own backward's outputs, or the `.grad` it
+    is summed into), an error growing like the square root of the number of micro-batches,
+    which bfloat16's 8-bit significand makes as large as the forward's own (1.0e-2 over 20
+    micro-batches under bf16 autocast; 1.1e-2 to 1.8e-2 over 16 to 32 in bf16 `.grad`).
     """
     if computed in _TOLERANCE:
         return _TOLERANCE[computed]
-    if dtype in _TOLERANCE:  # summed in float32 or float64: the forward's rounding only
-        return _LOW_PRECISION_TOLERANCE
-    eps = torch.finfo(dtype).eps
+    eps = torch.finfo(computed).eps
     return max(_LOW_PRECISION_TOLERANCE, eps * (1.0 + math.sqrt(micro_batches)))
 
 

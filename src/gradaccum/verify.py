@@ -73,8 +73,8 @@ class EquivalenceReport:
     Attributes:
         micro_batch_size: The split that was checked.
         dtype: The compute dtype of both runs.
-        tolerance: Largest relative gap counted as rounding (in bfloat16 or float16 it grows
-            with the square root of the number of micro-batches summed in that dtype).
+        tolerance: Largest relative gap counted as rounding (computing in bfloat16 or float16
+            it grows with the square root of the number of micro-batches).
         parameters: One `ParameterGap` per parameter that received a gradient.
         non_additive: Modules that make accumulation inexact.
         internal_dtype: The least precise dtype the model's differentiable computation ran in,
@@ -183,7 +183,7 @@ class EquivalenceReport:
             ]
         if not self.ok and self.dtype not in (torch.float64, torch.float32):
             lines.append(
-                f"note: this check summed the micro-batches' gradients in {self.dtype}, whose "
+                f"note: this check summed the micro-batches' gradients in {judged}, whose "
                 "rounding grows with their number: check in float64 (the default) to judge the "
                 "split, and train such weights with Accumulator(..., accum_dtype=torch.float32)."
             )
@@ -230,8 +230,8 @@ def check_equivalence(
         loss_fn: `loss_fn(model, micro_batch) -> Tensor | LossSum`.
         micro_batch_size: The split to check.
         dtype: Compute dtype of both runs (float64 makes rounding negligible). In bfloat16
-            or float16 the micro-batches' gradients are summed in that dtype too, and the
-            tolerance grows with the square root of their number to allow for it.
+            or float16 (or a model computing in them inside) each micro-batch's gradient is
+            rounded to that dtype, and the tolerance grows with the square root of their number.
 
     Returns:
         An `EquivalenceReport`; `str()` of it is a readable table.
@@ -279,7 +279,7 @@ def check_equivalence(
     return EquivalenceReport(
         micro_batch_size=micro_batch_size,
         dtype=dtype,
-        tolerance=tolerance(limit or dtype, dtype, micro_batches),
+        tolerance=tolerance(limit or dtype, micro_batches),
         parameters=_gaps(full_model, accumulated_model),
         non_additive=tuple(non_additive),
         internal_dtype=limit,
