@@ -667,6 +667,62 @@ def test_finite_gradients_whose_norm_overflows_are_a_nonfinite_window(on_nonfini
     assert_bitwise(before, _snapshot(model, optimizer, scheduler))
 
 
+def test_fp16_refuses_float16_parameters_the_optimizer_holds_outside_the_model() -> None:
+    """A float16 loss weight outside the model took the loss scale in its float16 gradient:
+    windows overflowed and were skipped until the scale had backed off (5 windows here),
+    where float16 weights inside the model are refused up front (and torch's GradScaler
+    refuses to unscale float16 gradients)."""
+    model = _mlp()
+    weight = torch.nn.Parameter(torch.tensor(1.0, dtype=torch.float16))
+    optimizer = torch.optim.SGD([*model.parameters(), weight], lr=0.1)
+    with pytest.raises(ValueError, match="precision='fp16' needs float32 parameters"):
+        Accumulator(model, optimizer, micro_batch_size=2, precision="fp16")
+    # NEGATIVE CONTROL: a float32 weight outside the model is fine.
+    weight32 = torch.nn.Parameter(torch.tensor(1.0))
+    optimizer = torch.optim.SGD([*model.parameters(), weight32], lr=0.1)
+    Accumulator(model, optimizer, micro_batch_size=2, precision="fp16")
+
+
+def _bf16_weight_sum(accum_dtype: torch.dtype | None, *, unfreeze_later: bool) -> torch.Tensor:
+    """The gradient the optimizer sees for a bfloat16 scalar in a float32 model's window whose
+    micro-gradients are 1 and four times 2**-9: 1 + 2**-7 in float32 (exact in bf16), 1 when
+    summed in bf16 (each 1 + 2**-9 rounds back to 1)."""
+    model = torch.nn.Linear(1, 1)
+    scale = torch.nn.Parameter(torch.tensor(0.5, dtype=torch.bfloat16))
+    if unfreeze_later:  # in the model, frozen when the Accumulator is built
+        model.scale = scale
+        scale.requires_grad_(False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    else:  # outside the model, in the optimizer
+        optimizer = torch.optim.SGD([*model.parameters(), scale], lr=0.0)
+    seen: dict[str, torch.Tensor] = {}
+    optimizer.register_step_pre_hook(lambda o, a, k: seen.update(grad=scale.grad.clone()))
+    acc = Accumulator(
+        model, optimizer, micro_batch_size=1, normalize="sum", accum_dtype=accum_dtype
+    )
+    scale.requires_grad_(True)
+    coefficients = torch.tensor([[1.0], [2**-9], [2**-9], [2**-9], [2**-9]])
+
+    def loss_fn(m, b) -> LossSum:
+        return LossSum((scale.float() * b).sum() + 0 * m(b).sum(), len(b))
+
+    assert acc.step(coefficients, loss_fn).stepped
+    return seen["grad"]
+
+
+@pytest.mark.parametrize("unfreeze_later", [False, True])
+def test_float32_buffers_serve_every_less_precise_parameter_of_the_window(
+    unfreeze_later: bool,
+) -> None:
+    """`accum_dtype` buffers were decided from the model's trainable parameters at construction:
+    a bf16 parameter outside the model, or unfrozen later, summed in bf16 `.grad` instead."""
+    buffered = _bf16_weight_sum(torch.float32, unfreeze_later=unfreeze_later)
+    assert buffered.dtype == torch.bfloat16
+    assert buffered.item() == 1 + 2**-7
+    # NEGATIVE CONTROL: summed in bf16 the small contributions are lost.
+    assert _bf16_weight_sum(None, unfreeze_later=unfreeze_later).item() == 1.0
+
+
 def test_float32_buffers_on_float32_parameters_change_nothing() -> None:
     results = []
     for accum_dtype in (None, torch.float32):

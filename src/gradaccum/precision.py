@@ -45,7 +45,8 @@ class PrecisionRuntime:
 
     Args:
         precision: The autocast mode.
-        params: The model's trainable parameters (their device, and a dtype check).
+        params: The model's trainable parameters, then any other the optimizer holds (the
+            first one's device; the dtype check).
         accum_dtype: Dtype of accumulation buffers, or None to accumulate in `.grad` directly.
             Buffers are made only for parameters whose dtype is less precise.
 
@@ -102,9 +103,17 @@ class PrecisionRuntime:
         """The fp16 loss scale a window opening now uses (1.0 without fp16)."""
         return 1.0 if self.scaler is None else float(self.scaler.get_scale())
 
-    def open_window(self, param_count: int) -> None:
-        """Start a window over `param_count` parameters: no buffer yet."""
+    def open_window(
+        self, param_count: int, params: Sequence[torch.nn.Parameter] | None = None
+    ) -> None:
+        """Start a window over `param_count` parameters: no buffer yet.
+
+        With `params` (the window's, read when it opens) and an `accum_dtype`, whether any of
+        them needs a buffer is decided again: one unfrozen or added to the optimizer since.
+        """
         self.buffers = [None] * param_count
+        if params is not None and self.accum_dtype is not None:
+            self.uses_buffers = any(self.buffered(p) for p in params)
 
     def collect(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Move fresh low-precision `.grad` values into their buffers after one backward."""
