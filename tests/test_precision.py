@@ -780,6 +780,24 @@ def test_runtime_rejects_non_floating_accum_dtype(bad: object) -> None:
         PrecisionRuntime(Precision.BF16, params, bad)  # type: ignore[arg-type]
 
 
+def test_accum_dtype_narrower_in_range_than_the_parameters_is_refused() -> None:
+    """float16 buffers are more precise than bfloat16 but hold only up to 65504 and flush
+    gradients below 6e-8 to 0: bf16 weights' gradients of 1e-9 summed to exactly 0 (a silent
+    wrong step) and 1e5 to inf (a skipped window). Refused up front, naming float32."""
+    assert torch.tensor(1e-9, dtype=torch.bfloat16).to(torch.float16).item() == 0.0
+    model = _mlp().to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"accum_dtype=torch.float16 cannot hold .*accum_dtype=torch.float32"):
+        Accumulator(model, optimizer, micro_batch_size=2, accum_dtype=torch.float16)
+    # NEGATIVE CONTROL: float32 buffers hold every bf16 gradient; float16 buffers for float16
+    # weights, and float16 on float32 weights (no buffer: nothing less precise), are fine.
+    Accumulator(model, optimizer, micro_batch_size=2, accum_dtype=torch.float32)
+    half = _mlp().half()
+    Accumulator(half, torch.optim.SGD(half.parameters(), lr=0.1), accum_dtype=torch.float16)
+    full = _mlp()
+    Accumulator(full, torch.optim.SGD(full.parameters(), lr=0.1), accum_dtype=torch.float16)
+
+
 def test_runtime_buffers_only_less_precise_parameters() -> None:
     model = _mlp()
     model[0].to(torch.bfloat16)

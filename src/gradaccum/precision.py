@@ -52,7 +52,8 @@ class PrecisionRuntime:
 
     Raises:
         ValueError: If fp16 loss scaling is asked for on fp16 parameters, or `accum_dtype` is
-            not a floating dtype.
+            not a floating dtype or spans less than a parameter it would buffer (float16 for
+            bfloat16 weights).
     """
 
     def __init__(
@@ -78,6 +79,14 @@ class PrecisionRuntime:
         self.device = params[0].device
         self.precision = precision
         self.accum_dtype = accum_dtype
+        self._buffered_dtypes: dict[torch.dtype, bool] = {}
+        narrower = [p.dtype for p in params if self._more_precise(p) and not self._wide_enough(p)]
+        if narrower and accum_dtype is not None:
+            raise ValueError(
+                f"accum_dtype={accum_dtype} cannot hold {narrower[0]} gradients: its range is "
+                f"narrower (largest {torch.finfo(accum_dtype).max:.0f}), so large sums overflow "
+                "and small gradients flush to 0. Use accum_dtype=torch.float32."
+            )
         self.scaler = (
             torch.amp.GradScaler(self.device.type) if precision is Precision.FP16 else None
         )
@@ -86,12 +95,27 @@ class PrecisionRuntime:
         self.uses_buffers = any(self.buffered(p) for p in params)
 
     def buffered(self, param: torch.Tensor) -> bool:
-        """Whether `param`'s gradient accumulates in a higher-precision buffer."""
+        """Whether `param`'s gradient accumulates in a higher-precision buffer.
+
+        Only where the buffer's dtype is more precise and spans the parameter's whole range.
+        """
+        known = self._buffered_dtypes.get(param.dtype)  # asked per parameter per micro-batch
+        if known is None:
+            known = self._more_precise(param) and self._wide_enough(param)
+            self._buffered_dtypes[param.dtype] = known
+        return known
+
+    def _more_precise(self, param: torch.Tensor) -> bool:
         return (
             self.accum_dtype is not None
             and param.dtype.is_floating_point
             and torch.finfo(param.dtype).eps > torch.finfo(self.accum_dtype).eps
         )
+
+    def _wide_enough(self, param: torch.Tensor) -> bool:
+        assert self.accum_dtype is not None
+        mine, theirs = torch.finfo(self.accum_dtype), torch.finfo(param.dtype)
+        return mine.max >= theirs.max and mine.tiny <= theirs.tiny
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Return the forward-pass context: autocast for bf16/fp16, nothing for fp32."""
