@@ -787,7 +787,9 @@ def test_accum_dtype_narrower_in_range_than_the_parameters_is_refused() -> None:
     assert torch.tensor(1e-9, dtype=torch.bfloat16).to(torch.float16).item() == 0.0
     model = _mlp().to(torch.bfloat16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"accum_dtype=torch.float16 cannot hold .*accum_dtype=torch.float32"):
+    with pytest.raises(
+        ValueError, match=r"accum_dtype=torch.float16 cannot hold .*accum_dtype=torch.float32"
+    ):
         Accumulator(model, optimizer, micro_batch_size=2, accum_dtype=torch.float16)
     # NEGATIVE CONTROL: float32 buffers hold every bf16 gradient; float16 buffers for float16
     # weights, and float16 on float32 weights (no buffer: nothing less precise), are fine.
