@@ -143,7 +143,7 @@ class Engine:
         params, held = window_parameters(self._model_params, self.optimizer)
         self.sync.begin_window()
         self.window.open(params, held, self.runtime.loss_scale())
-        self.runtime.open_window(len(params), params)
+        self.runtime.open_window(len(params), None if self.sync.defers else params)
         self.batchnorm.open_window()
         self._rng = rng_states(self.runtime.device) if rerun else None
         if self.telemetry is not None:

@@ -134,6 +134,8 @@ class PrecisionRuntime:
 
         With `params` (the window's, read when it opens) and an `accum_dtype`, whether any of
         them needs a buffer is decided again: one unfrozen or added to the optimizer since.
+        Without, the decision stands (FSDP2 deferring its sums to the window's last backward
+        cannot feed buffers: `check_fsdp_support` refused them at construction).
         """
         self.buffers = [None] * param_count
         if params is not None and self.accum_dtype is not None:
