@@ -63,6 +63,42 @@ def test_loss_sum_counts(count: object, expected: int) -> None:
 
 
 @pytest.mark.parametrize(
+    ("dtype", "largest"), [(torch.bfloat16, 256), (torch.float16, 2048), (torch.float32, 2**24)]
+)
+def test_a_count_in_a_float_dtype_too_coarse_for_it_is_refused(dtype, largest) -> None:
+    """A count summed in bfloat16 (`mask.to(logits.dtype).sum()`) is exact only up to 256
+    items: 257 ones sum to 256, a silently wrong denominator. Above the range where every
+    integer is exact the count is refused, naming the integer count to use."""
+    assert torch.ones(257, dtype=torch.bfloat16).sum().item() == 256  # the silent error
+    exact = read_loss(LossSum(torch.tensor(1.0), torch.tensor(largest, dtype=dtype)), 1)
+    assert exact[2] == largest
+    with pytest.raises(ValueError, match=r"is exact only up to .*mask\.bool\(\)\.sum\(\)"):
+        read_loss(LossSum(torch.tensor(1.0), torch.tensor(2 * largest, dtype=dtype)), 1)
+    # NEGATIVE CONTROL: the same number as an integer tensor, or a Python float, is read.
+    assert read_loss(LossSum(torch.tensor(1.0), torch.tensor(2 * largest)), 1)[2] == 2 * largest
+    assert read_loss(LossSum(torch.tensor(1.0), float(2 * largest)), 1)[2] == 2 * largest
+
+
+def test_a_coarse_count_is_refused_before_the_window_changes_anything() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=300, precision="bf16")
+    x = torch.randn(600, 4, dtype=torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def loss_fn(m, b) -> LossSum:
+        out = m(b)
+        return LossSum(out.float().pow(2).sum(), torch.ones_like(out).sum())  # bf16 count
+
+    with pytest.raises(ValueError, match="exact only up to 256"):
+        acc.step(x, loss_fn)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    assert not optimizer.state
+
+
+@pytest.mark.parametrize(
     ("result", "error", "pattern"),
     [
         (torch.ones(3), ValueError, r"the loss has shape \(3,\); it must be a scalar"),

@@ -283,6 +283,84 @@ def test_fp16_scale_is_fixed_within_a_window() -> None:
     assert math.frexp(scales[0] / INITIAL_SCALE)[0] == 0.5
 
 
+def _scaler_settings(acc: Accumulator, **settings: float) -> None:
+    state = acc.scaler.state_dict()
+    state.update(settings)
+    acc.scaler.load_state_dict(state)
+
+
+def test_fp16_scale_follows_gradscaler_exactly_with_any_factors() -> None:
+    """The scale after each window equals a plain loop's `torch.amp.GradScaler`, bit for bit,
+    with factors that are not powers of two (torch keeps the scale in float32; the update was
+    done in Python floats: 1473.8999999999999 where GradScaler has 1473.9000244140625)."""
+    settings = {"growth_factor": 1.7, "backoff_factor": 0.3, "growth_interval": 2}
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    acc = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=1e-3), micro_batch_size=2, precision="fp16"
+    )
+    _scaler_settings(acc, scale=1000.0, **settings)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1000.0, **settings)
+    mine, theirs = [], []
+    for window in range(12):
+        poisoned = window in (4, 9)
+
+        def loss_fn(m, b, poisoned=poisoned) -> torch.Tensor:
+            return _mse(m, b) * float("inf") if poisoned else _mse(m, b)
+
+        batch = _batch(window)
+        assert acc.step(batch, loss_fn).skipped == poisoned
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(reference, batch)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        mine.append(acc.scaler.get_scale())
+        theirs.append(scaler.get_scale())
+    assert mine == theirs
+    assert acc.scaler.state_dict() == scaler.state_dict()
+    assert len(set(theirs)) > 4  # it grew and backed off with inexact factors
+
+
+def test_fp16_scale_never_grows_past_float32() -> None:
+    """GradScaler keeps the scale when growing it would overflow float32; a scale grown to 2**128
+    in Python floats overflowed every later window's loss, skipping clean windows."""
+    model = _mlp()
+    acc = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=1e-3), micro_batch_size=2, precision="fp16"
+    )
+    _scaler_settings(acc, scale=2.0**126, growth_interval=1)
+
+    def tiny(m, b) -> torch.Tensor:
+        return _mse(m, b) * 0.0
+
+    results = [acc.step(_batch(i), tiny) for i in range(4)]
+    assert [r.stepped for r in results] == [True] * 4
+    assert acc.scaler.get_scale() == 2.0**127  # the largest float32 power of two
+
+
+def test_fp16_scale_updates_under_a_float64_default_dtype() -> None:
+    """`torch.set_default_dtype(torch.float64)` set by the user changes no tensor the scale
+    update makes (torch's kernel takes float32 only)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = _mlp().float()
+        acc = Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2, precision="fp16"
+        )
+        _scaler_settings(acc, scale=INITIAL_SCALE, growth_interval=1)
+        batch = tuple(t.float() for t in _batch(0))
+        assert acc.step(batch, _mse).stepped
+        assert acc.scaler.get_scale() == 2 * INITIAL_SCALE
+        assert acc.step(batch, lambda m, b: _mse(m, b) * float("inf")).skipped
+        assert acc.scaler.get_scale() == INITIAL_SCALE
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def test_fp16_clean_window_matches_float64_within_fp16_rounding() -> None:
     model = _mlp()
     x, y = _batch(3, items=7)  # micro-batches of 2, 2, 2, 1
@@ -482,6 +560,169 @@ def test_bf16_buffers_with_clipping_clip_what_the_optimizer_sees() -> None:
     assert clipped == pytest.approx(0.01, rel=1e-2)
 
 
+def _fp16_weights_with_a_huge_gradient(**settings: Any):
+    """A float16 linear layer whose window gradient (1e5 per weight) exceeds float16's 65504,
+    while each micro-batch's share (2.5e4) and their float32 sum are finite."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).half()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    acc = Accumulator(model, optimizer, micro_batch_size=2, scheduler=scheduler, **settings)
+    x = torch.full((8, 4), 1000.0, dtype=torch.float16)
+
+    def loss_fn(m, b) -> LossSum:
+        return LossSum(m(b).float().sum() * 100.0, len(b))
+
+    return model, optimizer, scheduler, acc, x, loss_fn
+
+
+@pytest.mark.parametrize("on_nonfinite", ["skip", "raise"])
+def test_a_buffered_gradient_overflowing_its_parameters_dtype_is_a_nonfinite_window(
+    on_nonfinite: str,
+) -> None:
+    """float32 buffers hold a finite sum that is inf once written back to float16 `.grad`: the
+    optimizer stepped on it (every weight inf). Such a window is non-finite, like the same
+    window accumulated in float16 `.grad`: skipped whole, or raised, nothing changed."""
+    model, optimizer, scheduler, acc, x, loss_fn = _fp16_weights_with_a_huge_gradient(
+        accum_dtype=torch.float32, on_nonfinite=on_nonfinite
+    )
+    before = _snapshot(model, optimizer, scheduler)
+    if on_nonfinite == "raise":
+        with pytest.raises(NonFiniteError, match="weight"):
+            acc.step(x, loss_fn)
+    else:
+        result = acc.step(x, loss_fn)
+        assert (result.stepped, result.skipped) == (False, True)
+        assert math.isfinite(result.grad_norm)  # the sum itself was finite (float32)
+    assert_bitwise(before, _snapshot(model, optimizer, scheduler))
+    assert acc.state_dict()["engine"]["precision"]["buffers"] == []  # the window is gone
+    # NEGATIVE CONTROL: without buffers the float16 sum overflows and the window is skipped too.
+    *_, plain, x, loss_fn = _fp16_weights_with_a_huge_gradient()
+    assert plain.step(x, loss_fn).skipped
+    # Clipping in the float32 buffers brings it in range: the window steps, finite.
+    model, *_, clipped, x, loss_fn = _fp16_weights_with_a_huge_gradient(
+        accum_dtype=torch.float32, max_grad_norm=1.0
+    )
+    assert clipped.step(x, loss_fn).stepped
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_only_the_optimizers_buffered_gradients_must_fit_their_dtype() -> None:
+    """A float16 parameter the optimizer does not hold (its gradient is cleared unused) may
+    overflow when written back; the optimizer's own, large but in range, still step."""
+    torch.manual_seed(0)
+    held, other = torch.nn.Linear(4, 1, bias=False), torch.nn.Linear(4, 1, bias=False)
+    model = torch.nn.ModuleDict({"held": held, "other": other}).half()
+    optimizer = torch.optim.SGD(model["held"].parameters(), lr=1e-9)
+    with pytest.warns(UserWarning, match="in no param group"):
+        acc = Accumulator(model, optimizer, micro_batch_size=2, accum_dtype=torch.float32)
+    x = torch.full((8, 4), 1000.0, dtype=torch.float16)
+
+    def loss_fn(m, b) -> LossSum:  # d/d(held) = 40000 each (norm 8e4), d/d(other) = 1e5
+        return LossSum(
+            m["held"](b).float().sum() * 40.0 + m["other"](b).float().sum() * 100.0, len(b)
+        )
+
+    result = acc.step(x, loss_fn)
+    assert result.stepped
+    assert result.grad_norm == pytest.approx(8e4)
+    assert bool(torch.isfinite(held.weight).all())
+
+
+@pytest.mark.parametrize("on_nonfinite", ["skip", "raise"])
+def test_finite_gradients_whose_norm_overflows_are_a_nonfinite_window(on_nonfinite: str) -> None:
+    """Every gradient finite (1e20), their float32 2-norm inf: the window is non-finite, as
+    `clip_grad_norm_(..., error_if_nonfinite=True)` refuses the same full-batch gradient (its
+    default would scale every gradient by 0 and step). Nothing changes either way."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    acc = Accumulator(
+        model,
+        optimizer,
+        micro_batch_size=2,
+        max_grad_norm=1.0,
+        scheduler=scheduler,
+        on_nonfinite=on_nonfinite,
+    )
+    x = torch.full((8, 4), 1e19)
+
+    def loss_fn(m, b) -> LossSum:
+        return LossSum(m(b).sum() * 10.0, len(b))
+
+    loss = loss_fn(reference, x)
+    (loss.value / loss.count).backward()
+    assert all(bool(torch.isfinite(p.grad).all()) for p in reference.parameters())
+    with pytest.raises(RuntimeError, match="non-finite"):
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0, error_if_nonfinite=True)
+    before = _snapshot(model, optimizer, scheduler)
+    if on_nonfinite == "raise":
+        with pytest.raises(NonFiniteError, match="grad norm inf"):
+            acc.step(x, loss_fn)
+    else:
+        result = acc.step(x, loss_fn)
+        assert (result.stepped, result.skipped, result.grad_norm) == (False, True, math.inf)
+    assert_bitwise(before, _snapshot(model, optimizer, scheduler))
+
+
+def test_fp16_refuses_float16_parameters_the_optimizer_holds_outside_the_model() -> None:
+    """A float16 loss weight outside the model took the loss scale in its float16 gradient:
+    windows overflowed and were skipped until the scale had backed off (5 windows here),
+    where float16 weights inside the model are refused up front (and torch's GradScaler
+    refuses to unscale float16 gradients)."""
+    model = _mlp()
+    weight = torch.nn.Parameter(torch.tensor(1.0, dtype=torch.float16))
+    optimizer = torch.optim.SGD([*model.parameters(), weight], lr=0.1)
+    with pytest.raises(ValueError, match="precision='fp16' needs float32 parameters"):
+        Accumulator(model, optimizer, micro_batch_size=2, precision="fp16")
+    # NEGATIVE CONTROL: a float32 weight outside the model is fine.
+    weight32 = torch.nn.Parameter(torch.tensor(1.0))
+    optimizer = torch.optim.SGD([*model.parameters(), weight32], lr=0.1)
+    Accumulator(model, optimizer, micro_batch_size=2, precision="fp16")
+
+
+def _bf16_weight_sum(accum_dtype: torch.dtype | None, *, unfreeze_later: bool) -> torch.Tensor:
+    """The gradient the optimizer sees for a bfloat16 scalar in a float32 model's window whose
+    micro-gradients are 1 and four times 2**-9: 1 + 2**-7 in float32 (exact in bf16), 1 when
+    summed in bf16 (each 1 + 2**-9 rounds back to 1)."""
+    model = torch.nn.Linear(1, 1)
+    scale = torch.nn.Parameter(torch.tensor(0.5, dtype=torch.bfloat16))
+    if unfreeze_later:  # in the model, frozen when the Accumulator is built
+        model.scale = scale
+        scale.requires_grad_(False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    else:  # outside the model, in the optimizer
+        optimizer = torch.optim.SGD([*model.parameters(), scale], lr=0.0)
+    seen: dict[str, torch.Tensor] = {}
+    optimizer.register_step_pre_hook(lambda o, a, k: seen.update(grad=scale.grad.clone()))
+    acc = Accumulator(
+        model, optimizer, micro_batch_size=1, normalize="sum", accum_dtype=accum_dtype
+    )
+    scale.requires_grad_(True)
+    coefficients = torch.tensor([[1.0], [2**-9], [2**-9], [2**-9], [2**-9]])
+
+    def loss_fn(m, b) -> LossSum:
+        return LossSum((scale.float() * b).sum() + 0 * m(b).sum(), len(b))
+
+    assert acc.step(coefficients, loss_fn).stepped
+    return seen["grad"]
+
+
+@pytest.mark.parametrize("unfreeze_later", [False, True])
+def test_float32_buffers_serve_every_less_precise_parameter_of_the_window(
+    unfreeze_later: bool,
+) -> None:
+    """`accum_dtype` buffers were decided from the model's trainable parameters at construction:
+    a bf16 parameter outside the model, or unfrozen later, summed in bf16 `.grad` instead."""
+    buffered = _bf16_weight_sum(torch.float32, unfreeze_later=unfreeze_later)
+    assert buffered.dtype == torch.bfloat16
+    assert buffered.item() == 1 + 2**-7
+    # NEGATIVE CONTROL: summed in bf16 the small contributions are lost.
+    assert _bf16_weight_sum(None, unfreeze_later=unfreeze_later).item() == 1.0
+
+
 def test_float32_buffers_on_float32_parameters_change_nothing() -> None:
     results = []
     for accum_dtype in (None, torch.float32):
@@ -537,6 +778,26 @@ def test_runtime_rejects_non_floating_accum_dtype(bad: object) -> None:
     params = list(_mlp().parameters())
     with pytest.raises(ValueError, match=r"must be a floating torch\.dtype"):
         PrecisionRuntime(Precision.BF16, params, bad)  # type: ignore[arg-type]
+
+
+def test_accum_dtype_narrower_in_range_than_the_parameters_is_refused() -> None:
+    """float16 buffers are more precise than bfloat16 but hold only up to 65504 and flush
+    gradients below 6e-8 to 0: bf16 weights' gradients of 1e-9 summed to exactly 0 (a silent
+    wrong step) and 1e5 to inf (a skipped window). Refused up front, naming float32."""
+    assert torch.tensor(1e-9, dtype=torch.bfloat16).to(torch.float16).item() == 0.0
+    model = _mlp().to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(
+        ValueError, match=r"accum_dtype=torch.float16 cannot hold .*accum_dtype=torch.float32"
+    ):
+        Accumulator(model, optimizer, micro_batch_size=2, accum_dtype=torch.float16)
+    # NEGATIVE CONTROL: float32 buffers hold every bf16 gradient; float16 buffers for float16
+    # weights, and float16 on float32 weights (no buffer: nothing less precise), are fine.
+    Accumulator(model, optimizer, micro_batch_size=2, accum_dtype=torch.float32)
+    half = _mlp().half()
+    Accumulator(half, torch.optim.SGD(half.parameters(), lr=0.1), accum_dtype=torch.float16)
+    full = _mlp()
+    Accumulator(full, torch.optim.SGD(full.parameters(), lr=0.1), accum_dtype=torch.float16)
 
 
 def test_runtime_buffers_only_less_precise_parameters() -> None:

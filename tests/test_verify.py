@@ -711,3 +711,76 @@ def test_a_loss_not_additive_over_items_is_explained_with_both_causes(loss_fn) -
 
 def _mse_3(model: torch.nn.Module, batch) -> torch.Tensor:
     return model(batch[0]).pow(2).mean()
+
+
+def _wide_mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+
+
+def _wide_batch(seed: int, items: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(items, 16, generator=generator), torch.randn(items, 4, generator=generator)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_check_allows_for_summing_micro_batches_in_that_dtype(dtype) -> None:
+    """`dtype=torch.bfloat16` sums the micro-batches' gradients in bfloat16 `.grad`, each sum
+    rounding once more: a correct split must not be called inexact (it was at 1e-2 flat: 1.1e-2
+    to 1.8e-2 over 16 to 32 bf16 micro-batches, and the explanation then blamed the loss)."""
+    for seed, items, micro_batch_size in [(0, 256, 8), (1, 64, 4), (1, 10, 3), (2, 256, 8)]:
+        x, y = _wide_batch(seed, items)
+        model = _wide_mlp(seed).to(dtype)
+        report = check_equivalence(
+            model, (x.to(dtype), y.to(dtype)), _mse, micro_batch_size, dtype=dtype
+        )
+        assert report.ok, (seed, items, micro_batch_size, str(report))
+        # The float64 check (the default) of the same model stays at float64 rounding.
+        assert check_equivalence(model, (x, y), _mse, micro_batch_size).tolerance == 1e-10
+        # NEGATIVE CONTROL: a loss that is not additive is still reported at this dtype.
+        wrong = check_equivalence(
+            model, (x.to(dtype), y.to(dtype)), _squared_mean_residual, micro_batch_size, dtype=dtype
+        )
+        assert not wrong.ok, (seed, items, micro_batch_size, str(wrong))
+        assert "the loss is not additive" in wrong.explain()
+        assert "accum_dtype=torch.float32" in wrong.explain()  # and says rounding may add to it
+
+
+def test_a_model_computing_in_bfloat16_inside_is_judged_with_its_micro_batches() -> None:
+    """bf16 autocast inside the loss of a float32 check: each micro-batch's gradient is rounded
+    to bf16 in its own backward. 1.02e-2 over 20 micro-batches was called NOT EXACT at 1e-2."""
+    torch.manual_seed(9)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64),
+        torch.nn.GELU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.GELU(),
+        torch.nn.Linear(64, 10),
+    )
+    generator = torch.Generator().manual_seed(9)
+    batch = (
+        torch.randn(20, 16, generator=generator),
+        torch.randint(0, 10, (20,), generator=generator),
+    )
+
+    def autocast_ce(m, b) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = m(b[0])
+        return torch.nn.functional.cross_entropy(logits.float(), b[1])
+
+    report = check_equivalence(model, batch, autocast_ce, 1, dtype=torch.float32)
+    assert report.internal_dtype == torch.bfloat16
+    assert report.max_rel_diff > 1e-2  # the flat tolerance's false alarm
+    assert report.ok, str(report)
+    # The float64 check runs no op in bf16 (autocast leaves float64 alone): float32 rounding.
+    assert check_equivalence(model, batch, autocast_ce, 1).tolerance == 1e-5
+
+    # NEGATIVE CONTROL: a loss that is not additive is still reported under bf16 autocast.
+    def mean_logits_ce(m, b) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = m(b[0]).float().mean(0, keepdim=True)
+        return torch.nn.functional.cross_entropy(logits, b[1][:1])
+
+    wrong = check_equivalence(model, batch, mean_logits_ce, 1, dtype=torch.float32)
+    assert wrong.internal_dtype == torch.bfloat16
+    assert not wrong.ok, str(wrong)

@@ -143,7 +143,7 @@ class Engine:
         params, held = window_parameters(self._model_params, self.optimizer)
         self.sync.begin_window()
         self.window.open(params, held, self.runtime.loss_scale())
-        self.runtime.open_window(len(params))
+        self.runtime.open_window(len(params), None if self.sync.defers else params)
         self.batchnorm.open_window()
         self._rng = rng_states(self.runtime.device) if rerun else None
         if self.telemetry is not None:
@@ -290,7 +290,8 @@ class Engine:
                 return self._skip(agreement, norm_value, finite=False)
             if max_grad_norm is not None and held:
                 clip_(held, max_grad_norm, norm)
-            runtime.publish(window.params)
+            if not runtime.publish(window.params, norm_value, max_grad_norm, window.held):
+                return self._skip(agreement, norm_value, finite=False)
             lr = learning_rate(self.optimizer)
             try_scheduler(scheduler)
             step_optimizer(self.optimizer, window.params[: window.held], self._names, self, window)
@@ -389,10 +390,10 @@ class Engine:
         self.runtime.check_state(state["precision"], len(params))
         self.batchnorm.load_state_dict(state["batchnorm"])  # checks, then loads
         self.window.load_state_dict(state["window"], params, held)
-        self.runtime.open_window(len(params))
+        self.runtime.open_window(len(params), params)
         self.runtime.load_state_dict(state["precision"], params)
         if len(self.runtime.buffers) != len(params):
-            self.runtime.open_window(len(params))
+            self.runtime.open_window(len(params), params)
         self.batchnorm.open_window()
         self._end()
         self.broken = None  # the caller restored a consistent state

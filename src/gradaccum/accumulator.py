@@ -56,7 +56,7 @@ from gradaccum.result import NonFiniteError, StepResult, learning_rate
 from gradaccum.sizing import MemoryPlan
 from gradaccum.sync import grad_sync_for
 from gradaccum.telemetry import TelemetryMeter
-from gradaccum.window import LossFn, trainable_parameters
+from gradaccum.window import LossFn, trainable_parameters, window_parameters
 
 __all__ = ["Accumulator", "NonFiniteError", "StepResult"]
 
@@ -134,7 +134,8 @@ class Accumulator:
         self.precision = parse(Precision, precision, "precision")
         self.partial_window = parse(PartialWindow, partial_window, "partial_window")
         self.on_nonfinite = parse(OnNonFinite, on_nonfinite, "on_nonfinite")
-        runtime = PrecisionRuntime(self.precision, params, accum_dtype)
+        every = window_parameters(params, optimizer)[0]  # the optimizer's too: fp16 check, buffers
+        runtime = PrecisionRuntime(self.precision, [*params, *every], accum_dtype)
         policy = parse(SyncPolicy, sync_policy, "sync_policy")
         check_fsdp_support(model, buffers=runtime.uses_buffers, policy=policy)
         self._auto = None

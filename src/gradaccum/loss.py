@@ -349,7 +349,15 @@ def _count_number(count: object, what: str) -> float:
                 f"{what} has shape {tuple(count.shape)}; it must be an int or a 0-dim "
                 "tensor, e.g. (labels != ignore_index).sum()."
             )
+        dtype = count.dtype
         count = count.item()  # one host read per micro-batch: validated before any backward
+        if dtype.is_floating_point and abs(count) > 2 / torch.finfo(dtype).eps:
+            raise ValueError(
+                f"LossSum.count={count!r} is a {dtype} tensor, which is exact only up to "
+                f"{2 / torch.finfo(dtype).eps:.0f} items: the sum that made it may have rounded. "
+                "Count in integers, e.g. (labels != ignore_index).sum() or mask.bool().sum(), "
+                "not mask.to(logits.dtype).sum()."
+            )
     if isinstance(count, numbers.Integral) and not isinstance(count, bool):
         count = int(count)  # numpy integers too
     elif isinstance(count, numbers.Real) and not isinstance(count, bool):

@@ -45,13 +45,15 @@ class PrecisionRuntime:
 
     Args:
         precision: The autocast mode.
-        params: The model's trainable parameters (their device, and a dtype check).
+        params: The model's trainable parameters, then any other the optimizer holds (the
+            first one's device; the dtype check).
         accum_dtype: Dtype of accumulation buffers, or None to accumulate in `.grad` directly.
             Buffers are made only for parameters whose dtype is less precise.
 
     Raises:
         ValueError: If fp16 loss scaling is asked for on fp16 parameters, or `accum_dtype` is
-            not a floating dtype.
+            not a floating dtype or spans less than a parameter it would buffer (float16 for
+            bfloat16 weights).
     """
 
     def __init__(
@@ -77,6 +79,14 @@ class PrecisionRuntime:
         self.device = params[0].device
         self.precision = precision
         self.accum_dtype = accum_dtype
+        self._buffered_dtypes: dict[torch.dtype, bool] = {}
+        narrower = [p.dtype for p in params if self._more_precise(p) and not self._wide_enough(p)]
+        if narrower and accum_dtype is not None:
+            raise ValueError(
+                f"accum_dtype={accum_dtype} cannot hold {narrower[0]} gradients: its range is "
+                f"narrower (largest {torch.finfo(accum_dtype).max:.0f}), so large sums overflow "
+                "and small gradients flush to 0. Use accum_dtype=torch.float32."
+            )
         self.scaler = (
             torch.amp.GradScaler(self.device.type) if precision is Precision.FP16 else None
         )
@@ -85,12 +95,27 @@ class PrecisionRuntime:
         self.uses_buffers = any(self.buffered(p) for p in params)
 
     def buffered(self, param: torch.Tensor) -> bool:
-        """Whether `param`'s gradient accumulates in a higher-precision buffer."""
+        """Whether `param`'s gradient accumulates in a higher-precision buffer.
+
+        Only where the buffer's dtype is more precise and spans the parameter's whole range.
+        """
+        known = self._buffered_dtypes.get(param.dtype)  # asked per parameter per micro-batch
+        if known is None:
+            known = self._more_precise(param) and self._wide_enough(param)
+            self._buffered_dtypes[param.dtype] = known
+        return known
+
+    def _more_precise(self, param: torch.Tensor) -> bool:
         return (
             self.accum_dtype is not None
             and param.dtype.is_floating_point
             and torch.finfo(param.dtype).eps > torch.finfo(self.accum_dtype).eps
         )
+
+    def _wide_enough(self, param: torch.Tensor) -> bool:
+        assert self.accum_dtype is not None
+        mine, theirs = torch.finfo(self.accum_dtype), torch.finfo(param.dtype)
+        return mine.max >= theirs.max and mine.tiny <= theirs.tiny
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Return the forward-pass context: autocast for bf16/fp16, nothing for fp32."""
@@ -102,9 +127,19 @@ class PrecisionRuntime:
         """The fp16 loss scale a window opening now uses (1.0 without fp16)."""
         return 1.0 if self.scaler is None else float(self.scaler.get_scale())
 
-    def open_window(self, param_count: int) -> None:
-        """Start a window over `param_count` parameters: no buffer yet."""
+    def open_window(
+        self, param_count: int, params: Sequence[torch.nn.Parameter] | None = None
+    ) -> None:
+        """Start a window over `param_count` parameters: no buffer yet.
+
+        With `params` (the window's, read when it opens) and an `accum_dtype`, whether any of
+        them needs a buffer is decided again: one unfrozen or added to the optimizer since.
+        Without, the decision stands (FSDP2 deferring its sums to the window's last backward
+        cannot feed buffers: `check_fsdp_support` refused them at construction).
+        """
         self.buffers = [None] * param_count
+        if params is not None and self.accum_dtype is not None:
+            self.uses_buffers = any(self.buffered(p) for p in params)
 
     def collect(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Move fresh low-precision `.grad` values into their buffers after one backward."""
@@ -148,34 +183,65 @@ class PrecisionRuntime:
         param.grad = torch.zeros_like(param)
         return param.grad
 
-    def publish(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Write buffered gradients back to `.grad` in each parameter's dtype, for the step."""
+    def publish(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        norm: float = 0.0,
+        max_norm: float | None = None,
+        held: int | None = None,
+    ) -> bool:
+        """Write buffered gradients back to `.grad` in each parameter's dtype, for the step.
+
+        A buffer's finite sum can exceed a float16 parameter's range (65504) and become inf in
+        its `.grad`. A window total `norm` (after clipping to `max_norm`) below half the
+        narrowest such range rules that out without looking; otherwise the written gradients
+        of the first `held` parameters (the optimizer's; default all) are checked.
+
+        Returns:
+            False if a written gradient is not finite (the window must be skipped).
+        """
         if not self.uses_buffers:
-            return
+            return True
+        written: list[torch.Tensor] = []
+        narrowest = math.inf
         for index, param in enumerate(params):
             buffer = self.buffers[index]
             if buffer is not None:
                 param.grad = buffer.to(param.dtype)
+                if held is None or index < held:
+                    written.append(param.grad)
+                    narrowest = min(narrowest, torch.finfo(param.dtype).max)
                 self.buffers[index] = None
+        bound = norm if max_norm is None else min(norm, max_norm)
+        if bound < narrowest / 2:
+            return True
+        return all(bool(torch.isfinite(grad).all()) for grad in written)
 
     def clear_buffers(self) -> None:
         """Drop every buffer (the window closed, or was forgotten)."""
         self.buffers = [None] * len(self.buffers)
 
     def update_scale(self, *, finite: bool) -> None:
-        """Update the loss scale once per closed window, by GradScaler's own rule."""
+        """Update the loss scale once per closed window, by GradScaler's own rule.
+
+        torch's own kernel, on a float32 scale as GradScaler keeps it: factors that are not
+        powers of two round as they do there, and a growth that would overflow float32 is not
+        taken (in Python floats the scale grew to 2**128, which overflows every loss it scales).
+        """
         if self.scaler is None:
             return
         state = self.scaler.state_dict()
-        if not finite:
-            state["scale"] = state["scale"] * state["backoff_factor"]
-            state["_growth_tracker"] = 0
-        elif state["_growth_tracker"] + 1 >= state["growth_interval"]:
-            grown = state["scale"] * state["growth_factor"]
-            state["scale"] = grown if math.isfinite(grown) else state["scale"]
-            state["_growth_tracker"] = 0
-        else:
-            state["_growth_tracker"] += 1
+        scale = torch.full((1,), state["scale"], dtype=torch.float32)
+        tracker = torch.full((1,), state["_growth_tracker"], dtype=torch.int32)
+        torch._amp_update_scale_(
+            scale,
+            tracker,
+            torch.full((1,), 0.0 if finite else 1.0, dtype=torch.float32),
+            state["growth_factor"],
+            state["backoff_factor"],
+            state["growth_interval"],
+        )
+        state["scale"], state["_growth_tracker"] = scale.item(), int(tracker.item())
         self.scaler.load_state_dict(state)
 
     def state_dict(self) -> dict[str, Any]:

@@ -23,14 +23,13 @@ Example:
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from torch.overrides import TorchFunctionMode
 
+from gradaccum._check_precision import PrecisionProbe, tolerance
 from gradaccum._non_additive import (
     LOSS_CAUSES,
     NonAdditiveModule,
@@ -53,9 +52,6 @@ __all__ = [
     "find_non_additive",
 ]
 
-# Relative gap that rounding alone can explain, per compute dtype.
-_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
-_LOW_PRECISION_TOLERANCE = 1e-2
 # Relative gaps are taken against max(|parameter's gradient|, this x the model's largest one).
 _SCALE_FLOOR = 1e-3
 # Complex tensors follow the check's dtype with the complex dtype of the same precision.
@@ -79,7 +75,8 @@ class EquivalenceReport:
     Attributes:
         micro_batch_size: The split that was checked.
         dtype: The compute dtype of both runs.
-        tolerance: Largest relative gap counted as rounding.
+        tolerance: Largest relative gap counted as rounding (computing in bfloat16 or float16
+            it grows with the square root of the number of micro-batches).
         parameters: One `ParameterGap` per parameter that received a gradient.
         non_additive: Modules that make accumulation inexact.
         internal_dtype: The least precise dtype the model's differentiable computation ran in,
@@ -181,6 +178,12 @@ class EquivalenceReport:
                 lines += [f"  {kind} at {names}: {modules[0].reason}", f"    -> {fix}"]
         elif not self.ok:
             lines += LOSS_CAUSES
+        if not self.ok and self.dtype not in (torch.float64, torch.float32):
+            lines.append(
+                f"note: this check summed the micro-batches' gradients in {judged}, whose "
+                "rounding grows with their number: check in float64 (the default) to judge the "
+                "split, and train such weights with Accumulator(..., accum_dtype=torch.float32)."
+            )
         return "\n".join(lines)
 
 
@@ -204,7 +207,9 @@ def check_equivalence(
         batch: A whole batch.
         loss_fn: `loss_fn(model, micro_batch) -> Tensor | LossSum`.
         micro_batch_size: The split to check.
-        dtype: Compute dtype of both runs (float64 makes rounding negligible).
+        dtype: Compute dtype of both runs (float64 makes rounding negligible). In bfloat16
+            or float16 (or a model computing in them inside) each micro-batch's gradient is
+            rounded to that dtype, and the tolerance grows with the square root of their number.
 
     Returns:
         An `EquivalenceReport`; `str()` of it is a readable table.
@@ -214,12 +219,12 @@ def check_equivalence(
             module), the batch or `micro_batch_size` is invalid, or only the accumulated run fails.
     """
     _refuse_unmaterialized(model, batch)
-    split_batch(batch, micro_batch_size)  # validates the batch and the size before any work
+    micro_batches = len(split_batch(batch, micro_batch_size))  # validates before any work
     full_model, accumulated_model = _cast_copy(model, dtype), _cast_copy(model, dtype)
     batch = map_tensors(batch, lambda t: _cast(t, dtype), lambda a: _cast_array(a, dtype))
     devices = cuda_devices([*model.parameters(), *model.buffers(), *_tensors_of(batch)])
     hooked = hooked_buffers(full_model)
-    precision = _PrecisionProbe(dtype)
+    precision = PrecisionProbe(dtype)
 
     with torch.enable_grad():
         with torch.random.fork_rng(devices=devices), precision:
@@ -252,7 +257,7 @@ def check_equivalence(
     return EquivalenceReport(
         micro_batch_size=micro_batch_size,
         dtype=dtype,
-        tolerance=_TOLERANCE.get(limit or dtype, _LOW_PRECISION_TOLERANCE),
+        tolerance=tolerance(limit or dtype, micro_batches),
         parameters=_gaps(full_model, accumulated_model),
         non_additive=tuple(non_additive),
         internal_dtype=limit,
@@ -280,30 +285,6 @@ def _gaps(full_model: torch.nn.Module, accumulated: torch.nn.Module) -> tuple[Pa
         rel_diff = abs_diff / scale if scale > 0 else (0.0 if abs_diff == 0 else float("inf"))
         gaps.append(ParameterGap(name, shape, abs_diff, rel_diff))
     return tuple(gaps)
-
-
-class _PrecisionProbe(TorchFunctionMode):
-    """Records the least precise dtype of any result that carries a gradient."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = torch.finfo(dtype).eps
-        self.lowest: torch.dtype | None = None
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Collection[type],
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        result = func(*args, **(kwargs or {}))
-        for tensor in _leaves(result):
-            if tensor.requires_grad and (tensor.is_floating_point() or tensor.is_complex()):
-                eps = torch.finfo(tensor.dtype).eps
-                if eps > self.eps:
-                    self.eps, self.lowest = eps, tensor.real.dtype  # complex64 -> float32
-        return result
 
 
 def _refuse_unmaterialized(model: torch.nn.Module, batch: Any) -> None:
@@ -366,11 +347,3 @@ def _tensors_of(batch: Any) -> list[torch.Tensor]:
 
     map_tensors(batch, keep)
     return found
-
-
-def _leaves(value: object) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _leaves(item)

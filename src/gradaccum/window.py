@@ -328,7 +328,8 @@ def accumulate_grad(
     """Fill every `.grad` with the exact full-batch gradient, computed micro-batch by micro-batch.
 
     Existing gradients are replaced. No optimizer step is taken. On error the previous
-    gradients are put back.
+    gradients are put back. The sums are taken in each parameter's dtype: bf16 or fp16 weights
+    round at every micro-batch (`Accumulator(..., accum_dtype=torch.float32)` sums in float32).
 
     Args:
         model: The model.
