@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -393,6 +394,77 @@ def test_a_parameter_unfrozen_after_construction_takes_part() -> None:
     reference_step(twin, torch.optim.SGD(twin.parameters(), lr=0.1), _batch(), mse_loss)
     torch.testing.assert_close(first, twin.net[0].weight, **EXACT)
     assert not torch.equal(first, make_model("mlp").net[0].weight)  # control: it moved
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("how", ["unfreeze", "add_param_group"])
+def test_a_parameter_joining_mid_window_takes_part_from_the_next_window(
+    how: str, precision: str
+) -> None:
+    """Unfrozen (or added to the optimizer) between two `micro_step()` calls of one window.
+
+    The window steps the parameters it opened with, exactly as the full-batch step with the
+    newcomer still out; the newcomer's partial gradient (never divided, clipped, checked or,
+    in fp16, unscaled) is dropped with a warning, and it takes part from the next window.
+    """
+    model, twin = make_model("mlp"), make_model("mlp")
+    first, twin_first = model.net[0].weight, twin.net[0].weight
+
+    def optimizer_for(net: nn.Module) -> torch.optim.Optimizer:
+        if how == "unfreeze":
+            net.net[0].weight.requires_grad_(False)
+            return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        rest = [p for n, p in net.named_parameters() if n != "net.0.weight"]
+        return torch.optim.SGD(rest, lr=0.1, momentum=0.9)
+
+    optimizer, twin_optimizer = optimizer_for(model), optimizer_for(twin)
+    outside = pytest.warns(UserWarning, match="in no param group")  # add_param_group's
+    with outside if how != "unfreeze" else nullcontext():
+        acc = Accumulator(
+            model, optimizer, accumulation_steps=3, max_grad_norm=0.05, precision=precision
+        )
+    batches = [_batch(seed, items=12) for seed in range(2)]
+    before = first.detach().clone()
+
+    def join(optimizer: torch.optim.Optimizer, weight: nn.Parameter) -> None:
+        if how == "unfreeze":
+            weight.requires_grad_(True)
+        else:
+            optimizer.add_param_group({"params": [weight], "lr": 0.1, "momentum": 0.9})
+
+    for index, (x, y) in enumerate(batches):
+        for micro in range(3):
+            if index == 0 and micro == 1:
+                join(optimizer, first)
+            piece = slice(4 * micro, 4 * micro + 4)
+            if index == 0 and micro == 2:
+                joined = r"\(net\.0\.weight\) were unfrozen.*next window"
+                with pytest.warns(UserWarning, match=joined):
+                    result = acc.micro_step((x[piece], y[piece]), mse_loss)
+            else:
+                result = acc.micro_step((x[piece], y[piece]), mse_loss)
+        assert result.stepped
+        if index == 0:
+            assert torch.equal(first, before)  # out of the window it opened without
+            assert first.grad is None
+            twin_first.requires_grad_(False)  # the reference: out of the whole first step
+            reference_step(twin, twin_optimizer, (x, y), mse_loss, max_grad_norm=0.05)
+            twin_first.requires_grad_(True)
+            join(twin_optimizer, twin_first)  # and in from the second
+        else:
+            reference_step(twin, twin_optimizer, (x, y), mse_loss, max_grad_norm=0.05)
+    assert not torch.equal(first, before)  # it took part in the second window
+    if precision == "fp32":  # fp16 rounds the forward: exact against fp32 only
+        for got, want in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(got, want, **EXACT)
+    # Negative control: the newcomer stepped with its gradient of the window's last two
+    # micro-batches, the pre-fix behaviour, ends elsewhere.
+    stale = make_model("mlp")
+    x, y = batches[0]
+    mse_loss(stale, (x[4:], y[4:])).backward()
+    with torch.no_grad():
+        stale.net[0].weight -= 0.1 * stale.net[0].weight.grad * 8 / 12
+    assert (stale.net[0].weight - before).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("accum", [None, torch.float32])

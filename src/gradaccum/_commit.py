@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import torch
 
 from gradaccum._dtensor import local_tensor
+from gradaccum._joined import JoinWatch, warn_joined
 from gradaccum._oom import optimizer_step_guard
 from gradaccum._warnings import warn_user
 from gradaccum.result import PartialStepError
@@ -73,6 +74,7 @@ class _OpenWindow(Protocol):
     def is_open(self) -> bool: ...
 
     micro_batches: int
+    joins: JoinWatch  # the optimizer's parameters that started to require grad mid-window
     committing: bool  # True while the Accumulator's own `optimizer.step()` runs
 
 
@@ -128,6 +130,7 @@ def step_optimizer(
     norms = _fingerprint(optimizer, params)
     known = len(optimizer.state)  # a dict: state created by this step comes after `known`
     if window is not None:
+        warn_joined(window.joins.drop(), names)  # unfrozen mid-window: not in this step
         window.committing = True  # the step pre-hook lets this step through
     try:
         with optimizer_step_guard():  # out of memory here is not rerun smaller: it may have stepped

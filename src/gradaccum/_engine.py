@@ -55,7 +55,7 @@ class Engine:
         self.model, self.optimizer, self.normalize = model, optimizer, normalize
         self.runtime, self.sync, self.batchnorm = runtime, sync, batchnorm
         self.batch_dim = batch_dim
-        self.window = Window()
+        self.window = Window(optimizer)
         refuse_steps_inside(optimizer, self.window)  # a user's optimizer.step() mid-window
         self._fsdp = isinstance(sync, FSDP2Sync)  # reduces on its last backward, settles else
         self._names = {id(p): n for n, p in model.named_parameters()}
