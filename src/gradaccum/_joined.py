@@ -20,7 +20,10 @@ Example:
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
+from operator import is_, is_not
 
 import torch
 
@@ -28,13 +31,22 @@ from gradaccum._warnings import warn_user
 
 __all__ = ["JoinWatch", "warn_joined"]
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_GRAD = operator.attrgetter("grad")
+_PARAMS = operator.itemgetter("params")
+_NONE = itertools.repeat(None)
+
 
 class JoinWatch:
-    """Notices the optimizer's parameters that start to require grad after a window opened."""
+    """Notices the optimizer's parameters that start to require grad after a window opened.
+
+    Both looks at the param groups are C-level `map`s over them (no Python frame per
+    parameter) unless a parameter is frozen or joined.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer | None) -> None:
         self._optimizer = optimizer
-        self._inside: set[int] = set()
+        self._held: list[torch.nn.Parameter] = []
         self._aside: dict[int, torch.Tensor] = {}  # frozen parameters' own gradients
         self._armed = False
 
@@ -46,12 +58,13 @@ class JoinWatch:
         """
         if self._optimizer is None:
             return
-        self._inside = set(map(id, held))
-        self._aside = {}
-        for param in self._frozen():
-            if param.grad is not None:
-                self._aside[id(param)] = param.grad
-                param.grad = None
+        self._held, self._aside = list(held), {}
+        every = self._every()
+        if len(every) != len(held):  # some are frozen
+            frozen = list(itertools.filterfalse(_REQUIRES_GRAD, every))
+            for param in itertools.compress(frozen, map(is_not, map(_GRAD, frozen), _NONE)):
+                assert param.grad is not None  # `compress` kept those holding one
+                self._aside[id(param)], param.grad = param.grad, None
         self._armed = True
 
     def drop(self) -> list[torch.nn.Parameter]:
@@ -63,25 +76,27 @@ class JoinWatch:
         if not self._armed or self._optimizer is None:
             return []
         self._armed = False
-        joined = []
-        for group in self._optimizer.param_groups:
-            for param in group["params"]:
-                if id(param) in self._inside:
-                    continue
-                if param.requires_grad and param.grad is not None:
-                    joined.append(param)
-                if param.requires_grad or id(param) in self._aside:
-                    param.grad = self._aside.get(id(param))
+        every = self._every()
+        trainable = list(itertools.compress(every, map(_REQUIRES_GRAD, every)))
+        if len(trainable) == len(self._held) and all(map(is_, trainable, self._held)):
+            newcomers: list[torch.nn.Parameter] = []  # the usual case: nobody joined
+        else:
+            inside = set(map(id, self._held))
+            newcomers = [param for param in trainable if id(param) not in inside]
+        joined = [param for param in newcomers if param.grad is not None]
+        for param in newcomers:
+            param.grad = self._aside.pop(id(param), None)
+        if self._aside:  # still frozen: their own gradient back
+            for param in every:
+                if id(param) in self._aside:
+                    param.grad = self._aside[id(param)]
+        self._aside = {}
         return joined
 
-    def _frozen(self) -> list[torch.nn.Parameter]:
+    def _every(self) -> list[torch.nn.Parameter]:
         assert self._optimizer is not None
-        return [
-            param
-            for group in self._optimizer.param_groups
-            for param in group["params"]
-            if not param.requires_grad
-        ]
+        groups = self._optimizer.param_groups
+        return list(itertools.chain.from_iterable(map(_PARAMS, groups)))
 
 
 def warn_joined(joined: Sequence[torch.nn.Parameter], names: dict[int, str]) -> None:
