@@ -58,6 +58,7 @@ class JoinWatch:
         """
         if self._optimizer is None:
             return
+        self.drop()  # a window replaced by a loaded one: give back what it set aside
         self._held, self._aside = list(held), {}
         every = self._every()
         if len(every) != len(held):  # some are frozen
