@@ -1067,6 +1067,44 @@ def test_a_scheduler_that_would_raise_after_the_step_is_caught_before_it(
             torch.testing.assert_close(got, want, **EXACT)
 
 
+@pytest.mark.parametrize(
+    ("kind", "raised"),
+    [("LambdaLR", ValueError), ("OneCycleLR", KeyError), ("MultiplicativeLR", ValueError)],
+)
+def test_a_scheduler_built_before_add_param_group_is_named_and_changes_nothing(
+    kind: str, raised: type[Exception]
+) -> None:
+    """torch's own error (a zip() length, a missing 'initial_lr') gets a note naming the cause."""
+    model, batch = _precise("fp32")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    lr = torch.optim.lr_scheduler
+
+    def build() -> Any:
+        if kind == "OneCycleLR":
+            return lr.OneCycleLR(optimizer, max_lr=0.1, total_steps=9)
+        rule = lambda step: 0.9**step  # noqa: E731
+        groups = [rule] * len(optimizer.param_groups)
+        return getattr(lr, kind)(optimizer, groups if kind == "LambdaLR" else rule)
+
+    acc = Accumulator(model, optimizer, micro_batch_size=3, scheduler=build())
+    assert acc.step(batch(1), mse_loss).stepped
+    weight = nn.Parameter(torch.ones(3, dtype=torch.float64))  # a learnable loss weight
+    optimizer.add_param_group({"params": [weight], "lr": 0.01})
+
+    def weighted(net: nn.Module, micro: Any) -> torch.Tensor:
+        return mse_loss(net, micro) * weight.sum()
+
+    before = _everything(model, optimizer, acc.scheduler)
+    with pytest.raises(raised) as error:
+        acc.step(batch(2), weighted)
+    notes = "".join(getattr(error.value, "__notes__", []))
+    assert f"{kind} was built for 1 param groups, the optimizer has 2" in notes
+    assert_bitwise(_everything(model, optimizer, acc.scheduler), before)
+    assert torch.equal(weight, torch.ones(3, dtype=torch.float64))
+    acc.scheduler = build()  # the fix the note names
+    assert acc.step(batch(2), weighted).stepped
+
+
 def test_negative_control_without_trying_the_scheduler_the_step_is_taken(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

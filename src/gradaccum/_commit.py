@@ -215,9 +215,10 @@ def try_scheduler(scheduler: Any) -> None:
     if not triable(scheduler):
         return
     state = copy.deepcopy(scheduler.state_dict())  # a scheduler may change its lists in place
+    state_groups = scheduler.optimizer.param_groups
     groups = [
         {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
-        for g in scheduler.optimizer.param_groups
+        for g in state_groups
     ]
     try:
         with warnings.catch_warnings():  # its first step comes before optimizer.step() here
@@ -231,6 +232,13 @@ def try_scheduler(scheduler: Any) -> None:
                 "runs out of steps (OneCycleLR's total_steps) needs a longer schedule or a stop "
                 "before it."
             )
+            built, count = len(getattr(scheduler, "base_lrs", ())), len(state_groups)
+            if built and built != count:  # the usual cause of its zip() or 'initial_lr' error
+                error.add_note(
+                    f"gradaccum: {type(scheduler).__name__} was built for {built} param groups, "
+                    f"the optimizer has {count} (add_param_group after the scheduler): build "
+                    "the scheduler again over all of them and set acc.scheduler to it."
+                )
         raise
     finally:
         scheduler.load_state_dict(state)
