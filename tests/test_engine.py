@@ -1105,6 +1105,39 @@ def test_a_scheduler_built_before_add_param_group_is_named_and_changes_nothing(
     assert acc.step(batch(2), weighted).stepped
 
 
+@pytest.mark.parametrize("kind", ["plateau", "other optimizer", "no step"])
+def test_a_scheduler_set_after_construction_is_checked_as_at_construction(kind: str) -> None:
+    """`acc.scheduler = ...` (a schedule switched mid-run, SWA): refused as the constructor would.
+
+    A ReduceLROnPlateau would raise its TypeError with no fix named; one built on another
+    optimizer would step silently while this one keeps its learning rate.
+    """
+    model, batch = _precise("fp32")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    acc = Accumulator(model, optimizer, micro_batch_size=3)
+    assert acc.step(batch(1), mse_loss).stepped
+    other = torch.optim.SGD(make_model("mlp").parameters(), lr=0.1)
+    acc.scheduler = {
+        "plateau": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer),
+        "other optimizer": torch.optim.lr_scheduler.StepLR(other, 1, gamma=0.5),
+        "no step": object(),
+    }[kind]
+    before = _everything(model, optimizer, None)
+    match = {"plateau": "needs an argument", "other optimizer": "another optimizer"}
+    with pytest.raises((TypeError, ValueError), match=match.get(kind, "has no step")) as error:
+        acc.step(batch(2), mse_loss)
+    assert "acc.scheduler was set" in "".join(error.value.__notes__)
+    assert_bitwise(_everything(model, optimizer, None), before)
+    # Control: a valid scheduler set the same way takes the exact step and is stepped once.
+    twin = copy.deepcopy((model, optimizer))
+    acc.scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+    assert acc.step(batch(2), mse_loss).stepped
+    reference_step(twin[0], twin[1], batch(2), mse_loss)
+    for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+    assert optimizer.param_groups[0]["lr"] == 0.05
+
+
 def test_negative_control_without_trying_the_scheduler_the_step_is_taken(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 import torch
 
+from gradaccum._checks import check_scheduler, check_scheduler_optimizer
 from gradaccum._dtensor import local_tensor
 from gradaccum._joined import JoinWatch, warn_joined
 from gradaccum._oom import optimizer_step_guard
@@ -272,6 +273,28 @@ class SchedulerSteps:
     def __init__(self) -> None:
         self._last: tuple[int, object] | None = None  # (id(scheduler), last_epoch)
         self._warned = False
+        self._checked: Any = None  # the scheduler last checked, held: an id could be reused
+
+    def checked(self, scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+        """`scheduler`, refused as at construction if it was set (`acc.scheduler = ...`) since.
+
+        Raises:
+            ValueError, TypeError: As `Accumulator(scheduler=...)` would, before any change.
+        """
+        if scheduler is None or scheduler is self._checked:
+            return scheduler
+        try:
+            check_scheduler(scheduler)
+            check_scheduler_optimizer(scheduler, optimizer)
+        except (TypeError, ValueError) as error:
+            if hasattr(error, "add_note"):
+                error.add_note(
+                    "gradaccum: acc.scheduler was set to it after the Accumulator was built; "
+                    "this window was discarded, nothing was stepped."
+                )
+            raise
+        self._checked = scheduler
+        return scheduler
 
     def take(self, scheduler: Any) -> None:
         """`scheduler.step()` (if any), once per optimizer step taken."""

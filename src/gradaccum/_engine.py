@@ -291,7 +291,7 @@ class Engine:
                 clip_(held, max_grad_norm, norm)
             runtime.publish(window.params)
             lr = learning_rate(self.optimizer)
-            try_scheduler(scheduler)
+            try_scheduler(self.schedule.checked(scheduler, self.optimizer))  # acc.scheduler = ...
             step_optimizer(self.optimizer, window.params[: window.held], self._names, self, window)
         except BaseException:
             if window.is_open:
