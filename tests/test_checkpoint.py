@@ -394,16 +394,33 @@ def _stepped(
         "swapped": [{"params": params[2:]}, {"params": params[:2]}],
     }[groups]
     optimizer = optimizer_class(layout, lr=0.1)
-    if scheduler == "step":
-        sched: Any = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    else:
-        sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    sched = _scheduler(scheduler, optimizer)
     acc = Accumulator(model, optimizer, scheduler=sched, accumulation_steps=steps)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(3):
         x = torch.randn(4, 3, dtype=torch.float64, generator=generator)
         acc.micro_step((x, torch.randn(4, 2, dtype=torch.float64, generator=generator)), _mse)
     return {"model": model, "optimizer": optimizer, "scheduler": sched, "accumulator": acc}
+
+
+def _scheduler(kind: str, optimizer: torch.optim.Optimizer) -> Any:
+    """A scheduler by name; the composite ones list the schedulers they chain, in order."""
+    lr = torch.optim.lr_scheduler
+    if kind == "step":
+        return lr.StepLR(optimizer, step_size=1, gamma=0.5)
+    if kind == "lambda":
+        return lr.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    names = kind.split()  # "sequential LinearLR CosineAnnealingLR", "chained ..."
+    built = {
+        "LinearLR": lambda: lr.LinearLR(optimizer, 0.1, total_iters=3),
+        "ConstantLR": lambda: lr.ConstantLR(optimizer, 0.5, total_iters=3),
+        "CosineAnnealingLR": lambda: lr.CosineAnnealingLR(optimizer, T_max=10),
+        "ExponentialLR": lambda: lr.ExponentialLR(optimizer, 0.9),
+    }
+    inner = [built[name]() for name in names[1:]]
+    if names[0] == "chained":
+        return lr.ChainedScheduler(inner)
+    return lr.SequentialLR(optimizer, inner, milestones=[3 * i for i in range(1, len(inner))])
 
 
 def _snapshot(run: dict[str, Any]) -> Any:
@@ -522,6 +539,46 @@ def test_scheduler_state_of_another_class_is_refused_before_anything_changes(
     with pytest.raises(CheckpointError, match=r"steplr\.pt .*StepLR scheduler.*LambdaLR"):
         load_checkpoint(path, **target)
     assert_bitwise(_snapshot(target), before)
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [
+        ("sequential LinearLR CosineAnnealingLR", "sequential ConstantLR ExponentialLR"),
+        ("sequential LinearLR CosineAnnealingLR", "sequential LinearLR ExponentialLR"),
+        (
+            "sequential LinearLR CosineAnnealingLR",
+            "sequential LinearLR CosineAnnealingLR ExponentialLR",
+        ),
+        ("chained LinearLR ExponentialLR", "chained ConstantLR ExponentialLR"),
+    ],
+)
+def test_a_composite_scheduler_of_other_schedulers_is_refused_before_anything_changes(
+    tmp_path: Path, saved: str, loaded: str
+) -> None:
+    """SequentialLR and ChainedScheduler: the schedulers they chain must be the saved ones.
+
+    torch loads each inner state into whatever scheduler sits at its place (`__dict__.update`),
+    so another composition loads silently, with the saved milestones and foreign attributes.
+    """
+    path = _save(tmp_path / "composite.pt", _stepped(scheduler=saved))
+    target = _stepped(scheduler=loaded, seed=1)
+    before = _snapshot(target)
+    outer = loaded.split()[0].capitalize()
+    with pytest.raises(CheckpointError, match=rf"composite\.pt holds the state of .*{outer}"):
+        load_checkpoint(path, **target)
+    assert_bitwise(_snapshot(target), before)
+    # Negative control: torch itself loads that state without a word.
+    target["scheduler"].load_state_dict(torch.load(path, weights_only=True)["scheduler"])
+    # Into the composition it was saved from, it loads and resumes the same schedule; a file
+    # that records only the outer class (older files) still loads into it too.
+    again = _stepped(scheduler=saved, seed=1)
+    load_checkpoint(path, **again)
+    assert again["scheduler"].state_dict() == torch.load(path, weights_only=True)["scheduler"]
+    payload = torch.load(path, weights_only=True)
+    payload["scheduler_class"] = type(again["scheduler"]).__name__
+    torch.save(payload, tmp_path / "older.pt")
+    load_checkpoint(tmp_path / "older.pt", **_stepped(scheduler=saved, seed=1))
 
 
 def test_scheduler_state_that_does_not_load_is_refused_before_anything_changes(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -393,6 +394,77 @@ def test_a_parameter_unfrozen_after_construction_takes_part() -> None:
     reference_step(twin, torch.optim.SGD(twin.parameters(), lr=0.1), _batch(), mse_loss)
     torch.testing.assert_close(first, twin.net[0].weight, **EXACT)
     assert not torch.equal(first, make_model("mlp").net[0].weight)  # control: it moved
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("how", ["unfreeze", "add_param_group"])
+def test_a_parameter_joining_mid_window_takes_part_from_the_next_window(
+    how: str, precision: str
+) -> None:
+    """Unfrozen (or added to the optimizer) between two `micro_step()` calls of one window.
+
+    The window steps the parameters it opened with, exactly as the full-batch step with the
+    newcomer still out; the newcomer's partial gradient (never divided, clipped, checked or,
+    in fp16, unscaled) is dropped with a warning, and it takes part from the next window.
+    """
+    model, twin = make_model("mlp"), make_model("mlp")
+    first, twin_first = model.net[0].weight, twin.net[0].weight
+
+    def optimizer_for(net: nn.Module) -> torch.optim.Optimizer:
+        if how == "unfreeze":
+            net.net[0].weight.requires_grad_(False)
+            return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        rest = [p for n, p in net.named_parameters() if n != "net.0.weight"]
+        return torch.optim.SGD(rest, lr=0.1, momentum=0.9)
+
+    optimizer, twin_optimizer = optimizer_for(model), optimizer_for(twin)
+    outside = pytest.warns(UserWarning, match="in no param group")  # add_param_group's
+    with outside if how != "unfreeze" else nullcontext():
+        acc = Accumulator(
+            model, optimizer, accumulation_steps=3, max_grad_norm=0.05, precision=precision
+        )
+    batches = [_batch(seed, items=12) for seed in range(2)]
+    before = first.detach().clone()
+
+    def join(optimizer: torch.optim.Optimizer, weight: nn.Parameter) -> None:
+        if how == "unfreeze":
+            weight.requires_grad_(True)
+        else:
+            optimizer.add_param_group({"params": [weight], "lr": 0.1, "momentum": 0.9})
+
+    for index, (x, y) in enumerate(batches):
+        for micro in range(3):
+            if index == 0 and micro == 1:
+                join(optimizer, first)
+            piece = slice(4 * micro, 4 * micro + 4)
+            if index == 0 and micro == 2:
+                joined = r"\(net\.0\.weight\) were unfrozen.*next window"
+                with pytest.warns(UserWarning, match=joined):
+                    result = acc.micro_step((x[piece], y[piece]), mse_loss)
+            else:
+                result = acc.micro_step((x[piece], y[piece]), mse_loss)
+        assert result.stepped
+        if index == 0:
+            assert torch.equal(first, before)  # out of the window it opened without
+            assert first.grad is None
+            twin_first.requires_grad_(False)  # the reference: out of the whole first step
+            reference_step(twin, twin_optimizer, (x, y), mse_loss, max_grad_norm=0.05)
+            twin_first.requires_grad_(True)
+            join(twin_optimizer, twin_first)  # and in from the second
+        else:
+            reference_step(twin, twin_optimizer, (x, y), mse_loss, max_grad_norm=0.05)
+    assert not torch.equal(first, before)  # it took part in the second window
+    if precision == "fp32":  # fp16 rounds the forward: exact against fp32 only
+        for got, want in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(got, want, **EXACT)
+    # Negative control: the newcomer stepped with its gradient of the window's last two
+    # micro-batches, the pre-fix behaviour, ends elsewhere.
+    stale = make_model("mlp")
+    x, y = batches[0]
+    mse_loss(stale, (x[4:], y[4:])).backward()
+    with torch.no_grad():
+        stale.net[0].weight -= 0.1 * stale.net[0].weight.grad * 8 / 12
+    assert (stale.net[0].weight - before).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("accum", [None, torch.float32])
@@ -993,6 +1065,77 @@ def test_a_scheduler_that_would_raise_after_the_step_is_caught_before_it(
         reference_step(twin[0], twin[1], batch(4), mse_loss)
         for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
             torch.testing.assert_close(got, want, **EXACT)
+
+
+@pytest.mark.parametrize(
+    ("kind", "raised"),
+    [("LambdaLR", ValueError), ("OneCycleLR", KeyError), ("MultiplicativeLR", ValueError)],
+)
+def test_a_scheduler_built_before_add_param_group_is_named_and_changes_nothing(
+    kind: str, raised: type[Exception]
+) -> None:
+    """torch's own error (a zip() length, a missing 'initial_lr') gets a note naming the cause."""
+    model, batch = _precise("fp32")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    lr = torch.optim.lr_scheduler
+
+    def build() -> Any:
+        if kind == "OneCycleLR":
+            return lr.OneCycleLR(optimizer, max_lr=0.1, total_steps=9)
+        rule = lambda step: 0.9**step  # noqa: E731
+        groups = [rule] * len(optimizer.param_groups)
+        return getattr(lr, kind)(optimizer, groups if kind == "LambdaLR" else rule)
+
+    acc = Accumulator(model, optimizer, micro_batch_size=3, scheduler=build())
+    assert acc.step(batch(1), mse_loss).stepped
+    weight = nn.Parameter(torch.ones(3, dtype=torch.float64))  # a learnable loss weight
+    optimizer.add_param_group({"params": [weight], "lr": 0.01})
+
+    def weighted(net: nn.Module, micro: Any) -> torch.Tensor:
+        return mse_loss(net, micro) * weight.sum()
+
+    before = _everything(model, optimizer, acc.scheduler)
+    with pytest.raises(raised) as error:
+        acc.step(batch(2), weighted)
+    notes = "".join(getattr(error.value, "__notes__", []))
+    assert f"{kind} was built for 1 param groups, the optimizer has 2" in notes
+    assert_bitwise(_everything(model, optimizer, acc.scheduler), before)
+    assert torch.equal(weight, torch.ones(3, dtype=torch.float64))
+    acc.scheduler = build()  # the fix the note names
+    assert acc.step(batch(2), weighted).stepped
+
+
+@pytest.mark.parametrize("kind", ["plateau", "other optimizer", "no step"])
+def test_a_scheduler_set_after_construction_is_checked_as_at_construction(kind: str) -> None:
+    """`acc.scheduler = ...` (a schedule switched mid-run, SWA): refused as the constructor would.
+
+    A ReduceLROnPlateau would raise its TypeError with no fix named; one built on another
+    optimizer would step silently while this one keeps its learning rate.
+    """
+    model, batch = _precise("fp32")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    acc = Accumulator(model, optimizer, micro_batch_size=3)
+    assert acc.step(batch(1), mse_loss).stepped
+    other = torch.optim.SGD(make_model("mlp").parameters(), lr=0.1)
+    acc.scheduler = {
+        "plateau": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer),
+        "other optimizer": torch.optim.lr_scheduler.StepLR(other, 1, gamma=0.5),
+        "no step": object(),
+    }[kind]
+    before = _everything(model, optimizer, None)
+    match = {"plateau": "needs an argument", "other optimizer": "another optimizer"}
+    with pytest.raises((TypeError, ValueError), match=match.get(kind, "has no step")) as error:
+        acc.step(batch(2), mse_loss)
+    assert "acc.scheduler was set" in "".join(error.value.__notes__)
+    assert_bitwise(_everything(model, optimizer, None), before)
+    # Control: a valid scheduler set the same way takes the exact step and is stepped once.
+    twin = copy.deepcopy((model, optimizer))
+    acc.scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+    assert acc.step(batch(2), mse_loss).stepped
+    reference_step(twin[0], twin[1], batch(2), mse_loss)
+    for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+    assert optimizer.param_groups[0]["lr"] == 0.05
 
 
 def test_negative_control_without_trying_the_scheduler_the_step_is_taken(

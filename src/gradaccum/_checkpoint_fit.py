@@ -35,6 +35,7 @@ __all__ = [
     "check_extra",
     "check_optimizer_fits",
     "one_line",
+    "scheduler_kind",
     "strip_wrapper_prefixes",
     "unwrapped",
 ]
@@ -143,9 +144,30 @@ def _article(word: str) -> str:
     return "an" if word[:1].upper() in "AEIOU" else "a"
 
 
-def check_class(source: Path, saved_class: object, target: object, what: str) -> None:
-    """Refuse the state of another class (files written before the name was recorded pass)."""
+def scheduler_kind(scheduler: object) -> str:
+    """The scheduler's class name, with those it chains: `SequentialLR[LinearLR, ExponentialLR]`.
+
+    torch's `SequentialLR` and `ChainedScheduler` load each saved inner state into whatever
+    scheduler sits at its place, without a check, so their kind includes the inner ones.
+    """
+    name = type(scheduler).__name__
+    inner = getattr(scheduler, "_schedulers", None)
+    if not isinstance(inner, (list, tuple)):
+        return name
+    return f"{name}[{', '.join(map(scheduler_kind, inner))}]"
+
+
+def check_class(
+    source: Path, saved_class: object, target: object, what: str, kind: str | None = None
+) -> None:
+    """Refuse the state of another class (files written before the name was recorded pass).
+
+    `kind` (`scheduler_kind`) is compared whole, except with a file that recorded only the
+    outer class name (written before the inner ones were recorded).
+    """
     current_class = type(target).__name__
+    if kind is not None and not (isinstance(saved_class, str) and "[" not in saved_class):
+        current_class = kind
     if saved_class is not None and saved_class != current_class:
         raise CheckpointError(
             f"{source} holds the state of {_article(str(saved_class))} {saved_class} {what}, but "

@@ -41,7 +41,9 @@ from typing import Any, Protocol
 
 import torch
 
+from gradaccum._checks import check_scheduler, check_scheduler_optimizer
 from gradaccum._dtensor import local_tensor
+from gradaccum._joined import JoinWatch, warn_joined
 from gradaccum._oom import optimizer_step_guard
 from gradaccum._warnings import warn_user
 from gradaccum.result import PartialStepError
@@ -73,6 +75,7 @@ class _OpenWindow(Protocol):
     def is_open(self) -> bool: ...
 
     micro_batches: int
+    joins: JoinWatch  # the optimizer's parameters that started to require grad mid-window
     committing: bool  # True while the Accumulator's own `optimizer.step()` runs
 
 
@@ -128,6 +131,7 @@ def step_optimizer(
     norms = _fingerprint(optimizer, params)
     known = len(optimizer.state)  # a dict: state created by this step comes after `known`
     if window is not None:
+        warn_joined(window.joins.drop(), names)  # unfrozen mid-window: not in this step
         window.committing = True  # the step pre-hook lets this step through
     try:
         with optimizer_step_guard():  # out of memory here is not rerun smaller: it may have stepped
@@ -212,9 +216,10 @@ def try_scheduler(scheduler: Any) -> None:
     if not triable(scheduler):
         return
     state = copy.deepcopy(scheduler.state_dict())  # a scheduler may change its lists in place
+    state_groups = scheduler.optimizer.param_groups
     groups = [
         {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
-        for g in scheduler.optimizer.param_groups
+        for g in state_groups
     ]
     try:
         with warnings.catch_warnings():  # its first step comes before optimizer.step() here
@@ -228,6 +233,13 @@ def try_scheduler(scheduler: Any) -> None:
                 "runs out of steps (OneCycleLR's total_steps) needs a longer schedule or a stop "
                 "before it."
             )
+            built, count = len(getattr(scheduler, "base_lrs", ())), len(state_groups)
+            if built and built != count:  # the usual cause of its zip() or 'initial_lr' error
+                error.add_note(
+                    f"gradaccum: {type(scheduler).__name__} was built for {built} param groups, "
+                    f"the optimizer has {count} (add_param_group after the scheduler): build "
+                    "the scheduler again over all of them and set acc.scheduler to it."
+                )
         raise
     finally:
         scheduler.load_state_dict(state)
@@ -261,6 +273,28 @@ class SchedulerSteps:
     def __init__(self) -> None:
         self._last: tuple[int, object] | None = None  # (id(scheduler), last_epoch)
         self._warned = False
+        self._checked: Any = None  # the scheduler last checked, held: an id could be reused
+
+    def checked(self, scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+        """`scheduler`, refused as at construction if it was set (`acc.scheduler = ...`) since.
+
+        Raises:
+            ValueError, TypeError: As `Accumulator(scheduler=...)` would, before any change.
+        """
+        if scheduler is None or scheduler is self._checked:
+            return scheduler
+        try:
+            check_scheduler(scheduler)
+            check_scheduler_optimizer(scheduler, optimizer)
+        except (TypeError, ValueError) as error:
+            if hasattr(error, "add_note"):
+                error.add_note(
+                    "gradaccum: acc.scheduler was set to it after the Accumulator was built; "
+                    "this window was discarded, nothing was stepped."
+                )
+            raise
+        self._checked = scheduler
+        return scheduler
 
     def take(self, scheduler: Any) -> None:
         """`scheduler.step()` (if any), once per optimizer step taken."""

@@ -55,7 +55,7 @@ class Engine:
         self.model, self.optimizer, self.normalize = model, optimizer, normalize
         self.runtime, self.sync, self.batchnorm = runtime, sync, batchnorm
         self.batch_dim = batch_dim
-        self.window = Window()
+        self.window = Window(optimizer)
         refuse_steps_inside(optimizer, self.window)  # a user's optimizer.step() mid-window
         self._fsdp = isinstance(sync, FSDP2Sync)  # reduces on its last backward, settles else
         self._names = {id(p): n for n, p in model.named_parameters()}
@@ -293,7 +293,7 @@ class Engine:
             if not runtime.publish(window.params, norm_value, max_grad_norm, window.held):
                 return self._skip(agreement, norm_value, finite=False)
             lr = learning_rate(self.optimizer)
-            try_scheduler(scheduler)
+            try_scheduler(self.schedule.checked(scheduler, self.optimizer))  # acc.scheduler = ...
             step_optimizer(self.optimizer, window.params[: window.held], self._names, self, window)
         except BaseException:
             if window.is_open:

@@ -46,6 +46,7 @@ from gradaccum._checkpoint_fit import (
     check_extra,
     check_optimizer_fits,
     one_line,
+    scheduler_kind,
     strip_wrapper_prefixes,
     unwrapped,
 )
@@ -113,7 +114,7 @@ def save_checkpoint(
         "optimizer": optimizer.state_dict(),
         "optimizer_class": type(optimizer).__name__,
         "scheduler": None if scheduler is None else scheduler.state_dict(),
-        "scheduler_class": None if scheduler is None else type(scheduler).__name__,
+        "scheduler_class": None if scheduler is None else scheduler_kind(scheduler),
         "accumulator": None if accumulator is None else accumulator.state_dict(),
         "extra": extra,
         "rng": capture_rng(),
@@ -318,7 +319,8 @@ def _check_scheduler_fits(
     The load is tried on a copy of the scheduler (sharing the optimizer, which it does not
     change), so nothing real changes.
     """
-    check_class(source, payload.get("scheduler_class"), scheduler, "scheduler")
+    kind = scheduler_kind(scheduler)
+    check_class(source, payload.get("scheduler_class"), scheduler, "scheduler", kind)
     state = payload["scheduler"]
     if not isinstance(state, dict):
         raise CheckpointError(f"{source} holds a damaged scheduler state (not a dict).")

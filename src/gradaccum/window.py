@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from gradaccum._dtensor import like_param
+from gradaccum._joined import JoinWatch
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, split_batch, to_device
 from gradaccum.divisor import backward_denominator, divide_, folds_counts, grad_divisor, seeded_loss
@@ -101,7 +102,8 @@ def window_parameters(
 class Window:
     """Totals, parameters and set-aside gradients of one accumulation window."""
 
-    def __init__(self) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.joins = JoinWatch(optimizer)  # the optimizer's parameters unfrozen mid-window
         self.params: list[torch.nn.Parameter] = []
         self.held = 0  # the first `held` params are the optimizer's
         self._close()
@@ -130,6 +132,7 @@ class Window:
     def open(self, params: list[torch.nn.Parameter], held: int, loss_scale: float) -> None:
         """Start a window: set the parameters' current gradients aside."""
         self.params, self.held, self.loss_scale = params, held, loss_scale
+        self.joins.open(params[:held])
         self._stashed = [p.grad for p in params]
         for param in params:
             param.grad = None
@@ -232,12 +235,14 @@ class Window:
 
     def restore(self) -> None:
         """Forget the window: the gradients set aside come back, the totals are cleared."""
+        self.joins.drop()
         for param, grad in zip(self.params, self._stashed, strict=True):
             param.grad = grad
         self._close()
 
     def close(self) -> None:
         """End a window whose gradients were used: clear every gradient and the totals."""
+        self.joins.drop()  # done before the step already (`_commit.step_optimizer`)
         for param in self.params:
             param.grad = None
         self._close()
@@ -299,6 +304,7 @@ class Window:
         terms = state.get("terms")
         self.terms = None if terms is None else TermLedger.from_state(terms, params[0].device)
         self._stashed = [None] * len(params)
+        self.joins.open(params[:held])
         for param, grad in zip(params, state["grads"], strict=True):
             param.grad = None if grad is None else like_param(grad, param).clone()
         self.mark_gradients()

@@ -1,0 +1,117 @@
+"""Parameters that join the optimizer's trainable set in the middle of a window.
+
+A window steps the parameters the optimizer held with `requires_grad=True` when it opened (see
+`gradaccum.window.window_parameters`). One unfrozen, or added by `add_param_group`, between two
+`micro_step()` calls gets a gradient from the window's later micro-batches only, and the
+boundary never divides, clips, checks or (fp16) unscales it: `optimizer.step()` would move it by
+a partial, loss-scaled sum. `JoinWatch` puts such gradients back as they were before the window,
+just before the step, so the step is the full-batch one with the newcomer still out; it takes
+part from the next window.
+
+Example:
+    >>> import torch
+    >>> frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    >>> watch = JoinWatch(torch.optim.SGD([frozen], lr=0.1))
+    >>> watch.open([])
+    >>> frozen.requires_grad_(True).grad = torch.ones(2)  # unfrozen, then a backward
+    >>> [tuple(p.shape) for p in watch.drop()], frozen.grad
+    ([(2,)], None)
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Sequence
+from operator import is_, is_not
+
+import torch
+
+from gradaccum._warnings import warn_user
+
+__all__ = ["JoinWatch", "warn_joined"]
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_GRAD = operator.attrgetter("grad")
+_PARAMS = operator.itemgetter("params")
+_NONE = itertools.repeat(None)
+
+
+class JoinWatch:
+    """Notices the optimizer's parameters that start to require grad after a window opened.
+
+    Both looks at the param groups are C-level `map`s over them (no Python frame per
+    parameter) unless a parameter is frozen or joined.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None) -> None:
+        self._optimizer = optimizer
+        self._held: list[torch.nn.Parameter] = []
+        self._aside: dict[int, torch.Tensor] = {}  # frozen parameters' own gradients
+        self._armed = False
+
+    def open(self, held: Sequence[torch.nn.Parameter]) -> None:
+        """Remember the window's own parameters (`held`: the optimizer's trainable ones).
+
+        A frozen parameter that holds a gradient (left from before it was frozen) has it set
+        aside, so that a backward after an unfreeze cannot add into it in place.
+        """
+        if self._optimizer is None:
+            return
+        self.drop()  # a window replaced by a loaded one: give back what it set aside
+        self._held, self._aside = list(held), {}
+        every = self._every()
+        if len(every) != len(held):  # some are frozen
+            frozen = list(itertools.filterfalse(_REQUIRES_GRAD, every))
+            for param in itertools.compress(frozen, map(is_not, map(_GRAD, frozen), _NONE)):
+                assert param.grad is not None  # `compress` kept those holding one
+                self._aside[id(param)], param.grad = param.grad, None
+        self._armed = True
+
+    def drop(self) -> list[torch.nn.Parameter]:
+        """Put back the gradients the window's newcomers hold; return those that got one.
+
+        Frozen parameters get back the gradient set aside (still frozen or not); runs once per
+        window (the boundary, or the window's end if it never got there).
+        """
+        if not self._armed or self._optimizer is None:
+            return []
+        self._armed = False
+        every = self._every()
+        trainable = list(itertools.compress(every, map(_REQUIRES_GRAD, every)))
+        if len(trainable) == len(self._held) and all(map(is_, trainable, self._held)):
+            newcomers: list[torch.nn.Parameter] = []  # the usual case: nobody joined
+        else:
+            inside = set(map(id, self._held))
+            newcomers = [param for param in trainable if id(param) not in inside]
+        joined = [param for param in newcomers if param.grad is not None]
+        for param in newcomers:
+            param.grad = self._aside.pop(id(param), None)
+        if self._aside:  # still frozen: their own gradient back
+            for param in every:
+                if id(param) in self._aside:
+                    param.grad = self._aside[id(param)]
+        self._aside = {}
+        return joined
+
+    def _every(self) -> list[torch.nn.Parameter]:
+        assert self._optimizer is not None
+        groups = self._optimizer.param_groups
+        return list(itertools.chain.from_iterable(map(_PARAMS, groups)))
+
+
+def warn_joined(joined: Sequence[torch.nn.Parameter], names: dict[int, str]) -> None:
+    """Warn that `joined` (from `JoinWatch.drop`) sat out this window's step."""
+    if not joined:
+        return
+    shown = [names.get(id(p), f"<optimizer param of shape {tuple(p.shape)}>") for p in joined]
+    listed = ", ".join(shown[:3]) + (", ..." if len(shown) > 3 else "")
+    warn_user(
+        UserWarning(
+            f"{len(joined)} parameters ({listed}) were unfrozen or added to the optimizer in the "
+            "middle of an accumulation window: their gradient covers only its later micro-batches, "
+            "so it was dropped and they were not stepped; they take part from the next window. "
+            "Unfreeze or add_param_group() between windows (after a result with stepped=True) "
+            "to include them in a whole window."
+        )
+    )
