@@ -873,10 +873,18 @@ def test_a_scheduler_of_another_optimizer_is_refused_naming_the_fix() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"another optimizer: .*StepLR\(optimizer, \.\.\.\)"):
         Accumulator(model, optimizer, micro_batch_size=3, scheduler=scheduler)
-    # Control: unchecked, the steps go on at the first lr while the stale optimizer's decays.
+    # Set later, it is checked all the same (the window is discarded, nothing stepped).
     acc = Accumulator(model, optimizer, micro_batch_size=3)
     acc.scheduler = scheduler
-    lrs = [acc.step(_data(seed=seed), _mse).lr for seed in range(3)]
+    with pytest.raises(ValueError, match="another optimizer"):
+        acc.step(_data(seed=0), _mse)
+    # Control: unchecked (stepped by hand), the steps go on at the first lr while the stale
+    # optimizer's decays.
+    acc.scheduler = None
+    lrs = []
+    for seed in range(3):
+        lrs.append(acc.step(_data(seed=seed), _mse).lr)
+        scheduler.step()
     assert lrs == [0.1, 0.1, 0.1]
     assert stale.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
     # Accepted: the optimizer's own scheduler, and one over a part of it (README recipe).

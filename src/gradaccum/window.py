@@ -1,17 +1,12 @@
 """The window: what one accumulation window holds between its first micro-batch and its boundary.
 
-A `Window` is bookkeeping only; it runs nothing. It holds:
-
-- the running totals: items counted, micro-batches run, the detached loss sum, the largest
-  micro-batch, and the two factors every backward of the window used (the divisor contract's
-  `denominator` and `loss_scale`, see `gradaccum.divisor`);
-- the parameters it accumulates into, fixed when it opens: the optimizer's (in its order, so a
-  learnable loss weight or a parameter unfrozen later counts) then the model's other trainable
-  ones;
-- the gradients those parameters held before the window opened, set aside so that a window that
-  fails can put them back;
-- a mark of every gradient after each backward, so that a `zero_grad()` between two micro-batches
-  of one window is caught instead of silently dropping part of the window.
+A `Window` is bookkeeping only; it runs nothing. It holds the running totals (items counted,
+micro-batches, the detached loss sum, the largest micro-batch, and the divisor contract's
+`denominator` and `loss_scale` every backward used: `gradaccum.divisor`); the parameters it
+accumulates into, fixed when it opens (the optimizer's, in its order, then the model's other
+trainable ones); the gradients they held before it, set aside so that a failed window can put
+them back; and a mark of every gradient after each backward, so that a `zero_grad()` between two
+micro-batches is caught instead of silently dropping part of the window.
 
 `accumulate_grad` is the functional form of the engine: the exact full-batch gradient, no step.
 
