@@ -215,6 +215,7 @@ def loss_from_logits(
         tensor(3)
     """
     kind = parse(Task, task, "task")
+    labels = _as_long(labels)
     if kind is Task.CAUSAL_LM:
         starts = _document_starts(labels, position_ids, cu_seq_lens, attention_mask)
         return _token_cross_entropy(logits, _shifted(labels, starts))
@@ -257,7 +258,25 @@ def _document_starts(
     return None
 
 
+def _as_long(labels: torch.Tensor) -> torch.Tensor:
+    """Integer labels of any width as int64: cross-entropy takes no other, and -100 fits."""
+    if (
+        labels.is_floating_point()
+        or labels.is_complex()
+        or labels.dtype in (torch.long, torch.bool)
+    ):
+        return labels
+    return labels.long()
+
+
 def _token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> LossSum:
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(
+            f"labels of dtype {labels.dtype} are not class ids: cross-entropy scores integer "
+            "labels (-100 where nothing is scored); pass labels.long(). Float targets of a "
+            "sequence classifier are read by gradaccum.hf.classification with problem_type "
+            "'regression' or 'multi_label_classification'."
+        )
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
             f"logits of shape {tuple(logits.shape)} do not fit labels of shape "
@@ -279,6 +298,12 @@ _PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "
 def _classification_loss(
     logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None
 ) -> LossSum:
+    if logits.dim() != 2:
+        raise ValueError(
+            f"classification scores one label per example, from logits (batch, classes), but "
+            f"the logits have shape {tuple(logits.shape)}: for one label per token use "
+            "gradaccum.hf.token_classification (masked_lm, causal_lm for language models)."
+        )
     labels = labels.to(logits.device)
     if problem_type is None:
         if logits.shape[-1] == 1:
@@ -287,18 +312,32 @@ def _classification_loss(
             problem_type = "single_label_classification"
         else:
             problem_type = "multi_label_classification"
+    if problem_type not in _PROBLEM_TYPES:
+        raise ValueError(f"problem_type={problem_type!r} must be one of {_PROBLEM_TYPES} or None.")
     if problem_type == "single_label_classification":
+        if labels.numel() == logits.shape[0]:
+            labels = labels.reshape(-1)  # (batch, 1) as (batch,), as the models' view(-1) reads it
+        elif labels.shape == logits.shape:
+            raise ValueError(
+                f"single-label classification takes one class id per example, but the labels "
+                f"have shape {tuple(labels.shape)}, like the logits: for multi-hot labels pass "
+                "them as floats or set problem_type='multi_label_classification'."
+            )
         return _token_cross_entropy(logits, labels)
     wide = _wide(logits)
+    if logits.shape[-1] == 1:
+        wide, labels = wide.flatten(), labels.flatten()  # the models squeeze a single output
+    if labels.shape != wide.shape:
+        # MSE and BCE would broadcast (batch,) against (batch, outputs) into a wrong loss.
+        raise ValueError(
+            f"{problem_type} scores every output: labels of shape {tuple(labels.shape)} do not "
+            f"fit logits of shape {tuple(logits.shape)}; pass one target per output."
+        )
     if problem_type == "regression":
-        if logits.shape[-1] == 1:
-            wide, labels = wide.flatten(), labels.flatten()
         value = F.mse_loss(wide, labels.to(wide.dtype), reduction="sum")
-        return LossSum(value, wide.numel())
-    if problem_type == "multi_label_classification":
+    else:
         value = F.binary_cross_entropy_with_logits(wide, labels.to(wide.dtype), reduction="sum")
-        return LossSum(value, wide.numel())
-    raise ValueError(f"problem_type={problem_type!r} must be one of {_PROBLEM_TYPES} or None.")
+    return LossSum(value, wide.numel())
 
 
 def _problem_type(config: object) -> str | None:
@@ -325,7 +364,7 @@ def _labels(batch: Mapping[str, Any], task: Task) -> torch.Tensor:
             f"the batch has keys {sorted(batch)} but no '{key}' tensor; add the labels "
             "(-100 where nothing is scored)."
         )
-    return labels
+    return _as_long(labels)
 
 
 def _logits(outputs: object) -> torch.Tensor:

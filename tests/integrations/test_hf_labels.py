@@ -1,0 +1,135 @@
+"""gradaccum.hf with labels as users hand them over: other integer widths, other shapes, or
+labels that do not fit the task.
+
+Labels read from numpy or a dataset are often int32 (or narrower); a classifier's labels often
+come as a column `(batch, 1)`. The helpers read both as the models do, and the steps are the
+full-batch ones of `tests/integrations/test_hf.py`. Labels that cannot be meant for the task
+(float class ids, a classification loss on token logits, regression targets that would
+broadcast) are refused before anything changes, with the fix in the message.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+
+from gradaccum import Accumulator, hf  # noqa: E402
+from tests.integrations.test_hf import (  # noqa: E402
+    CASES,
+    EXACT,
+    MICRO,
+    ROWS,
+    _batches,
+    _bert_config,
+    _lm_batch,
+    _model,
+    _optimizer,
+    _reference,
+    _sequence_batch,
+)
+from tests.reference import param_tensors, relative_gap  # noqa: E402
+from tests.state import assert_bitwise, clone_state  # noqa: E402
+
+
+def _steps(name: str, relabel: Any) -> dict[str, torch.Tensor]:
+    make, make_batch, helper, _ = CASES[name]
+    model = _model(make)
+    acc = Accumulator(model, _optimizer(model), micro_batch_size=MICRO, max_grad_norm=0.5)
+    for batch in _batches(make_batch):
+        assert acc.step({**batch, "labels": relabel(batch["labels"])}, helper).stepped
+    return param_tensors(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16])
+@pytest.mark.parametrize(
+    "name", ["llama-causal_lm", "bert-token_classification", "bert-classification"]
+)
+def test_integer_labels_of_any_width_equal_the_full_batch_steps(
+    name: str, dtype: torch.dtype
+) -> None:
+    """Before, int32 labels failed inside torch ('expected target dtype to be Long or Byte')."""
+    ours = _steps(name, lambda labels: labels.to(dtype))
+    assert relative_gap(ours, _reference(name)) < EXACT
+    # Negative control: torch's cross-entropy itself takes no such targets.
+    with pytest.raises(RuntimeError, match="Long"):
+        F.cross_entropy(torch.zeros(2, 3), torch.zeros(2, dtype=dtype))
+
+
+def test_single_label_classification_labels_as_a_column_equal_the_full_batch_steps() -> None:
+    """Labels `(batch, 1)`, which the models read with `labels.view(-1)`: before, refused."""
+    ours = _steps("bert-classification", lambda labels: labels[:, None])
+    assert relative_gap(ours, _reference("bert-classification")) < EXACT
+
+
+def test_integer_labels_count_ahead_as_int64_labels() -> None:
+    batch = _lm_batch(torch.Generator().manual_seed(1), 0)
+    narrow = {**batch, "labels": batch["labels"].int()}
+    assert int(hf.causal_lm.items_counted(narrow)) == int(hf.causal_lm.items_counted(batch))
+    logits = torch.randn(ROWS, batch["labels"].shape[1], 40, dtype=torch.float64)
+    ids = batch["input_ids"]  # no -100: fits uint8, which cannot hold -100 for the shift
+    wide = hf.loss_from_logits(logits, ids, "causal_lm")
+    byte = hf.loss_from_logits(logits, ids.to(torch.uint8), "causal_lm")
+    assert torch.equal(wide.value, byte.value)
+    assert int(wide.count) == int(byte.count)
+
+
+def _snapshot(model: torch.nn.Module, acc: Accumulator) -> Any:
+    return clone_state(
+        {
+            "params": param_tensors(model),
+            "grads": [p.grad for p in model.parameters()],
+            "optimizer": acc.optimizer.state_dict(),
+            "acc": acc.state_dict(),
+        }
+    )
+
+
+def _refused(make: Any, good: dict[str, Any], bad: dict[str, Any], loss_fn: Any) -> str:
+    """Step once on `good` with `hf.causal_lm` for a causal LM (else `loss_fn`), then on `bad`
+    with `loss_fn`: the error's message, with nothing changed by it."""
+    model = _model(make)
+    acc = Accumulator(model, _optimizer(model), micro_batch_size=MICRO)
+    causal = "ForCausalLM" in type(model).__name__
+    assert acc.step(good, hf.causal_lm if causal else loss_fn).stepped
+    before = _snapshot(model, acc)
+    with pytest.raises((TypeError, ValueError)) as error:
+        acc.step(bad, loss_fn)
+    assert_bitwise(_snapshot(model, acc), before)
+    return str(error.value)
+
+
+def test_labels_that_do_not_fit_the_task_are_refused_naming_the_fix_changing_nothing() -> None:
+    generator = torch.Generator().manual_seed(2)
+    llama = CASES["llama-causal_lm"][0]
+    lm = _lm_batch(generator, 0)
+    floats = {**lm, "labels": lm["labels"].double()}
+    assert "labels.long()" in _refused(llama, lm, floats, hf.causal_lm)
+    # A classification loss on a language model's token logits was read as token tagging.
+    assert "token_classification" in _refused(llama, lm, lm, hf.classification)
+
+    def regression() -> torch.nn.Module:
+        config = _bert_config(num_labels=3, problem_type="regression")
+        return transformers.BertForSequenceClassification(config)
+
+    rows = _sequence_batch(generator, 0)
+    targets = {**rows, "labels": torch.randn(ROWS, 3, generator=generator, dtype=torch.float64)}
+    column = {**targets, "labels": targets["labels"][:, :1]}
+    assert "one target per output" in _refused(regression, targets, column, hf.classification)
+    # Negative control: MSE broadcasts a (batch, 1) column over 3 outputs into a wrong loss.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        broadcast = F.mse_loss(torch.zeros(ROWS, 3), torch.ones(ROWS, 1), reduction="sum")
+    assert float(broadcast) == 3 * ROWS
+
+    def single_label() -> torch.nn.Module:
+        return transformers.BertForSequenceClassification(_bert_config(num_labels=3))
+
+    multi_hot = {**rows, "labels": (torch.rand(ROWS, 3, generator=generator) > 0.5).long()}
+    message = _refused(single_label, rows, multi_hot, hf.classification)
+    assert "multi_label_classification" in message
