@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gradaccum._hf_model import logits_of, problem_type_of, virtual_tokens, with_decoder_inputs
 from gradaccum.loss import LossSum
 from gradaccum.options import parse
 
@@ -96,22 +97,30 @@ class TaskLoss:
         labels = _labels(batch, self.task)
         inputs = {key: value for key, value in batch.items() if key not in _LABEL_KEYS}
         if self.task is Task.SEQ2SEQ:
-            inputs = _with_decoder_inputs(model, inputs, labels)
+            inputs = with_decoder_inputs(model, inputs, labels)
         if self.task is Task.CAUSAL_LM:
             # Training needs no cache, and transformers isolates the documents of a packed row
             # (position_ids restarting at 0) in attention only when there is none.
             inputs.setdefault("use_cache", False)
-        logits = _logits(model(**inputs))
+        logits = logits_of(model(**inputs))
+        packing = batch
+        virtual = virtual_tokens(model, logits, labels)
+        if virtual:
+            # PEFT prompt learning prepends its virtual tokens to every row and, given labels,
+            # labels them -100 (so the last one predicts the first real token): the same here.
+            # It ignores position_ids, so there are no packed documents to read.
+            labels = F.pad(labels, (virtual, 0), value=IGNORE_INDEX)
+            packing = {}
         if self.task is Task.CAUSAL_LM and "shift_labels" in batch:
             return _token_cross_entropy(logits, labels)  # shifted by the data pipeline
         return loss_from_logits(
             logits,
             labels,
             self.task,
-            position_ids=batch.get("position_ids"),
-            cu_seq_lens=batch.get("cu_seq_lens_q"),
-            attention_mask=batch.get("attention_mask"),
-            problem_type=_problem_type(getattr(model, "config", None)),
+            position_ids=packing.get("position_ids"),
+            cu_seq_lens=packing.get("cu_seq_lens_q"),
+            attention_mask=packing.get("attention_mask"),
+            problem_type=problem_type_of(model),
         )
 
     def items_counted(self, batch: Mapping[str, Any]) -> torch.Tensor:
@@ -161,20 +170,6 @@ every output).
 
 token_classification = TaskLoss(Task.TOKEN_CLASSIFICATION)
 """One label per token (NER, tagging): cross-entropy summed over the labels that are not -100."""
-
-
-def _with_decoder_inputs(
-    model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor
-) -> dict[str, Any]:
-    if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
-        return inputs
-    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-    if prepare is None:
-        raise ValueError(
-            f"{type(model).__name__} has no prepare_decoder_input_ids_from_labels; put "
-            "'decoder_input_ids' (the labels shifted right) in the batch."
-        )
-    return {**inputs, "decoder_input_ids": prepare(labels=labels)}
 
 
 def loss_from_logits(
@@ -340,11 +335,6 @@ def _classification_loss(
     return LossSum(value, wide.numel())
 
 
-def _problem_type(config: object) -> str | None:
-    value = getattr(config, "problem_type", None)
-    return value if isinstance(value, str) else None
-
-
 def _wide(logits: torch.Tensor) -> torch.Tensor:
     """Logits in float32 at least, as the models' own losses upcast them."""
     return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
@@ -365,17 +355,3 @@ def _labels(batch: Mapping[str, Any], task: Task) -> torch.Tensor:
             "(-100 where nothing is scored)."
         )
     return _as_long(labels)
-
-
-def _logits(outputs: object) -> torch.Tensor:
-    logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
-    if logits is None:
-        logits = getattr(outputs, "logits", None)
-    if logits is None and isinstance(outputs, tuple) and outputs:
-        logits = outputs[0]
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(
-            f"the model returned {type(outputs).__name__} without logits; call it yourself and "
-            "use gradaccum.hf.loss_from_logits."
-        )
-    return logits

@@ -133,3 +133,57 @@ def test_labels_that_do_not_fit_the_task_are_refused_naming_the_fix_changing_not
     multi_hot = {**rows, "labels": (torch.rand(ROWS, 3, generator=generator) > 0.5).long()}
     message = _refused(single_label, rows, multi_hot, hf.classification)
     assert "multi_label_classification" in message
+
+
+# --- PEFT prompt learning ------------------------------------------------------------------------
+
+VIRTUAL = 3
+
+
+def _prompt_tuned(make: Any) -> torch.nn.Module:
+    """A PEFT prompt-tuned model in float64 (the prompt embedding too: wrap first, then cast)."""
+    peft = pytest.importorskip("peft")
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=VIRTUAL)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(make(), config).double()
+    model.train()
+    return model
+
+
+def _prompt_reference(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """As PEFT scores it given labels: -100 for each virtual token, then the usual shift."""
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    logits = model(**inputs).logits
+    labels = F.pad(batch["labels"], (VIRTUAL, 0), value=-100)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+def _prompt_steps(loss_fn: Any) -> dict[str, torch.Tensor]:
+    model = _prompt_tuned(CASES["gpt2-causal_lm"][0])
+    optimizer = _optimizer(model)
+    acc = Accumulator(model, optimizer, micro_batch_size=MICRO, max_grad_norm=0.5)
+    for batch in _batches(_lm_batch):
+        if loss_fn is None:  # the plain full-batch step
+            optimizer.zero_grad(set_to_none=True)
+            _prompt_reference(model, batch).backward()
+            trainable = [p for p in model.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(trainable, 0.5)
+            optimizer.step()
+        else:
+            assert acc.step(batch, loss_fn).stepped
+    return param_tensors(model)
+
+
+def test_prompt_tuning_equals_the_full_batch_steps() -> None:
+    """PEFT prompt tuning prepends virtual tokens to the logits; the last one predicts each row's
+    first token. Before, the helper refused the longer logits ('do not fit labels')."""
+    reference = _prompt_steps(None)
+    assert relative_gap(_prompt_steps(hf.causal_lm), reference) < EXACT
+
+    # Negative control: dropping the virtual positions' logits misses each first-token target.
+    def dropped(model: torch.nn.Module, batch: dict[str, Any]) -> Any:
+        inputs = {key: value for key, value in batch.items() if key != "labels"}
+        logits = model(**inputs).logits[:, VIRTUAL:]
+        return hf.loss_from_logits(logits, batch["labels"], "causal_lm")
+
+    assert relative_gap(_prompt_steps(dropped), reference) > 1e-3
