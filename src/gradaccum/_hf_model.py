@@ -5,12 +5,36 @@ Nothing here imports transformers or peft: the models are read through their att
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["logits_of", "problem_type_of", "virtual_tokens", "with_decoder_inputs"]
+__all__ = [
+    "accepts_keyword",
+    "logits_of",
+    "problem_type_of",
+    "virtual_tokens",
+    "with_decoder_inputs",
+]
+
+
+def accepts_keyword(model: torch.nn.Module, name: str) -> bool:
+    """Whether the forward of `model` (inside DDP, DataParallel or torch.compile) takes `name`.
+
+    A `**kwargs` forward counts as taking it: transformers' models and PEFT's wrappers pass
+    their keyword arguments on. A model of the user's own may take only its inputs.
+    """
+    inner: Any = model
+    while isinstance(getattr(inner, "module", None), torch.nn.Module):  # DDP, DataParallel
+        inner = inner.module
+    inner = getattr(inner, "_orig_mod", inner)  # torch.compile
+    try:
+        parameters = inspect.signature(inner.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: pass it, as before
+        return True
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def virtual_tokens(model: torch.nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> int:
@@ -44,7 +68,12 @@ def problem_type_of(model: torch.nn.Module) -> str | None:
 
 
 def logits_of(outputs: object) -> torch.Tensor:
-    """The logits of a model output: a `ModelOutput`, a mapping or a tuple led by them."""
+    """The logits of a model output: a `ModelOutput`, a mapping, a tuple led by them, or a tensor.
+
+    A tensor is the logits themselves, as a model of the user's own returns them.
+    """
+    if isinstance(outputs, torch.Tensor):
+        return outputs
     logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
     if logits is None:
         logits = getattr(outputs, "logits", None)

@@ -40,7 +40,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gradaccum._hf_model import logits_of, problem_type_of, virtual_tokens, with_decoder_inputs
+from gradaccum._hf_model import (
+    accepts_keyword,
+    logits_of,
+    problem_type_of,
+    virtual_tokens,
+    with_decoder_inputs,
+)
 from gradaccum.loss import LossSum
 from gradaccum.options import parse
 
@@ -98,7 +104,7 @@ class TaskLoss:
         inputs = {key: value for key, value in batch.items() if key not in _LABEL_KEYS}
         if self.task is Task.SEQ2SEQ:
             inputs = with_decoder_inputs(model, inputs, labels)
-        if self.task is Task.CAUSAL_LM:
+        if self.task is Task.CAUSAL_LM and accepts_keyword(model, "use_cache"):
             # Training needs no cache, and transformers isolates the documents of a packed row
             # (position_ids restarting at 0) in attention only when there is none.
             inputs.setdefault("use_cache", False)

@@ -187,3 +187,50 @@ def test_prompt_tuning_equals_the_full_batch_steps() -> None:
         return hf.loss_from_logits(logits, batch["labels"], "causal_lm")
 
     assert relative_gap(_prompt_steps(dropped), reference) > 1e-3
+
+
+# --- a causal LM of the user's own ---------------------------------------------------------------
+
+
+class _OwnLM(torch.nn.Module):
+    """A nanoGPT-style model: token ids in, a logits tensor out, no `use_cache`, no `**kwargs`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(40, 8)
+        self.head = torch.nn.Linear(8, 40)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = (self.embed(input_ids) * attention_mask[..., None]).cumsum(1)  # causal
+        logits: torch.Tensor = self.head(torch.tanh(hidden))
+        return logits
+
+
+def test_a_model_of_the_users_own_returning_logits_equals_the_full_batch_steps() -> None:
+    """Before, `hf.causal_lm` passed it `use_cache=False` (TypeError naming an argument the user
+    never passed) and refused a plain logits tensor ('returned Tensor without logits')."""
+    batches = _batches(_lm_batch)
+
+    def run(loss_fn: Any) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = _OwnLM().double()
+        optimizer = _optimizer(model)
+        acc = Accumulator(model, optimizer, micro_batch_size=MICRO, max_grad_norm=0.5)
+        for batch in batches:
+            if loss_fn is None:  # the plain full-batch step, the textbook shift
+                optimizer.zero_grad(set_to_none=True)
+                logits = model(batch["input_ids"], batch["attention_mask"])[:, :-1]
+                targets = batch["labels"][:, 1:].flatten()
+                F.cross_entropy(logits.flatten(0, 1), targets, ignore_index=-100).backward()
+                torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.5)
+                optimizer.step()
+            else:
+                assert acc.step(batch, loss_fn).stepped
+        return param_tensors(model)
+
+    reference = run(None)
+    assert relative_gap(run(hf.causal_lm), reference) < EXACT
+    # Negative control: the same model given the cache flag the helper gives transformers' models.
+    batch = batches[0]
+    with pytest.raises(TypeError, match="use_cache"):
+        _OwnLM()(batch["input_ids"], batch["attention_mask"], use_cache=False)
