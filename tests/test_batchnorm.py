@@ -694,3 +694,27 @@ def test_convert_to_groupnorm_refuses_an_uninitialized_lazy_batchnorm_naming_it(
     converted = convert_to_groupnorm(model, num_groups=4)
     assert [type(m).__name__ for m in converted] == ["Conv2d", "GroupNorm", "GroupNorm"]
     assert converted[2].num_channels == 8
+
+
+@pytest.mark.parametrize("mode", ["micro", "pooled"])
+def test_a_last_micro_batch_of_one_row_says_why_it_fails_and_changes_nothing(mode: str) -> None:
+    """10 rows by 3 leave a last micro-batch of 1 row, which a train-mode BatchNorm1d refuses
+    ("Expected more than 1 value per channel") though the full batch of 10 passes. Before, the
+    error said nothing of the micro-batch; now a note names it and the fixes."""
+    model, shape = _bn_model("1d-NC")
+    acc = _accumulator(model, mode, micro_batch_size=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BatchNormAccumulationWarning)
+        assert acc.step(_data(9, shape, seed=1), _loss).stepped
+    before = [p.detach().clone() for p in model.parameters()] + _stats(model)
+    with pytest.raises(ValueError, match="more than 1 value per channel") as error:
+        acc.step(_data(10, shape, seed=2), _loss)
+    notes = " ".join(getattr(error.value, "__notes__", []))
+    assert "micro-batch of 1 row" in notes
+    assert "batchnorm='frozen'" in notes
+    after = [p.detach().clone() for p in model.parameters()] + _stats(model)
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    # Control: the full batch of 10 rows runs, and "frozen" runs the 1-row micro-batch too.
+    model(_data(10, shape, seed=2))
+    frozen = _accumulator(copy.deepcopy(model), "frozen", micro_batch_size=3)
+    assert frozen.step(_data(10, shape, seed=2), _loss).stepped

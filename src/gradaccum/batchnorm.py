@@ -107,6 +107,23 @@ def _check_freezable(modules: list[tuple[str, _BatchNorm]]) -> None:
         )
 
 
+@contextlib.contextmanager
+def _one_row_note() -> Iterator[None]:
+    """Say why a micro-batch of one row fails in a train-mode BatchNorm the full batch passes."""
+    try:
+        yield
+    except ValueError as error:
+        if "more than 1 value per channel" in str(error) and hasattr(error, "add_note"):
+            error.add_note(
+                "gradaccum: a train-mode BatchNorm got a micro-batch with one value per channel, "
+                "typically a last micro-batch of 1 row (the batch size leaves a remainder of 1 "
+                "over micro_batch_size; with micro_step, a loader's last batch). Pick a "
+                "micro_batch_size that leaves no single row (or drop_last=True), use "
+                "batchnorm='frozen', or convert_to_groupnorm(model)."
+            )
+        raise
+
+
 class BatchNormControl:
     """Applies a `BatchNormMode` to a model's BatchNorm layers, one micro-batch at a time.
 
@@ -141,7 +158,7 @@ class BatchNormControl:
             return self._frozen()
         if self.mode is BatchNormMode.POOLED:
             return self._pooled()
-        return _NO_CONTEXT
+        return _one_row_note() if self.modules else _NO_CONTEXT
 
     def warn_once(self, micro_items: int, window_items: int) -> bool:
         """`warn_if_inexact` at most once, in "micro" mode only; returns whether it warned.
@@ -172,7 +189,7 @@ class BatchNormControl:
         # The hooks turn track_running_stats off: BatchNorm then gets no running buffers, so it
         # normalizes with micro-batch statistics as before but updates nothing, counts nothing.
         try:
-            with recording(active, per_call=True) as record:
+            with _one_row_note(), recording(active, per_call=True) as record:
                 yield
         finally:
             for _, module in active:
