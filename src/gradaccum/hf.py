@@ -355,7 +355,13 @@ def _labels(batch: Mapping[str, Any], task: Task) -> torch.Tensor:
         )
     key = "shift_labels" if task is Task.CAUSAL_LM and "shift_labels" in batch else "labels"
     labels = batch.get(key)
-    if not isinstance(labels, torch.Tensor):
+    if labels is not None and not isinstance(labels, torch.Tensor):
+        raise TypeError(
+            f"batch[{key!r}] is a {type(labels).__name__}, not a torch.Tensor: the model and "
+            "these losses take tensors. Collate with return_tensors='pt' (or "
+            "dataset.with_format('torch')), or convert with torch.as_tensor."
+        )
+    if labels is None:
         raise ValueError(
             f"the batch has keys {sorted(batch)} but no '{key}' tensor; add the labels "
             "(-100 where nothing is scored)."

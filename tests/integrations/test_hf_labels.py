@@ -110,6 +110,9 @@ def test_labels_that_do_not_fit_the_task_are_refused_naming_the_fix_changing_not
     lm = _lm_batch(generator, 0)
     floats = {**lm, "labels": lm["labels"].double()}
     assert "labels.long()" in _refused(llama, lm, floats, hf.causal_lm)
+    # numpy arrays (a dataset in numpy format): before, "the batch has ... no 'labels' tensor".
+    arrays = {key: value.numpy() for key, value in lm.items()}
+    assert "return_tensors='pt'" in _refused(llama, lm, arrays, hf.causal_lm)
     # A classification loss on a language model's token logits was read as token tagging.
     assert "token_classification" in _refused(llama, lm, lm, hf.classification)
 
