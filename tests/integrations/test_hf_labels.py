@@ -237,3 +237,68 @@ def test_a_model_of_the_users_own_returning_logits_equals_the_full_batch_steps()
     batch = batches[0]
     with pytest.raises(TypeError, match="use_cache"):
         _OwnLM()(batch["input_ids"], batch["attention_mask"], use_cache=False)
+
+
+# --- DataCollatorWithFlattening batches ----------------------------------------------------------
+
+_FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _flattened_windows() -> tuple[list[list[dict[str, Any]]], list[list[list[int]]]]:
+    """Two windows of two flattened batches (3 documents each), and each window's documents."""
+    generator = torch.Generator().manual_seed(5)
+    collator = transformers.DataCollatorWithFlattening(
+        return_flash_attn_kwargs=True, return_position_ids=True
+    )
+    windows, documents = [], []
+    for _ in range(2):
+        window, texts = [], []
+        for _ in range(2):
+            lengths = torch.randint(3, 9, (3,), generator=generator).tolist()
+            docs = [torch.randint(2, 40, (n,), generator=generator).tolist() for n in lengths]
+            window.append(collator([{"input_ids": doc} for doc in docs]))
+            texts += docs
+        windows.append(window)
+        documents.append(texts)
+    return windows, documents
+
+
+def test_flattened_batches_through_micro_step_equal_the_documents_one_per_row() -> None:
+    """A DataCollatorWithFlattening batch is one row plus flash-attention kwargs of n + 1
+    document offsets, which no batch dimension fits: before, refused with no word of why."""
+    windows, documents = _flattened_windows()
+    make = CASES["gpt2-causal_lm"][0]
+    model = _model(make)
+    acc = Accumulator(model, _optimizer(model), accumulation_steps=2, max_grad_norm=0.5)
+    before = clone_state(param_tensors(model))
+    with pytest.raises(ValueError, match="return_flash_attn_kwargs=False"):
+        acc.micro_step(windows[0][0], hf.causal_lm)
+    assert_bitwise(param_tensors(model), before)
+
+    def run(strip: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        model = _model(make)
+        acc = Accumulator(model, _optimizer(model), accumulation_steps=2, max_grad_norm=0.5)
+        for window in windows:
+            for batch in window:
+                acc.micro_step({k: v for k, v in batch.items() if k not in strip}, hf.causal_lm)
+        return param_tensors(model)
+
+    reference_model = _model(make)
+    optimizer = _optimizer(reference_model)
+    for docs in documents:  # the same documents, one per right-padded row, one full batch each
+        width = max(len(doc) for doc in docs)
+        ids = torch.tensor([doc + [0] * (width - len(doc)) for doc in docs])
+        mask = torch.tensor([[1] * len(doc) + [0] * (width - len(doc)) for doc in docs])
+        batch = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "labels": ids.masked_fill(mask == 0, -100),
+        }
+        optimizer.zero_grad(set_to_none=True)
+        CASES["gpt2-causal_lm"][3](reference_model, batch).backward()
+        torch.nn.utils.clip_grad_norm_(list(reference_model.parameters()), 0.5)
+        optimizer.step()
+    reference = param_tensors(reference_model)
+    assert relative_gap(run(_FLASH_KWARGS), reference) < EXACT
+    # Negative control: without position_ids the documents of a row are one sequence.
+    assert relative_gap(run((*_FLASH_KWARGS, "position_ids")), reference) > 1e-3
