@@ -718,3 +718,38 @@ def test_a_last_micro_batch_of_one_row_says_why_it_fails_and_changes_nothing(mod
     model(_data(10, shape, seed=2))
     frozen = _accumulator(copy.deepcopy(model), "frozen", micro_batch_size=3)
     assert frozen.step(_data(10, shape, seed=2), _loss).stepped
+
+
+def test_frozen_holds_when_loss_fn_calls_model_train() -> None:
+    """`model.train()` inside loss_fn (a defensive habit) switched a frozen BatchNorm back to
+    batch statistics mid-window: running statistics moved and the step was ghost BN, silently."""
+    model, shape = _bn_model("2d")
+    x = _data(10, shape, seed=3)
+
+    def mean_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()  # a mean over items, as a plain scalar is read
+
+    def habit(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        model.train()
+        return mean_loss(model, x)
+
+    def reference(bn_training: bool) -> list[torch.Tensor]:
+        full = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(full.parameters(), lr=0.05, momentum=0.9)
+        full[1].train(bn_training)
+        mean_loss(full, x).backward()
+        optimizer.step()
+        return [p.detach().clone() for p in full.parameters()]
+
+    frozen = copy.deepcopy(model)
+    stats = _stats(frozen)
+    assert _accumulator(frozen, "frozen", micro_batch_size=3).step(x, habit).stepped
+    assert all(torch.equal(a, b) for a, b in zip(_stats(frozen), stats, strict=True))
+    assert frozen[1].training
+    ours = [p.detach() for p in frozen.parameters()]
+    expected = reference(bn_training=False)
+    for a, e in zip(ours, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL)
+    # Negative control: BatchNorm on batch statistics gives another step.
+    control = reference(bn_training=True)
+    assert max(float((a - c).abs().max()) for a, c in zip(ours, control, strict=True)) > 1e-3

@@ -107,6 +107,10 @@ def _check_freezable(modules: list[tuple[str, _BatchNorm]]) -> None:
         )
 
 
+def _to_eval(module: nn.Module, args: tuple[Any, ...]) -> None:
+    module.training = False  # "frozen": running statistics, whatever set the flag since
+
+
 @contextlib.contextmanager
 def _one_row_note() -> Iterator[None]:
     """Say why a micro-batch of one row fails in a train-mode BatchNorm the full batch passes."""
@@ -177,9 +181,14 @@ class BatchNormControl:
         training = [m for _, m in self.modules if m.training]
         for module in training:
             module.train(False)
+        # A loss_fn that calls model.train() (a common defensive habit) would switch them back
+        # to batch statistics and running updates mid-window: each forward freezes them again.
+        handles = [m.register_forward_pre_hook(_to_eval) for _, m in self.modules]
         try:
             yield
         finally:
+            for handle in handles:
+                handle.remove()
             for module in training:
                 module.train(True)
 
