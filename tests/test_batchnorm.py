@@ -753,3 +753,29 @@ def test_frozen_holds_when_loss_fn_calls_model_train() -> None:
     # Negative control: BatchNorm on batch statistics gives another step.
     control = reference(bn_training=True)
     assert max(float((a - c).abs().max()) for a, c in zip(ours, control, strict=True)) > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["micro", "pooled", "frozen"])
+def test_a_failed_window_restores_statistics_a_loss_fn_put_in_train_mode(mode: str) -> None:
+    """A model in eval mode whose loss_fn calls model.train(): its BatchNorm updates running
+    statistics from the first micro-batch on. Before, only the layers in train mode when the
+    window opened were saved, so a failure later left those updates behind."""
+    model, shape = _bn_model("1d-NC")
+    model.eval()
+    acc = _accumulator(model, mode, micro_batch_size=3)
+    calls: list[int] = []
+
+    def habit(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        model.train()
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("loss_fn failed at the third micro-batch")
+        return _loss(model, x)
+
+    before = _stats(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BatchNormAccumulationWarning)
+        with pytest.raises(RuntimeError, match="third micro-batch"):
+            acc.step(_data(9, shape, seed=5), habit)
+    assert len(calls) == 3  # two micro-batches ran in train mode before the failure
+    assert all(torch.equal(a, b) for a, b in zip(_stats(model), before, strict=True))

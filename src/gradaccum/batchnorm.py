@@ -219,17 +219,19 @@ class BatchNormControl:
     def open_window(self) -> None:
         """Remember the running statistics a window may change, to put them back if it fails.
 
-        Only train-mode BatchNorm in "micro" mode updates its buffers during a window ("pooled"
-        updates them once, at the step; "frozen" never), so only those are copied: a few
-        vectors per layer, and nothing at all for a model without BatchNorm.
+        A train-mode BatchNorm in "micro" mode updates its buffers during a window ("pooled"
+        updates them once, at the step; "frozen" never). Every tracked one is copied, in eval
+        mode too, since a loss_fn calling model.train() puts it in train mode mid-window (and
+        in "pooled" one that was in eval mode as the micro-batch began updates as in "micro"):
+        a few vectors per layer, and nothing at all for a model without BatchNorm.
         """
-        if self.mode is not BatchNormMode.MICRO or not self.modules:
+        if self.mode is BatchNormMode.FROZEN or not self.modules:
             self._saved = []
             return
         self._saved = [
             (buffer, buffer.clone())
             for _, module in self.modules
-            if module.training and tracked(module)
+            if tracked(module)
             for buffer in (module.running_mean, module.running_var, module.num_batches_tracked)
             if buffer is not None
         ]
