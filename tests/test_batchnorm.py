@@ -779,3 +779,24 @@ def test_a_failed_window_restores_statistics_a_loss_fn_put_in_train_mode(mode: s
             acc.step(_data(9, shape, seed=5), habit)
     assert len(calls) == 3  # two micro-batches ran in train mode before the failure
     assert all(torch.equal(a, b) for a, b in zip(_stats(model), before, strict=True))
+
+
+def test_pooled_pools_a_batchnorm_a_loss_fn_put_in_train_mode() -> None:
+    """A model in eval mode whose loss_fn calls model.train(): before, the first micro-batch's
+    BatchNorm was not pooled (it was in eval mode as the micro-batch began) and updated its
+    running statistics itself, one update more than the full batch makes."""
+    model, shape = _bn_model("1d-NC")
+    model.eval()
+    x = _data(9, shape, seed=6)
+    full = copy.deepcopy(model).train()
+    with torch.no_grad():
+        full(x)  # the one full-batch update "pooled" must reproduce
+
+    def habit(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        model.train()
+        return _loss(model, x)
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # statistics only
+    Accumulator(model, optimizer, micro_batch_size=3, batchnorm="pooled").step(x, habit)
+    _assert_stats_close(model, full)
+    assert model[1].track_running_stats

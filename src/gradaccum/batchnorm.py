@@ -194,9 +194,10 @@ class BatchNormControl:
 
     @contextlib.contextmanager
     def _pooled(self) -> Iterator[None]:
-        active = [(name, m) for name, m in self.modules if m.training and tracked(m)]
-        # The hooks turn track_running_stats off: BatchNorm then gets no running buffers, so it
-        # normalizes with micro-batch statistics as before but updates nothing, counts nothing.
+        # In eval mode too: a loss_fn calling model.train() puts them in train mode mid-window.
+        active = [(name, m) for name, m in self.modules if tracked(m)]
+        # The hooks turn track_running_stats off in train mode: BatchNorm then gets no running
+        # buffers, so it normalizes with micro-batch statistics but updates nothing.
         try:
             with _one_row_note(), recording(active, per_call=True) as record:
                 yield
