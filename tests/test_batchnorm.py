@@ -694,3 +694,109 @@ def test_convert_to_groupnorm_refuses_an_uninitialized_lazy_batchnorm_naming_it(
     converted = convert_to_groupnorm(model, num_groups=4)
     assert [type(m).__name__ for m in converted] == ["Conv2d", "GroupNorm", "GroupNorm"]
     assert converted[2].num_channels == 8
+
+
+@pytest.mark.parametrize("mode", ["micro", "pooled"])
+def test_a_last_micro_batch_of_one_row_says_why_it_fails_and_changes_nothing(mode: str) -> None:
+    """10 rows by 3 leave a last micro-batch of 1 row, which a train-mode BatchNorm1d refuses
+    ("Expected more than 1 value per channel") though the full batch of 10 passes. Before, the
+    error said nothing of the micro-batch; now a note names it and the fixes."""
+    model, shape = _bn_model("1d-NC")
+    acc = _accumulator(model, mode, micro_batch_size=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BatchNormAccumulationWarning)
+        assert acc.step(_data(9, shape, seed=1), _loss).stepped
+    before = [p.detach().clone() for p in model.parameters()] + _stats(model)
+    with pytest.raises(ValueError, match="more than 1 value per channel") as error:
+        acc.step(_data(10, shape, seed=2), _loss)
+    notes = " ".join(getattr(error.value, "__notes__", []))
+    assert "micro-batch of 1 row" in notes
+    assert "batchnorm='frozen'" in notes
+    after = [p.detach().clone() for p in model.parameters()] + _stats(model)
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    # Control: the full batch of 10 rows runs, and "frozen" runs the 1-row micro-batch too.
+    model(_data(10, shape, seed=2))
+    frozen = _accumulator(copy.deepcopy(model), "frozen", micro_batch_size=3)
+    assert frozen.step(_data(10, shape, seed=2), _loss).stepped
+
+
+def test_frozen_holds_when_loss_fn_calls_model_train() -> None:
+    """`model.train()` inside loss_fn (a defensive habit) switched a frozen BatchNorm back to
+    batch statistics mid-window: running statistics moved and the step was ghost BN, silently."""
+    model, shape = _bn_model("2d")
+    x = _data(10, shape, seed=3)
+
+    def mean_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()  # a mean over items, as a plain scalar is read
+
+    def habit(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        model.train()
+        return mean_loss(model, x)
+
+    def reference(bn_training: bool) -> list[torch.Tensor]:
+        full = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(full.parameters(), lr=0.05, momentum=0.9)
+        full[1].train(bn_training)
+        mean_loss(full, x).backward()
+        optimizer.step()
+        return [p.detach().clone() for p in full.parameters()]
+
+    frozen = copy.deepcopy(model)
+    stats = _stats(frozen)
+    assert _accumulator(frozen, "frozen", micro_batch_size=3).step(x, habit).stepped
+    assert all(torch.equal(a, b) for a, b in zip(_stats(frozen), stats, strict=True))
+    assert frozen[1].training
+    ours = [p.detach() for p in frozen.parameters()]
+    expected = reference(bn_training=False)
+    for a, e in zip(ours, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL)
+    # Negative control: BatchNorm on batch statistics gives another step.
+    control = reference(bn_training=True)
+    assert max(float((a - c).abs().max()) for a, c in zip(ours, control, strict=True)) > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["micro", "pooled", "frozen"])
+def test_a_failed_window_restores_statistics_a_loss_fn_put_in_train_mode(mode: str) -> None:
+    """A model in eval mode whose loss_fn calls model.train(): its BatchNorm updates running
+    statistics from the first micro-batch on. Before, only the layers in train mode when the
+    window opened were saved, so a failure later left those updates behind."""
+    model, shape = _bn_model("1d-NC")
+    model.eval()
+    acc = _accumulator(model, mode, micro_batch_size=3)
+    calls: list[int] = []
+
+    def habit(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        model.train()
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("loss_fn failed at the third micro-batch")
+        return _loss(model, x)
+
+    before = _stats(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BatchNormAccumulationWarning)
+        with pytest.raises(RuntimeError, match="third micro-batch"):
+            acc.step(_data(9, shape, seed=5), habit)
+    assert len(calls) == 3  # two micro-batches ran in train mode before the failure
+    assert all(torch.equal(a, b) for a, b in zip(_stats(model), before, strict=True))
+
+
+def test_pooled_pools_a_batchnorm_a_loss_fn_put_in_train_mode() -> None:
+    """A model in eval mode whose loss_fn calls model.train(): before, the first micro-batch's
+    BatchNorm was not pooled (it was in eval mode as the micro-batch began) and updated its
+    running statistics itself, one update more than the full batch makes."""
+    model, shape = _bn_model("1d-NC")
+    model.eval()
+    x = _data(9, shape, seed=6)
+    full = copy.deepcopy(model).train()
+    with torch.no_grad():
+        full(x)  # the one full-batch update "pooled" must reproduce
+
+    def habit(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        model.train()
+        return _loss(model, x)
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # statistics only
+    Accumulator(model, optimizer, micro_batch_size=3, batchnorm="pooled").step(x, habit)
+    _assert_stats_close(model, full)
+    assert model[1].track_running_stats

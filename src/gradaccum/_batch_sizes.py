@@ -65,6 +65,16 @@ def path_name(path: Path) -> str:
     return f"{path_name(parent)}{template.format(key)}"
 
 
+# A Hugging Face DataCollatorWithFlattening batch: one row of documents, plus flash-attention
+# kwargs that describe the row (n + 1 document offsets), not items of a batch.
+_FLATTENED_HINT = (
+    " cu_seq_lens_q/_k and max_length_q/_k (a flattened batch's flash-attention kwargs) describe "
+    "the whole row, not items: drop them (position_ids mark the same documents, for the model and "
+    "for gradaccum.hf.causal_lm; DataCollatorWithFlattening(return_flash_attn_kwargs=False)) and "
+    "give each flattened batch to micro_step()."
+)
+
+
 def agreed_size(sizes: Sizes, dim: int) -> int:
     """Return the B all leaves agree on, else raise naming every path and size."""
     held = [entry for entry in sizes if entry[2].startswith(OBJECT)]
@@ -86,6 +96,8 @@ def agreed_size(sizes: Sizes, dim: int) -> int:
                 f" A batch-first tensor, such as a (B, S) key padding mask, goes in with its "
                 f"items at dim {dim}: transposed (x.t()), and back with .t() in loss_fn."
             )
+        if any("cu_seq_lens" in path_name(p) for p, _, _ in sizes):
+            first += _FLATTENED_HINT
         raise ValueError(
             f"batch tensors disagree on {where} ({listing}); every tensor and array must have "
             f"the same number of items along dim {dim}.{first} If one is the same for every "

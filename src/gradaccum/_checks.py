@@ -68,6 +68,21 @@ def check_optimizer(optimizer: object, model: torch.nn.Module) -> None:
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer={optimizer!r} must be a torch.optim.Optimizer.")
+    if not hasattr(optimizer, "_optimizer_step_pre_hooks"):
+        # A wrapper that never ran Optimizer.__init__ (accelerate's AcceleratedOptimizer): no
+        # hooks to watch its steps with, and it steps, scales and skips by its own rules.
+        inner = getattr(optimizer, "optimizer", None)
+        fix = (
+            f"pass the {type(inner).__name__} it wraps (optimizer.optimizer; a prepared "
+            "scheduler's .scheduler)"
+            if isinstance(inner, torch.optim.Optimizer)
+            else "pass the torch optimizer it wraps"
+        )
+        raise TypeError(
+            f"optimizer is a {type(optimizer).__name__}, a wrapper that never ran "
+            f"torch.optim.Optimizer.__init__ (as accelerate's Accelerator.prepare returns); {fix}. "
+            "The Accumulator does the accumulation, clipping and mixed precision itself."
+        )
     model_ids = {id(p) for p in model.parameters() if p.requires_grad}
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     if not model_ids & held:

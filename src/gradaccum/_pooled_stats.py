@@ -74,6 +74,8 @@ def recording(modules: list[tuple[str, _BatchNorm]], per_call: bool) -> Iterator
 
     def make_hook(name: str, bn: _BatchNorm) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if not bn.training:  # eval mode: running statistics, nothing to record
+                return
             # Set here, after a lazy module's own pre-hook has created its running buffers.
             bn.track_running_stats = False  # bn is module, the one the hook is registered on
             # Inside a backward, activation checkpointing recomputes a forward: counted already.

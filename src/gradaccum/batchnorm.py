@@ -107,6 +107,27 @@ def _check_freezable(modules: list[tuple[str, _BatchNorm]]) -> None:
         )
 
 
+def _to_eval(module: nn.Module, args: tuple[Any, ...]) -> None:
+    module.training = False  # "frozen": running statistics, whatever set the flag since
+
+
+@contextlib.contextmanager
+def _one_row_note() -> Iterator[None]:
+    """Say why a micro-batch of one row fails in a train-mode BatchNorm the full batch passes."""
+    try:
+        yield
+    except ValueError as error:
+        if "more than 1 value per channel" in str(error) and hasattr(error, "add_note"):
+            error.add_note(
+                "gradaccum: a train-mode BatchNorm got a micro-batch with one value per channel, "
+                "typically a last micro-batch of 1 row (the batch size leaves a remainder of 1 "
+                "over micro_batch_size; with micro_step, a loader's last batch). Pick a "
+                "micro_batch_size that leaves no single row (or drop_last=True), use "
+                "batchnorm='frozen', or convert_to_groupnorm(model)."
+            )
+        raise
+
+
 class BatchNormControl:
     """Applies a `BatchNormMode` to a model's BatchNorm layers, one micro-batch at a time.
 
@@ -141,7 +162,7 @@ class BatchNormControl:
             return self._frozen()
         if self.mode is BatchNormMode.POOLED:
             return self._pooled()
-        return _NO_CONTEXT
+        return _one_row_note() if self.modules else _NO_CONTEXT
 
     def warn_once(self, micro_items: int, window_items: int) -> bool:
         """`warn_if_inexact` at most once, in "micro" mode only; returns whether it warned.
@@ -160,19 +181,25 @@ class BatchNormControl:
         training = [m for _, m in self.modules if m.training]
         for module in training:
             module.train(False)
+        # A loss_fn that calls model.train() (a common defensive habit) would switch them back
+        # to batch statistics and running updates mid-window: each forward freezes them again.
+        handles = [m.register_forward_pre_hook(_to_eval) for _, m in self.modules]
         try:
             yield
         finally:
+            for handle in handles:
+                handle.remove()
             for module in training:
                 module.train(True)
 
     @contextlib.contextmanager
     def _pooled(self) -> Iterator[None]:
-        active = [(name, m) for name, m in self.modules if m.training and tracked(m)]
-        # The hooks turn track_running_stats off: BatchNorm then gets no running buffers, so it
-        # normalizes with micro-batch statistics as before but updates nothing, counts nothing.
+        # In eval mode too: a loss_fn calling model.train() puts them in train mode mid-window.
+        active = [(name, m) for name, m in self.modules if tracked(m)]
+        # The hooks turn track_running_stats off in train mode: BatchNorm then gets no running
+        # buffers, so it normalizes with micro-batch statistics but updates nothing.
         try:
-            with recording(active, per_call=True) as record:
+            with _one_row_note(), recording(active, per_call=True) as record:
                 yield
         finally:
             for _, module in active:
@@ -193,17 +220,19 @@ class BatchNormControl:
     def open_window(self) -> None:
         """Remember the running statistics a window may change, to put them back if it fails.
 
-        Only train-mode BatchNorm in "micro" mode updates its buffers during a window ("pooled"
-        updates them once, at the step; "frozen" never), so only those are copied: a few
-        vectors per layer, and nothing at all for a model without BatchNorm.
+        A train-mode BatchNorm in "micro" mode updates its buffers during a window ("pooled"
+        updates them once, at the step; "frozen" never). Every tracked one is copied, in eval
+        mode too, since a loss_fn calling model.train() puts it in train mode mid-window (and
+        in "pooled" one that was in eval mode as the micro-batch began updates as in "micro"):
+        a few vectors per layer, and nothing at all for a model without BatchNorm.
         """
-        if self.mode is not BatchNormMode.MICRO or not self.modules:
+        if self.mode is BatchNormMode.FROZEN or not self.modules:
             self._saved = []
             return
         self._saved = [
             (buffer, buffer.clone())
             for _, module in self.modules
-            if module.training and tracked(module)
+            if tracked(module)
             for buffer in (module.running_mean, module.running_var, module.num_batches_tracked)
             if buffer is not None
         ]

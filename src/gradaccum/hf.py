@@ -40,6 +40,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gradaccum._hf_model import (
+    accepts_keyword,
+    logits_of,
+    problem_type_of,
+    virtual_tokens,
+    with_decoder_inputs,
+)
 from gradaccum.loss import LossSum
 from gradaccum.options import parse
 
@@ -96,22 +103,30 @@ class TaskLoss:
         labels = _labels(batch, self.task)
         inputs = {key: value for key, value in batch.items() if key not in _LABEL_KEYS}
         if self.task is Task.SEQ2SEQ:
-            inputs = _with_decoder_inputs(model, inputs, labels)
-        if self.task is Task.CAUSAL_LM:
+            inputs = with_decoder_inputs(model, inputs, labels)
+        if self.task is Task.CAUSAL_LM and accepts_keyword(model, "use_cache"):
             # Training needs no cache, and transformers isolates the documents of a packed row
             # (position_ids restarting at 0) in attention only when there is none.
             inputs.setdefault("use_cache", False)
-        logits = _logits(model(**inputs))
+        logits = logits_of(model(**inputs))
+        packing = batch
+        virtual = virtual_tokens(model, logits, labels)
+        if virtual:
+            # PEFT prompt learning prepends its virtual tokens to every row and, given labels,
+            # labels them -100 (so the last one predicts the first real token): the same here.
+            # It ignores position_ids, so there are no packed documents to read.
+            labels = F.pad(labels, (virtual, 0), value=IGNORE_INDEX)
+            packing = {}
         if self.task is Task.CAUSAL_LM and "shift_labels" in batch:
             return _token_cross_entropy(logits, labels)  # shifted by the data pipeline
         return loss_from_logits(
             logits,
             labels,
             self.task,
-            position_ids=batch.get("position_ids"),
-            cu_seq_lens=batch.get("cu_seq_lens_q"),
-            attention_mask=batch.get("attention_mask"),
-            problem_type=_problem_type(getattr(model, "config", None)),
+            position_ids=packing.get("position_ids"),
+            cu_seq_lens=packing.get("cu_seq_lens_q"),
+            attention_mask=packing.get("attention_mask"),
+            problem_type=problem_type_of(model),
         )
 
     def items_counted(self, batch: Mapping[str, Any]) -> torch.Tensor:
@@ -163,20 +178,6 @@ token_classification = TaskLoss(Task.TOKEN_CLASSIFICATION)
 """One label per token (NER, tagging): cross-entropy summed over the labels that are not -100."""
 
 
-def _with_decoder_inputs(
-    model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor
-) -> dict[str, Any]:
-    if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
-        return inputs
-    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-    if prepare is None:
-        raise ValueError(
-            f"{type(model).__name__} has no prepare_decoder_input_ids_from_labels; put "
-            "'decoder_input_ids' (the labels shifted right) in the batch."
-        )
-    return {**inputs, "decoder_input_ids": prepare(labels=labels)}
-
-
 def loss_from_logits(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -215,6 +216,7 @@ def loss_from_logits(
         tensor(3)
     """
     kind = parse(Task, task, "task")
+    labels = _as_long(labels)
     if kind is Task.CAUSAL_LM:
         starts = _document_starts(labels, position_ids, cu_seq_lens, attention_mask)
         return _token_cross_entropy(logits, _shifted(labels, starts))
@@ -257,7 +259,25 @@ def _document_starts(
     return None
 
 
+def _as_long(labels: torch.Tensor) -> torch.Tensor:
+    """Integer labels of any width as int64: cross-entropy takes no other, and -100 fits."""
+    if (
+        labels.is_floating_point()
+        or labels.is_complex()
+        or labels.dtype in (torch.long, torch.bool)
+    ):
+        return labels
+    return labels.long()
+
+
 def _token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> LossSum:
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(
+            f"labels of dtype {labels.dtype} are not class ids: cross-entropy scores integer "
+            "labels (-100 where nothing is scored); pass labels.long(). Float targets of a "
+            "sequence classifier are read by gradaccum.hf.classification with problem_type "
+            "'regression' or 'multi_label_classification'."
+        )
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
             f"logits of shape {tuple(logits.shape)} do not fit labels of shape "
@@ -279,6 +299,12 @@ _PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "
 def _classification_loss(
     logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None
 ) -> LossSum:
+    if logits.dim() != 2:
+        raise ValueError(
+            f"classification scores one label per example, from logits (batch, classes), but "
+            f"the logits have shape {tuple(logits.shape)}: for one label per token use "
+            "gradaccum.hf.token_classification (masked_lm, causal_lm for language models)."
+        )
     labels = labels.to(logits.device)
     if problem_type is None:
         if logits.shape[-1] == 1:
@@ -287,23 +313,32 @@ def _classification_loss(
             problem_type = "single_label_classification"
         else:
             problem_type = "multi_label_classification"
+    if problem_type not in _PROBLEM_TYPES:
+        raise ValueError(f"problem_type={problem_type!r} must be one of {_PROBLEM_TYPES} or None.")
     if problem_type == "single_label_classification":
+        if labels.numel() == logits.shape[0]:
+            labels = labels.reshape(-1)  # (batch, 1) as (batch,), as the models' view(-1) reads it
+        elif labels.shape == logits.shape:
+            raise ValueError(
+                f"single-label classification takes one class id per example, but the labels "
+                f"have shape {tuple(labels.shape)}, like the logits: for multi-hot labels pass "
+                "them as floats or set problem_type='multi_label_classification'."
+            )
         return _token_cross_entropy(logits, labels)
     wide = _wide(logits)
+    if logits.shape[-1] == 1:
+        wide, labels = wide.flatten(), labels.flatten()  # the models squeeze a single output
+    if labels.shape != wide.shape:
+        # MSE and BCE would broadcast (batch,) against (batch, outputs) into a wrong loss.
+        raise ValueError(
+            f"{problem_type} scores every output: labels of shape {tuple(labels.shape)} do not "
+            f"fit logits of shape {tuple(logits.shape)}; pass one target per output."
+        )
     if problem_type == "regression":
-        if logits.shape[-1] == 1:
-            wide, labels = wide.flatten(), labels.flatten()
         value = F.mse_loss(wide, labels.to(wide.dtype), reduction="sum")
-        return LossSum(value, wide.numel())
-    if problem_type == "multi_label_classification":
+    else:
         value = F.binary_cross_entropy_with_logits(wide, labels.to(wide.dtype), reduction="sum")
-        return LossSum(value, wide.numel())
-    raise ValueError(f"problem_type={problem_type!r} must be one of {_PROBLEM_TYPES} or None.")
-
-
-def _problem_type(config: object) -> str | None:
-    value = getattr(config, "problem_type", None)
-    return value if isinstance(value, str) else None
+    return LossSum(value, wide.numel())
 
 
 def _wide(logits: torch.Tensor) -> torch.Tensor:
@@ -320,23 +355,15 @@ def _labels(batch: Mapping[str, Any], task: Task) -> torch.Tensor:
         )
     key = "shift_labels" if task is Task.CAUSAL_LM and "shift_labels" in batch else "labels"
     labels = batch.get(key)
-    if not isinstance(labels, torch.Tensor):
+    if labels is not None and not isinstance(labels, torch.Tensor):
+        raise TypeError(
+            f"batch[{key!r}] is a {type(labels).__name__}, not a torch.Tensor: the model and "
+            "these losses take tensors. Collate with return_tensors='pt' (or "
+            "dataset.with_format('torch')), or convert with torch.as_tensor."
+        )
+    if labels is None:
         raise ValueError(
             f"the batch has keys {sorted(batch)} but no '{key}' tensor; add the labels "
             "(-100 where nothing is scored)."
         )
-    return labels
-
-
-def _logits(outputs: object) -> torch.Tensor:
-    logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
-    if logits is None:
-        logits = getattr(outputs, "logits", None)
-    if logits is None and isinstance(outputs, tuple) and outputs:
-        logits = outputs[0]
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(
-            f"the model returned {type(outputs).__name__} without logits; call it yourself and "
-            "use gradaccum.hf.loss_from_logits."
-        )
-    return logits
+    return _as_long(labels)

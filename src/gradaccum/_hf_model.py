@@ -1,0 +1,87 @@
+"""What `gradaccum.hf` reads from a Hugging Face model: its inputs, logits and settings.
+
+Nothing here imports transformers or peft: the models are read through their attributes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = [
+    "accepts_keyword",
+    "logits_of",
+    "problem_type_of",
+    "virtual_tokens",
+    "with_decoder_inputs",
+]
+
+
+def accepts_keyword(model: torch.nn.Module, name: str) -> bool:
+    """Whether the forward of `model` (inside DDP, DataParallel or torch.compile) takes `name`.
+
+    A `**kwargs` forward counts as taking it: transformers' models and PEFT's wrappers pass
+    their keyword arguments on. A model of the user's own may take only its inputs.
+    """
+    inner: Any = model
+    while isinstance(getattr(inner, "module", None), torch.nn.Module):  # DDP, DataParallel
+        inner = inner.module
+    inner = getattr(inner, "_orig_mod", inner)  # torch.compile
+    try:
+        parameters = inspect.signature(inner.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: pass it, as before
+        return True
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def virtual_tokens(model: torch.nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> int:
+    """The positions PEFT prompt learning (prompt tuning, P-tuning) adds before each row."""
+    config = getattr(model, "active_peft_config", None)
+    if not getattr(config, "is_prompt_learning", False) or logits.dim() < 3:
+        return 0
+    extra = logits.shape[-2] - labels.shape[-1]
+    return extra if extra > 0 and extra == getattr(config, "num_virtual_tokens", None) else 0
+
+
+def with_decoder_inputs(
+    model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor
+) -> dict[str, Any]:
+    """`inputs` with the decoder's inputs made from `labels` as an encoder-decoder makes them."""
+    if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
+        return inputs
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if prepare is None:
+        raise ValueError(
+            f"{type(model).__name__} has no prepare_decoder_input_ids_from_labels; put "
+            "'decoder_input_ids' (the labels shifted right) in the batch."
+        )
+    return {**inputs, "decoder_input_ids": prepare(labels=labels)}
+
+
+def problem_type_of(model: torch.nn.Module) -> str | None:
+    """`model.config.problem_type`, or None when unset (the loss then infers it)."""
+    value = getattr(getattr(model, "config", None), "problem_type", None)
+    return value if isinstance(value, str) else None
+
+
+def logits_of(outputs: object) -> torch.Tensor:
+    """The logits of a model output: a `ModelOutput`, a mapping, a tuple led by them, or a tensor.
+
+    A tensor is the logits themselves, as a model of the user's own returns them.
+    """
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
+    if logits is None:
+        logits = getattr(outputs, "logits", None)
+    if logits is None and isinstance(outputs, tuple) and outputs:
+        logits = outputs[0]
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(
+            f"the model returned {type(outputs).__name__} without logits; call it yourself and "
+            "use gradaccum.hf.loss_from_logits."
+        )
+    return logits
