@@ -199,3 +199,52 @@ def test_a_batch_larger_than_the_training_set_is_refused_not_relabelled(tmp_path
     items = int(re.search(r"\((\d+) items\)", line).group(1))
     ok = ["train", "--task", "digits", "--batch-size", str(items), "--steps", "1"]
     assert main([*ok, "--out", str(tmp_path / "ok")]) == 0
+
+
+# (argv, what the one line must say): an unknown option is named by its command's parser
+UNKNOWN_OPTION_CASES = {
+    "misspelt train option": (
+        ["train", "--task", "digits", "--micro-batchsize", "4"],
+        "gradaccum train: error: unrecognized arguments: --micro-batchsize 4; did you mean "
+        "--micro-batch-size? (see 'gradaccum train --help')",
+    ),
+    "misspelt demo option with a value": (
+        ["demo", "--stpes=3"],
+        "gradaccum demo: error: unrecognized arguments: --stpes=3; did you mean --steps? "
+        "(see 'gradaccum demo --help')",
+    ),
+    "misspelt check option": (
+        ["check", "--task", "digits", "--dtypes", "float32"],
+        "gradaccum check: error: unrecognized arguments: --dtypes float32; did you mean --dtype? "
+        "(see 'gradaccum check --help')",
+    ),
+    "unknown compare option": (
+        ["compare", "--task", "digits", "--configs", "8x1", "--bogus"],
+        "gradaccum compare: error: unrecognized arguments: --bogus "
+        "(see 'gradaccum compare --help')",
+    ),
+    "stray plan argument": (
+        ["plan", "--task", "digits", "--memory-budget", "1GiB", "extra"],
+        "gradaccum plan: error: unrecognized arguments: extra (see 'gradaccum plan --help')",
+    ),
+    "unknown top-level option": (
+        ["--bogus"],
+        "gradaccum: error: unrecognized arguments: --bogus (see 'gradaccum --help')",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNKNOWN_OPTION_CASES))
+def test_an_unknown_option_names_its_command_help_and_the_closest_option(
+    tmp_path, capsys, monkeypatch, case
+):
+    """`gradaccum train --micro-batchsize 4` once said `gradaccum: error: unrecognized arguments:
+    --micro-batchsize 4 (see 'gradaccum --help')`: the top-level help, which lists no option of
+    train, and no hint of the option meant."""
+    argv, expected = UNKNOWN_OPTION_CASES[case]
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip().splitlines() == [expected]
+    assert list(tmp_path.iterdir()) == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import os
 import sys
@@ -54,6 +55,28 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"{__name__}.{name}")
         module.add_parser(subparsers).set_defaults(run=module.run)
     return parser
+
+
+def _refuse_unknown(
+    parser: argparse.ArgumentParser, command: str | None, unknown: list[str]
+) -> None:
+    """Exit 2 naming `unknown` arguments, from the command's own parser, with the closest option.
+
+    argparse reports an unknown option of `gradaccum train` from the top-level parser, as
+    `gradaccum: error: ... (see 'gradaccum --help')`, a page that lists no option of `train`; the
+    command's parser names its own help, and a misspelt option gets its likely spelling.
+    """
+    owner = parser
+    for group in parser._subparsers._group_actions if parser._subparsers else ():
+        owner = (getattr(group, "choices", None) or {}).get(command, owner)
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    options = [name for name in owner._option_string_actions if name.startswith("--")]
+    for token in unknown:
+        close = difflib.get_close_matches(token.split("=", 1)[0], options, n=1, cutoff=0.75)
+        if token.startswith("-") and close:
+            message += f"; did you mean {close[0]}?"
+            break
+    owner.error(message)
 
 
 def _join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
@@ -147,7 +170,9 @@ def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     argv = _join_dash_values(parser, list(sys.argv[1:] if argv is None else argv))
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            _refuse_unknown(parser, args.command, unknown)
     except SystemExit as exit_:  # argparse: --help, --version, or a usage error already printed
         if exit_.code is None:
             return 0
