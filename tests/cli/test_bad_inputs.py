@@ -193,7 +193,8 @@ def test_a_batch_larger_than_the_training_set_is_refused_not_relabelled(tmp_path
     argv = [command, "--task", "digits", *sizes, "--steps", "1", "--out", str(tmp_path / "o")]
     assert main(argv) == 2
     line = _one_line_error(capsys, command)
-    assert "--batch-size=5000 is larger than digits's training set" in line
+    said = "--batch-size=5000" if command == "train" else "config '5000x1': its batch of 5000"
+    assert f"{said} is larger than digits's training set" in line
     assert list(tmp_path.iterdir()) == []
     # Negative control: the whole set exactly is fine.
     items = int(re.search(r"\((\d+) items\)", line).group(1))

@@ -57,26 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _refuse_unknown(
-    parser: argparse.ArgumentParser, command: str | None, unknown: list[str]
-) -> None:
-    """Exit 2 naming `unknown` arguments, from the command's own parser, with the closest option.
-
-    argparse reports an unknown option of `gradaccum train` from the top-level parser, as
-    `gradaccum: error: ... (see 'gradaccum --help')`, a page that lists no option of `train`; the
-    command's parser names its own help, and a misspelt option gets its likely spelling.
-    """
-    owner = parser
-    for group in parser._subparsers._group_actions if parser._subparsers else ():
-        owner = (getattr(group, "choices", None) or {}).get(command, owner)
-    message = f"unrecognized arguments: {' '.join(unknown)}"
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None, args: list[str]) -> None:
+    """Exit 2 naming unknown `args`, the command's own --help and the closest option."""
+    commands = parser._subparsers._group_actions[0].choices if parser._subparsers else {}
+    owner = commands.get(command, parser)  # type: ignore[union-attr]
     options = [name for name in owner._option_string_actions if name.startswith("--")]
-    for token in unknown:
-        close = difflib.get_close_matches(token.split("=", 1)[0], options, n=1, cutoff=0.75)
-        if token.startswith("-") and close:
-            message += f"; did you mean {close[0]}?"
-            break
-    owner.error(message)
+    flags = [arg.split("=")[0] for arg in args if arg.startswith("-")]
+    close = [match for flag in flags for match in difflib.get_close_matches(flag, options, 1, 0.75)]
+    hint = f"; did you mean {close[0]}?" if close else ""
+    owner.error(f"unrecognized arguments: {' '.join(args)}{hint}")
 
 
 def _join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
