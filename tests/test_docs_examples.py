@@ -110,3 +110,14 @@ def test_every_test_the_docs_cite_exists() -> None:
             ):
                 missing.append(f"{page.name}: {match.group(1)}::{name}")
     assert missing == []
+
+
+def test_readme_lists_every_column_of_metrics_jsonl() -> None:
+    """README.md lists the columns of `gradaccum train`'s metrics.jsonl; it once left out
+    noise_scale, which every row has (null until the gradient noise scale is measured)."""
+    from tests.cli._helpers import METRIC_COLUMNS
+
+    readme = " ".join((DOCS.parent / "README.md").read_text("utf-8").split())
+    listed = re.search(r"`metrics\.jsonl` \(one line per optimizer step: ([^)]*)\)", readme)
+    assert listed is not None
+    assert {column for column in METRIC_COLUMNS if column not in listed.group(1)} == set()
