@@ -59,8 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None, args: list[str]) -> None:
     """Exit 2 naming unknown `args`, the command's own --help and the closest option."""
-    commands = parser._subparsers._group_actions[0].choices if parser._subparsers else {}
-    owner = commands.get(command, parser)  # type: ignore[union-attr]
+    owner = parser._subparsers._group_actions[0].choices.get(command, parser)  # type: ignore
     options = [name for name in owner._option_string_actions if name.startswith("--")]
     flags = [arg.split("=")[0] for arg in args if arg.startswith("-")]
     close = [match for flag in flags for match in difflib.get_close_matches(flag, options, 1, 0.75)]
