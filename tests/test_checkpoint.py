@@ -882,3 +882,26 @@ def test_load_takes_a_map_location_and_resumes_the_same(tmp_path: Path, where: A
     # Negative control: without the load the target's model is another one.
     with pytest.raises(AssertionError):
         assert_bitwise(clone_state(_model(1).state_dict()), _snapshot(source)[0])
+
+
+def test_a_folder_given_for_the_file_names_the_checkpoint_inside_changing_nothing(
+    tmp_path: Path,
+) -> None:
+    """`gradaccum train --init-from runs/d` (the run folder, not runs/d/checkpoint.pt) once said
+    only "no checkpoint at runs/d"; the error names the file to give, and nothing changes."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    _save(folder / "checkpoint.pt", _stepped())
+    run = _stepped(seed=1)
+    before = _snapshot(run)
+    expected = re.escape(f"it is a folder; give a checkpoint file, e.g. {folder / 'checkpoint.pt'}")
+    with pytest.raises(FileNotFoundError, match=expected):
+        load_checkpoint(folder, **run)
+    with pytest.raises(FileNotFoundError, match=expected):
+        load_model_weights(folder, run["model"])
+    assert_bitwise(_snapshot(run), before)
+    with pytest.raises(
+        FileNotFoundError, match="it is a folder; give a checkpoint file \\(folders"
+    ):
+        load_model_weights(tmp_path / "run" / "..", run["model"])  # holds no .pt file
+    load_checkpoint(folder / "checkpoint.pt", **run)  # control: the file itself loads

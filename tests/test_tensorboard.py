@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -82,3 +83,45 @@ def test_without_tensorboard_the_error_says_how_to_install(
     with pytest.raises(ImportError, match=r"pip install 'gradaccum\[tensorboard\]'"):
         TensorBoardLog(tmp_path / "tensorboard")
     assert not (tmp_path / "tensorboard").exists()
+
+
+_WRITE_AND_REPORT = """
+import sys
+from pathlib import Path
+{setup}
+with TensorBoardLog(Path(sys.argv[1])) as log:
+    log.log_step({{"step": 1, "loss": 2.5}})
+print("tensorflow" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(
+    ("setup", "imports_tensorflow"),
+    [
+        ("from gradaccum.experiments.tensorboard import TensorBoardLog", False),
+        # Negative control: torch's writer imported plainly pulls in all of TensorFlow.
+        (
+            "from torch.utils.tensorboard import SummaryWriter\n"
+            "from gradaccum.experiments.tensorboard import TensorBoardLog",
+            True,
+        ),
+    ],
+    ids=["ours", "plain-torch-import"],
+)
+def test_the_log_does_not_import_tensorflow_when_it_is_installed(
+    tmp_path: Path, setup: str, imports_tensorflow: bool
+) -> None:
+    """With TensorFlow installed too (the keras extra), `train --tensorboard` once imported it
+    through tensorboard.compat: about 15 s and TensorFlow's C++ log lines on stderr
+    ("oneDNN custom operations are on ..."), for event files tensorboard's stub writes alike."""
+    pytest.importorskip("tensorflow")
+    folder = tmp_path / "tensorboard"
+    script = _WRITE_AND_REPORT.format(setup=setup)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(folder)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(imports_tensorflow)
+    assert _scalars(folder) == {"train/loss": [(1, 2.5)]}
+    if not imports_tensorflow:
+        assert proc.stderr == ""

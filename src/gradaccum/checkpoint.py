@@ -249,6 +249,16 @@ def load_model_weights(
 
 def _read_payload(source: Path, map_location: Any = "cpu") -> dict[str, Any]:
     """The checked payload of a checkpoint file (format and version), never unpickling code."""
+    if source.is_dir():  # a run folder, or a sharded checkpoint, given for the file
+        inside = [str(p) for p in sorted(source.glob("*.pt")) if p.is_file()]
+        raise FileNotFoundError(
+            f"no checkpoint at {source}: it is a folder; give a checkpoint file"
+            + (
+                f", e.g. {inside[0]}"
+                if inside
+                else " (folders hold FSDP2 models' sharded checkpoints)"
+            )
+        )
     if not source.is_file():
         raise FileNotFoundError(f"no checkpoint at {source}")
     try:

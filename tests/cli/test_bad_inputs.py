@@ -193,9 +193,59 @@ def test_a_batch_larger_than_the_training_set_is_refused_not_relabelled(tmp_path
     argv = [command, "--task", "digits", *sizes, "--steps", "1", "--out", str(tmp_path / "o")]
     assert main(argv) == 2
     line = _one_line_error(capsys, command)
-    assert "--batch-size=5000 is larger than digits's training set" in line
+    said = "--batch-size=5000" if command == "train" else "config '5000x1': its batch of 5000"
+    assert f"{said} is larger than digits's training set" in line
     assert list(tmp_path.iterdir()) == []
     # Negative control: the whole set exactly is fine.
     items = int(re.search(r"\((\d+) items\)", line).group(1))
     ok = ["train", "--task", "digits", "--batch-size", str(items), "--steps", "1"]
     assert main([*ok, "--out", str(tmp_path / "ok")]) == 0
+
+
+# (argv, what the one line must say): an unknown option is named by its command's parser
+UNKNOWN_OPTION_CASES = {
+    "misspelt train option": (
+        ["train", "--task", "digits", "--micro-batchsize", "4"],
+        "gradaccum train: error: unrecognized arguments: --micro-batchsize 4; did you mean "
+        "--micro-batch-size? (see 'gradaccum train --help')",
+    ),
+    "misspelt demo option with a value": (
+        ["demo", "--stpes=3"],
+        "gradaccum demo: error: unrecognized arguments: --stpes=3; did you mean --steps? "
+        "(see 'gradaccum demo --help')",
+    ),
+    "misspelt check option": (
+        ["check", "--task", "digits", "--dtypes", "float32"],
+        "gradaccum check: error: unrecognized arguments: --dtypes float32; did you mean --dtype? "
+        "(see 'gradaccum check --help')",
+    ),
+    "unknown compare option": (
+        ["compare", "--task", "digits", "--configs", "8x1", "--bogus"],
+        "gradaccum compare: error: unrecognized arguments: --bogus "
+        "(see 'gradaccum compare --help')",
+    ),
+    "stray plan argument": (
+        ["plan", "--task", "digits", "--memory-budget", "1GiB", "extra"],
+        "gradaccum plan: error: unrecognized arguments: extra (see 'gradaccum plan --help')",
+    ),
+    "unknown top-level option": (
+        ["--bogus"],
+        "gradaccum: error: unrecognized arguments: --bogus (see 'gradaccum --help')",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNKNOWN_OPTION_CASES))
+def test_an_unknown_option_names_its_command_help_and_the_closest_option(
+    tmp_path, capsys, monkeypatch, case
+):
+    """`gradaccum train --micro-batchsize 4` once said `gradaccum: error: unrecognized arguments:
+    --micro-batchsize 4 (see 'gradaccum --help')`: the top-level help, which lists no option of
+    train, and no hint of the option meant."""
+    argv, expected = UNKNOWN_OPTION_CASES[case]
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip().splitlines() == [expected]
+    assert list(tmp_path.iterdir()) == []

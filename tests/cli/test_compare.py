@@ -214,6 +214,11 @@ def test_malformed_configs_exit_2_and_write_nothing_subprocess(tmp_path, configs
         (["--task", "digits", "--configs", "8x2", "--epochs", "1", "--steps", "2"], "not allowed"),
         (["--task", "digits", "--configs", "8x2", "--norm", "group"], "not available for"),
         (["--task", "digits"], "--task and --configs are required"),
+        (
+            ["--task", "digits", "--configs", "8x1", "500x4"],
+            "config '500x4': its batch of 2000 is larger than digits's training set (1438 items); "
+            "give configs of at most 1438 items per step",
+        ),
     ],
 )
 def test_bad_options_exit_2_and_write_nothing(tmp_path, capsys, args, message):
@@ -321,3 +326,24 @@ def test_compare_passes_bn_to_every_config(tmp_path):
         model = torch.load(out / config / "checkpoint.pt", weights_only=True)["model"]
         assert int(model["enc1.1.num_batches_tracked"]) == 1, config  # "micro": 2 for 8x2
     assert "pooled" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "configs",
+    [["8x1", "500x4"], ["8x1", "2000@4096t"], ["8x8", "64@50t"]],
+)
+def test_a_config_the_task_cannot_run_names_the_config_not_an_option_compare_lacks(
+    tmp_path, capsys, configs
+):
+    """`compare --configs 500x4` on digits once said `--batch-size=2000 is larger than digits's
+    training set ...; pass --batch-size 1438 or less`, and `64@50t` said `give --max-tokens 85 or
+    more`: options compare refuses. The message names the config and asks for another."""
+    task = "digits" if configs[1] == "500x4" else "charlm"
+    out = tmp_path / "cmp"
+    assert main(["compare", "--task", task, "--configs", *configs, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"gradaccum compare: error: config '{configs[1]}': ")
+    assert "--batch-size" not in err
+    assert "--max-tokens" not in err
+    assert len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []

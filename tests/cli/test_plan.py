@@ -134,3 +134,30 @@ def test_memory_budget_forms(text, expected):
 def test_a_negative_memory_budget_is_named(capsys):
     assert main(["plan", "--task", "digits", "--memory-budget", "-1GB"]) == 2
     assert "'-1GB' is negative" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "train_with"),
+    [
+        (
+            ["--norm", "group", "--precision", "bf16"],
+            "train with: gradaccum train --task shapes --batch-size 8 --norm group --precision "
+            "bf16 --micro-batch-size ",
+        ),
+        (["--precision", "fp16"], "--batch-size 8 --precision fp16 --micro-batch-size "),
+        ([], "train with: gradaccum train --task shapes --batch-size 8 --micro-batch-size "),
+        (["--optimizer", "sgd"], None),  # train steps AdamW: no train command fits this plan
+    ],
+)
+def test_the_train_command_is_the_setup_the_plan_measured(capsys, options, train_with):
+    """`plan --norm group --precision bf16` once printed `train with: gradaccum train --task shapes
+    --batch-size 8 --micro-batch-size M`: an fp32 BatchNorm model, not the one measured, whose
+    peak at M may not fit the budget; and an SGD plan suggested train, which steps AdamW."""
+    argv = ["plan", "--task", "shapes", "--batch-size", "8", "--memory-budget", "64MiB", *options]
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "train with" in line]
+    if train_with is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1
+        assert train_with in lines[0]

@@ -223,8 +223,12 @@ def test_max_tokens_cannot_change_a_resumed_run(tmp_path, capsys, trained):
         (["--task", "charlm", "--configs", "0@2048t"], "malformed config '0@2048t': write"),
         (["--task", "charlm", "--configs", "64@0t"], "malformed config '64@0t': write"),
         (["--task", "charlm", "--configs", "64@2048t", "64@2048t"], "given twice"),
-        (["--task", "charlm", "--configs", "8x8", "64@50t"], "give --max-tokens 85 or more"),
-        (["--task", "digits", "--configs", "8x8", "64@2048t"], "use it with --task charlm"),
+        (["--task", "charlm", "--configs", "8x8", "64@50t"],
+         "config '64@50t': 50 tokens is less than the longest training sequence (85 tokens), which "
+         "cannot be split across micro-batches; give a budget of 85 tokens or more, e.g. 64@85t"),
+        (["--task", "digits", "--configs", "8x8", "64@2048t"],
+         "config '64@2048t': a B@Nt config packs token sequences by length, and the digits task's "
+         "batches are not; use B@Nt with --task charlm, or MxK"),
         (["--task", "charlm", "--configs", "8x8", "--max-tokens", "2048"],
          "--max-tokens is not a compare option"),
     ],

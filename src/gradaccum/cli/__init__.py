@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import os
 import sys
@@ -54,6 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"{__name__}.{name}")
         module.add_parser(subparsers).set_defaults(run=module.run)
     return parser
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None, args: list[str]) -> None:
+    """Exit 2 naming unknown `args`, the command's own --help and the closest option."""
+    owner = parser._subparsers._group_actions[0].choices.get(command, parser)  # type: ignore
+    options = [name for name in owner._option_string_actions if name.startswith("--")]
+    flags = [arg.split("=")[0] for arg in args if arg.startswith("-")]
+    close = [match for flag in flags for match in difflib.get_close_matches(flag, options, 1, 0.75)]
+    hint = f"; did you mean {close[0]}?" if close else ""
+    owner.error(f"unrecognized arguments: {' '.join(args)}{hint}")
 
 
 def _join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
@@ -147,7 +158,9 @@ def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     argv = _join_dash_values(parser, list(sys.argv[1:] if argv is None else argv))
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            _refuse_unknown(parser, args.command, unknown)
     except SystemExit as exit_:  # argparse: --help, --version, or a usage error already printed
         if exit_.code is None:
             return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -172,8 +173,30 @@ def _open_pending(out: Path, configs: dict[str, TrainConfig]) -> dict[str, Train
         resume = (folder / CHECKPOINT_NAME).is_file()
         if folder.exists() and not resume:  # killed before its first checkpoint: start it again
             shutil.rmtree(folder)
-        sessions[label] = open_checked(config, folder, resume=resume)
+        try:
+            sessions[label] = open_checked(config, folder, resume=resume)
+        except UsageError as error:
+            raise UsageError(_in_config_terms(label, str(error))) from None
     return sessions
+
+
+_CONFIG_TERMS = {  # a run's check naming an option compare lacks -> said of the config instead
+    r"--batch-size=\d+ is larger than (.+?) \((\d+) items\)": "its batch of {b} is larger than "
+    "{0} ({1} items); give configs of at most {1} items per step",
+    r"--max-tokens=\d+ is less than (.+?); give --max-tokens (\d+)": "{t} tokens is less than "
+    "{0}; give a budget of {1} tokens or more, e.g. {b}@{1}t",
+    r"--max-tokens packs token sequences by length, and (the \w+ task's)": "a B@Nt config packs "
+    "token sequences by length, and {0} batches are not; use B@Nt with --task charlm, or MxK",
+}
+
+
+def _in_config_terms(label: str, message: str) -> str:
+    """`message`, if `_CONFIG_TERMS` knows it, said of the config `label`: the fix is a config."""
+    batch, _, tokens = parse_config(label)
+    for pattern, said in _CONFIG_TERMS.items():
+        if found := re.match(pattern, message):
+            return f"config {label!r}: " + said.format(*found.groups(), b=batch, t=tokens)
+    return message
 
 
 def _report(out: Path, base: TrainConfig, labels: list[str], threads: int) -> None:

@@ -87,9 +87,11 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"the plan could not be made: {error_summary(error)}") from error
     print(f"{PROG} plan: {target.label}, {args.optimizer}, {args.precision}")
     print(plan)
-    if target.task is not None:
+    if target.task is not None and args.optimizer == "adamw":  # train steps AdamW
+        same = " --norm group" if args.norm == "group" else ""  # the setup measured
+        same += f" --precision {args.precision}" if args.precision != "fp32" else ""
         print(
-            f"train with: {PROG} train --task {target.task} --batch-size {target.items} "
+            f"train with: {PROG} train --task {target.task} --batch-size {target.items}{same} "
             f"--micro-batch-size {plan.micro_batch_size}   (or --micro-batch-size auto "
             f"--memory-budget {args.memory_budget})"
         )

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
+import types
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -35,6 +37,27 @@ def _finite_number(value: Any) -> float | None:
         return None
     number = float(value)
     return number if math.isfinite(number) else None
+
+
+def _summary_writer() -> type[SummaryWriter]:
+    """`torch.utils.tensorboard.SummaryWriter`, imported without importing TensorFlow for it.
+
+    tensorboard reaches TensorFlow through `tensorboard.compat.tf`, which imports all of it when
+    it is installed (the keras extra): about 15 s and C++ log lines on stderr, for event files
+    that tensorboard's own stub writes the same. A module named `tensorboard.compat.notf` selects
+    the stub; it exists only while the writer is imported, and not when TensorFlow is already
+    imported (then it costs nothing).
+    """
+    marker = "tensorboard.compat.notf"
+    stub = "tensorflow" not in sys.modules and marker not in sys.modules
+    if stub:
+        sys.modules[marker] = types.ModuleType(marker)
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    finally:
+        if stub:
+            del sys.modules[marker]
+    return SummaryWriter
 
 
 class TensorBoardLog:
@@ -58,7 +81,7 @@ class TensorBoardLog:
 
     def __init__(self, folder: Path) -> None:
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            SummaryWriter = _summary_writer()  # noqa: N806 - the class, named as torch names it
         except ImportError as error:
             raise ImportError(
                 "TensorBoard logging needs tensorboard, which is not installed; "
