@@ -233,8 +233,9 @@ class DDPSync(_DistributedSync):
         if self._native and self.averaged_over > 1:
             self._native = False
 
-    def check_resume(self, open_window: bool) -> None:
-        """Refuse to continue a saved open window before a static graph's first (native) one."""
+    def check_resume(self, open_window: bool, origin: Sequence[int] | None = None) -> None:
+        """Refuse another rank's open window, or one before a static graph's first window."""
+        super().check_resume(open_window, origin)
         if self._native and open_window:
             raise ValueError(
                 "a DistributedDataParallel(static_graph=True) model must synchronize its first "

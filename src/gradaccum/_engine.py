@@ -377,13 +377,14 @@ class Engine:
             "precision": self.runtime.state_dict(),
             "batchnorm_mode": self.batchnorm.mode.value,
             "batchnorm": self.batchnorm.state_dict(),
+            "origin": [self.sync.rank, self.sync.world],  # whose open window this is
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Check every component's state first, then restore them; raise changing nothing."""
         self.batchnorm.check_mode(state.get("batchnorm_mode"))
         params, held = window_parameters(self._model_params, self.optimizer)
-        self.sync.check_resume(bool(state["window"].get("micro_batches")))
+        self.sync.check_resume(bool(state["window"].get("micro_batches")), state.get("origin"))
         self.window.check_state(state["window"], params)
         self.runtime.check_state(state["precision"], len(params))
         self.batchnorm.load_state_dict(state["batchnorm"])  # checks, then loads
