@@ -149,7 +149,7 @@ class Accumulator:
             optimizer,
             normalize=self.normalize,
             runtime=runtime,
-            sync=grad_sync_for(model, policy),
+            sync=grad_sync_for(model, policy, trains=True),
             batchnorm=BatchNormControl(model, batchnorm),
             batch_dim=self.batch_dim,
         )

@@ -654,3 +654,42 @@ def test_a_compiled_ddp_model_is_reduced_once_per_window_exactly(tmp_path: Path)
             torch.testing.assert_close(outcome.result["params"][name], value, **EXACT, msg=name)
     # NEGATIVE CONTROL: the mean of the two ranks' own means (DDP's averaging) is elsewhere.
     assert window0_gradient(per_rank_mean=True).sub(window0_gradient(False)).abs().max() > 1e-3
+
+
+def unwrapped_model_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """`Accumulator(ddp.module, ...)`: a slip that reduces nothing. The user is warned once (the
+    DDP wrapper itself is not warned about), and the replicas do drift apart (the control)."""
+    import warnings
+
+    ddp = DistributedDataParallel(make_net())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Accumulator(ddp, make_optimizer(ddp.parameters()), micro_batch_size=MICRO)
+        wrapped = [str(w.message) for w in caught]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc = Accumulator(ddp.module, make_optimizer(ddp.parameters()), micro_batch_size=MICRO)
+        for window in range(WINDOWS):
+            acc.step(rank_batch(window, rank), masked_loss)
+        unwrapped = [str(w.message) for w in caught if "not wrapped" in str(w.message)]
+    flat = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    return {
+        "wrapped": wrapped,
+        "unwrapped": unwrapped,
+        "drift": float((gathered[0] - gathered[1]).abs().max()),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_model_not_wrapped_for_its_ranks_is_warned_about_once(tmp_path: Path) -> None:
+    outcomes = spawn_ranks(unwrapped_model_worker, tmp_path, timeout=90.0, pg_timeout=20.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    for outcome in outcomes:
+        assert outcome.result["wrapped"] == []
+        assert len(outcome.result["unwrapped"]) == 1, outcome.result["unwrapped"]
+        message = outcome.result["unwrapped"][0]
+        assert "2 ranks" in message
+        assert "not ddp.module" in message
+        assert outcome.result["drift"] > 1e-3  # control: the slip really leaves replicas apart
