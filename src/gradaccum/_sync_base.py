@@ -111,6 +111,7 @@ class GradSync:
     defers = False  # whether the backend holds unreduced sums until a synchronized backward
     joins_flush = False  # whether a rank with no open window joins `flush()`'s exchange (DDP)
     flushing = False  # set while `flush()` closes a window (ranks must all be flushing)
+    tokens = False  # set by `flush()` for `Tokens` windows, which sum counts per micro-batch
 
     def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
         """The context a micro-batch's forward and backward run in."""

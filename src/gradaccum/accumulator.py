@@ -288,6 +288,7 @@ class Accumulator:
             engine.discard_window()
             return result
         sync.flushing, empty = True, self.empty_windows  # vs a full window: every rank raises
+        sync.tokens = isinstance(self.accumulation_steps, Tokens)  # vs a micro-batch's count sum
         result = self._close(window.largest_micro_batch)  # the window's end resets `flushing`
         if result.micro_batches or result.stepped or result.count:
             return result

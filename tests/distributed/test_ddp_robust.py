@@ -693,3 +693,48 @@ def test_a_model_not_wrapped_for_its_ranks_is_warned_about_once(tmp_path: Path) 
         assert "2 ranks" in message
         assert "not ddp.module" in message
         assert outcome.result["drift"] > 1e-3  # control: the slip really leaves replicas apart
+
+
+def tokens_flush_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """`Tokens` windows: rank 0's stream holds 4 micro-batches, rank 1's 3, then `flush()`.
+    Rank 0's 4th micro-batch sums the window's counts over ranks while rank 1 flushes: before
+    the fix the two collectives never met, and both ranks waited for the process group's
+    timeout (a gloo error naming no cause)."""
+    import time
+
+    from gradaccum import Tokens
+
+    ddp = DistributedDataParallel(make_net())
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.05, weight_decay=0.1)
+    acc = Accumulator(ddp, optimizer, accumulation_steps=Tokens(1000))
+    params = [p.detach().clone() for p in ddp.parameters()]
+    batch = rank_batch(0, 0)
+    started, error = time.monotonic(), None
+    try:
+        for index in range(4 if rank == 0 else 3):
+            acc.micro_step({k: v[index : index + 1] for k, v in batch.items()}, masked_loss)
+        acc.flush()
+    except RankMismatchError as caught:
+        error = str(caught)
+    unchanged = all(torch.equal(a, b) for a, b in zip(params, ddp.parameters(), strict=True))
+    grads = [p.grad is None for p in ddp.parameters()]
+    return {
+        "error": error,
+        "seconds": time.monotonic() - started,
+        "unchanged": unchanged and not optimizer.state and all(grads),
+        "open": acc._engine.window.is_open,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_tokens_stream_flushed_early_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    outcomes = spawn_ranks(tokens_flush_worker, tmp_path, timeout=90.0, pg_timeout=30.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    for outcome in outcomes:
+        result = outcome.result
+        assert result["error"] is not None, "no rank may step a mismatched window"
+        assert "1 of 2 ranks called flush()" in result["error"]
+        assert "same number of micro_step() calls" in result["error"]
+        assert result["seconds"] < 15.0  # told at once, not at the 30 s process-group timeout
+        assert result["unchanged"]
+        assert not result["open"]
