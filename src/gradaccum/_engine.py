@@ -20,6 +20,7 @@ from gradaccum import _boundary
 from gradaccum._agreement import RankMismatchError
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
 from gradaccum._commit import SchedulerSteps, refuse_steps_inside, step_optimizer, try_scheduler
+from gradaccum._engine_state import restore_components
 from gradaccum._oom import rng_states, set_rng_states
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
 from gradaccum._sync_base import NO_CONTEXT
@@ -314,7 +315,9 @@ class Engine:
 
     def discard_window(self) -> None:
         """Drop an open window on purpose (`flush()` with "drop"), every rank alike."""
-        try:
+        try:  # DDP: the flush's exchange, where a rank closing a full window makes all raise
+            if self.sync.flushing and self.sync.joins_flush:
+                self._exchange(rank_summary(self.window, self.runtime, self.sync))
             self._settle()
         finally:
             self._forget_window()
@@ -383,18 +386,9 @@ class Engine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Check every component's state first, then restore them; raise changing nothing."""
-        self.batchnorm.check_mode(state.get("batchnorm_mode"))
         params, held = window_parameters(self._model_params, self.optimizer)
-        self.sync.check_resume(bool(state["window"].get("micro_batches")), state.get("origin"))
-        self.window.check_state(state["window"], params)
-        self.runtime.check_state(state["precision"], len(params))
-        self.batchnorm.load_state_dict(state["batchnorm"])  # checks, then loads
-        self.window.load_state_dict(state["window"], params, held)
-        self.runtime.open_window(len(params))
-        self.runtime.load_state_dict(state["precision"], params)
-        if len(self.runtime.buffers) != len(params):
-            self.runtime.open_window(len(params))
-        self.batchnorm.open_window()
+        window, runtime, batchnorm, sync = self.window, self.runtime, self.batchnorm, self.sync
+        restore_components(state, window, runtime, batchnorm, sync, params=params, held=held)
         self._end()
         self.broken = None  # the caller restored a consistent state
         self.schedule.forget()  # and may have moved the scheduler on purpose

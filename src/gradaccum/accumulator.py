@@ -277,18 +277,18 @@ class Accumulator:
         engine = self._engine
         window, sync = engine.window, engine.sync
         step, carry = (self.partial_window is m for m in (PartialWindow.STEP, PartialWindow.CARRY))
-        if carry or not (window.is_open or (step and sync.joins_flush)):
+        if carry or not (window.is_open or sync.joins_flush):
             return self._pending()
         if window.is_open:
             engine.check_gradients_untouched()
-        else:  # DDP: join the ranks whose data left a partial window
+        else:  # DDP: join the ranks whose data left a partial window ("drop": and discard it)
             engine.run_window([], lambda model, batch: model(batch), window_items=0, size=[])
-        if not step:
-            result = self._pending()
-            engine.discard_window()
-            return result
         sync.flushing, empty = True, self.empty_windows  # vs a full window: every rank raises
         sync.tokens = isinstance(self.accumulation_steps, Tokens)  # vs a micro-batch's count sum
+        if not step:
+            result = self._pending()
+            engine.discard_window()  # DDP: after the flush's exchange
+            return result
         result = self._close(window.largest_micro_batch)  # the window's end resets `flushing`
         if result.micro_batches or result.stepped or result.count:
             return result

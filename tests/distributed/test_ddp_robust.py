@@ -738,3 +738,59 @@ def test_a_tokens_stream_flushed_early_on_one_rank_raises_on_every_rank(tmp_path
         assert result["seconds"] < 15.0  # told at once, not at the 30 s process-group timeout
         assert result["unchanged"]
         assert not result["open"]
+
+
+def _drop_stream(rank: int, lengths: tuple[int, int], flush: bool) -> dict[str, Any]:
+    """`partial_window="drop"`, 2 micro-batches per window; this rank streams `lengths[rank]`."""
+    ddp = DistributedDataParallel(make_net())
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.05, weight_decay=0.1)
+    acc = Accumulator(ddp, optimizer, accumulation_steps=2, partial_window="drop")
+    batch, error, before = rank_batch(0, rank), None, None
+    try:
+        for index in range(lengths[rank]):
+            if index % 2 == 0:
+                before = [p.detach().clone() for p in ddp.parameters()]
+            acc.micro_step({k: v[index : index + 1] for k, v in batch.items()}, masked_loss)
+        if flush:
+            acc.flush()
+    except RankMismatchError as caught:
+        error = str(caught)
+    params = [p.detach().clone() for p in ddp.parameters()]
+    unchanged = before is not None and all(
+        torch.equal(a, b) for a, b in zip(before, params, strict=True)
+    )
+    grads_none = all(p.grad is None for p in ddp.parameters())
+    return {"error": error, "params": params, "unchanged": unchanged, "grads_none": grads_none}
+
+
+def drop_flush_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """Streams of 4 and 3 micro-batches (rank 1's data ends first), then 4 and 5 and 3 and 3
+    (every rank flushes together), against runs without the partial windows at all."""
+    return {
+        "mismatch": _drop_stream(rank, (4, 3), flush=True),
+        "boundary": _drop_stream(rank, (4, 5), flush=True),
+        "boundary_control": _drop_stream(rank, (4, 4), flush=False),
+        "even": _drop_stream(rank, (3, 3), flush=True),
+        "even_control": _drop_stream(rank, (2, 2), flush=False),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_dropping_flush_meets_the_other_ranks_exchange(tmp_path: Path) -> None:
+    """Before the fix `partial_window="drop"` discarded the window locally: rank 0's last full
+    window exchanged with rank 1's NEXT window (the next epoch's, silently), or waited."""
+    outcomes = spawn_ranks(drop_flush_worker, tmp_path, timeout=90.0, pg_timeout=20.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    for outcome in outcomes:
+        runs = outcome.result
+        assert runs["mismatch"]["error"] is not None
+        assert "rank 1 called flush()" in runs["mismatch"]["error"]
+        assert runs["mismatch"]["unchanged"]
+        assert runs["mismatch"]["grads_none"]
+        for name in ("boundary", "even"):
+            assert runs[name]["error"] is None
+            assert runs[name]["grads_none"]
+            for got, want in zip(
+                runs[name]["params"], runs[f"{name}_control"]["params"], strict=True
+            ):
+                assert torch.equal(got, want), name
