@@ -1323,3 +1323,55 @@ def test_ctrl_c_at_every_stage_of_the_boundary_changes_nothing(
     _drive(acc, drive, _batch(3))
     _drive(twin_acc, drive, _batch(3))
     assert_bitwise(clone_state(model.state_dict()), clone_state(twin[0].state_dict()))
+
+
+class _PeerGoneSync(LocalSync):
+    """One process posing as rank 0 of 2 whose peer cannot be told of a failure.
+
+    Telling the others that a window failed is itself a collective; it raises when a peer is
+    gone or waits inside another collective (DDP's own reduction in a `static_graph=True`
+    model's first window, seen on 2 gloo ranks: a timeout). Everything else runs as one process.
+    """
+
+    world = 2
+
+    def exchange(self, mine: Any) -> Any:
+        if mine.failed:
+            raise RuntimeError("Connection closed by peer")
+        return super().exchange(mine)
+
+    def sum_over_ranks(self, value: int) -> int:
+        if value < 0:  # FAILED_COUNT: a Tokens window's failure notice
+            raise RuntimeError("Connection closed by peer")
+        return value
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step", "tokens"])
+def test_a_failure_notice_that_fails_still_raises_the_own_error_and_forgets_the_window(
+    drive: str,
+) -> None:
+    """Before the fix the notice's collective error replaced the rank's own error and the window
+    stayed open: the next `step()` said a streaming window held micro-batches."""
+    steps: Any = gradaccum.Tokens(100) if drive == "tokens" else 3
+    model, optimizer, scheduler, acc = _setup(accumulation_steps=steps)
+    _warm_up(acc)
+    acc._engine.sync = _PeerGoneSync()
+    before = _everything(model, optimizer, scheduler)
+    failing = _failing_at(1, ValueError("boom"))
+
+    def run_window() -> None:
+        if drive == "step":
+            acc.step(_batch(2), failing)
+            return
+        x, y = _batch(2)
+        for start in range(0, 9, 3):
+            acc.micro_step((x[start : start + 3], y[start : start + 3]), failing)
+
+    with (
+        pytest.raises(ValueError, match="boom"),
+        pytest.warns(RuntimeWarning, match="could not tell the other ranks"),
+    ):
+        run_window()
+    assert not acc._engine.window.is_open
+    assert_bitwise(_everything(model, optimizer, scheduler), before)
+    assert acc.step(_batch(3), mse_loss).stepped  # and the next window runs

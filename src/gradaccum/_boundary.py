@@ -23,12 +23,21 @@ import operator
 
 import torch
 
-from gradaccum._agreement import RankSummary, WindowAgreement
+from gradaccum._agreement import FAILED, OUT_OF_MEMORY, RankSummary, WindowAgreement
+from gradaccum._oom import is_out_of_memory
+from gradaccum._sync_base import FAILED_COUNT
+from gradaccum._warnings import warn_user
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.sync import GradSync
 from gradaccum.window import Window
 
-__all__ = ["held_gradients", "nonfinite_names", "rank_summary", "reduced_gradients"]
+__all__ = [
+    "announce_failure",
+    "held_gradients",
+    "nonfinite_names",
+    "rank_summary",
+    "reduced_gradients",
+]
 
 _IS_SPARSE = operator.attrgetter("is_sparse")
 
@@ -56,6 +65,38 @@ def rank_summary(
         has_grad=has_grad,
         terms=() if ledger is None else ledger.summary(),
     )
+
+
+def announce_failure(
+    window: Window,
+    runtime: PrecisionRuntime,
+    sync: GradSync,
+    error: BaseException,
+    rerun: bool,
+    tokens: bool,
+) -> None:
+    """Tell the other ranks (DDP) that this rank's window raised `error`, at their next collective.
+
+    `rerun`: an out-of-memory error is announced as such (every rank reruns the window smaller).
+    `tokens`: they sum their counts next (a `Tokens` window); else they exchange. The notice may
+    fail itself: a peer is gone, or waits inside another collective (a static graph's first
+    window reduces inside its backwards). The window's own error is what this rank must still
+    raise, and its window must still be forgotten, so that failure is only warned about.
+    """
+    try:
+        if tokens:
+            sync.sum_over_ranks(FAILED_COUNT)
+        else:
+            kind = OUT_OF_MEMORY if rerun and is_out_of_memory(error) else FAILED
+            sync.exchange(rank_summary(window, runtime, sync, failed=kind))
+    except Exception as notice:  # a collective's failure; the caller re-raises the real error
+        warn_user(
+            RuntimeWarning(
+                "gradaccum could not tell the other ranks that this rank's accumulation window "
+                f"failed ({type(notice).__name__}: {notice}); they fail at their next "
+                "collective or at the process group's timeout."
+            )
+        )
 
 
 def reduced_gradients(

@@ -43,6 +43,8 @@ class _DistributedSync(GradSync):
             RankMismatchError: If ranks scaled their gradients differently or ran different
                 numbers of micro-batches; the message lists every rank's figures.
         """
+        if self.flushing and self.tokens and self.joins_flush:  # DDP: others may be inside
+            self.sum_over_ranks(0, flushing=True)  # a Tokens micro-batch's count sum: meet it
         head = [
             mine.count,
             mine.loss_sum,
@@ -83,20 +85,34 @@ class _DistributedSync(GradSync):
         """Whether ranks may run different numbers of micro-batches in one window."""
         return False
 
-    def sum_over_ranks(self, value: int) -> int:
-        """`value` summed over ranks: one all-reduce of one number.
+    def sum_over_ranks(self, value: int, *, flushing: bool = False) -> int:
+        """`value` summed over ranks: one all-reduce of (value, failed, flushing).
+
+        Args:
+            value: This rank's number, or `FAILED_COUNT` (its micro-batch raised).
+            flushing: This rank is in `flush()` (a `Tokens` stream ended), not in a micro-batch.
 
         Raises:
-            RankMismatchError: If a rank sent `FAILED_COUNT` (its micro-batch raised).
+            RankMismatchError: If a rank sent `FAILED_COUNT`, or some ranks but not all flush.
         """
-        tensor = torch.tensor([value], dtype=torch.int64, device=device_for(self.group))
+        mine = [value, int(value == FAILED_COUNT), int(flushing)]
+        tensor = torch.tensor(mine, dtype=torch.int64, device=device_for(self.group))
         dist.all_reduce(tensor, group=self.group)
-        if value != FAILED_COUNT and int(tensor.item()) < 0:
+        total, failed, flushers = (int(v) for v in tensor.tolist())
+        if failed and value != FAILED_COUNT:
             raise RankMismatchError(
                 "another rank raised inside this accumulation window (see its own traceback); "
                 "the window was discarded on every rank, and nothing was stepped."
             )
-        return int(tensor.item())
+        if 0 < flushers < self.world:
+            raise RankMismatchError(
+                f"{flushers} of {self.world} ranks called flush() (their data ended) while the "
+                "others ran another micro_step() in a Tokens window: the ranks hold different "
+                "numbers of micro-batches. The window was discarded on every rank. Give every "
+                "rank the same number of micro_step() calls per epoch (DistributedSampler pads "
+                "its shards unless drop_last=True)."
+            )
+        return total
 
     def _gather_plans(self, micro_batches: int, first_items: int) -> list[tuple[int, int]]:
         """Every rank's planned micro-batches and first micro-batch size: one tiny all-gather."""
@@ -233,8 +249,9 @@ class DDPSync(_DistributedSync):
         if self._native and self.averaged_over > 1:
             self._native = False
 
-    def check_resume(self, open_window: bool) -> None:
-        """Refuse to continue a saved open window before a static graph's first (native) one."""
+    def check_resume(self, open_window: bool, origin: Sequence[int] | None = None) -> None:
+        """Refuse another rank's open window, or one before a static graph's first window."""
+        super().check_resume(open_window, origin)
         if self._native and open_window:
             raise ValueError(
                 "a DistributedDataParallel(static_graph=True) model must synchronize its first "

@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 
+from gradaccum import _boundary
 from gradaccum._agreement import RankMismatchError
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
 from gradaccum._commit import SchedulerSteps, refuse_steps_inside, step_optimizer, try_scheduler
-from gradaccum._oom import is_out_of_memory, rng_states, set_rng_states
+from gradaccum._engine_state import restore_components
+from gradaccum._oom import rng_states, set_rng_states
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
-from gradaccum._sync_base import FAILED_COUNT, NO_CONTEXT
+from gradaccum._sync_base import NO_CONTEXT
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, on_device, slice_batch, to_device
 from gradaccum.batchnorm import BatchNormControl
@@ -31,7 +33,7 @@ from gradaccum.norms import clip_, total_norm
 from gradaccum.options import Normalize
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.result import learning_rate
-from gradaccum.sync import FAILED, OUT_OF_MEMORY, FSDP2Sync, GradSync, RankSummary, WindowAgreement
+from gradaccum.sync import FSDP2Sync, GradSync, RankSummary, WindowAgreement
 from gradaccum.telemetry import TelemetryMeter
 from gradaccum.window import LossFn, Outcome, Window, window_parameters
 
@@ -315,7 +317,9 @@ class Engine:
 
     def discard_window(self) -> None:
         """Drop an open window on purpose (`flush()` with "drop"), every rank alike."""
-        try:
+        try:  # DDP: the flush's exchange, where a rank closing a full window makes all raise
+            if self.sync.flushing and self.sync.joins_flush:
+                self._exchange(rank_summary(self.window, self.runtime, self.sync))
             self._settle()
         finally:
             self._forget_window()
@@ -345,13 +349,13 @@ class Engine:
 
     def _fail(self, error: BaseException, *, rerun: bool = True) -> None:
         """A window raised: tell the other ranks (DDP) at their next collective; forget it."""
-        ddp = self.sync.world > 1 and not self._fsdp and not isinstance(error, RankMismatchError)
-        if ddp and self._next_sum:  # a `Tokens` window: the others sum their counts next
-            self.sync.sum_over_ranks(FAILED_COUNT)
-        elif ddp and not self._exchanged:
-            kind = OUT_OF_MEMORY if rerun and is_out_of_memory(error) else FAILED
-            self._exchange(rank_summary(self.window, self.runtime, self.sync, failed=kind))
-        self._forget_window(error)
+        window, runtime, sync = self.window, self.runtime, self.sync
+        ddp = sync.world > 1 and not self._fsdp and not isinstance(error, RankMismatchError)
+        try:  # `Tokens` windows: the others sum their counts next; else they exchange
+            if ddp and (self._next_sum or not self._exchanged):
+                _boundary.announce_failure(window, runtime, sync, error, rerun, self._next_sum)
+        finally:  # even if the notice failed, the window must not stay open
+            self._forget_window(error)
 
     def _forget_window(self, error: BaseException | None = None) -> None:
         """Put back everything the window touched: grads, buffers, BatchNorm, (rerun) RNG."""
@@ -379,22 +383,14 @@ class Engine:
             "precision": self.runtime.state_dict(),
             "batchnorm_mode": self.batchnorm.mode.value,
             "batchnorm": self.batchnorm.state_dict(),
+            "origin": [self.sync.rank, self.sync.world],  # whose open window this is
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Check every component's state first, then restore them; raise changing nothing."""
-        self.batchnorm.check_mode(state.get("batchnorm_mode"))
         params, held = window_parameters(self._model_params, self.optimizer)
-        self.sync.check_resume(bool(state["window"].get("micro_batches")))
-        self.window.check_state(state["window"], params)
-        self.runtime.check_state(state["precision"], len(params))
-        self.batchnorm.load_state_dict(state["batchnorm"])  # checks, then loads
-        self.window.load_state_dict(state["window"], params, held)
-        self.runtime.open_window(len(params), params)
-        self.runtime.load_state_dict(state["precision"], params)
-        if len(self.runtime.buffers) != len(params):
-            self.runtime.open_window(len(params), params)
-        self.batchnorm.open_window()
+        window, runtime, batchnorm, sync = self.window, self.runtime, self.batchnorm, self.sync
+        restore_components(state, window, runtime, batchnorm, sync, params=params, held=held)
         self._end()
         self.broken = None  # the caller restored a consistent state
         self.schedule.forget()  # and may have moved the scheduler on purpose

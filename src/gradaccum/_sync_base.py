@@ -105,11 +105,13 @@ class GradSync:
     """The single-process strategy, and the interface every backend implements."""
 
     world = 1
+    rank = 0
     averaged_over = 1  # what the backend's own reduction divides the summed gradient by
     syncs_last_backward = False  # whether the last backward itself reduces gradients
     defers = False  # whether the backend holds unreduced sums until a synchronized backward
     joins_flush = False  # whether a rank with no open window joins `flush()`'s exchange (DDP)
     flushing = False  # set while `flush()` closes a window (ranks must all be flushing)
+    tokens = False  # set by `flush()` for `Tokens` windows, which sum counts per micro-batch
 
     def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
         """The context a micro-batch's forward and backward run in."""
@@ -157,8 +159,24 @@ class GradSync:
     def forget_window(self) -> None:
         """A window is forgotten: undo what the backend holds for it."""
 
-    def check_resume(self, open_window: bool) -> None:
-        """Raise ValueError if a saved window cannot continue on this backend."""
+    def check_resume(self, open_window: bool, origin: Sequence[int] | None = None) -> None:
+        """Raise ValueError if a saved window cannot continue on this backend or rank.
+
+        An open window holds the partial gradients and counts of the rank that saved it
+        (`origin`: its rank and world size; None in states saved before it was recorded):
+        continuing it on another rank, or with another number of ranks, would count that
+        rank's items twice and lose this one's, a silently wrong step.
+        """
+        if not open_window or origin is None or tuple(origin) == (self.rank, self.world):
+            return
+        saved_rank, saved_world = origin
+        raise ValueError(
+            f"this Accumulator state holds an open window saved on rank {saved_rank} of "
+            f"{saved_world}, whose partial gradients and counts are that rank's own; it cannot "
+            f"continue on rank {self.rank} of {self.world}. Save a checkpoint from every rank "
+            "to its own file (e.g. f'ckpt-rank{rank}.pt') and load each rank's own, or save at "
+            "a window boundary (after a step), where every rank's state is the same."
+        )
 
     def sync_buffers(self) -> None:
         """A step was taken on every rank: make the module's buffers equal over ranks."""

@@ -150,7 +150,7 @@ class Accumulator:
             optimizer,
             normalize=self.normalize,
             runtime=runtime,
-            sync=grad_sync_for(model, policy),
+            sync=grad_sync_for(model, policy, trains=True),
             batchnorm=BatchNormControl(model, batchnorm),
             batch_dim=self.batch_dim,
         )
@@ -280,22 +280,22 @@ class Accumulator:
             `"step"`: the step over the items seen; `"drop"`: a result with `stepped=False`
             after discarding them; `"carry"`: the open window's progress, kept for later.
         """
-        chosen = self.partial_window if partial_window is None else partial_window
-        mode = parse(PartialWindow, chosen, "partial_window")
+        mode = parse(PartialWindow, partial_window or self.partial_window, "partial_window")
         engine = self._engine
         window, sync = engine.window, engine.sync
         step, carry = (mode is m for m in (PartialWindow.STEP, PartialWindow.CARRY))
-        if carry or not (window.is_open or (step and sync.joins_flush)):
+        if carry or not (window.is_open or sync.joins_flush):
             return self._pending()
         if window.is_open:
             engine.check_gradients_untouched()
-        else:  # DDP: join the ranks whose data left a partial window
+        else:  # DDP: join the ranks whose data left a partial window ("drop": and discard it)
             engine.run_window([], lambda model, batch: model(batch), window_items=0, size=[])
+        sync.flushing, empty = True, self.empty_windows  # vs a full window: every rank raises
+        sync.tokens = isinstance(self.accumulation_steps, Tokens)  # vs a micro-batch's count sum
         if not step:
             result = self._pending()
-            engine.discard_window()
+            engine.discard_window()  # DDP: after the flush's exchange
             return result
-        sync.flushing, empty = True, self.empty_windows  # vs a full window: every rank raises
         result = self._close(window.largest_micro_batch)  # the window's end resets `flushing`
         if result.micro_batches or result.stepped or result.count:
             return result

@@ -52,6 +52,7 @@ from gradaccum._sync_base import (
     uncompiled,
     world_size,
 )
+from gradaccum._warnings import warn_user
 from gradaccum.options import SyncPolicy
 
 __all__ = [
@@ -75,13 +76,34 @@ __all__ = [
 ]
 
 
-def grad_sync_for(model: torch.nn.Module, policy: SyncPolicy = SyncPolicy.WINDOW) -> GradSync:
+def grad_sync_for(
+    model: torch.nn.Module, policy: SyncPolicy = SyncPolicy.WINDOW, *, trains: bool = False
+) -> GradSync:
     """The strategy for `model`: FSDP2, DDP, or local (also for a wrapper on one rank).
+
+    Args:
+        model: The model, wrapped or not.
+        policy: FSDP2's sync policy.
+        trains: The strategy is for training steps (an `Accumulator`), not a probe: warn if
+            several ranks run but `model` reduces nothing over them.
 
     Raises:
         ValueError: For `SyncPolicy.MICRO` on a DDP model (it holds full gradients anyway).
     """
     group, model = process_group(model), uncompiled(model)  # torch.compile(DDP(...)): the DDP
+    if group is None and trains and dist.is_available() and dist.is_initialized():
+        ranks = dist.get_world_size()
+        if ranks > 1:  # e.g. ddp.module handed over instead of ddp: silently drifting replicas
+            warn_user(
+                UserWarning(
+                    f"torch.distributed runs {ranks} ranks, but the model given to the "
+                    "Accumulator is not wrapped in DistributedDataParallel or fully_shard, so "
+                    "no gradient is reduced over ranks: each rank steps on its own data alone "
+                    "and the replicas drift apart. Pass the DistributedDataParallel wrapper "
+                    "itself (not ddp.module); if every rank trains its own model on purpose, "
+                    "ignore this warning."
+                )
+            )
     if group is None or dist.get_world_size(group) == 1:
         return LocalSync()
     if is_fsdp(model):

@@ -654,3 +654,143 @@ def test_a_compiled_ddp_model_is_reduced_once_per_window_exactly(tmp_path: Path)
             torch.testing.assert_close(outcome.result["params"][name], value, **EXACT, msg=name)
     # NEGATIVE CONTROL: the mean of the two ranks' own means (DDP's averaging) is elsewhere.
     assert window0_gradient(per_rank_mean=True).sub(window0_gradient(False)).abs().max() > 1e-3
+
+
+def unwrapped_model_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """`Accumulator(ddp.module, ...)`: a slip that reduces nothing. The user is warned once (the
+    DDP wrapper itself is not warned about), and the replicas do drift apart (the control)."""
+    import warnings
+
+    ddp = DistributedDataParallel(make_net())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Accumulator(ddp, make_optimizer(ddp.parameters()), micro_batch_size=MICRO)
+        wrapped = [str(w.message) for w in caught]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc = Accumulator(ddp.module, make_optimizer(ddp.parameters()), micro_batch_size=MICRO)
+        for window in range(WINDOWS):
+            acc.step(rank_batch(window, rank), masked_loss)
+        unwrapped = [str(w.message) for w in caught if "not wrapped" in str(w.message)]
+    flat = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    return {
+        "wrapped": wrapped,
+        "unwrapped": unwrapped,
+        "drift": float((gathered[0] - gathered[1]).abs().max()),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_model_not_wrapped_for_its_ranks_is_warned_about_once(tmp_path: Path) -> None:
+    outcomes = spawn_ranks(unwrapped_model_worker, tmp_path, timeout=90.0, pg_timeout=20.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    for outcome in outcomes:
+        assert outcome.result["wrapped"] == []
+        assert len(outcome.result["unwrapped"]) == 1, outcome.result["unwrapped"]
+        message = outcome.result["unwrapped"][0]
+        assert "2 ranks" in message
+        assert "not ddp.module" in message
+        assert outcome.result["drift"] > 1e-3  # control: the slip really leaves replicas apart
+
+
+def tokens_flush_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """`Tokens` windows: rank 0's stream holds 4 micro-batches, rank 1's 3, then `flush()`.
+    Rank 0's 4th micro-batch sums the window's counts over ranks while rank 1 flushes: before
+    the fix the two collectives never met, and both ranks waited for the process group's
+    timeout (a gloo error naming no cause)."""
+    import time
+
+    from gradaccum import Tokens
+
+    ddp = DistributedDataParallel(make_net())
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.05, weight_decay=0.1)
+    acc = Accumulator(ddp, optimizer, accumulation_steps=Tokens(1000))
+    params = [p.detach().clone() for p in ddp.parameters()]
+    batch = rank_batch(0, 0)
+    started, error = time.monotonic(), None
+    try:
+        for index in range(4 if rank == 0 else 3):
+            acc.micro_step({k: v[index : index + 1] for k, v in batch.items()}, masked_loss)
+        acc.flush()
+    except RankMismatchError as caught:
+        error = str(caught)
+    unchanged = all(torch.equal(a, b) for a, b in zip(params, ddp.parameters(), strict=True))
+    grads = [p.grad is None for p in ddp.parameters()]
+    return {
+        "error": error,
+        "seconds": time.monotonic() - started,
+        "unchanged": unchanged and not optimizer.state and all(grads),
+        "open": acc._engine.window.is_open,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_tokens_stream_flushed_early_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    outcomes = spawn_ranks(tokens_flush_worker, tmp_path, timeout=90.0, pg_timeout=30.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    for outcome in outcomes:
+        result = outcome.result
+        assert result["error"] is not None, "no rank may step a mismatched window"
+        assert "1 of 2 ranks called flush()" in result["error"]
+        assert "same number of micro_step() calls" in result["error"]
+        assert result["seconds"] < 15.0  # told at once, not at the 30 s process-group timeout
+        assert result["unchanged"]
+        assert not result["open"]
+
+
+def _drop_stream(rank: int, lengths: tuple[int, int], flush: bool) -> dict[str, Any]:
+    """`partial_window="drop"`, 2 micro-batches per window; this rank streams `lengths[rank]`."""
+    ddp = DistributedDataParallel(make_net())
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.05, weight_decay=0.1)
+    acc = Accumulator(ddp, optimizer, accumulation_steps=2, partial_window="drop")
+    batch, error, before = rank_batch(0, rank), None, None
+    try:
+        for index in range(lengths[rank]):
+            if index % 2 == 0:
+                before = [p.detach().clone() for p in ddp.parameters()]
+            acc.micro_step({k: v[index : index + 1] for k, v in batch.items()}, masked_loss)
+        if flush:
+            acc.flush()
+    except RankMismatchError as caught:
+        error = str(caught)
+    params = [p.detach().clone() for p in ddp.parameters()]
+    unchanged = before is not None and all(
+        torch.equal(a, b) for a, b in zip(before, params, strict=True)
+    )
+    grads_none = all(p.grad is None for p in ddp.parameters())
+    return {"error": error, "params": params, "unchanged": unchanged, "grads_none": grads_none}
+
+
+def drop_flush_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """Streams of 4 and 3 micro-batches (rank 1's data ends first), then 4 and 5 and 3 and 3
+    (every rank flushes together), against runs without the partial windows at all."""
+    return {
+        "mismatch": _drop_stream(rank, (4, 3), flush=True),
+        "boundary": _drop_stream(rank, (4, 5), flush=True),
+        "boundary_control": _drop_stream(rank, (4, 4), flush=False),
+        "even": _drop_stream(rank, (3, 3), flush=True),
+        "even_control": _drop_stream(rank, (2, 2), flush=False),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_dropping_flush_meets_the_other_ranks_exchange(tmp_path: Path) -> None:
+    """Before the fix `partial_window="drop"` discarded the window locally: rank 0's last full
+    window exchanged with rank 1's NEXT window (the next epoch's, silently), or waited."""
+    outcomes = spawn_ranks(drop_flush_worker, tmp_path, timeout=90.0, pg_timeout=20.0)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    for outcome in outcomes:
+        runs = outcome.result
+        assert runs["mismatch"]["error"] is not None
+        assert "rank 1 called flush()" in runs["mismatch"]["error"]
+        assert runs["mismatch"]["unchanged"]
+        assert runs["mismatch"]["grads_none"]
+        for name in ("boundary", "even"):
+            assert runs[name]["error"] is None
+            assert runs[name]["grads_none"]
+            for got, want in zip(
+                runs[name]["params"], runs[f"{name}_control"]["params"], strict=True
+            ):
+                assert torch.equal(got, want), name

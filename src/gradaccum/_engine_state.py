@@ -1,0 +1,52 @@
+"""Restoring the engine's components from a saved `Engine.state_dict()`: check all, then load.
+
+Every check runs before anything changes, so a refused state leaves the window, the precision
+runtime (fp32 buffers, loss scale) and the BatchNorm control as they were.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradaccum._sync_base import GradSync
+from gradaccum.batchnorm import BatchNormControl
+from gradaccum.precision import PrecisionRuntime
+from gradaccum.window import Window
+
+__all__ = ["restore_components"]
+
+
+def restore_components(
+    state: dict[str, Any],
+    window: Window,
+    runtime: PrecisionRuntime,
+    batchnorm: BatchNormControl,
+    sync: GradSync,
+    *,
+    params: list[torch.nn.Parameter],
+    held: int,
+) -> None:
+    """Check `state` against every component, then load it; raise ValueError changing nothing.
+
+    Args:
+        state: What `Engine.state_dict()` returned.
+        window: Receives the saved window (its partial gradients go to `params`).
+        runtime: Receives the loss scale and fp32 buffers.
+        batchnorm: Receives the BatchNorm state; its mode must match.
+        sync: Refuses a window that cannot continue here (another rank's, a static graph's).
+        params: The window's parameters; the first `held` are the optimizer's.
+        held: How many of `params` the optimizer holds.
+    """
+    batchnorm.check_mode(state.get("batchnorm_mode"))
+    sync.check_resume(bool(state["window"].get("micro_batches")), state.get("origin"))
+    window.check_state(state["window"], params)
+    runtime.check_state(state["precision"], len(params))
+    batchnorm.load_state_dict(state["batchnorm"])  # checks, then loads
+    window.load_state_dict(state["window"], params, held)
+    runtime.open_window(len(params), params)
+    runtime.load_state_dict(state["precision"], params)
+    if len(runtime.buffers) != len(params):
+        runtime.open_window(len(params), params)
+    batchnorm.open_window()
