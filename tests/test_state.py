@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -277,3 +278,149 @@ def test_resume_at_another_micro_batch_size_is_exact(resumed_at: int | str) -> N
     lost, _ = _step_run([3, 3, resumed_at, resumed_at], resume_at=2, load_optimizer=False)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(lost, expected, rtol=1e-10, atol=0)
+
+
+# ----- a damaged state is refused whole, before any component loads its part ---------------------
+
+# Entries a load may find absent or changed without harm: the split is a speed knob, the
+# BatchNorm state's own copy of the mode is not read (the engine's is), older version-2 states
+# lack `loss_host`, `terms`, `telemetry` and auto's `capped` and `tuner`, and a closed window
+# is read no further than its `micro_batches`.
+_HARMLESS = {"settings.micro_batch_size", "engine.batchnorm.mode"}
+_OPTIONAL = {
+    "engine.window.loss_host",
+    "engine.window.terms",
+    "auto",
+    "auto.capped",
+    "auto.tuner",
+    "telemetry",
+}
+
+
+def _entries(state: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """The dotted path and value of every dict entry in `state`, nested ones too."""
+    entries = []
+    for key, value in state.items():
+        path = f"{prefix}{key}"
+        entries.append((path, value))
+        if isinstance(value, dict):
+            entries += _entries(value, path + ".")
+    return entries
+
+
+def _damaged(state: Any, path: str, kind: str) -> Any:
+    damaged = clone_state(state)
+    *parents, key = path.split(".")
+    part = damaged
+    for parent in parents:
+        part = part[parent]
+    if kind == "delete":
+        del part[key]
+    else:
+        part[key] = "garbage"
+    return damaged
+
+
+def _damage_source(variant: str) -> tuple[Any, Callable[[], tuple[Any, ...]]]:
+    """A saved state of `variant` and a builder of a target that holds a different state."""
+    if variant == "auto":
+        batch = _data(1, torch.float64)[0]
+        x, y = batch[0].repeat(6, 1), batch[1].repeat(6, 1)
+
+        def build() -> tuple[Any, ...]:
+            return _setup(micro_batch_size="auto", memory_budget="64MiB", accumulation_steps=None)
+
+        source = build()[2]
+        source.step((x, y), _mse)
+        target = build()
+        target[2].step((x[:4] * 2, y[:4]), _mse)
+        return source.state_dict(), lambda: target
+    data = _data(3, torch.float32)
+
+    def build() -> tuple[Any, ...]:
+        return _setup(torch.float32, precision="fp16", telemetry=True)
+
+    _, _, source = build()
+    source.micro_step(data[0], _mse)
+    source.micro_step(data[1], _mse)  # an open window: gradients, loss, scaler, telemetry
+    target = build()
+    target[2].micro_step(data[2], _mse)
+    return source.state_dict(), lambda: target
+
+
+@pytest.mark.parametrize("variant", ["fp16-telemetry-mid-window", "auto"])
+def test_damaged_state_is_refused_naming_the_entry_and_changes_nothing(variant: str) -> None:
+    """Every entry missing or of the wrong type: one ValueError naming it, nothing loaded.
+
+    Before, the components loaded one after the other, so a damaged entry raised a KeyError,
+    TypeError or AttributeError halfway, with the window (or the counters, automatic sizing)
+    already replaced.
+    """
+    state, build = _damage_source(variant)
+    model, optimizer, target = build()
+
+    def everything() -> Any:
+        grads = [p.grad for p in model.parameters()]
+        counters = [target.nonfinite_windows, target.empty_windows]
+        return clone_state([grads, counters, *_everything(model, optimizer, target)])
+
+    before = everything()
+    refused = 0
+    for path, value in _entries(state):
+        for kind in ("delete", "garbage"):
+            if path in _HARMLESS or (kind == "delete" and path in _OPTIONAL):
+                continue
+            if kind == "delete" and path.startswith("settings.") and value is None:
+                continue  # a setting absent reads as None: the same setting
+            if kind == "garbage" and isinstance(value, str) and not path.startswith("settings"):
+                continue  # still text: the tuner's reason, a plan's device, shown in tables
+            closed = not state["engine"]["window"]["micro_batches"]
+            if (
+                closed
+                and path.startswith("engine.window.")
+                and path != "engine.window.micro_batches"
+            ):
+                continue
+            if path == "version":
+                continue  # its own message: tests above
+            name = path.split(".")[-1].removesuffix("_mode")  # batchnorm_mode: "batchnorm="
+            with pytest.raises(ValueError, match=re.escape(name)):
+                target.load_state_dict(_damaged(state, path, kind))
+            refused += 1
+            assert_bitwise(everything(), before)  # the same target, damaged again and again
+    assert refused > 30
+    # A wrong number of gradients, or one of another shape, is refused the same way.
+    if variant != "auto":
+        for grads in (state["engine"]["window"]["grads"][:-1], [torch.zeros(3, 3)] * 4):
+            bad = clone_state(state)
+            bad["engine"]["window"]["grads"] = grads
+            with pytest.raises(ValueError, match="gradients"):
+                target.load_state_dict(bad)
+            assert_bitwise(everything(), before)
+    # Control: the undamaged state loads into the same target, and changes it.
+    target.load_state_dict(state)
+    assert_bitwise(target.state_dict(), state)
+
+
+def test_damaged_accumulator_state_in_a_checkpoint_is_a_checkpoint_error(tmp_path: Any) -> None:
+    """`load_checkpoint` reports a damaged Accumulator state as a `CheckpointError`, changing
+    nothing: before, a KeyError escaped with the window half loaded."""
+    from gradaccum.checkpoint import CheckpointError
+
+    model, optimizer, acc = _setup()
+    data = _data(3, torch.float64)
+    acc.micro_step(data[0], _mse)
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+    payload = torch.load(path, weights_only=True)
+    del payload["accumulator"]["engine"]["window"]["count"]
+    torch.save(payload, path)
+    model2, optimizer2, acc2 = _setup()
+    acc2.micro_step(data[1], _mse)
+    before = clone_state(
+        [[p.grad for p in model2.parameters()], _everything(model2, optimizer2, acc2)]
+    )
+    with pytest.raises(CheckpointError, match=r"engine\.window\.count is missing"):
+        load_checkpoint(path, model=model2, optimizer=optimizer2, accumulator=acc2)
+    after = [[p.grad for p in model2.parameters()], _everything(model2, optimizer2, acc2)]
+    assert_bitwise(after, before)

@@ -385,7 +385,7 @@ class Engine:
         params, held = window_parameters(self._model_params, self.optimizer)
         self.sync.check_resume(bool(state["window"].get("micro_batches")))
         self.window.check_state(state["window"], params)
-        self.runtime.check_state(state["precision"], len(params))
+        self.runtime.check_state(state["precision"], params)
         self.batchnorm.load_state_dict(state["batchnorm"])  # checks, then loads
         self.window.load_state_dict(state["window"], params, held)
         self.runtime.open_window(len(params))

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from gradaccum._dtensor import like_param
+from gradaccum._state_layout import check_tensors_fit
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, split_batch, to_device
 from gradaccum.divisor import backward_denominator, divide_, grad_divisor, seeded_loss
@@ -268,6 +269,8 @@ class Window:
                 f"with shapes {saved}, this model and optimizer have {len(shapes)} with shapes "
                 f"{shapes}; load it into the same model and optimizer."
             )
+        if state.get("micro_batches"):
+            check_tensors_fit(state["grads"], params, "window's gradients")
         terms = state.get("terms")
         if terms is not None and not TermLedger.valid_state(terms):
             raise ValueError(
