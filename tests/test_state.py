@@ -7,8 +7,10 @@ run ends, and a restore that leaves the state out must end somewhere clearly dif
 
 from __future__ import annotations
 
+import copy
 import io
 import math
+import pickle
 import re
 from collections.abc import Callable
 from typing import Any
@@ -100,6 +102,46 @@ def _resume_run(
 @pytest.mark.parametrize("stop", [3, 4, 5])
 def test_mid_window_resume_is_bitwise_exact(variant: str, stop: int) -> None:
     assert_bitwise(_resume_run(variant, stop), _resume_run(variant, None))
+
+
+def _copied_run(variant: str, stop: int, how: str) -> tuple[Any, Any]:
+    """`_resume_run`, the objects copied (`copy.deepcopy` or pickle) after `stop` micro-steps;
+    the copy and the original both go on: their final states."""
+    dtype, options = VARIANTS[variant]
+    data = _data(9, dtype)
+    model, optimizer, acc = _setup(dtype, **options)
+    for batch in data[: stop + 1]:
+        acc.micro_step(batch, _mse)
+    trio = (model, optimizer, acc)
+    copied = copy.deepcopy(trio) if how == "deepcopy" else pickle.loads(pickle.dumps(trio))
+    for batch in data[stop + 1 :]:
+        acc.micro_step(batch, _mse)
+        copied[2].micro_step(batch, _mse)
+    return _everything(*copied), _everything(model, optimizer, acc)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("variant", ["fp64", "bf16-buffers", "fp16-scaler", "telemetry"])
+def test_a_copy_taken_mid_window_goes_on_bitwise_like_the_original(how: str, variant: str) -> None:
+    """PyTorch copies and pickles a Parameter without its `.grad`, where an open window keeps
+    its partial sums: the copy used to lose them and raise a misleading "zero_grad() inside the
+    accumulation loop" error at its next micro-step. The original is not affected by the copy."""
+    uninterrupted = _resume_run(variant, None)
+    copied, original = _copied_run(variant, 4, how)  # 5 micro-steps: the window holds 2 of 3
+    assert_bitwise(copied, uninterrupted)
+    assert_bitwise(original, uninterrupted)
+
+
+def test_a_copy_still_catches_a_zero_grad_made_before_it() -> None:
+    """Control for the copy's gradient marks: a `zero_grad()` between two micro-steps, made
+    before the copy, is refused in the copy as in the original."""
+    model, optimizer, acc = _setup()
+    data = _data(3, torch.float64)
+    acc.micro_step(data[0], _mse)
+    optimizer.zero_grad()
+    for other in (copy.deepcopy((model, optimizer, acc))[2], acc):
+        with pytest.raises(RuntimeError, match="zero_grad"):
+            other.micro_step(data[1], _mse)
 
 
 def test_resume_without_accumulator_state_is_clearly_different() -> None:
