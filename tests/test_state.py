@@ -431,8 +431,13 @@ def test_damaged_state_is_refused_naming_the_entry_and_changes_nothing(variant: 
             refused += 1
             assert_bitwise(everything(), before)  # the same target, damaged again and again
     assert refused > 30
-    # A wrong number of gradients, or one of another shape, is refused the same way.
+    # A wrong number of gradients, or one of another shape, is refused the same way, and so is
+    # an fp16 state without its loss scale (the target's own scale would silently stay).
     if variant != "auto":
+        bad = clone_state(state)
+        bad["engine"]["precision"]["scaler"] = None
+        with pytest.raises(ValueError, match="scaler"):
+            target.load_state_dict(bad)
         for grads in (state["engine"]["window"]["grads"][:-1], [torch.zeros(3, 3)] * 4):
             bad = clone_state(state)
             bad["engine"]["window"]["grads"] = grads

@@ -140,6 +140,8 @@ def check_state_layout(state: Mapping[str, Any], plan_fields: Collection[str]) -
     _check(precision, "engine.precision.", _PRECISION)
     if precision["scaler"]:
         _check(precision["scaler"], "engine.precision.scaler.", _SCALER)
+    elif precision["scaler"] is None and state["settings"].get("precision") == "fp16":
+        _damaged("engine.precision.scaler", "the GradScaler state of an fp16 Accumulator", None)
     auto = state.get("auto")
     if auto is not None:
         _check(auto, "auto.", _AUTO, _AUTO_OPTIONAL)
