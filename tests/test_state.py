@@ -326,8 +326,8 @@ def test_resume_at_another_micro_batch_size_is_exact(resumed_at: int | str) -> N
 
 # Entries a load may find absent or changed without harm: the split is a speed knob, the
 # BatchNorm state's own copy of the mode is not read (the engine's is), older version-2 states
-# lack `loss_host`, `terms`, `telemetry` and auto's `capped` and `tuner`, and a closed window
-# is read no further than its `micro_batches`.
+# lack `loss_host`, `terms`, `telemetry`, auto's `capped` and `tuner` and BatchNorm's `start`,
+# and a closed window is read no further than its `micro_batches`.
 _HARMLESS = {"settings.micro_batch_size", "engine.batchnorm.mode"}
 _OPTIONAL = {
     "engine.window.loss_host",
@@ -335,6 +335,7 @@ _OPTIONAL = {
     "auto",
     "auto.capped",
     "auto.tuner",
+    "engine.batchnorm.start",
     "telemetry",
 }
 

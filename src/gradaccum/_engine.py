@@ -392,7 +392,7 @@ class Engine:
         self.runtime.load_state_dict(state["precision"], params)
         if len(self.runtime.buffers) != len(params):
             self.runtime.open_window(len(params))
-        self.batchnorm.open_window()
+        self.batchnorm.resume_window(self.window.is_open)
         self._end()
         self.broken = None  # the caller restored a consistent state
         self.schedule.forget()  # and may have moved the scheduler on purpose

@@ -58,6 +58,7 @@ __all__ = [
 _NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every `with`
 
 STATE_VERSION = 1
+_RUNNING = ("running_mean", "running_var", "num_batches_tracked")  # what a "micro" window moves
 
 
 class BatchNormAccumulationWarning(UserWarning):
@@ -132,7 +133,9 @@ class BatchNormControl:
         self._model = model
         self._by_name = dict(self.modules)
         self._pending: Record = {}  # "pooled": the window's statistics so far
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # "micro": as the window began
+        # "micro": each statistic as the window began, by (module name, buffer name).
+        self._saved: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []
+        self._resumed: list[tuple[str, str, torch.Tensor, torch.Tensor]] | None = None
         self._warned = False
 
     def micro_context(self) -> contextlib.AbstractContextManager[None]:
@@ -201,17 +204,27 @@ class BatchNormControl:
             self._saved = []
             return
         self._saved = [
-            (buffer, buffer.clone())
-            for _, module in self.modules
+            (name, key, buffer, buffer.clone())
+            for name, module in self.modules
             if module.training and tracked(module)
-            for buffer in (module.running_mean, module.running_var, module.num_batches_tracked)
-            if buffer is not None
+            for key in _RUNNING
+            if (buffer := getattr(module, key)) is not None
         ]
+
+    def resume_window(self, is_open: bool) -> None:
+        """After a load: an open window's start is the one loaded (older states: taken now)."""
+        resumed, self._resumed = self._resumed, None
+        if not is_open:
+            self._saved = []
+        elif resumed is not None:
+            self._saved = resumed
+        else:
+            self.open_window()
 
     def forget_window(self) -> None:
         """Undo everything the window did: running statistics back, pooled statistics dropped."""
         with torch.no_grad():
-            for buffer, saved in self._saved:
+            for _, _, buffer, saved in self._saved:
                 buffer.copy_(saved)
         self._saved = []
         self._pending = {}
@@ -221,12 +234,22 @@ class BatchNormControl:
         self._pending = {}
 
     def state_dict(self) -> dict[str, Any]:
-        """The pending pooled statistics, as plain data (`torch.load(weights_only=True)`)."""
+        """The pending pooled statistics and, "micro", the open window's starting statistics.
+
+        Plain data (`torch.load(weights_only=True)`). The start is what a window that fails
+        after a resume puts back, whatever the model held when the state was loaded.
+        """
         pending = {
             name: [None if s is None else {"count": s[0], "mean": s[1], "m2": s[2]} for s in calls]
             for name, calls in self._pending.items()
         }
-        return {"version": STATE_VERSION, "mode": self.mode.value, "pending": pending}
+        start = [[name, key, saved.clone()] for name, key, _, saved in self._saved]
+        return {
+            "version": STATE_VERSION,
+            "mode": self.mode.value,
+            "pending": pending,
+            "start": start,
+        }
 
     def check_mode(self, saved: object) -> None:
         """Raise ValueError unless a saved Accumulator used this `batchnorm` mode."""
@@ -246,7 +269,29 @@ class BatchNormControl:
                 f"batchnorm state holds pooled statistics of {sorted(pending)} but this "
                 f"accumulator uses batchnorm={self.mode.value!r}; resume with 'pooled'."
             )
-        self._pending = {n: _load_calls(n, self._by_name.get(n), c) for n, c in pending.items()}
+        loaded = {n: _load_calls(n, self._by_name.get(n), c) for n, c in pending.items()}
+        start = state.get("start")  # absent from older states: taken again when loaded
+        self._resumed = None if not start else self._load_start(start)
+        self._pending = loaded
+
+    def _load_start(self, start: object) -> list[tuple[str, str, torch.Tensor, torch.Tensor]]:
+        """Check and copy a saved window start: `[module name, buffer name, tensor]` entries."""
+        resumed = []
+        for entry in start if isinstance(start, list) else [start]:
+            name, key, tensor = entry if isinstance(entry, list) and len(entry) == 3 else [""] * 3
+            module = self._by_name.get(name) if isinstance(name, str) else None
+            buffer = getattr(module, key, None) if key in _RUNNING else None
+            if (
+                buffer is None
+                or not isinstance(tensor, torch.Tensor)
+                or tensor.shape != buffer.shape
+            ):
+                raise ValueError(
+                    f"batchnorm state: the window's start {str(entry)[:80]} is no running "
+                    "statistic of this model; load the state into the same model."
+                )
+            resumed.append((name, key, buffer, tensor.to(buffer.device, buffer.dtype).clone()))
+        return resumed
 
 
 def _load_calls(name: str, module: _BatchNorm | None, calls: Any) -> list[Stats | None]:
