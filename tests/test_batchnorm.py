@@ -800,3 +800,91 @@ def test_pooled_pools_a_batchnorm_a_loss_fn_put_in_train_mode() -> None:
     Accumulator(model, optimizer, micro_batch_size=3, batchnorm="pooled").step(x, habit)
     _assert_stats_close(model, full)
     assert model[1].track_running_stats
+
+
+def _micro_run(resume: str | None, fail: bool = True) -> dict:
+    """A `batchnorm="micro"` stream of 9 micro-batches, windows of 3; micro-batch 4 (in the
+    second window) raises, so that window is forgotten. `resume`: after micro-batch 3 (an open
+    window), a checkpoint is loaded into fresh objects built from another seed, by
+    `load_checkpoint` (which loads the Accumulator before the model) or by hand in either order.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from gradaccum import LossSum, load_checkpoint, save_checkpoint
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+        model = model.double()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, optimizer, Accumulator(model, optimizer, accumulation_steps=3)
+
+    def loss(model: nn.Module, batch) -> LossSum:
+        return LossSum(((model(batch[0]) - batch[1]) ** 2).sum(), batch[0].shape[0] * 3)
+
+    def failing(model: nn.Module, batch) -> LossSum:
+        model(batch[0])  # moves the running statistics, then fails
+        raise RuntimeError("boom")
+
+    generator = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randn(4, 5, generator=generator, dtype=torch.float64) + 2,
+         torch.randn(4, 3, generator=generator, dtype=torch.float64))
+        for _ in range(9)
+    ]  # fmt: skip
+    model, optimizer, acc = build(1)
+    for index, batch in enumerate(data):
+        if index == 4 and resume is not None:
+            with tempfile.TemporaryDirectory() as folder:
+                path = Path(folder) / "ckpt.pt"
+                save_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+                model, optimizer, acc = build(5)
+                if resume == "load_checkpoint":
+                    load_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+                else:
+                    saved = torch.load(path, weights_only=True)
+                    first, second = (acc, model) if resume == "accumulator first" else (model, acc)
+                    first.load_state_dict(saved["accumulator" if first is acc else "model"])
+                    second.load_state_dict(saved["accumulator" if second is acc else "model"])
+                    optimizer.load_state_dict(saved["optimizer"])
+        if index == 4 and fail:
+            with pytest.raises(RuntimeError, match="boom"):
+                acc.micro_step(batch, failing)
+            continue
+        acc.micro_step(batch, loss)
+    return copy.deepcopy(model.state_dict())
+
+
+@pytest.mark.parametrize("resume", ["load_checkpoint", "accumulator first", "model first"])
+def test_micro_window_failing_after_a_mid_window_resume_restores_its_start(resume: str) -> None:
+    """A window resumed mid-window then failing puts the running statistics back where the
+    window began, as the uninterrupted run does. The start used to be taken when the state was
+    loaded: `load_checkpoint` loads the Accumulator before the model, so a failure reset the
+    statistics to the fresh model's (zeros and ones); loaded after the model, to the
+    mid-window ones."""
+    expected = _micro_run(None)
+    resumed = _micro_run(resume)
+    for name, tensor in expected.items():
+        assert torch.equal(resumed[name], tensor), name
+
+
+def test_negative_control_the_failure_moves_the_statistics() -> None:
+    """Control: without the failure the run ends elsewhere, so the test above can fail."""
+    with_failure, without = _micro_run(None), _micro_run(None, fail=False)
+    assert not torch.equal(with_failure["1.running_mean"], without["1.running_mean"])
+
+
+def test_a_window_start_is_saved_only_while_a_window_is_open() -> None:
+    """`start` is the open window's; a closed window's state holds none, loaded or not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulator(model, optimizer, accumulation_steps=2)
+    loss = lambda m, x: m(x).pow(2).mean()  # noqa: E731
+    x = torch.randn(4, 3, dtype=torch.float64)
+    acc.micro_step(x, loss)
+    assert len(acc.state_dict()["engine"]["batchnorm"]["start"]) == 3  # mean, var, count
+    closed = Accumulator(model, optimizer, accumulation_steps=2).state_dict()
+    acc.load_state_dict(closed)  # the open window is replaced by a closed one
+    assert acc.state_dict()["engine"]["batchnorm"]["start"] == []

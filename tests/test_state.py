@@ -7,8 +7,11 @@ run ends, and a restore that leaves the state out must end somewhere clearly dif
 
 from __future__ import annotations
 
+import copy
 import io
 import math
+import pickle
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -99,6 +102,46 @@ def _resume_run(
 @pytest.mark.parametrize("stop", [3, 4, 5])
 def test_mid_window_resume_is_bitwise_exact(variant: str, stop: int) -> None:
     assert_bitwise(_resume_run(variant, stop), _resume_run(variant, None))
+
+
+def _copied_run(variant: str, stop: int, how: str) -> tuple[Any, Any]:
+    """`_resume_run`, the objects copied (`copy.deepcopy` or pickle) after `stop` micro-steps;
+    the copy and the original both go on: their final states."""
+    dtype, options = VARIANTS[variant]
+    data = _data(9, dtype)
+    model, optimizer, acc = _setup(dtype, **options)
+    for batch in data[: stop + 1]:
+        acc.micro_step(batch, _mse)
+    trio = (model, optimizer, acc)
+    copied = copy.deepcopy(trio) if how == "deepcopy" else pickle.loads(pickle.dumps(trio))
+    for batch in data[stop + 1 :]:
+        acc.micro_step(batch, _mse)
+        copied[2].micro_step(batch, _mse)
+    return _everything(*copied), _everything(model, optimizer, acc)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("variant", ["fp64", "bf16-buffers", "fp16-scaler", "telemetry"])
+def test_a_copy_taken_mid_window_goes_on_bitwise_like_the_original(how: str, variant: str) -> None:
+    """PyTorch copies and pickles a Parameter without its `.grad`, where an open window keeps
+    its partial sums: the copy used to lose them and raise a misleading "zero_grad() inside the
+    accumulation loop" error at its next micro-step. The original is not affected by the copy."""
+    uninterrupted = _resume_run(variant, None)
+    copied, original = _copied_run(variant, 4, how)  # 5 micro-steps: the window holds 2 of 3
+    assert_bitwise(copied, uninterrupted)
+    assert_bitwise(original, uninterrupted)
+
+
+def test_a_copy_still_catches_a_zero_grad_made_before_it() -> None:
+    """Control for the copy's gradient marks: a `zero_grad()` between two micro-steps, made
+    before the copy, is refused in the copy as in the original."""
+    model, optimizer, acc = _setup()
+    data = _data(3, torch.float64)
+    acc.micro_step(data[0], _mse)
+    optimizer.zero_grad()
+    for other in (copy.deepcopy((model, optimizer, acc))[2], acc):
+        with pytest.raises(RuntimeError, match="zero_grad"):
+            other.micro_step(data[1], _mse)
 
 
 def test_resume_without_accumulator_state_is_clearly_different() -> None:
@@ -277,3 +320,156 @@ def test_resume_at_another_micro_batch_size_is_exact(resumed_at: int | str) -> N
     lost, _ = _step_run([3, 3, resumed_at, resumed_at], resume_at=2, load_optimizer=False)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(lost, expected, rtol=1e-10, atol=0)
+
+
+# ----- a damaged state is refused whole, before any component loads its part ---------------------
+
+# Entries a load may find absent or changed without harm: the split is a speed knob, the
+# BatchNorm state's own copy of the mode is not read (the engine's is), older version-2 states
+# lack `loss_host`, `terms`, `telemetry`, auto's `capped` and `tuner` and BatchNorm's `start`,
+# and a closed window is read no further than its `micro_batches`.
+_HARMLESS = {"settings.micro_batch_size", "engine.batchnorm.mode"}
+_OPTIONAL = {
+    "engine.origin",  # absent from states saved before it was recorded
+    "engine.window.loss_host",
+    "engine.window.terms",
+    "auto",
+    "auto.capped",
+    "auto.tuner",
+    "engine.batchnorm.start",
+    "telemetry",
+}
+
+
+def _entries(state: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """The dotted path and value of every dict entry in `state`, nested ones too."""
+    entries = []
+    for key, value in state.items():
+        path = f"{prefix}{key}"
+        entries.append((path, value))
+        if isinstance(value, dict):
+            entries += _entries(value, path + ".")
+    return entries
+
+
+def _damaged(state: Any, path: str, kind: str) -> Any:
+    damaged = clone_state(state)
+    *parents, key = path.split(".")
+    part = damaged
+    for parent in parents:
+        part = part[parent]
+    if kind == "delete":
+        del part[key]
+    else:
+        part[key] = "garbage"
+    return damaged
+
+
+def _damage_source(variant: str) -> tuple[Any, Callable[[], tuple[Any, ...]]]:
+    """A saved state of `variant` and a builder of a target that holds a different state."""
+    if variant == "auto":
+        batch = _data(1, torch.float64)[0]
+        x, y = batch[0].repeat(6, 1), batch[1].repeat(6, 1)
+
+        def build() -> tuple[Any, ...]:
+            return _setup(micro_batch_size="auto", memory_budget="64MiB", accumulation_steps=None)
+
+        source = build()[2]
+        source.step((x, y), _mse)
+        target = build()
+        target[2].step((x[:4] * 2, y[:4]), _mse)
+        return source.state_dict(), lambda: target
+    data = _data(3, torch.float32)
+
+    def build() -> tuple[Any, ...]:
+        return _setup(torch.float32, precision="fp16", telemetry=True)
+
+    _, _, source = build()
+    source.micro_step(data[0], _mse)
+    source.micro_step(data[1], _mse)  # an open window: gradients, loss, scaler, telemetry
+    target = build()
+    target[2].micro_step(data[2], _mse)
+    return source.state_dict(), lambda: target
+
+
+@pytest.mark.parametrize("variant", ["fp16-telemetry-mid-window", "auto"])
+def test_damaged_state_is_refused_naming_the_entry_and_changes_nothing(variant: str) -> None:
+    """Every entry missing or of the wrong type: one ValueError naming it, nothing loaded.
+
+    Before, the components loaded one after the other, so a damaged entry raised a KeyError,
+    TypeError or AttributeError halfway, with the window (or the counters, automatic sizing)
+    already replaced.
+    """
+    state, build = _damage_source(variant)
+    model, optimizer, target = build()
+
+    def everything() -> Any:
+        grads = [p.grad for p in model.parameters()]
+        counters = [target.nonfinite_windows, target.empty_windows]
+        return clone_state([grads, counters, *_everything(model, optimizer, target)])
+
+    before = everything()
+    refused = 0
+    for path, value in _entries(state):
+        for kind in ("delete", "garbage"):
+            if path in _HARMLESS or (kind == "delete" and path in _OPTIONAL):
+                continue
+            if kind == "delete" and path.startswith("settings.") and value is None:
+                continue  # a setting absent reads as None: the same setting
+            if kind == "garbage" and isinstance(value, str) and not path.startswith("settings"):
+                continue  # still text: the tuner's reason, a plan's device, shown in tables
+            closed = not state["engine"]["window"]["micro_batches"]
+            if (
+                closed
+                and path.startswith("engine.window.")
+                and path != "engine.window.micro_batches"
+            ):
+                continue
+            if path == "version":
+                continue  # its own message: tests above
+            name = path.split(".")[-1].removesuffix("_mode")  # batchnorm_mode: "batchnorm="
+            with pytest.raises(ValueError, match=re.escape(name)):
+                target.load_state_dict(_damaged(state, path, kind))
+            refused += 1
+            assert_bitwise(everything(), before)  # the same target, damaged again and again
+    assert refused > 30
+    # A wrong number of gradients, or one of another shape, is refused the same way, and so is
+    # an fp16 state without its loss scale (the target's own scale would silently stay).
+    if variant != "auto":
+        bad = clone_state(state)
+        bad["engine"]["precision"]["scaler"] = None
+        with pytest.raises(ValueError, match="scaler"):
+            target.load_state_dict(bad)
+        for grads in (state["engine"]["window"]["grads"][:-1], [torch.zeros(3, 3)] * 4):
+            bad = clone_state(state)
+            bad["engine"]["window"]["grads"] = grads
+            with pytest.raises(ValueError, match="gradients"):
+                target.load_state_dict(bad)
+            assert_bitwise(everything(), before)
+    # Control: the undamaged state loads into the same target, and changes it.
+    target.load_state_dict(state)
+    assert_bitwise(target.state_dict(), state)
+
+
+def test_damaged_accumulator_state_in_a_checkpoint_is_a_checkpoint_error(tmp_path: Any) -> None:
+    """`load_checkpoint` reports a damaged Accumulator state as a `CheckpointError`, changing
+    nothing: before, a KeyError escaped with the window half loaded."""
+    from gradaccum.checkpoint import CheckpointError
+
+    model, optimizer, acc = _setup()
+    data = _data(3, torch.float64)
+    acc.micro_step(data[0], _mse)
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+    payload = torch.load(path, weights_only=True)
+    del payload["accumulator"]["engine"]["window"]["count"]
+    torch.save(payload, path)
+    model2, optimizer2, acc2 = _setup()
+    acc2.micro_step(data[1], _mse)
+    before = clone_state(
+        [[p.grad for p in model2.parameters()], _everything(model2, optimizer2, acc2)]
+    )
+    with pytest.raises(CheckpointError, match=r"engine\.window\.count is missing"):
+        load_checkpoint(path, model=model2, optimizer=optimizer2, accumulator=acc2)
+    after = [[p.grad for p in model2.parameters()], _everything(model2, optimizer2, acc2)]
+    assert_bitwise(after, before)

@@ -9,7 +9,8 @@ import torch
 
 import gradaccum
 from gradaccum import LossSum, accumulate_grad
-from gradaccum.window import Window, trainable_parameters, window_parameters
+from gradaccum._parameters import trainable_parameters, window_parameters
+from gradaccum.window import Window
 
 
 def _mlp() -> torch.nn.Module:

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import fields
 from typing import Any
 
 import torch
 
 from gradaccum._batch_sizes import check_micro_batch_size
+from gradaccum._parameters import trainable_parameters
+from gradaccum._state_layout import check_state_layout
 from gradaccum._sync_base import is_fsdp
 from gradaccum._warnings import warn_user
 from gradaccum.options import SyncPolicy, Tokens
 from gradaccum.recovery import is_auto
-from gradaccum.window import trainable_parameters
+from gradaccum.sizing import MemoryPlan
 
 __all__ = [
     "check_fsdp_support",
@@ -257,7 +260,7 @@ def check_settings(
 
 
 def check_saved_state(state: object, version: int, settings: dict[str, Any]) -> bool:
-    """Raise unless `state` is an `Accumulator.state_dict()` of `version` saved with `settings`.
+    """Raise unless `state` is an undamaged `Accumulator.state_dict()` of `version` and `settings`.
 
     `micro_batch_size` may differ: a window never stays open across `step()` calls, and the
     split changes no result beyond rounding, so a run may resume at another size (or "auto").
@@ -277,7 +280,10 @@ def check_saved_state(state: object, version: int, settings: dict[str, Any]) -> 
         )
     saved_settings = state.get("settings")
     if not isinstance(saved_settings, dict):
-        raise ValueError("not an Accumulator state: pass what Accumulator.state_dict() returned.")
+        raise ValueError(
+            "not an Accumulator state: its settings are missing; pass what "
+            "Accumulator.state_dict() returned."
+        )
     for name, mine in settings.items():
         saved = saved_settings.get(name)
         if saved != mine and name != "micro_batch_size":
@@ -285,6 +291,9 @@ def check_saved_state(state: object, version: int, settings: dict[str, Any]) -> 
                 f"the saved Accumulator has {name}={saved!r} but this one has {name}={mine!r}; "
                 "build the Accumulator with the saved settings."
             )
+    check_state_layout(
+        state, [f.name for f in fields(MemoryPlan)]
+    )  # every value a load reads, before any component loads its part
     return bool(saved_settings.get("micro_batch_size") == settings.get("micro_batch_size"))
 
 

@@ -23,6 +23,7 @@ from gradaccum._commit import SchedulerSteps, refuse_steps_inside, step_optimize
 from gradaccum._engine_state import restore_components
 from gradaccum._oom import rng_states, set_rng_states
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
+from gradaccum._parameters import window_parameters
 from gradaccum._sync_base import NO_CONTEXT
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, on_device, slice_batch, to_device
@@ -35,7 +36,7 @@ from gradaccum.precision import PrecisionRuntime
 from gradaccum.result import learning_rate
 from gradaccum.sync import FSDP2Sync, GradSync, RankSummary, WindowAgreement
 from gradaccum.telemetry import TelemetryMeter
-from gradaccum.window import LossFn, Outcome, Window, window_parameters
+from gradaccum.window import LossFn, Outcome, Window
 
 __all__ = ["Engine", "Outcome"]
 

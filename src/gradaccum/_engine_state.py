@@ -42,11 +42,11 @@ def restore_components(
     batchnorm.check_mode(state.get("batchnorm_mode"))
     sync.check_resume(bool(state["window"].get("micro_batches")), state.get("origin"))
     window.check_state(state["window"], params)
-    runtime.check_state(state["precision"], len(params))
+    runtime.check_state(state["precision"], params)
     batchnorm.load_state_dict(state["batchnorm"])  # checks, then loads
     window.load_state_dict(state["window"], params, held)
     runtime.open_window(len(params), params)
     runtime.load_state_dict(state["precision"], params)
     if len(runtime.buffers) != len(params):
         runtime.open_window(len(params), params)
-    batchnorm.open_window()
+    batchnorm.resume_window(window.is_open)

@@ -1,7 +1,7 @@
 """Parameters that join the optimizer's trainable set in the middle of a window.
 
 A window steps the parameters the optimizer held with `requires_grad=True` when it opened (see
-`gradaccum.window.window_parameters`). One unfrozen, or added by `add_param_group`, between two
+`gradaccum._parameters.window_parameters`). One unfrozen, or added by `add_param_group`, between two
 `micro_step()` calls gets a gradient from the window's later micro-batches only, and the
 boundary never divides, clips, checks or (fp16) unscales it: `optimizer.step()` would move it by
 a partial, loss-scaled sum. `JoinWatch` puts such gradients back as they were before the window,

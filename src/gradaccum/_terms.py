@@ -336,7 +336,14 @@ class TermLedger:
         if not all(isinstance(value, list) for value in lists):
             return False
         width = len(state["names"])
-        return all(len(state[key]) == width for key in ("weights", "fixed", "counts", "sums"))
+        widths = ("weights", "fixed", "from_ahead", "scales", "counts", "sums")
+        if not all(len(state[key]) == width for key in widths):
+            return False
+        buffers = state["buffers"].values()
+        tensors = [*state["sums"], *(g for b in buffers if isinstance(b, list) for g in b)]
+        return all(isinstance(b, list) for b in buffers) and all(
+            t is None or isinstance(t, torch.Tensor) for t in tensors
+        )
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any], device: torch.device) -> TermLedger:

@@ -1,8 +1,7 @@
 """`Accumulator`: one optimizer step per window of micro-batches, exactly as one full-batch step.
 
-Two drives share one engine: `step(batch, loss_fn)` splits a whole batch and steps once;
-`micro_step(micro_batch, loss_fn)` steps after every `accumulation_steps` calls, and `flush()`
-settles a partial window at the end of the data.
+Two drives share one engine: `step(batch, loss_fn)` splits a batch and steps once; `micro_step`
+steps after every `accumulation_steps` calls, and `flush()` settles a partial window.
 
 The Accumulator owns small components and is the only one that calls them: the `Window`
 (totals, parameters, set-aside gradients), the `PrecisionRuntime` (autocast, loss scale, fp32
@@ -35,6 +34,7 @@ import torch
 from gradaccum._batch_sizes import check_batch_dim
 from gradaccum._checks import check_fsdp_support, check_savable, check_saved_state, check_settings
 from gradaccum._engine import Engine
+from gradaccum._parameters import trainable_parameters, window_parameters
 from gradaccum.batching import batch_size, split_batch
 from gradaccum.batchnorm import BatchNormControl
 from gradaccum.divisor import Expectation
@@ -56,7 +56,7 @@ from gradaccum.result import NonFiniteError, StepResult, learning_rate
 from gradaccum.sizing import MemoryPlan
 from gradaccum.sync import grad_sync_for
 from gradaccum.telemetry import TelemetryMeter
-from gradaccum.window import LossFn, trainable_parameters, window_parameters
+from gradaccum.window import LossFn
 
 __all__ = ["Accumulator", "NonFiniteError", "StepResult"]
 

@@ -32,13 +32,12 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from gradaccum._batchnorm_state import RUNNING, load_calls, load_start
 from gradaccum._groupnorm import batchnorm_modules, convert_to_groupnorm
 from gradaccum._pooled_stats import (
     Record,
-    Stats,
     merge,
     recording,
-    stat_dtype,
     tracked,
     update_running,
 )
@@ -153,7 +152,9 @@ class BatchNormControl:
         self._model = model
         self._by_name = dict(self.modules)
         self._pending: Record = {}  # "pooled": the window's statistics so far
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # "micro": as the window began
+        # "micro": each statistic as the window began, by (module name, buffer name).
+        self._saved: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []
+        self._resumed: list[tuple[str, str, torch.Tensor, torch.Tensor]] | None = None
         self._warned = False
 
     def micro_context(self) -> contextlib.AbstractContextManager[None]:
@@ -230,17 +231,27 @@ class BatchNormControl:
             self._saved = []
             return
         self._saved = [
-            (buffer, buffer.clone())
-            for _, module in self.modules
-            if tracked(module)
-            for buffer in (module.running_mean, module.running_var, module.num_batches_tracked)
-            if buffer is not None
+            (name, key, buffer, buffer.clone())
+            for name, module in self.modules
+            if tracked(module)  # eval mode too: a loss_fn may call model.train()
+            for key in RUNNING
+            if (buffer := getattr(module, key)) is not None
         ]
+
+    def resume_window(self, is_open: bool) -> None:
+        """After a load: an open window's start is the one loaded (older states: taken now)."""
+        resumed, self._resumed = self._resumed, None
+        if not is_open:
+            self._saved = []
+        elif resumed is not None:
+            self._saved = resumed
+        else:
+            self.open_window()
 
     def forget_window(self) -> None:
         """Undo everything the window did: running statistics back, pooled statistics dropped."""
         with torch.no_grad():
-            for buffer, saved in self._saved:
+            for _, _, buffer, saved in self._saved:
                 buffer.copy_(saved)
         self._saved = []
         self._pending = {}
@@ -250,12 +261,22 @@ class BatchNormControl:
         self._pending = {}
 
     def state_dict(self) -> dict[str, Any]:
-        """The pending pooled statistics, as plain data (`torch.load(weights_only=True)`)."""
+        """The pending pooled statistics and, "micro", the open window's starting statistics.
+
+        Plain data (`torch.load(weights_only=True)`). The start is what a window that fails
+        after a resume puts back, whatever the model held when the state was loaded.
+        """
         pending = {
             name: [None if s is None else {"count": s[0], "mean": s[1], "m2": s[2]} for s in calls]
             for name, calls in self._pending.items()
         }
-        return {"version": STATE_VERSION, "mode": self.mode.value, "pending": pending}
+        start = [[name, key, saved.clone()] for name, key, _, saved in self._saved]
+        return {
+            "version": STATE_VERSION,
+            "mode": self.mode.value,
+            "pending": pending,
+            "start": start,
+        }
 
     def check_mode(self, saved: object) -> None:
         """Raise ValueError unless a saved Accumulator used this `batchnorm` mode."""
@@ -275,35 +296,10 @@ class BatchNormControl:
                 f"batchnorm state holds pooled statistics of {sorted(pending)} but this "
                 f"accumulator uses batchnorm={self.mode.value!r}; resume with 'pooled'."
             )
-        self._pending = {n: _load_calls(n, self._by_name.get(n), c) for n, c in pending.items()}
-
-
-def _load_calls(name: str, module: _BatchNorm | None, calls: Any) -> list[Stats | None]:
-    """Check and copy one module's saved statistics (a list with one entry per call)."""
-    if module is None or not tracked(module) or not isinstance(calls, list):
-        raise ValueError(f"batchnorm state: {name!r} is no tracked BatchNorm of this model.")
-    running_mean = module.running_mean
-    assert running_mean is not None  # tracked(module)
-    shape = (module.num_features,)
-    loaded: list[Stats | None] = []
-    for entry in calls:
-        if entry is None:
-            loaded.append(None)
-            continue
-        if not isinstance(entry, Mapping):
-            raise ValueError(f"batchnorm state: {name!r} holds {type(entry).__name__}, not a dict.")
-        mean: Any  # tensors once the shape check below has passed
-        m2: Any
-        count, mean, m2 = (entry.get(k) for k in ("count", "mean", "m2"))
-        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in (mean, m2)]
-        if not isinstance(count, int) or count < 1 or shapes != [shape, shape]:
-            raise ValueError(
-                f"batchnorm state: {name!r} needs a count >= 1 and mean, m2 of shape {shape}; "
-                f"got count {count!r} and shapes {shapes}."
-            )
-        device, dtype = running_mean.device, stat_dtype(running_mean.device)
-        loaded.append((count, mean.to(device, dtype).clone(), m2.to(device, dtype).clone()))
-    return loaded
+        loaded = {n: load_calls(n, self._by_name.get(n), c) for n, c in pending.items()}
+        start = state.get("start")  # absent from older states: taken again when loaded
+        self._resumed = None if not start else load_start(start, self._by_name)
+        self._pending = loaded
 
 
 def _default_forward(model: nn.Module, batch: Any) -> Any:

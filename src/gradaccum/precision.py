@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from gradaccum._dtensor import like_param
+from gradaccum._state_layout import check_tensors_fit
 from gradaccum.options import Precision
 
 __all__ = ["PrecisionRuntime"]
@@ -258,8 +259,8 @@ class PrecisionRuntime:
             else [],
         }
 
-    def check_state(self, state: dict[str, Any], param_count: int) -> None:
-        """Raise ValueError if `state` does not fit this runtime; change nothing."""
+    def check_state(self, state: dict[str, Any], params: Sequence[torch.nn.Parameter]) -> None:
+        """Raise ValueError if `state` does not fit this runtime and `params`; change nothing."""
         mine = None if self.accum_dtype is None else str(self.accum_dtype)
         if state.get("accum_dtype") != mine:
             raise ValueError(
@@ -267,8 +268,10 @@ class PrecisionRuntime:
                 f"one has accum_dtype={mine!r}; build the Accumulator with the saved settings."
             )
         buffers = state.get("buffers")
-        if not isinstance(buffers, list) or len(buffers) not in (0, param_count):
+        if not isinstance(buffers, list):
             raise ValueError("the saved accumulation buffers do not match this model's parameters.")
+        if buffers:  # none held: a closed window, or no accum_dtype
+            check_tensors_fit(buffers, params, "accumulation buffers")
 
     def load_state_dict(
         self, state: dict[str, Any], params: Sequence[torch.nn.Parameter] = ()

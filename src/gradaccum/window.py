@@ -22,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,8 @@ import torch
 
 from gradaccum._dtensor import like_param
 from gradaccum._joined import JoinWatch
+from gradaccum._parameters import trainable_parameters
+from gradaccum._state_layout import check_tensors_fit
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, split_batch, to_device
 from gradaccum.divisor import backward_denominator, divide_, folds_counts, grad_divisor, seeded_loss
@@ -48,50 +50,9 @@ __all__ = [
     "Outcome",
     "Window",
     "accumulate_grad",
-    "trainable_parameters",
-    "window_parameters",
 ]
 
 LossFn = Callable[[torch.nn.Module, Any], "torch.Tensor | LossSum"]
-
-
-def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The model's parameters that require grad, each once, in registration order.
-
-    Raises:
-        ValueError: If the model has no trainable parameter.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError(
-            f"{type(model).__name__} has no parameter with requires_grad=True; there is nothing "
-            "to accumulate. Unfreeze at least one parameter."
-        )
-    return params
-
-
-def window_parameters(
-    model_params: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer
-) -> tuple[list[torch.nn.Parameter], int]:
-    """The parameters a window accumulates into, and how many of them (first) the optimizer holds.
-
-    Read when a window opens, not once at construction: a parameter unfrozen or an optimizer
-    group added between windows takes part in the next one.
-
-    Args:
-        model_params: The model's parameters (`model.parameters()`, or a list of them).
-        optimizer: The optimizer, whose parameters come first, in its order.
-    """
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    seen = set(map(id, params))
-    if len(seen) < len(params):  # a parameter in two groups: keep its first place
-        params = list({id(p): p for p in params}.values())
-    held = len(params)
-    for param in model_params:
-        if param.requires_grad and id(param) not in seen:
-            seen.add(id(param))
-            params.append(param)
-    return params, held
 
 
 class Window:
@@ -118,6 +79,42 @@ class Window:
         self._stashed: list[torch.Tensor | None] = []
         self._marks: list[tuple[torch.Tensor | None, int]] = []
         self._watched: tuple[torch.nn.Parameter, torch.Tensor | None, int] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For `copy.deepcopy` and pickle: the state, with the open window's gradients.
+
+        Copied parameters lose their `.grad` (PyTorch copies and pickles a Parameter without
+        it), and an open window's partial sums live there: without them a copied Accumulator
+        would continue with part of the window missing (and call it a `zero_grad()`).
+        """
+        state = dict(self.__dict__)
+        state["_grads"] = [p.grad for p in self.params]
+        # Which marks still match their gradient: copies restart version counters at 0.
+        state["_fresh"] = [g is None or g._version == v for g, v in self._marks]
+        watched = self._watched
+        state["_watched_fresh"] = (
+            watched is not None
+            and watched[0].grad is watched[1]
+            and (watched[1] is None or watched[1]._version == watched[2])
+        )
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore `__getstate__` output: the gradients back on the (copied) parameters."""
+        grads, fresh = state.pop("_grads"), state.pop("_fresh")
+        watched_fresh = state.pop("_watched_fresh")
+        self.__dict__.update(state)
+        for param, grad in zip(self.params, grads, strict=True):
+            param.grad = grad
+        # A mark that matched before the copy matches after it; one that did not still does not.
+        self._marks = [
+            (g, (-1 if g is None else g._version) if ok else -2)
+            for (g, _), ok in zip(self._marks, fresh, strict=True)
+        ]
+        if self._watched is not None:
+            param, grad, _ = self._watched
+            version = -1 if grad is None else grad._version
+            self._watched = (param, grad, version if watched_fresh else -2)
 
     @property
     def is_open(self) -> bool:
@@ -272,6 +269,8 @@ class Window:
                 f"with shapes {saved}, this model and optimizer have {len(shapes)} with shapes "
                 f"{shapes}; load it into the same model and optimizer."
             )
+        if state.get("micro_batches"):
+            check_tensors_fit(state["grads"], params, "window's gradients")
         terms = state.get("terms")
         if terms is not None and not TermLedger.valid_state(terms):
             raise ValueError(
