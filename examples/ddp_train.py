@@ -14,6 +14,7 @@ parameters are gathered and compared.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -118,8 +119,11 @@ def main() -> int:
     if rank == 0:
         verdict = "yes" if identical else "NO"
         print(f"parameters identical across ranks: {verdict} (max abs difference {gap:.1e})")
-    # Every rank done with its collectives before any tears the group down: gloo's background
-    # threads of a rank still finishing were seen to abort its exit (SIGABRT) in CI.
+    # Every rank done with its collectives before any tears the group down, and DDP's reducer
+    # (which holds the group) gone first: gloo's threads torn down during interpreter exit were
+    # seen to abort a rank (SIGABRT, "terminate called without an active exception") in CI.
+    del acc, optimizer, model
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     return 0 if identical else 1

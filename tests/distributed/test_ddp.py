@@ -470,25 +470,32 @@ def test_example_runs_under_torchrun(tmp_path: Path) -> None:
     if not torchrun.exists():
         pytest.skip("torchrun is not installed next to this Python")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    completed = subprocess.run(
-        [
-            str(torchrun),
-            "--nproc_per_node",
-            "2",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            str(ROOT / "examples" / "ddp_train.py"),
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    output = completed.stdout + completed.stderr
+    for _attempt in range(2):
+        completed = subprocess.run(
+            [
+                str(torchrun),
+                "--nproc_per_node",
+                "2",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(free_port()),
+                str(ROOT / "examples" / "ddp_train.py"),
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=40,
+            check=False,
+        )
+        output = completed.stdout + completed.stderr
+        # torch's gloo teardown at interpreter exit, after the whole run printed, aborts a rank
+        # now and then on a loaded machine ("terminate called without an active exception"):
+        # run once more then; any other failure counts at once.
+        teardown = "terminate called without an active exception" in completed.stderr
+        if completed.returncode == 0 or not teardown or "identical" not in completed.stdout:
+            break
     assert completed.returncode == 0, output
     assert "parameters identical across ranks: yes" in completed.stdout, output
     step_lines = [line for line in completed.stdout.splitlines() if line.startswith("step ")]
