@@ -298,9 +298,9 @@ class Engine:
             lr = learning_rate(self.optimizer)
             try_scheduler(self.schedule.checked(scheduler, self.optimizer))  # acc.scheduler = ...
             step_optimizer(self.optimizer, window.params[: window.held], self._names, self, window)
-        except BaseException:
-            if window.is_open:
-                self._forget_window()
+        except BaseException as error:
+            if window.is_open:  # noted as discarded, unless a half-done step left it changed
+                self._forget_window(None if self.broken else error)
             raise
         # Committed. The scheduler steps before the gradients are cleared (the contract's order);
         # raising, it leaves the window closed all the same: nothing steps twice (nor reruns).
