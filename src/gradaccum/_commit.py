@@ -9,8 +9,9 @@ Guards around the one call that changes the model, none of which copies a parame
   scheduler was stepped outside the Accumulator too;
 - `optimizer.step()` is watched by the parameters' `_version` counters, read before the call
   by one C-level `map` (no Python frame per parameter), and, for an optimizer not from
-  `torch.optim` (which may write through `p.data`, leaving the versions alone), by each
-  parameter's float64 norm (one foreach kernel). An optimizer that raises having changed
+  `torch.optim` (which may write through `p.data`, leaving the versions alone) or one with
+  `fused=True` (whose kernels leave them alone too), by each parameter's float64 norm (one
+  foreach kernel). An optimizer that raises having changed
   nothing, typically torch's own input checks, has the state entries its lazy initialization
   created removed, so nothing changed at all;
 - an optimizer that raises after it updated some parameters (a second param group failing
@@ -158,13 +159,15 @@ def step_optimizer(
 def _fingerprint(
     optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
 ) -> list[torch.Tensor] | None:
-    """Each parameter's float64 norm, for an optimizer not from `torch.optim`; else None.
+    """Each parameter's float64 norm, where versions may miss an update; else None.
 
-    torch's optimizers change parameters in place, which bumps their `_version`; others may
-    write through `p.data` or their own kernels (bitsandbytes), which does not. One foreach
-    kernel over the parameters, only for those optimizers; None where it cannot run.
+    torch's optimizers change parameters in place, which bumps their `_version`, except with
+    `fused=True`, whose kernels leave it alone (seen on CPU); others may write through `p.data`
+    or their own kernels (bitsandbytes), which does not either. One foreach kernel over the
+    parameters, only for those optimizers; None where it cannot run.
     """
-    if type(optimizer).__module__.startswith("torch.optim"):
+    fused = any(group.get("fused") for group in optimizer.param_groups)
+    if type(optimizer).__module__.startswith("torch.optim") and not fused:
         return None
     try:
         return _norms(params)

@@ -21,7 +21,7 @@ from gradaccum._agreement import RankMismatchError
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
 from gradaccum._commit import SchedulerSteps, refuse_steps_inside, step_optimizer, try_scheduler
 from gradaccum._engine_state import restore_components
-from gradaccum._oom import rng_states, set_rng_states
+from gradaccum._oom import after_step_guard, rng_states, set_rng_states
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
 from gradaccum._parameters import window_parameters
 from gradaccum._sync_base import NO_CONTEXT
@@ -33,7 +33,7 @@ from gradaccum.loss import LossTerms, TokenMeanCheck, counted_ahead, read_loss, 
 from gradaccum.norms import clip_, total_norm
 from gradaccum.options import Normalize
 from gradaccum.precision import PrecisionRuntime
-from gradaccum.result import learning_rate
+from gradaccum.result import PartialStepError, learning_rate
 from gradaccum.sync import FSDP2Sync, GradSync, RankSummary, WindowAgreement
 from gradaccum.telemetry import TelemetryMeter
 from gradaccum.window import LossFn, Outcome, Window
@@ -141,8 +141,8 @@ class Engine:
         return last
 
     def _open(self, rerun: bool) -> None:
-        if self.broken is not None:
-            raise RuntimeError(f"no window was run: the last step failed halfway. {self.broken}")
+        if (broken := self.broken) is not None:  # never taken for the out-of-memory it quotes
+            raise PartialStepError(f"no window was run: the last step failed halfway. {broken}")
         params, held = window_parameters(self._model_params, self.optimizer)
         self.sync.begin_window()
         self.window.open(params, held, self.runtime.loss_scale())
@@ -298,22 +298,23 @@ class Engine:
             lr = learning_rate(self.optimizer)
             try_scheduler(self.schedule.checked(scheduler, self.optimizer))  # acc.scheduler = ...
             step_optimizer(self.optimizer, window.params[: window.held], self._names, self, window)
-        except BaseException:
-            if window.is_open:
-                self._forget_window()
+        except BaseException as error:
+            if window.is_open:  # noted as discarded, unless a half-done step left it changed
+                self._forget_window(None if self.broken else error)
             raise
-        # Committed. The scheduler steps before the gradients are cleared (the contract's
-        # order); raising, it leaves the window closed all the same: nothing steps twice.
-        try:
-            self.schedule.take(scheduler)
-        finally:
-            runtime.update_scale(finite=True)
-            self.batchnorm.end_window()
-            self.sync.sync_buffers()  # DDP: rank 0's statistics everywhere, once per window
-            runtime.clear_buffers()
-            terms, objective = window.terms.report(agreement) if window.terms else (None, None)
-            window.close()
-            self._end()
+        # Committed. The scheduler steps before the gradients are cleared (the contract's order);
+        # raising, it leaves the window closed all the same: nothing steps twice (nor reruns).
+        with after_step_guard():
+            try:
+                self.schedule.take(scheduler)
+            finally:
+                runtime.update_scale(finite=True)
+                self.batchnorm.end_window()
+                self.sync.sync_buffers()  # DDP: rank 0's statistics everywhere, once per window
+                runtime.clear_buffers()
+                terms, objective = window.terms.report(agreement) if window.terms else (None, None)
+                window.close()
+                self._end()
         return Outcome(True, count, loss_sum, norm_value, lr, (), terms, objective)
 
     def discard_window(self) -> None:
@@ -366,6 +367,8 @@ class Engine:
         self.sync.forget_window()
         self.runtime.clear_buffers()
         self.batchnorm.forget_window()
+        if self.telemetry is not None:  # a closed window's state holds nothing of it
+            self.telemetry.forget_window()
         if self._rng is not None:
             set_rng_states(self.runtime.device, self._rng)
         self._end()

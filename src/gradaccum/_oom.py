@@ -22,6 +22,8 @@ __all__ = [
     "set_rng_states",
     "MemoryBudgetError",
     "OptimizerStepMemoryError",
+    "StepTakenMemoryError",
+    "after_step_guard",
     "is_out_of_memory",
     "optimizer_step_guard",
     "release_cached_memory",
@@ -45,13 +47,17 @@ class OptimizerStepMemoryError(torch.OutOfMemoryError):
     """`optimizer.step()` ran out of memory: its window is not rerun (`optimizer_step_guard`)."""
 
 
+class StepTakenMemoryError(torch.OutOfMemoryError):
+    """Out of memory after the window's step was taken (`after_step_guard`): not rerun either."""
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether `error` is an allocator running out of memory (CUDA, CPU, MPS and older forms).
 
-    False for `OptimizerStepMemoryError` and `PartialStepError` (which may quote one): a window
-    whose step failed is not rerun smaller.
+    False for `OptimizerStepMemoryError`, `StepTakenMemoryError` and `PartialStepError` (which
+    may quote one): a window whose step failed, or was taken, is not rerun smaller.
     """
-    if isinstance(error, (OptimizerStepMemoryError, PartialStepError)):
+    if isinstance(error, (OptimizerStepMemoryError, StepTakenMemoryError, PartialStepError)):
         return False
     if isinstance(error, torch.OutOfMemoryError):
         return True
@@ -83,6 +89,28 @@ def optimizer_step_guard() -> Iterator[None]:
             "have updated some parameters or optimizer state. Leave room for the optimizer: a "
             "smaller memory_budget, an optimizer with less state (SGD, bf16 state) or "
             "foreach=False (fewer temporaries); then reload a checkpoint to resume exactly."
+        ) from error
+
+
+@contextlib.contextmanager
+def after_step_guard() -> Iterator[None]:
+    """Around the work after a window's `optimizer.step()`: out of memory is not rerun there.
+
+    The scheduler's step, the loss scale's update and pooled BatchNorm statistics run once the
+    step is committed; automatic sizing rerunning the window smaller would step it twice.
+
+    Raises:
+        StepTakenMemoryError: From the allocator's error, which stays its `__cause__`.
+    """
+    try:
+        yield
+    except BaseException as error:
+        if not is_out_of_memory(error):
+            raise
+        raise StepTakenMemoryError(
+            f"ran out of memory after the optimizer step was taken ({error}). The step is kept "
+            "and the window closed, so it is not rerun at a smaller micro-batch size, which would "
+            "step twice; the next window runs as usual. Leave more room (a smaller memory_budget)."
         ) from error
 
 

@@ -115,6 +115,10 @@ class TelemetryMeter:
         self._started = time.perf_counter()
         self._small = None
 
+    def forget_window(self) -> None:
+        """The window was forgotten (failed, skipped, dropped): its first measurement goes too."""
+        self._small = None
+
     def first_micro_batch(self, grads: Sequence[torch.Tensor], items: int, scale: float) -> None:
         """The accumulated gradients after the window's first micro-batch of `items` counted.
 
