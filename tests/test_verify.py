@@ -784,3 +784,64 @@ def test_a_model_computing_in_bfloat16_inside_is_judged_with_its_micro_batches()
     wrong = check_equivalence(model, batch, mean_logits_ce, 1, dtype=torch.float32)
     assert wrong.internal_dtype == torch.bfloat16
     assert not wrong.ok, str(wrong)
+
+
+class _RowDrop(torch.nn.Module):
+    """Stochastic depth as torchvision's `StochasticDepth(p, "row")`: whole rows dropped."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        keep = torch.empty(len(x), 1, dtype=x.dtype).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.drop = torch.nn.Linear(6, 6), _RowDrop(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.nn.functional.dropout(self.body(x), 0.0) + 0 * x)
+
+
+class _NoisyTanh(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x + 0.1 * torch.randn_like(x) if self.training else x)
+
+
+def test_modules_drawing_random_numbers_in_forward_are_named_as_the_cause() -> None:
+    """Stochastic depth (torchvision's EfficientNet and ConvNeXt) and noise drawn in a custom
+    forward are no `Dropout`: they were not listed, and the check blamed the loss ("the loss is
+    not additive"). The run now notes every module whose forward advances the generator; the
+    innermost is named, with the fix (check with the randomness off)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 6),
+        _Residual(),
+        _NoisyTanh(),
+        torch.nn.Dropout(0.3),
+        torch.nn.Linear(6, 1),
+    )
+    assert [m.name for m in find_non_additive(model)] == ["3"]  # by class: the Dropout alone
+    report = check_equivalence(model, _batch(), _mse, micro_batch_size=3)
+    assert not report.ok
+    assert [(m.name, m.kind) for m in report.non_additive] == [
+        ("3", "Dropout"),  # listed once, by its class
+        ("1.drop", "_RowDrop"),  # the innermost: not its block "1"
+        ("2", "_NoisyTanh"),
+    ]
+    assert "random numbers" in report.non_additive[1].reason
+    explained = report.explain()
+    assert "_RowDrop at 1.drop" in explained
+    assert "stochastic depth probability of 0" in explained
+    assert "the loss is not additive" not in explained
+    # Negative control: in eval mode nothing draws, the same model is exact and nothing is listed.
+    report = check_equivalence(model.eval(), _batch(), _mse, micro_batch_size=3)
+    assert report.ok
+    assert report.non_additive == ()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

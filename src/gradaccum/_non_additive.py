@@ -4,8 +4,9 @@ BatchNorm in train mode (or without running statistics), dropout, spectral norm'
 iteration, other stateful parametrizations, and modules whose forward pre-hooks change their
 buffers all compute something else on micro-batches than on one full batch. `find_non_additive`
 lists them from the model alone; `hooked_buffers` and `changed_by_hooks` find the hooks that do so
-once `gradaccum.verify.check_equivalence` has run the model, and `diverged_buffers` the modules
-whose forward updates a buffer (a running statistic) differently on micro-batches. Everything
+once `gradaccum.verify.check_equivalence` has run the model, `random_draws` the modules whose
+forward draws random numbers (stochastic depth, noise) as it runs, and `diverged_buffers` the
+modules whose forward updates a buffer (a running statistic) differently on micro-batches. Everything
 here is re-exported or used by `gradaccum.verify`.
 
 Example:
@@ -18,9 +19,11 @@ Example:
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import cast
+from functools import partial
+from typing import Any, cast
 
 import torch
 from torch.nn.utils import parametrize
@@ -35,6 +38,7 @@ __all__ = [
     "find_non_additive",
     "fix_for",
     "hooked_buffers",
+    "random_draws",
 ]
 
 _SPECTRAL_REASON = (
@@ -196,6 +200,51 @@ def diverged_buffers(
     return found
 
 
+@contextmanager
+def random_draws(
+    model: torch.nn.Module, devices: list[int], known: set[str]
+) -> Iterator[list[NonAdditiveModule]]:
+    """Note the modules whose forward draws random numbers while the block runs.
+
+    Dropout is known by its class, but stochastic depth (torchvision's `StochasticDepth`, timm's
+    `DropPath`), `F.dropout` in a custom forward or injected noise are not: any forward that
+    advances the CPU generator (or a CUDA one in `devices`) is, so each micro-batch draws other
+    values than the full batch. The innermost such module is listed, unless `known` has it. The
+    list is filled when the block exits.
+    """
+
+    def states() -> list[torch.Tensor]:
+        return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+
+    stack: list[list[torch.Tensor]] = []
+    drew: dict[str, str] = {}
+
+    def before(module: torch.nn.Module, args: Any) -> None:
+        stack.append(states())
+
+    def after(name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if stack and any(not torch.equal(a, b) for a, b in zip(stack.pop(), states(), strict=True)):
+            drew[name] = type(module).__name__
+
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(before))
+        handles.append(module.register_forward_hook(partial(after, name), always_call=True))
+    found: list[NonAdditiveModule] = []
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+    for name, kind in drew.items():  # the innermost: no module inside it drew too
+        inner = any(other.startswith(f"{name}.") or not name for other in drew if other != name)
+        if not inner and (name or "<model>") not in known:
+            reason = "draws random numbers in its forward, so each micro-batch draws others"
+            found.append(
+                NonAdditiveModule(name or "<model>", kind, f"{reason} than the full batch")
+            )
+
+
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
     """Every CUDA device when any of `tensors` is on one (their RNGs are forked too), else none."""
     return list(range(torch.cuda.device_count())) if any(t.is_cuda for t in tensors) else []
@@ -205,8 +254,9 @@ _FIXES = {
     "BatchNorm": "convert it with gradaccum.batchnorm.convert_to_groupnorm(model) (exact), or "
     "train with Accumulator(..., batchnorm='pooled') (running statistics from the whole window) "
     "or 'frozen' (eval-mode statistics); see docs/batchnorm.md",
-    "other": "check with dropout off (eval mode or p=0); in training, different masks are "
-    "expected noise, not a bug",
+    "other": "check with dropout off (eval mode, or p=0 and a stochastic depth probability of 0) "
+    "to confirm the rest is exact; in training, other random draws per micro-batch are expected "
+    "noise, not a bug (docs/vision.md)",
     "state": "check in eval mode (model.eval()) to confirm the rest is exact; in training the "
     "state advances once per micro-batch, which no accumulation undoes: update it once per "
     "window (e.g. from Accumulator's step results) if it must match the full batch",

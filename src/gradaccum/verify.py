@@ -39,6 +39,7 @@ from gradaccum._non_additive import (
     find_non_additive,
     fix_for,
     hooked_buffers,
+    random_draws,
 )
 from gradaccum.batching import batch_size, map_tensors, split_batch
 from gradaccum.loss import LossTerms, backward_inside_error, read_loss
@@ -225,10 +226,12 @@ def check_equivalence(
     devices = cuda_devices([*model.parameters(), *model.buffers(), *_tensors_of(batch)])
     hooked = hooked_buffers(full_model)
     precision = PrecisionProbe(dtype)
+    known = {m.name for m in find_non_additive(model)}
 
     with torch.enable_grad():
         with torch.random.fork_rng(devices=devices), precision:
-            result = loss_fn(full_model, batch)
+            with random_draws(full_model, devices, known) as drawing:
+                result = loss_fn(full_model, batch)
             if any(param.grad is not None for param in full_model.parameters()):
                 raise backward_inside_error()  # the gradient would be counted twice
             if isinstance(result, LossTerms):
@@ -250,7 +253,7 @@ def check_equivalence(
                     "micro_batch_size (BatchNorm needs more than 1 item per channel in train mode)."
                 ) from error
 
-    non_additive = find_non_additive(model)
+    non_additive = find_non_additive(model) + drawing
     non_additive += changed_by_hooks(full_model, hooked, {m.name for m in non_additive})
     non_additive += diverged_buffers(full_model, accumulated_model, {m.name for m in non_additive})
     limit = precision.lowest
