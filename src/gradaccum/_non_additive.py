@@ -30,6 +30,7 @@ __all__ = [
     "LOSS_CAUSES",
     "NonAdditiveModule",
     "changed_by_hooks",
+    "changed_parameters",
     "cuda_devices",
     "diverged_buffers",
     "find_non_additive",
@@ -196,6 +197,37 @@ def diverged_buffers(
     return found
 
 
+def changed_parameters(
+    original: torch.nn.Module, ran: torch.nn.Module, known: set[str]
+) -> list[NonAdditiveModule]:
+    """Modules whose parameters the forward itself wrote in place (no optimizer ran).
+
+    `nn.Embedding(max_norm=...)` renormalizes the rows it looks up: each micro-batch then sees
+    the rows the earlier ones renormalized, the full batch sees every row of the batch
+    renormalized before any item is scored. Nothing differs while that lookup alone reads the
+    weight; a tied weight (an LM head reading the embedding) reads all rows and differs.
+    """
+    found: dict[str, NonAdditiveModule] = {}
+    before = dict(original.named_parameters())
+    for name, param in ran.named_parameters():
+        old = before.get(name)
+        if old is None or torch.equal(param.detach(), old.detach().to(param.dtype)):
+            continue
+        owner, _, key = name.rpartition(".")
+        label = owner or "<model>"
+        if label in known or label in found:
+            continue
+        module = ran.get_submodule(owner)
+        reason = (
+            f"its forward wrote its parameter {key} in place, so each micro-batch reads the "
+            "weights the earlier micro-batches left while the full batch reads them all "
+            "changed before any item is scored; exact only if nothing but this module's own "
+            "lookup reads them (a tied LM head reads every row)"
+        )
+        found[label] = NonAdditiveModule(label, type(module).__name__, reason)
+    return list(found.values())
+
+
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
     """Every CUDA device when any of `tensors` is on one (their RNGs are forked too), else none."""
     return list(range(torch.cuda.device_count())) if any(t.is_cuda for t in tensors) else []
@@ -207,6 +239,10 @@ _FIXES = {
     "or 'frozen' (eval-mode statistics); see docs/batchnorm.md",
     "other": "check with dropout off (eval mode or p=0); in training, different masks are "
     "expected noise, not a bug",
+    "in place": "for nn.Embedding(max_norm=...), renormalize the whole batch's rows once "
+    "before the window (with torch.no_grad(): torch.embedding_renorm_(emb.weight, "
+    "ids.unique(), max_norm, 2.0)): each micro-batch's renormalization then changes nothing "
+    "and reads what the full batch reads; any other forward should leave its parameters alone",
     "state": "check in eval mode (model.eval()) to confirm the rest is exact; in training the "
     "state advances once per micro-batch, which no accumulation undoes: update it once per "
     "window (e.g. from Accumulator's step results) if it must match the full batch",
@@ -217,6 +253,8 @@ def fix_for(kind: str, reason: str) -> str:
     """The fix a non-additive module of `kind` (found for `reason`) calls for."""
     if "BatchNorm" in kind:
         return _FIXES["BatchNorm"]
+    if "in place" in reason:
+        return _FIXES["in place"]
     return _FIXES["other" if "random" in reason else "state"]
 
 

@@ -34,6 +34,7 @@ from gradaccum._non_additive import (
     LOSS_CAUSES,
     NonAdditiveModule,
     changed_by_hooks,
+    changed_parameters,
     cuda_devices,
     diverged_buffers,
     find_non_additive,
@@ -253,6 +254,7 @@ def check_equivalence(
     non_additive = find_non_additive(model)
     non_additive += changed_by_hooks(full_model, hooked, {m.name for m in non_additive})
     non_additive += diverged_buffers(full_model, accumulated_model, {m.name for m in non_additive})
+    non_additive += changed_parameters(model, full_model, {m.name for m in non_additive})
     limit = precision.lowest
     return EquivalenceReport(
         micro_batch_size=micro_batch_size,
