@@ -5,7 +5,8 @@ denominator` (`gradaccum.divisor`), move low-precision gradients to their buffer
 exchange ─► reduce ─► divide once ─► finite? ─► clip ─► scheduler tried ─► optimizer.step() ══
 commit ══► loss scale, pooled BatchNorm, close (`gradaccum._commit`). Any exception before the
 commit, a skipped or a dropped window ends in `_forget_window()`: gradients as before the window,
-fp32 buffers dropped, BatchNorm statistics back, and the RNG for a rerun after out-of-memory.
+fp32 buffers dropped, BatchNorm statistics and forward-updated buffers back (`_buffer_watch`),
+and the RNG for a rerun after out-of-memory.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from gradaccum import _boundary
 from gradaccum._agreement import RankMismatchError
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
+from gradaccum._buffer_watch import BufferWatch
 from gradaccum._commit import SchedulerSteps, refuse_steps_inside, step_optimizer, try_scheduler
 from gradaccum._engine_state import restore_components
 from gradaccum._oom import rng_states, set_rng_states
@@ -73,6 +75,7 @@ class Engine:
         self.telemetry: TelemetryMeter | None = None  # opt-in (gradaccum.telemetry)
         self.broken: str | None = None  # set by a half-done optimizer.step(); a load clears it
         self.schedule = SchedulerSteps()  # the scheduler's real steps, after each commit
+        self.buffers = BufferWatch(model, [m for _, m in batchnorm.modules], active=sync.world == 1)
 
     # ---------------------------------------------------------------- micro-batches
 
@@ -148,6 +151,7 @@ class Engine:
         self.window.open(params, held, self.runtime.loss_scale())
         self.runtime.open_window(len(params), None if self.sync.defers else params)
         self.batchnorm.open_window()
+        self.buffers.open()
         self._rng = rng_states(self.runtime.device) if rerun else None
         if self.telemetry is not None:
             self.telemetry.open_window()
@@ -307,6 +311,7 @@ class Engine:
         try:
             self.schedule.take(scheduler)
         finally:
+            self.buffers.close(window.micro_batches)  # learns what changes; warns once
             runtime.update_scale(finite=True)
             self.batchnorm.end_window()
             self.sync.sync_buffers()  # DDP: rank 0's statistics everywhere, once per window
@@ -346,8 +351,6 @@ class Engine:
         if self.sync.defers and not self._reduced and self._last_input is not None:
             self._zero_item_micro_batch(*self._last_input, last=False, reduce=True)
 
-    # ---------------------------------------------------------------- forgetting
-
     def _fail(self, error: BaseException, *, rerun: bool = True) -> None:
         """A window raised: tell the other ranks (DDP) at their next collective; forget it."""
         window, runtime, sync = self.window, self.runtime, self.sync
@@ -366,16 +369,16 @@ class Engine:
         self.sync.forget_window()
         self.runtime.clear_buffers()
         self.batchnorm.forget_window()
+        self.buffers.forget()
         if self._rng is not None:
             set_rng_states(self.runtime.device, self._rng)
         self._end()
 
     def _end(self) -> None:
         self.sync.end_window()
+        self.buffers.reset()  # a loaded window's copies would be another window's
         self._agreement, self._exchanged, self._reduced = None, False, False
         self._last_input, self._rng, self._next_sum = None, None, False
-
-    # ---------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
         """The components' own states."""
