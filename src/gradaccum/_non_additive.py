@@ -268,7 +268,8 @@ LOSS_CAUSES = [
     "weights: LossSum.terms(loss=(weighted_sum, summed_weights))); a plain scalar is read as a "
     "mean weighted by the micro-batch's leading dimension.",
     "or each item's loss depends on the other items of its batch (in-batch negatives: "
-    "InfoNCE, CLIP; batch statistics; a penalty on the parameters' gradient over the batch),",
+    "InfoNCE, CLIP; triplet mining; batch statistics, such as an MoE load-balancing loss "
+    "computed per forward; a penalty on the parameters' gradient over the batch),",
     "    -> no accumulation is exact there: the loss sees the micro-batch as its batch. Use the "
     "largest micro_batch_size that fits, or gather the negatives over the window yourself "
     "(docs/losses.md).",
