@@ -119,4 +119,13 @@ class BufferWatch:
         return buffer
 
     def _same(self, slot: int, buffer: torch.Tensor, old: torch.Tensor) -> bool:
-        return self._now(slot) is buffer and torch.equal(buffer, old)
+        return self._now(slot) is buffer and _equal(buffer, old)
+
+
+def _equal(now: torch.Tensor, old: torch.Tensor) -> bool:
+    """Equal values, NaN where NaN was (a cache made by torch.empty may hold some)."""
+    if torch.equal(now, old):
+        return True
+    if now.shape != old.shape or not (now.is_floating_point() or now.is_complex()):
+        return False
+    return bool(((now == old) | (now.isnan() & old.isnan())).all())
