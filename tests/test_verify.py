@@ -859,3 +859,44 @@ def test_the_max_norm_fix_renormalizing_the_batch_first_makes_the_step_exact() -
     torch.testing.assert_close(fixed.mix.weight, full.mix.weight, rtol=1e-10, atol=1e-12)
     # Negative control: without it, the tied weight ends elsewhere.
     assert (naive.emb.weight - full.emb.weight).abs().max() > 1e-4
+
+
+class _Vae(torch.nn.Module):
+    """A VAE's reparameterization: noise drawn in forward, or passed in the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode = torch.nn.Linear(4, 6)
+        self.decode = torch.nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor, eps: torch.Tensor | None = None) -> torch.Tensor:
+        mu, log_var = self.encode(x).chunk(2, -1)
+        eps = torch.randn_like(mu) if eps is None else eps
+        return self.decode(mu + eps * (0.5 * log_var).exp())
+
+
+def test_random_draws_in_the_forward_are_named_as_the_cause() -> None:
+    # A VAE's torch.randn_like (likewise stochastic depth, F.dropout): no Dropout module, so the
+    # gap used to be blamed on the loss.
+    x = torch.randn(40, 4, generator=torch.Generator().manual_seed(2))
+
+    def drawn(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(batch), batch)
+
+    torch.manual_seed(0)
+    report = check_equivalence(_Vae(), x, drawn, micro_batch_size=8)
+    assert not report.ok
+    assert [(m.name, m.kind) for m in report.non_additive] == [("<forward>", "random draws")]
+    explained = report.explain()
+    assert "the loss is not additive" not in explained
+    assert "passed in it" in explained  # the fix: the noise drawn for the batch, in the batch
+
+    # Negative control: the same noise drawn for the whole batch and passed in it is exact.
+    def passed(model: torch.nn.Module, batch) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(batch[0], batch[1]), batch[0])
+
+    torch.manual_seed(0)
+    eps = torch.randn(40, 3, generator=torch.Generator().manual_seed(5))
+    report = check_equivalence(_Vae(), (x, eps), passed, micro_batch_size=8)
+    assert report.ok
+    assert report.non_additive == ()

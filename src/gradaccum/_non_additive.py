@@ -28,6 +28,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm as _LegacySpectralNorm
 
 __all__ = [
     "LOSS_CAUSES",
+    "RANDOM_DRAWS",
     "NonAdditiveModule",
     "changed_by_hooks",
     "changed_parameters",
@@ -36,6 +37,8 @@ __all__ = [
     "find_non_additive",
     "fix_for",
     "hooked_buffers",
+    "random_draws",
+    "rng_snapshot",
 ]
 
 _SPECTRAL_REASON = (
@@ -228,6 +231,27 @@ def changed_parameters(
     return list(found.values())
 
 
+# A forward (or loss_fn) drawing random numbers outside a dropout module: noise, stochastic depth,
+# a VAE's reparameterization. Micro-batches draw other numbers than one full batch.
+RANDOM_DRAWS = NonAdditiveModule(
+    "<forward>",
+    "random draws",
+    "the forward or loss_fn drew random numbers (torch.randn_like, torch.rand, F.dropout: a "
+    "VAE's reparameterization, stochastic depth, noise), and micro-batches draw other random "
+    "numbers than the full batch",
+)
+
+
+def rng_snapshot(devices: list[int]) -> list[torch.Tensor]:
+    """The CPU RNG state, then each CUDA device's in `devices`."""
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+
+
+def random_draws(before: list[torch.Tensor], devices: list[int]) -> bool:
+    """Whether any RNG advanced since `before` was taken."""
+    return any(not torch.equal(a, b) for a, b in zip(before, rng_snapshot(devices), strict=True))
+
+
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
     """Every CUDA device when any of `tensors` is on one (their RNGs are forked too), else none."""
     return list(range(torch.cuda.device_count())) if any(t.is_cuda for t in tensors) else []
@@ -237,8 +261,9 @@ _FIXES = {
     "BatchNorm": "convert it with gradaccum.batchnorm.convert_to_groupnorm(model) (exact), or "
     "train with Accumulator(..., batchnorm='pooled') (running statistics from the whole window) "
     "or 'frozen' (eval-mode statistics); see docs/batchnorm.md",
-    "other": "check with dropout off (eval mode or p=0); in training, different masks are "
-    "expected noise, not a bug",
+    "other": "check with dropout off (eval mode or p=0), or with the noise drawn for the whole "
+    "batch and passed in it (eps = torch.randn(B, ...) as a batch tensor); in training, other "
+    "draws are expected noise, not a bug",
     "in place": "for nn.Embedding(max_norm=...), renormalize the whole batch's rows once "
     "before the window (with torch.no_grad(): torch.embedding_renorm_(emb.weight, "
     "ids.unique(), max_norm, 2.0)): each micro-batch's renormalization then changes nothing "
