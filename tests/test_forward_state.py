@@ -165,3 +165,37 @@ def test_a_committed_window_keeps_what_the_forwards_did() -> None:
             reference(chunk)
     assert torch.equal(model.codebook, reference.codebook)
     assert int(model.calls) == 3
+
+
+class _Lm(torch.nn.Module):
+    def __init__(self, *, max_norm: float | None, tied: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 6, max_norm=max_norm)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def _lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+def test_a_tied_max_norm_embedding_is_warned_about() -> None:
+    # Each micro-batch's forward renormalizes rows of the tied weight in place: the head of a
+    # later micro-batch reads other weights than the full batch's (check_equivalence measures it).
+    ids = torch.randint(0, 11, (12, 5), generator=torch.Generator().manual_seed(0))
+    model = _Lm(max_norm=1.0, tied=True)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4)
+    with pytest.warns(ForwardStateWarning, match=r"emb\.weight read by head\.weight") as caught:
+        acc.step(ids, _lm_loss)
+    assert "embedding_renorm_" in str(caught[0].message)  # the fix
+    # Negative controls: untied or without max_norm it is exact, and nothing is said.
+    for untroubled in (_Lm(max_norm=1.0, tied=False), _Lm(max_norm=None, tied=True)):
+        opt = torch.optim.SGD(untroubled.parameters(), lr=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ForwardStateWarning)
+            Accumulator(untroubled, opt, micro_batch_size=4).step(ids, _lm_loss)

@@ -49,6 +49,7 @@ class BufferWatch:
         self._saved: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # slot, tensor, copy
         self._versions: list[tuple[int, torch.Tensor, int]] = []  # slot, tensor, version
         self._warned = False
+        self._tied = tied_max_norm(model)  # warned of at the first split window
 
     def open(self) -> None:
         """Copy what this window may change (all of it until one window has shown what does)."""
@@ -79,6 +80,18 @@ class BufferWatch:
 
     def close(self, micro_batches: int) -> None:
         """At a commit: learn which buffers change; warn once if a split window changed any."""
+        if self._tied and micro_batches > 1:
+            tied, self._tied = "; ".join(self._tied), []
+            warn_user(
+                ForwardStateWarning(
+                    f"nn.Embedding(max_norm=...) renormalizes the rows it looks up in place, in "
+                    f"each micro-batch's forward, and its weight is tied ({tied}): later "
+                    "micro-batches read the rows earlier ones renormalized, the full batch "
+                    "reads them all renormalized first, so the step is not the full-batch one. "
+                    "Renormalize the batch's rows before the window: with torch.no_grad(): "
+                    "torch.embedding_renorm_(emb.weight, ids.unique(), max_norm, 2.0)."
+                )
+            )
         if not self._slots:
             return
         changed = self._changed_slots()
@@ -129,3 +142,23 @@ def _equal(now: torch.Tensor, old: torch.Tensor) -> bool:
     if now.shape != old.shape or not (now.is_floating_point() or now.is_complex()):
         return False
     return bool(((now == old) | (now.isnan() & old.isnan())).all())
+
+
+def tied_max_norm(model: torch.nn.Module) -> list[str]:
+    """Each `nn.Embedding(max_norm=...)` whose weight another module reads, with its readers.
+
+    The embedding's own lookups read only the rows they renormalized, which is exact (the same
+    module registered twice too); another module reading the weight (a tied LM head) is not.
+    """
+    holders: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for key, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((module, f"{name}.{key}".lstrip(".")))
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and module.max_norm is not None:
+            others = [n for m, n in holders.get(id(module.weight), []) if m is not module]
+            if others:
+                found.append(f"{name or '<model>'}.weight read by {', '.join(others)}")
+    return found
