@@ -51,7 +51,7 @@ def test_losses_md_two_term_example_runs_and_its_figures_are_that_run() -> None:
     They once came from a run with another auxiliary weight (0.3) than the code shows (0.01),
     so `result.loss` was not `ce + 0.01 * aux` of the figures next to it.
     """
-    block = python_block("losses.md", "LossSum.terms(")
+    block = python_block("losses.md", "router_loss_per_seq")
     code, _, shown = block.partition("result = acc.step(batch, loss_fn)")
     loss_shown = float(re.search(r"result\.loss\s+# ([0-9.]+)", shown).group(1))  # type: ignore[union-attr]
     terms_shown = ast.literal_eval(re.search(r"result\.terms\s+# (\{.*?\})", shown).group(1))  # type: ignore[union-attr]

@@ -520,3 +520,85 @@ def test_a_learnable_term_weight_is_refused_and_multiplying_the_value_is_exact()
     assert relative_gap(param_tensors(model), param_tensors(reference)) < EXACT
     assert log_var.item() != 0.5
     assert log_var.item() == pytest.approx(reference_log_var.item(), rel=1e-12)
+
+
+class _SwitchMoE(nn.Module):
+    """Top-1 routing over 4 experts; the load-balancing loss is E * sum_i f_i * P_i (Switch)."""
+
+    experts_count = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(13, 8)
+        self.router = nn.Linear(8, self.experts_count)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(self.experts_count))
+        self.head = nn.Linear(8, 13)
+
+    def route(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.emb(ids).flatten(0, 1)
+        return hidden, self.router(hidden).softmax(-1)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, probs = self.route(ids)
+        top = probs.argmax(-1)
+        mixed = torch.stack([e(hidden) for e in self.experts], 1)[torch.arange(len(hidden)), top]
+        return self.head(torch.tanh(mixed * probs.gather(1, top[:, None]))), probs
+
+
+def _balance(probs: torch.Tensor, fractions: torch.Tensor) -> torch.Tensor:
+    return _SwitchMoE.experts_count * (fractions * probs.mean(0)).sum()
+
+
+def _fractions(probs: torch.Tensor) -> torch.Tensor:
+    return nn.functional.one_hot(probs.argmax(-1), _SwitchMoE.experts_count).double().mean(0)
+
+
+def test_moe_load_balancing_loss_is_exact_with_the_batchs_dispatch_fractions() -> None:
+    # The Switch/Mixtral loss multiplies two batch means, f (tokens routed to each expert) and
+    # P (mean router probability): a forward's own f and P are another loss than the batch's.
+    # f has no gradient and the router does not move inside a window, so docs/losses.md
+    # computes it over the whole batch first (no_grad); then E * sum_t p_t . f is a sum over
+    # tokens, a term counting them.
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 13, (16, 6), generator=generator)
+    labels = torch.randint(0, 13, (16, 6), generator=generator)
+    torch.manual_seed(1)
+    full = _SwitchMoE().double()
+    naive, fixed, start = copy.deepcopy(full), copy.deepcopy(full), copy.deepcopy(full)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (full, naive, fixed)]
+
+    def per_forward(model: nn.Module, batch: Any) -> torch.Tensor:  # each forward's own f, P
+        logits, probs = model(batch[0])
+        ce = nn.functional.cross_entropy(logits, batch[1].flatten())
+        return ce + 0.01 * _balance(probs, _fractions(probs))
+
+    per_forward(full, (ids, labels)).backward()
+    optimizers[0].step()
+    Accumulator(naive, optimizers[1], micro_batch_size=4).step((ids, labels), per_forward)
+    counts = torch.zeros(_SwitchMoE.experts_count, dtype=torch.float64)
+    with torch.no_grad():  # the recipe: the batch's dispatch fractions, micro-batch by micro-batch
+        for chunk in ids.split(4):
+            counts += _fractions(fixed.route(chunk)[1]) * chunk.numel()
+    fractions = counts / counts.sum()
+
+    def exact(model: nn.Module, batch: Any) -> LossSum:
+        logits, probs = model(batch[0])
+        ce = nn.functional.cross_entropy(logits, batch[1].flatten(), reduction="sum")
+        balance = _SwitchMoE.experts_count * (probs @ fractions).sum()
+        tokens = len(probs)
+        return LossSum.terms(ce=(ce, tokens), aux=Term(balance, count=tokens, weight=0.01))
+
+    Accumulator(fixed, optimizers[2], micro_batch_size=4).step((ids, labels), exact)
+    steps = [
+        (p - q).abs().max()
+        for p, q in zip(full.router.parameters(), start.router.parameters(), strict=True)
+    ]
+    for model, within in ((fixed, True), (naive, False)):  # negative control: per forward
+        gaps = [
+            float((p - q).abs().max() / s)
+            for p, q, s in zip(
+                model.router.parameters(), full.router.parameters(), steps, strict=True
+            )
+        ]
+        assert (max(gaps) < 1e-10) is within, gaps
+    assert relative_gap(param_tensors(fixed), param_tensors(full)) < 1e-10

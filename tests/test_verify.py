@@ -845,3 +845,119 @@ def test_modules_drawing_random_numbers_in_forward_are_named_as_the_cause() -> N
     assert report.ok
     assert report.non_additive == ()
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+class _TiedMaxNormLM(torch.nn.Module):
+    """An embedding with max_norm whose weight is also the LM head (tied)."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 6, max_norm=1.0)
+        self.mix = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(ids))))
+
+
+def _lm_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 11, (10, 5), generator=generator)
+    return ids, torch.randint(0, 11, (10, 5), generator=generator)
+
+
+def _lm_loss(model: torch.nn.Module, batch) -> LossSum:
+    logits = model(batch[0])
+    ce = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), batch[1].flatten(), reduction="sum"
+    )
+    return LossSum(ce, batch[1].numel())
+
+
+def test_a_forward_writing_its_parameters_in_place_is_named_as_the_cause() -> None:
+    # nn.Embedding(max_norm=...) renormalizes the rows it looks up, in place, in every forward:
+    # a tied head then reads other weights per micro-batch. The gap used to be blamed on the loss.
+    torch.manual_seed(0)
+    report = check_equivalence(_TiedMaxNormLM(), _lm_batch(), _lm_loss, micro_batch_size=3)
+    assert not report.ok
+    assert [(m.name, m.kind) for m in report.non_additive] == [("emb", "Embedding")]
+    explained = report.explain()
+    assert "wrote its parameter weight in place" in explained
+    assert "embedding_renorm_" in explained  # the fix
+    assert "the loss is not additive" not in explained
+    # Untied, the lookup alone reads the rows it renormalized: exact, and still named as a note.
+    torch.manual_seed(0)
+    untied = check_equivalence(_TiedMaxNormLM(tied=False), _lm_batch(), _lm_loss, 3)
+    assert untied.ok
+    assert [m.name for m in untied.non_additive] == ["emb"]
+    # Negative control: without max_norm nothing is written, nothing is listed, it is exact.
+    torch.manual_seed(0)
+    plain = _TiedMaxNormLM()
+    plain.emb.max_norm = None
+    report = check_equivalence(plain, _lm_batch(), _lm_loss, micro_batch_size=3)
+    assert report.ok
+    assert report.non_additive == ()
+
+
+def test_the_max_norm_fix_renormalizing_the_batch_first_makes_the_step_exact() -> None:
+    from gradaccum import Accumulator
+
+    torch.manual_seed(0)
+    full = _TiedMaxNormLM().double()
+    naive, fixed = copy.deepcopy(full), copy.deepcopy(full)
+    batch = _lm_batch()
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (full, naive, fixed)]
+    loss = _lm_loss(full, batch)
+    (loss.value / loss.count).backward()
+    optimizers[0].step()
+    Accumulator(naive, optimizers[1], micro_batch_size=3).step(batch, _lm_loss)
+    with torch.no_grad():  # the recipe of the explanation
+        torch.embedding_renorm_(fixed.emb.weight, batch[0].unique(), 1.0, 2.0)
+    Accumulator(fixed, optimizers[2], micro_batch_size=3).step(batch, _lm_loss)
+    torch.testing.assert_close(fixed.emb.weight, full.emb.weight, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(fixed.mix.weight, full.mix.weight, rtol=1e-10, atol=1e-12)
+    # Negative control: without it, the tied weight ends elsewhere.
+    assert (naive.emb.weight - full.emb.weight).abs().max() > 1e-4
+
+
+class _Vae(torch.nn.Module):
+    """A VAE's reparameterization: noise drawn in forward, or passed in the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode = torch.nn.Linear(4, 6)
+        self.decode = torch.nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor, eps: torch.Tensor | None = None) -> torch.Tensor:
+        mu, log_var = self.encode(x).chunk(2, -1)
+        eps = torch.randn_like(mu) if eps is None else eps
+        return self.decode(mu + eps * (0.5 * log_var).exp())
+
+
+def test_random_draws_in_the_forward_are_named_as_the_cause() -> None:
+    # A VAE's torch.randn_like (likewise stochastic depth, F.dropout): no Dropout module, so the
+    # gap used to be blamed on the loss.
+    x = torch.randn(40, 4, generator=torch.Generator().manual_seed(2))
+
+    def drawn(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(batch), batch)
+
+    torch.manual_seed(0)
+    report = check_equivalence(_Vae(), x, drawn, micro_batch_size=8)
+    assert not report.ok
+    assert [(m.name, m.kind) for m in report.non_additive] == [("<forward>", "random draws")]
+    explained = report.explain()
+    assert "the loss is not additive" not in explained
+    assert "passed in it" in explained  # the fix: the noise drawn for the batch, in the batch
+
+    # Negative control: the same noise drawn for the whole batch and passed in it is exact.
+    def passed(model: torch.nn.Module, batch) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(batch[0], batch[1]), batch[0])
+
+    torch.manual_seed(0)
+    eps = torch.randn(40, 3, generator=torch.Generator().manual_seed(5))
+    report = check_equivalence(_Vae(), (x, eps), passed, micro_batch_size=8)
+    assert report.ok
+    assert report.non_additive == ()

@@ -3,9 +3,9 @@
 One micro-batch: forward under autocast, read `(sum, count)`, backward `sum * loss_scale /
 denominator` (`gradaccum.divisor`), move low-precision gradients to their buffers. The boundary:
 exchange ─► reduce ─► divide once ─► finite? ─► clip ─► scheduler tried ─► optimizer.step() ══
-commit ══► loss scale, pooled BatchNorm, close (`gradaccum._commit`). Any exception before the
-commit, a skipped or a dropped window ends in `_forget_window()`: gradients as before the window,
-fp32 buffers dropped, BatchNorm statistics back, and the RNG for a rerun after out-of-memory.
+commit ══► loss scale, pooled BatchNorm, close (`gradaccum._commit`). An exception before the
+commit, a skipped or dropped window end in `_forget_window()`: grads as before the window, fp32
+buffers dropped, BatchNorm and forward-updated buffers back, the RNG for an out-of-memory rerun.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from gradaccum import _boundary
 from gradaccum._agreement import RankMismatchError
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
+from gradaccum._buffer_watch import BufferWatch
 from gradaccum._commit import SchedulerSteps, refuse_steps_inside, step_optimizer, try_scheduler
 from gradaccum._engine_state import restore_components
 from gradaccum._oom import after_step_guard, rng_states, set_rng_states
@@ -68,11 +69,11 @@ class Engine:
         self._reduced = False  # the last backward reduced the gradients (FSDP2)
         self._last_input: tuple[Any, LossFn] | None = None  # for FSDP2's zero-item settle
         self._rng: list[torch.Tensor] | None = None  # set for windows that may be rerun
-        self._token_mean = TokenMeanCheck()
-        self._seeds = Seeds()
+        self._token_mean, self._seeds = TokenMeanCheck(), Seeds()
         self.telemetry: TelemetryMeter | None = None  # opt-in (gradaccum.telemetry)
         self.broken: str | None = None  # set by a half-done optimizer.step(); a load clears it
         self.schedule = SchedulerSteps()  # the scheduler's real steps, after each commit
+        self.buffers = BufferWatch(model, [m for _, m in batchnorm.modules], active=sync.world == 1)
 
     # ---------------------------------------------------------------- micro-batches
 
@@ -148,6 +149,7 @@ class Engine:
         self.window.open(params, held, self.runtime.loss_scale())
         self.runtime.open_window(len(params), None if self.sync.defers else params)
         self.batchnorm.open_window()
+        self.buffers.open()
         self._rng = rng_states(self.runtime.device) if rerun else None
         if self.telemetry is not None:
             self.telemetry.open_window()
@@ -302,12 +304,12 @@ class Engine:
             if window.is_open:  # noted as discarded, unless a half-done step left it changed
                 self._forget_window(None if self.broken else error)
             raise
-        # Committed. The scheduler steps before the gradients are cleared (the contract's order);
-        # raising, it leaves the window closed all the same: nothing steps twice (nor reruns).
+        # Committed: the scheduler steps before grads are cleared; raising, the window closes.
         with after_step_guard():
             try:
                 self.schedule.take(scheduler)
             finally:
+                self.buffers.close(window.micro_batches)  # learns what changes; warns once
                 runtime.update_scale(finite=True)
                 self.batchnorm.end_window()
                 self.sync.sync_buffers()  # DDP: rank 0's statistics everywhere, once per window
@@ -347,8 +349,6 @@ class Engine:
         if self.sync.defers and not self._reduced and self._last_input is not None:
             self._zero_item_micro_batch(*self._last_input, last=False, reduce=True)
 
-    # ---------------------------------------------------------------- forgetting
-
     def _fail(self, error: BaseException, *, rerun: bool = True) -> None:
         """A window raised: tell the other ranks (DDP) at their next collective; forget it."""
         window, runtime, sync = self.window, self.runtime, self.sync
@@ -367,18 +367,18 @@ class Engine:
         self.sync.forget_window()
         self.runtime.clear_buffers()
         self.batchnorm.forget_window()
-        if self.telemetry is not None:  # a closed window's state holds nothing of it
-            self.telemetry.forget_window()
+        self.buffers.forget()
+        if self.telemetry is not None:
+            self.telemetry.forget_window()  # a closed window's state holds nothing of it
         if self._rng is not None:
             set_rng_states(self.runtime.device, self._rng)
         self._end()
 
     def _end(self) -> None:
         self.sync.end_window()
+        self.buffers.reset()  # a loaded window's copies would be another window's
         self._agreement, self._exchanged, self._reduced = None, False, False
         self._last_input, self._rng, self._next_sum = None, None, False
-
-    # ---------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
         """The components' own states."""
@@ -393,8 +393,8 @@ class Engine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Check every component's state first, then restore them; raise changing nothing."""
         params, held = window_parameters(self._model_params, self.optimizer)
-        window, runtime, batchnorm, sync = self.window, self.runtime, self.batchnorm, self.sync
-        restore_components(state, window, runtime, batchnorm, sync, params=params, held=held)
+        components = (self.window, self.runtime, self.batchnorm, self.sync)
+        restore_components(state, *components, params=params, held=held)
         self._end()
         self.broken = None  # the caller restored a consistent state
         self.schedule.forget()  # and may have moved the scheduler on purpose

@@ -6,8 +6,9 @@ buffers all compute something else on micro-batches than on one full batch. `fin
 lists them from the model alone; `hooked_buffers` and `changed_by_hooks` find the hooks that do so
 once `gradaccum.verify.check_equivalence` has run the model, `random_draws` the modules whose
 forward draws random numbers (stochastic depth, noise) as it runs, and `diverged_buffers` the
-modules whose forward updates a buffer (a running statistic) differently on micro-batches. Everything
-here is re-exported or used by `gradaccum.verify`.
+modules whose forward updates a buffer (a running statistic) differently on micro-batches,
+`changed_parameters` those whose forward writes their own weights (`nn.Embedding(max_norm=...)`),
+`rng_advanced` random draws outside any module. Everything here is used by `gradaccum.verify`.
 
 Example:
     >>> import torch
@@ -31,14 +32,18 @@ from torch.nn.utils.spectral_norm import SpectralNorm as _LegacySpectralNorm
 
 __all__ = [
     "LOSS_CAUSES",
+    "RANDOM_DRAWS",
     "NonAdditiveModule",
     "changed_by_hooks",
+    "changed_parameters",
     "cuda_devices",
     "diverged_buffers",
     "find_non_additive",
     "fix_for",
     "hooked_buffers",
     "random_draws",
+    "rng_advanced",
+    "rng_snapshot",
 ]
 
 _SPECTRAL_REASON = (
@@ -245,6 +250,58 @@ def random_draws(
             )
 
 
+def changed_parameters(
+    original: torch.nn.Module, ran: torch.nn.Module, known: set[str]
+) -> list[NonAdditiveModule]:
+    """Modules whose parameters the forward itself wrote in place (no optimizer ran).
+
+    `nn.Embedding(max_norm=...)` renormalizes the rows it looks up: each micro-batch then sees
+    the rows the earlier ones renormalized, the full batch sees every row of the batch
+    renormalized before any item is scored. Nothing differs while that lookup alone reads the
+    weight; a tied weight (an LM head reading the embedding) reads all rows and differs.
+    """
+    found: dict[str, NonAdditiveModule] = {}
+    before = dict(original.named_parameters())
+    for name, param in ran.named_parameters():
+        old = before.get(name)
+        if old is None or torch.equal(param.detach(), old.detach().to(param.dtype)):
+            continue
+        owner, _, key = name.rpartition(".")
+        label = owner or "<model>"
+        if label in known or label in found:
+            continue
+        module = ran.get_submodule(owner)
+        reason = (
+            f"its forward wrote its parameter {key} in place, so each micro-batch reads the "
+            "weights the earlier micro-batches left while the full batch reads them all "
+            "changed before any item is scored; exact only if nothing but this module's own "
+            "lookup reads them (a tied LM head reads every row)"
+        )
+        found[label] = NonAdditiveModule(label, type(module).__name__, reason)
+    return list(found.values())
+
+
+# A forward (or loss_fn) drawing random numbers outside a dropout module: noise, stochastic depth,
+# a VAE's reparameterization. Micro-batches draw other numbers than one full batch.
+RANDOM_DRAWS = NonAdditiveModule(
+    "<forward>",
+    "random draws",
+    "the forward or loss_fn drew random numbers (torch.randn_like, torch.rand, F.dropout: a "
+    "VAE's reparameterization, stochastic depth, noise), and micro-batches draw other random "
+    "numbers than the full batch",
+)
+
+
+def rng_snapshot(devices: list[int]) -> list[torch.Tensor]:
+    """The CPU RNG state, then each CUDA device's in `devices`."""
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+
+
+def rng_advanced(before: list[torch.Tensor], devices: list[int]) -> bool:
+    """Whether any RNG advanced since `before` was taken."""
+    return any(not torch.equal(a, b) for a, b in zip(before, rng_snapshot(devices), strict=True))
+
+
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
     """Every CUDA device when any of `tensors` is on one (their RNGs are forked too), else none."""
     return list(range(torch.cuda.device_count())) if any(t.is_cuda for t in tensors) else []
@@ -255,8 +312,13 @@ _FIXES = {
     "train with Accumulator(..., batchnorm='pooled') (running statistics from the whole window) "
     "or 'frozen' (eval-mode statistics); see docs/batchnorm.md",
     "other": "check with dropout off (eval mode, or p=0 and a stochastic depth probability of 0) "
-    "to confirm the rest is exact; in training, other random draws per micro-batch are expected "
-    "noise, not a bug (docs/vision.md)",
+    "to confirm the rest is exact, or with the noise drawn for the whole batch and passed in it "
+    "(eps = torch.randn(B, ...) as a batch tensor); in training, other random draws per "
+    "micro-batch are expected noise, not a bug (docs/vision.md)",
+    "in place": "for nn.Embedding(max_norm=...), renormalize the whole batch's rows once "
+    "before the window (with torch.no_grad(): torch.embedding_renorm_(emb.weight, "
+    "ids.unique(), max_norm, 2.0)): each micro-batch's renormalization then changes nothing "
+    "and reads what the full batch reads; any other forward should leave its parameters alone",
     "state": "check in eval mode (model.eval()) to confirm the rest is exact; in training the "
     "state advances once per micro-batch, which no accumulation undoes: update it once per "
     "window (e.g. from Accumulator's step results) if it must match the full batch",
@@ -267,6 +329,8 @@ def fix_for(kind: str, reason: str) -> str:
     """The fix a non-additive module of `kind` (found for `reason`) calls for."""
     if "BatchNorm" in kind:
         return _FIXES["BatchNorm"]
+    if "in place" in reason:
+        return _FIXES["in place"]
     return _FIXES["other" if "random" in reason else "state"]
 
 
@@ -280,7 +344,8 @@ LOSS_CAUSES = [
     "weights: LossSum.terms(loss=(weighted_sum, summed_weights))); a plain scalar is read as a "
     "mean weighted by the micro-batch's leading dimension.",
     "or each item's loss depends on the other items of its batch (in-batch negatives: "
-    "InfoNCE, CLIP; batch statistics; a penalty on the parameters' gradient over the batch),",
+    "InfoNCE, CLIP; triplet mining; batch statistics, such as an MoE load-balancing loss "
+    "computed per forward; a penalty on the parameters' gradient over the batch),",
     "    -> no accumulation is exact there: the loss sees the micro-batch as its batch. Use the "
     "largest micro_batch_size that fits, or gather the negatives over the window yourself "
     "(docs/losses.md).",

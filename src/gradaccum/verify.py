@@ -32,14 +32,18 @@ import torch
 from gradaccum._check_precision import PrecisionProbe, tolerance
 from gradaccum._non_additive import (
     LOSS_CAUSES,
+    RANDOM_DRAWS,
     NonAdditiveModule,
     changed_by_hooks,
+    changed_parameters,
     cuda_devices,
     diverged_buffers,
     find_non_additive,
     fix_for,
     hooked_buffers,
     random_draws,
+    rng_advanced,
+    rng_snapshot,
 )
 from gradaccum.batching import batch_size, map_tensors, split_batch
 from gradaccum.loss import LossTerms, backward_inside_error, read_loss
@@ -230,6 +234,7 @@ def check_equivalence(
 
     with torch.enable_grad():
         with torch.random.fork_rng(devices=devices), precision:
+            rng = rng_snapshot(devices)
             with random_draws(full_model, devices, known) as drawing:
                 result = loss_fn(full_model, batch)
             if any(param.grad is not None for param in full_model.parameters()):
@@ -242,6 +247,7 @@ def check_equivalence(
             value, weight, count = read_loss(result, batch_size(batch), needs_graph=True)
             if count > 0:  # the plain full-batch loss itself: no op a user would not write
                 torch.autograd.backward(value if weight == count else value / count)
+            drew = rng_advanced(rng, devices)
         with torch.random.fork_rng(devices=devices):
             try:
                 accumulate_grad(accumulated_model, batch, loss_fn, micro_batch_size)
@@ -256,6 +262,9 @@ def check_equivalence(
     non_additive = find_non_additive(model) + drawing
     non_additive += changed_by_hooks(full_model, hooked, {m.name for m in non_additive})
     non_additive += diverged_buffers(full_model, accumulated_model, {m.name for m in non_additive})
+    non_additive += changed_parameters(model, full_model, {m.name for m in non_additive})
+    if drew and not any("random" in m.reason for m in non_additive):
+        non_additive.append(RANDOM_DRAWS)
     limit = precision.lowest
     return EquivalenceReport(
         micro_batch_size=micro_batch_size,

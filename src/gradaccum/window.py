@@ -211,7 +211,8 @@ class Window:
             return
         add_note(
             f"gradaccum: the open accumulation window ({self.micro_batches} micro-batches) was "
-            "discarded; parameters, gradients and BatchNorm statistics are as they were before it."
+            "discarded; parameters, gradients, BatchNorm statistics and the buffers its forwards "
+            "updated are as they were before it."
         )
         if isinstance(error, RuntimeError) and "graph a second time" in str(error):
             add_note(

@@ -1,0 +1,164 @@
+"""Buffers other than BatchNorm's that a model's forward updates (EMA codebooks, counters...).
+
+A forward that updates a buffer (a VQ-VAE's EMA codebook, spectral norm's power-iteration
+vectors, a step counter, a custom running statistic) advances it once per micro-batch instead of
+once per batch, which no accumulation undoes. `BufferWatch` warns about it once, naming the
+buffers, and makes a window that fails, is skipped or dropped put them back as BatchNorm's
+running statistics are put back. The first window copies every such buffer and learns which
+ones its forwards change (by value: a `.data` write or a reassigned attribute bumps no version
+counter); later windows copy only those, and learn late changers from their version counters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradaccum._warnings import warn_user
+
+__all__ = ["BufferWatch", "ForwardStateWarning"]
+
+
+class ForwardStateWarning(UserWarning):
+    """A forward updates buffers, so micro-batches see other states than one full batch."""
+
+
+class BufferWatch:
+    """Copies the forward-updated buffers as a window opens; puts them back if it is forgotten.
+
+    Buffers are known by their slot (owning module, name), indexed, so that a copy of the
+    Accumulator (deepcopy, pickle) keeps what it learned.
+
+    Args:
+        model: The model (possibly wrapped).
+        skip: Modules whose buffers another component restores (BatchNorm layers).
+        active: False under several ranks, where DDP's buffer broadcast rewrites them all.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, skip: list[torch.nn.Module], *, active: bool = True
+    ) -> None:
+        skipped = {id(m) for m in skip}
+        self._slots = [
+            (f"{name}.{key}" if name else key, module, key)
+            for name, module in model.named_modules()
+            if id(module) not in skipped
+            for key, buffer in module._buffers.items()
+            if buffer is not None and active
+        ]
+        self._learned: set[int] | None = None  # slots that change; None: no window closed yet
+        self._saved: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # slot, tensor, copy
+        self._versions: list[tuple[int, torch.Tensor, int]] = []  # slot, tensor, version
+        self._warned = False
+        self._tied = tied_max_norm(model)  # warned of at the first split window
+
+    def open(self) -> None:
+        """Copy what this window may change (all of it until one window has shown what does)."""
+        if not self._slots:
+            return
+        current = [(i, m._buffers.get(k)) for i, (_, m, k) in enumerate(self._slots)]
+        learned = self._learned
+        self._saved = [
+            (i, b, b.detach().clone())
+            for i, b in current
+            if b is not None and (learned is None or i in learned)
+        ]
+        self._versions = [(i, b, b._version) for i, b in current if b is not None]
+
+    def changed(self) -> list[str]:
+        """The buffers this window's forwards changed so far, as `module.buffer` names."""
+        return [self._slots[i][0] for i in self._changed_slots()]
+
+    def _changed_slots(self) -> list[int]:
+        found = [i for i, b, old in self._saved if not self._same(i, b, old)]
+        copied = {i for i, *_ in self._saved}
+        found += [
+            i
+            for i, b, version in self._versions
+            if i not in copied and (self._now(i) is not b or b._version != version)
+        ]
+        return found
+
+    def close(self, micro_batches: int) -> None:
+        """At a commit: learn which buffers change; warn once if a split window changed any."""
+        if self._tied and micro_batches > 1:
+            tied, self._tied = "; ".join(self._tied), []
+            warn_user(
+                ForwardStateWarning(
+                    f"nn.Embedding(max_norm=...) renormalizes the rows it looks up in place, in "
+                    f"each micro-batch's forward, and its weight is tied ({tied}): later "
+                    "micro-batches read the rows earlier ones renormalized, the full batch "
+                    "reads them all renormalized first, so the step is not the full-batch one. "
+                    "Renormalize the batch's rows before the window: with torch.no_grad(): "
+                    "torch.embedding_renorm_(emb.weight, ids.unique(), max_norm, 2.0)."
+                )
+            )
+        if not self._slots:
+            return
+        changed = self._changed_slots()
+        self._learned = (self._learned or set()) | set(changed)
+        if changed and micro_batches > 1 and not self._warned:
+            self._warned = True
+            names = ", ".join(self._slots[i][0] for i in changed[:6])
+            warn_user(
+                ForwardStateWarning(
+                    f"the model's forward updated the buffers {names} in this window, once per "
+                    f"micro-batch ({micro_batches} times) instead of once per batch: later "
+                    "micro-batches saw another state than the full batch does (an EMA codebook, "
+                    "spectral norm's vectors), so where the forward reads it the step is not "
+                    "exactly the full-batch one. gradaccum.check_equivalence(...).explain() "
+                    "measures the gap; update such state once per window (after acc.step) if it "
+                    "must match."
+                )
+            )
+        self.reset()
+
+    def forget(self) -> None:
+        """Put back every copied buffer the window changed (a failed, skipped or dropped one)."""
+        with torch.no_grad():
+            for i, buffer, old in self._saved:
+                if not self._same(i, buffer, old):
+                    buffer.copy_(old)
+                    _, module, key = self._slots[i]
+                    module._buffers[key] = buffer  # a reassigned attribute: the original back
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop this window's copies (it closed, or another window's state was loaded)."""
+        self._saved, self._versions = [], []
+
+    def _now(self, slot: int) -> torch.Tensor | None:
+        _, module, key = self._slots[slot]
+        buffer: torch.Tensor | None = module._buffers.get(key)
+        return buffer
+
+    def _same(self, slot: int, buffer: torch.Tensor, old: torch.Tensor) -> bool:
+        return self._now(slot) is buffer and _equal(buffer, old)
+
+
+def _equal(now: torch.Tensor, old: torch.Tensor) -> bool:
+    """Equal values, NaN where NaN was (a cache made by torch.empty may hold some)."""
+    if torch.equal(now, old):
+        return True
+    if now.shape != old.shape or not (now.is_floating_point() or now.is_complex()):
+        return False
+    return bool(((now == old) | (now.isnan() & old.isnan())).all())
+
+
+def tied_max_norm(model: torch.nn.Module) -> list[str]:
+    """Each `nn.Embedding(max_norm=...)` whose weight another module reads, with its readers.
+
+    The embedding's own lookups read only the rows they renormalized, which is exact (the same
+    module registered twice too); another module reading the weight (a tied LM head) is not.
+    """
+    holders: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for key, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((module, f"{name}.{key}".lstrip(".")))
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and module.max_norm is not None:
+            others = [n for m, n in holders.get(id(module.weight), []) if m is not module]
+            if others:
+                found.append(f"{name or '<model>'}.weight read by {', '.join(others)}")
+    return found

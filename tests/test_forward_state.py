@@ -1,0 +1,201 @@
+"""Buffers other than BatchNorm's that a forward updates: warned about once, put back on failure.
+
+A VQ-VAE's EMA codebook, spectral norm's power-iteration vectors and step counters advance once
+per micro-batch. Before, the Accumulator said nothing about them, and a window that raised,
+was skipped as non-finite or dropped left them advanced although its note said nothing changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+
+from gradaccum import Accumulator
+from gradaccum._buffer_watch import ForwardStateWarning
+
+
+class _EmaCodebook(torch.nn.Module):
+    """A VQ layer whose codebook is an EMA of the encodings, updated in every train forward.
+
+    `how` picks the update style seen in the wild: in place, through `.data` (no version
+    bump), or by reassigning the buffer attribute (a new tensor).
+    """
+
+    def __init__(self, how: str = "in_place") -> None:
+        super().__init__()
+        self.encode = torch.nn.Linear(4, 3)
+        self.decode = torch.nn.Linear(3, 4)
+        self.how = how
+        self.register_buffer("codebook", torch.randn(5, 3))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("mask", torch.ones(4))  # constant: never reported
+        self.register_buffer("cache", torch.tensor([1.0, math.nan]))  # constant, NaN inside
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.encode(x)
+        index = torch.cdist(z, self.codebook).argmin(1)
+        if self.training:
+            with torch.no_grad():
+                mean = torch.zeros_like(self.codebook).index_add_(0, index, z)
+                if self.how == "in_place":
+                    self.codebook.mul_(0.9).add_(mean, alpha=0.1)
+                    self.calls += 1
+                elif self.how == "data":
+                    self.codebook.data.mul_(0.9).add_(mean, alpha=0.1)
+                else:
+                    self.codebook = self.codebook * 0.9 + 0.1 * mean
+        quantized = z + (self.codebook[index] - z).detach()
+        return self.decode(quantized) * self.mask
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(x), x)
+
+
+def _setup(how: str = "in_place", **kwargs) -> tuple[torch.nn.Module, Accumulator]:
+    torch.manual_seed(0)
+    model = _EmaCodebook(how).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, Accumulator(model, optimizer, micro_batch_size=4, **kwargs)
+
+
+def _batch() -> torch.Tensor:
+    return torch.randn(12, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+def test_buffers_updated_by_the_forward_are_warned_about_once() -> None:
+    _, acc = _setup()
+    with pytest.warns(ForwardStateWarning, match=r"codebook, calls in this window") as caught:
+        acc.step(_batch(), _loss)
+    assert "3 times" in str(caught[0].message)
+    assert "mask" not in str(caught[0].message)
+    assert "cache" not in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ForwardStateWarning)
+        acc.step(_batch(), _loss)  # once only
+    # Negative controls: one micro-batch per window is the full batch; eval mode changes nothing.
+    one, two = _EmaCodebook().double(), _EmaCodebook().double().eval()
+    whole = Accumulator(one, torch.optim.SGD(one.parameters(), lr=0.1), micro_batch_size=12)
+    still = Accumulator(two, torch.optim.SGD(two.parameters(), lr=0.1), micro_batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ForwardStateWarning)
+        whole.step(_batch(), _loss)
+        still.step(_batch(), _loss)
+
+
+def test_spectral_norm_power_iteration_is_warned_about() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(4, 4)), torch.nn.Tanh()
+    )
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4)
+    with pytest.warns(ForwardStateWarning, match=r"0\.parametrizations\.weight\.0\._u"):
+        acc.step(torch.randn(12, 4), lambda m, x: m(x).pow(2).mean())
+
+
+def _assert_unchanged(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> None:
+    for key, value in model.state_dict().items():  # bitwise, NaN where NaN was
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0, equal_nan=True, msg=key)
+
+
+def _fail_a_window(model: torch.nn.Module, acc: Accumulator) -> None:
+    """Run a window whose third micro-batch raises; every buffer must be as it was before it."""
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tensor, calls = model.codebook, []
+
+    def failing(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:
+            # Negative control: the earlier micro-batches did move the codebook.
+            assert not torch.equal(m.codebook, before["codebook"])
+            raise RuntimeError("data error")
+        return _loss(m, x)
+
+    with pytest.raises(RuntimeError, match="data error") as raised:
+        acc.step(_batch(), failing)
+    assert "buffers its forwards updated are as they were" in "".join(raised.value.__notes__)
+    _assert_unchanged(model, before)
+    assert model.codebook is tensor  # the registered tensor itself, not a copy
+
+
+@pytest.mark.parametrize("how", ["in_place", "data", "reassigned"])
+def test_a_failing_window_puts_the_forward_updated_buffers_back(how: str) -> None:
+    _fail_a_window(*_setup(how))  # before any window closed: every buffer was copied
+    model, acc = _setup(how)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ForwardStateWarning)
+        acc.step(_batch(), _loss)  # a window closed: only the buffers that change are copied
+    _fail_a_window(model, acc)
+    model, acc = copy.deepcopy((model, acc))  # a copy keeps what the watch learned
+    _fail_a_window(model, acc)
+
+
+def test_skipped_and_dropped_windows_put_the_buffers_back() -> None:
+    model, acc = _setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ForwardStateWarning)
+        acc.step(_batch(), _loss)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def nonfinite(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return _loss(m, x) * math.nan
+
+    assert acc.step(_batch(), nonfinite).skipped
+    _assert_unchanged(model, before)
+    stream = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=4)
+    for chunk in _batch().split(4):
+        stream.micro_step(chunk, _loss)
+    stream.flush("drop")
+    _assert_unchanged(model, before)
+
+
+def test_a_committed_window_keeps_what_the_forwards_did() -> None:
+    # The buffers advance as in a plain loop over the same micro-batches; nothing is undone.
+    model, acc = _setup()
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ForwardStateWarning)
+        acc.step(_batch(), _loss)
+    with torch.no_grad():
+        for chunk in _batch().split(4):
+            reference(chunk)
+    assert torch.equal(model.codebook, reference.codebook)
+    assert int(model.calls) == 3
+
+
+class _Lm(torch.nn.Module):
+    def __init__(self, *, max_norm: float | None, tied: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 6, max_norm=max_norm)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def _lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+def test_a_tied_max_norm_embedding_is_warned_about() -> None:
+    # Each micro-batch's forward renormalizes rows of the tied weight in place: the head of a
+    # later micro-batch reads other weights than the full batch's (check_equivalence measures it).
+    ids = torch.randint(0, 11, (12, 5), generator=torch.Generator().manual_seed(0))
+    model = _Lm(max_norm=1.0, tied=True)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4)
+    with pytest.warns(ForwardStateWarning, match=r"emb\.weight read by head\.weight") as caught:
+        acc.step(ids, _lm_loss)
+    assert "embedding_renorm_" in str(caught[0].message)  # the fix
+    # Negative controls: untied or without max_norm it is exact, and nothing is said.
+    for untroubled in (_Lm(max_norm=1.0, tied=False), _Lm(max_norm=None, tied=True)):
+        opt = torch.optim.SGD(untroubled.parameters(), lr=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ForwardStateWarning)
+            Accumulator(untroubled, opt, micro_batch_size=4).step(ids, _lm_loss)
