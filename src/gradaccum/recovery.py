@@ -173,7 +173,10 @@ class AutoSizer:
             if tuner is None:
                 assert self.planned is not None
                 tuner = self.tuner = ThroughputTuner(self.planned, int(most), self._agree)
+            chosen = tuner.chosen
             tuner.observe(int(most), work)
+            if tuner.chosen is not None and tuner.chosen != chosen:  # a shape decided before
+                self.size, self.clean_windows, self.growing = tuner.chosen, 0, False
         while True:
             timing = tuner is not None and tuner.tuning
             size = tuner.next_size() if tuner is not None and timing else self.size
