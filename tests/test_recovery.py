@@ -602,3 +602,39 @@ def test_varying_lengths_are_timed_once_per_shape_and_stay_exact() -> None:
     for batch in batches[90:]:
         acc.step(batch, _loss)
     assert model.now - fast < slow.now
+
+
+@pytest.mark.parametrize("mode", ["largest", "auto"])
+def test_a_state_planned_for_another_budget_plans_again(mode: str) -> None:
+    """A run resumed with a smaller `memory_budget` (a smaller device) plans for it.
+
+    Before, the saved plan and size were kept whatever the budget: 4096 items per micro-batch
+    where 1,000-odd fit, silently over the budget (on CUDA, out-of-memory reruns until shrunk).
+    """
+    generator = torch.Generator().manual_seed(5)
+    batch = (
+        torch.randn(4096, 6, generator=generator, dtype=torch.float64),
+        torch.randint(0, 3, (4096,), generator=generator),
+    )
+
+    def build(budget: str) -> Accumulator:
+        model = _inner()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return Accumulator(model, optimizer, micro_batch_size=mode, memory_budget=budget)
+
+    big = build("256MiB")
+    big.step(batch, _loss)
+    saved = big.state_dict()
+    fresh = build("600KiB")
+    fits = fresh.step(batch, _loss).micro_batch_size
+    assert fits < 4096
+    resumed = build("600KiB")
+    resumed.load_state_dict(saved)
+    assert resumed.step(batch, _loss).micro_batch_size == fits
+    assert resumed.plan is not None
+    assert resumed.plan.memory_budget == 600 * 1024
+    # NEGATIVE CONTROL: the same budget resumes without planning again.
+    same = build("256MiB")
+    same.load_state_dict(saved)
+    assert same.plan == big.plan
+    assert same._auto.size == big._auto.size == 4096

@@ -42,6 +42,7 @@ import torch
 from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_memory
 from gradaccum._tuner import ThroughputTuner
 from gradaccum.batching import batch_size, map_tensors
+from gradaccum.memory import parse_bytes
 from gradaccum.options import AutoSize, Precision, SyncPolicy
 from gradaccum.sizing import MemoryPlan, format_bytes, plan_micro_batch, resolve_budget
 from gradaccum.sync import all_ranks_max, all_ranks_min
@@ -262,13 +263,20 @@ class AutoSizer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()` output (checked by the caller)."""
+        """Restore `state_dict()` output (checked by the caller).
+
+        A state planned for another `memory_budget` is not taken: its sizes may not fit this
+        budget (a run resumed on a smaller device), so the next batch plans again.
+        """
+        plan = state["plan"]
+        budget = None if self.memory_budget is None else parse_bytes(self.memory_budget)
+        if plan is not None and budget is not None and budget != plan["memory_budget"]:
+            return
         self.planned, self.size = state["planned"], state["size"]
         self.clean_windows, self.wait = int(state["clean_windows"]), state["wait"]
         self.growing = bool(state["growing"])
         self.out_of_memory_events = int(state["out_of_memory_events"])
         self.capped = bool(state.get("capped", False))
-        plan = state["plan"]
         self.plan = (
             None
             if plan is None
