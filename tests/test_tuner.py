@@ -263,3 +263,26 @@ def test_a_shape_decided_before_is_not_timed_again() -> None:
     twin.load_state_dict(tuner.state_dict())
     assert not twin.observe(64, work_per_item=30.0)
     assert (twin.tuning, twin.chosen) == (False, 64)
+
+
+def test_a_decision_taken_back_after_running_out_of_memory_says_it_was_capped() -> None:
+    """Long items ran out of memory above 6 while timed: the short items' earlier choice of 32
+    comes back capped at 6, and the reason says so (it claimed 32 while 6 ran)."""
+    tuner = ThroughputTuner(fits=64, window_items=64)
+    tuner.observe(64, work_per_item=10.0)
+    _tune(tuner, {64: 1.0, 32: 0.5, 16: 0.6, 8: 0.9})
+    assert tuner.observe(64, work_per_item=40.0)
+    tuner.limit(6)  # the long items' warm-up at 64 ran out of memory: 6 fits
+    _tune(tuner, {6: 1.0, 4: 1.2, 2: 1.5, 1: 2.0})
+    assert not tuner.observe(64, work_per_item=10.0)
+    assert tuner.chosen == 6
+    assert tuner.note().startswith("auto 6: 6, the largest that fits since a larger size ran out")
+    assert "for this shape before: fastest: 32" in tuner.reason
+    # NEGATIVE CONTROL: without the out-of-memory error the choice comes back whole.
+    free = ThroughputTuner(fits=64, window_items=64)
+    free.observe(64, work_per_item=10.0)
+    _tune(free, {64: 1.0, 32: 0.5, 16: 0.6, 8: 0.9})
+    free.observe(64, work_per_item=40.0)
+    _tune(free, {64: 1.0, 32: 1.2, 16: 1.5, 8: 2.0})
+    assert not free.observe(64, work_per_item=10.0)
+    assert (free.chosen, free.reason[:10]) == (32, "fastest: 3")

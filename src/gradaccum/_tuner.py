@@ -228,6 +228,11 @@ class ThroughputTuner:
             self.work, self.reason = float(decided["work"]), str(decided["reason"])
             self.chosen = self.incumbent = min(int(decided["chosen"]), self.fits)
             self.rates = dict(decided["rates"])
+            if self.chosen < decided["chosen"]:  # a larger size ran out of memory since
+                self.reason = (
+                    f"{self.chosen}, the largest that fits since a larger size ran out of "
+                    f"memory (for this shape before: {self.reason})"
+                )
             return False
         if self.chosen is None and self.restarts >= MAX_RESTARTS:
             self._away += 1  # shapes that never settle: finish this timing, on its shape only
