@@ -638,3 +638,53 @@ def test_a_state_planned_for_another_budget_plans_again(mode: str) -> None:
     same.load_state_dict(saved)
     assert same.plan == big.plan
     assert same._auto.size == big._auto.size == 4096
+
+
+def test_a_shape_that_ran_out_of_memory_keeps_its_smaller_size_across_shape_changes() -> None:
+    """Short and long rows in turn, each decided; then memory gets scarce for the long rows only.
+
+    The long rows shrink once (16 -> 12) and keep 12 on each of their turns, while the short rows
+    keep their 32. Remembering each shape's choice must not bring back the size that ran out of
+    memory at every change of shape (before the fix: one out-of-memory rerun per long window).
+    """
+    generator = torch.Generator().manual_seed(3)
+    lengths = [4] * 12 + [12] * 12 + [4, 12] * 8
+    batches = [
+        (
+            torch.randn(BATCH, length, 6, generator=generator, dtype=torch.float64),
+            torch.randint(0, 3, (BATCH,), generator=generator),
+        )
+        for length in lengths
+    ]
+    torch.manual_seed(0)
+    # Above 200 positions per micro-batch items cost 1.6x: short rows run fastest at 32, long at 16.
+    model = _Rows(_inner(), lambda m, length: m * length * (1.0 if m * length <= 200 else 1.6) + 20)
+    model.inner[2].p = 0.0
+    acc = _accumulator(model, "auto")
+    acc._auto.clock = lambda: model.now
+    for batch in batches[:24]:
+        acc.step(batch, _loss)
+    assert sorted(d["chosen"] for d in acc._auto.tuner.decisions) == [16, 32]
+    failures = []
+
+    def scarce(module: nn.Module, args: tuple[torch.Tensor]) -> None:
+        if args[0].shape[0] * args[0].shape[1] > 12 * 12:
+            failures.append(args[0].shape[0])
+            raise torch.OutOfMemoryError("injected: the long rows no longer fit above 12")
+
+    model.register_forward_pre_hook(scarce)
+    results = [acc.step(batch, _loss) for batch in batches[24:]]
+    assert [r.micro_batch_size for r in results] == [32, 12] * 8
+    assert failures == [16]  # once, not on every turn of the long rows
+    assert "the choice is 16, out of memory since" in results[-1].sizing
+    assert acc._auto.tuner.state_dict()["decisions"][1]["fits"] == 12  # kept in the state
+    # EXACT: the plain full-batch steps.
+    reference = _Rows(_inner(), lambda m, length: 0.0)
+    reference.inner[2].p = 0.0
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+    for batch in batches:
+        optimizer.zero_grad()
+        _loss(reference, batch).backward()
+        optimizer.step()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)

@@ -120,8 +120,8 @@ _TUNER = {
 _DECISION = {"work": REAL, "chosen": INT, "reason": STR, "rates": _TUNER["rates"]}
 _TUNER_OPTIONAL = {  # a decision per shape timed (absent from states saved before)
     "decisions": (
-        lambda v: isinstance(v, list) and all(_fits(d, _DECISION) for d in v),
-        'a list of {"work", "chosen", "reason", "rates"}',
+        lambda v: isinstance(v, list) and all(_fits(d, _DECISION) and _capped(d) for d in v),
+        'a list of {"work", "chosen", "reason", "rates", "fits"}',
     ),
 }
 _PLAN_RULES = {"probes": SHAPES, "device": STR}  # every other MemoryPlan field is a number
@@ -199,6 +199,11 @@ def _fits(part: object, rules: Mapping[str, Rule]) -> bool:
     if not isinstance(part, Mapping):
         return False
     return all(key in part and test(part[key]) for key, (test, _) in rules.items())
+
+
+def _capped(decision: Mapping[str, Any]) -> bool:
+    """A tuner decision's optional `fits`: None, or the size that fit after out of memory."""
+    return decision.get("fits") is None or _is_count(decision["fits"])
 
 
 def _check(

@@ -99,6 +99,7 @@ class ThroughputTuner:
         self.decisions: list[dict[str, Any]] = []  # per shape decided: work, chosen, reason, rates
         self._untimed: tuple[int, str] | None = None  # a window of another shape: size, why
         self._away = 0  # windows in a row of another shape than the one being timed
+        self.adopted = False  # the last `observe` took back a shape's earlier decision
         self._start(window_items)
 
     def _start(self, window_items: int) -> None:
@@ -182,8 +183,34 @@ class ThroughputTuner:
             return  # no measurable shape: the decision stands for every window anyway
         self.decisions = [d for d in self.decisions if not _same_shape(d["work"], self.work)]
         self.decisions.append(
-            {"work": self.work, "chosen": self.chosen, "reason": self.reason, "rates": self.rates}
+            {
+                "work": self.work,
+                "chosen": self.chosen,
+                "reason": self.reason,
+                "rates": self.rates,
+                "fits": None,  # set when this shape runs out of memory after the decision
+            }
         )
+
+    def shape_fits(self) -> int | None:
+        """The largest size known to fit the current shape since it ran out of memory, if it did."""
+        decided = None if self.work is None or self.work <= 0 else self._decided(self.work)
+        return None if decided is None else decided["fits"]
+
+    def ran(self, size: int, *, out_of_memory: bool) -> None:
+        """Record what fits the current shape, for when its decision is taken back later.
+
+        Args:
+            size: A size that ran clean, or the size shrunk to after running out of memory.
+            out_of_memory: Which of the two.
+        """
+        decided = None if self.work is None or self.work <= 0 else self._decided(self.work)
+        if decided is None or (decided["fits"] is None and not out_of_memory):
+            return
+        if out_of_memory:
+            decided["fits"] = min(size, decided["fits"] or size)
+        else:
+            decided["fits"] = max(size, decided["fits"])
 
     def _decided(self, work: float) -> dict[str, Any] | None:
         """The decision for items of `work` (the nearest shape decided within SHAPE_CHANGE)."""
@@ -213,7 +240,7 @@ class ThroughputTuner:
         untimed, unless the shape timed stays away for `PATIENCE` windows in a row.
         `work_per_item` is any measure proportional to an item's cost (its tensor elements).
         """
-        self._untimed = None
+        self._untimed, self.adopted = None, False
         if self.work is None or self.work <= 0 or work_per_item <= 0:
             self.work = work_per_item  # 0: nothing measurable (no tensor), so no shape to change
             return False
@@ -233,6 +260,7 @@ class ThroughputTuner:
                     f"{self.chosen}, the largest that fits since a larger size ran out of "
                     f"memory (for this shape before: {self.reason})"
                 )
+            self.adopted = True
             return False
         if self.chosen is None and self.restarts >= MAX_RESTARTS:
             self._away += 1  # shapes that never settle: finish this timing, on its shape only
@@ -273,6 +301,7 @@ class ThroughputTuner:
                 "chosen": int(d["chosen"]),
                 "reason": str(d["reason"]),
                 "rates": _rates(d["rates"]),
+                "fits": None if d.get("fits") is None else int(d["fits"]),
             }
             for d in state.get("decisions", [])  # absent from states saved before
         ]

@@ -174,10 +174,12 @@ class AutoSizer:
             if tuner is None:
                 assert self.planned is not None
                 tuner = self.tuner = ThroughputTuner(self.planned, int(most), self._agree)
-            chosen = tuner.chosen
             tuner.observe(int(most), work)
-            if tuner.chosen is not None and tuner.chosen != chosen:  # a shape decided before
-                self.size, self.clean_windows, self.growing = tuner.chosen, 0, False
+            if tuner.adopted:  # a shape decided before: its choice, below what ran out of memory
+                assert tuner.chosen is not None
+                fits = tuner.shape_fits()
+                self.size = tuner.chosen if fits is None else min(tuner.chosen, fits)
+                self.clean_windows, self.growing = 0, False
         while True:
             timing = tuner is not None and tuner.tuning
             size = tuner.next_size() if tuner is not None and timing else self.size
@@ -200,6 +202,8 @@ class AutoSizer:
                     raise budget_error from error
                 if tuner is not None and timing:
                     tuner.limit(self.size)  # time again, below what ran out of memory
+                elif tuner is not None:
+                    tuner.ran(self.size, out_of_memory=True)  # for this shape's next turn
                 continue
             if tuner is not None and timing:
                 _synchronize(self.device)
@@ -239,6 +243,8 @@ class AutoSizer:
         target = self._target()
         assert self.size is not None
         assert target is not None
+        if self.tuner is not None:
+            self.tuner.ran(self.size, out_of_memory=False)
         self.growing = False
         if self.size >= target or self.wait is None:
             return
