@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradaccum import Accumulator, MemoryBudgetError, accumulate_grad
+from gradaccum._tuner import MAX_RESTARTS
 from gradaccum.recovery import AutoSizer
 from tests.state import assert_bitwise, clone_state
 
@@ -538,3 +539,152 @@ def test_numpy_batches_are_timed_again_when_their_items_grow() -> None:
     assert "warm-up" not in notes[-1]
     assert acc.step(short, loss).sizing == notes[-1]  # the same shape: the decision stands
     assert "warm-up" in acc.step(long, loss).sizing  # NEGATIVE CONTROL: 4x the work: re-timed
+
+
+class _Rows(nn.Module):
+    """Mean-pools `(batch, length, 6)` rows, advancing a fake clock by a cost per micro-batch."""
+
+    def __init__(self, inner: nn.Module, cost) -> None:
+        super().__init__()
+        self.inner, self.cost, self.now = inner, cost, 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.now += self.cost(x.shape[0], x.shape[1])
+        return self.inner(x.mean(1))
+
+
+def test_varying_lengths_are_timed_once_per_shape_and_stay_exact() -> None:
+    """Padded batches of 4, 12 or 40 positions in turn: each length is timed once, then runs
+    at its own choice; every window equals the plain full-batch step (float64, 1e-10).
+
+    Before, each change of length timed every candidate again (and after two restarts mixed the
+    lengths in one decision), so "auto" never stopped timing and ran the slowest sizes.
+    """
+    generator = torch.Generator().manual_seed(3)
+    lengths = [4, 12, 40] * 36
+    batches = [
+        (
+            torch.randn(BATCH, length, 6, generator=generator, dtype=torch.float64),
+            torch.randint(0, 3, (BATCH,), generator=generator),
+        )
+        for length in lengths
+    ]
+    # Items cost 1.6x in micro-batches above 16, plus 20 per micro-batch: 16 is the fastest.
+    torch.manual_seed(0)
+    model = _Rows(_inner(), lambda m, length: m * length * (1.0 if m <= 16 else 1.6) + 20)
+    model.inner[2].p = 0.0  # no dropout: the reference below is plain PyTorch
+    acc = _accumulator(model, "auto")
+    acc._auto.clock = lambda: model.now
+    results = [acc.step(batch, _loss) for batch in batches]
+    notes = [r.sizing.split(" (")[0] for r in results]
+    timed = [i for i, note in enumerate(notes) if "timing" in note or "warm-up" in note]
+    # Each length timed once (a warm-up and 2 rounds of 4), in turn with the others' windows.
+    assert len(timed) <= 3 * (1 + 4 * 2 + MAX_RESTARTS)  # and the warm-ups of restarts
+    assert timed[-1] < 90  # then never again: the last windows run at the choices
+    assert [r.micro_batch_size for r in results[90:]] == [16] * 18
+    assert sorted(d["chosen"] for d in acc._auto.tuner.decisions) == [16, 16, 16]
+    # EXACT whatever ran: the plain full-batch steps.
+    reference = _Rows(_inner(), lambda m, length: 0.0)
+    reference.inner[2].p = 0.0
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+    for batch in batches:
+        optimizer.zero_grad()
+        _loss(reference, batch).backward()
+        optimizer.step()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+    # NEGATIVE CONTROL: a run that never adapts (size 4 throughout) is slower on this clock.
+    slow = _Rows(_inner(), lambda m, length: m * length * (1.0 if m <= 16 else 1.6) + 20)
+    slow_acc = _accumulator(slow, 4)
+    for batch in batches[90:]:
+        slow_acc.step(batch, _loss)
+    fast = model.now
+    for batch in batches[90:]:
+        acc.step(batch, _loss)
+    assert model.now - fast < slow.now
+
+
+@pytest.mark.parametrize("mode", ["largest", "auto"])
+def test_a_state_planned_for_another_budget_plans_again(mode: str) -> None:
+    """A run resumed with a smaller `memory_budget` (a smaller device) plans for it.
+
+    Before, the saved plan and size were kept whatever the budget: 4096 items per micro-batch
+    where 1,000-odd fit, silently over the budget (on CUDA, out-of-memory reruns until shrunk).
+    """
+    generator = torch.Generator().manual_seed(5)
+    batch = (
+        torch.randn(4096, 6, generator=generator, dtype=torch.float64),
+        torch.randint(0, 3, (4096,), generator=generator),
+    )
+
+    def build(budget: str) -> Accumulator:
+        model = _inner()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return Accumulator(model, optimizer, micro_batch_size=mode, memory_budget=budget)
+
+    big = build("256MiB")
+    big.step(batch, _loss)
+    saved = big.state_dict()
+    fresh = build("600KiB")
+    fits = fresh.step(batch, _loss).micro_batch_size
+    assert fits < 4096
+    resumed = build("600KiB")
+    resumed.load_state_dict(saved)
+    assert resumed.step(batch, _loss).micro_batch_size == fits
+    assert resumed.plan is not None
+    assert resumed.plan.memory_budget == 600 * 1024
+    # NEGATIVE CONTROL: the same budget resumes without planning again.
+    same = build("256MiB")
+    same.load_state_dict(saved)
+    assert same.plan == big.plan
+    assert same._auto.size == big._auto.size == 4096
+
+
+def test_a_shape_that_ran_out_of_memory_keeps_its_smaller_size_across_shape_changes() -> None:
+    """Short and long rows in turn, each decided; then memory gets scarce for the long rows only.
+
+    The long rows shrink once (16 -> 12) and keep 12 on each of their turns, while the short rows
+    keep their 32. Remembering each shape's choice must not bring back the size that ran out of
+    memory at every change of shape (before the fix: one out-of-memory rerun per long window).
+    """
+    generator = torch.Generator().manual_seed(3)
+    lengths = [4] * 12 + [12] * 12 + [4, 12] * 8
+    batches = [
+        (
+            torch.randn(BATCH, length, 6, generator=generator, dtype=torch.float64),
+            torch.randint(0, 3, (BATCH,), generator=generator),
+        )
+        for length in lengths
+    ]
+    torch.manual_seed(0)
+    # Above 200 positions per micro-batch items cost 1.6x: short rows run fastest at 32, long at 16.
+    model = _Rows(_inner(), lambda m, length: m * length * (1.0 if m * length <= 200 else 1.6) + 20)
+    model.inner[2].p = 0.0
+    acc = _accumulator(model, "auto")
+    acc._auto.clock = lambda: model.now
+    for batch in batches[:24]:
+        acc.step(batch, _loss)
+    assert sorted(d["chosen"] for d in acc._auto.tuner.decisions) == [16, 32]
+    failures = []
+
+    def scarce(module: nn.Module, args: tuple[torch.Tensor]) -> None:
+        if args[0].shape[0] * args[0].shape[1] > 12 * 12:
+            failures.append(args[0].shape[0])
+            raise torch.OutOfMemoryError("injected: the long rows no longer fit above 12")
+
+    model.register_forward_pre_hook(scarce)
+    results = [acc.step(batch, _loss) for batch in batches[24:]]
+    assert [r.micro_batch_size for r in results] == [32, 12] * 8
+    assert failures == [16]  # once, not on every turn of the long rows
+    assert "the choice is 16, out of memory since" in results[-1].sizing
+    assert acc._auto.tuner.state_dict()["decisions"][1]["fits"] == 12  # kept in the state
+    # EXACT: the plain full-batch steps.
+    reference = _Rows(_inner(), lambda m, length: 0.0)
+    reference.inner[2].p = 0.0
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+    for batch in batches:
+        optimizer.zero_grad()
+        _loss(reference, batch).backward()
+        optimizer.step()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)

@@ -326,7 +326,8 @@ def test_resume_at_another_micro_batch_size_is_exact(resumed_at: int | str) -> N
 
 # Entries a load may find absent or changed without harm: the split is a speed knob, the
 # BatchNorm state's own copy of the mode is not read (the engine's is), older version-2 states
-# lack `loss_host`, `terms`, `telemetry`, auto's `capped` and `tuner` and BatchNorm's `start`,
+# lack `loss_host`, `terms`, `telemetry`, auto's `capped` and `tuner` (the tuner its
+# `decisions`) and BatchNorm's `start`,
 # and a closed window is read no further than its `micro_batches`.
 _HARMLESS = {"settings.micro_batch_size", "engine.batchnorm.mode"}
 _OPTIONAL = {
@@ -336,6 +337,7 @@ _OPTIONAL = {
     "auto",
     "auto.capped",
     "auto.tuner",
+    "auto.tuner.decisions",
     "engine.batchnorm.start",
     "telemetry",
 }

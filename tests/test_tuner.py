@@ -181,15 +181,28 @@ def test_a_shape_change_on_a_short_window_keeps_the_candidates() -> None:
 
 
 def test_shapes_that_never_settle_cannot_keep_it_timing_forever() -> None:
-    """Work per item alternating 3x every window: the timing restarts at most MAX_RESTARTS times."""
+    """Work per item alternating 3x every window: the timing restarts at most MAX_RESTARTS times.
+
+    Then it finishes on the shape it restarted at: the other shape's windows run at the
+    incumbent, untimed (before, they were timed with it and the decision mixed two shapes).
+    """
     tuner = ThroughputTuner(fits=64, window_items=64)
-    windows = 0
+    windows, timed = 0, []
     while tuner.tuning and windows < 100:
-        tuner.observe(64, work_per_item=10.0 if windows % 2 else 30.0)
-        tuner.record(tuner.next_size(), items=64, seconds=1.0)
+        work = 10.0 if windows % 2 else 30.0
+        tuner.observe(64, work_per_item=work)
+        size = tuner.next_size()
+        if "untimed" not in tuner.note():
+            timed.append(work)
+        else:
+            assert size == tuner.incumbent
+        tuner.record(size, items=64, seconds=1.0 if work == 30.0 else 0.001)
         windows += 1
     assert not tuner.tuning
-    assert windows == 1 + MAX_RESTARTS + len(tuner.sizes) * ROUNDS  # warm-ups, then timed
+    # warm-ups, then the timed windows of one shape, each after an untimed one of the other
+    assert windows == 1 + MAX_RESTARTS + 2 * len(tuner.sizes) * ROUNDS
+    assert set(timed[1 + MAX_RESTARTS :]) == {30.0}  # no decision compares two shapes
+    assert tuner.chosen == 64  # every size alike at 1.0 s: the fast short windows did not count
     # NEGATIVE CONTROL: each restart did happen (the timing began again with a warm-up).
     restarted = ThroughputTuner(fits=64, window_items=64)
     restarted.observe(64, work_per_item=10.0)
@@ -211,3 +224,65 @@ def test_no_measurable_work_never_times_again() -> None:
     # NEGATIVE CONTROL: a measurable 3x change does time again.
     assert tuner.observe(64, work_per_item=3.0) is False  # from 0: nothing to compare with
     assert tuner.observe(64, work_per_item=9.0)
+
+
+def test_a_shape_decided_before_is_not_timed_again() -> None:
+    """Batches of short and long items in turn (padded NLP data): each shape is timed once.
+
+    Before, every change of shape past SHAPE_CHANGE timed all candidates again, so data whose
+    lengths vary kept "auto" timing (and running the slow sizes) for the whole run.
+    """
+    short, long = {64: 1.0, 32: 0.5, 16: 0.6, 8: 0.9}, {64: 3.0, 32: 3.3, 16: 3.6, 8: 4.0}
+    tuner = ThroughputTuner(fits=64, window_items=64)
+    tuner.observe(64, work_per_item=10.0)
+    _tune(tuner, short)
+    assert tuner.chosen == 32
+    assert tuner.observe(64, work_per_item=30.0)  # a new shape: timed
+    _tune(tuner, long)
+    assert tuner.chosen == 64
+    for _ in range(3):  # back and forth: each shape's own choice, and no timing
+        assert not tuner.observe(64, work_per_item=11.0)
+        assert (tuner.tuning, tuner.chosen) == (False, 32)
+        assert tuner.reason.startswith("fastest: 32")
+        assert not tuner.observe(64, work_per_item=29.0)
+        assert (tuner.tuning, tuner.chosen) == (False, 64)
+    # While a third shape is timed, a window of a decided shape runs at its choice, untimed.
+    assert tuner.observe(64, work_per_item=100.0)  # NEGATIVE CONTROL: a new shape is timed
+    tuner.record(tuner.next_size(), items=64, seconds=1.0)  # its warm-up
+    assert not tuner.observe(64, work_per_item=10.0)
+    assert tuner.next_size() == 32
+    assert tuner.note().startswith("auto 32: chosen before for items of this shape, untimed")
+    tuner.record(32, items=64, seconds=0.001)  # not counted for the shape being timed
+    assert not tuner.observe(64, work_per_item=100.0)
+    ran = _tune(tuner, {64: 9.0, 32: 8.0, 16: 9.5, 8: 12.0})
+    assert ran == [64, 32, 16, 8] * ROUNDS  # the foreign window took no turn of the timing
+    assert tuner.chosen == 32
+    assert tuner.rates[32] == pytest.approx(64 / 8.0)  # 64 items in 8 s, not in 0.001 s
+    # The decisions survive a state_dict round trip (a resumed run does not time them again).
+    twin = ThroughputTuner(fits=1, window_items=1)
+    twin.load_state_dict(tuner.state_dict())
+    assert not twin.observe(64, work_per_item=30.0)
+    assert (twin.tuning, twin.chosen) == (False, 64)
+
+
+def test_a_decision_taken_back_after_running_out_of_memory_says_it_was_capped() -> None:
+    """Long items ran out of memory above 6 while timed: the short items' earlier choice of 32
+    comes back capped at 6, and the reason says so (it claimed 32 while 6 ran)."""
+    tuner = ThroughputTuner(fits=64, window_items=64)
+    tuner.observe(64, work_per_item=10.0)
+    _tune(tuner, {64: 1.0, 32: 0.5, 16: 0.6, 8: 0.9})
+    assert tuner.observe(64, work_per_item=40.0)
+    tuner.limit(6)  # the long items' warm-up at 64 ran out of memory: 6 fits
+    _tune(tuner, {6: 1.0, 4: 1.2, 2: 1.5, 1: 2.0})
+    assert not tuner.observe(64, work_per_item=10.0)
+    assert tuner.chosen == 6
+    assert tuner.note().startswith("auto 6: 6, the largest that fits since a larger size ran out")
+    assert "for this shape before: fastest: 32" in tuner.reason
+    # NEGATIVE CONTROL: without the out-of-memory error the choice comes back whole.
+    free = ThroughputTuner(fits=64, window_items=64)
+    free.observe(64, work_per_item=10.0)
+    _tune(free, {64: 1.0, 32: 0.5, 16: 0.6, 8: 0.9})
+    free.observe(64, work_per_item=40.0)
+    _tune(free, {64: 1.0, 32: 1.2, 16: 1.5, 8: 2.0})
+    assert not free.observe(64, work_per_item=10.0)
+    assert (free.chosen, free.reason[:10]) == (32, "fastest: 3")

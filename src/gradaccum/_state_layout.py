@@ -117,6 +117,13 @@ _TUNER = {
     "work": _optional(REAL),
     "rates": (_is_rates, 'a dict of {"<size>": rate}'),
 }
+_DECISION = {"work": REAL, "chosen": INT, "reason": STR, "rates": _TUNER["rates"]}
+_TUNER_OPTIONAL = {  # a decision per shape timed (absent from states saved before)
+    "decisions": (
+        lambda v: isinstance(v, list) and all(_fits(d, _DECISION) and _capped(d) for d in v),
+        'a list of {"work", "chosen", "reason", "rates", "fits"}',
+    ),
+}
 _PLAN_RULES = {"probes": SHAPES, "device": STR}  # every other MemoryPlan field is a number
 _TELEMETRY = {
     "steps": INT,
@@ -157,7 +164,7 @@ def check_state_layout(state: Mapping[str, Any], plan_fields: Collection[str]) -
             rules = {key: _PLAN_RULES.get(key, REAL) for key in plan_fields}
             _check(plan, "auto.plan.", rules)
         if auto.get("tuner") is not None:
-            _check(auto["tuner"], "auto.tuner.", _TUNER)
+            _check(auto["tuner"], "auto.tuner.", _TUNER, _TUNER_OPTIONAL)
     if state.get("telemetry") is not None:
         _check(state["telemetry"], "telemetry.", _TELEMETRY)
 
@@ -185,6 +192,18 @@ def check_tensors_fit(
                 f"{list(tensor.shape)}, its parameter {list(mine)}; load the state into the "
                 "same model and optimizer."
             )
+
+
+def _fits(part: object, rules: Mapping[str, Rule]) -> bool:
+    """Whether `part` is a dict holding every key of `rules`, each passing its test."""
+    if not isinstance(part, Mapping):
+        return False
+    return all(key in part and test(part[key]) for key, (test, _) in rules.items())
+
+
+def _capped(decision: Mapping[str, Any]) -> bool:
+    """A tuner decision's optional `fits`: None, or the size that fit after out of memory."""
+    return decision.get("fits") is None or _is_count(decision["fits"])
 
 
 def _check(

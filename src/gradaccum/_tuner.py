@@ -16,7 +16,11 @@ items per second:
   only if it is at least `MARGIN` faster, so timing noise cannot make the choice flip-flop;
 - when the work per item changes a lot (`SHAPE_CHANGE`x, e.g. longer sequences), the candidates are
   timed again, also midway through a timing (so one decision compares windows of one shape), at
-  most `MAX_RESTARTS` times per timing, so shapes that never settle cannot keep it timing forever.
+  most `MAX_RESTARTS` times per timing, so shapes that never settle cannot keep it timing forever
+  (after that, windows of other shapes run at the incumbent, untimed: no decision mixes shapes);
+- each decision is remembered with the shape it was timed at: a window of a shape decided before
+  runs at that shape's choice, untimed (also in the middle of timing another shape), so data whose
+  lengths vary (padded batches of short and long sequences) is timed once per shape, not forever.
 
 Example:
     >>> times = {64: 1.0, 32: 0.5, 16: 0.6, 8: 0.9}  # seconds per window of 64 items
@@ -30,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +42,7 @@ __all__ = [
     "MARGIN",
     "MAX_CANDIDATES",
     "MAX_RESTARTS",
+    "PATIENCE",
     "ROUNDS",
     "SHAPE_CHANGE",
     "ThroughputTuner",
@@ -45,6 +51,7 @@ __all__ = [
 
 MAX_CANDIDATES = 4
 MAX_RESTARTS = 2  # shape changes that may start one timing over before it just finishes
+PATIENCE = 16  # then windows of other shapes in a row before the shape timed is given up
 ROUNDS = 2
 MARGIN = 0.05
 SHAPE_CHANGE = 2.0
@@ -89,6 +96,10 @@ class ThroughputTuner:
         self.rates: dict[int, float] = {}  # items per second of each candidate, once decided
         self.work: float | None = None  # work per item of the windows timed
         self.restarts = 0  # timings started over midway by a shape change, since the last choice
+        self.decisions: list[dict[str, Any]] = []  # per shape decided: work, chosen, reason, rates
+        self._untimed: tuple[int, str] | None = None  # a window of another shape: size, why
+        self._away = 0  # windows in a row of another shape than the one being timed
+        self.adopted = False  # the last `observe` took back a shape's earlier decision
         self._start(window_items)
 
     def _start(self, window_items: int) -> None:
@@ -109,6 +120,8 @@ class ThroughputTuner:
         """The size the next window runs at."""
         if self.chosen is not None:
             return self.chosen
+        if self._untimed is not None:  # a window of another shape than the one being timed
+            return min(self._untimed[0], self.fits)
         if not self._warm:
             return self.incumbent
         return self._order[0]
@@ -117,6 +130,11 @@ class ThroughputTuner:
         """What the next window runs at, and why (for `StepResult.sizing`)."""
         if self.chosen is not None:
             return f"auto {self.chosen}: {self.reason}"
+        if self._untimed is not None:
+            return (
+                f"auto {self.next_size()}: {self._untimed[1]}, untimed (meanwhile "
+                f"{self.reason} on windows of another shape)"
+            )
         if not self._warm:
             return f"auto {self.incumbent}: warm-up before {self.reason}"
         done = len(self.sizes) * ROUNDS - len(self._order) + 1
@@ -124,8 +142,8 @@ class ThroughputTuner:
 
     def record(self, size: int, *, items: int, seconds: float) -> None:
         """The window at `size` took `seconds` for `items` items (synchronized wall time)."""
-        if self.chosen is not None:
-            return
+        if self.chosen is not None or self._untimed is not None:
+            return  # decided, or a window of another shape than the one being timed
         if not self._warm:
             self._warm = True
             return
@@ -157,6 +175,47 @@ class ThroughputTuner:
                 f"{self.rates[best] / base:.2f}x {label} ({incumbent} at {base:.0f} items/s)"
             )
         self.chosen = self.incumbent = best
+        self._remember()
+
+    def _remember(self) -> None:
+        """Keep this decision for its shape, replacing one made for the same shape."""
+        if self.work is None or self.work <= 0:
+            return  # no measurable shape: the decision stands for every window anyway
+        self.decisions = [d for d in self.decisions if not _same_shape(d["work"], self.work)]
+        self.decisions.append(
+            {
+                "work": self.work,
+                "chosen": self.chosen,
+                "reason": self.reason,
+                "rates": self.rates,
+                "fits": None,  # set when this shape runs out of memory after the decision
+            }
+        )
+
+    def shape_fits(self) -> int | None:
+        """The largest size known to fit the current shape since it ran out of memory, if it did."""
+        decided = None if self.work is None or self.work <= 0 else self._decided(self.work)
+        return None if decided is None else decided["fits"]
+
+    def ran(self, size: int, *, out_of_memory: bool) -> None:
+        """Record what fits the current shape, for when its decision is taken back later.
+
+        Args:
+            size: A size that ran clean, or the size shrunk to after running out of memory.
+            out_of_memory: Which of the two.
+        """
+        decided = None if self.work is None or self.work <= 0 else self._decided(self.work)
+        if decided is None or (decided["fits"] is None and not out_of_memory):
+            return
+        if out_of_memory:
+            decided["fits"] = min(size, decided["fits"] or size)
+        else:
+            decided["fits"] = max(size, decided["fits"])
+
+    def _decided(self, work: float) -> dict[str, Any] | None:
+        """The decision for items of `work` (the nearest shape decided within SHAPE_CHANGE)."""
+        near = [d for d in self.decisions if _same_shape(d["work"], work)]
+        return min(near, key=lambda d: abs(math.log(d["work"] / work)), default=None)
 
     def _listing(self) -> str:
         return ", ".join(f"{size}: {self.rates[size]:.0f}" for size in self.sizes)
@@ -175,18 +234,41 @@ class ThroughputTuner:
 
         Also while timing: one decision compares windows of one shape, so timing starts over
         at the new shape, and the shape timed is what later windows are compared with.
+        A shape decided before is not timed again: its choice is taken back (or, in the middle
+        of timing another shape, this one window runs at it, untimed). Once `MAX_RESTARTS`
+        shape changes restarted one timing, windows of other shapes run at the incumbent,
+        untimed, unless the shape timed stays away for `PATIENCE` windows in a row.
         `work_per_item` is any measure proportional to an item's cost (its tensor elements).
         """
+        self._untimed, self.adopted = None, False
         if self.work is None or self.work <= 0 or work_per_item <= 0:
             self.work = work_per_item  # 0: nothing measurable (no tensor), so no shape to change
             return False
-        ratio = work_per_item / self.work
-        if 1 / SHAPE_CHANGE < ratio < SHAPE_CHANGE:
+        if _same_shape(work_per_item, self.work):
+            self._away = 0
+            return False
+        decided = self._decided(work_per_item)
+        if decided is not None and self.chosen is None:  # timing goes on at its own shape
+            self._untimed = (int(decided["chosen"]), "chosen before for items of this shape")
+            return False
+        if decided is not None:
+            self.work, self.reason = float(decided["work"]), str(decided["reason"])
+            self.chosen = self.incumbent = min(int(decided["chosen"]), self.fits)
+            self.rates = dict(decided["rates"])
+            if self.chosen < decided["chosen"]:  # a larger size ran out of memory since
+                self.reason = (
+                    f"{self.chosen}, the largest that fits since a larger size ran out of "
+                    f"memory (for this shape before: {self.reason})"
+                )
+            self.adopted = True
             return False
         if self.chosen is None and self.restarts >= MAX_RESTARTS:
-            return False  # shapes that never settle: finish this timing rather than time forever
-        self.restarts = self.restarts + 1 if self.chosen is None else 0
-        self.work = work_per_item
+            self._away += 1  # shapes that never settle: finish this timing, on its shape only
+            if self._away <= PATIENCE:
+                self._untimed = (self.incumbent, "items of a shape not timed yet")
+                return False
+        self.restarts = min(self.restarts + 1, MAX_RESTARTS) if self.chosen is None else 0
+        self.work, self._away = work_per_item, 0
         self._start(max(window_items, self.window_items))  # a short batch keeps the candidates
         return True
 
@@ -199,7 +281,8 @@ class ThroughputTuner:
             "incumbent": self.incumbent,
             "reason": self.reason,
             "work": self.work,
-            "rates": {str(size): rate for size, rate in self.rates.items()},
+            "rates": _plain_rates(self.rates),
+            "decisions": [{**d, "rates": _plain_rates(d["rates"])} for d in self.decisions],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -211,4 +294,27 @@ class ThroughputTuner:
         if state["chosen"] is not None:
             self.chosen = int(state["chosen"])
             self.reason = str(state["reason"])
-            self.rates = {int(size): float(rate) for size, rate in state["rates"].items()}
+            self.rates = _rates(state["rates"])
+        self.decisions = [
+            {
+                "work": float(d["work"]),
+                "chosen": int(d["chosen"]),
+                "reason": str(d["reason"]),
+                "rates": _rates(d["rates"]),
+                "fits": None if d.get("fits") is None else int(d["fits"]),
+            }
+            for d in state.get("decisions", [])  # absent from states saved before
+        ]
+
+
+def _same_shape(work: float, other: float) -> bool:
+    """Whether two works per item are less than `SHAPE_CHANGE`x apart (one shape, for timing)."""
+    return 1 / SHAPE_CHANGE < work / other < SHAPE_CHANGE
+
+
+def _plain_rates(rates: dict[int, float]) -> dict[str, float]:
+    return {str(size): rate for size, rate in rates.items()}
+
+
+def _rates(plain: dict[str, Any]) -> dict[int, float]:
+    return {int(size): float(rate) for size, rate in plain.items()}

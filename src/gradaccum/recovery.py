@@ -42,6 +42,7 @@ import torch
 from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_memory
 from gradaccum._tuner import ThroughputTuner
 from gradaccum.batching import batch_size, map_tensors
+from gradaccum.memory import parse_bytes
 from gradaccum.options import AutoSize, Precision, SyncPolicy
 from gradaccum.sizing import MemoryPlan, format_bytes, plan_micro_batch, resolve_budget
 from gradaccum.sync import all_ranks_max, all_ranks_min
@@ -174,6 +175,11 @@ class AutoSizer:
                 assert self.planned is not None
                 tuner = self.tuner = ThroughputTuner(self.planned, int(most), self._agree)
             tuner.observe(int(most), work)
+            if tuner.adopted:  # a shape decided before: its choice, below what ran out of memory
+                assert tuner.chosen is not None
+                fits = tuner.shape_fits()
+                self.size = tuner.chosen if fits is None else min(tuner.chosen, fits)
+                self.clean_windows, self.growing = 0, False
         while True:
             timing = tuner is not None and tuner.tuning
             size = tuner.next_size() if tuner is not None and timing else self.size
@@ -196,6 +202,8 @@ class AutoSizer:
                     raise budget_error from error
                 if tuner is not None and timing:
                     tuner.limit(self.size)  # time again, below what ran out of memory
+                elif tuner is not None:
+                    tuner.ran(self.size, out_of_memory=True)  # for this shape's next turn
                 continue
             if tuner is not None and timing:
                 _synchronize(self.device)
@@ -235,6 +243,8 @@ class AutoSizer:
         target = self._target()
         assert self.size is not None
         assert target is not None
+        if self.tuner is not None:
+            self.tuner.ran(self.size, out_of_memory=False)
         self.growing = False
         if self.size >= target or self.wait is None:
             return
@@ -259,13 +269,20 @@ class AutoSizer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()` output (checked by the caller)."""
+        """Restore `state_dict()` output (checked by the caller).
+
+        A state planned for another `memory_budget` is not taken: its sizes may not fit this
+        budget (a run resumed on a smaller device), so the next batch plans again.
+        """
+        plan = state["plan"]
+        budget = None if self.memory_budget is None else parse_bytes(self.memory_budget)
+        if plan is not None and budget is not None and budget != plan["memory_budget"]:
+            return
         self.planned, self.size = state["planned"], state["size"]
         self.clean_windows, self.wait = int(state["clean_windows"]), state["wait"]
         self.growing = bool(state["growing"])
         self.out_of_memory_events = int(state["out_of_memory_events"])
         self.capped = bool(state.get("capped", False))
-        plan = state["plan"]
         self.plan = (
             None
             if plan is None
