@@ -6,12 +6,16 @@ compared with the API itself where this torch has it, or with what torch 2.4 com
 
 from __future__ import annotations
 
+import importlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from gradaccum import _compat
+from gradaccum import Accumulator, _compat, save_checkpoint
+from gradaccum._sync_base import is_fsdp
+from tests.state import assert_bitwise, clone_state
 
 
 def _grads() -> list[torch.Tensor]:
@@ -61,3 +65,31 @@ def test_dtensor_and_fsdp_module_types_resolve_on_this_torch() -> None:
     fsdp_module = _compat.fsdp_module_type()
     assert fsdp_module is not None
     assert fsdp_module.__name__ == "FSDPModule"
+
+
+def test_fsdp2_before_torch_2_6_is_refused_naming_the_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.4's FSDP2 prototype (simulated): was taken for an undistributed model."""
+
+    class PrototypeFSDPModule:  # torch.distributed._composable.fsdp.FSDPModule's stand-in
+        pass
+
+    class Sharded(PrototypeFSDPModule, torch.nn.Linear):
+        pass
+
+    model = Sharded(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.setattr(_compat, "fsdp_module_type", lambda: PrototypeFSDPModule)
+    if hasattr(importlib.import_module("torch.distributed.fsdp"), "FSDPModule"):
+        # Negative control: where FSDP2 is public, the same model is taken for an FSDP2 one.
+        assert is_fsdp(model)
+        monkeypatch.delattr(importlib.import_module("torch.distributed.fsdp"), "FSDPModule")
+    before = clone_state([model.state_dict(), optimizer.state_dict()])
+    expected = r"FSDP2 \(fully_shard\) from torch 2\.6.*Upgrade torch"
+    with pytest.raises(RuntimeError, match=expected):
+        Accumulator(model, optimizer, micro_batch_size=2)
+    with pytest.raises(RuntimeError, match=expected):
+        save_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=optimizer)
+    assert list(tmp_path.iterdir()) == []
+    assert_bitwise([model.state_dict(), optimizer.state_dict()], before)

@@ -7,7 +7,8 @@ thing with what torch 2.4 offers; nothing is patched into torch. What they stand
   `max_memory_allocated`, from the device's own module (`torch.cuda`, `torch.xpu`, ...) before;
 - `torch.nn.utils.get_total_norm` (2.6): `total_norm`, the norm `clip_grad_norm_` computes;
 - the public `torch.distributed.tensor.DTensor` (2.5; `torch.distributed._tensor` before) and
-  `torch.distributed.fsdp.FSDPModule` (2.6; `torch.distributed._composable.fsdp` before).
+  `torch.distributed.fsdp.FSDPModule` (2.6; `torch.distributed._composable.fsdp` before). FSDP2
+  itself needs torch 2.6: `check_fsdp2_supported` refuses the prototype of earlier releases.
 
 Example:
     >>> import torch
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "check_fsdp2_supported",
     "current_accelerator",
     "dtensor_type",
     "fsdp_module_type",
@@ -120,7 +122,8 @@ def dtensor_type() -> type[DTensor]:
 def fsdp_module_type() -> type[Any] | None:
     """FSDP2's `FSDPModule` class, or None for a torch built without distributed support.
 
-    Public in torch 2.6; torch 2.4 and 2.5 keep it in `torch.distributed._composable.fsdp`.
+    Public in torch 2.6; torch 2.4 and 2.5 keep it in `torch.distributed._composable.fsdp`,
+    found here only so that `check_fsdp2_supported` can refuse such a model by name.
     """
     for path in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
         try:
@@ -130,3 +133,22 @@ def fsdp_module_type() -> type[Any] | None:
         if isinstance(found, type):
             return found
     return None
+
+
+def check_fsdp2_supported() -> None:
+    """Refuse FSDP2 on a torch whose `fully_shard` is still private (before torch 2.6).
+
+    There FSDP2 is a prototype that runs on CUDA only (not on CPU with gloo, where gradaccum's
+    FSDP2 tests run), so gradaccum does not claim it: silently treating such a model as
+    undistributed would divide its gradients by the wrong count.
+
+    Raises:
+        RuntimeError: Naming the torch release FSDP2 support needs.
+    """
+    if not hasattr(importlib.import_module("torch.distributed.fsdp"), "FSDPModule"):
+        raise RuntimeError(
+            "gradaccum supports FSDP2 (fully_shard) from torch 2.6, where it is public "
+            "(torch.distributed.fsdp.fully_shard); this model was sharded with the prototype of "
+            f"torch {torch.__version__} (torch.distributed._composable.fsdp). Upgrade torch to "
+            "2.6 or later, or wrap the model in DistributedDataParallel instead."
+        )

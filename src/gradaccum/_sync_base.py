@@ -49,9 +49,16 @@ def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
-    """Whether `fully_shard` (FSDP2) was applied to the model."""
+    """Whether `fully_shard` (FSDP2) was applied to the model.
+
+    Raises:
+        RuntimeError: For an FSDP2 model on torch before 2.6, which gradaccum does not support.
+    """
     fsdp_module = _compat.fsdp_module_type()  # None: a torch built without distributed support
-    return fsdp_module is not None and isinstance(uncompiled(model), fsdp_module)
+    if fsdp_module is None or not isinstance(uncompiled(model), fsdp_module):
+        return False
+    _compat.check_fsdp2_supported()
+    return True
 
 
 def process_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
