@@ -52,10 +52,11 @@ def _reference_step(model: torch.nn.Module, batch, make_optimizer=_sgd, max_norm
     optimizer = make_optimizer(twin)
     loss = _mse(twin, batch)
     loss.backward()
-    grads = [p.grad for p in twin.parameters()]
-    norm = torch.nn.utils.get_total_norm(grads)
-    if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(twin.parameters(), max_norm, norm)
+    # clip_grad_norm_ returns the norm before clipping; an infinite max_norm scales by exactly 1
+    # (get_total_norm and clip_grads_with_norm_ are newer than torch 2.4, the oldest supported).
+    norm = torch.nn.utils.clip_grad_norm_(
+        twin.parameters(), math.inf if max_norm is None else max_norm
+    )
     optimizer.step()
     return twin, loss.item(), norm.item()
 

@@ -10,8 +10,10 @@ one test run concurrently to keep the file fast.
 
 from __future__ import annotations
 
+import io
 import os
 import pathlib
+import pickle
 import random
 import re
 import signal
@@ -25,7 +27,13 @@ import numpy as np
 import pytest
 import torch
 
-from gradaccum import Accumulator, CheckpointError, load_checkpoint, save_checkpoint
+from gradaccum import (
+    Accumulator,
+    CheckpointError,
+    _checkpoint_fit,
+    load_checkpoint,
+    save_checkpoint,
+)
 from gradaccum.checkpoint import load_model_weights
 from tests.resume_worker import build, train
 from tests.state import assert_bitwise, clone_state
@@ -711,6 +719,57 @@ def test_extra_that_loading_cannot_read_back_is_refused_at_save_writing_nothing(
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
 
 
+# Read back by the weights_only loads of recent torch only (torch 2.4's refuses them), and an
+# empty bytes, which pickle writes as a call to `bytes()` that no torch's such load accepts.
+RECENT_EXTRAS = {
+    "complex": 1 + 2j,
+    "bytes": b"\x00",
+    "bytearray": bytearray(b"ab"),
+    "set": {1, 2},
+    "empty bytes": b"",
+    "empty bytearray": bytearray(),
+    "empty set": set(),
+}
+
+
+@pytest.mark.parametrize("case", list(RECENT_EXTRAS))
+def test_extra_saves_only_where_this_torch_loads_it_back(tmp_path: Path, case: str) -> None:
+    """A set on torch 2.4, or b"" on any torch, saved fine, then no load could read the file."""
+    value = RECENT_EXTRAS[case]
+    model, optimizer = _small()
+    path = tmp_path / "ckpt.pt"
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError:  # this torch cannot read it back: refused before writing
+        where = rf"extra\['x'\] is an? {case}, .*torch {re.escape(torch.__version__)} cannot"
+        with pytest.raises(ValueError, match=where):
+            save_checkpoint(path, model=model, optimizer=optimizer, extra={"x": value})
+        assert list(tmp_path.iterdir()) == []
+        return
+    save_checkpoint(path, model=model, optimizer=optimizer, extra={"x": value})
+    got = load_checkpoint(path, model=model, optimizer=optimizer)
+    assert got == {"x": value}
+    assert type(got["x"]) is type(value)
+
+
+def test_extra_an_older_torch_cannot_read_back_is_refused_naming_the_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on torch 2.4 (simulated): the message names the torch and the conversion."""
+    monkeypatch.setattr(_checkpoint_fit, "_loads_back", lambda kind, empty: kind is not set)
+    model, optimizer = _small()
+    path = tmp_path / "ckpt.pt"
+    with pytest.raises(ValueError, match=r"extra\['ids'\] is a set, .*convert it to a list first"):
+        save_checkpoint(path, model=model, optimizer=optimizer, extra={"ids": {1}})
+    with pytest.raises(ValueError, match=r"extra\['runs'\]\[0\] is an empty set") as caught:
+        save_checkpoint(path, model=model, optimizer=optimizer, extra={"runs": [set()]})
+    assert f"torch {torch.__version__} cannot read back" in str(caught.value)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_every_kind_of_extra_that_saves_loads_back(tmp_path: Path) -> None:
     """Negative control: what save_checkpoint takes, load_checkpoint returns equal."""
     extra = {
@@ -732,6 +791,13 @@ def test_every_kind_of_extra_that_saves_loads_back(tmp_path: Path) -> None:
         "ordered": OrderedDict(a=1),
         "as list": np.arange(3).tolist(),
         "as tensor": torch.as_tensor(np.arange(3)),
+    }
+    # Only what this torch reads back (torch 2.4: no complex, bytes, bytearray nor set).
+    extra = {
+        key: value
+        for key, value in extra.items()
+        if type(value) not in (complex, bytes, bytearray, set)
+        or _checkpoint_fit._loads_back(type(value), empty=not value)
     }
     model, optimizer = _small()
     save_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=optimizer, extra=extra)

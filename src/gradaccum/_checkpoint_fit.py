@@ -22,6 +22,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import io
+import pickle
 import re
 from collections import OrderedDict
 from pathlib import Path
@@ -108,6 +111,27 @@ _LEAVES = (
     torch.Size,
 )
 _CONTAINERS = (dict, OrderedDict, list, tuple, set)
+# Types a weights_only load reads back only from some torch release on (torch 2.4 refuses all
+# four), or only when not empty (pickle writes an empty bytes as a call to `bytes()`, which every
+# torch up to 2.13 at least refuses).
+_PROBED = {complex: 1j, bytes: b"\x00", bytearray: bytearray(b"\x00"), set: {0}}
+
+
+@functools.cache
+def _loads_back(kind: type, empty: bool) -> bool:
+    """Whether the running torch's `weights_only` load reads back a `kind` (`empty` or not).
+
+    Tried once by a round trip in memory: the exact rule of whichever torch is installed,
+    rather than a table of the releases that allowed each type.
+    """
+    buffer = io.BytesIO()
+    torch.save(kind() if empty else _PROBED[kind], buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError:
+        return False
+    return True
 
 
 def check_extra(extra: object, path: str = "extra") -> None:
@@ -121,6 +145,13 @@ def check_extra(extra: object, path: str = "extra") -> None:
         ValueError: Naming the first item of another type and how to convert it.
     """
     kind = type(extra)
+    if kind in _PROBED and not _loads_back(kind, empty=not extra):  # type: ignore[arg-type]
+        fix = "a list" if kind is set else "a list of numbers (list(value)), a tensor or a string"
+        raise ValueError(
+            f"{path} is {'an empty' if not extra else 'a'} {kind.__name__}, which the "
+            f"weights_only load of torch {torch.__version__} cannot read back; convert it to "
+            f"{fix} first. Nothing was written."
+        )
     if kind in _LEAVES:
         return
     if kind in (dict, OrderedDict) and isinstance(extra, dict):

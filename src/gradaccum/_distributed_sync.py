@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from gradaccum import _compat
 from gradaccum._agreement import OUT_OF_MEMORY, RankMismatchError, RankSummary, WindowAgreement
 from gradaccum._allreduce import all_reduce_sum, broadcast_from_first
 from gradaccum._sync_base import FAILED_COUNT, GradSync, Plan, device_for, process_group
@@ -292,9 +293,8 @@ class FSDP2Sync(_DistributedSync):
         self.policy = policy
         self.defers = self.syncs_last_backward = policy is SyncPolicy.WINDOW
         self.averaged_over = self.world
-        from torch.distributed.fsdp import FSDPModule
-
-        self._sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        fsdp_module = _compat.fsdp_module_type()
+        self._sharded = [m for m in model.modules() if fsdp_module and isinstance(m, fsdp_module)]
 
     def forget_window(self) -> None:
         """A forward whose backward never ran leaves parameters unsharded: shard them again."""

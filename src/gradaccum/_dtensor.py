@@ -17,14 +17,15 @@ from typing import Any
 
 import torch
 
+from gradaccum import _compat
+
 __all__ = ["like_param", "local_shards", "local_tensor"]
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of `tensor`: its local shard for a DTensor, else `tensor` itself."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tensor, DTensor):
+    dtensor = _compat.dtensor_type()
+    if isinstance(tensor, dtensor):
         local: torch.Tensor = tensor.to_local()
         return local
     return tensor
@@ -32,9 +33,8 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def local_shards(value: Any) -> Any:
     """`value` with every DTensor replaced by a copy of this rank's local shard (any nesting)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
+    dtensor = _compat.dtensor_type()
+    if isinstance(value, dtensor):
         return value.to_local().detach().clone()
     if isinstance(value, dict):
         return {key: local_shards(item) for key, item in value.items()}
@@ -50,11 +50,10 @@ def like_param(
 
     A plain tensor meant for a DTensor parameter is taken as this rank's local shard.
     """
-    from torch.distributed.tensor import DTensor
-
+    dtensor = _compat.dtensor_type()
     dtype = dtype or param.dtype
-    if isinstance(param, DTensor) and not isinstance(tensor, DTensor):
-        sharded: torch.Tensor = DTensor.from_local(
+    if isinstance(param, dtensor) and not isinstance(tensor, dtensor):
+        sharded: torch.Tensor = dtensor.from_local(
             tensor.to(param.device, dtype),
             param.device_mesh,
             param.placements,

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from gradaccum import _compat
 from gradaccum._agreement import OUT_OF_MEMORY, RankSummary, WindowAgreement
 
 __all__ = [
@@ -48,12 +49,16 @@ def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
-    """Whether `fully_shard` (FSDP2) was applied to the model."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch built without distributed support
+    """Whether `fully_shard` (FSDP2) was applied to the model.
+
+    Raises:
+        RuntimeError: For an FSDP2 model on torch before 2.6, which gradaccum does not support.
+    """
+    fsdp_module = _compat.fsdp_module_type()  # None: a torch built without distributed support
+    if fsdp_module is None or not isinstance(uncompiled(model), fsdp_module):
         return False
-    return isinstance(uncompiled(model), FSDPModule)
+    _compat.check_fsdp2_supported()
+    return True
 
 
 def process_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
@@ -76,10 +81,9 @@ def _fsdp_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
     each block and then on the root, the root's own parameters are unsharded between its forward
     and its backward. A 2-D (HSDP) mesh reduces over all of its ranks.
     """
-    from torch.distributed.tensor import DTensor
-
+    dtensor = _compat.dtensor_type()
     for param in model.parameters():
-        if isinstance(param, DTensor):
+        if isinstance(param, dtensor):
             mesh = param.device_mesh
             if mesh.ndim == 1:
                 return mesh.get_group()
@@ -97,7 +101,7 @@ def world_size(model: torch.nn.Module) -> int:
 def device_for(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "gloo":
         return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator()
+    accelerator = _compat.current_accelerator()
     return accelerator if accelerator is not None else torch.device("cpu")
 
 

@@ -20,6 +20,8 @@ import operator
 
 import torch
 
+from gradaccum import _compat
+
 __all__ = ["clip_", "total_norm"]
 
 _DEVICE_AND_DTYPE = operator.attrgetter("device", "dtype")
@@ -34,7 +36,7 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     if not grads:
         return torch.zeros(())
     if len(set(map(_DEVICE_AND_DTYPE, grads))) > 1:  # no Python frame per gradient
-        return torch.nn.utils.get_total_norm(grads)
+        return _compat.total_norm(grads)
     # torch.linalg has no stubs (its functions are Any): name the result's type.
     norm: torch.Tensor = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     return norm

@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from gradaccum import _compat
 from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_memory
 from gradaccum._tuner import ThroughputTuner
 from gradaccum.batching import batch_size, map_tensors
@@ -340,5 +341,4 @@ def _work_per_item(batch: Any, items: int) -> float:
 
 def _synchronize(device: torch.device) -> None:
     """Wait for the device, so the clock times the window, not its launch."""
-    if device.type != "cpu" and torch.accelerator.is_available():
-        torch.accelerator.synchronize(device)
+    _compat.synchronize(device)

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from gradaccum import _compat
 from gradaccum.norms import total_norm
 
 __all__ = ["Telemetry", "TelemetryMeter"]
@@ -199,6 +200,6 @@ class TelemetryMeter:
         self._started = time.perf_counter()
 
 
-def _peak_allocated(device: torch.device) -> int:
+def _peak_allocated(device: torch.device) -> int | None:
     """The accelerator's peak allocated bytes since the process started (or the user's reset)."""
-    return int(torch.accelerator.max_memory_allocated(device))
+    return _compat.max_memory_allocated(device)

@@ -15,6 +15,7 @@ into one call.
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import pickle
 import socket
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -58,6 +60,31 @@ class RankOutcome:
 
 class RanksTimedOutError(AssertionError):
     """Some rank was still running when the run's timeout expired (it was killed)."""
+
+
+def fsdp_api() -> Any:
+    """torch's FSDP2 module (`fully_shard`, `FSDPModule`, `MixedPrecisionPolicy`, ...).
+
+    Public as `torch.distributed.fsdp` from torch 2.6; torch 2.4 and 2.5, the oldest gradaccum
+    supports, keep it in `torch.distributed._composable.fsdp`.
+    """
+    public = importlib.import_module("torch.distributed.fsdp")
+    if hasattr(public, "fully_shard"):
+        return public
+    return importlib.import_module("torch.distributed._composable.fsdp")
+
+
+# gradaccum supports FSDP2 from torch 2.6: before, it is a CUDA-only prototype (refused).
+needs_fsdp2 = pytest.mark.skipif(
+    not dist.is_available()
+    or not hasattr(importlib.import_module("torch.distributed.fsdp"), "FSDPModule"),
+    reason=f"FSDP2 support needs torch 2.6 or later (this is torch {torch.__version__})",
+)
+
+
+def has_fsdp_method(name: str) -> bool:
+    """Whether this torch's `FSDPModule` has method `name` (several are newer than torch 2.4)."""
+    return hasattr(fsdp_api().FSDPModule, name)
 
 
 def free_port() -> int:

@@ -29,6 +29,7 @@ milliseconds. The single-process references are computed in the test process wit
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,9 +40,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.distributed._harness import describe, run_ranks, spawn_ranks
+from gradaccum._compat import dtensor_type
+from tests.distributed._harness import (
+    describe,
+    fsdp_api,
+    has_fsdp_method,
+    needs_fsdp2,
+    run_ranks,
+    spawn_ranks,
+)
 from tests.models import IGNORE_INDEX, concat_batches, make_model, token_batch, token_sum_loss
 from tests.reference import param_tensors, reference_step, relative_gap, split
+
+pytestmark = needs_fsdp2
 
 EXACT = 1e-10  # float64: exactness up to rounding
 FP32 = 1e-5
@@ -118,7 +129,7 @@ def reference_params(windows, world_size: int = 2) -> dict[str, torch.Tensor]:
 
 def _shard(model: nn.Module, mesh) -> nn.Module:
     """`fully_shard` every Linear/Embedding (one parameter group each), then the root."""
-    from torch.distributed.fsdp import fully_shard
+    fully_shard = fsdp_api().fully_shard
 
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -151,7 +162,11 @@ class _ReduceScatterLog:
         self.calls, self.bytes, self.ops = 0, 0, set()
 
     def install(self) -> None:
-        real = dist.reduce_scatter_single
+        # FSDP2 calls reduce_scatter_tensor before torch 2.6 (reduce_scatter_single is newer).
+        self.name = "reduce_scatter_single"
+        if not hasattr(dist, self.name):
+            self.name = "reduce_scatter_tensor"
+        real = getattr(dist, self.name)
 
         @functools.wraps(real)
         def counted(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -160,7 +175,7 @@ class _ReduceScatterLog:
             self.ops.add(str(kwargs.get("op", args[0] if args else None)))
             return real(output, input, *args, **kwargs)
 
-        dist.reduce_scatter_single = counted  # this process only: a spawned rank
+        setattr(dist, self.name, counted)  # this process only: a spawned rank
 
 
 def _sharded_mlp(mesh, dtype: torch.dtype = torch.float64) -> nn.Module:
@@ -168,8 +183,9 @@ def _sharded_mlp(mesh, dtype: torch.dtype = torch.float64) -> nn.Module:
 
 
 def _check_default_divide(rank: int, mesh, log: _ReduceScatterLog) -> dict[str, Any]:
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-    from torch.distributed.tensor import DTensor
+    FSDPModule = fsdp_api().FSDPModule
+    fully_shard = fsdp_api().fully_shard
+    DTensor = dtensor_type()
 
     plain = make_model("mlp")
     out: dict[str, Any] = {"returns_same_object": fully_shard(plain, mesh=mesh) is plain}
@@ -214,7 +230,7 @@ def _check_deferral(rank: int, mesh, log: _ReduceScatterLog) -> dict[str, Any]:
 
 
 def _check_divide_factor(rank: int, mesh, log: _ReduceScatterLog) -> dict[str, Any]:
-    from torch.distributed.fsdp import FSDPModule
+    FSDPModule = fsdp_api().FSDPModule
 
     out: dict[str, Any] = {}
     for dtype in (torch.float32, torch.float64):
@@ -236,7 +252,7 @@ def _check_divide_factor(rank: int, mesh, log: _ReduceScatterLog) -> dict[str, A
 
 
 def _check_norms(rank: int, mesh) -> dict[str, Any]:
-    from torch.distributed.tensor import DTensor
+    DTensor = dtensor_type()
 
     from gradaccum.norms import total_norm
 
@@ -251,7 +267,13 @@ def _check_norms(rank: int, mesh) -> dict[str, Any]:
         "stacked_placement": str(stacked.placements),
         "stacked": float(stacked),
         "library_total_norm": float(total_norm(grads)),
-        "get_total_norm": float(torch.nn.utils.get_total_norm(grads)),
+        # torch's own total norm; before get_total_norm (torch 2.6), clip_grad_norm_'s return
+        # value (an infinite max_norm scales by exactly 1)
+        "get_total_norm": float(
+            torch.nn.utils.get_total_norm(grads)
+            if hasattr(torch.nn.utils, "get_total_norm")
+            else torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
+        ),
     }
     locals_before = [g.to_local().clone() for g in grads]
     torch._foreach_div_(grads, 4.0)
@@ -480,10 +502,18 @@ def test_set_requires_gradient_sync_defers_the_reduce_scatter_to_the_last_micro_
         assert every["mid_window_grads_none"] is False
 
 
+def _skip_without_divide_factor() -> None:
+    if not has_fsdp_method("set_force_sum_reduction_for_comms"):  # gradaccum does not use them
+        pytest.skip(
+            f"FSDPModule.set_force_sum_reduction_for_comms is not in torch {torch.__version__}"
+        )
+
+
 @pytest.mark.timeout(120)
 def test_divide_factor_one_with_force_sum_gives_the_plain_sum(ranks) -> None:
     summed64 = reference_sum_grads([(0, 0), (1, 0)])
     summed32 = reference_sum_grads([(0, 0), (1, 0)], torch.float32)
+    _skip_without_divide_factor()
     for section in _section(ranks, "divide_factor"):
         for dtype, summed, rtol in (
             (torch.float64, summed64, EXACT),
@@ -502,6 +532,7 @@ def test_divide_factor_one_with_force_sum_gives_the_plain_sum(ranks) -> None:
 def test_float32_custom_divide_factor_needs_premul_sum_which_gloo_lacks(ranks) -> None:
     # Documents a gloo limitation in torch 2.13. If this starts to pass through, gloo (or FSDP)
     # gained support: update docs/distributed.md.
+    _skip_without_divide_factor()
     for section in _section(ranks, "divide_factor"):
         got = section["torch.float32/force_sum=False"]
         assert got.get("error") == "Cannot use ReduceOp.PREMUL_SUM with Gloo", got

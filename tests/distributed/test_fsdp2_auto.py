@@ -18,9 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed._harness import run_ranks
+from tests.distributed._harness import fsdp_api, needs_fsdp2, run_ranks
 from tests.distributed.test_uneven_windows import EXACT, Tiny, items, masked_loss
 from tests.reference import kept_items_reference
+
+pytestmark = needs_fsdp2
 
 WINDOWS, ITEMS = 4, 12
 
@@ -48,7 +50,8 @@ def batch(window: int, rank: int) -> dict[str, torch.Tensor]:
 
 def auto_worker(rank: int, world_size: int, recipe: str, policy: str, mode: str) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    fully_shard = fsdp_api().fully_shard
 
     from gradaccum import Accumulator
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed._harness import run_ranks
+from tests.distributed._harness import fsdp_api, needs_fsdp2, run_ranks
 from tests.distributed.test_uneven_windows import (
     EXACT,
     make_tiny,
@@ -28,6 +28,8 @@ from tests.distributed.test_uneven_windows import (
     shard,
     uneven_worker,
 )
+
+pytestmark = needs_fsdp2
 
 MICRO_BATCHES = 4
 BF16_ITEMS = 64  # micro-batches of one item: 64 bf16 additions per gradient element
@@ -117,7 +119,9 @@ def policy_worker(rank: int, world_size: int, recipe: str) -> dict[str, Any]:
 
 def _shard_mixed(model: torch.nn.Module, world_size: int, recipe: str) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    MixedPrecisionPolicy = fsdp_api().MixedPrecisionPolicy
+    fully_shard = fsdp_api().fully_shard
 
     mesh = init_device_mesh("cpu", (world_size,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

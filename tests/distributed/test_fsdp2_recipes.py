@@ -21,9 +21,11 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed._harness import run_ranks
+from tests.distributed._harness import fsdp_api, needs_fsdp2, run_ranks
 from tests.distributed.test_uneven_windows import make_tiny
 from tests.reference import kept_items_reference
+
+pytestmark = needs_fsdp2
 
 EXACT = dict(rtol=1e-10, atol=1e-12)
 MICRO, ITEMS, WINDOWS = 3, 7, 3
@@ -59,7 +61,8 @@ def reference_params() -> dict[str, torch.Tensor]:
 
 def recipe_worker(rank: int, world_size: int, recipe: str, drive: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    fully_shard = fsdp_api().fully_shard
 
     from gradaccum import Accumulator
 
@@ -121,7 +124,8 @@ def terms_refusal_worker(rank: int, world_size: int) -> dict[str, Any]:
     """`LossSum.terms` under FSDP2: refused on every rank alike, nothing stepped, then a plain
     loss still steps."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    fully_shard = fsdp_api().fully_shard
 
     from gradaccum import Accumulator, LossSum
 
@@ -158,7 +162,8 @@ def compiled_worker(rank: int, world_size: int) -> dict[str, Any]:
     """`torch.compile` of a sharded model: before the fix the wrapper hid FSDP2, the library ran
     one-process windows, and the ranks' collectives paired wrongly (a hang)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    fully_shard = fsdp_api().fully_shard
 
     from gradaccum import Accumulator
 

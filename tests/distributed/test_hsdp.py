@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed._harness import run_ranks
+from tests.distributed._harness import fsdp_api, needs_fsdp2, run_ranks
 from tests.distributed.test_uneven_windows import EXACT, items, make_tiny, masked_loss
 from tests.reference import kept_items_reference
+
+pytestmark = needs_fsdp2
 
 WORLD = 4
 WINDOWS = 2
@@ -31,7 +33,8 @@ def rank_items(window: int, rank: int) -> dict[str, torch.Tensor]:
 
 def hsdp_worker(rank: int, world_size: int, recipe: str, policy: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    fully_shard = fsdp_api().fully_shard
 
     from gradaccum import Accumulator
 
