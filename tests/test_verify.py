@@ -947,10 +947,20 @@ def test_random_draws_in_the_forward_are_named_as_the_cause() -> None:
     torch.manual_seed(0)
     report = check_equivalence(_Vae(), x, drawn, micro_batch_size=8)
     assert not report.ok
-    assert [(m.name, m.kind) for m in report.non_additive] == [("<forward>", "random draws")]
+    # The module whose forward drew is named (the innermost one that drew).
+    assert [(m.name, m.kind) for m in report.non_additive] == [("<model>", "_Vae")]
     explained = report.explain()
     assert "the loss is not additive" not in explained
     assert "passed in it" in explained  # the fix: the noise drawn for the batch, in the batch
+
+    def drawn_in_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        noisy = batch + 0.1 * torch.randn_like(batch)  # outside any module: loss_fn's own draw
+        return torch.nn.functional.mse_loss(model(noisy, torch.zeros(len(batch), 3)), batch)
+
+    torch.manual_seed(0)
+    report = check_equivalence(_Vae(), x, drawn_in_loss, micro_batch_size=8)
+    assert [(m.name, m.kind) for m in report.non_additive] == [("<forward>", "random draws")]
+    assert "the loss is not additive" not in report.explain()
 
     # Negative control: the same noise drawn for the whole batch and passed in it is exact.
     def passed(model: torch.nn.Module, batch) -> torch.Tensor:
