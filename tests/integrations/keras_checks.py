@@ -37,6 +37,8 @@ from keras import ops
 keras.config.set_floatx("float64")
 keras.config.disable_interactive_logging()
 
+from keras.src.trainers.compile_utils import get_loss  # noqa: E402
+
 import gradaccum.keras as gk  # noqa: E402
 from gradaccum.batchnorm import BatchNormAccumulationWarning  # noqa: E402
 from gradaccum.keras._optimizer import dense  # noqa: E402
@@ -765,6 +767,39 @@ def overridden_steps_are_refused():
     return {"messages": messages, "gap": gap(weights(fixed_model), weights(ref)),
             "state": trainer.window_state,
             "gap_compiled_loss_only": gap(weights(ignored), weights(ref))}  # fmt: skip
+
+
+def _scalar_mse(y_true, y_pred):
+    """A loss function that reduces the batch itself, as many hand-written ones do."""
+    return ops.mean(ops.square(y_true - y_pred))
+
+
+@check
+def scalar_loss_function_on_ragged_micro_batches():
+    """A compiled loss function returning one number per batch (its mean): each micro-batch
+    must weigh by its rows, or the short ones weigh as much as full ones."""
+    micro = regression(RAGGED, seed=8)
+    result = compare(mlp, adam_with_schedule, micro, steps=3, loss=_scalar_mse, epochs=2)
+    # NEGATIVE CONTROL: one count per micro-batch (a mean of micro-batch means) is not exact.
+    full, _ = windows(micro, 3, epochs=2)
+    ref = fit_plain(mlp, adam_with_schedule(), full, loss=_scalar_mse)
+    model = mlp()
+    trainer = gk.accumulate(model, steps=3, count=lambda x, y, y_pred, sample_weight: 1.0)
+    trainer.compile(optimizer=adam_with_schedule(), loss=_scalar_mse)
+    trainer.fit(Batches(micro), epochs=2, shuffle=False, verbose=0)
+    result["gap_one_per_micro_batch"] = gap(weights(model), weights(ref))
+    # loss_sum of such a function: sum / count is Keras's value, and the count is the rows.
+    y_true = micro[0][1]
+    y_pred = y_true + np.random.default_rng(9).normal(size=y_true.shape)
+    worst = 0.0
+    for sample_weight in (None, np.linspace(0.5, 2.0, len(y_true))):
+        total, count = gk.loss_sum(_scalar_mse, y_true, y_pred, sample_weight=sample_weight)
+        keras_loss = get_loss(_scalar_mse, y_true, y_pred)  # what compile() makes of it
+        expected = float(keras_loss(y_true, y_pred, sample_weight=sample_weight))
+        worst = max(worst, abs(float(total) / float(count) - expected) / abs(expected))
+        result["loss_sum_count"] = float(count)
+    result["loss_sum_gap"] = worst
+    return result
 
 
 @check

@@ -216,6 +216,14 @@ def test_hand_written_loop_with_gradient_window(keras_results, backend):
     assert found["stepped"] == 2
 
 
+def test_a_loss_function_returning_the_batch_mean_counts_rows(keras_results, backend):
+    found = result(keras_results, backend, "scalar_loss_function_on_ragged_micro_batches")
+    assert_exact(found, backend, steps=4)  # micro-batches of 5 and 3 rows, 2 epochs
+    assert found["gap_one_per_micro_batch"] > CAUGHT, "a mean of micro-batch means must be caught"
+    assert found["loss_sum_count"] == 5.0, found  # the rows of the first micro-batch
+    assert found["loss_sum_gap"] < TOLERANCE[backend], found
+
+
 def test_loss_sum_reproduces_every_mean_reduction(keras_results, backend):
     assert result(keras_results, backend, "loss_sum_matches_keras")["gap"] < TOLERANCE[backend]
 
