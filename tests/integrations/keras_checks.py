@@ -37,6 +37,8 @@ from keras import ops
 keras.config.set_floatx("float64")
 keras.config.disable_interactive_logging()
 
+from keras.src.trainers.compile_utils import get_loss  # noqa: E402
+
 import gradaccum.keras as gk  # noqa: E402
 from gradaccum.batchnorm import BatchNormAccumulationWarning  # noqa: E402
 from gradaccum.keras._optimizer import dense  # noqa: E402
@@ -495,6 +497,38 @@ def backup_and_restore_resumes_exactly():
 
 
 @check
+def keras_file_resumes_exactly():
+    """`ModelCheckpoint("ck.keras")` after epoch 2; `load_model` gives a compiled model with the
+    optimizer's state, and wrapping it again resumes exactly, as a plain model's file does."""
+    import tempfile
+
+    micro = regression([4] * 6, seed=7)
+
+    def run(model, optimizer, epochs, initial_epoch=0, callbacks=()):
+        trainer = gk.accumulate(model, steps=3)
+        trainer.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+        trainer.fit(Batches(micro), epochs=epochs, initial_epoch=initial_epoch, shuffle=False,
+                    verbose=0, callbacks=list(callbacks))  # fmt: skip
+        return trainer
+
+    whole = mlp()
+    run(whole, keras.optimizers.Adam(0.05), epochs=4)
+    path = os.path.join(tempfile.mkdtemp(), "ck.keras")
+    run(mlp(), keras.optimizers.Adam(0.05), epochs=2,
+        callbacks=[keras.callbacks.ModelCheckpoint(path)])  # fmt: skip
+    loaded = keras.models.load_model(path)
+    result = {"compiled": loaded.compiled,
+              "iterations": int(ops.convert_to_numpy(loaded.optimizer.iterations))}  # fmt: skip
+    trainer = run(loaded, loaded.optimizer, epochs=4, initial_epoch=2)
+    result.update(gap=gap(weights(loaded), weights(whole)), state=trainer.window_state)
+    # NEGATIVE CONTROL: the weights alone, with a fresh Adam, end elsewhere.
+    fresh = keras.models.load_model(path, compile=False)
+    run(fresh, keras.optimizers.Adam(0.05), epochs=4, initial_epoch=2)
+    result["gap_fresh_optimizer"] = gap(weights(fresh), weights(whole))
+    return result
+
+
+@check
 def backup_and_restore_of_unknown_length():
     """Epochs of unknown length end with an open window that the epoch's end settles: that must
     come before `BackupAndRestore` saves, or the file misses the epoch's last step."""
@@ -665,6 +699,107 @@ def bad_input_is_refused():
         except ValueError as error:
             messages[label] = str(error)
     return {"messages": messages, "compiled": bool(trainer.compiled)}
+
+
+class _Mlp(keras.Model):
+    """`mlp()` as a subclassed model."""
+
+    def __init__(self, seed=1):
+        super().__init__(name="subclassed_mlp")  # TensorFlow refuses names starting with "_"
+        self.hidden = keras.layers.Dense(16, activation="relu", kernel_initializer=seeded(seed))
+        self.out = keras.layers.Dense(3, kernel_initializer=seeded(seed + 1))
+
+    def call(self, x, training=None):
+        return self.out(self.hidden(x))
+
+
+class _MlpWithOwnLoss(_Mlp):
+    """Keras 3's idiom for a custom loss (here MSE plus 0.5 * MAE): override compute_loss."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return ops.mean(ops.square(y - y_pred)) + 0.5 * ops.mean(ops.abs(y - y_pred))
+
+
+class _MlpWithOwnStep(_Mlp):
+    def train_step(self, *args):  # never reached: the wrapper is refused
+        raise AssertionError("a custom train_step ran")
+
+
+class _AccumulatingWithOwnLoss(gk.AccumulatingModel):
+    """The documented fix: the extra loss term lives in the wrapper's compute_loss."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        base = super().compute_loss(x, y, y_pred, sample_weight, training)
+        return base + 0.5 * ops.mean(ops.abs(y - y_pred))  # a per-row mean, as MSE's count
+
+
+@check
+def overridden_steps_are_refused():
+    """A wrapped model's own `compute_loss` or `train_step` would never run (the wrapper trains
+    with Keras's standard step): refused at wrap time, naming the fix; the fix is exact."""
+    micro = regression([4] * 6, seed=6)
+    messages = {}
+    models = {"compute_loss": _MlpWithOwnLoss(), "train_step": _MlpWithOwnStep()}
+    for label, model in models.items():
+        model(micro[0][0])
+        before = weights(model)
+        try:
+            gk.accumulate(model, steps=3)
+            messages[label] = None
+        except TypeError as error:
+            messages[label] = str(error)
+        messages[label + "_unchanged"] = gap(weights(model), before) == 0.0
+    # The plain model's own compute_loss, one full-batch step per window: the reference.
+    ref = _MlpWithOwnLoss()
+    ref(micro[0][0])
+    ref.compile(optimizer=keras.optimizers.Adam(0.05))
+    full, _ = windows(micro, 3)
+    ref.fit(Batches(full), shuffle=False, verbose=0)
+    fixed_model = mlp()
+    trainer = _AccumulatingWithOwnLoss(fixed_model, steps=3)
+    trainer.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    trainer.fit(Batches(micro), shuffle=False, verbose=0)
+    # NEGATIVE CONTROL: the compiled loss alone (what the wrapper used to train instead).
+    ignored = mlp()
+    plain = gk.accumulate(ignored, steps=3)
+    plain.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    plain.fit(Batches(micro), shuffle=False, verbose=0)
+    return {"messages": messages, "gap": gap(weights(fixed_model), weights(ref)),
+            "state": trainer.window_state,
+            "gap_compiled_loss_only": gap(weights(ignored), weights(ref))}  # fmt: skip
+
+
+def _scalar_mse(y_true, y_pred):
+    """A loss function that reduces the batch itself, as many hand-written ones do."""
+    return ops.mean(ops.square(y_true - y_pred))
+
+
+@check
+def scalar_loss_function_on_ragged_micro_batches():
+    """A compiled loss function returning one number per batch (its mean): each micro-batch
+    must weigh by its rows, or the short ones weigh as much as full ones."""
+    micro = regression(RAGGED, seed=8)
+    result = compare(mlp, adam_with_schedule, micro, steps=3, loss=_scalar_mse, epochs=2)
+    # NEGATIVE CONTROL: one count per micro-batch (a mean of micro-batch means) is not exact.
+    full, _ = windows(micro, 3, epochs=2)
+    ref = fit_plain(mlp, adam_with_schedule(), full, loss=_scalar_mse)
+    model = mlp()
+    trainer = gk.accumulate(model, steps=3, count=lambda x, y, y_pred, sample_weight: 1.0)
+    trainer.compile(optimizer=adam_with_schedule(), loss=_scalar_mse)
+    trainer.fit(Batches(micro), epochs=2, shuffle=False, verbose=0)
+    result["gap_one_per_micro_batch"] = gap(weights(model), weights(ref))
+    # loss_sum of such a function: sum / count is Keras's value, and the count is the rows.
+    y_true = micro[0][1]
+    y_pred = y_true + np.random.default_rng(9).normal(size=y_true.shape)
+    worst = 0.0
+    for sample_weight in (None, np.linspace(0.5, 2.0, len(y_true))):
+        total, count = gk.loss_sum(_scalar_mse, y_true, y_pred, sample_weight=sample_weight)
+        keras_loss = get_loss(_scalar_mse, y_true, y_pred)  # what compile() makes of it
+        expected = float(keras_loss(y_true, y_pred, sample_weight=sample_weight))
+        worst = max(worst, abs(float(total) / float(count) - expected) / abs(expected))
+        result["loss_sum_count"] = float(count)
+    result["loss_sum_gap"] = worst
+    return result
 
 
 @check

@@ -173,6 +173,14 @@ def test_backup_and_restore_resumes_exactly_with_the_optimizer_state(keras_resul
     assert found["gap_weights_only"] > CAUGHT, found
 
 
+def test_a_keras_file_resumes_exactly_with_the_optimizer_state(keras_results, backend):
+    found = result(keras_results, backend, "keras_file_resumes_exactly")
+    assert found["compiled"], "load_model must return a compiled model, as for a plain model"
+    assert found["iterations"] == 4, found  # 2 epochs of 2 windows
+    assert_exact(found, backend, steps=4)  # the resumed run's own: epochs 3 and 4
+    assert found["gap_fresh_optimizer"] > CAUGHT, found
+
+
 def test_backup_and_restore_of_epochs_of_unknown_length(keras_results, backend):
     found = result(keras_results, backend, "backup_and_restore_of_unknown_length")
     if found.get("skipped"):
@@ -206,6 +214,14 @@ def test_hand_written_loop_with_gradient_window(keras_results, backend):
     found = result(keras_results, backend, "hand_written_loop")
     assert found["gap"] < TOLERANCE[backend], found
     assert found["stepped"] == 2
+
+
+def test_a_loss_function_returning_the_batch_mean_counts_rows(keras_results, backend):
+    found = result(keras_results, backend, "scalar_loss_function_on_ragged_micro_batches")
+    assert_exact(found, backend, steps=4)  # micro-batches of 5 and 3 rows, 2 epochs
+    assert found["gap_one_per_micro_batch"] > CAUGHT, "a mean of micro-batch means must be caught"
+    assert found["loss_sum_count"] == 5.0, found  # the rows of the first micro-batch
+    assert found["loss_sum_gap"] < TOLERANCE[backend], found
 
 
 def test_loss_sum_reproduces_every_mean_reduction(keras_results, backend):
@@ -254,6 +270,17 @@ def test_bad_input_names_the_fix_and_changes_nothing(keras_results, backend):
     assert "remove it" in messages["builtin"]
     assert "sum_over_batch_size" in messages["sum"]
     assert found["compiled"] is False, "a refused compile leaves the model uncompiled"
+
+
+def test_a_models_own_compute_loss_or_train_step_is_refused_not_ignored(keras_results, backend):
+    found = result(keras_results, backend, "overridden_steps_are_refused")
+    messages = found["messages"]
+    for name in ("compute_loss", "train_step"):
+        assert f".{name} would be ignored" in (messages[name] or ""), messages
+        assert "Subclass AccumulatingModel" in messages[name], messages
+        assert messages[f"{name}_unchanged"], messages
+    assert_exact(found, backend, steps=2)  # the fix: the extra term in the wrapper's compute_loss
+    assert found["gap_compiled_loss_only"] > CAUGHT, "ignoring the model's loss must be caught"
 
 
 # --- the example ----------------------------------------------------------------------------------

@@ -81,12 +81,20 @@ def _weights(values: Any, mask: Any, sample_weight: Any) -> Any:
     return weights
 
 
-def _count(loss: Any, values: Any, mask: Any, sample_weight: Any) -> Any:
+def _rows(y_pred: Any, dtype: str) -> Any:
+    first = keras.tree.flatten(y_pred)[0]
+    return ops.cast(ops.shape(first)[0], dtype)
+
+
+def _count(loss: Any, values: Any, mask: Any, sample_weight: Any, y_pred: Any) -> Any:
     """The divisor Keras's reduction applies to `values` (see `keras.src.losses.loss`)."""
     dtype = values.dtype
     if len(values.shape) == 0:
-        # A loss that reduces by itself: Keras does not divide; weigh it as one item.
-        return ops.ones((), dtype)
+        # A loss function that reduces the batch itself (`ops.mean(...)` over everything):
+        # Keras does not divide it again. It is a mean over the rows (times a fixed size) for
+        # the usual such function, so count the rows: a micro-batch then weighs by its size,
+        # and a short last micro-batch is not weighed as a full one.
+        return _rows(y_pred, dtype)
     if loss.reduction == "mean_with_sample_weight":
         weights = _weights(values, mask, sample_weight)
         return _size(values, dtype) if weights is None else ops.sum(weights)
@@ -119,7 +127,7 @@ def loss_count(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -
     """
     loss = resolve_loss(loss, y_true, y_pred)
     values, mask = _values_and_mask(loss, y_true, y_pred)
-    return _count(loss, values, mask, sample_weight)
+    return _count(loss, values, mask, sample_weight, y_pred)
 
 
 def loss_sum(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -> tuple[Any, Any]:
@@ -147,8 +155,11 @@ def loss_sum(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -> 
     loss = resolve_loss(loss, y_true, y_pred)
     values, mask = _values_and_mask(loss, y_true, y_pred)
     weights = _weights(values, mask, sample_weight)
+    count = _count(loss, values, mask, sample_weight, y_pred)
+    if len(values.shape) == 0:  # a batch mean already: Keras's value on it, times its rows
+        return ops.multiply(loss(y_true, y_pred, sample_weight=sample_weight), count), count
     total = ops.sum(values if weights is None else ops.multiply(values, weights))
-    return total, _count(loss, values, mask, sample_weight)
+    return total, count
 
 
 def varying_count(loss: Any, y_pred: Any, sample_weight: Any = None) -> str | None:

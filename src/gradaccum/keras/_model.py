@@ -23,69 +23,18 @@ import keras
 from keras import ops
 
 from gradaccum._warnings import warn_user
-from gradaccum.batchnorm import BatchNormAccumulationWarning
 from gradaccum.keras._counts import MEAN_REDUCTIONS, loss_count, masked_outputs, varying_count
 from gradaccum.keras._optimizer import WindowOptimizer
+from gradaccum.keras._options import (
+    PARTIAL_WINDOWS,
+    check_options,
+    check_single_replica,
+    warn_batchnorm,
+)
 
 __all__ = ["PARTIAL_WINDOWS", "AccumulatingModel", "accumulate"]
 
-PARTIAL_WINDOWS = ("step", "drop", "carry")
 CountFn = Callable[[Any, Any, Any, Any], Any]
-
-
-def _check_options(model: Any, steps: Any, partial_window: Any, count: Any) -> None:
-    if not isinstance(model, keras.Model) or isinstance(model, AccumulatingModel):
-        raise TypeError(
-            f"model must be a keras.Model (not yet wrapped), got {type(model).__name__}; "
-            "pass the model you would call fit() on"
-        )
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(
-            f"steps={steps!r} must be a positive int: micro-batches per optimizer step"
-        )
-    if partial_window not in PARTIAL_WINDOWS:
-        raise ValueError(
-            f"partial_window={partial_window!r} must be one of {PARTIAL_WINDOWS}: what the end "
-            "of an epoch does to an open window"
-        )
-    if count is not None and not callable(count):
-        raise TypeError(
-            f"count must be None or a function (x, y, y_pred, sample_weight) -> count, "
-            f"got {type(count).__name__}"
-        )
-
-
-def _check_single_replica() -> None:
-    """Refuse data-parallel training: the counts would be reduced differently from the sums."""
-    replicas = 1
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    if replicas > 1 or keras.distribution.distribution() is not None:
-        raise NotImplementedError(
-            "AccumulatingModel runs on one device: under a tf.distribute strategy or a "
-            "keras.distribution the gradients are all-reduced every micro-batch and the count "
-            "probe is not; compile outside the strategy's scope"
-        )
-
-
-def _warn_batchnorm(model: Any, steps: int) -> None:
-    norms = [
-        layer.name
-        for layer in model._flatten_layers(include_self=False)
-        if isinstance(layer, keras.layers.BatchNormalization)
-    ]
-    if norms and steps > 1:
-        shown = ", ".join(norms[:3]) + (", ..." if len(norms) > 3 else "")
-        warn_user(
-            BatchNormAccumulationWarning(
-                f"BatchNormalization layers ({shown}) normalize each micro-batch with its own "
-                f"statistics while the optimizer step covers {steps} micro-batches: accumulation "
-                "is not exact, and their moving statistics update once per micro-batch. Use "
-                "GroupNormalization or LayerNormalization for exact accumulation."
-            )
-        )
 
 
 class AccumulatingModel(keras.Model):
@@ -126,7 +75,7 @@ class AccumulatingModel(keras.Model):
         partial_window: str = "step",
         count: CountFn | None = None,
     ) -> None:
-        _check_options(model, steps, partial_window, count)
+        check_options(model, steps, partial_window, count, AccumulatingModel)
         super().__init__(dtype=model.dtype_policy, name=f"{model.name}_accumulating")
         self._probe = self.add_weight(
             shape=(), initializer="zeros", trainable=True, name="count_probe"
@@ -138,7 +87,7 @@ class AccumulatingModel(keras.Model):
         if hasattr(model, "output_names"):
             self.output_names = model.output_names
         self._settle = _SettleWindows(self)
-        _warn_batchnorm(model, steps)
+        warn_batchnorm(model, steps)
         self.built = model.built  # the probe exists already: built as the model is
 
     def call(self, inputs: Any, training: Any = None) -> Any:
@@ -149,7 +98,7 @@ class AccumulatingModel(keras.Model):
         self, optimizer: Any = "rmsprop", loss: Any = None, *args: Any, **kwargs: Any
     ) -> None:
         """Compile as `keras.Model.compile`; the optimizer is then wrapped to step per window."""
-        _check_single_replica()
+        check_single_replica()
         for item in keras.tree.flatten(loss):
             if isinstance(item, keras.losses.Loss) and item.reduction not in MEAN_REDUCTIONS:
                 raise ValueError(
@@ -275,8 +224,18 @@ class AccumulatingModel(keras.Model):
         return self.optimizer
 
     def save(self, filepath: Any, *args: Any, **kwargs: Any) -> Any:
-        """Save the wrapped model (the wrapper holds no state of its own worth keeping)."""
-        return self.model.save(filepath, *args, **kwargs)
+        """Save the wrapped model as a plain model compiled as this wrapper was saves itself.
+
+        A `.keras` file holds the compile arguments and the inner optimizer's state, so
+        `keras.models.load_model` returns a compiled model whose optimizer resumes exactly (wrap
+        it again with `accumulate` and compile with `optimizer=loaded.optimizer`). An open
+        window's sums are not in it (save at window boundaries): a warning says so.
+        """
+        self._warn_open_window()
+        if not str(filepath).endswith(".keras"):  # legacy .h5: the weights, as before
+            return self.model.save(filepath, *args, **kwargs)
+        with self._optimizer_on_model(compile_config=True):
+            return self.model.save(filepath, *args, **kwargs)
 
     def save_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> Any:
         """Save the wrapped model's weights and its optimizer's state, as a compiled model would.
@@ -286,16 +245,19 @@ class AccumulatingModel(keras.Model):
         too, and a plain model loads it. An open window's sums are not in it (save at window
         boundaries): a warning says so.
         """
+        self._warn_open_window()
+        with self._optimizer_on_model():
+            return self.model.save_weights(filepath, *args, **kwargs)
+
+    def _warn_open_window(self) -> None:
         pending = self.window_state["pending"] if isinstance(self.optimizer, WindowOptimizer) else 0
         if pending:
             warn_user(
                 UserWarning(
-                    f"saving weights while {pending} micro-batch(es) wait in an open window: "
-                    "their gradient sums are not saved; save at window boundaries"
+                    f"saving while {pending} micro-batch(es) wait in an open window: their "
+                    "gradient sums are not saved; save at window boundaries"
                 )
             )
-        with self._optimizer_on_model():
-            return self.model.save_weights(filepath, *args, **kwargs)
 
     def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> Any:
         """Load weights (and, if the file holds it, the optimizer's state) into the model."""
@@ -303,24 +265,34 @@ class AccumulatingModel(keras.Model):
             return self.model.load_weights(filepath, *args, **kwargs)
 
     @contextlib.contextmanager
-    def _optimizer_on_model(self) -> Iterator[None]:
-        """Lend the inner optimizer to the wrapped model, where Keras saves and loads it."""
+    def _optimizer_on_model(self, *, compile_config: bool = False) -> Iterator[None]:
+        """Lend the inner optimizer to the wrapped model, where Keras saves and loads it.
+
+        With `compile_config`, lend this wrapper's compile arguments too (a `.keras` file
+        records them, and `load_model` compiles the loaded model with them before it loads the
+        optimizer's state).
+        """
         window = self.optimizer if isinstance(self.optimizer, WindowOptimizer) else None
         if window is None:
             yield  # not compiled yet: the weights alone
             return
         if not window.built:
             window.build(self.trainable_variables)
+        lent = {"optimizer": window.inner_optimizer}
+        if compile_config and getattr(self, "_compile_config", None) is not None:
+            lent.update(compiled=True, _compile_config=self._compile_config)
         missing = object()
-        own = self.model.__dict__.get("optimizer", missing)  # compiled before it was wrapped
-        object.__setattr__(self.model, "optimizer", window.inner_optimizer)  # not tracked
+        own = {name: self.model.__dict__.get(name, missing) for name in lent}  # compiled itself
+        for name, value in lent.items():
+            object.__setattr__(self.model, name, value)  # not tracked
         try:
             yield
         finally:
-            if own is missing:
-                object.__delattr__(self.model, "optimizer")
-            else:
-                object.__setattr__(self.model, "optimizer", own)
+            for name, value in own.items():
+                if value is missing:
+                    object.__delattr__(self.model, name)
+                else:
+                    object.__setattr__(self.model, name, value)
 
     def get_config(self) -> dict[str, Any]:
         """Not serializable: save the wrapped model (`trainer.model`, or `trainer.save`)."""
