@@ -186,8 +186,8 @@ class Engine:
             else:
                 value, weight, count = read_loss(result, items, needs_graph=True)
                 logged = value
-            if self._token_mean.left:  # a plain mean on -100 labels warns (first few only)
-                self._token_mean.check(result, micro_batch)
+            if self._token_mean.pending:  # -100 labels, a copied loop's line: warns (first few)
+                self._token_mean.check(result, micro_batch, items, expect.planned)
             if expect.until is not None:
                 last = sync.sum_over_ranks(window.budget(count, expect.until_term)) >= expect.until
                 self._next_sum = not last  # the other ranks' next collective: a sum or exchange

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parameter import UninitializedBuffer
 
 __all__ = [
     "Record",
@@ -91,12 +92,22 @@ def recording(modules: list[tuple[str, _BatchNorm]], per_call: bool) -> Iterator
 
         return hook
 
+    # Off before the forward too, not only in the hook: Dynamo does not guard on module hooks,
+    # so a torch.compile graph traced without them (a plain step earlier in the process, even
+    # of another instance of the class) would run them never, and BatchNorm would update its
+    # running statistics itself. It does guard on this flag: the change makes it retrace.
+    # A lazy module's running buffers are created by its first forward only while it is True.
+    preset = [m for _, m in modules if not isinstance(m.running_mean, UninitializedBuffer)]
+    for module in preset:
+        module.track_running_stats = False
     handles = [m.register_forward_pre_hook(make_hook(name, m)) for name, m in modules]
     try:
         yield record
     finally:
         for handle in handles:
             handle.remove()
+        for module in preset:
+            module.track_running_stats = True
 
 
 def tracked(module: _BatchNorm) -> bool:

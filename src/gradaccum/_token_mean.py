@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from gradaccum._copied_loop import CopiedLoopWarning, division_problem, sum_problem
 from gradaccum._warnings import warn_user
 
 __all__ = ["TokenMeanCheck", "TokenMeanWarning", "warn_if_token_mean"]
@@ -97,8 +98,29 @@ class TokenMeanCheck:
 
     def __init__(self, checks: int = 8) -> None:
         self.left = checks
+        self.copied_left = checks  # `_copied_loop`'s checks, of any loss (no device sync)
+        self.divisions = 0  # micro-batches divided by their window's micro-batches
 
-    def check(self, result: object, micro_batch: object) -> None:
-        """Inspect `micro_batch` if `loss_fn` returned a plain scalar for it."""
+    def check(
+        self, result: object, micro_batch: object, items: int = 0, micro_batches: int = 0
+    ) -> None:
+        """Inspect `micro_batch` if `loss_fn` returned a plain scalar for it.
+
+        Any loss is looked at for a copied loop's line (`_copied_loop`): `items` rows, one of
+        `micro_batches` in the window (0 when not known up front).
+        """
+        if self.copied_left:
+            self.copied_left -= 1
+            divided = division_problem(result, micro_batches)
+            self.divisions += divided is not None
+            problem = sum_problem(result, items) or (divided if self.divisions > 1 else None)
+            if problem is not None:
+                warn_user(CopiedLoopWarning(problem))
+                self.copied_left = 0
         if self.left and isinstance(result, torch.Tensor):
             self.left = 0 if warn_if_token_mean(micro_batch) else self.left - 1
+
+    @property
+    def pending(self) -> bool:
+        """Whether a later micro-batch is still to be looked at."""
+        return bool(self.left or self.copied_left)

@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradaccum._batchnorm_state import RUNNING, load_calls, load_start
+from gradaccum._frozen_batchnorm import frozen
 from gradaccum._groupnorm import batchnorm_modules, convert_to_groupnorm
 from gradaccum._pooled_stats import (
     Record,
@@ -106,10 +107,6 @@ def _check_freezable(modules: list[tuple[str, _BatchNorm]]) -> None:
         )
 
 
-def _to_eval(module: nn.Module, args: tuple[Any, ...]) -> None:
-    module.training = False  # "frozen": running statistics, whatever set the flag since
-
-
 @contextlib.contextmanager
 def _one_row_note() -> Iterator[None]:
     """Say why a micro-batch of one row fails in a train-mode BatchNorm the full batch passes."""
@@ -160,7 +157,7 @@ class BatchNormControl:
     def micro_context(self) -> contextlib.AbstractContextManager[None]:
         """The context for one micro-batch's forward and backward."""
         if self.mode is BatchNormMode.FROZEN:
-            return self._frozen()
+            return frozen([m for _, m in self.modules])
         if self.mode is BatchNormMode.POOLED:
             return self._pooled()
         return _one_row_note() if self.modules else _NO_CONTEXT
@@ -176,22 +173,6 @@ class BatchNormControl:
             return False
         self._warned = warn_if_inexact(self._model, micro_items, window_items)
         return self._warned
-
-    @contextlib.contextmanager
-    def _frozen(self) -> Iterator[None]:
-        training = [m for _, m in self.modules if m.training]
-        for module in training:
-            module.train(False)
-        # A loss_fn that calls model.train() (a common defensive habit) would switch them back
-        # to batch statistics and running updates mid-window: each forward freezes them again.
-        handles = [m.register_forward_pre_hook(_to_eval) for _, m in self.modules]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-            for module in training:
-                module.train(True)
 
     @contextlib.contextmanager
     def _pooled(self) -> Iterator[None]:

@@ -101,6 +101,11 @@ class Expectation:
     until: int | None = None
     until_term: str | None = None
 
+    @property
+    def planned(self) -> int:
+        """The window's micro-batches when known up front; 0 for a window closed by a count."""
+        return 0 if self.until else self.micro_batches
+
     def denominator(
         self,
         normalize: Normalize,

@@ -26,10 +26,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from gradaccum._copied_loop import CopiedLoopWarning
 from gradaccum._token_mean import TokenMeanCheck, TokenMeanWarning, warn_if_token_mean
 
 __all__ = [
     "MAX_TERMS",
+    "CopiedLoopWarning",
     "LossSum",
     "LossTerms",
     "ReadTerm",

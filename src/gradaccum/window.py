@@ -372,7 +372,7 @@ def accumulate_grad(
                     "divides each term by its own window count: use Accumulator.step."
                 )
             value, weight, count = read_loss(result, items, needs_graph=True)
-            token_mean.check(result, micro_batch)  # a plain mean on -100 labels warns
+            token_mean.check(result, micro_batch, items, len(micro_batches))  # misread losses
             if window.denominator is None:
                 # A count known up front (a plain mean's items, or one the loss counts ahead)
                 # is folded into each backward.

@@ -1,0 +1,124 @@
+"""The blog loops' lines that survive a port to `loss_fn`, and what gradaccum says of them.
+
+`loss = loss / accumulation_steps` (the mean-reduction loops) and a `reduction='sum'` criterion
+returned as a plain scalar (the sum-reduction loops) are silently wrong under gradaccum, which
+reads a plain scalar as a mean over the micro-batch's rows and divides once by the window's
+count: both warn (`CopiedLoopWarning`), and the correct ports equal the full-batch step.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from gradaccum import Accumulator, LossSum, accumulate_grad
+from gradaccum.loss import CopiedLoopWarning
+
+STEPS = 4
+SIZES = (5, 5, 5, 3)  # a loader's last batch is smaller: the window is ragged
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def _loader() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(n, 5, generator=generator, dtype=torch.float64), torch.arange(n) % 3)
+        for n in SIZES
+    ]
+
+
+def _mean(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def _divided(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return _mean(model, batch) / STEPS  # the copied `loss = loss / gradient_accumulation_steps`
+
+
+def _summed(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.CrossEntropyLoss(reduction="sum")(model(batch[0]), batch[1])
+
+
+def _loss_sum(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossSum:
+    return LossSum(_summed(model, batch), count=len(batch[1]))  # the port of the sum loop
+
+
+def _reference() -> nn.Module:
+    """One plain full-batch SGD step on the window's 18 items."""
+    model = _model()
+    x, y = (torch.cat(parts) for parts in zip(*_loader(), strict=True))
+    _mean(model, (x, y)).backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    return model
+
+
+def _streamed(loss_fn) -> tuple[nn.Module, list[warnings.WarningMessage]]:
+    model = _model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), accumulation_steps=STEPS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = [acc.micro_step(batch, loss_fn) for batch in _loader()]
+    assert results[-1].stepped
+    return model, [w for w in caught if issubclass(w.category, CopiedLoopWarning)]
+
+
+def _gap(model: nn.Module, reference: nn.Module) -> float:
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    return max(float(((a - b).abs() / b.abs().max()).max().detach()) for a, b in pairs)
+
+
+@pytest.mark.parametrize("loss_fn", [_mean, _loss_sum])
+def test_the_correct_ports_equal_the_full_batch_step_and_do_not_warn(loss_fn) -> None:
+    model, caught = _streamed(loss_fn)
+    assert not caught
+    assert _gap(model, _reference()) < 1e-10
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "says"),
+    [(_divided, "divides its loss by 4"), (_summed, "reduction='sum'.*5 rows")],
+)
+def test_a_copied_line_warns_once_naming_the_fix_and_is_far_from_the_step(loss_fn, says) -> None:
+    model, caught = _streamed(loss_fn)
+    assert len(caught) == 1
+    assert caught[0].filename == __file__  # points at the user's call
+    message = str(caught[0].message)
+    assert re.search(says, message), message
+    assert "Remove the division" in message or "LossSum" in message
+    assert _gap(model, _reference()) > 1e-3  # the negative control: silently another step
+
+
+def test_step_and_accumulate_grad_warn_too() -> None:
+    x, y = (torch.cat(parts) for parts in zip(*_loader(), strict=True))
+    model = _model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=5)
+    with pytest.warns(CopiedLoopWarning, match="divides its loss by 4"):
+        acc.step((x, y), _divided)  # 18 items: 4 micro-batches
+    with pytest.warns(CopiedLoopWarning, match="reduction='sum'"):
+        accumulate_grad(copy.deepcopy(model), (x, y), _summed, micro_batch_size=5)
+
+
+def test_negative_controls_counts_from_the_data_and_one_row_sums_do_not_warn() -> None:
+    """A token mean `sum / n` whose n equals the micro-batch count once is not a copied line;
+    a reduction='sum' over one row is that row's loss, a mean over one row."""
+    counts = iter([STEPS, 7, 6, 5])
+
+    def token_mean(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return _summed(model, batch) / torch.tensor(next(counts))
+
+    for loss_fn, sizes in ((token_mean, SIZES), (_summed, (1, 1, 1, 1))):
+        model = _model()
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), accumulation_steps=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CopiedLoopWarning)
+            for batch, n in zip(_loader(), sizes, strict=True):
+                acc.micro_step((batch[0][:n], batch[1][:n]), loss_fn)
