@@ -1,0 +1,256 @@
+"""Everyday models that are not a plain feed-forward classifier, each against a full-batch step.
+
+Tied weights, a shared siamese encoder, distillation from a frozen teacher (KL, batchmean, with
+temperature), CTC summed over target tokens, a packed GRU, attention with a key padding mask,
+early exit, `torch.func.functional_call` and a dict output: two SGD (momentum) steps of
+`Accumulator.step` in float64 equal two plain full-batch steps within 1e-10 (docs/losses.md,
+"Models that are not a plain classifier"). The negative control weights the token-level loss
+per micro-batch, as the copied loops do.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from gradaccum import Accumulator, LossSum
+from gradaccum.loss import TokenMeanWarning
+from tests.reference import param_tensors, relative_gap
+
+_B = 11
+_GEN = torch.Generator().manual_seed(7)
+
+
+def _randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=_GEN, dtype=torch.float64)
+
+
+def _ints(high: int, *shape: int, low: int = 0) -> torch.Tensor:
+    return torch.randint(low, high, shape, generator=_GEN)
+
+
+class _TiedLm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mix = nn.Embedding(13, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 13, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(ids))))
+
+
+def _tied_lm() -> tuple[nn.Module, Any, Callable[..., Any]]:
+    ids, labels = _ints(13, _B, 6), _ints(13, _B, 6)
+    labels[0, 2:], labels[5, 1:] = -100, -100
+
+    def loss(model: nn.Module, batch: Any) -> LossSum:
+        logits = model(batch[0]).flatten(0, 1)
+        ce = F.cross_entropy(logits, batch[1].flatten(), ignore_index=-100, reduction="sum")
+        return LossSum(ce, (batch[1] != -100).sum())
+
+    return _TiedLm(), (ids, labels), loss
+
+
+def _encoder() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _siamese() -> tuple[nn.Module, Any, Callable[..., Any]]:
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        left, right, same = batch
+        distance = F.pairwise_distance(model(left), model(right))
+        return (same * distance**2 + (1 - same) * F.relu(1 - distance) ** 2).mean()
+
+    return _encoder(), (_randn(_B, 4), _randn(_B, 4), _ints(2, _B).double()), loss
+
+
+def _distillation() -> tuple[nn.Module, Any, Callable[..., Any]]:
+    teacher = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double().eval()
+    teacher.requires_grad_(False)
+
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        student = model(batch[0])
+        with torch.no_grad():
+            target = teacher(batch[0])
+        soft = F.kl_div(
+            F.log_softmax(student / 2.0, -1), F.softmax(target / 2.0, -1), reduction="batchmean"
+        )
+        return 0.5 * soft * 4.0 + 0.5 * F.cross_entropy(student, batch[1])
+
+    return _encoder(), (_randn(_B, 4), _ints(3, _B)), loss
+
+
+class _PackedGru(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.out = nn.GRU(4, 8, batch_first=True), nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        hidden, _ = pad_packed_sequence(self.rnn(packed)[0], True, total_length=x.shape[1])
+        return self.out(hidden).log_softmax(-1)
+
+
+def _ctc() -> tuple[nn.Module, Any, Callable[..., Any]]:
+    lengths, target_lengths = _ints(10, _B, low=5), _ints(4, _B, low=1)
+
+    def loss(model: nn.Module, batch: Any) -> LossSum:
+        x, lengths, targets, target_lengths = batch
+        log_probs = model(x, lengths).transpose(0, 1)
+        ctc = F.ctc_loss(log_probs, targets, lengths, target_lengths, reduction="sum")
+        return LossSum(ctc, target_lengths.sum())  # the token mean over the window
+
+    return _PackedGru(), (_randn(_B, 9, 4), lengths, _ints(6, _B, 3, low=1), target_lengths), loss
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha, self.out = nn.MultiheadAttention(4, 2, batch_first=True), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mha(x, x, x, key_padding_mask=padding)[0]).squeeze(-1)
+
+
+def _attention() -> tuple[nn.Module, Any, Callable[..., Any]]:
+    padding = torch.arange(7)[None] >= _ints(8, _B, low=2)[:, None]
+
+    def loss(model: nn.Module, batch: Any) -> LossSum:
+        x, padding, y = batch
+        kept = ~padding
+        return LossSum(((model(x, padding) - y) ** 2)[kept].sum(), kept.sum())
+
+    return _Attention(), (_randn(_B, 7, 4), padding, _randn(_B, 7)), loss
+
+
+class _EarlyExit(nn.Module):
+    """Rows marked deep go through a second layer; a micro-batch without them never uses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.out = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, deep: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = torch.tanh(self.first(x))
+        if bool(deep.any()):
+            hidden = torch.where(deep[:, None], torch.tanh(self.second(hidden)), hidden)
+        return {"logits": self.out(hidden), "hidden": hidden}
+
+
+def _early_exit() -> tuple[nn.Module, Any, Callable[..., Any]]:
+    deep = torch.zeros(_B, dtype=torch.bool)
+    deep[8:] = True
+
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        params = dict(model.named_parameters())  # functional_call, as torch.func code does
+        out = torch.func.functional_call(model, params, (batch[0], batch[1]))
+        return F.cross_entropy(out["logits"], batch[2]) + 0.1 * out["hidden"].pow(2).mean()
+
+    return _EarlyExit(), (_randn(_B, 4), deep, _ints(3, _B)), loss
+
+
+_SETUPS = {
+    "tied_lm_head": _tied_lm,
+    "siamese": _siamese,
+    "distillation_kl_batchmean": _distillation,
+    "ctc_packed_gru": _ctc,
+    "attention_key_padding_mask": _attention,
+    "early_exit_functional_call_dict": _early_exit,
+}
+
+
+def _steps(model: nn.Module, batch: Any, loss: Callable[..., Any], micro: int | None) -> nn.Module:
+    model = copy.deepcopy(model)
+    # SGD, not AdamW: an attention key bias's exact gradient is zero, and AdamW would step on
+    # its rounding noise (README, the charlm comparison).
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    acc = Accumulator(model, optimizer, micro_batch_size=micro) if micro else None
+    for _ in range(2):
+        if acc is not None:
+            acc.step(batch, loss)
+            continue
+        optimizer.zero_grad()
+        out = loss(model, batch)
+        (out.value / out.count if isinstance(out, LossSum) else out).backward()
+        optimizer.step()
+    return model
+
+
+@pytest.mark.parametrize("micro", [1, 4])
+@pytest.mark.parametrize("name", sorted(_SETUPS))
+def test_everyday_model_steps_equal_the_full_batch_steps(name: str, micro: int) -> None:
+    torch.manual_seed(0)
+    model, batch, loss = _SETUPS[name]()
+    model = model.double()
+    full = _steps(model, batch, loss, None)
+    accumulated = _steps(model, batch, loss, micro)
+    assert relative_gap(param_tensors(accumulated), param_tensors(full)) < 1e-10
+
+
+def test_negative_control_a_per_micro_batch_token_mean_misses_the_tied_lm_step() -> None:
+    torch.manual_seed(0)
+    model, batch, loss = _tied_lm()
+    model = model.double()
+
+    def token_mean(m: nn.Module, b: Any) -> torch.Tensor:  # read as a mean per row
+        out = loss(m, b)
+        return out.value / out.count
+
+    full = _steps(model, batch, loss, None)
+    with pytest.warns(TokenMeanWarning):  # the library says so, too
+        naive = _steps(model, batch, token_mean, 4)
+    assert relative_gap(param_tensors(naive), param_tensors(full)) > 1e-4
+
+
+def test_a_gan_with_gradient_penalty_and_two_accumulators_equals_the_plain_loop() -> None:
+    # WGAN-GP: the critic's penalty differentiates through torch.autograd.grad(create_graph=True)
+    # per item, so it is a sum over items; the generator's backward fills the critic's .grad
+    # too, which the plain loop zeroes and the critic's next window sets aside.
+    torch.manual_seed(0)
+    gen_a = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    critic_a = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    gen_b, critic_b = copy.deepcopy(gen_a), copy.deepcopy(critic_a)
+
+    def adam(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.5, 0.9))
+
+    opt_gen_a, opt_critic_a = adam(gen_a), adam(critic_a)
+    acc_critic = Accumulator(critic_b, adam(critic_b), micro_batch_size=4)
+    acc_gen = Accumulator(gen_b, adam(gen_b), micro_batch_size=4)
+    batch = (_randn(_B, 3), _randn(_B, 2), torch.rand(_B, 1, generator=_GEN, dtype=torch.float64))
+
+    def critic_loss(generator: nn.Module) -> Callable[[nn.Module, Any], torch.Tensor]:
+        def loss(critic: nn.Module, b: Any) -> torch.Tensor:
+            real, noise, mix = b
+            with torch.no_grad():
+                fake = generator(noise)
+            between = (mix * real + (1 - mix) * fake).requires_grad_(True)
+            (slope,) = torch.autograd.grad(critic(between).sum(), between, create_graph=True)
+            penalty = (slope.norm(dim=1) - 1) ** 2
+            return (critic(fake) - critic(real)).squeeze(1).mean() + 10 * penalty.mean()
+
+        return loss
+
+    def gen_loss(critic: nn.Module) -> Callable[[nn.Module, Any], torch.Tensor]:
+        return lambda generator, b: -critic(generator(b[1])).mean()
+
+    for _ in range(3):
+        opt_critic_a.zero_grad()
+        critic_loss(gen_a)(critic_a, batch).backward()
+        opt_critic_a.step()
+        acc_critic.step(batch, critic_loss(gen_b))
+        opt_gen_a.zero_grad()
+        critic_a.zero_grad()
+        gen_loss(critic_a)(gen_a, batch).backward()
+        opt_gen_a.step()
+        acc_gen.step(batch, gen_loss(critic_b))
+    assert relative_gap(param_tensors(critic_b), param_tensors(critic_a)) < 1e-10
+    assert relative_gap(param_tensors(gen_b), param_tensors(gen_a)) < 1e-10
