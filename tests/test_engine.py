@@ -20,6 +20,7 @@ from torch import nn
 
 import gradaccum
 import gradaccum._commit
+import gradaccum._commit_agreement
 from gradaccum import Accumulator, LossSum
 from gradaccum._engine import Engine
 from gradaccum.loss import TokenMeanWarning
@@ -991,7 +992,7 @@ def test_negative_control_without_the_guard_a_retry_steps_the_first_group_twice(
     acc = _accumulator(model, optimizer, "step", "fp32")
     twin = copy.deepcopy((model, optimizer))
     monkeypatch.setattr(
-        gradaccum._engine, "step_optimizer", lambda optimizer, *args: optimizer.step()
+        gradaccum._commit_agreement, "step_optimizer", lambda optimizer, *args: optimizer.step()
     )
     optimizer._optimizer_step_pre_hooks.clear()  # its own step would look like the user's
     optimizer.armed = True
@@ -1029,7 +1030,7 @@ def test_negative_control_without_the_cleanup_the_failed_step_leaves_state(
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True)
     acc = _accumulator(model, optimizer, "step", "fp32")
     monkeypatch.setattr(
-        gradaccum._engine, "step_optimizer", lambda optimizer, *args: optimizer.step()
+        gradaccum._commit_agreement, "step_optimizer", lambda optimizer, *args: optimizer.step()
     )
     optimizer._optimizer_step_pre_hooks.clear()  # its own step would look like the user's
     with pytest.raises(AssertionError):

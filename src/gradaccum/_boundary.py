@@ -24,6 +24,7 @@ import operator
 import torch
 
 from gradaccum._agreement import FAILED, OUT_OF_MEMORY, RankSummary, WindowAgreement
+from gradaccum._dtensor import is_dtensor
 from gradaccum._oom import is_out_of_memory
 from gradaccum._sync_base import FAILED_COUNT
 from gradaccum._warnings import warn_user
@@ -116,6 +117,7 @@ def reduced_gradients(
         ValueError: If a gradient is sparse (before any reduction).
     """
     held: list[torch.Tensor] = []
+    unsharded: list[tuple[int, torch.nn.Parameter, torch.Tensor | None]] = []  # FSDP2: reduce
     ledger = window.terms
     counts = ledger.global_counts(agreement) if ledger else []  # checks counts given ahead
     params = window.params[: window.held]
@@ -129,15 +131,20 @@ def reduced_gradients(
             if grad is None and combined is not None:
                 runtime.hold(index, param, combined)
             grad = combined
+        if not reduce and sync.world > 1 and not is_dtensor(param):  # not sharded by FSDP2
+            unsharded.append((index, param, grad))
+            continue
         if grad is None and sync.world > 1 and agreement.has_grad[index]:
             grad = runtime.zeros_for(index, param)  # another rank used it: reduce alike
         if grad is not None:
             held.append(grad)
-    if any(map(_IS_SPARSE, held)):  # no Python frame per gradient
+    if any(map(_IS_SPARSE, held + [grad for *_, grad in unsharded if grad is not None])):
         raise ValueError(
             "a parameter received a sparse gradient; gradaccum accumulates dense gradients "
             "only. Use nn.Embedding(..., sparse=False). The window was discarded."
         )
+    if unsharded:  # the optimizer's parameters FSDP2 does not reduce: averaged as it averages
+        held += sync.average_unsharded(unsharded, runtime.zeros_for)
     if reduce and sync.world > 1:
         mine = window.denominator or 1.0
         if mine != agreement.denominator and held:  # uneven windows: a power-of-two ratio

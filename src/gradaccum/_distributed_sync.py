@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -317,6 +317,32 @@ class FSDP2Sync(_DistributedSync):
         finally:
             # Outside a window the model is as `fully_shard` left it: reducing gradients.
             self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def average_unsharded(
+        self,
+        entries: Sequence[tuple[int, torch.nn.Parameter, torch.Tensor | None]],
+        zeros: Callable[[int, torch.nn.Parameter], torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """The optimizer's parameters FSDP2 does not shard, averaged over ranks as it averages.
+
+        A learnable loss weight outside the model, or a module left out of `fully_shard`: FSDP2
+        never reduces their gradients, so before this every rank stepped them on its own items
+        and the replicas drifted apart. One all-reduce (MAX) of which of them hold a gradient,
+        so one that some rank used gets zeros elsewhere and one no rank used keeps `None`; then
+        their sum over ranks, divided by the ranks, as FSDP2 divides (the step undoes it).
+        """
+        device = device_for(self.group)
+        held = torch.tensor([float(g is not None) for *_, g in entries], device=device)
+        dist.all_reduce(held, op=dist.ReduceOp.MAX, group=self.group)
+        grads = []
+        for (index, param, grad), used in zip(entries, held.tolist(), strict=True):
+            grad = zeros(index, param) if grad is None and used else grad
+            if grad is not None:
+                grads.append(grad)
+        if grads:
+            all_reduce_sum(grads, self.group)
+            torch._foreach_div_(grads, float(self.averaged_over))
+        return grads
 
     def uneven_windows(self) -> bool:
         """Ranks plan different micro-batch counts, padded to the largest (`agree_on_plan`)."""

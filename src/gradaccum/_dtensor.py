@@ -22,6 +22,13 @@ from gradaccum import _compat
 __all__ = ["like_param", "local_shards", "local_tensor"]
 
 
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a DTensor (an FSDP2-sharded parameter or its gradient)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of `tensor`: its local shard for a DTensor, else `tensor` itself."""
     dtensor = _compat.dtensor_type()

@@ -2,7 +2,7 @@
 
 One micro-batch: forward under autocast, read `(sum, count)`, backward `sum * loss_scale /
 denominator` (`gradaccum.divisor`), move low-precision gradients to their buffers. The boundary:
-exchange ─► reduce ─► divide once ─► finite? ─► clip ─► scheduler tried ─► optimizer.step() ══
+scheduler tried ─► exchange ─► reduce ─► divide once ─► finite? ─► clip ─► optimizer.step() ══
 commit ══► loss scale, pooled BatchNorm, close (`gradaccum._commit`). An exception before the
 commit, a skipped or dropped window end in `_forget_window()`: grads as before the window, fp32
 buffers dropped, BatchNorm and forward-updated buffers back, the RNG for an out-of-memory rerun.
@@ -20,8 +20,9 @@ from gradaccum import _boundary
 from gradaccum._agreement import RankMismatchError
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
 from gradaccum._buffer_watch import BufferWatch
-from gradaccum._commit import SchedulerSteps, refuse_steps_inside, step_optimizer, try_scheduler
-from gradaccum._engine_state import restore_components
+from gradaccum._commit import SchedulerSteps, refuse_steps_inside, try_scheduler
+from gradaccum._commit_agreement import step_on_every_rank
+from gradaccum._engine_state import component_states, restore_components
 from gradaccum._oom import after_step_guard, rng_states, set_rng_states
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
 from gradaccum._parameters import window_parameters
@@ -269,7 +270,8 @@ class Engine:
     def close_window(self, *, max_grad_norm: float | None, scheduler: Any = None) -> Outcome:
         """Run the boundary transaction (`scheduler`: tried, then stepped after the commit)."""
         window, runtime = self.window, self.runtime
-        try:
+        try:  # the scheduler is tried before any rank steps, so its error is announced (DDP)
+            try_scheduler(self.schedule.checked(scheduler, self.optimizer))
             agreement = self._agreement or self._exchange(rank_summary(window, runtime, self.sync))
             self._agreement = None
             if agreement.failed_ranks:
@@ -298,10 +300,12 @@ class Engine:
             if not runtime.publish(window.params, norm_value, max_grad_norm, window.held):
                 return self._skip(agreement, norm_value, finite=False)
             lr = learning_rate(self.optimizer)
-            try_scheduler(self.schedule.checked(scheduler, self.optimizer))  # acc.scheduler = ...
-            step_optimizer(self.optimizer, window.params[: window.held], self._names, self, window)
+            params, sync = window.params[: window.held], self.sync  # apart: other ranks stepped
+            apart = step_on_every_rank(self.optimizer, params, self._names, self, window, sync)
         except BaseException as error:
-            if window.is_open:  # noted as discarded, unless a half-done step left it changed
+            if not self._exchanged:  # the scheduler's try: the other ranks raise at the exchange
+                self._fail(error, rerun=False)
+            elif window.is_open:  # noted as discarded, unless a half-done step left it changed
                 self._forget_window(None if self.broken else error)
             raise
         # Committed: the scheduler steps before grads are cleared; raising, the window closes.
@@ -317,6 +321,8 @@ class Engine:
                 terms, objective = window.terms.report(agreement) if window.terms else (None, None)
                 window.close()
                 self._end()
+        if apart is not None:
+            raise RankMismatchError(apart)
         return Outcome(True, count, loss_sum, norm_value, lr, (), terms, objective)
 
     def discard_window(self) -> None:
@@ -382,13 +388,7 @@ class Engine:
 
     def state_dict(self) -> dict[str, Any]:
         """The components' own states."""
-        return {
-            "window": self.window.state_dict(),
-            "precision": self.runtime.state_dict(),
-            "batchnorm_mode": self.batchnorm.mode.value,
-            "batchnorm": self.batchnorm.state_dict(),
-            "origin": [self.sync.rank, self.sync.world],  # whose open window this is
-        }
+        return component_states(self.window, self.runtime, self.batchnorm, self.sync)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Check every component's state first, then restore them; raise changing nothing."""

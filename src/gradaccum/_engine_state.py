@@ -1,4 +1,4 @@
-"""Restoring the engine's components from a saved `Engine.state_dict()`: check all, then load.
+"""The engine's saved state (`Engine.state_dict()`), and restoring it: check all, then load.
 
 Every check runs before anything changes, so a refused state leaves the window, the precision
 runtime (fp32 buffers, loss scale) and the BatchNorm control as they were.
@@ -15,7 +15,20 @@ from gradaccum.batchnorm import BatchNormControl
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.window import Window
 
-__all__ = ["restore_components"]
+__all__ = ["component_states", "restore_components"]
+
+
+def component_states(
+    window: Window, runtime: PrecisionRuntime, batchnorm: BatchNormControl, sync: GradSync
+) -> dict[str, Any]:
+    """What `Engine.state_dict()` returns: each component's own state, and whose window it is."""
+    return {
+        "window": window.state_dict(),
+        "precision": runtime.state_dict(),
+        "batchnorm_mode": batchnorm.mode.value,
+        "batchnorm": batchnorm.state_dict(),
+        "origin": [sync.rank, sync.world],  # whose open window this is
+    }
 
 
 def restore_components(

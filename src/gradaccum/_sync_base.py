@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -140,6 +140,17 @@ class GradSync:
 
     def reduce(self, grads: Sequence[torch.Tensor]) -> None:
         """Sum `grads` over ranks in place (each rank passes the same shapes, same order)."""
+
+    def average_unsharded(
+        self,
+        entries: Sequence[tuple[int, torch.nn.Parameter, torch.Tensor | None]],
+        zeros: Callable[[int, torch.nn.Parameter], torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Gradients the backend does not reduce (FSDP2: unsharded parameters), reduced alike.
+
+        `entries` are `(index, param, grad)`; the gradients that exist are returned.
+        """
+        return [grad for *_, grad in entries if grad is not None]
 
     def agree_on_plan(self, micro_batches: int, first_items: int) -> Plan:
         """Agree, before any forward, on how many micro-batches every rank runs (see `Plan`)."""

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gradaccum.norms import split_kinds
 from gradaccum.options import Normalize
 
 __all__ = [
@@ -172,6 +173,11 @@ def divide_(grads: list[torch.Tensor], divisor: float) -> None:
     instead: the same bits, since the kernel rounds the number to that dtype either way.
     """
     if divisor == 1.0 or not grads:
+        return
+    kinds = split_kinds(grads)
+    if len(kinds) > 1:  # FSDP2 shards and plain gradients: a foreach op takes one kind
+        for kind in kinds:
+            divide_(kind, divisor)
         return
     dtype = grads[0].dtype
     plain = set(map(type, grads)) == {torch.Tensor}  # not DTensor: no plain divisor for those

@@ -22,7 +22,7 @@ import torch
 
 from gradaccum import _compat
 
-__all__ = ["clip_", "total_norm"]
+__all__ = ["clip_", "split_kinds", "total_norm"]
 
 _DEVICE_AND_DTYPE = operator.attrgetter("device", "dtype")
 
@@ -31,10 +31,16 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all gradients together, as `clip_grad_norm_` computes it.
 
     One fused per-tensor norm and one norm of those; tensors of several devices or dtypes take
-    torch's general (grouping) path.
+    torch's general (grouping) path; FSDP2 shards and plain tensors, one norm per kind.
     """
     if not grads:
         return torch.zeros(())
+    kinds = split_kinds(grads)
+    if len(kinds) > 1:  # FSDP2 shards and plain (replicated) gradients: one norm of both norms
+        norms = [total_norm(kind) for kind in kinds]
+        whole = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+        both: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(whole[0]) for n in whole]))
+        return both
     if len(set(map(_DEVICE_AND_DTYPE, grads))) > 1:  # no Python frame per gradient
         return _compat.total_norm(grads)
     # torch.linalg has no stubs (its functions are Any): name the result's type.
@@ -48,4 +54,17 @@ def clip_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) 
     It works on the fp32 accumulation buffers too, which are not any parameter's `.grad`.
     """
     coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+    for kind in split_kinds(grads):
+        torch._foreach_mul_(kind, coefficient.to(kind[0].device))
+
+
+def split_kinds(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` as one list per type: DTensors (FSDP2 shards) and plain tensors.
+
+    A foreach op refuses a list that mixes them (an optimizer holding FSDP2 parameters and one
+    outside the sharded model, a learnable loss weight); each kind takes its own op.
+    """
+    kinds: dict[type, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        kinds.setdefault(type(tensor), []).append(tensor)
+    return list(kinds.values())

@@ -91,6 +91,14 @@ def grad_sync_for(
         ValueError: For `SyncPolicy.MICRO` on a DDP model (it holds full gradients anyway).
     """
     group, model = process_group(model), uncompiled(model)  # torch.compile(DDP(...)): the DDP
+    if group is None and trains and _shards_inside(model):
+        raise ValueError(
+            "fully_shard was applied to submodules of this model but not to the model itself, "
+            "so its own parameters outside them are reduced by no one and the Accumulator "
+            "cannot tell the model is sharded. Call fully_shard(model) on the root as well "
+            "(after its blocks), as FSDP2's recipe does, then build the optimizer and the "
+            "Accumulator. Nothing was changed."
+        )
     if group is None and trains and dist.is_available() and dist.is_initialized():
         ranks = dist.get_world_size()
         if ranks > 1:  # e.g. ddp.module handed over instead of ddp: silently drifting replicas
@@ -115,6 +123,11 @@ def grad_sync_for(
             "add communication. Leave sync_policy='window'."
         )
     return DDPSync(model)
+
+
+def _shards_inside(model: torch.nn.Module) -> bool:
+    """Whether some submodule of `model` (not `model` itself) was given to `fully_shard`."""
+    return any(is_fsdp(module) for module in model.modules() if module is not model)
 
 
 def sync_context(model: torch.nn.Module, *, sync: bool) -> contextlib.AbstractContextManager[None]:

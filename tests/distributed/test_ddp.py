@@ -431,10 +431,13 @@ def test_one_gradient_reduction_per_window(ddp_runs: list[dict[str, Any]]) -> No
             # DDP's own reducer never runs (every backward is under no_sync): the library sums
             # the window's gradients itself, in one all-reduce carrying every gradient once,
             # after one small all-gather of the window's counts. The same path on every rank,
-            # whatever its micro-batches held, so no rank can wait on another's backward.
+            # whatever its micro-batches held, so no rank can wait on another's backward. The
+            # second all-reduce is one number after optimizer.step(): did it raise on any rank
+            # (`tests/distributed/test_ddp_commit_failures.py`).
             assert (window["calls"], window["rounds"]) == (0, 0), (rank, window)
-            assert window["other"] == {"all_gather": 1, "all_reduce": 1}, (rank, window)
-            assert window["reduced_bytes"] == param_bytes, (rank, window)
+            assert window["other"] == {"all_gather": 1, "all_reduce": 2}, (rank, window)
+            # Every gradient once, plus that agreement's three int64 (`sum_over_ranks`).
+            assert window["reduced_bytes"] == param_bytes + 3 * 8, (rank, window)
         # NEGATIVE CONTROL: N backward passes without no_sync reduce N times.
         control = comm["hand_loop"]
         assert (control["calls"], control["rounds"]) == (steps, steps), (rank, control)
