@@ -153,6 +153,7 @@ class AutoSizer:
             self.capped = self.planned >= all_ranks_min(model, plan.batch_size)
             self.tuner = None  # time the sizes up to the new plan's
         self._model = model  # also after load_state_dict, which restores a size but no model
+        assert self.size is not None
         return self.size
 
     def _agree(self, seconds: list[float]) -> list[float]:
