@@ -271,3 +271,36 @@ def test_every_leaf_the_batching_splits_follows_its_row() -> None:
         assert all(image.shape[1] == width for image in micro_batch["images"])
         for j, column in enumerate(micro_batch["captions"]):
             assert list(column) == [f"c{row}-{j}" for row in micro_batch["row"]]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"micro_batch_size": "auto", "memory_budget": "64MiB"},
+            "micro_batch_size='auto' sizes them by memory: choose one. For token budgets, build "
+            "the Accumulator without micro_batch_size",
+        ),
+        (
+            {"micro_batch_size": "largest", "memory_budget": "64MiB"},
+            "micro_batch_size='largest' sizes them by memory",
+        ),
+        ({"batch_dim": 1}, "packs the rows of batch-first batches, not batch_dim=1"),
+    ],
+)
+def test_a_token_budget_it_cannot_pack_is_refused_naming_the_fix(kwargs, message) -> None:
+    """Before, one message for both cases ("needs batch_dim=0 and no 'auto' sizing") named
+    neither which setting was wrong nor what to build instead."""
+    model = make_model("token")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    acc = Accumulator(model, optimizer, **kwargs)
+    before = [p.detach().clone() for p in model.parameters()]
+    batch = token_batch(torch.Generator().manual_seed(0), 8)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        acc.step(batch, token_sum_loss, max_tokens=64)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert optimizer.state == {}
+    assert all(p.grad is None for p in model.parameters())
+    # NEGATIVE CONTROL: an Accumulator built for token budgets packs the same batch.
+    plain = Accumulator(model, optimizer)
+    assert plain.step(batch, token_sum_loss, max_tokens=64).stepped

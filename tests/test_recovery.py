@@ -688,3 +688,35 @@ def test_a_shape_that_ran_out_of_memory_keeps_its_smaller_size_across_shape_chan
         optimizer.step()
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["largest", "auto"])
+def test_planning_again_that_raises_changes_nothing(mode: str) -> None:
+    """A larger batch plans again (the first plan took all 4 items); if that planning raises
+    (here the loss, on more than 4 rows), the sizer is as before: its size, plan and timing.
+
+    Before, the size and the tuner were dropped before planning, so the error left the sizer
+    without them (the next window planned and timed from scratch).
+    """
+    batches = _small_then_full(3)
+    torch.manual_seed(0)
+    model = Clocked(_inner(), _cache_bound)
+    acc = _accumulator(model, mode)
+    acc._auto.clock = lambda: model.now
+    for _ in range(3):
+        acc.step(batches[0], _loss)
+    before, state = acc._auto.state_dict(), _state(acc)
+
+    def only_small(model: nn.Module, batch) -> torch.Tensor:
+        if len(batch[1]) > 4:
+            raise ValueError("a loss that fails on larger batches")
+        return _loss(model, batch)
+
+    with pytest.raises(ValueError, match="fails on larger batches"):
+        acc.step(batches[1], only_small)
+    assert acc._auto.state_dict() == before
+    assert_bitwise(_state(acc), state)
+    # NEGATIVE CONTROL: with a loss that works, the larger batch is planned on.
+    acc.step(batches[1], _loss)
+    assert acc.plan is not None
+    assert acc.plan.batch_size == BATCH

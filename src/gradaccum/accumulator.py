@@ -49,7 +49,7 @@ from gradaccum.options import (
     Tokens,
     parse,
 )
-from gradaccum.packing import pack_by_tokens
+from gradaccum.packing import check_packable, pack_by_tokens
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.recovery import AutoSizer
 from gradaccum.result import NonFiniteError, StepResult, learning_rate
@@ -210,8 +210,7 @@ class Accumulator:
 
     def _step_packed(self, batch: Any, loss_fn: LossFn, max_tokens: int) -> StepResult:
         """`step()` by a token budget: micro-batches of varied rows, each within the budget."""
-        if self._auto is not None or self.batch_dim != 0:
-            raise ValueError("step(max_tokens=...) needs batch_dim=0 and no 'auto' sizing.")
+        check_packable(self._auto is not None, self.batch_dim, self.micro_batch_size)
         micro_batches = pack_by_tokens(batch, max_tokens)
         sizes = [batch_size(micro_batch) for micro_batch in micro_batches]
         window_items = sum(sizes)

@@ -39,7 +39,7 @@ from gradaccum._records import (
 from gradaccum._warnings import warn_user
 from gradaccum.batching import batch_size, map_leaves, slice_batch, take_batch
 
-__all__ = ["TokenBudgetWarning", "pack_by_tokens", "sequence_lengths"]
+__all__ = ["TokenBudgetWarning", "check_packable", "pack_by_tokens", "sequence_lengths"]
 
 IGNORE_INDEX = -100  # a label that is not scored: past a row's end, trimming may drop it
 
@@ -170,3 +170,25 @@ def _trimmer(full: int, width: int) -> Callable[[Any], Any]:
         return leaf[:, :width] if wide else leaf
 
     return trim
+
+
+def check_packable(auto: bool, batch_dim: int, micro_batch_size: object) -> None:
+    """Raise unless `Accumulator.step(max_tokens=...)` can pack this Accumulator's batches.
+
+    Raises:
+        ValueError: Under automatic sizing (it sizes micro-batches by memory, the budget by
+            tokens), or for batches whose items are not at dim 0; nothing has changed.
+    """
+    if auto:
+        raise ValueError(
+            f"step(max_tokens=...) sizes micro-batches by a token budget, and micro_batch_size="
+            f"{micro_batch_size!r} sizes them by memory: choose one. For token budgets, build the "
+            "Accumulator without micro_batch_size (or with an int); for automatic sizing, call "
+            "step() without max_tokens."
+        )
+    if batch_dim != 0:
+        raise ValueError(
+            f"step(max_tokens=...) packs the rows of batch-first batches, not batch_dim="
+            f"{batch_dim}: pass the batch with its items at dim 0 (e.g. x.transpose(0, 1)) to an "
+            "Accumulator with batch_dim=0, or split it with micro_batch_size instead."
+        )

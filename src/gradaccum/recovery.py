@@ -132,11 +132,12 @@ class AutoSizer:
         A plan capped by its batch (every item fitted) is made again on a larger batch, so a
         small first batch does not cap the size for good; an out-of-memory shrink ends this.
         """
+        replan = self.size is None
         if self.capped and not self.out_of_memory_events:
             assert self.planned is not None
             if all_ranks_min(model, batch_size(batch, batch_dim=self.dim)) > self.planned:
-                self.size = self.tuner = None  # a larger batch: plan on it
-        if self.size is None:
+                replan = True  # a larger batch: plan on it (planning that raises changes nothing)
+        if replan:
             plan = plan_micro_batch(
                 model,
                 batch,
@@ -151,7 +152,9 @@ class AutoSizer:
             self.plan = plan
             self.planned = self.size = all_ranks_min(model, plan.micro_batch_size)
             self.capped = self.planned >= all_ranks_min(model, plan.batch_size)
+            self.tuner = None  # time the sizes up to the new plan's
         self._model = model  # also after load_state_dict, which restores a size but no model
+        assert self.size is not None
         return self.size
 
     def _agree(self, seconds: list[float]) -> list[float]:
