@@ -64,6 +64,8 @@ def split_kinds(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     A foreach op refuses a list that mixes them (an optimizer holding FSDP2 parameters and one
     outside the sharded model, a learnable loss weight); each kind takes its own op.
     """
+    if len(set(map(type, tensors))) <= 1:  # the usual case, without a Python frame per tensor
+        return [tensors] if tensors else []
     kinds: dict[type, list[torch.Tensor]] = {}
     for tensor in tensors:
         kinds.setdefault(type(tensor), []).append(tensor)
