@@ -199,3 +199,29 @@ def test_a_tied_max_norm_embedding_is_warned_about() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("error", ForwardStateWarning)
             Accumulator(untroubled, opt, micro_batch_size=4).step(ids, _lm_loss)
+
+
+def test_a_buffer_made_in_inference_mode_is_watched_without_a_version_counter() -> None:
+    # Inference tensors have no version counter: reading it raised at every window.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    with torch.inference_mode():
+        model.register_buffer("offset", torch.arange(3.0))
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2)
+    batch = (torch.randn(5, 3), torch.randn(5, 1))
+
+    def loss(m: torch.nn.Module, b) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(m(b[0] + m.offset), b[1])
+
+    for _ in range(2):  # the first window copies it, the next reads versions only
+        assert acc.step(batch, loss).stepped
+    original = model.offset
+
+    def replacing(m: torch.nn.Module, b) -> torch.Tensor:  # reassigned, then the window fails
+        m.offset = m.offset + 1
+        raise RuntimeError("data error")
+
+    with pytest.raises(RuntimeError, match="data error"):
+        acc.step(batch, replacing)
+    assert model.offset is original
+    assert torch.equal(model.offset, torch.arange(3.0))

@@ -47,7 +47,7 @@ class BufferWatch:
         ]
         self._learned: set[int] | None = None  # slots that change; None: no window closed yet
         self._saved: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # slot, tensor, copy
-        self._versions: list[tuple[int, torch.Tensor, int]] = []  # slot, tensor, version
+        self._versions: list[tuple[int, torch.Tensor, int | None]] = []  # slot, tensor, version
         self._warned = False
         self._tied = tied_max_norm(model)  # warned of at the first split window
 
@@ -62,7 +62,7 @@ class BufferWatch:
             for i, b in current
             if b is not None and (learned is None or i in learned)
         ]
-        self._versions = [(i, b, b._version) for i, b in current if b is not None]
+        self._versions = [(i, b, _version(b)) for i, b in current if b is not None]
 
     def changed(self) -> list[str]:
         """The buffers this window's forwards changed so far, as `module.buffer` names."""
@@ -74,7 +74,7 @@ class BufferWatch:
         found += [
             i
             for i, b, version in self._versions
-            if i not in copied and (self._now(i) is not b or b._version != version)
+            if i not in copied and (self._now(i) is not b or _version(b) != version)
         ]
         return found
 
@@ -116,10 +116,16 @@ class BufferWatch:
         """Put back every copied buffer the window changed (a failed, skipped or dropped one)."""
         with torch.no_grad():
             for i, buffer, old in self._saved:
-                if not self._same(i, buffer, old):
+                _, module, key = self._slots[i]
+                if module._buffers.get(key) is not buffer:  # a reassigned attribute
+                    module._buffers[key] = buffer  # the original back
+                if not _equal(buffer, old):  # (an inference tensor is never written here)
                     buffer.copy_(old)
-                    _, module, key = self._slots[i]
-                    module._buffers[key] = buffer  # a reassigned attribute: the original back
+            copied = {i for i, *_ in self._saved}
+            for i, buffer, version in self._versions:  # not copied, but the original is intact
+                _, module, key = self._slots[i]
+                if i not in copied and _version(buffer) == version:
+                    module._buffers[key] = buffer
         self.reset()
 
     def reset(self) -> None:
@@ -133,6 +139,11 @@ class BufferWatch:
 
     def _same(self, slot: int, buffer: torch.Tensor, old: torch.Tensor) -> bool:
         return self._now(slot) is buffer and _equal(buffer, old)
+
+
+def _version(buffer: torch.Tensor) -> int | None:
+    """Its version counter; None for an inference tensor, which has none (nor in-place writes)."""
+    return None if buffer.is_inference() else buffer._version
 
 
 def _equal(now: torch.Tensor, old: torch.Tensor) -> bool:
