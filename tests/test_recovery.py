@@ -720,3 +720,33 @@ def test_planning_again_that_raises_changes_nothing(mode: str) -> None:
     acc.step(batches[1], _loss)
     assert acc.plan is not None
     assert acc.plan.batch_size == BATCH
+
+
+@pytest.mark.parametrize("mode", ["largest", "auto"])
+def test_a_skipped_window_advances_the_random_numbers_as_a_fixed_size_run(mode: str) -> None:
+    """A non-finite window is skipped; the next one draws new dropout masks, as at a fixed size.
+
+    Before, an auto-sized window rewound the random number generators whenever it was forgotten
+    (to be ready for an out-of-memory rerun), so after a skipped window the next one reused the
+    skipped window's masks and the run left the fixed-size run it should equal.
+    """
+    batches = _batches(4)
+    x, y = batches[1]
+    batches[1] = (x.clone().index_fill_(0, torch.tensor([3]), math.inf), y)  # non-finite: skipped
+    torch.manual_seed(0)
+    acc = _accumulator(OomAbove(_inner()), mode)
+    results = [acc.step(batch, _loss) for batch in batches]
+    assert [r.stepped for r in results] == [True, False, True, True]
+    sizes = [r.micro_batch_size for r in results]
+    assert_bitwise(_state(acc), _state(_reference(sizes, batches)))
+    # NEGATIVE CONTROL: the old behaviour, the generators rewound after the skipped window.
+    torch.manual_seed(0)
+    rewound = _accumulator(OomAbove(_inner()), sizes[0])
+    for index, (size, batch) in enumerate(zip(sizes, batches, strict=True)):
+        rewind = torch.get_rng_state()
+        rewound.micro_batch_size = size
+        rewound.step(batch, _loss)
+        if index == 1:
+            torch.set_rng_state(rewind)
+    with pytest.raises(AssertionError):
+        assert_bitwise(_state(acc), _state(rewound))

@@ -5,7 +5,7 @@ denominator` (`gradaccum.divisor`), move low-precision gradients to their buffer
 scheduler tried ─► exchange ─► reduce ─► divide once ─► finite? ─► clip ─► optimizer.step() ══
 commit ══► loss scale, pooled BatchNorm, close (`gradaccum._commit`). An exception before the
 commit, a skipped or dropped window end in `_forget_window()`: grads as before the window, fp32
-buffers dropped, BatchNorm and forward-updated buffers back, the RNG for an out-of-memory rerun.
+buffers dropped, BatchNorm and forward-updated buffers back (the RNG: auto sizing's rerun).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from gradaccum._buffer_watch import BufferWatch
 from gradaccum._commit import SchedulerSteps, refuse_steps_inside, try_scheduler
 from gradaccum._commit_agreement import step_on_every_rank
 from gradaccum._engine_state import component_states, restore_components
-from gradaccum._oom import after_step_guard, rng_states, set_rng_states
+from gradaccum._oom import after_step_guard
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
 from gradaccum._parameters import window_parameters
 from gradaccum._sync_base import NO_CONTEXT
@@ -69,7 +69,6 @@ class Engine:
         self._exchanged = self._next_sum = False  # exchange started; others next sum (Tokens)
         self._reduced = False  # the last backward reduced the gradients (FSDP2)
         self._last_input: tuple[Any, LossFn] | None = None  # for FSDP2's zero-item settle
-        self._rng: list[torch.Tensor] | None = None  # set for windows that may be rerun
         self._token_mean, self._seeds = TokenMeanCheck(), Seeds()
         self.telemetry: TelemetryMeter | None = None  # opt-in (gradaccum.telemetry)
         self.broken: str | None = None  # set by a half-done optimizer.step(); a load clears it
@@ -86,7 +85,6 @@ class Engine:
         window_items: int,
         size: int | Sequence[int],
         template: Any = None,
-        rerun_on_oom: bool = False,
     ) -> None:
         """Run a window given whole (`step()`): micro-batches of `size` items, or of `sizes`.
 
@@ -101,7 +99,7 @@ class Engine:
         counted = counted_ahead(loss_fn, micro_batches) if self.sync.world == 1 else None
         expect = Expectation(count, window_items, counted)
         move = bool(count) and not on_device(micro_batches[0], self.runtime.device)  # one look
-        self._open(rerun_on_oom)
+        self._open()
         if plan.expected_items is not None or not count:  # one scale on all ranks (FSDP2)
             self.window.denominator = backward_denominator(
                 self.normalize, expected_items=plan.expected_items or 1, window_items=None
@@ -131,7 +129,7 @@ class Engine:
         if self.window.is_open:
             self.check_gradients_untouched()
         else:
-            self._open(rerun=False)
+            self._open()
         self._next_sum = expect.until is not None  # the others sum this one's count first
         try:
             last = self._micro_batch(micro_batch, loss_fn, last, expect)
@@ -142,7 +140,7 @@ class Engine:
             self.window.mark_gradients()
         return last
 
-    def _open(self, rerun: bool) -> None:
+    def _open(self) -> None:
         if (broken := self.broken) is not None:  # never taken for the out-of-memory it quotes
             raise PartialStepError(f"no window was run: the last step failed halfway. {broken}")
         params, held = window_parameters(self._model_params, self.optimizer)
@@ -151,7 +149,6 @@ class Engine:
         self.runtime.open_window(len(params), None if self.sync.defers else params)
         self.batchnorm.open_window()
         self.buffers.open()
-        self._rng = rng_states(self.runtime.device) if rerun else None
         if self.telemetry is not None:
             self.telemetry.open_window()
 
@@ -366,7 +363,7 @@ class Engine:
             self._forget_window(error)
 
     def _forget_window(self, error: BaseException | None = None) -> None:
-        """Put back everything the window touched: grads, buffers, BatchNorm, (rerun) RNG."""
+        """Put back everything the window touched: gradients, buffers, BatchNorm statistics."""
         if error is not None:
             self.window.note_discarded(error)
         self.window.restore()
@@ -376,15 +373,13 @@ class Engine:
         self.buffers.forget()
         if self.telemetry is not None:
             self.telemetry.forget_window()  # a closed window's state holds nothing of it
-        if self._rng is not None:
-            set_rng_states(self.runtime.device, self._rng)
         self._end()
 
     def _end(self) -> None:
         self.sync.end_window()
         self.buffers.reset()  # a loaded window's copies would be another window's
         self._agreement, self._exchanged, self._reduced = None, False, False
-        self._last_input, self._rng, self._next_sum = None, None, False
+        self._last_input, self._next_sum = None, False
 
     def state_dict(self) -> dict[str, Any]:
         """The components' own states."""

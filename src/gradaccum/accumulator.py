@@ -237,9 +237,7 @@ class Accumulator:
         def attempt(size: int, note: str | None) -> StepResult:
             size = min(size, items)
             micro_batches = split_batch(batch, size, batch_dim=self.batch_dim)
-            engine.run_window(
-                micro_batches, loss_fn, window_items=items, size=size, rerun_on_oom=True
-            )
+            engine.run_window(micro_batches, loss_fn, window_items=items, size=size)
             return self._close(size, note)  # raises out-of-memory too, if another rank ran out
 
         return auto.run(batch, items, attempt)

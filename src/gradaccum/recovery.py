@@ -40,7 +40,13 @@ from typing import Any, TypeVar
 import torch
 
 from gradaccum import _compat
-from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_memory
+from gradaccum._oom import (
+    MemoryBudgetError,
+    is_out_of_memory,
+    release_cached_memory,
+    rng_states,
+    set_rng_states,
+)
 from gradaccum._tuner import ThroughputTuner
 from gradaccum.batching import batch_size, map_tensors
 from gradaccum.memory import parse_bytes
@@ -189,12 +195,14 @@ class AutoSizer:
             size = tuner.next_size() if tuner is not None and timing else self.size
             assert size is not None
             tried.append(size)
+            rng = rng_states(self.device)  # only a rerun rewinds them: a skipped window draws on
             start = self.clock()
             try:
                 result = attempt(size, _note(tuner, size, tried, items))
             except BaseException as error:
                 if not is_out_of_memory(error):
                     raise
+                set_rng_states(self.device, rng)  # the rerun draws the same dropout masks
                 release_cached_memory(self.device)
                 if len(tried) == 1:  # what the sizer was before this window, should it give up
                     before = self.state_dict()
