@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gradaccum import _boundary
+from gradaccum import _boundary, _commit
 from gradaccum._agreement import RankMismatchError
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
 from gradaccum._commit import SchedulerSteps, refuse_steps_inside, step_optimizer, try_scheduler
@@ -296,6 +296,7 @@ class Engine:
             if not runtime.publish(window.params, norm_value, max_grad_norm, window.held):
                 return self._skip(agreement, norm_value, finite=False)
             lr = learning_rate(self.optimizer)
+            terms, objective = window.terms.report(agreement) if window.terms else (None, None)
             try_scheduler(self.schedule.checked(scheduler, self.optimizer))  # acc.scheduler = ...
             step_optimizer(self.optimizer, window.params[: window.held], self._names, self, window)
         except BaseException as error:
@@ -303,18 +304,17 @@ class Engine:
                 self._forget_window(None if self.broken else error)
             raise
         # Committed. The scheduler steps before the gradients are cleared (the contract's order);
-        # raising, it leaves the window closed all the same: nothing steps twice (nor reruns).
+        # each part runs even if one raised: the window ends closed, nothing steps twice or reruns.
         with after_step_guard():
-            try:
-                self.schedule.take(scheduler)
-            finally:
-                runtime.update_scale(finite=True)
-                self.batchnorm.end_window()
-                self.sync.sync_buffers()  # DDP: rank 0's statistics everywhere, once per window
-                runtime.clear_buffers()
-                terms, objective = window.terms.report(agreement) if window.terms else (None, None)
-                window.close()
-                self._end()
+            _commit.run_each(
+                lambda: self.schedule.take(scheduler),
+                lambda: runtime.update_scale(finite=True),
+                self.batchnorm.end_window,
+                self.sync.sync_buffers,  # DDP: rank 0's statistics everywhere, once per window
+                runtime.clear_buffers,
+                window.close,
+                self._end,
+            )
         return Outcome(True, count, loss_sum, norm_value, lr, (), terms, objective)
 
     def discard_window(self) -> None:
