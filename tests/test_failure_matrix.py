@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import gradaccum._commit
+import gradaccum.batchnorm
 from gradaccum import Accumulator, LossSum
 from gradaccum.loss import Term
 from gradaccum.result import PartialStepError
@@ -437,3 +438,41 @@ def test_after_a_half_done_step_auto_sizing_refuses_clearly_instead_of_shrinking
     with pytest.raises(RuntimeError, match="no window was run: the last step failed halfway"):
         run.window(2)
     assert calls == []  # refused at once: no window rerun smaller down to one item
+
+
+@pytest.mark.parametrize("drive", ["step", "micro"])
+@pytest.mark.parametrize("part", ["update_scale", "update_running", "sync_buffers"])
+def test_a_failure_closing_a_stepped_window_leaves_it_closed(
+    part: str, drive: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loss scale's update, pooled BatchNorm statistics, DDP's buffer broadcast raising.
+
+    They ran in one `finally` after the step: one raising skipped the rest, and the window
+    stayed open with the step's gradients (`step()` then refused, `flush()` crashed in a zip).
+    """
+    config = {"drive": drive, "bn": "pooled"}
+    run, twin = Run(config), Run(config)
+    run.window(1), twin.window(1)
+    engine = run.acc._engine
+    owners = {"update_scale": engine.runtime, "update_running": gradaccum.batchnorm}
+    owner = owners.get(part, engine.sync)  # update_running: pooled statistics, in end_window
+    real = getattr(owner, part)
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        monkeypatch.setattr(owner, part, real)  # once
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(owner, part, failing)
+    steps = []
+    run.optimizer.register_step_post_hook(lambda *_: steps.append(1))
+    with pytest.raises(KeyboardInterrupt):
+        run.window(2)
+    assert len(steps) == 1
+    assert run.acc.state_dict()["engine"]["window"]["micro_batches"] == 0  # closed
+    assert run.acc.state_dict()["engine"]["batchnorm"]["pending"] == {}
+    assert run.window(3).stepped
+    assert len(steps) == 2
+    twin.window(2), twin.window(3)
+    mine, theirs = run.snapshot(), twin.snapshot()
+    assert _differences(mine["optimizer"], theirs["optimizer"]) == []
+    assert _differences(run.params(), twin.params()) == []

@@ -37,7 +37,7 @@ import copy
 import operator
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -54,6 +54,7 @@ __all__ = [
     "PartialStepError",
     "SchedulerSteps",
     "refuse_steps_inside",
+    "run_each",
     "step_optimizer",
     "triable",
     "try_scheduler",
@@ -154,6 +155,23 @@ def step_optimizer(
     finally:
         if window is not None:
             window.committing = False
+
+
+def run_each(*parts: Callable[[], object]) -> None:
+    """Call every part, even after one raised; then raise the first error (the commit's close).
+
+    After `optimizer.step()` the window must end closed whatever fails on the way (a scheduler,
+    Ctrl-C): one left open with the step's gradients would be stepped again by the next call.
+    """
+    first: BaseException | None = None
+    for part in parts:
+        try:
+            part()
+        except BaseException as error:
+            if first is None:
+                first = error
+    if first is not None:
+        raise first
 
 
 def _fingerprint(

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gradaccum import _boundary
+from gradaccum import _boundary, _commit
 from gradaccum._agreement import RankMismatchError
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
 from gradaccum._buffer_watch import BufferWatch
@@ -297,6 +297,7 @@ class Engine:
             if not runtime.publish(window.params, norm_value, max_grad_norm, window.held):
                 return self._skip(agreement, norm_value, finite=False)
             lr = learning_rate(self.optimizer)
+            terms, objective = window.terms.report(agreement) if window.terms else (None, None)
             params, sync = window.params[: window.held], self.sync  # apart: other ranks stepped
             apart = step_on_every_rank(self.optimizer, params, self._names, self, window, sync)
         except BaseException as error:
@@ -305,19 +306,19 @@ class Engine:
             elif window.is_open:  # noted as discarded, unless a half-done step left it changed
                 self._forget_window(None if self.broken else error)
             raise
-        # Committed: the scheduler steps before grads are cleared; raising, the window closes.
+        # Committed. The scheduler steps before the gradients are cleared (the contract's order);
+        # each part runs even if one raised: the window ends closed, nothing steps twice or reruns.
         with after_step_guard():
-            try:
-                self.schedule.take(scheduler)
-            finally:
-                self.buffers.close(window.micro_batches)  # learns what changes; warns once
-                runtime.update_scale(finite=True)
-                self.batchnorm.end_window()
-                self.sync.sync_buffers()  # DDP: rank 0's statistics everywhere, once per window
-                runtime.clear_buffers()
-                terms, objective = window.terms.report(agreement) if window.terms else (None, None)
-                window.close()
-                self._end()
+            _commit.run_each(
+                lambda: self.schedule.take(scheduler),
+                lambda: self.buffers.close(window.micro_batches),  # learns what changes; warns
+                lambda: runtime.update_scale(finite=True),
+                self.batchnorm.end_window,
+                self.sync.sync_buffers,  # DDP: rank 0's statistics everywhere, once per window
+                runtime.clear_buffers,
+                window.close,
+                self._end,
+            )
         if apart is not None:
             raise RankMismatchError(apart)
         return Outcome(True, count, loss_sum, norm_value, lr, (), terms, objective)

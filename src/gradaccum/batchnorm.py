@@ -192,12 +192,14 @@ class BatchNormControl:
             self._pending[name] = [merge(a, b) for a, b in pending]
 
     def end_window(self) -> None:
-        """At the step: one update per BatchNorm call (k calls per forward: k), then clear."""
-        for name, calls in self._pending.items():
+        """At the step: one update per BatchNorm call (k calls per forward: k), cleared first.
+
+        Cleared before the updates, so one that raises leaves nothing for the next window.
+        """
+        pending, self._pending, self._saved = self._pending, {}, []
+        for name, calls in pending.items():
             for stats in calls:
                 update_running(self._by_name[name], stats)
-        self._pending = {}
-        self._saved = []
 
     def open_window(self) -> None:
         """Remember the running statistics a window may change, to put them back if it fails.
