@@ -24,7 +24,7 @@ import torch
 from gradaccum._commit import Breakable, _OpenWindow, step_optimizer
 from gradaccum._sync_base import GradSync
 
-__all__ = ["step_on_every_rank"]
+__all__ = ["join_as_failed", "step_on_every_rank"]
 
 
 def step_on_every_rank(
@@ -65,6 +65,24 @@ def step_on_every_rank(
         return None
     owner.broken = _diverged(failed, sync.world, "see their own tracebacks")
     return owner.broken
+
+
+def join_as_failed(sync: GradSync, error: BaseException, owner: Breakable) -> None:
+    """Join the ranks' step agreement as a rank that did not step: it failed before its step.
+
+    Between the exchange and `optimizer.step()` (the division, the norm, clipping, out of
+    memory on one rank) the other ranks go on to step and then wait in the agreement's
+    all-reduce: this rank answers it, so they raise instead of waiting, and it notes on `error`
+    that they stepped. A Ctrl-C (not an `Exception`) joins no collective.
+    """
+    if sync.world == 1 or not isinstance(error, Exception):
+        return
+    failed = _failed_ranks(sync, 1)
+    if failed is not None and failed < sync.world:
+        message = _diverged(failed, sync.world, f"here: {type(error).__name__} before it")
+        owner.broken = owner.broken or message
+        if hasattr(error, "add_note"):
+            error.add_note(f"gradaccum: {message}")
 
 
 def _failed_ranks(sync: GradSync, mine: int) -> int | None:

@@ -21,7 +21,7 @@ from gradaccum._agreement import RankMismatchError
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
 from gradaccum._buffer_watch import BufferWatch
 from gradaccum._commit import SchedulerSteps, refuse_steps_inside, try_scheduler
-from gradaccum._commit_agreement import step_on_every_rank
+from gradaccum._commit_agreement import join_as_failed, step_on_every_rank
 from gradaccum._engine_state import component_states, restore_components
 from gradaccum._oom import after_step_guard
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
@@ -267,12 +267,14 @@ class Engine:
     def close_window(self, *, max_grad_norm: float | None, scheduler: Any = None) -> Outcome:
         """Run the boundary transaction (`scheduler`: tried, then stepped after the commit)."""
         window, runtime = self.window, self.runtime
+        agreed = False  # from a clean exchange to the step: a failure joins the step agreement
         try:  # the scheduler is tried before any rank steps, so its error is announced (DDP)
             try_scheduler(self.schedule.checked(scheduler, self.optimizer))
             agreement = self._agreement or self._exchange(rank_summary(window, runtime, self.sync))
             self._agreement = None
             if agreement.failed_ranks:
                 raise agreement.failure()
+            agreed = True
             count, loss_sum = agreement.count, agreement.loss_sum
             empty = count == 0 and self.normalize is Normalize.MEAN
             if empty or not math.isfinite(loss_sum):
@@ -298,9 +300,11 @@ class Engine:
                 return self._skip(agreement, norm_value, finite=False)
             lr = learning_rate(self.optimizer)
             terms, objective = window.terms.report(agreement) if window.terms else (None, None)
-            params, sync = window.params[: window.held], self.sync  # apart: other ranks stepped
+            params, sync, agreed = window.params[: window.held], self.sync, False  # it joins
             apart = step_on_every_rank(self.optimizer, params, self._names, self, window, sync)
         except BaseException as error:
+            if agreed:  # failed before its step: the other ranks step, then learn it there
+                join_as_failed(self.sync, error, self)
             if not self._exchanged:  # the scheduler's try: the other ranks raise at the exchange
                 self._fail(error, rerun=False)
             elif window.is_open:  # noted as discarded, unless a half-done step left it changed

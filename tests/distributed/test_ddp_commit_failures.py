@@ -121,11 +121,37 @@ def _optimizer_case(rank: int, failing_ranks: tuple[int, ...]) -> dict[str, Any]
     return {"raised": raised, "unchanged": unchanged, "again": again}
 
 
+def _before_step_case(rank: int) -> dict[str, Any]:
+    """Clipping raises on rank 1 alone, after the exchange and before its optimizer.step()."""
+    import gradaccum._engine as engine
+
+    model = DistributedDataParallel(make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    acc = Accumulator(model, optimizer, micro_batch_size=4, max_grad_norm=1e9)
+    acc.step(rank_batch(0, rank), loss_fn)
+    before = _state(model, optimizer, None)
+    clip = engine.clip_
+
+    def failing_clip(*args: Any) -> None:
+        raise RuntimeError("injected clipping failure")
+
+    if rank == 1:
+        engine.clip_ = failing_clip  # fault injection on one rank: out of memory, say
+    try:
+        raised = _attempt(lambda: acc.step(rank_batch(1, rank), loss_fn))
+    finally:
+        engine.clip_ = clip
+    unchanged = _equal(before, _state(model, optimizer, None))
+    again = _attempt(lambda: acc.step(rank_batch(1, rank), loss_fn))
+    return {"raised": raised, "unchanged": unchanged, "again": again}
+
+
 def worker(rank: int, world_size: int) -> dict[str, Any]:
     return {
         "scheduler": _scheduler_case(rank),
         "optimizer_one": _optimizer_case(rank, failing_ranks=(1,)),
         "optimizer_all": _optimizer_case(rank, failing_ranks=(0, 1)),
+        "before_step": _before_step_case(rank),
     }
 
 
@@ -180,7 +206,7 @@ def test_an_optimizer_raising_on_one_rank_makes_every_rank_raise_and_refuse_wind
     assert other["raised"].startswith("RankMismatchError: optimizer.step() raised on 1 of 2")
     assert "reload your last checkpoint on every rank" in other["raised"]
     for run in runs:  # the replicas differ: no rank trains on until a state is loaded
-        assert run["optimizer_one"]["again"].startswith("RuntimeError: no window was run")
+        assert run["optimizer_one"]["again"].startswith("PartialStepError: no window was run")
 
 
 @pytest.mark.timeout(180)
@@ -192,3 +218,18 @@ def test_an_optimizer_raising_on_every_rank_alike_changes_nothing_and_breaks_not
         assert case["raised"] == "RuntimeError: injected optimizer failure"
         assert case["unchanged"]
         assert case["again"] is None
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_failing_between_the_exchange_and_its_step_makes_every_rank_raise(
+    runs: list[dict[str, Any]],
+) -> None:
+    """Rank 1 fails clipping; rank 0 steps, then learns it at the step agreement, not never."""
+    failing, other = runs[1]["before_step"], runs[0]["before_step"]
+    assert failing["raised"].startswith("RuntimeError: injected clipping failure")
+    assert failing["unchanged"]  # nothing changed on the rank that failed
+    assert other["raised"] is not None  # before: rank 0 stepped alone and returned normally
+    assert other["raised"].startswith("RankMismatchError: optimizer.step() raised on 1 of 2")
+    assert not other["unchanged"]  # rank 0 did step: the replicas differ, so both refuse
+    for run in runs:
+        assert run["before_step"]["again"].startswith("PartialStepError: no window was run")
