@@ -910,3 +910,38 @@ def test_uncollated_tuples_from_a_tensor_dataset_are_split_per_example() -> None
     # Negative control: a plain pair with a 0-dim tensor is still refused (not read per item).
     with pytest.raises(ValueError, match="0-dim tensor"):
         split_batch((torch.zeros(3, 2), torch.tensor(1.0)), 2)
+
+
+def test_uncollated_pairs_with_python_labels_are_examples_not_a_container() -> None:
+    """`collate_fn=list` over a Dataset returning `(tensor, int)` (torchvision's convention):
+    the pairs were read as a container, and every tensor's own first dimension (5 features)
+    as the batch's items, whatever the micro-batch held: micro_step counted 5 items for a
+    loader's last batch of 2, so the window's mean was weighted wrongly, silently."""
+    generator = torch.Generator().manual_seed(4)
+    examples = [(torch.randn(5, generator=generator, dtype=torch.float64), i % 3) for i in range(8)]
+    loader = torch.utils.data.DataLoader(examples, batch_size=3, collate_fn=list)  # 3, 3, 2
+    assert [batch_size(mb) for mb in loader] == [3, 3, 2]
+    assert batch_size([(torch.zeros(3, 4, 4), "cat")]) == 1  # one image, a string label
+    assert [len(mb) for mb in split_batch(next(iter(loader)), 2)] == [2, 1]
+
+    def loss_fn(model: torch.nn.Module, pairs: list) -> torch.Tensor:
+        inputs = torch.stack([x for x, _ in pairs])
+        return torch.nn.functional.cross_entropy(model(inputs), torch.tensor([y for _, y in pairs]))
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3).double()
+    reference = copy.deepcopy(model)
+    acc = gradaccum.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=1.0), accumulation_steps=3
+    )
+    results = [acc.micro_step(mb, loss_fn) for mb in loader]
+    assert results[-1].stepped
+    assert results[-1].count == 8
+    loss_fn(reference, examples).backward()
+    torch.optim.SGD(reference.parameters(), lr=1.0).step()
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    # Negative control: each micro-batch's mean weighted by 5 (the old count) is another step.
+    means = [loss_fn(copy.deepcopy(reference), mb) for mb in loader]
+    full = loss_fn(reference, examples)
+    assert abs(float(sum(means) / 3) - float(full)) > 1e-3

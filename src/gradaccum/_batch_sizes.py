@@ -148,8 +148,11 @@ def check_not_empty(size: int) -> None:
 def check_micro_batch_size(micro_batch_size: object, name: str = "micro_batch_size") -> int:
     """Return `micro_batch_size` if it is a positive int, else raise a ValueError naming the fix."""
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
+        unit = (
+            "micro-batches per window" if name == "accumulation_steps" else "items per micro-batch"
+        )
         raise ValueError(
-            f"{name}={micro_batch_size!r} must be a positive int (items per micro-batch), "
+            f"{name}={micro_batch_size!r} must be a positive int ({unit}), "
             f"got {type(micro_batch_size).__name__}."
         )
     if micro_batch_size <= 0:

@@ -25,7 +25,7 @@ __all__ = ["frozen"]
 class _RecordedTrain:
     """A frozen layer's `train(mode)`: records `mode` in `asked[index]` and changes nothing."""
 
-    def __init__(self, module: nn.Module, asked: list[bool], index: int) -> None:
+    def __init__(self, module: nn.Module, asked: list[bool | None], index: int) -> None:
         self.module, self.asked, self.index = module, asked, index
 
     def __call__(self, mode: bool = True) -> nn.Module:
@@ -49,7 +49,8 @@ def _to_eval(module: nn.Module, args: tuple[Any, ...]) -> None:
 @contextlib.contextmanager
 def frozen(modules: Sequence[nn.Module]) -> Iterator[None]:
     """Run the body with every module in `modules` in eval mode; then the mode last asked for."""
-    asked = [m.training for m in modules]  # the mode each is left in: the last one asked for
+    was = [m.training for m in modules]
+    asked: list[bool | None] = [None] * len(modules)  # the last mode loss_fn asked for, if any
     for index, module in enumerate(modules):
         module.train(False)
         module.train = _RecordedTrain(module, asked, index)  # type: ignore[method-assign]
@@ -59,6 +60,9 @@ def frozen(modules: Sequence[nn.Module]) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
-        for module, training in zip(modules, asked, strict=True):
-            del module.train  # the class's own method again
-            module.training = training
+        for module, training, mode in zip(modules, was, asked, strict=True):
+            del module.train  # the class's own method again, which sets the mode asked for
+            if mode is None:
+                module.training = training
+            else:
+                module.train(mode)

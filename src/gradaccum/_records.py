@@ -6,7 +6,8 @@ whole to every micro-batch by accident:
 - a dataclass instance is a record, like a named tuple: split field by field and rebuilt with
   its own type (`dataclass_entries`, `rebuild_dataclass`);
 - a plain list of records of one structure (dicts with the same keys, or instances of one
-  dataclass or named tuple) is a list of uncollated examples, one per item (`is_example_list`);
+  dataclass or named tuple, or plain `(x, label)` tuples with a Python label) is a list of
+  uncollated examples, one per item (`is_example_list`);
 - any other object is a constant, unless its attributes hold tensors or arrays: those are named
   by `object_arrays`, and the batching refuses the object if one of them has B items.
 """
@@ -98,7 +99,24 @@ def is_example_list(node: Any) -> bool:
     kind = type(first)
     if is_dataclass_instance(first) or (isinstance(first, tuple) and hasattr(first, "_fields")):
         return all(type(entry) is kind for entry in node)
-    return False
+    return _labelled_pairs(node)
+
+
+def _labelled_pairs(node: list[Any]) -> bool:
+    """Whether `node` is a list of `(image, label)` examples with Python labels.
+
+    Plain tuples of one length, each holding an array and, at one place in every tuple, a
+    number or string: what a `Dataset` returning Python labels gives with `collate_fn=list`.
+    Read as a container, the arrays' own first dimension (an image's channels, a vector's
+    features) passed for the batch's items: a count silently wrong.
+    """
+    size = len(node[0]) if type(node[0]) is tuple else 0
+    if not size or any(type(entry) is not tuple or len(entry) != size for entry in node):
+        return False
+    if not all(any(isinstance(v, (torch.Tensor, np.ndarray)) for v in entry) for entry in node):
+        return False
+    labels = (int, float, str)
+    return any(all(isinstance(entry[i], labels) for entry in node) for i in range(size))
 
 
 def per_item_list(node: Any, nested: bool = True) -> bool:

@@ -35,6 +35,7 @@ from gradaccum._batch_sizes import check_batch_dim
 from gradaccum._checks import check_fsdp_support, check_savable, check_saved_state, check_settings
 from gradaccum._engine import Engine
 from gradaccum._parameters import trainable_parameters, window_parameters
+from gradaccum._window_sizes import WindowSizes
 from gradaccum.batching import batch_size, split_batch
 from gradaccum.batchnorm import BatchNormControl
 from gradaccum.divisor import Expectation
@@ -63,7 +64,7 @@ __all__ = ["Accumulator", "NonFiniteError", "StepResult"]
 STATE_VERSION = 2
 
 
-class Accumulator:
+class Accumulator(WindowSizes):
     """Gradient accumulation whose every step equals one full-batch step.
 
     Args:
@@ -261,7 +262,7 @@ class Accumulator:
         if isinstance(steps, Tokens):  # a window of a few micro-batches, closed by its count
             expect, last = Expectation(2, until=steps.count, until_term=steps.term), False
         else:
-            expect, last = Expectation(steps), engine.window.micro_batches + 1 == steps
+            expect, last = Expectation(steps), engine.window.micro_batches + 1 >= steps
         if engine.run_micro_batch(micro_batch, loss_fn, last=last, expect=expect):
             return self._close(engine.window.largest_micro_batch)
         return self._pending()
@@ -384,14 +385,3 @@ class Accumulator:
             self._engine.telemetry.load_state_dict(state["telemetry"])
         self.nonfinite_windows = int(state["nonfinite_windows"])
         self.empty_windows = int(state["empty_windows"])
-
-    def _settings(self) -> dict[str, Any]:
-        """The settings that change what a saved partial window means; they must match."""
-        steps = self.accumulation_steps
-        return {
-            "accumulation_steps": repr(steps) if isinstance(steps, Tokens) else steps,
-            "micro_batch_size": self.micro_batch_size,
-            "normalize": self.normalize.value,
-            "precision": self.precision.value,
-            "batch_dim": self.batch_dim,
-        }
