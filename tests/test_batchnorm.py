@@ -888,3 +888,68 @@ def test_a_window_start_is_saved_only_while_a_window_is_open() -> None:
     closed = Accumulator(model, optimizer, accumulation_steps=2).state_dict()
     acc.load_state_dict(closed)  # the open window is replaced by a closed one
     assert acc.state_dict()["engine"]["batchnorm"]["start"] == []
+
+
+class _ConvBlock(nn.Module):
+    """A residual block of its own `forward` (Dynamo skips frames of torch's own modules)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.bn(self.conv(x)))
+
+
+class _ResidualConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.blocks = nn.Sequential(*[_ConvBlock(4) for _ in range(10)])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(torch.relu(self.bn(self.stem(x)))).mean((2, 3)))
+
+
+def test_pooled_under_torch_compile_traces_its_hooks_and_equals_eager() -> None:
+    """`batchnorm="pooled"` on a `torch.compile`d model: its statistics hook broke the graph at
+    every BatchNorm (it asked autograd whether a backward runs, which Dynamo cannot trace), and
+    each break's resume frame was specialized per layer name: 15 frames here against 2 for
+    "micro" (ResNet-18: 34, past Dynamo's recompile limit of 8, which then runs them eagerly).
+    Compiled, the recorded statistics are traced with the forward: one frame, and the weights and
+    running statistics bitwise those of the eager pooled run."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    eager_model = _ResidualConvNet()
+    compiled_model = copy.deepcopy(eager_model)
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(10, 2, 6, 6, generator=generator) * (i + 1), None) for i in range(2)]
+    targets = torch.randn(10, 1, generator=generator)
+    batches = [(x, targets) for x, _ in batches]
+
+    def mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    def frames_and_state(model: nn.Module, mode: str, compiled: bool) -> tuple[int, dict]:
+        counter = CompileCounterWithBackend("aot_eager")
+        torch._dynamo.reset()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        wrapped = torch.compile(model, backend=counter, dynamic=True) if compiled else model
+        acc = Accumulator(wrapped, optimizer, micro_batch_size=4, batchnorm=mode)
+        for batch in batches:
+            acc.step(batch, mse)
+        torch._dynamo.reset()
+        return counter.frame_count, model.state_dict()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BatchNormAccumulationWarning)  # micro, knowingly
+        micro_frames, _ = frames_and_state(copy.deepcopy(eager_model), "micro", compiled=True)
+    _, eager = frames_and_state(eager_model, "pooled", compiled=False)
+    frames, compiled_state = frames_and_state(compiled_model, "pooled", compiled=True)
+    assert frames == micro_frames <= 2  # what the model compiles to without the hooks
+    for key, value in eager.items():
+        assert torch.equal(compiled_state[key], value), key
+    # The statistics were pooled, not left to the BatchNorm: one update per window.
+    assert int(compiled_state["bn.num_batches_tracked"]) == 2

@@ -80,7 +80,11 @@ def recording(modules: list[tuple[str, _BatchNorm]], per_call: bool) -> Iterator
             # Set here, after a lazy module's own pre-hook has created its running buffers.
             bn.track_running_stats = False  # bn is module, the one the hook is registered on
             # Inside a backward, activation checkpointing recomputes a forward: counted already.
-            in_backward = torch._C._current_graph_task_id() != -1
+            # Compiled, the hook is traced into the forward's graph (asking autograd would break
+            # it at every BatchNorm, each break recompiled per layer).
+            in_backward = not torch.compiler.is_compiling() and (
+                torch._C._current_graph_task_id() != -1
+            )
             if in_backward or not args or not isinstance(args[0], torch.Tensor):
                 return
             stats = channel_stats(args[0])
