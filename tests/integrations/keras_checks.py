@@ -384,6 +384,49 @@ def window_state_during_fit():
     return {"pending": seen, "state": trainer.window_state}
 
 
+class _StopAfter(keras.callbacks.Callback):
+    """Stops `fit` after micro-batch `batch` (as TerminateOnNaN or a custom callback does)."""
+
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            self.model.stop_training = True
+
+
+@check
+def stop_training_mid_epoch_settles_the_open_window():
+    """A callback stops fit after 5 of 8 micro-batches (windows of 3): the open window of 2 is
+    settled by the policy before validation, not carried into the next fit's first window."""
+    micro = regression([4] * 8, seed=12)
+    val = regression([6], seed=13)[0]
+    model = mlp()
+    trainer = gk.accumulate(model, steps=3)
+    trainer.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    history = trainer.fit(Batches(micro), validation_data=val, shuffle=False, verbose=0,
+                          callbacks=[_StopAfter(4)])  # fmt: skip
+    result = {"state_after_stop": trainer.window_state}
+    trainer.fit(Batches(micro), shuffle=False, verbose=0)
+    result["state"] = trainer.window_state
+    stopped, _ = windows(micro[:5], 3)  # 12 rows, then the leftover's 8
+    full, _ = windows(micro, 3)
+    ref = mlp()
+    ref.compile(optimizer=densified(keras.optimizers.Adam(0.05)), loss="mse")
+    ref.fit(Batches(stopped), shuffle=False, verbose=0)
+    ref_val = ref.evaluate(*val, verbose=0)
+    result["val_gap"] = abs(history.history["val_loss"][0] - ref_val) / abs(ref_val)
+    ref.fit(Batches(full), shuffle=False, verbose=0)
+    result["gap"] = gap(weights(model), weights(ref))
+    # NEGATIVE CONTROL: without the leftover's step the run ends elsewhere.
+    ref = mlp()
+    ref.compile(optimizer=densified(keras.optimizers.Adam(0.05)), loss="mse")
+    ref.fit(Batches(stopped[:1] + full), shuffle=False, verbose=0)
+    result["gap_without_leftover"] = gap(weights(model), weights(ref))
+    return result
+
+
 def two_heads(seed=1, masked=False):
     """Token ids in; a per-row regression head and a per-token (`masked`: mask_zero) head out."""
     inputs = keras.Input((None,), dtype="int32")

@@ -160,6 +160,14 @@ def test_carry_over_epochs_of_unknown_length_counts_only_real_micro_batches(kera
     assert found["full_windows_state"] == {"steps": 4, "skipped": 0, "pending": 0}, found
 
 
+def test_stop_training_mid_epoch_settles_the_open_window(keras_results, backend):
+    found = result(keras_results, backend, "stop_training_mid_epoch_settles_the_open_window")
+    assert found["state_after_stop"] == {"steps": 2, "skipped": 0, "pending": 0}, found
+    assert_exact(found, backend, steps=5)  # 1 + the leftover, then 3 in the next fit
+    assert found["val_gap"] < TOLERANCE[backend], "validation must see the leftover's step"
+    assert found["gap_without_leftover"] > CAUGHT, found
+
+
 def test_window_state_is_readable_from_a_callback_during_fit(keras_results, backend):
     found = result(keras_results, backend, "window_state_during_fit")
     assert found["pending"] == [1, 0, 1, 0, 0], found  # the epoch's last window steps on 1

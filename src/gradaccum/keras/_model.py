@@ -339,10 +339,22 @@ class _SettleWindows(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._optimizer().set_epoch_length(self._epoch_length)
 
+    def on_test_begin(self, logs: Any = None) -> None:
+        self._settle_open_window()  # validation in fit: it sees the epoch's last step
+
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self._settle_open_window()
+
+    def _settle_open_window(self) -> None:
+        """Settle a window the epoch left open, before validation and the user's callbacks.
+
+        An epoch of known length closes its last window at its last micro-batch; one left open
+        here had an unknown length, or was cut short (`stop_training` set by a callback), and
+        would otherwise leak into the next `fit`'s first window.
+        """
         policy = self._owner.partial_window
-        if self._epoch_length is None and policy != "carry":
-            self._optimizer().flush(policy)  # epoch length unknown: settle after the epoch
+        if policy != "carry":
+            self._optimizer().flush(policy)
 
     def on_train_end(self, logs: Any = None) -> None:
         pending = self._optimizer().window_state()["pending"]
