@@ -564,6 +564,25 @@ def keras_file_resumes_exactly():
               "iterations": int(ops.convert_to_numpy(loaded.optimizer.iterations))}  # fmt: skip
     trainer = run(loaded, loaded.optimizer, epochs=4, initial_epoch=2)
     result.update(gap=gap(weights(loaded), weights(whole)), state=trainer.window_state)
+    # mixed_float16: load_model compiles a LossScaleOptimizer; the file must be laid out alike.
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        whole = mlp()
+        run(whole, keras.optimizers.Adam(0.05), epochs=4)
+        path = os.path.join(tempfile.mkdtemp(), "ck16.keras")
+        run(mlp(), keras.optimizers.Adam(0.05), epochs=2,
+            callbacks=[keras.callbacks.ModelCheckpoint(path)])  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = keras.models.load_model(path)
+        result["fp16_skipped_loading"] = [
+            str(w.message) for w in caught if "Skipping" in str(w.message)
+        ]
+        result["fp16_iterations"] = int(ops.convert_to_numpy(loaded.optimizer.iterations))
+        run(loaded, loaded.optimizer, epochs=4, initial_epoch=2)
+        result["fp16_gap"] = gap(weights(loaded), weights(whole))
+    finally:
+        keras.config.set_dtype_policy("float64")
     # NEGATIVE CONTROL: the weights alone, with a fresh Adam, end elsewhere.
     fresh = keras.models.load_model(path, compile=False)
     run(fresh, keras.optimizers.Adam(0.05), epochs=4, initial_epoch=2)

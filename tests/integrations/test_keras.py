@@ -187,6 +187,9 @@ def test_a_keras_file_resumes_exactly_with_the_optimizer_state(keras_results, ba
     assert found["iterations"] == 4, found  # 2 epochs of 2 windows
     assert_exact(found, backend, steps=4)  # the resumed run's own: epochs 3 and 4
     assert found["gap_fresh_optimizer"] > CAUGHT, found
+    assert found["fp16_skipped_loading"] == [], "mixed_float16: the LossScaleOptimizer must load"
+    assert found["fp16_iterations"] == 4, found
+    assert found["fp16_gap"] == 0.0, found  # the same float16 steps as the uninterrupted run
 
 
 def test_backup_and_restore_of_epochs_of_unknown_length(keras_results, backend):

@@ -280,7 +280,12 @@ class AccumulatingModel(keras.Model):
             window.build(self.trainable_variables)
         lent = {"optimizer": window.inner_optimizer}
         if compile_config and getattr(self, "_compile_config", None) is not None:
-            lent.update(compiled=True, _compile_config=self._compile_config)
+            # load_model compiles as the wrapper was, then loads the optimizer: lay it out alike.
+            lent.update(
+                optimizer=window.saved_optimizer(),
+                compiled=True,
+                _compile_config=self._compile_config,
+            )
         missing = object()
         own = {name: self.model.__dict__.get(name, missing) for name in lent}  # compiled itself
         for name, value in lent.items():

@@ -306,6 +306,24 @@ class WindowOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # --- eager helpers for callbacks ----------------------------------------------------------
 
+    def saved_optimizer(self) -> Any:
+        """The optimizer a plain model compiled as the wrapper was holds, for its saved files.
+
+        The inner optimizer; under dynamic loss scaling (`mixed_float16`), a plain
+        `LossScaleOptimizer` around it holding the current scale, as Keras's compile makes.
+        """
+        if not self.dynamic:
+            return self.inner_optimizer
+        scale = float(keras.ops.convert_to_numpy(self.dynamic_scale))
+        plain = keras.optimizers.LossScaleOptimizer(
+            self.inner_optimizer,
+            initial_scale=scale,
+            dynamic_growth_steps=self.dynamic_growth_steps,
+        )
+        plain.build(self._model_variables)
+        plain.step_counter.assign(self.step_counter.value)
+        return plain
+
     def set_epoch_length(self, micro_batches: int | None) -> None:
         """Tell the window how many micro-batches an epoch has (0 or None: unknown)."""
         self._epoch_length.assign(int(micro_batches or 0))
