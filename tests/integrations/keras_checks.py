@@ -225,6 +225,21 @@ def static_loss_scale():
 
 
 @check
+def nadam_state_outside_its_slots():
+    """Nadam keeps `_u_product` in a plain attribute variable: it must be among the optimizer's
+    variables, or JAX's stateless step drops its update (the run ended 54% away)."""
+    micro = regression([4] * 6, seed=14)
+    result = compare(mlp, lambda: keras.optimizers.Nadam(0.05), micro, steps=3, epochs=2)
+    model = mlp()
+    trainer = gk.accumulate(model, steps=3)
+    trainer.compile(optimizer=keras.optimizers.Nadam(0.05), loss="mse")
+    trainer.optimizer.build(trainer.trainable_variables)
+    inner = trainer.optimizer.inner_optimizer
+    result["tracked"] = any(v is inner._u_product for v in trainer.optimizer.variables)
+    return result
+
+
+@check
 def ema():
     micro = regression(RAGGED)
     opt = lambda: keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.5)  # noqa: E731

@@ -111,6 +111,12 @@ def test_a_static_loss_scale_is_divided_out(keras_results, backend):
     assert_exact(result(keras_results, backend, "static_loss_scale"), backend, steps=4)
 
 
+def test_nadam_state_outside_its_slots_is_stepped(keras_results, backend):
+    found = result(keras_results, backend, "nadam_state_outside_its_slots")
+    assert found["tracked"], "Nadam's u_product must be one of the optimizer's variables"
+    assert_exact(found, backend, steps=4)
+
+
 def test_ema_updates_once_per_window(keras_results, backend):
     assert_exact(result(keras_results, backend, "ema"), backend, steps=4)
 

@@ -118,10 +118,16 @@ class WindowOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # --- state ------------------------------------------------------------------------------
 
-    @_untracked
     def build(self, var_list: Sequence[Any]) -> None:
         """Create the window's variables; the inner optimizer is built on the model's variables."""
-        var_list = list(var_list)
+        self._build_window(list(var_list))
+        # Outside the untracked scope: variables the inner optimizer creates as plain attributes
+        # (Nadam's `_u_product`) must join its `variables`, which JAX's stateless step carries.
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build(self._model_variables)
+
+    @_untracked
+    def _build_window(self, var_list: list[Any]) -> None:
         index = [i for i, v in enumerate(var_list) if id(v) == self._probe_id]
         if len(index) != 1:
             raise ValueError(
@@ -146,8 +152,6 @@ class WindowOptimizer(keras.optimizers.LossScaleOptimizer):
         (self._micro, self._finite, self._epoch_micro, self._epoch_length) = ints[:4]
         (self._stepped, self._skipped) = ints[4:]
         self._finite.assign(1)
-        if not self.inner_optimizer.built:
-            self.inner_optimizer.build(self._model_variables)
         super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
 
     def scale_loss(self, loss: Any) -> Any:
