@@ -225,6 +225,21 @@ def static_loss_scale():
 
 
 @check
+def nadam_state_outside_its_slots():
+    """Nadam keeps `_u_product` in a plain attribute variable: it must be among the optimizer's
+    variables, or JAX's stateless step drops its update (the run ended 54% away)."""
+    micro = regression([4] * 6, seed=14)
+    result = compare(mlp, lambda: keras.optimizers.Nadam(0.05), micro, steps=3, epochs=2)
+    model = mlp()
+    trainer = gk.accumulate(model, steps=3)
+    trainer.compile(optimizer=keras.optimizers.Nadam(0.05), loss="mse")
+    trainer.optimizer.build(trainer.trainable_variables)
+    inner = trainer.optimizer.inner_optimizer
+    result["tracked"] = any(v is inner._u_product for v in trainer.optimizer.variables)
+    return result
+
+
+@check
 def ema():
     micro = regression(RAGGED)
     opt = lambda: keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.5)  # noqa: E731
@@ -384,6 +399,49 @@ def window_state_during_fit():
     return {"pending": seen, "state": trainer.window_state}
 
 
+class _StopAfter(keras.callbacks.Callback):
+    """Stops `fit` after micro-batch `batch` (as TerminateOnNaN or a custom callback does)."""
+
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            self.model.stop_training = True
+
+
+@check
+def stop_training_mid_epoch_settles_the_open_window():
+    """A callback stops fit after 5 of 8 micro-batches (windows of 3): the open window of 2 is
+    settled by the policy before validation, not carried into the next fit's first window."""
+    micro = regression([4] * 8, seed=12)
+    val = regression([6], seed=13)[0]
+    model = mlp()
+    trainer = gk.accumulate(model, steps=3)
+    trainer.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    history = trainer.fit(Batches(micro), validation_data=val, shuffle=False, verbose=0,
+                          callbacks=[_StopAfter(4)])  # fmt: skip
+    result = {"state_after_stop": trainer.window_state}
+    trainer.fit(Batches(micro), shuffle=False, verbose=0)
+    result["state"] = trainer.window_state
+    stopped, _ = windows(micro[:5], 3)  # 12 rows, then the leftover's 8
+    full, _ = windows(micro, 3)
+    ref = mlp()
+    ref.compile(optimizer=densified(keras.optimizers.Adam(0.05)), loss="mse")
+    ref.fit(Batches(stopped), shuffle=False, verbose=0)
+    ref_val = ref.evaluate(*val, verbose=0)
+    result["val_gap"] = abs(history.history["val_loss"][0] - ref_val) / abs(ref_val)
+    ref.fit(Batches(full), shuffle=False, verbose=0)
+    result["gap"] = gap(weights(model), weights(ref))
+    # NEGATIVE CONTROL: without the leftover's step the run ends elsewhere.
+    ref = mlp()
+    ref.compile(optimizer=densified(keras.optimizers.Adam(0.05)), loss="mse")
+    ref.fit(Batches(stopped[:1] + full), shuffle=False, verbose=0)
+    result["gap_without_leftover"] = gap(weights(model), weights(ref))
+    return result
+
+
 def two_heads(seed=1, masked=False):
     """Token ids in; a per-row regression head and a per-token (`masked`: mask_zero) head out."""
     inputs = keras.Input((None,), dtype="int32")
@@ -521,6 +579,25 @@ def keras_file_resumes_exactly():
               "iterations": int(ops.convert_to_numpy(loaded.optimizer.iterations))}  # fmt: skip
     trainer = run(loaded, loaded.optimizer, epochs=4, initial_epoch=2)
     result.update(gap=gap(weights(loaded), weights(whole)), state=trainer.window_state)
+    # mixed_float16: load_model compiles a LossScaleOptimizer; the file must be laid out alike.
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        whole = mlp()
+        run(whole, keras.optimizers.Adam(0.05), epochs=4)
+        path = os.path.join(tempfile.mkdtemp(), "ck16.keras")
+        run(mlp(), keras.optimizers.Adam(0.05), epochs=2,
+            callbacks=[keras.callbacks.ModelCheckpoint(path)])  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = keras.models.load_model(path)
+        result["fp16_skipped_loading"] = [
+            str(w.message) for w in caught if "Skipping" in str(w.message)
+        ]
+        result["fp16_iterations"] = int(ops.convert_to_numpy(loaded.optimizer.iterations))
+        run(loaded, loaded.optimizer, epochs=4, initial_epoch=2)
+        result["fp16_gap"] = gap(weights(loaded), weights(whole))
+    finally:
+        keras.config.set_dtype_policy("float64")
     # NEGATIVE CONTROL: the weights alone, with a fresh Adam, end elsewhere.
     fresh = keras.models.load_model(path, compile=False)
     run(fresh, keras.optimizers.Adam(0.05), epochs=4, initial_epoch=2)

@@ -111,6 +111,12 @@ def test_a_static_loss_scale_is_divided_out(keras_results, backend):
     assert_exact(result(keras_results, backend, "static_loss_scale"), backend, steps=4)
 
 
+def test_nadam_state_outside_its_slots_is_stepped(keras_results, backend):
+    found = result(keras_results, backend, "nadam_state_outside_its_slots")
+    assert found["tracked"], "Nadam's u_product must be one of the optimizer's variables"
+    assert_exact(found, backend, steps=4)
+
+
 def test_ema_updates_once_per_window(keras_results, backend):
     assert_exact(result(keras_results, backend, "ema"), backend, steps=4)
 
@@ -160,6 +166,14 @@ def test_carry_over_epochs_of_unknown_length_counts_only_real_micro_batches(kera
     assert found["full_windows_state"] == {"steps": 4, "skipped": 0, "pending": 0}, found
 
 
+def test_stop_training_mid_epoch_settles_the_open_window(keras_results, backend):
+    found = result(keras_results, backend, "stop_training_mid_epoch_settles_the_open_window")
+    assert found["state_after_stop"] == {"steps": 2, "skipped": 0, "pending": 0}, found
+    assert_exact(found, backend, steps=5)  # 1 + the leftover, then 3 in the next fit
+    assert found["val_gap"] < TOLERANCE[backend], "validation must see the leftover's step"
+    assert found["gap_without_leftover"] > CAUGHT, found
+
+
 def test_window_state_is_readable_from_a_callback_during_fit(keras_results, backend):
     found = result(keras_results, backend, "window_state_during_fit")
     assert found["pending"] == [1, 0, 1, 0, 0], found  # the epoch's last window steps on 1
@@ -179,6 +193,9 @@ def test_a_keras_file_resumes_exactly_with_the_optimizer_state(keras_results, ba
     assert found["iterations"] == 4, found  # 2 epochs of 2 windows
     assert_exact(found, backend, steps=4)  # the resumed run's own: epochs 3 and 4
     assert found["gap_fresh_optimizer"] > CAUGHT, found
+    assert found["fp16_skipped_loading"] == [], "mixed_float16: the LossScaleOptimizer must load"
+    assert found["fp16_iterations"] == 4, found
+    assert found["fp16_gap"] == 0.0, found  # the same float16 steps as the uninterrupted run
 
 
 def test_backup_and_restore_of_epochs_of_unknown_length(keras_results, backend):

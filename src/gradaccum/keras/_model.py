@@ -280,7 +280,12 @@ class AccumulatingModel(keras.Model):
             window.build(self.trainable_variables)
         lent = {"optimizer": window.inner_optimizer}
         if compile_config and getattr(self, "_compile_config", None) is not None:
-            lent.update(compiled=True, _compile_config=self._compile_config)
+            # load_model compiles as the wrapper was, then loads the optimizer: lay it out alike.
+            lent.update(
+                optimizer=window.saved_optimizer(),
+                compiled=True,
+                _compile_config=self._compile_config,
+            )
         missing = object()
         own = {name: self.model.__dict__.get(name, missing) for name in lent}  # compiled itself
         for name, value in lent.items():
@@ -339,10 +344,22 @@ class _SettleWindows(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._optimizer().set_epoch_length(self._epoch_length)
 
+    def on_test_begin(self, logs: Any = None) -> None:
+        self._settle_open_window()  # validation in fit: it sees the epoch's last step
+
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self._settle_open_window()
+
+    def _settle_open_window(self) -> None:
+        """Settle a window the epoch left open, before validation and the user's callbacks.
+
+        An epoch of known length closes its last window at its last micro-batch; one left open
+        here had an unknown length, or was cut short (`stop_training` set by a callback), and
+        would otherwise leak into the next `fit`'s first window.
+        """
         policy = self._owner.partial_window
-        if self._epoch_length is None and policy != "carry":
-            self._optimizer().flush(policy)  # epoch length unknown: settle after the epoch
+        if policy != "carry":
+            self._optimizer().flush(policy)
 
     def on_train_end(self, logs: Any = None) -> None:
         pending = self._optimizer().window_state()["pending"]

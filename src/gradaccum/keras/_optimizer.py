@@ -118,10 +118,16 @@ class WindowOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # --- state ------------------------------------------------------------------------------
 
-    @_untracked
     def build(self, var_list: Sequence[Any]) -> None:
         """Create the window's variables; the inner optimizer is built on the model's variables."""
-        var_list = list(var_list)
+        self._build_window(list(var_list))
+        # Outside the untracked scope: variables the inner optimizer creates as plain attributes
+        # (Nadam's `_u_product`) must join its `variables`, which JAX's stateless step carries.
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build(self._model_variables)
+
+    @_untracked
+    def _build_window(self, var_list: list[Any]) -> None:
         index = [i for i, v in enumerate(var_list) if id(v) == self._probe_id]
         if len(index) != 1:
             raise ValueError(
@@ -146,8 +152,6 @@ class WindowOptimizer(keras.optimizers.LossScaleOptimizer):
         (self._micro, self._finite, self._epoch_micro, self._epoch_length) = ints[:4]
         (self._stepped, self._skipped) = ints[4:]
         self._finite.assign(1)
-        if not self.inner_optimizer.built:
-            self.inner_optimizer.build(self._model_variables)
         super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
 
     def scale_loss(self, loss: Any) -> Any:
@@ -305,6 +309,24 @@ class WindowOptimizer(keras.optimizers.LossScaleOptimizer):
             v.assign(value)
 
     # --- eager helpers for callbacks ----------------------------------------------------------
+
+    def saved_optimizer(self) -> Any:
+        """The optimizer a plain model compiled as the wrapper was holds, for its saved files.
+
+        The inner optimizer; under dynamic loss scaling (`mixed_float16`), a plain
+        `LossScaleOptimizer` around it holding the current scale, as Keras's compile makes.
+        """
+        if not self.dynamic:
+            return self.inner_optimizer
+        scale = float(keras.ops.convert_to_numpy(self.dynamic_scale))
+        plain = keras.optimizers.LossScaleOptimizer(
+            self.inner_optimizer,
+            initial_scale=scale,
+            dynamic_growth_steps=self.dynamic_growth_steps,
+        )
+        plain.build(self._model_variables)
+        plain.step_counter.assign(self.step_counter.value)
+        return plain
 
     def set_epoch_length(self, micro_batches: int | None) -> None:
         """Tell the window how many micro-batches an epoch has (0 or None: unknown)."""
