@@ -132,7 +132,8 @@ class AutoSizer:
         """
         if self.capped and not self.out_of_memory_events:
             assert self.planned is not None
-            if all_ranks_min(model, batch_size(batch, batch_dim=self.dim)) > self.planned:
+            items = batch_size(batch, batch_dim=self.dim, allow_empty=True)  # 0: never larger
+            if all_ranks_min(model, items) > self.planned:
                 self.size = self.tuner = None  # a larger batch: plan on it
         if self.size is None:
             plan = plan_micro_batch(
