@@ -225,20 +225,16 @@ class Accumulator(WindowSizes):
         auto, engine = self._auto, self._engine
         assert auto is not None
         runtime = engine.runtime
+        accum = runtime.accum_dtype if runtime.uses_buffers else None
         auto.ensure_plan(
-            self.model,
-            batch,
-            loss_fn,
-            self.optimizer,
-            precision=self.precision,
-            accum_dtype=runtime.accum_dtype if runtime.uses_buffers else None,
+            self.model, batch, loss_fn, self.optimizer, precision=self.precision, accum_dtype=accum
         )
-        items = batch_size(batch, batch_dim=self.batch_dim)
+        items = batch_size(batch, batch_dim=self.batch_dim, allow_empty=engine.sync.world > 1)
 
         def attempt(size: int, note: str | None) -> StepResult:
-            size = min(size, items)
-            micro_batches = split_batch(batch, size, batch_dim=self.batch_dim)
-            engine.run_window(micro_batches, loss_fn, window_items=items, size=size)
+            size = min(size, items)  # 0 on a rank without items: it joins the collectives alone
+            micro_batches = split_batch(batch, size, batch_dim=self.batch_dim) if items else []
+            engine.run_window(micro_batches, loss_fn, window_items=items, size=size, template=batch)
             return self._close(size, note)  # raises out-of-memory too, if another rank ran out
 
         return auto.run(batch, items, attempt)
@@ -302,11 +298,9 @@ class Accumulator(WindowSizes):
 
     def _close(self, micro_batch_size: int, sizing: str | None = None) -> StepResult:
         """The window boundary, through the engine's transaction; counts what it skipped."""
-        window = self._engine.window
-        micro_batches = window.micro_batches
-        outcome = self._engine.close_window(
-            max_grad_norm=self.max_grad_norm, scheduler=self.scheduler
-        )
+        engine = self._engine
+        micro_batches = engine.window.micro_batches
+        outcome = engine.close_window(max_grad_norm=self.max_grad_norm, scheduler=self.scheduler)
         build = StepResult.stepped if outcome.stepped else StepResult.skipped
         meter = self._engine.telemetry
         telemetry = None

@@ -141,7 +141,8 @@ class AutoSizer:
         replan = self.size is None
         if self.capped and not self.out_of_memory_events:
             assert self.planned is not None
-            if all_ranks_min(model, batch_size(batch, batch_dim=self.dim)) > self.planned:
+            items = batch_size(batch, batch_dim=self.dim, allow_empty=True)  # 0: never larger
+            if all_ranks_min(model, items) > self.planned:
                 replan = True  # a larger batch: plan on it (planning that raises changes nothing)
         if replan:
             plan = plan_micro_batch(

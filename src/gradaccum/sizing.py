@@ -198,10 +198,17 @@ def plan_micro_batch(
     resident = resident_bytes(model, optimizer) if memory_budget is None else 0
     # Every rank probes the same sizes (each probe is a collective): the smallest batch, budget.
     mine = [
-        -batch_size(sample_batch, batch_dim=batch_dim),
+        -batch_size(sample_batch, batch_dim=batch_dim, allow_empty=True),
         -resolve_budget(memory_budget, device, resident=resident),
     ]
     items, budget = (int(-value) for value in all_ranks_max(model, [float(v) for v in mine]))
+    if not items:  # raised on every rank alike: one rank raising alone leaves the others waiting
+        raise ValueError(
+            "the batch is empty (0 items along the batch dimension) on this rank or another: "
+            "the plan probes every rank's sample batch. Plan on a batch with items on every "
+            "rank (micro_batch_size='auto' plans on the first step()'s), or pass the int "
+            "micro_batch_size that plan_micro_batch chooses."
+        )
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         probe = Probe(model, optimizer, loss_fn, sample_batch, mode, accum_dtype, policy, batch_dim)
         sizes = _probe_sizes(probe, items, budget, margin)
