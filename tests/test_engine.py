@@ -26,6 +26,7 @@ from gradaccum._engine import Engine
 from gradaccum.loss import TokenMeanWarning
 from gradaccum.result import PartialStepError
 from gradaccum.sync import LocalSync
+from tests.integrations._hf import import_transformers
 from tests.models import make_model, mse_loss, regression_batch
 from tests.reference import reference_step
 from tests.state import assert_bitwise, clone_state
@@ -1253,7 +1254,7 @@ def test_a_scheduler_not_from_torch_is_not_tried_and_steps_while_the_gradients_a
 
 def test_transformers_adafactor_schedule_reports_the_lr_of_the_full_batch_loop() -> None:
     """AdafactorSchedule reads the optimizer's state and gradients after its step."""
-    optimization = pytest.importorskip("transformers.optimization")
+    optimization = import_transformers().optimization
     model = make_model("mlp")
     twin = copy.deepcopy(model)
 

@@ -19,7 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+from tests.integrations._hf import import_transformers
+
+transformers = import_transformers()
 
 import gradaccum  # noqa: E402
 from gradaccum import Accumulator, LossSum, hf  # noqa: E402

@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.integrations._hf import import_transformers
 
-pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+import_transformers()
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_finetune.py"
 

@@ -17,7 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+from tests.integrations._hf import import_transformers
+
+transformers = import_transformers()
 
 from gradaccum import Accumulator, hf  # noqa: E402
 from tests.integrations.test_hf import (  # noqa: E402
