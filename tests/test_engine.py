@@ -1076,6 +1076,10 @@ def test_a_scheduler_built_before_add_param_group_is_named_and_changes_nothing(
     kind: str, raised: type[Exception]
 ) -> None:
     """torch's own error (a zip() length, a missing 'initial_lr') gets a note naming the cause."""
+    if raised is ValueError and torch.__version__ < "2.5":
+        # torch 2.4's LambdaLR zips without strict=True: it leaves the new group's lr alone,
+        # in a plain loop as here, and raises nothing to name.
+        pytest.skip(f"{kind} of torch {torch.__version__} raises nothing on a new param group")
     model, batch = _precise("fp32")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     lr = torch.optim.lr_scheduler
