@@ -1182,8 +1182,8 @@ def test_trying_the_scheduler_first_leaves_the_schedule_exact(name: str, tensor_
     """The try steps and puts back lr, momentum/betas (tensor lr in place) and the scheduler."""
     if name == "SequentialLR" and tensor_lr and torch.__version__ < "2.5":
         pytest.xfail(
-            "known, unfixed on torch 2.4: with a tensor lr, putting SequentialLR back after the "
-            "try leaves the next step's lr wrong (0.001, not 0.0055); see README Requirements"
+            "known, unfixed on torch 2.4: its SequentialLR aliases the lr tensor with initial_lr "
+            "and the base lrs, which the try-and-put-back does not reproduce; see README"
         )
     model, batch = _precise("fp32")
     twin = copy.deepcopy(model)
