@@ -21,7 +21,8 @@ Counted per window, on rank 0:
   are taken after warm-up), plus the library's own `all_reduce` calls; "syncs" is the number of
   backward passes (or library reductions) that reduced gradients;
 - other collectives: calls to `torch.distributed` collectives other than those (the library
-  exchanges the window's item counts in one small all-gather).
+  exchanges the window's item counts in one small all-gather, and after `optimizer.step()` all
+  ranks all-reduce three integers: did the step raise anywhere).
 
 Timed: seconds per window (forward, backward, communication and optimizer step), in blocks of
 several windows. Loops alternate block by block, in an order reversed every other repeat, after
@@ -128,6 +129,10 @@ def counting_hook(state: CommCounter, bucket):  # no annotations: DDP checks the
         state.in_hook = False
 
 
+def _is_integer(tensor: object) -> bool:
+    return isinstance(tensor, torch.Tensor) and not tensor.is_floating_point()
+
+
 @contextlib.contextmanager
 def count_collectives(counter: CommCounter) -> Iterator[None]:
     """Count `torch.distributed` collectives called outside the hook; each still runs for real."""
@@ -141,7 +146,9 @@ def count_collectives(counter: CommCounter) -> Iterator[None]:
             )
             if counter.in_hook:
                 pass
-            elif name == "all_reduce":  # the library's own gradient reduction (no DDP hook)
+            elif name == "all_reduce" and not _is_integer(tensor):  # the library's own gradient
+                # reduction (no DDP hook); integer all-reduces are agreements (the step's: did
+                # optimizer.step() raise on any rank), counted with the other collectives
                 counter.allreduces += 1
                 counter.allreduce_bytes += nbytes
                 counter.library_reduced = True
@@ -353,7 +360,7 @@ def print_report(summary: dict[str, dict], settings: dict[str, Any]) -> None:
     print()
     header = (
         f"{'N':>3}  {'loop':<16} {'ms/window':>10} {'IQR':>17}  {'syncs':>5} {'all-reduces':>11}"
-        f"  {'MB':>7}  {'other collectives':<22} {'speedup':>8}"
+        f"  {'MB':>7}  {'other collectives':<36} {'speedup':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -366,7 +373,7 @@ def print_report(summary: dict[str, dict], settings: dict[str, Any]) -> None:
             print(
                 f"{n:>3}  {name:<16} {row['ms_median']:>10.2f} {iqr:>17}  {row['syncs']:>5}"
                 f" {row['allreduces']:>11}"
-                f"  {row['allreduce_bytes'] / 1e6:>7.2f}  {other:<22} "
+                f"  {row['allreduce_bytes'] / 1e6:>7.2f}  {other:<36} "
                 f"{row['speedup_vs_sync_each']:>7.2f}x"
             )
         print(f"     same step: largest parameter gap / update = {entry['update_gap']:.1e}")
