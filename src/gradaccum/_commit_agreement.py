@@ -48,13 +48,7 @@ def step_on_every_rank(
     try:
         step_optimizer(optimizer, params, names, owner, window)
     except Exception as error:
-        if sync.world > 1:
-            failed = _failed_ranks(sync, 1)
-            if failed is not None and failed < sync.world:
-                message = _diverged(failed, sync.world, f"here: {type(error).__name__}")
-                owner.broken = owner.broken or message
-                if hasattr(error, "add_note"):
-                    error.add_note(f"gradaccum: {message}")
+        join_as_failed(sync, error, owner, where="")
         raise
     if sync.world == 1:
         return None
@@ -67,8 +61,10 @@ def step_on_every_rank(
     return owner.broken
 
 
-def join_as_failed(sync: GradSync, error: BaseException, owner: Breakable) -> None:
-    """Join the ranks' step agreement as a rank that did not step: it failed before its step.
+def join_as_failed(
+    sync: GradSync, error: BaseException, owner: Breakable, where: str = " before it"
+) -> None:
+    """Join the ranks' step agreement as a rank whose step raised, or that failed before it.
 
     Between the exchange and `optimizer.step()` (the division, the norm, clipping, out of
     memory on one rank) the other ranks go on to step and then wait in the agreement's
@@ -79,7 +75,7 @@ def join_as_failed(sync: GradSync, error: BaseException, owner: Breakable) -> No
         return
     failed = _failed_ranks(sync, 1)
     if failed is not None and failed < sync.world:
-        message = _diverged(failed, sync.world, f"here: {type(error).__name__} before it")
+        message = _diverged(failed, sync.world, f"here: {type(error).__name__}{where}")
         owner.broken = owner.broken or message
         if hasattr(error, "add_note"):
             error.add_note(f"gradaccum: {message}")
