@@ -159,7 +159,8 @@ seq2seq = TaskLoss(Task.SEQ2SEQ)
 """Decoder cross-entropy of an encoder-decoder model, summed over the scored label tokens.
 
 Without `decoder_input_ids` in the batch, they are made from the labels by the model's own
-`prepare_decoder_input_ids_from_labels` (a right shift with the decoder start token).
+`prepare_decoder_input_ids_from_labels` (a right shift with the decoder start token), or, for a
+model without it (Whisper, M2M100), by that shift from its config, as its `forward` makes them.
 """
 
 masked_lm = TaskLoss(Task.MASKED_LM)
