@@ -294,6 +294,10 @@ def _token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> LossSum:
     return LossSum(value, (labels != IGNORE_INDEX).sum())
 
 
+_CLASS_IDS_HINT = (
+    " One class id per example read as floats (a dataset's float column) makes the model infer "
+    "multi-label: pass them as integers, labels.long(), for single-label cross-entropy."
+)
 _PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 
 
@@ -331,9 +335,10 @@ def _classification_loss(
         wide, labels = wide.flatten(), labels.flatten()  # the models squeeze a single output
     if labels.shape != wide.shape:
         # MSE and BCE would broadcast (batch,) against (batch, outputs) into a wrong loss.
+        ids = "" if labels.shape != logits.shape[:1] else _CLASS_IDS_HINT
         raise ValueError(
             f"{problem_type} scores every output: labels of shape {tuple(labels.shape)} do not "
-            f"fit logits of shape {tuple(logits.shape)}; pass one target per output."
+            f"fit logits of shape {tuple(logits.shape)}; pass one target per output.{ids}"
         )
     if problem_type == "regression":
         value = F.mse_loss(wide, labels.to(wide.dtype), reduction="sum")

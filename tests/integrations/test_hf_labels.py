@@ -138,6 +138,10 @@ def test_labels_that_do_not_fit_the_task_are_refused_naming_the_fix_changing_not
     multi_hot = {**rows, "labels": (torch.rand(ROWS, 3, generator=generator) > 0.5).long()}
     message = _refused(single_label, rows, multi_hot, hf.classification)
     assert "multi_label_classification" in message
+    # Class ids as floats (a dataset's float column) make the model infer multi-label: the
+    # refusal used to say only "one target per output", not the .long() that fixes it.
+    float_ids = {**rows, "labels": rows["labels"].double()}
+    assert "labels.long()" in _refused(single_label, rows, float_ids, hf.classification)
 
 
 # --- PEFT prompt learning ------------------------------------------------------------------------
