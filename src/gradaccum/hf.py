@@ -368,8 +368,13 @@ def _labels(batch: Mapping[str, Any], task: Task) -> torch.Tensor:
             "dataset.with_format('torch')), or convert with torch.as_tensor."
         )
     if labels is None:
-        raise ValueError(
-            f"the batch has keys {sorted(batch)} but no '{key}' tensor; add the labels "
-            "(-100 where nothing is scored)."
+        # A datasets column read by torch's default collate keeps its name ('label'); the
+        # Hugging Face collators rename it, as the models take only 'labels'.
+        other = next((name for name in ("label", "label_ids") if name in batch), None)
+        fix = (
+            f"rename batch[{other!r}] to 'labels' (as transformers' data collators do)"
+            if other is not None
+            else "add the labels (-100 where nothing is scored)"
         )
+        raise ValueError(f"the batch has keys {sorted(batch)} but no '{key}' tensor; {fix}.")
     return _as_long(labels)

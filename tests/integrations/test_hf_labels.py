@@ -115,6 +115,9 @@ def test_labels_that_do_not_fit_the_task_are_refused_naming_the_fix_changing_not
     # numpy arrays (a dataset in numpy format): before, "the batch has ... no 'labels' tensor".
     arrays = {key: value.numpy() for key, value in lm.items()}
     assert "return_tensors='pt'" in _refused(llama, lm, arrays, hf.causal_lm)
+    # A datasets column through torch's default collate keeps its name, 'label'.
+    renamed = {**{k: v for k, v in lm.items() if k != "labels"}, "label": lm["labels"]}
+    assert "rename batch['label'] to 'labels'" in _refused(llama, lm, renamed, hf.causal_lm)
     # A classification loss on a language model's token logits was read as token tagging.
     assert "token_classification" in _refused(llama, lm, lm, hf.classification)
 
