@@ -144,3 +144,6 @@ def test_a_sum_divided_by_the_windows_count_warns_for_labelled_batches() -> None
     with warnings.catch_warnings():
         warnings.simplefilter("error", CopiedLoopWarning)
         acc.step({"x": x[:5], "labels": y[:5]}, over(5))  # the micro-batch's own count
+        # A token mean over one scored label divides by 1: a mean, not a sum read as one.
+        one = torch.where(torch.arange(5) == 0, y[:5], -100)
+        acc.step({"x": x[:5], "labels": one}, over(1))

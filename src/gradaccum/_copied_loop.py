@@ -10,7 +10,7 @@ Two lines of the copied loops survive a port to `loss_fn` and are silently wrong
 
 Both are read from the loss's autograd node (no device sync): a division by exactly the window's
 number of micro-batches (on two micro-batches), and a torch loss whose saved reduction is "sum"
-(also divided by 1, as transformers' `num_items_in_batch=1` returns it).
+(in a batch with labels, also divided by 1, as transformers' `num_items_in_batch=1` returns it).
 
 A third is the Hugging Face `Trainer`'s own accumulation: a model called with
 `num_items_in_batch=n` returns its token sum divided by `n`, the WHOLE window's count. A plain
@@ -96,8 +96,10 @@ def sum_problem(result: object, items: int) -> str | None:
     Over `items` > 1 rows only: one row's sum is that row's loss, a mean over one row.
     """
     node = result.grad_fn if isinstance(result, torch.Tensor) else None
-    if _sum_over(node) == 1.0:  # transformers' `num_items_in_batch=1`: the sum itself
-        node = node.next_functions[0][0]  # type: ignore[union-attr]
+    return _sum_message(node, items)
+
+
+def _sum_message(node: object, items: int) -> str | None:
     if items < 2 or getattr(node, "_saved_reduction", None) != _SUM:
         return None
     return (
@@ -120,6 +122,8 @@ def window_count_problem(result: object, labels: torch.Tensor | None, items: int
     if divisor is None or labels is None:
         return None
     scored = int((labels != _IGNORE_INDEX).sum())
+    if divisor == 1.0 and scored > 1:  # `num_items_in_batch=1`: the sum itself, not a mean
+        return _sum_message(node.next_functions[0][0], items)  # type: ignore[union-attr]
     if divisor <= scored:
         return None
     return (
