@@ -122,3 +122,28 @@ def test_negative_controls_counts_from_the_data_and_one_row_sums_do_not_warn() -
             warnings.simplefilter("error", CopiedLoopWarning)
             for batch, n in zip(_loader(), sizes, strict=True):
                 acc.micro_step((batch[0][:n], batch[1][:n]), loss_fn)
+
+
+def test_a_sum_divided_by_the_windows_count_warns_for_labelled_batches() -> None:
+    """transformers' `num_items_in_batch`: `sum / n` with n the WINDOW's count, more than a
+    micro-batch's labels can count, read as a row mean; dividing by the micro-batch's own count
+    (a mean over it) does not warn."""
+    x, y = (torch.cat(parts) for parts in zip(*_loader(), strict=True))
+    batch = {"x": x, "labels": y}
+
+    def over(n: int):
+        def loss_fn(model: nn.Module, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+            return _summed(model, (micro["x"], micro["labels"])) / n
+
+        return loss_fn
+
+    model = _model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=5)
+    with pytest.warns(CopiedLoopWarning, match="num_items_in_batch"):
+        acc.step(batch, over(len(y)))  # 18 items, 5 per micro-batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CopiedLoopWarning)
+        acc.step({"x": x[:5], "labels": y[:5]}, over(5))  # the micro-batch's own count
+        # A token mean over one scored label divides by 1: a mean, not a sum read as one.
+        one = torch.where(torch.arange(5) == 0, y[:5], -100)
+        acc.step({"x": x[:5], "labels": one}, over(1))

@@ -9,7 +9,14 @@ Two lines of the copied loops survive a port to `loss_fn` and are silently wrong
   is read as a MEAN over the micro-batch's rows, so the sum is weighted by the rows again.
 
 Both are read from the loss's autograd node (no device sync): a division by exactly the window's
-number of micro-batches (on two micro-batches), and a torch loss whose saved reduction is "sum".
+number of micro-batches (on two micro-batches), and a torch loss whose saved reduction is "sum"
+(in a batch with labels, also divided by 1, as transformers' `num_items_in_batch=1` returns it).
+
+A third is the Hugging Face `Trainer`'s own accumulation: a model called with
+`num_items_in_batch=n` returns its token sum divided by `n`, the WHOLE window's count. A plain
+scalar `sum / n` whose `n` is more than the micro-batch's labels could count is that (or a
+constant denominator): read as a mean over the rows, it is not the full-batch step (`k` times
+too small on `k` equal micro-batches), and without -100 labels nothing else warns of it.
 
 Example:
     >>> import torch
@@ -25,9 +32,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CopiedLoopWarning", "division_problem", "sum_problem"]
+__all__ = ["CopiedLoopWarning", "division_problem", "sum_problem", "window_count_problem"]
 
 _SUM = 2  # torch's Reduction::Sum, as a loss node saves it
+_IGNORE_INDEX = -100  # an unscored label (cross_entropy's default, Hugging Face's)
 
 
 class CopiedLoopWarning(UserWarning):
@@ -42,6 +50,25 @@ def _divisor(node: object) -> float | None:
     if isinstance(other, torch.Tensor) and other.dim() == 0 and other.device.type == "cpu":
         return float(other)
     return None
+
+
+def _sum_over(node: object, *, read_device: bool = False) -> float | None:
+    """`n` if `node` divides a sum (`.sum()`, a loss with reduction='sum') by a constant `n`.
+
+    A divisor on an accelerator is read (a device sync) only with `read_device`.
+    """
+    if type(node).__name__ != "DivBackward0":
+        return None
+    other = getattr(node, "_saved_other", None)
+    if not isinstance(other, torch.Tensor) or other.dim() != 0 or other.requires_grad:
+        return None
+    if other.device.type != "cpu" and not read_device:
+        return None
+    numerator = node.next_functions[0][0]  # type: ignore[attr-defined]
+    summed = getattr(numerator, "_saved_reduction", None) == _SUM
+    if not summed and type(numerator).__name__ != "SumBackward0":
+        return None
+    return float(other)
 
 
 def division_problem(result: object, micro_batches: int) -> str | None:
@@ -69,6 +96,10 @@ def sum_problem(result: object, items: int) -> str | None:
     Over `items` > 1 rows only: one row's sum is that row's loss, a mean over one row.
     """
     node = result.grad_fn if isinstance(result, torch.Tensor) else None
+    return _sum_message(node, items)
+
+
+def _sum_message(node: object, items: int) -> str | None:
     if items < 2 or getattr(node, "_saved_reduction", None) != _SUM:
         return None
     return (
@@ -77,4 +108,31 @@ def sum_problem(result: object, items: int) -> str | None:
         f"as a MEAN over the rows and weighted by them, so the sum counts {items} times. "
         "Return gradaccum.LossSum(loss, count=number_of_items) (the items the sum covers), "
         "or use reduction='mean'."
+    )
+
+
+def window_count_problem(result: object, labels: torch.Tensor | None, items: int) -> str | None:
+    """What is wrong if the plain scalar `result` divides a sum by more than `labels` can count.
+
+    `labels` are the micro-batch's integer targets (None: nothing to compare with). Reading their
+    count, and a divisor on an accelerator, syncs the device: only for a `sum / n` scalar.
+    """
+    node = result.grad_fn if isinstance(result, torch.Tensor) else None
+    divisor = _sum_over(node, read_device=True) if labels is not None else None
+    if divisor is None or labels is None:
+        return None
+    scored = int((labels != _IGNORE_INDEX).sum())
+    if divisor == 1.0 and scored > 1:  # `num_items_in_batch=1`: the sum itself, not a mean
+        return _sum_message(node.next_functions[0][0], items)  # type: ignore[union-attr]
+    if divisor <= scored:
+        return None
+    return (
+        f"loss_fn returned a plain scalar that divides a summed loss by {divisor:g}, more items "
+        f"than the micro-batch's labels can count ({scored}): a count of the whole window (the "
+        "model called with num_items_in_batch, as transformers' Trainer calls it) or a constant."
+        f" A plain scalar is read as a mean over the micro-batch's {items} rows and weighted by "
+        "them, so the step is not the full-batch one. gradaccum divides by the window's count "
+        "itself: use a gradaccum.hf loss (hf.causal_lm, ...), or return gradaccum.LossSum("
+        "model(**batch, num_items_in_batch=1).loss, count=hf.causal_lm.items_counted(batch)); "
+        "for a constant denominator C, LossSum.terms(loss=Term(summed, denominator=C))."
     )

@@ -53,12 +53,27 @@ def with_decoder_inputs(
     if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
         return inputs
     prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-    if prepare is None:
+    if prepare is not None:
+        return {**inputs, "decoder_input_ids": prepare(labels=labels)}
+    # Whisper, Speech2Text, M2M100/NLLB, Blenderbot, Moonshine have no such method: given
+    # labels, their forward shifts them right itself, from the config's two token ids.
+    config = getattr(model, "config", None)
+    pad = getattr(config, "pad_token_id", None)
+    start = getattr(config, "decoder_start_token_id", None)
+    if not getattr(config, "is_encoder_decoder", False) or pad is None or start is None:
         raise ValueError(
-            f"{type(model).__name__} has no prepare_decoder_input_ids_from_labels; put "
-            "'decoder_input_ids' (the labels shifted right) in the batch."
+            f"{type(model).__name__} has no prepare_decoder_input_ids_from_labels and no "
+            "config.is_encoder_decoder with pad_token_id and decoder_start_token_id to make "
+            "them from; put 'decoder_input_ids' (the labels shifted right) in the batch."
         )
-    return {**inputs, "decoder_input_ids": prepare(labels=labels)}
+    return {**inputs, "decoder_input_ids": _shifted_right(labels, int(pad), int(start))}
+
+
+def _shifted_right(labels: torch.Tensor, pad: int, start: int) -> torch.Tensor:
+    """The labels shifted right as `shift_tokens_right` does: `start` first, -100 as `pad`."""
+    shifted = labels.new_full(labels.shape, start)
+    shifted[..., 1:] = labels[..., :-1]
+    return shifted.masked_fill(shifted == -100, pad)
 
 
 def problem_type_of(model: torch.nn.Module) -> str | None:

@@ -23,7 +23,12 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from gradaccum._copied_loop import CopiedLoopWarning, division_problem, sum_problem
+from gradaccum._copied_loop import (
+    CopiedLoopWarning,
+    division_problem,
+    sum_problem,
+    window_count_problem,
+)
 from gradaccum._warnings import warn_user
 
 __all__ = ["TokenMeanCheck", "TokenMeanWarning", "warn_if_token_mean"]
@@ -55,6 +60,13 @@ def _targets(micro_batch: object) -> Iterator[tuple[str, torch.Tensor]]:
             value.is_floating_point() or value.is_complex() or value.dtype == torch.bool
         ):
             yield where, value
+
+
+def _labelled(micro_batch: object) -> bool:
+    """Whether `micro_batch` names its targets, as Hugging Face batches do (`labels`)."""
+    return isinstance(micro_batch, Mapping) and any(
+        key in micro_batch for key in ("labels", "shift_labels")
+    )
 
 
 def warn_if_token_mean(micro_batch: object) -> bool:
@@ -114,6 +126,9 @@ class TokenMeanCheck:
             divided = division_problem(result, micro_batches)
             self.divisions += divided is not None
             problem = sum_problem(result, items) or (divided if self.divisions > 1 else None)
+            if problem is None and _labelled(micro_batch):  # transformers' num_items_in_batch
+                labels = next((value for _, value in _targets(micro_batch)), None)
+                problem = window_count_problem(result, labels, items)
             if problem is not None:
                 warn_user(CopiedLoopWarning(problem))
                 self.copied_left = 0

@@ -159,7 +159,8 @@ seq2seq = TaskLoss(Task.SEQ2SEQ)
 """Decoder cross-entropy of an encoder-decoder model, summed over the scored label tokens.
 
 Without `decoder_input_ids` in the batch, they are made from the labels by the model's own
-`prepare_decoder_input_ids_from_labels` (a right shift with the decoder start token).
+`prepare_decoder_input_ids_from_labels` (a right shift with the decoder start token), or, for a
+model without it (Whisper, M2M100), by that shift from its config, as its `forward` makes them.
 """
 
 masked_lm = TaskLoss(Task.MASKED_LM)
@@ -293,6 +294,10 @@ def _token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> LossSum:
     return LossSum(value, (labels != IGNORE_INDEX).sum())
 
 
+_CLASS_IDS_HINT = (
+    " One class id per example read as floats (a dataset's float column) makes the model infer "
+    "multi-label: pass them as integers, labels.long(), for single-label cross-entropy."
+)
 _PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 
 
@@ -330,9 +335,10 @@ def _classification_loss(
         wide, labels = wide.flatten(), labels.flatten()  # the models squeeze a single output
     if labels.shape != wide.shape:
         # MSE and BCE would broadcast (batch,) against (batch, outputs) into a wrong loss.
+        ids = "" if labels.shape != logits.shape[:1] else _CLASS_IDS_HINT
         raise ValueError(
             f"{problem_type} scores every output: labels of shape {tuple(labels.shape)} do not "
-            f"fit logits of shape {tuple(logits.shape)}; pass one target per output."
+            f"fit logits of shape {tuple(logits.shape)}; pass one target per output.{ids}"
         )
     if problem_type == "regression":
         value = F.mse_loss(wide, labels.to(wide.dtype), reduction="sum")
@@ -362,8 +368,13 @@ def _labels(batch: Mapping[str, Any], task: Task) -> torch.Tensor:
             "dataset.with_format('torch')), or convert with torch.as_tensor."
         )
     if labels is None:
-        raise ValueError(
-            f"the batch has keys {sorted(batch)} but no '{key}' tensor; add the labels "
-            "(-100 where nothing is scored)."
+        # A datasets column read by torch's default collate keeps its name ('label'); the
+        # Hugging Face collators rename it, as the models take only 'labels'.
+        other = next((name for name in ("label", "label_ids") if name in batch), None)
+        fix = (
+            f"rename batch[{other!r}] to 'labels' (as transformers' data collators do)"
+            if other is not None
+            else "add the labels (-100 where nothing is scored)"
         )
+        raise ValueError(f"the batch has keys {sorted(batch)} but no '{key}' tensor; {fix}.")
     return _as_long(labels)

@@ -115,6 +115,9 @@ def test_labels_that_do_not_fit_the_task_are_refused_naming_the_fix_changing_not
     # numpy arrays (a dataset in numpy format): before, "the batch has ... no 'labels' tensor".
     arrays = {key: value.numpy() for key, value in lm.items()}
     assert "return_tensors='pt'" in _refused(llama, lm, arrays, hf.causal_lm)
+    # A datasets column through torch's default collate keeps its name, 'label'.
+    renamed = {**{k: v for k, v in lm.items() if k != "labels"}, "label": lm["labels"]}
+    assert "rename batch['label'] to 'labels'" in _refused(llama, lm, renamed, hf.causal_lm)
     # A classification loss on a language model's token logits was read as token tagging.
     assert "token_classification" in _refused(llama, lm, lm, hf.classification)
 
@@ -138,6 +141,10 @@ def test_labels_that_do_not_fit_the_task_are_refused_naming_the_fix_changing_not
     multi_hot = {**rows, "labels": (torch.rand(ROWS, 3, generator=generator) > 0.5).long()}
     message = _refused(single_label, rows, multi_hot, hf.classification)
     assert "multi_label_classification" in message
+    # Class ids as floats (a dataset's float column) make the model infer multi-label: the
+    # refusal used to say only "one target per output", not the .long() that fixes it.
+    float_ids = {**rows, "labels": rows["labels"].double()}
+    assert "labels.long()" in _refused(single_label, rows, float_ids, hf.classification)
 
 
 # --- PEFT prompt learning ------------------------------------------------------------------------
