@@ -462,6 +462,10 @@ def test_optimizer_state_of_another_class_is_refused_before_anything_changes(
     with pytest.raises(CheckpointError, match=r"adamw\.pt .*AdamW optimizer.* SGD.*build an AdamW"):
         load_checkpoint(path, **target)
     assert_bitwise(_snapshot(target), before)
+    # The other way round, as the names are spoken (docs/reliability.md quotes it): "an SGD".
+    sgd = _save(tmp_path / "sgd.pt", _stepped(torch.optim.SGD))
+    with pytest.raises(CheckpointError, match=r"state of an SGD optimizer, but .* into an "):
+        load_checkpoint(sgd, **_stepped(torch.optim.AdamW, seed=1))
 
 
 def test_older_file_without_optimizer_class_is_refused_by_its_group_settings(
