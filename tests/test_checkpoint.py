@@ -842,6 +842,30 @@ def test_file_holding_an_object_loading_refuses_gets_one_plain_line(tmp_path: Pa
     assert "\n" in str(raw.value)
 
 
+def test_a_file_that_is_no_checkpoint_at_all_is_named_so(tmp_path: Path) -> None:
+    """A run's config.json given for its checkpoint.pt: torch's reason was its weights_only advice
+    ("Re-running torch.load with weights_only set to False..."), beside the point and unsafe."""
+    config = tmp_path / "config.json"
+    config.write_text('{\n  "config": {"task": "digits"}\n}\n')
+    model, optimizer = _small()
+    before = clone_state([model.state_dict(), optimizer.state_dict()])
+    for load in (
+        lambda: load_checkpoint(config, model=model, optimizer=optimizer),
+        lambda: load_model_weights(config, model),
+    ):
+        with pytest.raises(
+            CheckpointError, match=r"config\.json is not a checkpoint file: it"
+        ) as e:
+            load()
+        assert "weights_only" not in str(e.value)
+    assert_bitwise([model.state_dict(), optimizer.state_dict()], before)
+    # Control: a real checkpoint cut short still reads as truncated (its zip header is intact).
+    good = _save(tmp_path / "good.pt", _stepped())
+    (tmp_path / "cut.pt").write_bytes(good.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="truncated, corrupted"):
+        load_checkpoint(tmp_path / "cut.pt", model=model, optimizer=optimizer)
+
+
 @pytest.mark.parametrize("kind", ["truncated", "random", "pickle-header"])
 def test_damaged_file_errors_are_one_plain_line(tmp_path: Path, kind: str) -> None:
     path = _damaged_files(tmp_path)[kind]
