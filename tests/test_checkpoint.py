@@ -462,6 +462,10 @@ def test_optimizer_state_of_another_class_is_refused_before_anything_changes(
     with pytest.raises(CheckpointError, match=r"adamw\.pt .*AdamW optimizer.* SGD.*build an AdamW"):
         load_checkpoint(path, **target)
     assert_bitwise(_snapshot(target), before)
+    # The other way round, as the names are spoken (docs/reliability.md quotes it): "an SGD".
+    sgd = _save(tmp_path / "sgd.pt", _stepped(torch.optim.SGD))
+    with pytest.raises(CheckpointError, match=r"state of an SGD optimizer, but .* into an "):
+        load_checkpoint(sgd, **_stepped(torch.optim.AdamW, seed=1))
 
 
 def test_older_file_without_optimizer_class_is_refused_by_its_group_settings(
@@ -836,6 +840,30 @@ def test_file_holding_an_object_loading_refuses_gets_one_plain_line(tmp_path: Pa
     with pytest.raises(Exception, match="\x1b") as raw:
         torch.load(path, weights_only=True)
     assert "\n" in str(raw.value)
+
+
+def test_a_file_that_is_no_checkpoint_at_all_is_named_so(tmp_path: Path) -> None:
+    """A run's config.json given for its checkpoint.pt: torch's reason was its weights_only advice
+    ("Re-running torch.load with weights_only set to False..."), beside the point and unsafe."""
+    config = tmp_path / "config.json"
+    config.write_text('{\n  "config": {"task": "digits"}\n}\n')
+    model, optimizer = _small()
+    before = clone_state([model.state_dict(), optimizer.state_dict()])
+    for load in (
+        lambda: load_checkpoint(config, model=model, optimizer=optimizer),
+        lambda: load_model_weights(config, model),
+    ):
+        with pytest.raises(
+            CheckpointError, match=r"config\.json is not a checkpoint file: it"
+        ) as e:
+            load()
+        assert "weights_only" not in str(e.value)
+    assert_bitwise([model.state_dict(), optimizer.state_dict()], before)
+    # Control: a real checkpoint cut short still reads as truncated (its zip header is intact).
+    good = _save(tmp_path / "good.pt", _stepped())
+    (tmp_path / "cut.pt").write_bytes(good.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="truncated, corrupted"):
+        load_checkpoint(tmp_path / "cut.pt", model=model, optimizer=optimizer)
 
 
 @pytest.mark.parametrize("kind", ["truncated", "random", "pickle-header"])

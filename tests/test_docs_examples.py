@@ -131,3 +131,23 @@ def test_architecture_md_names_every_module() -> None:
     names = [p.name for p in source.glob("*.py") if p.name != "__init__.py"]
     names += [f"{p.name}/" for p in source.iterdir() if (p / "__init__.py").is_file()]
     assert [name for name in sorted(names) if not re.search(rf"(?<![\w/]){name}", text)] == []
+
+
+def test_experiments_md_quotes_the_demo_figures_of_the_readme() -> None:
+    """experiments.md quoted the demo's float64 gap as 8.2e-13 after the demo printed 4.9e-13.
+
+    README's demo block is rerun by tests/test_readme_outputs.py, so it is the current output;
+    the figures experiments.md repeats must be the ones it shows.
+    """
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    experiments = (root / "docs/experiments.md").read_text(encoding="utf-8")
+    exact = re.search(r"\(b\) matches \(a\) to float64 rounding: (\S+) < 1e-10", readme)
+    naive = re.search(r"\(c\) ends (\S+) away from \(a\)", readme)
+    assert exact, "README's demo block lost its verdict line"
+    assert naive, "README's demo block lost its negative-control line"
+    quoted = re.search(
+        r"ends (\S+) away from the full-batch\s+run after 12 steps, against (\S+) for", experiments
+    )
+    assert quoted, "docs/experiments.md no longer quotes the demo's gaps"
+    assert quoted.groups() == (naive.group(1), exact.group(1))

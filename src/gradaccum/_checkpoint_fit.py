@@ -172,6 +172,9 @@ def check_extra(extra: object, path: str = "extra") -> None:
 
 
 def _article(word: str) -> str:
+    """'a' or 'an' as the name is spoken: an initialism by its first letter's name (an SGD)."""
+    if word[:2].isupper():
+        return "an" if word[0] in "AEFHILMNORSX" else "a"
     return "an" if word[:1].upper() in "AEIOU" else "a"
 
 

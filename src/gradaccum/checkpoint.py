@@ -261,6 +261,15 @@ def _read_payload(source: Path, map_location: Any = "cpu") -> dict[str, Any]:
         )
     if not source.is_file():
         raise FileNotFoundError(f"no checkpoint at {source}")
+    with source.open("rb") as file:
+        head = file.read(4)
+    # torch.save writes a zip archive (a legacy one a pickle): another file, such as a run's
+    # config.json given for its checkpoint.pt, would get torch's unrelated unpickling advice.
+    if head and not head.startswith((b"PK\x03\x04", b"\x80")):
+        raise CheckpointError(
+            f"{source} is not a checkpoint file: it starts with {head!r}, and torch.save writes "
+            "a zip archive; give the file save_checkpoint wrote (a run's checkpoint.pt)."
+        )
     try:
         payload = torch.load(source, map_location=map_location, weights_only=True)
     except Exception as error:  # damaged bytes fail deep in the unpickler, in many ways

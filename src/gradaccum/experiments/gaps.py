@@ -10,7 +10,10 @@ the split: on charlm that tensor ends 1e-4 apart while the model is 2e-6 apart.
 `gap_rows` compares the final checkpoint of every run with a reference run, taken among the configs
 of the first effective batch that two configs share: its `Bx1` config if given, else the first one.
 Configs with the reference's effective batch see the same batches, so on an additive task they must
-be "equal" (below `rtol`); the others are the controls.
+be "equal" (below `rtol`); the others are the controls. Over a long float32 run, though,
+rounding differences of 1e-7 per step grow (training amplifies them), so such a config may end
+apart; then the table says for how many steps its loss agreed with the reference's (each
+`metrics.jsonl`), which tells drift after many equal steps from a different update (BatchNorm).
 
 Example:
     >>> a = {"w": torch.tensor([3.0, 4.0])}
@@ -20,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,11 +66,33 @@ class GapRow:
     tensor: str  # the tensor with the largest gap of its own
     tensor_gap: float
     equal: bool
+    # Same effective batch as the reference but not equal: the leading steps whose loss agreed
+    # with the reference's within rtol, and the steps logged (None when unknown or not needed).
+    agreed: tuple[int, int] | None = None
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     payload = torch.load(checkpoint, map_location="cpu", weights_only=True)
     return {k: v for k, v in payload["model"].items() if torch.is_floating_point(v)}
+
+
+def _losses(checkpoint: Path) -> list[float]:
+    metrics = checkpoint.parent / "metrics.jsonl"
+    if not metrics.is_file():
+        return []
+    lines = metrics.read_text(encoding="utf-8").splitlines()
+    return [float(json.loads(line)["loss"]) for line in lines if line.strip()]
+
+
+def _agreed(run: Path, reference: Path, rtol: float) -> tuple[int, int] | None:
+    """Leading steps whose losses agree within `rtol`, and the steps both logged."""
+    ours, theirs = _losses(run), _losses(reference)
+    steps = min(len(ours), len(theirs))
+    if not steps:
+        return None
+    pairs = list(zip(ours[:steps], theirs[:steps], strict=True))
+    agreed = next((i for i, (a, b) in enumerate(pairs) if abs(a - b) > rtol * abs(b)), steps)
+    return agreed, steps
 
 
 def _norm(tensors: Mapping[str, torch.Tensor]) -> float:
@@ -96,7 +122,10 @@ def gap_rows(
             gap = _norm({k: other[k].double() - v.double() for k, v in weights.items()}) / _norm(
                 weights
             )
-            rows.append(GapRow(label, batches[label], gap, tensor, worst, gap < rtol))
+            agreed = None
+            if gap >= rtol and batches[label] == batches[reference]:
+                agreed = _agreed(checkpoints[label], checkpoints[reference], rtol)
+            rows.append(GapRow(label, batches[label], gap, tensor, worst, gap < rtol, agreed))
     return reference, rows
 
 
@@ -118,6 +147,17 @@ def format_gaps(reference: str, rows: list[GapRow], rtol: float, *, markdown: bo
         "with its effective batch see the same batches, so on a task without BatchNorm they must "
         "be equal; the others differ."
     )
+    for r in rows:
+        if r.agreed is not None:
+            note += (
+                f" {r.config} has its effective batch but ends apart: its loss agreed with "
+                f"{reference}'s to {rtol:g} for the first {r.agreed[0]} of {r.agreed[1]} steps"
+                + (
+                    ", then drifted: float32 rounding, grown over a long run."
+                    if r.agreed[0] >= min(10, r.agreed[1])
+                    else ": a different update (BatchNorm?); `gradaccum check` names the cause."
+                )
+            )
     if markdown:
         lines = [
             "| " + " | ".join(row) + " |"
