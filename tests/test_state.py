@@ -343,6 +343,7 @@ _OPTIONAL = {
     "auto.tuner",
     "auto.tuner.decisions",
     "engine.batchnorm.start",
+    "engine.buffers",  # absent from states saved before the buffers' window start was
     "telemetry",
 }
 
@@ -479,3 +480,105 @@ def test_damaged_accumulator_state_in_a_checkpoint_is_a_checkpoint_error(tmp_pat
         load_checkpoint(path, model=model2, optimizer=optimizer2, accumulator=acc2)
     after = [[p.grad for p in model2.parameters()], _everything(model2, optimizer2, acc2)]
     assert_bitwise(after, before)
+
+
+class _Ema(nn.Module):
+    """A forward that updates buffers (an EMA and a call counter), as an EMA codebook does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(4, dtype=torch.float64))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * x.mean(0))
+            self.calls += 1
+        return x
+
+
+def _ema_run(micro_batches: int) -> tuple[nn.Module, torch.optim.Optimizer, Accumulator]:
+    """A window of 4, then `micro_batches - 4` of the next: open, with buffers updated."""
+    torch.manual_seed(11)
+    model = nn.Sequential(_Ema(), nn.Linear(4, 2)).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    acc = Accumulator(model, optimizer, accumulation_steps=4)
+    with pytest.warns(UserWarning, match="updated the buffers"):
+        _micro_steps(acc, _data(micro_batches, torch.float64))
+    return model, optimizer, acc
+
+
+def _micro_steps(acc: Accumulator, data: list[Any]) -> None:
+    for batch in data:
+        acc.micro_step(batch, _mse)
+
+
+def _ema_resumed(end: Callable[[Accumulator], Any], keep_start: bool = True) -> Any:
+    """The second window saved after 2 micro-batches, resumed in a fresh Accumulator, ended."""
+    model, optimizer, acc = _ema_run(6)
+    saved = _via_bytes([model.state_dict(), optimizer.state_dict(), acc.state_dict()])
+    if not keep_start:  # as a state saved before the window's start of buffers was
+        del saved[2]["engine"]["buffers"]
+    model, optimizer, acc = _ema_run(4)  # a fresh run elsewhere, between windows
+    acc.load_state_dict(saved[2])  # before the model, as load_checkpoint does
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    end(acc)
+    return clone_state(model.state_dict())
+
+
+def _nan_micro_batch(acc: Accumulator) -> None:
+    nan = (
+        torch.full((2, 4), math.nan, dtype=torch.float64),
+        torch.zeros(2, 2, dtype=torch.float64),
+    )
+    acc.micro_step(nan, _mse)
+    assert acc.micro_step(nan, _mse).stepped is False  # the window closes, skipped
+
+
+@pytest.mark.parametrize(
+    "end",
+    [
+        pytest.param(lambda acc: acc.flush("drop"), id="dropped"),
+        pytest.param(_nan_micro_batch, id="skipped"),
+    ],
+)
+def test_a_resumed_window_forgotten_puts_forward_updated_buffers_back(
+    end: Callable[..., Any],
+) -> None:
+    """Saved mid-window, the forward-updated buffers' window start is part of the state.
+
+    Before, only BatchNorm's start was saved: a resumed window that was dropped or skipped put
+    no buffer back, keeping the saved window's updates (`calls` over 4), unlike the
+    uninterrupted run.
+    """
+    model, _, acc = _ema_run(6)
+    end(acc)
+    uninterrupted = clone_state(model.state_dict())
+    assert int(uninterrupted["0.calls"]) == 4  # the second window's two calls put back
+    assert_bitwise(_ema_resumed(end), uninterrupted)
+    naive = _ema_resumed(end, keep_start=False)  # negative control: no saved start
+    assert int(naive["0.calls"]) > 4  # the saved window's calls stay
+    assert not torch.equal(naive["0.ema"], uninterrupted["0.ema"])
+
+
+@pytest.mark.parametrize("entry", ["another buffer", "another shape", "garbage"])
+def test_a_buffer_start_of_another_model_is_refused_changing_nothing(entry: str) -> None:
+    state = _ema_run(6)[2].state_dict()
+    state["engine"]["buffers"][0] = {
+        "another buffer": ["1.nope", torch.zeros(4, dtype=torch.float64)],
+        "another shape": ["0.calls", torch.zeros(3, dtype=torch.long)],
+        "garbage": "garbage",
+    }[entry]
+    model, optimizer, target = _ema_run(5)  # its own window open, one micro-batch in
+    before = clone_state(
+        [[p.grad for p in model.parameters()], _everything(model, optimizer, target)]
+    )
+    with pytest.raises(ValueError, match=r"engine\.buffers"):
+        target.load_state_dict(state)
+    after = clone_state(
+        [[p.grad for p in model.parameters()], _everything(model, optimizer, target)]
+    )
+    assert_bitwise(after, before)
+    target.flush("drop")  # the target's own window start is still there
+    assert int(model[0].calls) == 4
