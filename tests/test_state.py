@@ -582,3 +582,39 @@ def test_a_buffer_start_of_another_model_is_refused_changing_nothing(entry: str)
     assert_bitwise(after, before)
     target.flush("drop")  # the target's own window start is still there
     assert int(model[0].calls) == 4
+
+
+@pytest.mark.parametrize("ramp", [2, Tokens(4)])
+def test_a_state_saved_after_a_ramp_names_the_setting_to_set_then_resumes_exactly(
+    ramp: int | Tokens,
+) -> None:
+    """`acc.accumulation_steps = n` between windows, saved mid-window, resumed in a fresh build.
+
+    The fresh Accumulator is built with the constructor's value, as the run's script does: the
+    refusal names the assignment that makes it load, and the resumed run is bitwise the
+    uninterrupted one.
+    """
+    data = _data(9, torch.float64)
+
+    def ramped() -> tuple[nn.Module, torch.optim.Optimizer, Accumulator]:
+        model, optimizer, acc = _setup()
+        _micro_steps(acc, data[:3])  # the first window, of 3
+        acc.accumulation_steps = ramp
+        acc.micro_step(data[3], _mse)  # the ramped window, open
+        return model, optimizer, acc
+
+    model, optimizer, acc = ramped()
+    _micro_steps(acc, data[4:])
+    uninterrupted = _everything(model, optimizer, acc)
+    saved = _via_bytes(_everything(*ramped()))
+    model, optimizer, acc = _setup()
+    before = _everything(model, optimizer, acc)
+    with pytest.raises(ValueError, match=re.escape(f"set acc.accumulation_steps = {ramp!r}")):
+        acc.load_state_dict(saved[2])
+    assert_bitwise(_everything(model, optimizer, acc), before)
+    acc.accumulation_steps = ramp  # what the message says
+    acc.load_state_dict(saved[2])
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    _micro_steps(acc, data[4:])
+    assert_bitwise(_everything(model, optimizer, acc), uninterrupted)
