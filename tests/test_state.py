@@ -618,3 +618,33 @@ def test_a_state_saved_after_a_ramp_names_the_setting_to_set_then_resumes_exactl
     optimizer.load_state_dict(saved[1])
     _micro_steps(acc, data[4:])
     assert_bitwise(_everything(model, optimizer, acc), uninterrupted)
+
+
+def test_a_state_saved_without_telemetry_resets_the_telemetry_it_is_loaded_into() -> None:
+    """The loaded run's noise-scale averages are its own, whatever the target measured before.
+
+    Before, a state saved with `telemetry=False` left a used target's averages and its open
+    window's first measurement in place: the resumed run reported the target's history.
+    """
+    data = _data(16, torch.float64)
+    source_model, source_opt, source = _setup()
+    _micro_steps(source, data[:4])  # a window closed, one open
+    saved = _via_bytes(_everything(source_model, source_opt, source))
+
+    def resumed(used: bool) -> Any:
+        model, optimizer, acc = _setup(telemetry=True)
+        if used:
+            _micro_steps(acc, data[:11])  # three windows measured, a fourth open
+            assert acc.state_dict()["telemetry"]["steps"] > 0
+        loaded = clone_state(saved)
+        acc.load_state_dict(loaded[2])
+        model.load_state_dict(loaded[0])
+        optimizer.load_state_dict(loaded[1])
+        results = [acc.micro_step(batch, _mse) for batch in data[4:]]
+        return [(r.telemetry.noise_scale, r.telemetry.trace) for r in results if r.stepped], (
+            _everything(model, optimizer, acc)
+        )
+
+    fresh, used = resumed(False), resumed(True)
+    assert fresh[0] == used[0]
+    assert_bitwise(fresh[1], used[1])
