@@ -648,3 +648,33 @@ def test_a_state_saved_without_telemetry_resets_the_telemetry_it_is_loaded_into(
     fresh, used = resumed(False), resumed(True)
     assert fresh[0] == used[0]
     assert_bitwise(fresh[1], used[1])
+
+
+@pytest.mark.parametrize("then", ["loaded", "a window dropped", "a window skipped"])
+def test_a_boundary_state_loaded_mid_window_leaves_no_partial_sums_behind(then: str) -> None:
+    """Loading a state saved between windows forgets the target's own open window whole.
+
+    Before, its partial gradient sums stayed in `.grad` after the load (the saved run had none
+    there), and the next window set them aside as if they were the user's, so a window dropped
+    or skipped after the load put them back.
+    """
+    data = _data(9, torch.float64)
+    model, optimizer, source = _setup()
+    _micro_steps(source, data[:3])  # one window, closed
+    saved = _via_bytes(_everything(model, optimizer, source))
+    assert all(p.grad is None for p in model.parameters())
+    model, optimizer, target = _setup()
+    _micro_steps(target, data[3:5])  # its own window open: partial sums in .grad
+    assert all(p.grad is not None for p in model.parameters())
+    target.load_state_dict(saved[2])
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    if then == "a window dropped":
+        target.micro_step(data[5], _mse)
+        target.flush("drop")
+    elif then == "a window skipped":
+        nan = (torch.full((2, 4), math.nan, dtype=torch.float64), data[5][1][:1].repeat(2, 1))
+        results = [target.micro_step(batch, _mse) for batch in (data[5], nan, data[6])]
+        assert results[-1].stepped is False  # non-finite: skipped
+    assert [p.grad for p in model.parameters()] == [None] * len(list(model.parameters()))
+    assert_bitwise(_everything(model, optimizer, target)[:2], saved[:2])
