@@ -343,6 +343,7 @@ _OPTIONAL = {
     "auto.tuner",
     "auto.tuner.decisions",
     "engine.batchnorm.start",
+    "engine.buffers",  # absent from states saved before the buffers' window start was
     "telemetry",
 }
 
@@ -479,3 +480,201 @@ def test_damaged_accumulator_state_in_a_checkpoint_is_a_checkpoint_error(tmp_pat
         load_checkpoint(path, model=model2, optimizer=optimizer2, accumulator=acc2)
     after = [[p.grad for p in model2.parameters()], _everything(model2, optimizer2, acc2)]
     assert_bitwise(after, before)
+
+
+class _Ema(nn.Module):
+    """A forward that updates buffers (an EMA and a call counter), as an EMA codebook does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(4, dtype=torch.float64))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * x.mean(0))
+            self.calls += 1
+        return x
+
+
+def _ema_run(micro_batches: int) -> tuple[nn.Module, torch.optim.Optimizer, Accumulator]:
+    """A window of 4, then `micro_batches - 4` of the next: open, with buffers updated."""
+    torch.manual_seed(11)
+    model = nn.Sequential(_Ema(), nn.Linear(4, 2)).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    acc = Accumulator(model, optimizer, accumulation_steps=4)
+    with pytest.warns(UserWarning, match="updated the buffers"):
+        _micro_steps(acc, _data(micro_batches, torch.float64))
+    return model, optimizer, acc
+
+
+def _micro_steps(acc: Accumulator, data: list[Any]) -> None:
+    for batch in data:
+        acc.micro_step(batch, _mse)
+
+
+def _ema_resumed(end: Callable[[Accumulator], Any], keep_start: bool = True) -> Any:
+    """The second window saved after 2 micro-batches, resumed in a fresh Accumulator, ended."""
+    model, optimizer, acc = _ema_run(6)
+    saved = _via_bytes([model.state_dict(), optimizer.state_dict(), acc.state_dict()])
+    if not keep_start:  # as a state saved before the window's start of buffers was
+        del saved[2]["engine"]["buffers"]
+    model, optimizer, acc = _ema_run(4)  # a fresh run elsewhere, between windows
+    acc.load_state_dict(saved[2])  # before the model, as load_checkpoint does
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    end(acc)
+    return clone_state(model.state_dict())
+
+
+def _nan_micro_batch(acc: Accumulator) -> None:
+    nan = (
+        torch.full((2, 4), math.nan, dtype=torch.float64),
+        torch.zeros(2, 2, dtype=torch.float64),
+    )
+    acc.micro_step(nan, _mse)
+    assert acc.micro_step(nan, _mse).stepped is False  # the window closes, skipped
+
+
+@pytest.mark.parametrize(
+    "end",
+    [
+        pytest.param(lambda acc: acc.flush("drop"), id="dropped"),
+        pytest.param(_nan_micro_batch, id="skipped"),
+    ],
+)
+def test_a_resumed_window_forgotten_puts_forward_updated_buffers_back(
+    end: Callable[..., Any],
+) -> None:
+    """Saved mid-window, the forward-updated buffers' window start is part of the state.
+
+    Before, only BatchNorm's start was saved: a resumed window that was dropped or skipped put
+    no buffer back, keeping the saved window's updates (`calls` over 4), unlike the
+    uninterrupted run.
+    """
+    model, _, acc = _ema_run(6)
+    end(acc)
+    uninterrupted = clone_state(model.state_dict())
+    assert int(uninterrupted["0.calls"]) == 4  # the second window's two calls put back
+    assert_bitwise(_ema_resumed(end), uninterrupted)
+    naive = _ema_resumed(end, keep_start=False)  # negative control: no saved start
+    assert int(naive["0.calls"]) > 4  # the saved window's calls stay
+    assert not torch.equal(naive["0.ema"], uninterrupted["0.ema"])
+
+
+@pytest.mark.parametrize("entry", ["another buffer", "another shape", "garbage"])
+def test_a_buffer_start_of_another_model_is_refused_changing_nothing(entry: str) -> None:
+    state = _ema_run(6)[2].state_dict()
+    state["engine"]["buffers"][0] = {
+        "another buffer": ["1.nope", torch.zeros(4, dtype=torch.float64)],
+        "another shape": ["0.calls", torch.zeros(3, dtype=torch.long)],
+        "garbage": "garbage",
+    }[entry]
+    model, optimizer, target = _ema_run(5)  # its own window open, one micro-batch in
+    before = clone_state(
+        [[p.grad for p in model.parameters()], _everything(model, optimizer, target)]
+    )
+    with pytest.raises(ValueError, match=r"engine\.buffers"):
+        target.load_state_dict(state)
+    after = clone_state(
+        [[p.grad for p in model.parameters()], _everything(model, optimizer, target)]
+    )
+    assert_bitwise(after, before)
+    target.flush("drop")  # the target's own window start is still there
+    assert int(model[0].calls) == 4
+
+
+@pytest.mark.parametrize("ramp", [2, Tokens(4)])
+def test_a_state_saved_after_a_ramp_names_the_setting_to_set_then_resumes_exactly(
+    ramp: int | Tokens,
+) -> None:
+    """`acc.accumulation_steps = n` between windows, saved mid-window, resumed in a fresh build.
+
+    The fresh Accumulator is built with the constructor's value, as the run's script does: the
+    refusal names the assignment that makes it load, and the resumed run is bitwise the
+    uninterrupted one.
+    """
+    data = _data(9, torch.float64)
+
+    def ramped() -> tuple[nn.Module, torch.optim.Optimizer, Accumulator]:
+        model, optimizer, acc = _setup()
+        _micro_steps(acc, data[:3])  # the first window, of 3
+        acc.accumulation_steps = ramp
+        acc.micro_step(data[3], _mse)  # the ramped window, open
+        return model, optimizer, acc
+
+    model, optimizer, acc = ramped()
+    _micro_steps(acc, data[4:])
+    uninterrupted = _everything(model, optimizer, acc)
+    saved = _via_bytes(_everything(*ramped()))
+    model, optimizer, acc = _setup()
+    before = _everything(model, optimizer, acc)
+    with pytest.raises(ValueError, match=re.escape(f"set acc.accumulation_steps = {ramp!r}")):
+        acc.load_state_dict(saved[2])
+    assert_bitwise(_everything(model, optimizer, acc), before)
+    acc.accumulation_steps = ramp  # what the message says
+    acc.load_state_dict(saved[2])
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    _micro_steps(acc, data[4:])
+    assert_bitwise(_everything(model, optimizer, acc), uninterrupted)
+
+
+def test_a_state_saved_without_telemetry_resets_the_telemetry_it_is_loaded_into() -> None:
+    """The loaded run's noise-scale averages are its own, whatever the target measured before.
+
+    Before, a state saved with `telemetry=False` left a used target's averages and its open
+    window's first measurement in place: the resumed run reported the target's history.
+    """
+    data = _data(16, torch.float64)
+    source_model, source_opt, source = _setup()
+    _micro_steps(source, data[:4])  # a window closed, one open
+    saved = _via_bytes(_everything(source_model, source_opt, source))
+
+    def resumed(used: bool) -> Any:
+        model, optimizer, acc = _setup(telemetry=True)
+        if used:
+            _micro_steps(acc, data[:11])  # three windows measured, a fourth open
+            assert acc.state_dict()["telemetry"]["steps"] > 0
+        loaded = clone_state(saved)
+        acc.load_state_dict(loaded[2])
+        model.load_state_dict(loaded[0])
+        optimizer.load_state_dict(loaded[1])
+        results = [acc.micro_step(batch, _mse) for batch in data[4:]]
+        return [(r.telemetry.noise_scale, r.telemetry.trace) for r in results if r.stepped], (
+            _everything(model, optimizer, acc)
+        )
+
+    fresh, used = resumed(False), resumed(True)
+    assert fresh[0] == used[0]
+    assert_bitwise(fresh[1], used[1])
+
+
+@pytest.mark.parametrize("then", ["loaded", "a window dropped", "a window skipped"])
+def test_a_boundary_state_loaded_mid_window_leaves_no_partial_sums_behind(then: str) -> None:
+    """Loading a state saved between windows forgets the target's own open window whole.
+
+    Before, its partial gradient sums stayed in `.grad` after the load (the saved run had none
+    there), and the next window set them aside as if they were the user's, so a window dropped
+    or skipped after the load put them back.
+    """
+    data = _data(9, torch.float64)
+    model, optimizer, source = _setup()
+    _micro_steps(source, data[:3])  # one window, closed
+    saved = _via_bytes(_everything(model, optimizer, source))
+    assert all(p.grad is None for p in model.parameters())
+    model, optimizer, target = _setup()
+    _micro_steps(target, data[3:5])  # its own window open: partial sums in .grad
+    assert all(p.grad is not None for p in model.parameters())
+    target.load_state_dict(saved[2])
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    if then == "a window dropped":
+        target.micro_step(data[5], _mse)
+        target.flush("drop")
+    elif then == "a window skipped":
+        nan = (torch.full((2, 4), math.nan, dtype=torch.float64), data[5][1][:1].repeat(2, 1))
+        results = [target.micro_step(batch, _mse) for batch in (data[5], nan, data[6])]
+        assert results[-1].stepped is False  # non-finite: skipped
+    assert [p.grad for p in model.parameters()] == [None] * len(list(model.parameters()))
+    assert_bitwise(_everything(model, optimizer, target)[:2], saved[:2])

@@ -132,6 +132,56 @@ class BufferWatch:
         """Drop this window's copies (it closed, or another window's state was loaded)."""
         self._saved, self._versions = [], []
 
+    def state_dict(self) -> list[list[str | torch.Tensor]]:
+        """The open window's starting copies, `[[buffer name, tensor], ...]` (plain data).
+
+        What a window that fails, is skipped or is dropped after a resume puts back: without
+        them, the loaded window's earlier forwards' updates would stay.
+        """
+        return [[self._slots[i][0], old.clone()] for i, _, old in self._saved]
+
+    def check_state(self, start: object) -> list[tuple[int, torch.Tensor]] | None:
+        """Check a saved `state_dict()` against this model; raise ValueError changing nothing.
+
+        Returns:
+            Each saved copy by slot, on its buffer's device, for `resume`; None for a state
+            saved before the copies were.
+        """
+        if start is None:
+            return None
+        slots = {name: i for i, (name, _, _) in enumerate(self._slots)}
+        resumed = []
+        for entry in start if isinstance(start, list) else [start]:
+            name, tensor = entry if isinstance(entry, list) and len(entry) == 2 else ("", None)
+            i = slots.get(name) if isinstance(name, str) else None
+            buffer = None if i is None else self._now(i)
+            if (
+                i is None
+                or buffer is None
+                or not isinstance(tensor, torch.Tensor)
+                or (tensor.shape, tensor.dtype) != (buffer.shape, buffer.dtype)
+            ):
+                raise ValueError(
+                    f"the Accumulator state is damaged: engine.buffers entry {str(entry)[:80]} "
+                    "is no buffer of this model (same name, shape and dtype); load the state "
+                    "into the same model. Nothing was changed."
+                )
+            resumed.append((i, tensor.to(buffer.device).clone()))
+        return resumed
+
+    def resume(self, start: list[tuple[int, torch.Tensor]] | None, is_open: bool) -> None:
+        """After a load: an open window's start is the one saved.
+
+        A state saved before the start was (None) resumes with none, as it did then: copies taken
+        now could be a fresh model's, which `load_checkpoint` loads after the Accumulator.
+        """
+        if not is_open or start is None:
+            self.reset()
+            return
+        current = [(i, self._now(i)) for i in range(len(self._slots))]
+        self._saved = [(i, buffer, old) for i, old in start if (buffer := self._now(i)) is not None]
+        self._versions = [(i, b, _version(b)) for i, b in current if b is not None]
+
     def _now(self, slot: int) -> torch.Tensor | None:
         _, module, key = self._slots[slot]
         buffer: torch.Tensor | None = module._buffers.get(key)

@@ -287,9 +287,11 @@ def check_saved_state(state: object, version: int, settings: dict[str, Any]) -> 
     for name, mine in settings.items():
         saved = saved_settings.get(name)
         if saved != mine and name != "micro_batch_size":
+            settable = name == "accumulation_steps" and saved is not None  # a ramp may set it
+            fix = f" (or set acc.{name} = {saved} before loading)" if settable else ""
             raise ValueError(
                 f"the saved Accumulator has {name}={saved!r} but this one has {name}={mine!r}; "
-                "build the Accumulator with the saved settings."
+                f"build the Accumulator with the saved settings{fix}."
             )
     check_state_layout(
         state, [f.name for f in fields(MemoryPlan)]

@@ -388,13 +388,12 @@ class Engine:
 
     def state_dict(self) -> dict[str, Any]:
         """The components' own states."""
-        return component_states(self.window, self.runtime, self.batchnorm, self.sync)
+        return component_states(self.window, self.runtime, self.batchnorm, self.sync, self.buffers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Check every component's state first, then restore them; raise changing nothing."""
         params, held = window_parameters(self._model_params, self.optimizer)
-        components = (self.window, self.runtime, self.batchnorm, self.sync)
-        restore_components(state, *components, params=params, held=held)
-        self._end()
+        components = (self.window, self.runtime, self.batchnorm, self.sync, self.buffers)
+        restore_components(state, *components, params=params, held=held, end=self._end)
         self.broken = None  # the caller restored a consistent state
         self.schedule.forget()  # and may have moved the scheduler on purpose

@@ -6,10 +6,12 @@ runtime (fp32 buffers, loss scale) and the BatchNorm control as they were.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from gradaccum._buffer_watch import BufferWatch
 from gradaccum._sync_base import GradSync
 from gradaccum.batchnorm import BatchNormControl
 from gradaccum.precision import PrecisionRuntime
@@ -19,10 +21,15 @@ __all__ = ["component_states", "restore_components"]
 
 
 def component_states(
-    window: Window, runtime: PrecisionRuntime, batchnorm: BatchNormControl, sync: GradSync
+    window: Window,
+    runtime: PrecisionRuntime,
+    batchnorm: BatchNormControl,
+    sync: GradSync,
+    buffers: BufferWatch,
 ) -> dict[str, Any]:
     """What `Engine.state_dict()` returns: each component's own state, and whose window it is."""
     return {
+        "buffers": buffers.state_dict(),  # the open window's start of forward-updated buffers
         "window": window.state_dict(),
         "precision": runtime.state_dict(),
         "batchnorm_mode": batchnorm.mode.value,
@@ -37,9 +44,11 @@ def restore_components(
     runtime: PrecisionRuntime,
     batchnorm: BatchNormControl,
     sync: GradSync,
+    buffers: BufferWatch,
     *,
     params: list[torch.nn.Parameter],
     held: int,
+    end: Callable[[], None],
 ) -> None:
     """Check `state` against every component, then load it; raise ValueError changing nothing.
 
@@ -49,13 +58,16 @@ def restore_components(
         runtime: Receives the loss scale and fp32 buffers.
         batchnorm: Receives the BatchNorm state; its mode must match.
         sync: Refuses a window that cannot continue here (another rank's, a static graph's).
+        buffers: Checks the saved start of the forward-updated buffers.
         params: The window's parameters; the first `held` are the optimizer's.
         held: How many of `params` the optimizer holds.
+        end: Ends the engine's own window (dropping the buffers' copies of it), once loaded.
     """
     batchnorm.check_mode(state.get("batchnorm_mode"))
     sync.check_resume(bool(state["window"].get("micro_batches")), state.get("origin"))
     window.check_state(state["window"], params)
     runtime.check_state(state["precision"], params)
+    start = buffers.check_state(state.get("buffers"))  # absent from older states
     batchnorm.load_state_dict(state["batchnorm"])  # checks, then loads
     window.load_state_dict(state["window"], params, held)
     runtime.open_window(len(params), params)
@@ -63,3 +75,5 @@ def restore_components(
     if len(runtime.buffers) != len(params):
         runtime.open_window(len(params), params)
     batchnorm.resume_window(window.is_open)
+    end()
+    buffers.resume(start, window.is_open)  # after `end()`: the loaded window's start

@@ -75,7 +75,23 @@ _RANK_AND_WORLD: Rule = (
     lambda v: isinstance(v, list) and len(v) == 2 and all(map(_is_count, v)),
     "[rank, world size]",
 )
-_ENGINE_OPTIONAL = {"origin": _optional(_RANK_AND_WORLD)}  # newer than version 2
+_BUFFER_STARTS: Rule = (
+    lambda v: (
+        isinstance(v, list)
+        and all(
+            isinstance(e, list)
+            and len(e) == 2
+            and isinstance(e[0], str)
+            and isinstance(e[1], torch.Tensor)
+            for e in v
+        )
+    ),
+    "a list of [buffer name, tensor]",
+)
+_ENGINE_OPTIONAL = {  # newer than version 2
+    "origin": _optional(_RANK_AND_WORLD),
+    "buffers": _BUFFER_STARTS,
+}
 _OPEN_WINDOW = {
     "count": INT,
     "loss_sum": _optional(TENSOR),

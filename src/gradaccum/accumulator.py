@@ -375,7 +375,9 @@ class Accumulator(WindowSizes):
         self._engine.load_state_dict(state["engine"])  # checks everything, then loads
         if self._auto is not None and same_split and state.get("auto") is not None:
             self._auto.load_state_dict(state["auto"])  # kept only by the same auto mode
-        if self._engine.telemetry is not None and state.get("telemetry") is not None:
-            self._engine.telemetry.load_state_dict(state["telemetry"])
+        if self._engine.telemetry is not None:  # saved without telemetry: it starts afresh
+            self._engine.telemetry.load_state_dict(
+                state.get("telemetry") or TelemetryMeter().state_dict()
+            )
         self.nonfinite_windows = int(state["nonfinite_windows"])
         self.empty_windows = int(state["empty_windows"])

@@ -241,11 +241,7 @@ class Window:
         self._close()
 
     def state_dict(self) -> dict[str, Any]:
-        """Copies of the totals and of the partial gradients (plain data).
-
-        A closed window saves no parameter: its state does not depend on the windows before it
-        (a forgotten one included).
-        """
+        """Copies of the totals and partial gradients (plain data; a closed window saves none)."""
         params = self.params if self.is_open else []
         return {
             "count": self.count,
@@ -283,6 +279,8 @@ class Window:
         self, state: dict[str, Any], params: list[torch.nn.Parameter], held: int
     ) -> None:
         """Restore `state_dict()` output into a window over `params` (call `check_state` first)."""
+        if self.is_open:  # its own window is forgotten: the gradients set aside come back
+            self.restore()  # (and it closes), or a later forgotten window would bring its sums
         self._close()
         self.params, self.held = params, held
         if not state["micro_batches"]:
