@@ -304,14 +304,37 @@ def test_a_second_signal_exits_130_and_keeps_only_finished_configs(tmp_path):
     [
         (["--resume", "{out}", "--lr", "0.1"], "--lr cannot be combined with --resume"),
         (["--resume", "{out}", "--configs", "8x1"], "--configs cannot be combined with --resume"),
-        (["--resume", "{missing}"], "holds no compare.json"),
+        (["--resume", "{out}"], "holds no compare.json"),
+        (["--resume", "{missing}"], "{missing}: no such directory"),  # as train --resume says
+        (["--resume", "{out}", "--lr", "0.1", "--seed", "1"], "--seed cannot be combined with "),
     ],
 )
 def test_bad_compare_resume_exits_2(tmp_path, capsys, args, message):
     names = {"out": tmp_path, "missing": tmp_path / "missing"}
     assert main(["compare", *(arg.format(**names) for arg in args)]) == 2
-    assert message in capsys.readouterr().err
+    assert message.format(**names) in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_compare_resume_of_a_file_and_out_of_a_compare_point_to_the_fix(tmp_path, capsys):
+    """`--out` of a compare folder said only "directory is not empty" (train points to
+    --resume); `--resume FILE` said the file "holds no compare.json"."""
+    (tmp_path / "cmp").mkdir()
+    (tmp_path / "cmp" / "compare.json").write_text("{}")
+    (tmp_path / "cmp" / "8x1").mkdir()
+    before = sorted(p.name for p in (tmp_path / "cmp").iterdir())
+    argv = ["compare", "--task", "digits", "--configs", "8x1", "--steps", "1"]
+    assert main([*argv, "--out", str(tmp_path / "cmp")]) == 2
+    assert (
+        f"--out {tmp_path / 'cmp'}: holds a compare of `gradaccum compare`; continue it with: "
+        f"gradaccum compare --resume {tmp_path / 'cmp'}"
+    ) in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "cmp").iterdir()) == before
+    assert main(["compare", "--resume", str(tmp_path / "cmp" / "compare.json")]) == 2
+    assert "compare.json: not a directory" in capsys.readouterr().err
+    # Control: --resume with one setting says "drop it".
+    assert main(["compare", "--resume", str(tmp_path / "cmp"), "--lr", "0.1"]) == 2
+    assert "keeps its settings; drop it\n" in capsys.readouterr().err
 
 
 def test_compare_passes_bn_to_every_config(tmp_path):

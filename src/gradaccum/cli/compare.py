@@ -40,7 +40,9 @@ from gradaccum.cli._options import (
 from gradaccum.cli.train import CONFIG_NAME, train_session
 from gradaccum.experiments.base import RunSummary, TrainConfig
 from gradaccum.experiments.folders import (
+    check_not_resumable,
     check_out_dir,
+    check_resume_dir,
     default_out_dir,
     run_folder,
     stop_on_signals,
@@ -127,6 +129,7 @@ def _new(args: argparse.Namespace) -> tuple[Path, TrainConfig, list[str]]:
     for label, text in zip(labels, args.configs, strict=True):
         if labels.count(label) > 1:
             raise UsageError(f"config {text!r} is given twice")
+    check_not_resumable(args.out, SETTINGS_NAME, "compare", "a compare")
     out = args.out or default_out_dir("compare", args.task)
     check_out_dir(out)
     args.threads = args.threads or 1
@@ -139,8 +142,9 @@ def _resumed(args: argparse.Namespace) -> tuple[Path, TrainConfig, list[str]]:
     if given:
         raise UsageError(
             f"{', '.join(given)} cannot be combined with --resume: the compare in {folder} keeps "
-            "its settings; drop them"
+            f"its settings; drop {'them' if len(given) > 1 else 'it'}"
         )
+    check_resume_dir(folder)
     if not (folder / SETTINGS_NAME).is_file():
         raise UsageError(f"--resume {folder}: holds no {SETTINGS_NAME} of `gradaccum compare`")
     try:

@@ -35,7 +35,9 @@ from gradaccum.cli._options import (
 from gradaccum.experiments.base import RunSummary
 from gradaccum.experiments.folders import (
     StopRequest,
+    check_not_resumable,
     check_out_dir,
+    check_resume_dir,
     default_out_dir,
     run_folder,
     stop_on_signals,
@@ -94,11 +96,7 @@ def _open_new(args: argparse.Namespace) -> tuple[TrainingRun, Path, CheckpointEv
     if args.task is None:
         raise UsageError("--task is required (or --resume DIR to continue a run)")
     config = config_from(args)
-    if args.out is not None and (args.out / CONFIG_NAME).is_file():
-        raise UsageError(
-            f"--out {args.out}: holds a run of `gradaccum train`; continue it with: gradaccum "
-            f"train --resume {shlex.quote(str(args.out))} (or choose a new folder)"
-        )
+    check_not_resumable(args.out, CONFIG_NAME, "train", "a run")
     out = args.out or default_out_dir("train", args.task)
     check_out_dir(out)
     if config.micro_batch_size == "auto" and config.max_tokens is None:  # else refused below
@@ -121,10 +119,7 @@ def _open_resumed(args: argparse.Namespace) -> tuple[TrainingRun, Path, Checkpoi
             f"settings in {folder / CONFIG_NAME}; drop {'them' if len(given) > 1 else 'it'} "
             "(only --epochs or --steps may extend it; to change settings, start a new run)"
         )
-    if not folder.is_dir():
-        raise UsageError(
-            f"--resume {folder}: {'not a' if folder.exists() else 'no such'} directory"
-        )
+    check_resume_dir(folder)
     if not (folder / CONFIG_NAME).is_file():
         raise UsageError(
             f"--resume {folder}: holds no {CONFIG_NAME}, so it is not a run folder of `gradaccum "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import tempfile
@@ -68,6 +69,27 @@ def check_out_dir(path: Path, *, replaceable: Collection[str] = ()) -> None:
     if not ancestor.is_dir():
         raise FolderError(f"--out {path}: cannot create it, {ancestor} is not a directory")
     _probe(ancestor, f"--out {path}: cannot create it in {ancestor}")
+
+
+def check_not_resumable(out: Path | None, marker: str, command: str, what: str) -> None:
+    """Refuse an `--out` that holds `what` of `gradaccum COMMAND` (its `marker` file): resume it.
+
+    Raises:
+        FolderError: Naming `gradaccum COMMAND --resume OUT`.
+    """
+    if out is not None and (out / marker).is_file():
+        raise FolderError(
+            f"--out {out}: holds {what} of `gradaccum {command}`; continue it with: gradaccum "
+            f"{command} --resume {shlex.quote(str(out))} (or choose a new folder)"
+        )
+
+
+def check_resume_dir(folder: Path) -> None:
+    """Refuse a `--resume` that is not a folder, saying whether it is missing or a file."""
+    if not folder.is_dir():
+        raise FolderError(
+            f"--resume {folder}: {'not a' if folder.exists() else 'no such'} directory"
+        )
 
 
 def _probe(folder: Path, failure: str) -> None:
