@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
+import torch
 
-from gradaccum import StepResult
+from gradaccum import Accumulator, StepResult
 
 
 def _fields(**overrides: object) -> dict[str, object]:
@@ -43,3 +45,39 @@ def test_the_flags_are_not_positional_arguments() -> None:
     """NEGATIVE CONTROL of the constructors: the plain constructor takes keywords only."""
     with pytest.raises(TypeError):
         StepResult(0.5, 4, 2, 2, True, False, 0.1)  # type: ignore[misc]
+
+
+def _nan_run(poisoned: list[bool], precision: str = "fp32") -> list[warnings.WarningMessage]:
+    """Windows of a linear model, the ones marked True with a NaN loss; the warnings they gave."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    acc = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2, precision=precision
+    )
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for nan in poisoned:
+            scale = float("nan") if nan else 1.0
+            result = acc.step(x, lambda m, b, s=scale: m(b).pow(2).mean() * s)
+            assert result.skipped == nan
+            assert result.stepped != nan
+    return [w for w in caught if "in a row were skipped" in str(w.message)]
+
+
+def test_windows_skipped_as_non_finite_in_a_row_warn_once_that_nothing_trains() -> None:
+    assert _nan_run([True, True]) == []  # two may be a passing spike
+    stalled = _nan_run([True] * 6)
+    assert len(stalled) == 1  # once, at the third
+    message = str(stalled[0].message)
+    assert message.startswith("3 accumulation windows in a row were skipped")
+    assert "on_nonfinite='raise'" in message
+    assert "weight" in message  # names the parameters
+    assert stalled[0].filename == __file__  # points at the caller's line
+
+
+def test_skips_apart_do_not_warn_and_fp16_allows_its_scale_backoff() -> None:
+    # Negative control: as many skips, but a stepped window between them resets the count.
+    assert _nan_run([True, True, False, True, True, False, True, True]) == []
+    # fp16 skips a few windows while its loss scale backs off: 3 in a row is routine there.
+    assert _nan_run([True] * 3, precision="fp16") == []

@@ -53,7 +53,7 @@ from gradaccum.options import (
 from gradaccum.packing import check_packable, pack_by_tokens
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.recovery import AutoSizer
-from gradaccum.result import NonFiniteError, StepResult, learning_rate
+from gradaccum.result import NonFiniteError, SkippedInARow, StepResult, learning_rate
 from gradaccum.sizing import MemoryPlan
 from gradaccum.sync import grad_sync_for
 from gradaccum.telemetry import TelemetryMeter
@@ -158,6 +158,7 @@ class Accumulator(WindowSizes):
         if telemetry:
             self._engine.telemetry = TelemetryMeter(device=runtime.device)
         self.nonfinite_windows = self.empty_windows = 0  # windows skipped so far: in the state
+        self._stalled = SkippedInARow(20 if self.precision is Precision.FP16 else 3)
 
     @property
     def plan(self) -> MemoryPlan | None:
@@ -322,6 +323,7 @@ class Accumulator(WindowSizes):
             telemetry=telemetry,
         )
         if outcome.stepped:
+            self._stalled.stepped()
             return result
         if outcome.count == 0 and self.normalize is Normalize.MEAN:
             self.empty_windows += 1
@@ -329,6 +331,7 @@ class Accumulator(WindowSizes):
         self.nonfinite_windows += 1
         if self.on_nonfinite is OnNonFinite.RAISE:
             raise NonFiniteError.of_window(micro_batches, outcome)
+        self._stalled.skipped(outcome)
         return result
 
     def _pending(self) -> StepResult:

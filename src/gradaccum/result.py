@@ -18,9 +18,10 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, cast, overload
 
+from gradaccum._warnings import warn_user
 from gradaccum.telemetry import Telemetry
 
-__all__ = ["NonFiniteError", "PartialStepError", "StepResult", "learning_rate"]
+__all__ = ["NonFiniteError", "PartialStepError", "SkippedInARow", "StepResult", "learning_rate"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -34,6 +35,39 @@ class NonFiniteError(FloatingPointError):
             f"grad norm {outcome.grad_norm}; non-finite gradients in: "
             f"{list(outcome.nonfinite_names)}. The window was discarded; pass "
             "on_nonfinite='skip' to skip such windows instead."
+        )
+
+
+class SkippedInARow:
+    """Warns once when `limit` windows in a row were skipped as non-finite: nothing trains.
+
+    fp16 skips a few windows while its loss scale backs off (a routine start), so its limit is
+    higher; in fp32 or bf16 a NaN or inf in every window means the model stopped training, which
+    `StepResult.skipped` alone lets a loop miss (a model whose padded positions give NaN logits).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.in_a_row, self.warned = limit, 0, False
+
+    def stepped(self) -> None:
+        """A window stepped: the run is training."""
+        self.in_a_row = 0
+
+    def skipped(self, outcome: Any) -> None:
+        """A window was skipped as non-finite (its `Outcome`, `gradaccum.window`)."""
+        self.in_a_row += 1
+        if self.in_a_row < self.limit or self.warned:
+            return
+        self.warned = True
+        names = list(outcome.nonfinite_names)[:5]
+        warn_user(
+            RuntimeWarning(
+                f"{self.in_a_row} accumulation windows in a row were skipped as non-finite (loss "
+                f"sum {outcome.loss_sum}, non-finite gradients in {names}): the model is not "
+                "training. Find where the NaN or inf starts (a loss over no item, a log or sqrt "
+                "of 0, a lr too high); Accumulator(..., on_nonfinite='raise') stops at the "
+                "first such window. StepResult.skipped marks each one."
+            )
         )
 
 
