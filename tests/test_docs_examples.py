@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -151,3 +152,92 @@ def test_experiments_md_quotes_the_demo_figures_of_the_readme() -> None:
     )
     assert quoted, "docs/experiments.md no longer quotes the demo's gaps"
     assert quoted.groups() == (naive.group(1), exact.group(1))
+
+
+def _readme_block(holding: str) -> str:
+    text = (DOCS.parent / "README.md").read_text(encoding="utf-8")
+    found = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL) if holding in b]
+    assert len(found) == 1, f"README.md: {len(found)} python blocks hold {holding!r}"
+    return found[0]
+
+
+def _clip_setup() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x = torch.randn(24, 6, dtype=torch.float64)
+    return model, x, 10 * torch.randn(24, 3, dtype=torch.float64)  # large errors: the clip bites
+
+
+def _clip_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def _gap(a: nn.Module, b: nn.Module) -> float:
+    pairs = zip(a.parameters(), b.parameters(), strict=True)
+    return max(float((p - q).detach().abs().max()) for p, q in pairs)
+
+
+def _clipped_full_batch_step(base: nn.Module, x: torch.Tensor, y: torch.Tensor) -> nn.Module:
+    """The reference: one backward over the whole batch, clip_grad_value_, one SGD step."""
+    model = copy.deepcopy(base)
+    _clip_loss(model, (x, y)).backward()
+    torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=0.5)
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    return model
+
+
+def test_readme_step_pre_hook_clips_by_value_the_full_batch_gradient() -> None:
+    """README's step pre-hook recipe equals clipping the full-batch gradient by value, and its
+    per-layer norms are the step's; negative control: the same clip applied in a backward hook
+    (per micro-batch share) is not the full-batch step."""
+    base, x, y = _clip_setup()
+    reference = _clipped_full_batch_step(base, x, y)
+    model = copy.deepcopy(base)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    acc = Accumulator(model, optimizer, micro_batch_size=5)
+    scope: dict[str, Any] = {
+        "torch": torch, "model": model, "optimizer": optimizer, "acc": acc,
+        "batch": (x, y), "loss_fn": _clip_loss,
+    }  # fmt: skip
+    exec(_readme_block("register_step_pre_hook"), scope)
+    assert scope["result"].stepped
+    assert _gap(model, reference) < 1e-12
+    assert set(scope["layer_norms"]) == {name for name, _ in model.named_parameters()}
+    grads = copy.deepcopy(base)
+    _clip_loss(grads, (x, y)).backward()
+    assert any(float(p.grad.abs().max()) > 0.5 for p in grads.parameters() if p.grad is not None)
+
+    control = copy.deepcopy(base)  # clipping each micro-batch's share as it arrives
+    for param in control.parameters():
+        param.register_hook(lambda g: g.clamp(-0.5 * 5 / 24, 0.5 * 5 / 24))
+    control_opt = torch.optim.SGD(control.parameters(), lr=0.5)
+    Accumulator(control, control_opt, micro_batch_size=5).step((x, y), _clip_loss)
+    assert _gap(control, reference) > 1e-3
+
+
+def test_readme_step_pre_hook_skips_skipped_windows_and_its_error_changes_nothing() -> None:
+    base, x, y = _clip_setup()
+    model = copy.deepcopy(base)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    acc = Accumulator(model, optimizer, micro_batch_size=5)
+    calls: list[int] = []
+
+    def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("logging backend down")
+
+    optimizer.register_step_pre_hook(before_step)
+    assert acc.step((torch.full_like(x, float("nan")), y), _clip_loss).skipped
+    assert not calls
+    assert acc.step((x, y), _clip_loss).stepped
+    before = copy.deepcopy(model)
+    momenta = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="logging backend down"):
+        acc.step((x, y), _clip_loss)
+    assert _gap(model, before) == 0.0
+    assert all(p.grad is None for p in model.parameters())
+    for param, momentum in zip(model.parameters(), momenta, strict=True):
+        assert torch.equal(optimizer.state[param]["momentum_buffer"], momentum)
+    assert acc.step((x, y), _clip_loss).stepped  # the run goes on
+    assert len(calls) == 3
