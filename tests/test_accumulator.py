@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import re
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -897,3 +898,162 @@ def test_a_scheduler_of_another_optimizer_is_refused_naming_the_fix() -> None:
 
 def _step_lr(optimizer: torch.optim.Optimizer) -> Any:
     return torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+
+
+# --------------------------------------------------------------------------------------------
+# The optimizer replaced mid-run (a stage change)
+# --------------------------------------------------------------------------------------------
+
+
+def _stage_change_run(swap: bool, drive: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Two SGD windows, then `acc.optimizer = AdamW` and its own schedule for two more.
+
+    With `swap=False` the attribute is only rebound (what the assignment did before): the
+    engine stepped the old SGD on, the AdamW never moved (its scheduler would be refused).
+    """
+    model = _mlp()
+    acc = Accumulator(model, _sgd(model), micro_batch_size=3, accumulation_steps=2)
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    for seed in range(4):
+        if seed == 2:
+            if swap:
+                acc.optimizer = adamw
+                acc.scheduler = torch.optim.lr_scheduler.StepLR(adamw, 1, gamma=0.5)
+            else:  # its scheduler was refused as "another optimizer's" then
+                acc.__dict__["_optimizer"] = adamw
+        x, y = _data(seed=seed)
+        if drive == "step":
+            result = acc.step((x, y), _mse)
+        else:
+            acc.micro_step((x[:4], y[:4]), _mse)
+            result = acc.micro_step((x[4:], y[4:]), _mse)
+        assert result.stepped
+        if swap:
+            assert result.lr == (0.1 if seed < 2 else 0.01 * 0.5 ** (seed - 2))
+    return model, adamw
+
+
+def _stage_change_reference() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = _mlp()
+    sgd = _sgd(model)
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    for seed in range(4):
+        optimizer = sgd if seed < 2 else adamw
+        if seed == 2:
+            scheduler = torch.optim.lr_scheduler.StepLR(adamw, 1, gamma=0.5)
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(_data(seed=seed)[0]), _data(seed=seed)[1]).backward()
+        optimizer.step()
+        if seed >= 2:
+            scheduler.step()
+    return model, adamw
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_an_optimizer_set_between_windows_is_the_one_stepped(drive: str) -> None:
+    """`acc.optimizer = AdamW(...)` at a stage change: the next windows step it, exactly.
+
+    Before, the assignment rebound the attribute only: the engine kept stepping the SGD, the
+    AdamW held no state, and a scheduler built on it was refused as "another optimizer's".
+    """
+    reference, ref_adamw = _stage_change_reference()
+    model, adamw = _stage_change_run(swap=True, drive=drive)
+    _assert_params_close(model, reference)
+    assert len(adamw.state) == len(ref_adamw.state) == 4
+    for param, ref_param in zip(model.parameters(), reference.parameters(), strict=True):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                adamw.state[param][key], ref_adamw.state[ref_param][key], rtol=1e-10, atol=1e-13
+            )
+
+
+def test_negative_control_an_optimizer_only_rebound_keeps_stepping_the_old_one() -> None:
+    reference, _ = _stage_change_reference()
+    model, adamw = _stage_change_run(swap=False, drive="step")
+    assert not adamw.state  # never stepped
+    gap = max(
+        float((p - q).abs().max())
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+    assert gap > 1e-3
+
+
+def test_replacing_the_optimizer_inside_a_window_or_by_a_non_optimizer_is_refused() -> None:
+    """Refused naming the fix, changing nothing; the open window goes on with the old one."""
+    model = _mlp()
+    optimizer = _sgd(model)
+    acc = Accumulator(model, optimizer, accumulation_steps=2)
+    x, y = _data()
+    acc.micro_step((x[:4], y[:4]), _mse)
+    before = _snapshot(model, optimizer)
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with pytest.raises(ValueError, match=r"inside an open window .*acc\.flush\('step'\)"):
+        acc.optimizer = adamw
+    with pytest.raises(TypeError, match=r"must be a torch\.optim\.Optimizer"):
+        acc.optimizer = "adamw"  # type: ignore[assignment]
+    assert acc.optimizer is optimizer
+    _assert_unchanged(before, model, optimizer)
+    reference, _, _ = _reference_step(model, (x[:4], y[:4]))  # the window's one micro-batch
+    acc.flush("step")  # settled: now it may be replaced
+    _assert_params_close(model, reference)
+    acc.optimizer = adamw
+    acc.micro_step((x[:4], y[:4]), _mse)
+    with pytest.raises(RuntimeError, match=r"AdamW\.step\(\) was called inside"):
+        adamw.step()  # the new optimizer's own step inside a window is refused too
+    acc.flush("drop")
+
+
+# --------------------------------------------------------------------------------------------
+# Weight averaging (README, "Weight averaging: EMA and SWA")
+# --------------------------------------------------------------------------------------------
+
+
+def _readme_block(holding: str) -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    found = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL) if holding in b]
+    assert len(found) == 1
+    return found[0]
+
+
+def _averaging_run(code: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The README's recipe on 7 micro-batches of 3 items: windows of 4, then 3 (flushed)."""
+    model = _mlp()
+    x, y = _data(21)
+    loader = [(x[i : i + 3], y[i : i + 3]) for i in range(0, 21, 3)]
+    scope = {"model": model, "optimizer": _sgd(model), "loader": loader, "loss_fn": _mse}
+    exec(code, {"Accumulator": Accumulator, "torch": torch}, scope)
+    return model, scope["ema"]
+
+
+def test_weight_averages_updated_when_a_window_stepped_equal_the_full_batch_run() -> None:
+    """EMA (buffers too) and SWALR, updated on `result.stepped`: the full-batch run's average."""
+    from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn
+
+    code = _readme_block("get_ema_multi_avg_fn")
+    model, ema = _averaging_run(code)
+    reference = _mlp()
+    ref_ema = AveragedModel(reference, multi_avg_fn=get_ema_multi_avg_fn(0.999), use_buffers=True)
+    optimizer = _sgd(reference)
+    scheduler = SWALR(optimizer, swa_lr=0.05)
+    x, y = _data(21)
+    for window in (slice(0, 12), slice(12, 21)):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(reference(x[window]), y[window]).backward()
+        optimizer.step()
+        scheduler.step()
+        ref_ema.update_parameters(reference)
+    _assert_params_close(model, reference)
+    _assert_params_close(ema, ref_ema)
+    assert int(ema.n_averaged) == 2
+    # Control: the same recipe updating the average after every micro_step() is far off.
+    naive_code = code.replace("    if result.stepped:  ", "    if True:  ")
+    assert naive_code != code
+    _, naive_ema = _averaging_run(naive_code)
+    assert int(naive_ema.n_averaged) == 7 + 1  # every micro-batch, and the flush's step
+    gap = max(
+        float((p - q).abs().max())
+        for p, q in zip(naive_ema.parameters(), ref_ema.parameters(), strict=True)
+    )
+    assert gap > 1e-4

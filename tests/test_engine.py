@@ -1387,3 +1387,28 @@ def test_a_failure_notice_that_fails_still_raises_the_own_error_and_forgets_the_
     assert not acc._engine.window.is_open
     assert_bitwise(_everything(model, optimizer, scheduler), before)
     assert acc.step(_batch(3), mse_loss).stepped  # and the next window runs
+
+
+def test_a_second_accumulator_stepping_over_an_open_window_is_named() -> None:
+    """Two Accumulators on one optimizer: the step of one inside the other's window is refused.
+
+    It would clear the open window's partial sums. Before, the message told the user to remove
+    an `optimizer.step()` they never wrote; now it names the other Accumulator and the fix.
+    """
+    model, optimizer, scheduler, streaming = _setup(**_DRIVES["micro_step"])
+    whole = Accumulator(model, optimizer, micro_batch_size=4)
+    stream = [_batch(seed, 3) for seed in (4, 5, 6, 7)]
+    twin = copy.deepcopy((model, optimizer, scheduler))
+    streaming.micro_step(stream[0], mse_loss)
+    before = _everything(model, optimizer, scheduler)
+    with pytest.raises(RuntimeError, match=r"another Accumulator steps this SGD .*flush") as raised:
+        whole.step(_batch(9), mse_loss)
+    assert "Remove it" not in str(raised.value)
+    assert_bitwise(_everything(model, optimizer, scheduler), before)
+    for batch in stream[1:]:  # the open window goes on: its one step is the full-batch step
+        streaming.micro_step(batch, mse_loss)
+    whole_batch = tuple(torch.cat(parts) for parts in zip(*stream, strict=True))
+    reference_step(twin[0], twin[1], whole_batch, mse_loss, scheduler=twin[2])
+    for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+    assert whole.step(_batch(9), mse_loss).stepped  # between windows: either may step

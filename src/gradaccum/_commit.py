@@ -62,6 +62,9 @@ __all__ = [
 
 _VERSION = operator.attrgetter("_version")
 _SHOWN_NAMES = 5
+# The optimizers an Accumulator's own window step is running on: a second Accumulator's window
+# open over the same optimizer then names that Accumulator, not a stray optimizer.step().
+_COMMITTING: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 class Breakable(Protocol):
@@ -98,6 +101,15 @@ def refuse_steps_inside(optimizer: torch.optim.Optimizer, window: _OpenWindow) -
             return
         if stepped is not owner():  # a copy of the optimizer
             return
+        if stepped in _COMMITTING:  # another Accumulator's window step, not the user's
+            raise RuntimeError(
+                f"another Accumulator steps this {type(stepped).__name__} while a window of an "
+                f"Accumulator over it is open ({open_window.micro_batches} micro-batches so "
+                "far): the step would clear that window's partial gradients. Settle the open "
+                "window first (its acc.flush('step') or acc.flush('drop')), or drive both loops "
+                "with one Accumulator. Nothing was stepped: the open window is kept, the "
+                "stepping one was discarded."
+            )
         raise RuntimeError(
             f"{type(stepped).__name__}.step() was called inside an accumulation window "
             f"({open_window.micro_batches} micro-batches so far): it would step on a partial, "
@@ -135,6 +147,7 @@ def step_optimizer(
     if window is not None:
         warn_joined(window.joins.drop(), names)  # unfrozen mid-window: not in this step
         window.committing = True  # the step pre-hook lets this step through
+        _COMMITTING.add(optimizer)
     try:
         with optimizer_step_guard():  # out of memory here is not rerun smaller: it may have stepped
             optimizer.step()
@@ -155,6 +168,7 @@ def step_optimizer(
     finally:
         if window is not None:
             window.committing = False
+            _COMMITTING.discard(optimizer)
 
 
 def run_each(*parts: Callable[[], object]) -> None:
@@ -310,8 +324,9 @@ class SchedulerSteps:
         except (TypeError, ValueError) as error:
             if hasattr(error, "add_note"):
                 error.add_note(
-                    "gradaccum: acc.scheduler was set to it after the Accumulator was built; "
-                    "this window was discarded, nothing was stepped."
+                    "gradaccum: acc.scheduler was set (or acc.optimizer replaced) after the "
+                    "Accumulator was built: set acc.scheduler to one built on acc.optimizer. "
+                    "This window was discarded, nothing was stepped."
                 )
             raise
         self._checked = scheduler

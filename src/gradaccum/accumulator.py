@@ -34,6 +34,7 @@ import torch
 from gradaccum._batch_sizes import check_batch_dim
 from gradaccum._checks import check_fsdp_support, check_savable, check_saved_state, check_settings
 from gradaccum._engine import Engine
+from gradaccum._optimizer_setting import OptimizerSetting
 from gradaccum._parameters import trainable_parameters, window_parameters
 from gradaccum._window_sizes import WindowSizes
 from gradaccum.batching import batch_size, split_batch
@@ -64,13 +65,14 @@ __all__ = ["Accumulator", "NonFiniteError", "StepResult"]
 STATE_VERSION = 2
 
 
-class Accumulator(WindowSizes):
+class Accumulator(WindowSizes, OptimizerSetting):
     """Gradient accumulation whose every step equals one full-batch step.
 
     Args:
         model: The model, plain, DDP-wrapped or FSDP2-sharded. Batches go to its device.
         optimizer: An optimizer over (some of) the model's parameters; it may also hold
-            parameters outside the model (a learnable loss weight).
+            parameters outside the model (a learnable loss weight). `acc.optimizer = new`
+            between windows steps `new` from the next window on (set `acc.scheduler` too).
         micro_batch_size: Items per micro-batch for `step()`; `"auto"`: the fastest size that
             fits `memory_budget`, timed on the first windows; `"largest"`: the largest that
             fits, planned on the first batch (`gradaccum.recovery`).
