@@ -147,3 +147,80 @@ def test_a_sum_divided_by_the_windows_count_warns_for_labelled_batches() -> None
         # A token mean over one scored label divides by 1: a mean, not a sum read as one.
         one = torch.where(torch.arange(5) == 0, y[:5], -100)
         acc.step({"x": x[:5], "labels": one}, over(1))
+
+
+def _scaled_by(scaler: torch.amp.GradScaler, form: str):
+    """A plain fp16 loop's `scaler.scale(loss)` ported into `loss_fn`, in each loss form."""
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+        if form == "mean":
+            return scaler.scale(_mean(model, batch))
+        summed = scaler.scale(_summed(model, batch))
+        if form == "sum":
+            return LossSum(summed, count=len(batch[1]))
+        return LossSum.terms(ce=(summed, len(batch[1])))
+
+    return loss_fn
+
+
+def _float_model() -> nn.Module:
+    return _model().float()
+
+
+def _float_loader() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(x.float(), y) for x, y in _loader()]
+
+
+@pytest.mark.parametrize("form", ["mean", "sum", "terms"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_a_loss_scaled_by_a_gradscaler_is_refused_changing_nothing(form, precision, drive) -> None:
+    """`scaler.scale(loss)` returned from `loss_fn` (a hand AMP loop's line): gradaccum never
+    unscales it, so fp32/bf16 stepped on 65536x gradients and fp16 skipped every window, all
+    silently. It is refused before any backward: model, optimizer, both scalers bitwise as before.
+    """
+    scaler = torch.amp.GradScaler("cpu")
+    model = _float_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    steps = {"step": None, "micro_step": STEPS}[drive]
+    acc = Accumulator(
+        model,
+        optimizer,
+        micro_batch_size=5 if drive == "step" else None,
+        accumulation_steps=steps,
+        precision=precision,
+    )
+    loader = _float_loader()
+    x, y = (torch.cat(parts) for parts in zip(*loader, strict=True))
+    assert acc.step((x, y), _mean).stepped if drive == "step" else True  # optimizer state held
+    before = {
+        "model": copy.deepcopy(model.state_dict()),
+        "grads": [p.grad for p in model.parameters()],
+        "optimizer": copy.deepcopy(optimizer.state_dict()),
+        "scalers": [s.state_dict() for s in (scaler, acc.scaler) if s is not None],
+    }
+    loss_fn = _scaled_by(scaler, form)
+    if drive == "step":
+        call = lambda: acc.step((x, y), loss_fn)  # noqa: E731
+    else:
+        acc.micro_step(loader[0], _mean)  # an open window is forgotten with it
+        call = lambda: acc.micro_step(loader[1], loss_fn)  # noqa: E731
+    with pytest.raises(ValueError, match=r"GradScaler's loss scale \(65536.*acc\.scaler"):
+        call()
+    after_model = model.state_dict()
+    assert all(torch.equal(before["model"][k], after_model[k]) for k in after_model)
+    assert [p.grad for p in model.parameters()] == before["grads"]
+    assert str(optimizer.state_dict()) == str(before["optimizer"])
+    assert [s.state_dict() for s in (scaler, acc.scaler) if s is not None] == before["scalers"]
+
+
+def test_negative_control_a_loss_weight_tensor_is_not_a_gradscaler() -> None:
+    """The refusal is exact: the same factor held by no GradScaler (a loss weight) runs, and it
+    shows what the refusal prevents: a step 65536 times the full-batch one."""
+    weight = torch.tensor(65536.0)
+    model = _model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), accumulation_steps=STEPS)
+    for batch in _loader():
+        result = acc.micro_step(batch, lambda m, b: _mean(m, b) * weight)
+    assert result.stepped
+    assert _gap(model, _reference()) > 1e3

@@ -18,6 +18,12 @@ scalar `sum / n` whose `n` is more than the micro-batch's labels could count is 
 constant denominator): read as a mean over the rows, it is not the full-batch step (`k` times
 too small on `k` equal micro-batches), and without -100 labels nothing else warns of it.
 
+A fourth, `scaler.scale(loss)` of a plain fp16 loop's own `GradScaler`, is refused outright
+(`scaler_problem`): gradaccum never unscales a scale it did not apply, so the step would be taken
+on gradients `scale` times too large (fp16: scaled twice, every window overflows and is skipped).
+It is told exactly, not guessed: the loss's last node multiplies by a tensor that a GradScaler
+holds as its `_scale`.
+
 Example:
     >>> import torch
     >>> logits = torch.randn(4, 3, requires_grad=True)
@@ -30,9 +36,18 @@ Example:
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Mapping
+
 import torch
 
-__all__ = ["CopiedLoopWarning", "division_problem", "sum_problem", "window_count_problem"]
+__all__ = [
+    "CopiedLoopWarning",
+    "division_problem",
+    "scaler_problem",
+    "sum_problem",
+    "window_count_problem",
+]
 
 _SUM = 2  # torch's Reduction::Sum, as a loss node saves it
 _IGNORE_INDEX = -100  # an unscored label (cross_entropy's default, Hugging Face's)
@@ -135,4 +150,55 @@ def window_count_problem(result: object, labels: torch.Tensor | None, items: int
         "itself: use a gradaccum.hf loss (hf.causal_lm, ...), or return gradaccum.LossSum("
         "model(**batch, num_items_in_batch=1).loss, count=hf.causal_lm.items_counted(batch)); "
         "for a constant denominator C, LossSum.terms(loss=Term(summed, denominator=C))."
+    )
+
+
+def _scale_factor(value: object) -> torch.Tensor | None:
+    """The tensor `value` was last multiplied by, if a GradScaler holds it as its loss scale.
+
+    `GradScaler.scale(loss)` is `loss * scaler._scale`: the node saves that very tensor. Whose it
+    is, is asked of the garbage collector (host only, no device sync), and only for a 0-dim or
+    one-element float32 factor that needs no grad, which a loss weight rarely is.
+    """
+    node = value.grad_fn if isinstance(value, torch.Tensor) else None
+    if type(node).__name__ != "MulBackward0":
+        return None
+    factor = getattr(node, "_saved_other", None)
+    if (
+        not isinstance(factor, torch.Tensor)
+        or factor.dtype != torch.float32
+        or factor.numel() != 1
+        or factor.requires_grad
+    ):
+        return None
+    for owner in gc.get_referrers(factor):
+        held = owner if isinstance(owner, dict) else getattr(owner, "__dict__", None)
+        if isinstance(held, dict) and held.get("_scale") is factor and "_growth_tracker" in held:
+            return factor
+    return None
+
+
+def scaler_problem(result: object) -> str | None:
+    """What is wrong if `result` holds a loss multiplied by a `GradScaler`'s scale.
+
+    That is `scaler.scale(loss)` returned from `loss_fn`: as a plain scalar, a `LossSum`'s value
+    or a `LossSum.terms` term.
+    """
+    terms = getattr(result, "terms", None)
+    if isinstance(terms, Mapping):
+        values = [getattr(term, "value", None) for term in terms.values()]
+    else:
+        values = [result if isinstance(result, torch.Tensor) else getattr(result, "value", None)]
+    factor = next((f for f in map(_scale_factor, values) if f is not None), None)
+    if factor is None:
+        return None
+    scale = float(factor)
+    return (
+        f"loss_fn returned a loss multiplied by a GradScaler's loss scale ({scale:g}: "
+        "`scaler.scale(loss)`, a hand-written fp16 loop's line). gradaccum never unscales a "
+        f"scale it did not apply, so every gradient would be {scale:g} times too large (under "
+        "precision='fp16', scaled twice, the windows overflow and are skipped). Return the loss "
+        "itself: precision='fp16' keeps its own loss scale in acc.scaler (carry a loop's scaler "
+        "over with acc.scaler.load_state_dict(scaler.state_dict())); call no scaler.scale(), "
+        "scaler.step() or scaler.update() of your own."
     )

@@ -26,6 +26,7 @@ import torch
 from gradaccum._copied_loop import (
     CopiedLoopWarning,
     division_problem,
+    scaler_problem,
     sum_problem,
     window_count_problem,
 )
@@ -120,8 +121,15 @@ class TokenMeanCheck:
 
         Any loss is looked at for a copied loop's line (`_copied_loop`): `items` rows, one of
         `micro_batches` in the window (0 when not known up front).
+
+        Raises:
+            ValueError: If the loss was multiplied by a GradScaler's scale (before any backward,
+                so the window is forgotten and nothing changes).
         """
         if self.copied_left:
+            scaled = scaler_problem(result)  # before the count: a retry is refused again
+            if scaled is not None:
+                raise ValueError(scaled)
             self.copied_left -= 1
             divided = division_problem(result, micro_batches)
             self.divisions += divided is not None
