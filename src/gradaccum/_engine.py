@@ -25,7 +25,7 @@ from gradaccum._commit_agreement import join_as_failed, step_on_every_rank
 from gradaccum._engine_state import component_states, restore_components
 from gradaccum._oom import after_step_guard
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
-from gradaccum._parameters import window_parameters
+from gradaccum._parameters import ModelParameters
 from gradaccum._sync_base import NO_CONTEXT
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, on_device, slice_batch, to_device
@@ -63,8 +63,8 @@ class Engine:
         self.window = Window(optimizer)
         refuse_steps_inside(optimizer, self.window)  # a user's optimizer.step() mid-window
         self._fsdp = isinstance(sync, FSDP2Sync)  # reduces on its last backward, settles else
-        self._names = {id(p): n for n, p in model.named_parameters()}
-        self._model_params = list(model.parameters())  # walking the modules costs a window
+        self._params = ModelParameters(model)  # read once: walking the modules costs a window
+        self._names = self._params.names  # the same dict, refreshed in place after a resize
         self._agreement: WindowAgreement | None = None  # FSDP2 agrees before the last backward
         self._exchanged = self._next_sum = False  # exchange started; others next sum (Tokens)
         self._reduced = False  # the last backward reduced the gradients (FSDP2)
@@ -143,7 +143,7 @@ class Engine:
     def _open(self) -> None:
         if (broken := self.broken) is not None:  # never taken for the out-of-memory it quotes
             raise PartialStepError(f"no window was run: the last step failed halfway. {broken}")
-        params, held = window_parameters(self._model_params, self.optimizer)
+        params, held = self._params.for_window(self.optimizer)  # refuses a stale resize
         self.sync.begin_window()
         self.window.open(params, held, self.runtime.loss_scale())
         self.runtime.open_window(len(params), None if self.sync.defers else params)
@@ -257,7 +257,7 @@ class Engine:
 
     def check_gradients_untouched(self) -> None:
         """Refuse a window whose gradients someone changed between its micro-batches."""
-        problem = self.window.touched_gradients_error(self._names)
+        problem = self._params.resize_error() or self.window.touched_gradients_error(self._names)
         if problem is not None:
             self._forget_window()
             raise problem
@@ -392,7 +392,7 @@ class Engine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Check every component's state first, then restore them; raise changing nothing."""
-        params, held = window_parameters(self._model_params, self.optimizer)
+        params, held = self._params.for_window(self.optimizer)
         components = (self.window, self.runtime, self.batchnorm, self.sync, self.buffers)
         restore_components(state, *components, params=params, held=held, end=self._end)
         self.broken = None  # the caller restored a consistent state

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["trainable_parameters", "window_parameters"]
+__all__ = ["ModelParameters", "trainable_parameters", "window_parameters"]
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -49,3 +49,98 @@ def window_parameters(
             seen.add(id(param))
             params.append(param)
     return params, held
+
+
+class ModelParameters:
+    """The model's parameters and their names, as the windows read them, watched for resizes.
+
+    They are read once (walking the modules each window would cost time), so a parameter that
+    changes shape afterwards is noticed when a window opens or a streamed micro-batch comes:
+    `resize_token_embeddings` swaps the embedding's data in place, and replaces an untied output
+    embedding by a new parameter. The optimizer's state and the open window's gradients are of
+    the old shape, so the optimizer would fail halfway through its step, and a replaced
+    parameter the optimizer does not hold would silently not train: both are refused first.
+
+    Args:
+        model: The model whose parameters the windows accumulate into.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+        self.names: dict[int, str] = {}  # refreshed in place: the engine holds this dict
+        self.params: list[torch.nn.Parameter] = []
+        self._read()
+
+    def _read(self) -> None:
+        self.names.clear()
+        self.names.update({id(p): n for n, p in self._model.named_parameters()})
+        self.params = list(self._model.parameters())
+        self._shapes = [p.shape for p in self.params]
+
+    def _resized(self) -> list[tuple[torch.nn.Parameter, torch.Size]]:
+        return [(p, s) for p, s in zip(self.params, self._shapes, strict=True) if p.shape != s]
+
+    def resize_error(self) -> ValueError | None:
+        """The error for an open window whose parameters changed shape since it opened, if any.
+
+        The caller discards the window and raises it.
+        """
+        resized = self._resized()
+        if resized:
+            return ValueError(
+                f"{_described(resized, self.names)} changed shape in the middle of an "
+                f"accumulation window, whose gradients are of the old shape. {_FIX} The window "
+                "was discarded."
+            )
+        return None
+
+    def for_window(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.nn.Parameter], int]:
+        """`window_parameters` for a window about to open, after checking for resizes.
+
+        Raises:
+            ValueError: If a parameter changed shape and the optimizer holds state of its old
+                shape, or new parameters replaced it that the optimizer does not hold; nothing
+                has changed.
+        """
+        resized = self._resized()
+        if resized:
+            names = self.names
+            stale = [(p, s) for p, s in resized if _has_state(optimizer, p)]
+            if stale:
+                raise ValueError(
+                    f"{_described(stale, names)} changed shape since this Accumulator was "
+                    f"built, but the optimizer holds state (e.g. Adam's moments) of the old "
+                    f"shape: its step would fail halfway. {_FIX}"
+                )
+            old = set(map(id, self.params))
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            fresh = dict(self._model.named_parameters())
+            orphans = [n for n, p in fresh.items() if p.requires_grad and id(p) not in old | held]
+            if orphans:
+                raise ValueError(
+                    f"{_described(resized, names)} changed shape since this Accumulator was "
+                    f"built, and new parameters replaced others ({', '.join(orphans[:3])}) "
+                    f"that the optimizer does not hold: they would not train. {_FIX}"
+                )
+            self._read()
+        return window_parameters(self.params, optimizer)
+
+
+_FIX = (
+    "Resize (resize_token_embeddings) before building the optimizer and the Accumulator; to "
+    "resize during training, build a new optimizer and Accumulator afterwards."
+)
+
+
+def _has_state(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter) -> bool:
+    """Whether the optimizer keeps tensors for `param` that depend on its shape (not `step`)."""
+    state = optimizer.state.get(param, {})
+    return any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in state.values())
+
+
+def _described(resized: list[tuple[torch.nn.Parameter, torch.Size]], names: dict[int, str]) -> str:
+    parts = [
+        f"{names.get(id(p), '<unnamed>')} ({tuple(s)} -> {tuple(p.shape)})" for p, s in resized
+    ]
+    more = f" and {len(parts) - 3} more" if len(parts) > 3 else ""
+    return f"parameter{'s' if len(parts) > 1 else ''} {', '.join(parts[:3])}{more}"
