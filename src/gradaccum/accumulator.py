@@ -370,6 +370,7 @@ class Accumulator(WindowSizes):
             "telemetry": None if meter is None else meter.state_dict(),
             "nonfinite_windows": self.nonfinite_windows,
             "empty_windows": self.empty_windows,
+            "nonfinite_in_a_row": self._stalled.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -384,3 +385,4 @@ class Accumulator(WindowSizes):
             )
         self.nonfinite_windows = int(state["nonfinite_windows"])
         self.empty_windows = int(state["empty_windows"])
+        self._stalled.load_state_dict(state.get("nonfinite_in_a_row"))
