@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import warnings
 
 import pytest
@@ -47,17 +48,28 @@ def test_the_flags_are_not_positional_arguments() -> None:
         StepResult(0.5, 4, 2, 2, True, False, 0.1)  # type: ignore[misc]
 
 
-def _nan_run(poisoned: list[bool], precision: str = "fp32") -> list[warnings.WarningMessage]:
-    """Windows of a linear model, the ones marked True with a NaN loss; the warnings they gave."""
+def _nan_run(
+    poisoned: list[bool], precision: str = "fp32", *, resume: bool = False
+) -> list[warnings.WarningMessage]:
+    """Windows of a linear model, the ones marked True with a NaN loss; the warnings they gave.
+
+    With `resume`, each window runs in a fresh Accumulator loaded from the previous one's state
+    (saved and read back as `torch.save` / `torch.load(weights_only=True)` do).
+    """
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1).double()
-    acc = Accumulator(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2, precision=precision
-    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulator(model, optimizer, micro_batch_size=2, precision=precision)
     x = torch.randn(4, 3, dtype=torch.float64)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for nan in poisoned:
+            if resume:
+                buffer = io.BytesIO()
+                torch.save(acc.state_dict(), buffer)
+                buffer.seek(0)
+                acc = Accumulator(model, optimizer, micro_batch_size=2, precision=precision)
+                acc.load_state_dict(torch.load(buffer, weights_only=True))
             scale = float("nan") if nan else 1.0
             result = acc.step(x, lambda m, b, s=scale: m(b).pow(2).mean() * s)
             assert result.skipped == nan
@@ -81,3 +93,27 @@ def test_skips_apart_do_not_warn_and_fp16_allows_its_scale_backoff() -> None:
     assert _nan_run([True, True, False, True, True, False, True, True]) == []
     # fp16 skips a few windows while its loss scale backs off: 3 in a row is routine there.
     assert _nan_run([True] * 3, precision="fp16") == []
+
+
+def test_the_streak_of_skipped_windows_survives_a_resume() -> None:
+    """A run resumed between the skipped windows warns as the uninterrupted run does.
+
+    Before, the streak was not in `Accumulator.state_dict()`: a run resumed every window (or
+    every other, a preempted job) never warned however many windows it skipped.
+    """
+    assert len(_nan_run([True] * 6, resume=True)) == 1  # once, at the third, as uninterrupted
+    # Negative control: the streak is the saved run's, so a stepped window still resets it.
+    assert _nan_run([True, True, False, True, True, False], resume=True) == []
+    # A loaded state replaces the streak of the run it is loaded into.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2)
+    clean = acc.state_dict()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            acc.step(x, lambda m, b: m(b).pow(2).mean() * float("nan"))
+        acc.load_state_dict(clean)  # back to a state with no window skipped
+        acc.step(x, lambda m, b: m(b).pow(2).mean() * float("nan"))
+    assert [w for w in caught if "in a row were skipped" in str(w.message)] == []

@@ -345,6 +345,7 @@ _OPTIONAL = {
     "engine.batchnorm.start",
     "engine.buffers",  # absent from states saved before the buffers' window start was
     "telemetry",
+    "nonfinite_in_a_row",  # absent from states saved before the streak was kept
 }
 
 

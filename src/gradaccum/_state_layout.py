@@ -69,7 +69,15 @@ TENSOR: Rule = (_is_float_tensor, "a floating-point tensor")
 SHAPES: Rule = _list_of(((lambda v: isinstance(v, list) and all(map(_is_int, v))), "int lists"))
 
 _TOP = {"settings": DICT, "engine": DICT, "nonfinite_windows": INT, "empty_windows": INT}
-_TOP_OPTIONAL = {"auto": _optional(DICT), "telemetry": _optional(DICT)}  # newer than version 2
+_STREAK: Rule = (
+    lambda v: isinstance(v, Mapping) and _is_count(v.get("in_a_row")) and BOOL[0](v.get("warned")),
+    '{"in_a_row": an int >= 0, "warned": a bool}',
+)
+_TOP_OPTIONAL = {  # newer than version 2
+    "auto": _optional(DICT),
+    "telemetry": _optional(DICT),
+    "nonfinite_in_a_row": _STREAK,
+}
 _ENGINE = {"window": DICT, "precision": DICT, "batchnorm_mode": STR, "batchnorm": DICT}
 _RANK_AND_WORLD: Rule = (
     lambda v: isinstance(v, list) and len(v) == 2 and all(map(_is_count, v)),

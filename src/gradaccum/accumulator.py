@@ -372,6 +372,7 @@ class Accumulator(WindowSizes, OptimizerSetting):
             "telemetry": None if meter is None else meter.state_dict(),
             "nonfinite_windows": self.nonfinite_windows,
             "empty_windows": self.empty_windows,
+            "nonfinite_in_a_row": self._stalled.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -386,3 +387,4 @@ class Accumulator(WindowSizes, OptimizerSetting):
             )
         self.nonfinite_windows = int(state["nonfinite_windows"])
         self.empty_windows = int(state["empty_windows"])
+        self._stalled.load_state_dict(state.get("nonfinite_in_a_row"))

@@ -49,6 +49,15 @@ class SkippedInARow:
     def __init__(self, limit: int) -> None:
         self.limit, self.in_a_row, self.warned = limit, 0, False
 
+    def state_dict(self) -> dict[str, Any]:
+        """The streak so far, for `Accumulator.state_dict`: a resumed run warns as the whole one."""
+        return {"in_a_row": self.in_a_row, "warned": self.warned}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore `state_dict()` output; None (a state saved before it was kept) starts afresh."""
+        self.in_a_row = 0 if state is None else int(state["in_a_row"])
+        self.warned = False if state is None else bool(state["warned"])
+
     def stepped(self) -> None:
         """A window stepped: the run is training."""
         self.in_a_row = 0
