@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from gradaccum import Accumulator
 
@@ -162,3 +163,63 @@ def test_a_copy_made_inside_a_frozen_micro_batch_is_an_ordinary_module() -> None
     assert teacher.eval() is teacher
     assert not teacher.bn.training
     assert model.bn.training  # the frozen original is back in its mode
+
+
+class _CheckpointedBlocks(nn.Module):
+    """Residual blocks with BatchNorm, each under activation checkpointing, in a loop."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(5, 8), nn.Linear(8, 3)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh()) for _ in range(3)
+        )
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=self.reentrant)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_pooled_compiles_activation_checkpointed_blocks(reentrant: bool) -> None:
+    """The pooled hook records the window's statistics, a Python side effect, which Dynamo
+    refuses inside `torch.utils.checkpoint` (eager checkpointing replays a forward's side effects
+    in the backward): every checkpointed BatchNorm broke the graph, and a break inside the loop
+    over the blocks made Dynamo skip the whole forward. The model ran eagerly, compiled in 0
+    frames, silently. The hook needs no replay (a recomputed forward is not counted), so pooled
+    lets Dynamo skip it: the frames of "micro", and the weights and statistics bitwise those of
+    the eager pooled run."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    start = _CheckpointedBlocks(reentrant).double()
+
+    def frames_and_state(mode: str, compiled: bool) -> tuple[int, dict[str, torch.Tensor]]:
+        model = copy.deepcopy(start)
+        counter = CompileCounterWithBackend("aot_eager")
+        torch._dynamo.reset()
+        wrapped = torch.compile(model, backend=counter) if compiled else model
+        acc = Accumulator(
+            wrapped,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            accumulation_steps=3,
+            batchnorm=mode,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "micro" warns that BatchNorm is inexact
+            for batch in _micro_batches():
+                acc.micro_step(batch, _loss)
+            acc.flush()
+        return counter.frame_count, model.state_dict()
+
+    micro_frames, _ = frames_and_state("micro", compiled=True)
+    _, eager = frames_and_state("pooled", compiled=False)
+    frames, compiled = frames_and_state("pooled", compiled=True)
+    assert 1 <= frames == micro_frames  # before: 0, the whole forward eager
+    for key, value in eager.items():
+        assert torch.equal(compiled[key], value), key
+    # One update per window: the recomputed forwards were not counted either.
+    assert int(compiled["blocks.0.1.num_batches_tracked"]) == 3

@@ -13,6 +13,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradaccum._pooled_stats import Stats, stat_dtype, tracked
+from gradaccum._wrappers import known_name
 
 __all__ = ["RUNNING", "load_calls", "load_start"]
 
@@ -26,6 +27,7 @@ def load_start(
     resumed = []
     for entry in start if isinstance(start, list) else [start]:
         name, key, tensor = entry if isinstance(entry, list) and len(entry) == 3 else [""] * 3
+        name = known_name(name, by_name) if isinstance(name, str) else name  # older: prefixed
         module = by_name.get(name) if isinstance(name, str) else None
         buffer = getattr(module, key, None) if key in RUNNING else None
         if buffer is None or not isinstance(tensor, torch.Tensor) or tensor.shape != buffer.shape:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from gradaccum._warnings import warn_user
+from gradaccum._wrappers import known_name, unwrapped
 
 __all__ = ["BufferWatch", "ForwardStateWarning"]
 
@@ -38,9 +39,10 @@ class BufferWatch:
         self, model: torch.nn.Module, skip: list[torch.nn.Module], *, active: bool = True
     ) -> None:
         skipped = {id(m) for m in skip}
+        # Named inside a torch.compile / DDP wrapper: a state saved wrapped loads unwrapped.
         self._slots = [
             (f"{name}.{key}" if name else key, module, key)
-            for name, module in model.named_modules()
+            for name, module in unwrapped(model).named_modules()
             if id(module) not in skipped
             for key, buffer in module._buffers.items()
             if buffer is not None and active
@@ -153,7 +155,7 @@ class BufferWatch:
         resumed = []
         for entry in start if isinstance(start, list) else [start]:
             name, tensor = entry if isinstance(entry, list) and len(entry) == 2 else ("", None)
-            i = slots.get(name) if isinstance(name, str) else None
+            i = slots.get(known_name(name, slots)) if isinstance(name, str) else None
             buffer = None if i is None else self._now(i)
             if (
                 i is None

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from gradaccum._wrappers import WRAPPER_PREFIXES, unwrapped
+
 __all__ = [
     "CheckpointError",
     "check_class",
@@ -51,25 +53,11 @@ class CheckpointError(ValueError):
     """
 
 
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
-
-
-def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside `torch.compile`, DDP and DataParallel wrappers (any nesting of them)."""
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel):
-            model = model.module
-        elif isinstance(inner := getattr(model, "_orig_mod", None), torch.nn.Module):
-            model = inner  # torch.compile's OptimizedModule
-        else:
-            return model
-
-
 def strip_wrapper_prefixes(saved: dict[str, Any], keys: Any) -> dict[str, Any]:
     """`saved` without the wrapper prefixes on all its keys, if the model's `keys` lack them."""
     wanted = set(keys)
     while saved.keys() != wanted and saved:
-        prefix = next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in saved)), None)
+        prefix = next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in saved)), None)
         if prefix is None or any(k.startswith(prefix) for k in wanted):
             return saved
         stripped = OrderedDict((key[len(prefix) :], value) for key, value in saved.items())

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -106,12 +107,37 @@ def recording(modules: list[tuple[str, _BatchNorm]], per_call: bool) -> Iterator
         module.track_running_stats = False
     handles = [m.register_forward_pre_hook(make_hook(name, m)) for name, m in modules]
     try:
-        yield record
+        with _traced_inside_checkpoint():
+            yield record
     finally:
         for handle in handles:
             handle.remove()
         for module in preset:
             module.track_running_stats = True
+
+
+_SKIP_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"  # newer torch only
+
+
+@contextlib.contextmanager
+def _traced_inside_checkpoint() -> Iterator[None]:
+    """Let Dynamo trace the hook's recording inside `torch.utils.checkpoint` (compiled models).
+
+    Eager checkpointing replays a forward's Python side effects when it recomputes the forward
+    in the backward, which a compiled graph cannot, so Dynamo refuses them there: each
+    checkpointed BatchNorm broke the graph, and a break inside a loop over the blocks ran the
+    whole forward eagerly. The recording must not be replayed (a recompute is counted already),
+    which is what this flag tells Dynamo. Untouched when nothing imported Dynamo (no compile).
+    """
+    config = getattr(sys.modules.get("torch._dynamo"), "config", None)
+    if config is None or getattr(config, _SKIP_REPLAY, True):  # older torch, or set already
+        yield
+        return
+    setattr(config, _SKIP_REPLAY, True)
+    try:
+        yield
+    finally:
+        setattr(config, _SKIP_REPLAY, False)
 
 
 def tracked(module: _BatchNorm) -> bool:

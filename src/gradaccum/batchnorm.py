@@ -43,6 +43,7 @@ from gradaccum._pooled_stats import (
     update_running,
 )
 from gradaccum._warnings import warn_user
+from gradaccum._wrappers import known_name, unwrapped
 from gradaccum.batching import to_device
 from gradaccum.options import BatchNormMode, parse
 
@@ -143,10 +144,11 @@ class BatchNormControl:
 
     def __init__(self, model: nn.Module, mode: BatchNormMode | str) -> None:
         self.mode = parse(BatchNormMode, mode, "batchnorm")
-        self.modules = batchnorm_modules(model)
+        # Named inside a torch.compile / DDP wrapper: a state saved wrapped loads unwrapped.
+        self.modules = batchnorm_modules(unwrapped(model))
         if self.mode is BatchNormMode.FROZEN:
             _check_freezable(self.modules)
-        self._model = model
+        self._model = unwrapped(model)  # its warning names the layers inside a wrapper
         self._by_name = dict(self.modules)
         self._pending: Record = {}  # "pooled": the window's statistics so far
         # "micro": each statistic as the window began, by (module name, buffer name).
@@ -279,7 +281,10 @@ class BatchNormControl:
                 f"batchnorm state holds pooled statistics of {sorted(pending)} but this "
                 f"accumulator uses batchnorm={self.mode.value!r}; resume with 'pooled'."
             )
-        loaded = {n: load_calls(n, self._by_name.get(n), c) for n, c in pending.items()}
+        names = {n: known_name(n, self._by_name) for n in pending}  # older: wrapper prefixes
+        loaded = {
+            names[n]: load_calls(n, self._by_name.get(names[n]), c) for n, c in pending.items()
+        }
         start = state.get("start")  # absent from older states: taken again when loaded
         self._resumed = None if not start else load_start(start, self._by_name)
         self._pending = loaded

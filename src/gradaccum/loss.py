@@ -256,7 +256,10 @@ def _require_graph(value: torch.Tensor, count: int) -> None:
     if count > 0 and not value.requires_grad:
         raise ValueError(
             "the loss does not require grad: it was computed under torch.no_grad(), "
-            "detached, or from frozen parameters only; return the loss with its graph."
+            "detached, or from frozen parameters only; return the loss with its graph. "
+            "(torch.utils.checkpoint(..., use_reentrant=True) around the trainable layers "
+            "also returns no graph when none of its inputs requires grad, as torch warned: "
+            "pass use_reentrant=False.)"
         )
 
 
