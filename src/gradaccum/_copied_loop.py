@@ -32,7 +32,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CopiedLoopWarning", "division_problem", "sum_problem", "window_count_problem"]
+__all__ = [
+    "CopiedLoopWarning",
+    "division_problem",
+    "gradients_changed_error",
+    "sum_problem",
+    "window_count_problem",
+]
 
 _SUM = 2  # torch's Reduction::Sum, as a loss node saves it
 _IGNORE_INDEX = -100  # an unscored label (cross_entropy's default, Hugging Face's)
@@ -135,4 +141,24 @@ def window_count_problem(result: object, labels: torch.Tensor | None, items: int
         "itself: use a gradaccum.hf loss (hf.causal_lm, ...), or return gradaccum.LossSum("
         "model(**batch, num_items_in_batch=1).loss, count=hf.causal_lm.items_counted(batch)); "
         "for a constant denominator C, LossSum.terms(loss=Term(summed, denominator=C))."
+    )
+
+
+def gradients_changed_error(touched: int, named: list[str]) -> RuntimeError:
+    """The error for gradients of an open streaming window changed between two micro-batches.
+
+    A copied loop's `zero_grad()` is the usual cause; a backward outside this Accumulator is the
+    other: a second Accumulator's micro-batch (a GAN's generator loss flowing through the
+    discriminator, whose window is open) adds into the window's sums. Both are named.
+    """
+    return RuntimeError(
+        f"the gradients of {touched} parameters ({', '.join(named)}, ...) changed between two "
+        "micro-batches of one window: an optimizer.zero_grad() (or another change to .grad) "
+        "inside the accumulation loop would silently drop part of the window, and a backward "
+        "outside this Accumulator would add to it. Remove the zero_grad(): the Accumulator "
+        "clears gradients itself after each step. A backward of another Accumulator's "
+        "micro_step() (a GAN's generator loss through the discriminator while the "
+        "discriminator's window is open) is kept out by requires_grad_(False) on these "
+        "parameters around that call, or by running the two windows one after the other. The "
+        "window was discarded."
     )
