@@ -224,3 +224,57 @@ def test_negative_control_a_loss_weight_tensor_is_not_a_gradscaler() -> None:
         result = acc.micro_step(batch, lambda m, b: _mean(m, b) * weight)
     assert result.stepped
     assert _gap(model, _reference()) > 1e3
+
+
+def _scheduled_run(when: str) -> tuple[nn.Module, list[warnings.WarningMessage]]:
+    """Three windows of the loader, with a warmup stepped `when` ("micro", "stepped", "epoch").
+
+    "micro" is the copied loop's `scheduler.step()` after every micro-batch; "stepped" steps it
+    when `result.stepped`; "epoch" once after a carried window's epoch (a per-epoch schedule).
+    """
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 8))
+    carry = "carry" if when == "epoch" else "step"
+    acc = Accumulator(model, optimizer, accumulation_steps=STEPS, partial_window=carry)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for batch in _loader()[:-1] if when == "epoch" else _loader():
+                result = acc.micro_step(batch, _mean)
+                if when == "micro" or (when == "stepped" and result.stepped):
+                    warmup.step()
+            if when == "epoch":
+                acc.flush()
+                warmup.step()
+    return model, [w for w in caught if issubclass(w.category, CopiedLoopWarning)]
+
+
+def test_a_scheduler_stepped_per_micro_batch_warns_once_and_is_far_from_the_steps() -> None:
+    """The copied loop's `scheduler.step()` per micro-batch: the warmup runs 4 times too fast."""
+    model, caught = _scheduled_run("micro")
+    assert len(caught) == 1
+    assert caught[0].filename == __file__  # points at the user's micro_step() call
+    message = str(caught[0].message)
+    assert "learning rate changed between two micro_step() calls" in message
+    assert "result.stepped" in message
+    assert "scheduler=" in message
+    reference, _ = _scheduled_run("stepped")  # control: the schedule a step at a time
+    assert _gap(model, reference) > 1e-3
+
+
+def test_a_scheduler_stepped_per_window_or_per_epoch_does_not_warn_and_is_exact() -> None:
+    model, caught = _scheduled_run("stepped")
+    assert not caught
+    reference = _model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 8))
+    x, y = (torch.cat(parts) for parts in zip(*_loader(), strict=True))
+    for _ in range(3):
+        optimizer.zero_grad()
+        _mean(reference, (x, y)).backward()
+        optimizer.step()
+        warmup.step()
+    assert _gap(model, reference) < 1e-10
+    _, caught = _scheduled_run("epoch")  # a carried window spans the epoch's step: no warning
+    assert not caught

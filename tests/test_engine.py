@@ -1412,3 +1412,93 @@ def test_a_second_accumulator_stepping_over_an_open_window_is_named() -> None:
     for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
         torch.testing.assert_close(got, want, **EXACT)
     assert whole.step(_batch(9), mse_loss).stepped  # between windows: either may step
+
+
+def _gan() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    discriminator = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    return generator, discriminator
+
+
+def _gan_losses(generator: nn.Module, discriminator: nn.Module) -> tuple[Any, Any]:
+    def d_loss(model: nn.Module, batch: Any) -> LossSum:
+        noise, real = batch
+        fake = generator(noise).detach()
+        value = nn.functional.softplus(-model(real)).sum() + nn.functional.softplus(model(fake))
+        return LossSum(value.sum(), len(noise))
+
+    def g_loss(model: nn.Module, batch: Any) -> LossSum:
+        return LossSum(nn.functional.softplus(-discriminator(model(batch[0]))).sum(), len(batch[0]))
+
+    return d_loss, g_loss
+
+
+def _gan_stream(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(4, 5, generator=generator).double(),
+            torch.randn(4, 3, generator=generator).double(),
+        )
+        for _ in range(3)
+    ]
+
+
+def test_a_gan_streaming_both_windows_at_once_names_the_other_backward_and_the_fix() -> None:
+    """One Accumulator per model (README), their micro_step() calls interleaved: the generator's
+    loss flows through the discriminator into its open window. Refused, naming the backward of
+    another Accumulator and requires_grad_(False), not only a zero_grad() the loop never had;
+    with the discriminator frozen around the generator's micro-batches the loop is a plain one's.
+    """
+    generator, discriminator = _gan()
+    d_loss, g_loss = _gan_losses(generator, discriminator)
+    d_opt = torch.optim.Adam(discriminator.parameters(), lr=0.01)
+    d_acc = Accumulator(discriminator, d_opt, accumulation_steps=3)
+    g_acc = Accumulator(
+        generator, torch.optim.Adam(generator.parameters(), lr=0.01), accumulation_steps=3
+    )
+    stream = _gan_stream(0)
+    d_acc.micro_step(stream[0], d_loss)
+    g_acc.micro_step(stream[0], g_loss)
+    with pytest.raises(
+        RuntimeError, match=r"zero_grad.*another Accumulator's micro_step"
+    ) as raised:
+        d_acc.micro_step(stream[1], d_loss)
+    assert "requires_grad_(False)" in str(raised.value)
+
+    # Frozen around the generator's micro-batches: a plain interleaved loop, exactly.
+    generator, discriminator = _gan()
+    reference = copy.deepcopy((generator, discriminator))
+    d_loss, g_loss = _gan_losses(generator, discriminator)
+    d_acc = Accumulator(
+        discriminator,
+        torch.optim.Adam(discriminator.parameters(), lr=0.01),
+        accumulation_steps=3,
+    )
+    g_acc = Accumulator(
+        generator, torch.optim.Adam(generator.parameters(), lr=0.01), accumulation_steps=3
+    )
+    ref_g, ref_d = reference
+    ref_d_loss, ref_g_loss = _gan_losses(ref_g, ref_d)
+    ref_d_opt = torch.optim.Adam(ref_d.parameters(), lr=0.01)
+    ref_g_opt = torch.optim.Adam(ref_g.parameters(), lr=0.01)
+    for seed in range(2):
+        for index, batch in enumerate(_gan_stream(seed)):
+            d_acc.micro_step(batch, d_loss)
+            discriminator.requires_grad_(False)
+            g_acc.micro_step(batch, g_loss)
+            discriminator.requires_grad_(True)
+            (ref_d_loss(ref_d, batch).value / 12).backward()  # each window counts 12 items
+            if index == 2:
+                ref_d_opt.step()
+                ref_d_opt.zero_grad()
+            ref_d.requires_grad_(False)
+            (ref_g_loss(ref_g, batch).value / 12).backward()
+            ref_d.requires_grad_(True)
+            if index == 2:
+                ref_g_opt.step()
+                ref_g_opt.zero_grad()
+    for model, ref in ((generator, ref_g), (discriminator, ref_d)):
+        for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(got, want, **EXACT)

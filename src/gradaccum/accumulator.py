@@ -34,6 +34,7 @@ import torch
 from gradaccum._batch_sizes import check_batch_dim
 from gradaccum._checks import check_fsdp_support, check_savable, check_saved_state, check_settings
 from gradaccum._engine import Engine
+from gradaccum._lr_watch import LearningRateWatch
 from gradaccum._optimizer_setting import OptimizerSetting
 from gradaccum._parameters import trainable_parameters, window_parameters
 from gradaccum._window_sizes import WindowSizes
@@ -161,6 +162,7 @@ class Accumulator(WindowSizes, OptimizerSetting):
             self._engine.telemetry = TelemetryMeter(device=runtime.device)
         self.nonfinite_windows = self.empty_windows = 0  # windows skipped so far: in the state
         self._stalled = SkippedInARow(20 if self.precision is Precision.FP16 else 3)
+        self._rates = LearningRateWatch()  # a scheduler stepped per micro_step() call: warned
 
     @property
     def plan(self) -> MemoryPlan | None:
@@ -262,8 +264,11 @@ class Accumulator(WindowSizes, OptimizerSetting):
             expect, last = Expectation(2, until=steps.count, until_term=steps.term), False
         else:
             expect, last = Expectation(steps), engine.window.micro_batches + 1 >= steps
+        if engine.window.is_open:
+            self._rates.check(self.optimizer, engine.window.micro_batches)
         if engine.run_micro_batch(micro_batch, loss_fn, last=last, expect=expect):
             return self._close(engine.window.largest_micro_batch)
+        self._rates.mark(self.optimizer)
         return self._pending()
 
     def flush(self, partial_window: PartialWindow | str | None = None) -> StepResult:
@@ -281,6 +286,7 @@ class Accumulator(WindowSizes, OptimizerSetting):
         engine = self._engine
         window, sync = engine.window, engine.sync
         step, carry = (mode is m for m in (PartialWindow.STEP, PartialWindow.CARRY))
+        self._rates.forget()  # a carried window may span an epoch's scheduler step
         if carry or not (window.is_open or sync.joins_flush):
             return self._pending()
         if window.is_open:
@@ -385,6 +391,7 @@ class Accumulator(WindowSizes, OptimizerSetting):
             self._engine.telemetry.load_state_dict(
                 state.get("telemetry") or TelemetryMeter().state_dict()
             )
+        self._rates.forget()
         self.nonfinite_windows = int(state["nonfinite_windows"])
         self.empty_windows = int(state["empty_windows"])
         self._stalled.load_state_dict(state.get("nonfinite_in_a_row"))

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from gradaccum._copied_loop import gradients_changed_error
 from gradaccum._dtensor import like_param
 from gradaccum._joined import JoinWatch
 from gradaccum._parameters import trainable_parameters
@@ -196,13 +197,7 @@ class Window:
         if not touched:
             return None
         named = [names.get(id(self.params[i]), "<unnamed>") for i in touched[:3]]
-        return RuntimeError(
-            f"the gradients of {len(touched)} parameters ({', '.join(named)}, ...) changed "
-            "between two micro-batches of one window: an optimizer.zero_grad() (or another "
-            "change to .grad) inside the accumulation loop would silently drop part of the "
-            "window. Remove it: the Accumulator clears gradients itself after each step. The "
-            "window was discarded."
-        )
+        return gradients_changed_error(len(touched), named)  # a zero_grad(), another backward
 
     def note_discarded(self, error: BaseException) -> None:
         """Add notes to `error`: the window was discarded, and a hint if the cause is known."""

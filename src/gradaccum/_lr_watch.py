@@ -1,0 +1,77 @@
+"""A learning rate changed between two `micro_step()` calls of one window: a copied loop's line.
+
+Hand-written accumulation loops often step their scheduler once per micro-batch, where it belongs
+once per optimizer step. Kept next to `acc.micro_step()`, that line makes the schedule run
+`accumulation_steps` times too fast (a warmup over 1,000 steps ends after 250), silently: the
+step only uses the rate the window ends with. `Accumulator(scheduler=...)` warns when a scheduler
+it steps is stepped outside too (`gradaccum._commit.SchedulerSteps`); this catches the loops that
+step their own, or set `group["lr"]` by hand, per micro-batch. The rates are read per param
+group without a device sync (a tensor lr by its identity and version counter), once per
+micro-batch, until the first warning.
+
+Example:
+    >>> import warnings
+    >>> import torch
+    >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    >>> watch = LearningRateWatch()
+    >>> watch.mark(optimizer)
+    >>> optimizer.param_groups[0]["lr"] = 0.05  # a scheduler.step() between two micro-batches
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     watch.check(optimizer, micro_batches=1)
+    >>> caught[0].category.__name__
+    'CopiedLoopWarning'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradaccum._copied_loop import CopiedLoopWarning
+from gradaccum._warnings import warn_user
+
+__all__ = ["LearningRateWatch"]
+
+
+def _rates(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
+    """Each group's lr: a number as is, a tensor by identity and version (no device read)."""
+    return tuple(
+        (id(lr), lr._version) if isinstance(lr, torch.Tensor) else lr
+        for lr in (group.get("lr") for group in optimizer.param_groups)
+    )
+
+
+class LearningRateWatch:
+    """Warns once when the optimizer's learning rates change inside an open streaming window."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[Any, ...] | None = None  # the rates after the window's last micro-batch
+        self.warned = False
+
+    def mark(self, optimizer: torch.optim.Optimizer) -> None:
+        """A micro-batch of an open window ran: remember the rates it left."""
+        if not self.warned:
+            self._seen = _rates(optimizer)
+
+    def forget(self) -> None:
+        """The window closed, was carried over to the next epoch, or a state was loaded."""
+        self._seen = None
+
+    def check(self, optimizer: torch.optim.Optimizer, micro_batches: int) -> None:
+        """Before the next micro-batch of an open window: warn if the rates moved since."""
+        seen, self._seen = self._seen, None
+        if seen is None or self.warned or seen == _rates(optimizer):
+            return
+        self.warned = True
+        warn_user(
+            CopiedLoopWarning(
+                "the learning rate changed between two micro_step() calls of one accumulation "
+                f"window (after its micro-batch {micro_batches}): only the rate the window ends "
+                "with steps, so a scheduler.step() (or a manual lr) per micro-batch runs the "
+                "schedule accumulation_steps times too fast. Step your scheduler only when "
+                "result.stepped is True, or pass it as Accumulator(..., scheduler=...), which "
+                "steps it once per optimizer step."
+            )
+        )
