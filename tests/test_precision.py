@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -885,3 +886,39 @@ def test_negative_control_a_hand_loop_folding_the_count_into_a_bfloat16_loss_is_
         for p, want in zip(model.parameters(), expected, strict=True)
     )
     assert gap > 1e-4
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_autocast_on_a_float64_model_warns_that_it_does_nothing_and_stays_exact(precision) -> None:
+    """Autocast leaves float64 alone: bf16/fp16 asked for on a float64 model ran silently in
+    float64. It warns once, at the user's line, naming model.float(); the steps stay exactly the
+    float64 full-batch ones (the run is not refused: a config may set the precision for all)."""
+    model = _mlp().double()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    says = f"precision='{precision}' has no effect.*model.float"
+    with pytest.warns(UserWarning, match=says) as w:
+        acc = Accumulator(model, optimizer, micro_batch_size=3, precision=precision)
+    assert [r.filename for r in w] == [__file__]
+    x, y = (t.double() for t in _batch(4, items=7))
+    assert acc.step((x, y), _mse_float64).stepped
+    _mse_float64(reference, (x, y)).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q - 0.1 * q.grad, rtol=1e-10, atol=0)
+
+
+def test_negative_control_autocast_on_a_float32_model_does_not_warn_and_rounds() -> None:
+    model = _mlp()
+    reference = copy.deepcopy(model).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+    x, y = _batch(4, items=7)
+    acc.micro_batch_size = 3
+    assert acc.step((x, y), _mse).stepped
+    _mse_float64(reference, (x.double(), y.double())).backward()
+    gaps = [
+        float((p.double() - (q - 0.1 * q.grad)).abs().max().detach())
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+    ]
+    assert max(gaps) > 1e-5  # bf16 autocast did round: the warning's case is the float64 one

@@ -51,7 +51,7 @@ from gradaccum.options import (
     parse,
 )
 from gradaccum.packing import check_packable, pack_by_tokens
-from gradaccum.precision import PrecisionRuntime
+from gradaccum.precision import PrecisionRuntime, warn_if_ignored
 from gradaccum.recovery import AutoSizer
 from gradaccum.result import NonFiniteError, SkippedInARow, StepResult, learning_rate
 from gradaccum.sizing import MemoryPlan
@@ -137,6 +137,7 @@ class Accumulator(WindowSizes):
         self.on_nonfinite = parse(OnNonFinite, on_nonfinite, "on_nonfinite")
         every = window_parameters(params, optimizer)[0]  # the optimizer's too: fp16 check, buffers
         runtime = PrecisionRuntime(self.precision, [*params, *every], accum_dtype)
+        warn_if_ignored(self.precision, [*params, *every])  # a float64 model: autocast does not
         policy = parse(SyncPolicy, sync_policy, "sync_policy")
         check_fsdp_support(model, buffers=runtime.uses_buffers, policy=policy)
         self._auto = None
