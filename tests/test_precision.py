@@ -922,3 +922,22 @@ def test_negative_control_autocast_on_a_float32_model_does_not_warn_and_rounds()
         for p, q in zip(model.parameters(), reference.parameters(), strict=True)
     ]
     assert max(gaps) > 1e-5  # bf16 autocast did round: the warning's case is the float64 one
+
+
+def test_fp16_nonfinite_error_says_the_loss_scale_backed_off_and_nothing_else_changed() -> None:
+    """`on_nonfinite="raise"` under fp16: the scale backs off once (as GradScaler does, so a
+    retry can pass) and the error says so; it used to say only that the window was discarded,
+    as if nothing had changed. Everything else is bitwise as before."""
+    setup = Setup("fp16", on_nonfinite="raise")
+    model, optimizer, scheduler, acc = setup.model, setup.optimizer, setup.scheduler, setup.acc
+    before = _snapshot(model, optimizer, scheduler)
+    with pytest.raises(NonFiniteError, match=r"loss scale backed off to 512\b.*retry") as info:
+        acc.step(_batch(1), lambda m, b: _mse(m, b) * float("inf"))
+    assert "optimizer and scheduler unchanged" in str(info.value)
+    assert_bitwise(before, _snapshot(model, optimizer, scheduler))
+    assert acc.scaler.get_scale() == INITIAL_SCALE / 2
+    # Negative control: fp32 has no scale to name.
+    fp32 = Setup("fp32", on_nonfinite="raise")
+    with pytest.raises(NonFiniteError) as info:
+        fp32.acc.step(_batch(1), lambda m, b: _mse(m, b) * float("inf"))
+    assert "loss scale" not in str(info.value)

@@ -331,7 +331,8 @@ class Accumulator(WindowSizes):
             return result
         self.nonfinite_windows += 1
         if self.on_nonfinite is OnNonFinite.RAISE:
-            raise NonFiniteError.of_window(micro_batches, outcome)
+            scale = None if self.scaler is None else float(self.scaler.get_scale())
+            raise NonFiniteError.of_window(micro_batches, outcome, scale)
         self._stalled.skipped(outcome)
         return result
 
