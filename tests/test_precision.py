@@ -941,3 +941,57 @@ def test_fp16_nonfinite_error_says_the_loss_scale_backed_off_and_nothing_else_ch
     with pytest.raises(NonFiniteError) as info:
         fp32.acc.step(_batch(1), lambda m, b: _mse(m, b) * float("inf"))
     assert "loss scale" not in str(info.value)
+
+
+def _low_precision_errors(dtype: torch.dtype, seed: int) -> tuple[float, float, float]:
+    """Gradient errors vs float64 of a pure `dtype` MLP (no autocast) on 256 items: the full
+    batch's own backward, and 64 micro-batches of 4 with and without float32 buffers."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    model = model.to(dtype)
+    generator = torch.Generator().manual_seed(50 + seed)
+    x = torch.randn(256, 16, generator=generator).to(dtype)
+    y = torch.randn(256, 4, generator=generator) + 1
+
+    def loss_fn(m, b) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(m(b[0]).float(), b[1])
+
+    def error(grads) -> float:
+        flat = torch.cat([g.double().flatten() for g in grads])
+        return float((flat - truth).norm() / truth.norm())
+
+    reference = copy.deepcopy(model).double()
+    loss = torch.nn.functional.mse_loss(reference(x.double()), y.double())
+    truth = torch.cat(
+        [g.flatten() for g in torch.autograd.grad(loss, list(reference.parameters()))]
+    )
+    full = error(torch.autograd.grad(loss_fn(model, (x, y)), list(model.parameters())))
+    errors = []
+    for accum_dtype in (torch.float32, None):
+        copied = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(copied.parameters(), lr=0.0)
+        seen: dict[str, list[torch.Tensor]] = {}
+
+        def hook(o, a, k, m=copied, seen=seen) -> None:
+            seen["grads"] = [p.grad.clone() for p in m.parameters()]
+
+        optimizer.register_step_pre_hook(hook)
+        Accumulator(copied, optimizer, micro_batch_size=4, accum_dtype=accum_dtype).step(
+            (x, y), loss_fn
+        )
+        errors.append(error(seen["grads"]))
+    return full, errors[0], errors[1]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pure_low_precision_weights_with_float32_buffers_are_as_exact_as_the_full_batch(
+    dtype: torch.dtype, seed: int
+) -> None:
+    """`model.bfloat16()` / `.half()` trained without autocast: with float32 buffers the window's
+    gradient is as exact as the full batch's own low-precision backward (measured 1.00-1.07x over
+    5 seeds), whatever the split; README states it. Control: summed in the weights' own `.grad`,
+    64 micro-batches round 63 more times (3.3-5.5x)."""
+    full, buffered, native = _low_precision_errors(dtype, seed)
+    assert buffered <= 1.15 * full, (full, buffered)
+    assert native >= 2.0 * full, (full, native)
