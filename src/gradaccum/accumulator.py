@@ -53,7 +53,7 @@ from gradaccum.options import (
     parse,
 )
 from gradaccum.packing import check_packable, pack_by_tokens
-from gradaccum.precision import PrecisionRuntime
+from gradaccum.precision import PrecisionRuntime, warn_if_ignored
 from gradaccum.recovery import AutoSizer
 from gradaccum.result import NonFiniteError, SkippedInARow, StepResult, learning_rate
 from gradaccum.sizing import MemoryPlan
@@ -140,6 +140,7 @@ class Accumulator(WindowSizes, OptimizerSetting):
         self.on_nonfinite = parse(OnNonFinite, on_nonfinite, "on_nonfinite")
         every = window_parameters(params, optimizer)[0]  # the optimizer's too: fp16 check, buffers
         runtime = PrecisionRuntime(self.precision, [*params, *every], accum_dtype)
+        warn_if_ignored(self.precision, [*params, *every])  # a float64 model: autocast does not
         policy = parse(SyncPolicy, sync_policy, "sync_policy")
         check_fsdp_support(model, buffers=runtime.uses_buffers, policy=policy)
         self._auto = None
@@ -338,7 +339,8 @@ class Accumulator(WindowSizes, OptimizerSetting):
             return result
         self.nonfinite_windows += 1
         if self.on_nonfinite is OnNonFinite.RAISE:
-            raise NonFiniteError.of_window(micro_batches, outcome)
+            scale = None if self.scaler is None else float(self.scaler.get_scale())
+            raise NonFiniteError.of_window(micro_batches, outcome, scale)
         self._stalled.skipped(outcome)
         return result
 

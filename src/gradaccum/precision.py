@@ -32,13 +32,40 @@ import torch
 
 from gradaccum._dtensor import like_param
 from gradaccum._state_layout import check_tensors_fit
+from gradaccum._warnings import warn_user
 from gradaccum.options import Precision
 
-__all__ = ["PrecisionRuntime"]
+__all__ = ["PrecisionRuntime", "warn_if_ignored"]
 
 _NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every `with`
 
 _AUTOCAST_DTYPE = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+# Dtypes autocast never casts: a model holding only these computes as if it were off.
+_WIDE = (torch.float64, torch.complex128)
+
+
+def warn_if_ignored(precision: Precision, params: Sequence[torch.Tensor]) -> None:
+    """Warn if bf16/fp16 is asked for on parameters that are all float64 (autocast ignores them).
+
+    The run goes on, in float64: refusing would break a config that sets the precision once for
+    models of several dtypes.
+    """
+    if precision is Precision.FP32 or not all(p.dtype in _WIDE for p in params):
+        return
+    scale = (
+        "; the fp16 loss scale guards no overflow there, it only grows"
+        if precision is Precision.FP16
+        else ""
+    )
+    message = (
+        f"precision='{precision.value}' has no effect on this model: its parameters are all "
+        "float64, and autocast leaves float64 computations alone, so the forward and backward "
+        f"run in float64 (exact, without the speed or memory of mixed precision){scale}. Cast "
+        "the model to float32 first (model.float()) to train in mixed precision, or pass "
+        "precision='fp32'."
+    )
+    warn_user(UserWarning(message))
 
 
 class PrecisionRuntime:

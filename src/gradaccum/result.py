@@ -28,13 +28,26 @@ class NonFiniteError(FloatingPointError):
     """A window's loss or gradient was inf or NaN and `on_nonfinite="raise"` was set."""
 
     @classmethod
-    def of_window(cls, micro_batches: int, outcome: Any) -> NonFiniteError:
-        """The error for a skipped window's `Outcome` (`gradaccum.window`), naming the fix."""
+    def of_window(
+        cls, micro_batches: int, outcome: Any, loss_scale: float | None = None
+    ) -> NonFiniteError:
+        """The error for a skipped window's `Outcome` (`gradaccum.window`), naming the fix.
+
+        `loss_scale`: fp16's scale, which backed off for this window (the one thing it changed).
+        """
+        backed_off = (
+            ""
+            if loss_scale is None
+            else f"; the fp16 loss scale backed off to {loss_scale:g}, as GradScaler does on an "
+            "overflow, so a retry runs at the lower scale (overflows while the scale settles "
+            "are routine in fp16)"
+        )
         return cls(
             f"window of {micro_batches} micro-batches has loss sum {outcome.loss_sum} and "
             f"grad norm {outcome.grad_norm}; non-finite gradients in: "
-            f"{list(outcome.nonfinite_names)}. The window was discarded; pass "
-            "on_nonfinite='skip' to skip such windows instead."
+            f"{list(outcome.nonfinite_names)}. The window was discarded, the parameters, "
+            f"optimizer and scheduler unchanged{backed_off}; pass on_nonfinite='skip' to skip "
+            "such windows instead."
         )
 
 
