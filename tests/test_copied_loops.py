@@ -147,3 +147,29 @@ def test_a_sum_divided_by_the_windows_count_warns_for_labelled_batches() -> None
         # A token mean over one scored label divides by 1: a mean, not a sum read as one.
         one = torch.where(torch.arange(5) == 0, y[:5], -100)
         acc.step({"x": x[:5], "labels": one}, over(1))
+
+
+def _mean_as_sum(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossSum:
+    return LossSum(_mean(model, batch), count=len(batch[1]))  # a mean where the sum belongs
+
+
+def _mean_of_rows_as_sum(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossSum:
+    per_row = nn.functional.cross_entropy(model(batch[0]), batch[1], reduction="none")
+    return LossSum(per_row.mean(), count=len(batch[1]))
+
+
+@pytest.mark.parametrize("loss_fn", [_mean_as_sum, _mean_of_rows_as_sum])
+def test_a_mean_given_as_a_loss_sums_value_warns_and_is_far_from_the_step(loss_fn) -> None:
+    """`LossSum(mean, count)` divides the micro-batches' means by the window's count (was
+    silent); `LossSum(mean, 1)`, a mean over one item, and the sum do not warn."""
+    model, caught = _streamed(loss_fn)
+    assert len(caught) == 1
+    assert re.search(r"count=5\) whose value is a MEAN", str(caught[0].message))
+    assert _gap(model, _reference()) > 1e-3  # the negative control: silently another step
+
+    def one_row(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossSum:
+        return LossSum(_mean(model, (batch[0][:1], batch[1][:1])), count=1)
+
+    for fine in (one_row, _loss_sum):
+        _, caught = _streamed(fine)
+        assert not caught

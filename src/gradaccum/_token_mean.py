@@ -26,6 +26,7 @@ import torch
 from gradaccum._copied_loop import (
     CopiedLoopWarning,
     division_problem,
+    mean_problem,
     sum_problem,
     window_count_problem,
 )
@@ -125,7 +126,8 @@ class TokenMeanCheck:
             self.copied_left -= 1
             divided = division_problem(result, micro_batches)
             self.divisions += divided is not None
-            problem = sum_problem(result, items) or (divided if self.divisions > 1 else None)
+            problem = sum_problem(result, items) or mean_problem(result)
+            problem = problem or (divided if self.divisions > 1 else None)
             if problem is None and _labelled(micro_batch):  # transformers' num_items_in_batch
                 labels = next((value for _, value in _targets(micro_batch)), None)
                 problem = window_count_problem(result, labels, items)
