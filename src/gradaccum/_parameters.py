@@ -89,8 +89,8 @@ class ModelParameters:
         if resized:
             return ValueError(
                 f"{_described(resized, self.names)} changed shape in the middle of an "
-                f"accumulation window, whose gradients are of the old shape. {_FIX} The window "
-                "was discarded."
+                "accumulation window: its earlier micro-batches ran the model before the change "
+                f"(their gradients are of the old shape). {_FIX} The window was discarded."
             )
         return None
 
