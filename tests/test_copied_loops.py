@@ -278,3 +278,29 @@ def test_a_scheduler_stepped_per_window_or_per_epoch_does_not_warn_and_is_exact(
     assert _gap(model, reference) < 1e-10
     _, caught = _scheduled_run("epoch")  # a carried window spans the epoch's step: no warning
     assert not caught
+
+
+def _mean_as_sum(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossSum:
+    return LossSum(_mean(model, batch), count=len(batch[1]))  # a mean where the sum belongs
+
+
+def _mean_of_rows_as_sum(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossSum:
+    per_row = nn.functional.cross_entropy(model(batch[0]), batch[1], reduction="none")
+    return LossSum(per_row.mean(), count=len(batch[1]))
+
+
+@pytest.mark.parametrize("loss_fn", [_mean_as_sum, _mean_of_rows_as_sum])
+def test_a_mean_given_as_a_loss_sums_value_warns_and_is_far_from_the_step(loss_fn) -> None:
+    """`LossSum(mean, count)` divides the micro-batches' means by the window's count (was
+    silent); `LossSum(mean, 1)`, a mean over one item, and the sum do not warn."""
+    model, caught = _streamed(loss_fn)
+    assert len(caught) == 1
+    assert re.search(r"count=5\) whose value is a MEAN", str(caught[0].message))
+    assert _gap(model, _reference()) > 1e-3  # the negative control: silently another step
+
+    def one_row(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossSum:
+        return LossSum(_mean(model, (batch[0][:1], batch[1][:1])), count=1)
+
+    for fine in (one_row, _loss_sum):
+        _, caught = _streamed(fine)
+        assert not caught

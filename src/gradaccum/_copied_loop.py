@@ -46,11 +46,12 @@ __all__ = [
     "division_problem",
     "scaler_problem",
     "gradients_changed_error",
+    "mean_problem",
     "sum_problem",
     "window_count_problem",
 ]
 
-_SUM = 2  # torch's Reduction::Sum, as a loss node saves it
+_MEAN, _SUM = 1, 2  # torch's Reduction::Mean and ::Sum, as a loss node saves them
 _IGNORE_INDEX = -100  # an unscored label (cross_entropy's default, Hugging Face's)
 
 
@@ -124,6 +125,32 @@ def _sum_message(node: object, items: int) -> str | None:
         f"as a MEAN over the rows and weighted by them, so the sum counts {items} times. "
         "Return gradaccum.LossSum(loss, count=number_of_items) (the items the sum covers), "
         "or use reduction='mean'."
+    )
+
+
+def mean_problem(result: object) -> str | None:
+    """What is wrong if `result` is a `LossSum` whose value is a mean over more than one item.
+
+    A torch loss with reduction='mean' or a `.mean()` (a Hugging Face model's `outputs.loss`
+    without `num_items_in_batch`) given as `LossSum.value`, a sum, with a count above 1: the
+    window divides the micro-batches' means by their total count, not the full-batch mean. The
+    count is read (a device sync) only for such a value.
+    """
+    value, count = getattr(result, "value", None), getattr(result, "count", None)
+    node = value.grad_fn if isinstance(value, torch.Tensor) else None
+    mean = getattr(node, "_saved_reduction", None) == _MEAN
+    if not (mean or type(node).__name__ == "MeanBackward0") or count is None:
+        return None
+    items = float(count)
+    if items <= 1:
+        return None
+    return (
+        f"loss_fn returned LossSum(value, count={items:g}) whose value is a MEAN "
+        f"({type(node).__name__}), but LossSum.value is the SUM of the losses the count "
+        "covers: the window divides the micro-batches' means by their total count, which is "
+        "not the full-batch mean. Sum the losses (reduction='sum', or mean * count); for a "
+        "Hugging Face model's outputs.loss, call it with num_items_in_batch=1, or use a "
+        "gradaccum.hf loss (hf.causal_lm, ...)."
     )
 
 

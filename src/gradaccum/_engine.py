@@ -392,7 +392,7 @@ class Engine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Check every component's state first, then restore them; raise changing nothing."""
-        params, held = self._params.for_window(self.optimizer)
+        params, held = self._params.for_window(self.optimizer, loading=True)
         components = (self.window, self.runtime, self.batchnorm, self.sync, self.buffers)
         restore_components(state, *components, params=params, held=held, end=self._end)
         self.broken = None  # the caller restored a consistent state

@@ -89,13 +89,18 @@ class ModelParameters:
         if resized:
             return ValueError(
                 f"{_described(resized, self.names)} changed shape in the middle of an "
-                f"accumulation window, whose gradients are of the old shape. {_FIX} The window "
-                "was discarded."
+                "accumulation window: its earlier micro-batches ran the model before the change "
+                f"(their gradients are of the old shape). {_FIX} The window was discarded."
             )
         return None
 
-    def for_window(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.nn.Parameter], int]:
+    def for_window(
+        self, optimizer: torch.optim.Optimizer, *, loading: bool = False
+    ) -> tuple[list[torch.nn.Parameter], int]:
         """`window_parameters` for a window about to open, after checking for resizes.
+
+        `loading`: for a state about to be loaded, with the optimizer's (`load_checkpoint`
+        loads the accumulator first): the optimizer's present state is not checked.
 
         Raises:
             ValueError: If a parameter changed shape and the optimizer holds state of its old
@@ -105,7 +110,7 @@ class ModelParameters:
         resized = self._resized()
         if resized:
             names = self.names
-            stale = [(p, s) for p, s in resized if _has_state(optimizer, p)]
+            stale = [] if loading else [(p, s) for p, s in resized if _old_state(optimizer, p, s)]
             if stale:
                 raise ValueError(
                     f"{_described(stale, names)} changed shape since this Accumulator was "
@@ -132,10 +137,15 @@ _FIX = (
 )
 
 
-def _has_state(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter) -> bool:
-    """Whether the optimizer keeps tensors for `param` that depend on its shape (not `step`)."""
+def _old_state(
+    optimizer: torch.optim.Optimizer, param: torch.nn.Parameter, shape: torch.Size
+) -> bool:
+    """Whether the optimizer keeps a tensor of `shape` (the old one) for `param` (Adam's moments).
+
+    A state loaded since for the new shape (a checkpoint of the resized model) is not stale.
+    """
     state = optimizer.state.get(param, {})
-    return any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in state.values())
+    return any(isinstance(v, torch.Tensor) and v.shape == shape for v in state.values())
 
 
 def _described(resized: list[tuple[torch.nn.Parameter, torch.Size]], names: dict[int, str]) -> str:

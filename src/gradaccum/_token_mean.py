@@ -27,6 +27,7 @@ from gradaccum._copied_loop import (
     CopiedLoopWarning,
     division_problem,
     scaler_problem,
+    mean_problem,
     sum_problem,
     window_count_problem,
 )
@@ -133,7 +134,8 @@ class TokenMeanCheck:
             self.copied_left -= 1
             divided = division_problem(result, micro_batches)
             self.divisions += divided is not None
-            problem = sum_problem(result, items) or (divided if self.divisions > 1 else None)
+            problem = sum_problem(result, items) or mean_problem(result)
+            problem = problem or (divided if self.divisions > 1 else None)
             if problem is None and _labelled(micro_batch):  # transformers' num_items_in_batch
                 labels = next((value for _, value in _targets(micro_batch)), None)
                 problem = window_count_problem(result, labels, items)

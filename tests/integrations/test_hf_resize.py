@@ -23,7 +23,7 @@ from tests.integrations._hf import import_transformers
 
 transformers = import_transformers()
 
-from gradaccum import Accumulator, hf  # noqa: E402
+from gradaccum import Accumulator, hf, load_checkpoint, save_checkpoint  # noqa: E402
 from tests.reference import param_tensors, relative_gap  # noqa: E402
 from tests.state import assert_bitwise, clone_state  # noqa: E402
 
@@ -143,3 +143,27 @@ def test_a_resize_a_plain_loop_takes_still_equals_the_full_batch_step() -> None:
         plain.step()
     assert model.transformer.wte.weight.shape == (NEW_VOCAB, 16)
     assert relative_gap(param_tensors(model), param_tensors(reference)) < 1e-10
+
+
+def test_a_checkpoint_of_the_resized_model_loads_and_the_run_goes_on_exactly(tmp_path) -> None:
+    """The refusal does not block the way back: a checkpoint saved after the resize replaces
+    the optimizer's old-shape state, and the run then steps as the run that saved it."""
+    batch, path = _batch(NEW_VOCAB), tmp_path / "resized.pt"
+    saved = _model("gpt2-tied")
+    _resize(saved)
+    optimizer = torch.optim.AdamW(saved.parameters(), lr=1e-2)
+    acc = Accumulator(saved, optimizer, micro_batch_size=3)
+    acc.step(batch, hf.causal_lm)
+    save_checkpoint(path, model=saved, optimizer=optimizer, accumulator=acc)
+    acc.step(batch, hf.causal_lm)
+
+    model = _model("gpt2-tied")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    resumed = Accumulator(model, optimizer, micro_batch_size=3)
+    resumed.step(_batch(), hf.causal_lm)  # Adam's moments of the old shape
+    _resize(model)
+    with pytest.raises(ValueError, match="optimizer holds state"):
+        resumed.step(batch, hf.causal_lm)
+    load_checkpoint(path, model=model, optimizer=optimizer, accumulator=resumed)
+    assert resumed.step(batch, hf.causal_lm).stepped
+    assert relative_gap(param_tensors(model), param_tensors(saved)) < 1e-12
