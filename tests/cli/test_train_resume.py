@@ -299,6 +299,9 @@ def _damage(folder: Path, how: str) -> None:
         config.write_text("{not json")
     elif how == "edited-config":
         config.write_text(config.read_text().replace('"lr": null', '"lr": 0.5'))
+    elif how == "edited-micro-batch-size":  # other accumulation steps: the Accumulator refuses
+        text = config.read_text()
+        config.write_text(text.replace('"micro_batch_size": 4', '"micro_batch_size": 8'))
     elif how == "inconsistent-position":
         payload = torch.load(checkpoint, weights_only=True)
         payload["extra"]["micro"] = 4  # the Accumulator holds 3 micro-batches
@@ -315,6 +318,7 @@ BAD_FOLDERS = [
     ("no-config", "holds no config.json, so it is not a run folder of `gradaccum train`"),
     ("damaged-config", "config.json is damaged (JSONDecodeError"),
     ("edited-config", "was written by another configuration than config.json describes"),
+    ("edited-micro-batch-size", "than config.json describes (they differ in: micro_batch_size)"),
     ("inconsistent-position", "is inconsistent: its Accumulator holds 3 micro-batches"),
     ("other-model", "holds classifier.3.weight of shape (3, 64), the model has (10, 64)"),
 ]

@@ -216,18 +216,9 @@ def read_position(
             f"{CHECKPOINT_NAME} has run-position version {extra.get('version')!r}; this "
             f"gradaccum reads version {_VERSION}"
         )
-    saved = extra.get("config")
-    saved = dict(saved) if isinstance(saved, dict) else {}
-    differing = sorted(
-        key
-        for key in (set(config) | set(saved)) - set(_LENGTH)  # a run may be extended
-        if saved.get(key) != config.get(key)
-    )
-    if differing:
-        raise ResumeError(
-            f"{CHECKPOINT_NAME} was written by another configuration than config.json describes "
-            f"(they differ in: {', '.join(differing)}); restore config.json or start a new run"
-        )
+    mismatch = _config_mismatch(extra.get("config"), config)
+    if mismatch:
+        raise ResumeError(mismatch)
     if extra.get("finished") and extra.get("step") == total_steps:
         raise ResumeError(
             f"the run already finished (step {extra.get('step')} of {total_steps}); to train it "
@@ -254,6 +245,36 @@ def read_position(
     ):
         raise ResumeError(f"{CHECKPOINT_NAME} holds an inconsistent run position")
     return position, history
+
+
+def _config_mismatch(saved: Any, config: dict[str, Any]) -> str | None:
+    """Why a checkpoint's recorded configuration is not `config` (None if it is)."""
+    saved = dict(saved) if isinstance(saved, dict) else {}
+    differing = sorted(
+        key
+        for key in (set(config) | set(saved)) - set(_LENGTH)  # a run may be extended
+        if saved.get(key) != config.get(key)
+    )
+    if not differing:
+        return None
+    return (
+        f"{CHECKPOINT_NAME} was written by another configuration than config.json describes "
+        f"(they differ in: {', '.join(differing)}); restore config.json or start a new run"
+    )
+
+
+def _recorded_mismatch(path: Path, config: dict[str, Any]) -> str | None:
+    """`_config_mismatch` of the configuration `path` records, if the file reads at all.
+
+    For a checkpoint the objects refused: a config.json edited to another micro-batch size
+    (so other accumulation steps) or BatchNorm mode is then named as such, rather than by the
+    library's message for whoever builds an Accumulator by hand.
+    """
+    try:
+        extra = torch.load(path, map_location="cpu", weights_only=True)["extra"]
+    except Exception:  # a damaged file: the load's own message says so
+        return None
+    return _config_mismatch(extra.get("config"), config) if isinstance(extra, dict) else None
 
 
 def _number(value: Any) -> float:
@@ -341,7 +362,8 @@ def load_run(run: CheckpointedRun, out: Path) -> tuple[Position, list[dict[str, 
             restore_rng=True,  # a bitwise resume continues the run's random streams
         )
     except (ValueError, OSError) as error:  # CheckpointError is a ValueError
-        raise ResumeError(" ".join(str(error).split())) from None
+        mismatch = _recorded_mismatch(path, plain_config(run.plan.config))
+        raise ResumeError(mismatch or " ".join(str(error).split())) from None
     try:
         position, history = read_position(
             extra,
