@@ -16,7 +16,13 @@ import torch
 import torch.distributed as dist
 
 from gradaccum import _compat
-from gradaccum._agreement import OUT_OF_MEMORY, RankMismatchError, RankSummary, WindowAgreement
+from gradaccum._agreement import (
+    OUT_OF_MEMORY,
+    RankMismatchError,
+    RankSummary,
+    WindowAgreement,
+    check_terms_alike,
+)
 from gradaccum._allreduce import all_reduce_sum, broadcast_from_first
 from gradaccum._sync_base import FAILED_COUNT, GradSync, Plan, device_for, process_group
 from gradaccum._warnings import warn_user
@@ -27,7 +33,8 @@ __all__ = ["DDPSync", "FSDP2Sync"]
 
 _NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every `with`
 
-_FLAGS = 7 + 2 * MAX_TERMS  # the exchange row: head, the terms' (count, sum) pairs, flags
+_HEAD = 8  # the exchange row: head, the terms' (count, sum) pairs, flags
+_FLAGS = _HEAD + 2 * MAX_TERMS
 
 
 class _DistributedSync(GradSync):
@@ -54,6 +61,7 @@ class _DistributedSync(GradSync):
             mine.failed,
             mine.graph,
             self.flushing,
+            mine.signature,  # the terms' names: their pairs are summed by position
         ]
         terms = list(mine.terms) or [0.0] * (2 * MAX_TERMS)  # fixed width: rows must match
         row = torch.tensor(
@@ -69,6 +77,7 @@ class _DistributedSync(GradSync):
         if not failed:
             self._check_alike(table)
             _check_flushing_alike(table[:, 6])
+            check_terms_alike(table[:, 2].tolist(), table[:, 7].tolist(), mine.term_names)
         return WindowAgreement(
             denominator=float(table[:, 3].max().item()),
             count=int(table[:, 0].sum().item()),
@@ -77,7 +86,7 @@ class _DistributedSync(GradSync):
             all_out_of_memory=bool(failed) and all(failures[list(failed)] == OUT_OF_MEMORY),
             has_grad=tuple(bool(flag) for flag in table[:, _FLAGS:].amax(dim=0).tolist()),
             all_graphs=bool(table[:, 5].all()),
-            terms=tuple(table[:, 7:_FLAGS].sum(dim=0).tolist()) if mine.terms else (),
+            terms=tuple(table[:, _HEAD:_FLAGS].sum(dim=0).tolist()) if mine.terms else (),
         )
 
     rescales = False  # whether power-of-two denominators are rescaled to one before reducing
@@ -232,6 +241,13 @@ class DDPSync(_DistributedSync):
                 "every rank the same number of micro_step() calls per epoch "
                 "(DistributedSampler(drop_last=False) pads the shards), or use step(), whose "
                 "ranks may hold different numbers of items, an empty batch included."
+            )
+        if self._native and not self.model.require_backward_grad_sync:
+            raise ValueError(  # DDP would not reduce it, and the library leaves it to DDP
+                "a DistributedDataParallel(static_graph=True) model's first window must let DDP "
+                "reduce its gradients, but it runs inside model.no_sync(). Call step() and "
+                "micro_step() outside no_sync(): the Accumulator itself keeps DDP from reducing "
+                "before the window's end. Nothing was changed."
             )
         if getattr(self.model, "_comm_hooks", None) and not self._hook_warned:
             self._hook_warned = True  # DDP.register_comm_hook(): its reducer never runs here
