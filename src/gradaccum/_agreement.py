@@ -20,6 +20,7 @@ __all__ = [
     "RankMismatchError",
     "RankSummary",
     "WindowAgreement",
+    "check_flushing_alike",
     "check_terms_alike",
     "terms_signature",
 ]
@@ -108,6 +109,23 @@ def check_terms_alike(
         "nothing for this window goes in with count 0 (e.g. aux=Term(loss.new_zeros(()), "
         "count=0)). The window was discarded on every rank, and nothing was stepped."
     )
+
+
+def check_flushing_alike(flushing: torch.Tensor) -> None:
+    """Raise on every rank if some ranks' data ended (`flush()`) while others closed a full window.
+
+    Raises:
+        RankMismatchError: Naming the ranks at `flush()`.
+    """
+    if 0 < int(flushing.sum().item()) < len(flushing):
+        ranks = ", ".join(str(rank) for rank in torch.nonzero(flushing).flatten().tolist())
+        raise RankMismatchError(
+            f"rank {ranks} called flush() (its data ended) while the other ranks closed a full "
+            "window and have more: the ranks hold different numbers of micro-batches. The "
+            "window was discarded on every rank. Give every rank the same number of "
+            "micro_step() calls per epoch (DistributedSampler pads its shards unless "
+            "drop_last=True), or use step(), whose ranks may hold different numbers of items."
+        )
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,9 @@
   `ZeroRedundancyOptimizer`: three windows equal three full-batch steps, ranks bitwise equal;
 - `ZeroRedundancyOptimizer(overlap_with_ddp=True)`, whose step runs only inside a DDP hook that
   gradaccum never runs (its `step()` does nothing), is refused at construction;
+- a model with `SyncBatchNorm` (its train-mode forward and backward are collectives) refuses
+  uneven plans on every rank before any forward, nothing changed (on a GPU the ranks would wait
+  for each other); with `batchnorm="frozen"` (no collective) the uneven window is exact;
 - a `static_graph=True` model's first window (which DDP must reduce) inside the user's
   `model.no_sync()` raises a `ValueError` naming the fix, nothing changed (before: an internal
   assert of DDP's reducer).
@@ -163,12 +166,73 @@ def _static_graph_inside_no_sync(rank: int) -> dict[str, Any]:
     }
 
 
+def make_bn_net() -> nn.Sequential:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+        return net.double()
+
+
+def bn_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """7 items on rank 0, 4 on rank 1: 3 and 2 micro-batches of up to 3."""
+    generator = torch.Generator().manual_seed(rank)
+    items = 7 if rank == 0 else 4
+    x = torch.randn(items, 4, generator=generator, dtype=torch.float64)
+    return x, torch.randn(items, 2, generator=generator, dtype=torch.float64)
+
+
+def bn_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossSum:
+    return LossSum((model(batch[0]) - batch[1]).pow(2).sum(), batch[0].shape[0])
+
+
+def _sync_batchnorm(rank: int) -> dict[str, Any]:
+    """DDP refuses SyncBatchNorm on CPU at construction: swap it in afterwards (same tensors)."""
+    results: dict[str, Any] = {}
+    for mode in ("micro", "pooled", "frozen"):
+        ddp = DistributedDataParallel(make_bn_net())
+        plain = ddp.module[1]
+        sync_bn = nn.SyncBatchNorm(8).double()
+        sync_bn.weight, sync_bn.bias = plain.weight, plain.bias
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            setattr(sync_bn, name, getattr(plain, name))
+        ddp.module[1] = sync_bn
+        forwards: list[int] = []
+        ddp.module.register_forward_pre_hook(lambda *_, seen=forwards: seen.append(1))
+        before = {k: v.clone() for k, v in ddp.module.state_dict().items()}
+        acc = Accumulator(ddp, sgd(ddp.parameters()), micro_batch_size=MICRO, batchnorm=mode)
+        try:
+            acc.step(bn_batch(rank), bn_loss)
+            error = None
+        except RuntimeError as caught:
+            error = f"{type(caught).__name__}: {caught}"
+        after = ddp.module.state_dict()
+        results[mode] = {
+            "error": error,
+            "forwards": len(forwards),
+            "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+            "state": {k: v.clone() for k, v in after.items()},
+        }
+    return results
+
+
+def sync_batchnorm_reference() -> dict[str, torch.Tensor]:
+    """batchnorm="frozen": one full-batch step with the BatchNorm in eval mode."""
+    model = make_bn_net()
+    model[1].eval()
+    optimizer = sgd(model.parameters())
+    x, y = (torch.cat(parts) for parts in zip(*(bn_batch(rank) for rank in (0, 1)), strict=True))
+    ((model(x) - y).pow(2).sum() / len(x)).backward()
+    optimizer.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
 def configs_worker(rank: int, world_size: int) -> dict[str, Any]:
     configs = ("unused", "bucket_view", "tiny_buckets", "static_checkpoint", "zero")
     return {
         "trained": {config: _train(rank, config) for config in configs},
         "zero_overlap": _zero_overlap_refused(),
         "no_sync": _static_graph_inside_no_sync(rank),
+        "sync_batchnorm": _sync_batchnorm(rank),
     }
 
 
@@ -209,4 +273,28 @@ def test_a_static_graphs_first_window_inside_no_sync_is_refused_changing_nothing
         assert result["unchanged"], rank
         assert result["untouched"], rank
         gap = relative_gap(result["params"], expected)
+        assert gap < EXACT, f"rank {rank}: {gap:.1e} from the full-batch reference"
+
+
+def test_sync_batchnorm_refuses_uneven_plans_before_any_forward(
+    runs: list[dict[str, Any]],
+) -> None:
+    """Train-mode SyncBatchNorm all-gathers in every forward and all-reduces in every backward:
+    3 micro-batches against 2 would leave rank 0 waiting (on a GPU; on CPU torch refuses it in
+    the forward). Every rank raises first, naming each rank's plan, nothing changed;
+    `batchnorm="frozen"` runs it in eval mode (no collective), so the uneven window is exact."""
+    expected = sync_batchnorm_reference()
+    for rank, run in enumerate(runs):
+        for mode in ("micro", "pooled"):
+            result = run["sync_batchnorm"][mode]
+            assert result["error"] is not None, (rank, mode)
+            assert result["error"].startswith("RankMismatchError: ranks planned different")
+            assert "rank 0: 3 micro-batches" in result["error"]
+            assert "SyncBatchNorm" in result["error"]
+            assert "batchnorm='frozen'" in result["error"]
+            assert result["forwards"] == 0, (rank, mode)
+            assert result["unchanged"], (rank, mode)
+        frozen = run["sync_batchnorm"]["frozen"]
+        assert frozen["error"] is None, (rank, frozen["error"])
+        gap = relative_gap(frozen["state"], expected)
         assert gap < EXACT, f"rank {rank}: {gap:.1e} from the full-batch reference"
