@@ -8,11 +8,22 @@ Example:
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FAILED", "OUT_OF_MEMORY", "RankMismatchError", "RankSummary", "WindowAgreement"]
+__all__ = [
+    "FAILED",
+    "OUT_OF_MEMORY",
+    "RankMismatchError",
+    "RankSummary",
+    "WindowAgreement",
+    "check_flushing_alike",
+    "check_terms_alike",
+    "terms_signature",
+]
 
 FAILED, OUT_OF_MEMORY = 1, 2  # RankSummary.failed: why a rank's window failed
 
@@ -35,6 +46,8 @@ class RankSummary:
         graph: Whether this rank's last micro-batch can run a backward.
         terms: `LossSum.terms` windows: each term's count and sum, in pairs, padded to
             `MAX_TERMS` pairs (empty otherwise).
+        term_names: The terms' names, in order (empty without terms).
+        term_weights: Their weights, in the same order.
     """
 
     count: int
@@ -45,6 +58,74 @@ class RankSummary:
     has_grad: tuple[bool, ...] = ()
     graph: bool = True
     terms: tuple[float, ...] = ()
+    term_names: tuple[str, ...] = ()
+    term_weights: tuple[float, ...] = ()
+
+    @property
+    def signature(self) -> float:
+        """`terms_signature` of this window's terms; 0 for a window without terms."""
+        return terms_signature(self.term_names, self.term_weights) if self.term_names else 0.0
+
+
+def terms_signature(names: Sequence[str], weights: Sequence[float]) -> float:
+    """A number naming a `LossSum.terms` window's terms, in order, with their weights.
+
+    Ranks sum the terms' counts and sums position by position, so they must agree on what each
+    position is; exact in float64 (a CRC-32 plus one, so never the 0 of a window without terms).
+    """
+    return float(zlib.crc32(repr((tuple(names), tuple(weights))).encode()) + 1)
+
+
+def check_terms_alike(
+    micro_batches: Sequence[float], signatures: Sequence[float], names: Sequence[str]
+) -> None:
+    """Raise on every rank if the ranks that ran micro-batches returned different terms.
+
+    Before, the terms' counts and sums were added position by position whatever each rank
+    named them: terms in another order, or a term missing on one rank, gave a silently wrong
+    step (the ranks still agreed with each other).
+
+    Args:
+        micro_batches: Each rank's micro-batches (a rank that ran none has no terms to match).
+        signatures: Each rank's `terms_signature` (0: its loss had no terms).
+        names: This rank's term names, for the message.
+
+    Raises:
+        RankMismatchError: If they differ.
+    """
+    running = [
+        (r, sig)
+        for r, (sig, runs) in enumerate(zip(signatures, micro_batches, strict=True))
+        if runs > 0
+    ]
+    odd = [r for r, sig in running if sig != running[0][1]]
+    if not odd:
+        return
+    raise RankMismatchError(
+        f"rank {', '.join(map(str, odd))} returned other LossSum.terms than the first rank to "
+        f"run a micro-batch (names, order or weights; this rank's: {list(names) or 'no terms'}), "
+        "whose counts and sums are added position by position over ranks. Return the same "
+        "terms, in the same order and with the same weights, on every rank; a term a rank has "
+        "nothing for this window goes in with count 0 (e.g. aux=Term(loss.new_zeros(()), "
+        "count=0)). The window was discarded on every rank, and nothing was stepped."
+    )
+
+
+def check_flushing_alike(flushing: torch.Tensor) -> None:
+    """Raise on every rank if some ranks' data ended (`flush()`) while others closed a full window.
+
+    Raises:
+        RankMismatchError: Naming the ranks at `flush()`.
+    """
+    if 0 < int(flushing.sum().item()) < len(flushing):
+        ranks = ", ".join(str(rank) for rank in torch.nonzero(flushing).flatten().tolist())
+        raise RankMismatchError(
+            f"rank {ranks} called flush() (its data ended) while the other ranks closed a full "
+            "window and have more: the ranks hold different numbers of micro-batches. The "
+            "window was discarded on every rank. Give every rank the same number of "
+            "micro_step() calls per epoch (DistributedSampler pads its shards unless "
+            "drop_last=True), or use step(), whose ranks may hold different numbers of items."
+        )
 
 
 @dataclass(frozen=True)

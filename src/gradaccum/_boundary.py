@@ -65,6 +65,8 @@ def rank_summary(
         failed=failed,
         has_grad=has_grad,
         terms=() if ledger is None else ledger.summary(),
+        term_names=() if ledger is None else ledger.names,
+        term_weights=() if ledger is None else ledger.weights,
     )
 
 

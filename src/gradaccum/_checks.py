@@ -116,6 +116,13 @@ def check_optimizer(optimizer: object, model: torch.nn.Module) -> None:
             "SparseAdam needs sparse gradients, which gradaccum does not accumulate; use "
             "nn.Embedding(..., sparse=False) with Adam or AdamW."
         )
+    if getattr(optimizer, "_overlap_with_ddp", False):  # ZeroRedundancyOptimizer
+        raise ValueError(
+            "ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside DDP's communication "
+            "hook, which never runs under gradaccum (it reduces each window's gradients "
+            "itself), and its own step() does nothing: no parameter would ever move. Build it "
+            "with overlap_with_ddp=False (the default); it still shards the optimizer state."
+        )
 
 
 def check_scheduler(scheduler: Any) -> None:

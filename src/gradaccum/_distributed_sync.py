@@ -16,7 +16,14 @@ import torch
 import torch.distributed as dist
 
 from gradaccum import _compat
-from gradaccum._agreement import OUT_OF_MEMORY, RankMismatchError, RankSummary, WindowAgreement
+from gradaccum._agreement import (
+    OUT_OF_MEMORY,
+    RankMismatchError,
+    RankSummary,
+    WindowAgreement,
+    check_flushing_alike,
+    check_terms_alike,
+)
 from gradaccum._allreduce import all_reduce_sum, broadcast_from_first
 from gradaccum._sync_base import FAILED_COUNT, GradSync, Plan, device_for, process_group
 from gradaccum._warnings import warn_user
@@ -27,7 +34,8 @@ __all__ = ["DDPSync", "FSDP2Sync"]
 
 _NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every `with`
 
-_FLAGS = 7 + 2 * MAX_TERMS  # the exchange row: head, the terms' (count, sum) pairs, flags
+_HEAD = 8  # the exchange row: head, the terms' (count, sum) pairs, flags
+_FLAGS = _HEAD + 2 * MAX_TERMS
 
 
 class _DistributedSync(GradSync):
@@ -54,6 +62,7 @@ class _DistributedSync(GradSync):
             mine.failed,
             mine.graph,
             self.flushing,
+            mine.signature,  # the terms' names: their pairs are summed by position
         ]
         terms = list(mine.terms) or [0.0] * (2 * MAX_TERMS)  # fixed width: rows must match
         row = torch.tensor(
@@ -68,7 +77,8 @@ class _DistributedSync(GradSync):
         failed = tuple(int(r) for r in torch.nonzero(failures).flatten().tolist())
         if not failed:
             self._check_alike(table)
-            _check_flushing_alike(table[:, 6])
+            check_flushing_alike(table[:, 6])
+            check_terms_alike(table[:, 2].tolist(), table[:, 7].tolist(), mine.term_names)
         return WindowAgreement(
             denominator=float(table[:, 3].max().item()),
             count=int(table[:, 0].sum().item()),
@@ -77,7 +87,7 @@ class _DistributedSync(GradSync):
             all_out_of_memory=bool(failed) and all(failures[list(failed)] == OUT_OF_MEMORY),
             has_grad=tuple(bool(flag) for flag in table[:, _FLAGS:].amax(dim=0).tolist()),
             all_graphs=bool(table[:, 5].all()),
-            terms=tuple(table[:, 7:_FLAGS].sum(dim=0).tolist()) if mine.terms else (),
+            terms=tuple(table[:, _HEAD:_FLAGS].sum(dim=0).tolist()) if mine.terms else (),
         )
 
     rescales = False  # whether power-of-two denominators are rescaled to one before reducing
@@ -148,21 +158,17 @@ class _DistributedSync(GradSync):
         )
 
 
-def _check_flushing_alike(flushing: torch.Tensor) -> None:
-    """Raise on every rank if some ranks' data ended (`flush()`) while others closed a full window.
-
-    Raises:
-        RankMismatchError: Naming the ranks at `flush()`.
-    """
-    if 0 < int(flushing.sum().item()) < len(flushing):
-        ranks = ", ".join(str(rank) for rank in torch.nonzero(flushing).flatten().tolist())
-        raise RankMismatchError(
-            f"rank {ranks} called flush() (its data ended) while the other ranks closed a full "
-            "window and have more: the ranks hold different numbers of micro-batches. The "
-            "window was discarded on every rank. Give every rank the same number of "
-            "micro_step() calls per epoch (DistributedSampler pads its shards unless "
-            "drop_last=True), or use step(), whose ranks may hold different numbers of items."
-        )
+_STATIC_FIX = (
+    "the first window of a DistributedDataParallel(static_graph=True) model cannot run (DDP "
+    "itself reduces every backward in it); give every rank the same batch size for the first "
+    "window, or wrap with static_graph=False."
+)
+_SYNC_BN_FIX = (
+    "a model with SyncBatchNorm layers cannot run: their forward and backward are collectives, "
+    "so every rank must run as many micro-batches. Give every rank the same batch size (e.g. "
+    "DistributedSampler(drop_last=True)), or use batchnorm='frozen' (running statistics, no "
+    "collective), plain BatchNorm or gradaccum.batchnorm.convert_to_groupnorm."
+)
 
 
 class DDPSync(_DistributedSync):
@@ -190,6 +196,9 @@ class DDPSync(_DistributedSync):
         # broadcasts them itself, once per window, when every rank is at the boundary.
         broadcast = bool(getattr(model, "broadcast_buffers", True))
         self._buffers = list(getattr(model, "modules_buffers", [])) if broadcast else []
+        # SyncBatchNorm's train-mode forward and backward are collectives (GPU only: DDP refuses
+        # it on CPU): ranks running different numbers of micro-batches would wait for each other.
+        self._sync_bns = [m for m in model.modules() if isinstance(m, torch.nn.SyncBatchNorm)]
 
     def uneven_windows(self) -> bool:
         """Uneven micro-batch counts, except in a static graph's first (DDP-reduced) window."""
@@ -201,18 +210,17 @@ class DDPSync(_DistributedSync):
         Raises:
             RankMismatchError: If they do not (every rank raises it, before any forward).
         """
-        if self._native:
+        sync_bn = not self.frozen_batchnorm and any(m.training for m in self._sync_bns)
+        if self._native or sync_bn:
             plans = self._gather_plans(micro_batches, first_items)
-            if len(set(plans)) > 1:
+            if len(set(plan[0] for plan in plans)) > 1 or (self._native and len(set(plans)) > 1):
                 listing = "; ".join(
                     f"rank {rank}: {plan[0]} micro-batches, the first of {plan[1]} items"
                     for rank, plan in enumerate(plans)
                 )
                 raise RankMismatchError(
-                    f"ranks planned different accumulation windows ({listing}), which the "
-                    "first window of a DistributedDataParallel(static_graph=True) model cannot "
-                    "run (DDP itself reduces every backward in it); give every rank the same "
-                    "batch size for the first window, or wrap with static_graph=False."
+                    f"ranks planned different accumulation windows ({listing}), which "
+                    + (_SYNC_BN_FIX if sync_bn and not self._native else _STATIC_FIX)
                 )
         return Plan(micro_batches, None)
 
@@ -232,6 +240,13 @@ class DDPSync(_DistributedSync):
                 "every rank the same number of micro_step() calls per epoch "
                 "(DistributedSampler(drop_last=False) pads the shards), or use step(), whose "
                 "ranks may hold different numbers of items, an empty batch included."
+            )
+        if self._native and not self.model.require_backward_grad_sync:
+            raise ValueError(  # DDP would not reduce it, and the library leaves it to DDP
+                "a DistributedDataParallel(static_graph=True) model's first window must let DDP "
+                "reduce its gradients, but it runs inside model.no_sync(). Call step() and "
+                "micro_step() outside no_sync(): the Accumulator itself keeps DDP from reducing "
+                "before the window's end. Nothing was changed."
             )
         if getattr(self.model, "_comm_hooks", None) and not self._hook_warned:
             self._hook_warned = True  # DDP.register_comm_hook(): its reducer never runs here

@@ -116,6 +116,9 @@ class GradSync:
     joins_flush = False  # whether a rank with no open window joins `flush()`'s exchange (DDP)
     flushing = False  # set while `flush()` closes a window (ranks must all be flushing)
     tokens = False  # set by `flush()` for `Tokens` windows, which sum counts per micro-batch
+    frozen_batchnorm = (
+        False  # batchnorm="frozen": BatchNorm layers run in eval mode (no collective)
+    )
 
     def micro_context(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
         """The context a micro-batch's forward and backward run in."""

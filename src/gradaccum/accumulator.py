@@ -150,13 +150,16 @@ class Accumulator(WindowSizes, OptimizerSetting):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.micro_batch_size, self.accumulation_steps = micro_batch_size, accumulation_steps
         self.max_grad_norm, self.memory_budget = max_grad_norm, memory_budget
+        sync = grad_sync_for(model, policy, trains=True)
+        control = BatchNormControl(model, batchnorm)
+        sync.frozen_batchnorm = control.mode is BatchNormMode.FROZEN  # SyncBatchNorm: no collective
         self._engine = Engine(
             model,
             optimizer,
             normalize=self.normalize,
             runtime=runtime,
-            sync=grad_sync_for(model, policy, trains=True),
-            batchnorm=BatchNormControl(model, batchnorm),
+            sync=sync,
+            batchnorm=control,
             batch_dim=self.batch_dim,
         )
         if telemetry:

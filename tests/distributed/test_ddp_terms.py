@@ -7,6 +7,7 @@ both ranks' data, each term divided by its whole count.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,12 +15,15 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator, LossSum
+from gradaccum.loss import Term
 from tests.distributed._harness import run_ranks
 from tests.models import IGNORE_INDEX, concat_batches, make_model, token_batch
 from tests.reference import param_tensors, relative_gap, split
 from tests.test_terms import (
+    AUX_WEIGHT,
     CLASS_WEIGHTS,
     TwoTermsCountedAhead,
+    _parts,
     pre_weighted,
     reference_objective,
     two_terms,
@@ -144,3 +148,107 @@ def test_class_weighted_cross_entropy_on_two_ranks_is_the_full_batch_step(
         gap = relative_gap(run["weighted"]["params"], weighted_reference)
         assert gap < EXACT, f"rank {rank}: {gap:.1e} from the full-batch reference"
     assert relative_gap(runs[0]["weighted_control"]["params"], weighted_reference) > 1e-4
+
+
+def swapped_terms(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
+    """`two_terms` with its terms in the other order (e.g. a dict built in another order)."""
+    p = _parts(model, batch)
+    return LossSum.terms(
+        aux=Term(p["aux"], count=p["rows"], weight=AUX_WEIGHT), ce=(p["ce"], p["tokens"])
+    )
+
+
+def ce_term_only(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
+    """`two_terms` without its auxiliary term (a rank that has none of it leaves it out)."""
+    p = _parts(model, batch)
+    return LossSum.terms(ce=(p["ce"], p["tokens"]))
+
+
+def zero_aux_term(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
+    """The fix the error names: the term this rank has nothing for, with count 0."""
+    p = _parts(model, batch)
+    zero = Term(p["ce"].new_zeros(()), count=0, weight=AUX_WEIGHT)
+    return LossSum.terms(ce=(p["ce"], p["tokens"]), aux=zero)
+
+
+def _state(ddp: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    moments = [s["momentum_buffer"] for s in optimizer.state.values()]
+    return [t.detach().clone() for t in [*ddp.parameters(), *moments]]
+
+
+def mismatched_terms_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """Window 0 exact; window 1 with rank 1's terms swapped, then left out (both drives);
+    window 1 again with rank 1's auxiliary term at count 0."""
+    ddp = DistributedDataParallel(make_model("token"))
+    optimizer = _optimizer(ddp)
+    acc = Accumulator(ddp, optimizer, micro_batch_size=MICRO)
+    streamed = Accumulator(ddp, optimizer, accumulation_steps=2)
+    (seed0, items0), (seed1, items1) = WINDOWS
+    acc.step(rank_batch(seed0, rank, items0), two_terms)
+    before = _state(ddp, optimizer)
+    errors = []
+    for odd in (swapped_terms, ce_term_only):
+        loss_fn = odd if rank == 1 else two_terms
+        try:
+            acc.step(rank_batch(seed1, rank, items1), loss_fn)
+            errors.append(None)
+        except RuntimeError as error:
+            errors.append(f"{type(error).__name__}: {error}")
+        try:
+            for micro_batch in split(rank_batch(seed1, rank, items1), MICRO)[:2]:
+                streamed.micro_step(micro_batch, loss_fn)
+            errors.append(None)
+        except RuntimeError as error:
+            errors.append(f"{type(error).__name__}: {error}")
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, _state(ddp, optimizer), strict=True))
+    grads_clear = all(p.grad is None for p in ddp.parameters())
+    result = acc.step(rank_batch(seed1, rank, items1), zero_aux_term if rank == 1 else two_terms)
+    return {
+        "errors": errors,
+        "unchanged": unchanged,
+        "grads_clear": grads_clear,
+        "params": param_tensors(ddp.module),
+        "terms": dict(result.terms or {}),
+    }
+
+
+def _aux_reference(rank1_aux: bool) -> dict[str, torch.Tensor]:
+    """Window 0 as usual; window 1 with rank 1's auxiliary term counted or not."""
+    model = make_model("token")
+    optimizer = _optimizer(model)
+    for window, (seed, items) in enumerate(WINDOWS):
+        p0, p1 = (_parts(model, rank_batch(seed, rank, items)) for rank in range(2))
+        aux, rows = p0["aux"], p0["rows"]
+        if window == 0 or rank1_aux:
+            aux, rows = aux + p1["aux"], rows + p1["rows"]
+        optimizer.zero_grad(set_to_none=True)
+        objective = (p0["ce"] + p1["ce"]) / (p0["tokens"] + p1["tokens"]) + AUX_WEIGHT * aux / rows
+        objective.backward()
+        optimizer.step()
+    return param_tensors(model)
+
+
+def test_terms_that_differ_across_ranks_raise_on_every_rank_and_change_nothing(
+    tmp_path: Path,
+) -> None:
+    """Ranks sum the terms' counts and sums by position: before, terms in another order on one
+    rank (18.8 % off after 2 windows) or one term left out silently gave a wrong step, equal on
+    every rank. Now every rank raises `RankMismatchError`, in both drives, nothing changed; the
+    fix it names (the term at count 0) is the full-batch step. Control: counting rank 1's
+    auxiliary term is far from it."""
+    runs = run_ranks(mismatched_terms_worker, tmp_path, timeout=120.0)
+    for rank, run in enumerate(runs):
+        assert len(run["errors"]) == 4, (rank, run["errors"])
+        assert all(run["errors"]), (rank, run["errors"])
+        for error in run["errors"]:
+            assert error.startswith("RankMismatchError: rank 1 returned other LossSum.terms")
+            assert "count=0" in error
+            assert "nothing was stepped" in error
+        assert run["unchanged"], rank
+        assert run["grads_clear"], rank
+    expected = _aux_reference(rank1_aux=False)
+    for rank, run in enumerate(runs):
+        gap = relative_gap(run["params"], expected)
+        assert gap < EXACT, f"rank {rank}: {gap:.1e} from the full-batch reference"
+    assert runs[0]["terms"] == runs[1]["terms"]
+    assert relative_gap(runs[0]["params"], _aux_reference(rank1_aux=True)) > 1e-4
