@@ -26,8 +26,8 @@ import torch
 from gradaccum._copied_loop import (
     CopiedLoopWarning,
     division_problem,
-    scaler_problem,
     mean_problem,
+    scaler_problem,
     sum_problem,
     window_count_problem,
 )
