@@ -59,8 +59,14 @@ class LearningRateWatch:
         """The window closed, was carried over to the next epoch, or a state was loaded."""
         self._seen = None
 
-    def check(self, optimizer: torch.optim.Optimizer, micro_batches: int) -> None:
-        """Before the next micro-batch of an open window: warn if the rates moved since."""
+    def check(self, optimizer: torch.optim.Optimizer, window: Any) -> None:
+        """Before a micro-batch of `window` (a `Window`): warn if the rates moved since its last.
+
+        A window's first micro-batch is not checked: the boundary's scheduler step moved them.
+        """
+        if not window.is_open:
+            return
+        micro_batches = window.micro_batches
         seen, self._seen = self._seen, None
         if seen is None or self.warned or seen == _rates(optimizer):
             return

@@ -268,8 +268,7 @@ class Accumulator(WindowSizes, OptimizerSetting):
             expect, last = Expectation(2, until=steps.count, until_term=steps.term), False
         else:
             expect, last = Expectation(steps), engine.window.micro_batches + 1 >= steps
-        if engine.window.is_open:
-            self._rates.check(self.optimizer, engine.window.micro_batches)
+        self._rates.check(self.optimizer, engine.window)
         if engine.run_micro_batch(micro_batch, loss_fn, last=last, expect=expect):
             return self._close(engine.window.largest_micro_batch)
         self._rates.mark(self.optimizer)
@@ -342,8 +341,7 @@ class Accumulator(WindowSizes, OptimizerSetting):
             return result
         self.nonfinite_windows += 1
         if self.on_nonfinite is OnNonFinite.RAISE:
-            scale = None if self.scaler is None else float(self.scaler.get_scale())
-            raise NonFiniteError.of_window(micro_batches, outcome, scale)
+            raise NonFiniteError.of_window(micro_batches, outcome, self.scaler)
         self._stalled.skipped(outcome)
         return result
 

@@ -28,13 +28,13 @@ class NonFiniteError(FloatingPointError):
     """A window's loss or gradient was inf or NaN and `on_nonfinite="raise"` was set."""
 
     @classmethod
-    def of_window(
-        cls, micro_batches: int, outcome: Any, loss_scale: float | None = None
-    ) -> NonFiniteError:
+    def of_window(cls, micro_batches: int, outcome: Any, scaler: Any = None) -> NonFiniteError:
         """The error for a skipped window's `Outcome` (`gradaccum.window`), naming the fix.
 
-        `loss_scale`: fp16's scale, which backed off for this window (the one thing it changed).
+        `scaler`: fp16's GradScaler, whose scale backed off for this window (the one thing it
+        changed), or None.
         """
+        loss_scale = None if scaler is None else float(scaler.get_scale())
         backed_off = (
             ""
             if loss_scale is None
