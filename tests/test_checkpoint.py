@@ -999,3 +999,32 @@ def test_a_folder_given_for_the_file_names_the_checkpoint_inside_changing_nothin
     ):
         load_model_weights(tmp_path / "run" / "..", run["model"])  # holds no .pt file
     load_checkpoint(folder / "checkpoint.pt", **run)  # control: the file itself loads
+
+
+def test_an_optimizer_or_scheduler_the_accumulator_does_not_step_is_refused(
+    tmp_path: Path,
+) -> None:
+    """An optimizer rebuilt at a stage change without `acc.optimizer = ...` never trains (the
+    Accumulator steps its own): saving it wrote a state that never moved, and loading into it
+    left the training one as it was, silently. Both are refused naming the fix, changing
+    nothing; set as `acc.optimizer` first, the same calls save and load."""
+    run = _stepped()
+    acc = run["accumulator"]
+    acc.flush("step")  # between windows
+    path = _save(tmp_path / "ckpt.pt", run)
+    written = path.read_bytes()
+    rebuilt = torch.optim.AdamW(run["model"].parameters(), lr=1e-3)
+    rescheduled = torch.optim.lr_scheduler.StepLR(run["optimizer"], step_size=1, gamma=0.5)
+    for name, stale in (("optimizer", rebuilt), ("scheduler", rescheduled)):
+        given = {**run, name: stale}
+        with pytest.raises(ValueError, match=rf"the {name} given .* acc\.{name} = {name}"):
+            save_checkpoint(path, **given)
+        assert path.read_bytes() == written  # nothing written
+        before = _snapshot(run), clone_state(stale.state_dict())
+        with pytest.raises(ValueError, match=r"is not the one the accumulator steps"):
+            load_checkpoint(path, **given)
+        assert_bitwise((_snapshot(run), clone_state(stale.state_dict())), before)
+    # Control: set as the Accumulator's, they are its own and load.
+    acc.optimizer, acc.scheduler = rebuilt, torch.optim.lr_scheduler.StepLR(rebuilt, 1)
+    save_checkpoint(path, **{**run, "optimizer": rebuilt, "scheduler": acc.scheduler})
+    load_checkpoint(path, **{**run, "optimizer": rebuilt, "scheduler": acc.scheduler})

@@ -7,6 +7,8 @@
   and by the settings of its param groups, which also catches files that record no class), with
   the same number of param groups, of parameters per group, and per-parameter buffers of each
   parameter's shape;
+- `check_accumulator_targets`: the optimizer and scheduler given with an Accumulator are the
+  ones it steps (a stale one, rebuilt at a stage change without telling it, is refused);
 - `one_line`: an exception's message as one plain line (no ANSI escapes, no line breaks);
 - `unwrapped` / `strip_wrapper_prefixes`: a checkpoint holds the weights of the module inside a
   `torch.compile` or DDP / DataParallel wrapper, so it loads into the model wrapped or not.
@@ -36,6 +38,7 @@ from gradaccum._wrappers import WRAPPER_PREFIXES, unwrapped
 
 __all__ = [
     "CheckpointError",
+    "check_accumulator_targets",
     "check_class",
     "check_extra",
     "check_optimizer_fits",
@@ -51,6 +54,35 @@ class CheckpointError(ValueError):
 
     Targets are the model, optimizer, scheduler and accumulator it is loaded into.
     """
+
+
+def check_accumulator_targets(optimizer: Any, accumulator: Any, scheduler: Any, verb: str) -> None:
+    """Refuse an optimizer or scheduler given with `accumulator` that it does not step.
+
+    An optimizer rebuilt at a stage change without `acc.optimizer = ...` never trains: the
+    Accumulator steps its own. Saving the rebuilt one writes a state that never moved; loading
+    into it leaves the one that trains as it was. `verb` is "save" or "load".
+
+    Raises:
+        ValueError: Naming both objects and the fix, before anything is written or changed.
+    """
+    if accumulator is None:
+        return
+    for name, given, stepped in (
+        ("optimizer", optimizer, accumulator.optimizer),
+        ("scheduler", scheduler, accumulator.scheduler),
+    ):
+        if given is None or stepped is None or given is stepped:
+            continue
+        kind, own = type(given).__name__, type(stepped).__name__
+        also = ", another object of the same class" if kind == own else ""
+        raise ValueError(
+            f"cannot {verb} a checkpoint: the {name} given ({kind}) is not the one the "
+            f"accumulator steps (acc.{name}: {own}{also}), so its state is not the run's. "
+            f"Pass {name}=acc.{name}; or, if the {name} given is the one meant to train "
+            f"(rebuilt at a stage change), set acc.{name} = {name} between windows first. "
+            "Nothing was written or changed."
+        )
 
 
 def strip_wrapper_prefixes(saved: dict[str, Any], keys: Any) -> dict[str, Any]:

@@ -74,10 +74,10 @@ class LearningRateWatch:
         warn_user(
             CopiedLoopWarning(
                 "the learning rate changed between two micro_step() calls of one accumulation "
-                f"window (after its micro-batch {micro_batches}): only the rate the window ends "
-                "with steps, so a scheduler.step() (or a manual lr) per micro-batch runs the "
-                "schedule accumulation_steps times too fast. Step your scheduler only when "
-                "result.stepped is True, or pass it as Accumulator(..., scheduler=...), which "
-                "steps it once per optimizer step."
+                f"window (after its micro-batch {micro_batches}): the window steps once, at the "
+                "rate it ends with. If a scheduler.step() (or a manual lr) runs per micro-batch, "
+                "the schedule runs accumulation_steps times too fast: step your scheduler only "
+                "when result.stepped is True, or pass it as Accumulator(..., scheduler=...), "
+                "which steps it once per optimizer step."
             )
         )

@@ -42,6 +42,7 @@ import torch
 
 from gradaccum._checkpoint_fit import (
     CheckpointError,
+    check_accumulator_targets,
     check_class,
     check_extra,
     check_optimizer_fits,
@@ -86,11 +87,12 @@ def save_checkpoint(
             tensors, dtypes and devices (what a `weights_only` load reads back).
 
     Raises:
-        ValueError: If the folder of `path` does not exist, or `extra` holds another type (such
-            as a numpy array: convert it with `torch.as_tensor` or `.tolist()`); nothing is
-            written then.
+        ValueError: If the folder of `path` does not exist, `extra` holds another type (such
+            as a numpy array: convert it with `torch.as_tensor` or `.tolist()`), or `optimizer`
+            or `scheduler` is not the one `accumulator` steps; nothing is written then.
     """
     check_extra(extra)
+    check_accumulator_targets(optimizer, accumulator, scheduler, "save")
     target = Path(path)
     if not target.parent.is_dir():
         raise ValueError(
@@ -174,12 +176,14 @@ def load_checkpoint(
         The `extra` dict given to `save_checkpoint`.
 
     Raises:
+        ValueError: If `optimizer` or `scheduler` is not the one `accumulator` steps.
         FileNotFoundError: If there is no file at `path`.
         CheckpointError: If the file is truncated, corrupted, not a gradaccum checkpoint, of an
             unknown version, holds pickled code or damaged RNG states, lacks a requested state,
             or does not fit the model, optimizer, scheduler or accumulator given.
     """
     source = Path(path)
+    check_accumulator_targets(optimizer, accumulator, scheduler, "load")
     if is_fsdp(model):
         return load_sharded(
             source,
@@ -236,6 +240,7 @@ def load_model_weights(
         map_location: Where the file's tensors are read to (`torch.load`'s); CPU by default.
 
     Raises:
+        ValueError: If `optimizer` or `scheduler` is not the one `accumulator` steps.
         FileNotFoundError: If there is no file at `path`.
         CheckpointError: If the file is not a readable gradaccum checkpoint of this model.
     """
