@@ -995,3 +995,70 @@ def test_pure_low_precision_weights_with_float32_buffers_are_as_exact_as_the_ful
     full, buffered, native = _low_precision_errors(dtype, seed)
     assert buffered <= 1.15 * full, (full, buffered)
     assert native >= 2.0 * full, (full, native)
+
+
+def _tiny_logits(model: torch.nn.Module, batch) -> torch.Tensor:
+    """Gradients around 1e-8: below float16's smallest subnormal once unscaled."""
+    labels = (batch[1][:, 0] > 0).long()
+    return torch.nn.functional.cross_entropy(model(batch[0]) * 1e-6, labels)
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_an_outer_fp16_autocast_with_precision_fp32_warns_once(drive: str) -> None:
+    """A loop that keeps its own `torch.autocast(dtype=float16)` around the Accumulator (its
+    GradScaler removed) ran the forward in fp16 with no loss scale: the first layer's gradient
+    flushed to 0 and the step was taken, silently. It warns once, at the caller's line, naming
+    'fp16'."""
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def hook(opt, args, kwargs) -> None:
+        seen["grads"] = [p.grad.clone() for p in model.parameters()]
+
+    optimizer.register_step_pre_hook(hook)
+    steps = 4 if drive == "micro_step" else None
+    size = 2 if drive == "step" else None
+    acc = Accumulator(model, optimizer, micro_batch_size=size, accumulation_steps=steps)
+    x, y = _batch(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # two windows: one warning
+            with torch.autocast("cpu", dtype=torch.float16):
+                if drive == "step":
+                    acc.step((x, y), _tiny_logits)
+                else:
+                    for i in range(0, len(x), 2):
+                        acc.micro_step((x[i : i + 2], y[i : i + 2]), _tiny_logits)
+    said = [w for w in caught if "autocast of your own" in str(w.message)]
+    assert len(said) == 1
+    assert said[0].filename == __file__
+    assert "precision='fp16'" in str(said[0].message)
+    assert float(seen["grads"][0].abs().max()) == 0.0  # what it warns of: the first layer's
+
+
+def test_negative_control_precision_fp16_or_a_bf16_autocast_do_not_warn() -> None:
+    """precision='fp16' opens its own autocast and loss scale: under the same outer autocast the
+    gradient is right (fp16 rounding); an outer bf16 autocast needs no scale. Neither warns."""
+    x, y = _batch(5)
+    reference = _mlp().double()
+    loss = _tiny_logits(reference, (x.double(), y.double()))
+    truth = torch.cat(
+        [g.flatten() for g in torch.autograd.grad(loss, list(reference.parameters()))]
+    )
+    for precision, dtype in (("fp16", torch.float16), ("fp32", torch.bfloat16)):
+        model = _mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        seen: dict[str, torch.Tensor] = {}
+
+        def hook(opt, args, kwargs, model=model, seen=seen) -> None:
+            seen["grad"] = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+
+        optimizer.register_step_pre_hook(hook)
+        acc = Accumulator(model, optimizer, micro_batch_size=2, precision=precision)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.autocast("cpu", dtype=dtype):
+                assert acc.step((x, y), _tiny_logits).stepped
+        error = float((seen["grad"] - truth).norm() / truth.norm())
+        assert error < 5e-2, (precision, error)
