@@ -1062,3 +1062,42 @@ def test_negative_control_precision_fp16_or_a_bf16_autocast_do_not_warn() -> Non
                 assert acc.step((x, y), _tiny_logits).stepped
         error = float((seen["grad"] - truth).norm() / truth.norm())
         assert error < 5e-2, (precision, error)
+
+
+def _buffered_window(dtype: torch.dtype, micro_batches: int = 2):
+    """A `dtype` MLP with float32 buffers, `micro_batches` of a 4-micro-batch window streamed."""
+    model = _mlp().to(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulator(model, optimizer, accumulation_steps=4, accum_dtype=torch.float32)
+    x, y = _batch(6)
+    loss_fn = lambda m, b: _mse(m, (b[0].to(dtype), b[1]))  # noqa: E731
+    for i in range(micro_batches):
+        acc.micro_step((x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2]), loss_fn)
+    return model, optimizer, acc, (x, y, loss_fn)
+
+
+def test_a_mid_window_state_with_buffers_is_refused_where_the_parameters_need_none() -> None:
+    """A window saved with float32 buffers (bf16 weights) loaded into a float32 model: the buffers
+    were loaded and never read (float32 parameters need none), so the window's first micro-batches
+    were lost and the step silently differed. It is refused, naming the dtype, changing nothing."""
+    _, _, saved, _ = _buffered_window(torch.bfloat16)
+    state = saved.state_dict()
+    model, _, acc, _ = _buffered_window(torch.float32, micro_batches=0)
+    before = (copy.deepcopy(model.state_dict()), acc.state_dict())
+    with pytest.raises(ValueError, match=r"needs none: the model's dtype changed.*saved dtype"):
+        acc.load_state_dict(state)
+    assert_bitwise(before[0], model.state_dict())
+    assert_bitwise(before[1], acc.state_dict())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_negative_control_the_same_state_resumes_bitwise_in_the_saved_dtype() -> None:
+    _, _, saved, _ = _buffered_window(torch.bfloat16)
+    model, _, acc, (x, y, loss_fn) = _buffered_window(torch.bfloat16, micro_batches=0)
+    acc.load_state_dict(saved.state_dict())
+    twin, _, uninterrupted, _ = _buffered_window(torch.bfloat16)
+    for accumulator in (acc, uninterrupted):
+        for i in (2, 3):
+            result = accumulator.micro_step((x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2]), loss_fn)
+        assert result.stepped
+    assert_bitwise(model.state_dict(), twin.state_dict())

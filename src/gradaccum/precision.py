@@ -322,6 +322,19 @@ class PrecisionRuntime:
             raise ValueError("the saved accumulation buffers do not match this model's parameters.")
         if buffers:  # none held: a closed window, or no accum_dtype
             check_tensors_fit(buffers, params, "accumulation buffers")
+            # A buffer for a parameter that needs none here (its dtype changed since the save)
+            # would never be read: the window's earlier micro-batches would be lost, silently.
+            stray = [
+                i for i, b in enumerate(buffers) if b is not None and not self.buffered(params[i])
+            ]
+            if stray:
+                raise ValueError(
+                    f"the saved Accumulator holds {mine} accumulation buffers for parameter "
+                    f"{stray[0]} ({len(stray)} in all), which is {params[stray[0]].dtype} here and "
+                    "needs none: the model's dtype changed since this window was saved, and its "
+                    "earlier micro-batches would be lost. Load the state into the model in its "
+                    "saved dtype (e.g. model.to(torch.bfloat16)), or save between windows."
+                )
 
     def load_state_dict(
         self, state: dict[str, Any], params: Sequence[torch.nn.Parameter] = ()
