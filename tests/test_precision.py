@@ -1101,3 +1101,14 @@ def test_negative_control_the_same_state_resumes_bitwise_in_the_saved_dtype() ->
             result = accumulator.micro_step((x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2]), loss_fn)
         assert result.stepped
     assert_bitwise(model.state_dict(), twin.state_dict())
+
+
+def test_an_outer_fp16_autocast_around_a_float64_model_does_not_warn() -> None:
+    """Autocast casts nothing in a float64 model: no gradient can flush, nothing to warn of."""
+    model = _mlp().double()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2)
+    x, y = (t.double() for t in _batch(5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert acc.step((x, y), _mse_float64).stepped

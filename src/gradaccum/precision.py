@@ -119,7 +119,8 @@ class PrecisionRuntime:
             torch.amp.GradScaler(self.device.type) if precision is Precision.FP16 else None
         )
         self.buffers: list[torch.Tensor | None] = []
-        self._outer_warned = False  # the caller's own fp16 autocast: warned of once
+        # The caller's own fp16 autocast: warned of once, where it casts anything (not float64).
+        self._outer_warned = all(p.dtype in _WIDE for p in params)
         # Whether any parameter of this model accumulates in a separate higher-precision buffer.
         self.uses_buffers = any(self.buffered(p) for p in params)
 
