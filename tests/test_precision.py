@@ -995,3 +995,120 @@ def test_pure_low_precision_weights_with_float32_buffers_are_as_exact_as_the_ful
     full, buffered, native = _low_precision_errors(dtype, seed)
     assert buffered <= 1.15 * full, (full, buffered)
     assert native >= 2.0 * full, (full, native)
+
+
+def _tiny_logits(model: torch.nn.Module, batch) -> torch.Tensor:
+    """Gradients around 1e-8: below float16's smallest subnormal once unscaled."""
+    labels = (batch[1][:, 0] > 0).long()
+    return torch.nn.functional.cross_entropy(model(batch[0]) * 1e-6, labels)
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_an_outer_fp16_autocast_with_precision_fp32_warns_once(drive: str) -> None:
+    """A loop that keeps its own `torch.autocast(dtype=float16)` around the Accumulator (its
+    GradScaler removed) ran the forward in fp16 with no loss scale: the first layer's gradient
+    flushed to 0 and the step was taken, silently. It warns once, at the caller's line, naming
+    'fp16'."""
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def hook(opt, args, kwargs) -> None:
+        seen["grads"] = [p.grad.clone() for p in model.parameters()]
+
+    optimizer.register_step_pre_hook(hook)
+    steps = 4 if drive == "micro_step" else None
+    size = 2 if drive == "step" else None
+    acc = Accumulator(model, optimizer, micro_batch_size=size, accumulation_steps=steps)
+    x, y = _batch(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # two windows: one warning
+            with torch.autocast("cpu", dtype=torch.float16):
+                if drive == "step":
+                    acc.step((x, y), _tiny_logits)
+                else:
+                    for i in range(0, len(x), 2):
+                        acc.micro_step((x[i : i + 2], y[i : i + 2]), _tiny_logits)
+    said = [w for w in caught if "autocast of your own" in str(w.message)]
+    assert len(said) == 1
+    assert said[0].filename == __file__
+    assert "precision='fp16'" in str(said[0].message)
+    assert float(seen["grads"][0].abs().max()) == 0.0  # what it warns of: the first layer's
+
+
+def test_negative_control_precision_fp16_or_a_bf16_autocast_do_not_warn() -> None:
+    """precision='fp16' opens its own autocast and loss scale: under the same outer autocast the
+    gradient is right (fp16 rounding); an outer bf16 autocast needs no scale. Neither warns."""
+    x, y = _batch(5)
+    reference = _mlp().double()
+    loss = _tiny_logits(reference, (x.double(), y.double()))
+    truth = torch.cat(
+        [g.flatten() for g in torch.autograd.grad(loss, list(reference.parameters()))]
+    )
+    for precision, dtype in (("fp16", torch.float16), ("fp32", torch.bfloat16)):
+        model = _mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        seen: dict[str, torch.Tensor] = {}
+
+        def hook(opt, args, kwargs, model=model, seen=seen) -> None:
+            seen["grad"] = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+
+        optimizer.register_step_pre_hook(hook)
+        acc = Accumulator(model, optimizer, micro_batch_size=2, precision=precision)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.autocast("cpu", dtype=dtype):
+                assert acc.step((x, y), _tiny_logits).stepped
+        error = float((seen["grad"] - truth).norm() / truth.norm())
+        assert error < 5e-2, (precision, error)
+
+
+def _buffered_window(dtype: torch.dtype, micro_batches: int = 2):
+    """A `dtype` MLP with float32 buffers, `micro_batches` of a 4-micro-batch window streamed."""
+    model = _mlp().to(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulator(model, optimizer, accumulation_steps=4, accum_dtype=torch.float32)
+    x, y = _batch(6)
+    loss_fn = lambda m, b: _mse(m, (b[0].to(dtype), b[1]))  # noqa: E731
+    for i in range(micro_batches):
+        acc.micro_step((x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2]), loss_fn)
+    return model, optimizer, acc, (x, y, loss_fn)
+
+
+def test_a_mid_window_state_with_buffers_is_refused_where_the_parameters_need_none() -> None:
+    """A window saved with float32 buffers (bf16 weights) loaded into a float32 model: the buffers
+    were loaded and never read (float32 parameters need none), so the window's first micro-batches
+    were lost and the step silently differed. It is refused, naming the dtype, changing nothing."""
+    _, _, saved, _ = _buffered_window(torch.bfloat16)
+    state = saved.state_dict()
+    model, _, acc, _ = _buffered_window(torch.float32, micro_batches=0)
+    before = (copy.deepcopy(model.state_dict()), acc.state_dict())
+    with pytest.raises(ValueError, match=r"needs none: the model's dtype changed.*saved dtype"):
+        acc.load_state_dict(state)
+    assert_bitwise(before[0], model.state_dict())
+    assert_bitwise(before[1], acc.state_dict())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_negative_control_the_same_state_resumes_bitwise_in_the_saved_dtype() -> None:
+    _, _, saved, _ = _buffered_window(torch.bfloat16)
+    model, _, acc, (x, y, loss_fn) = _buffered_window(torch.bfloat16, micro_batches=0)
+    acc.load_state_dict(saved.state_dict())
+    twin, _, uninterrupted, _ = _buffered_window(torch.bfloat16)
+    for accumulator in (acc, uninterrupted):
+        for i in (2, 3):
+            result = accumulator.micro_step((x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2]), loss_fn)
+        assert result.stepped
+    assert_bitwise(model.state_dict(), twin.state_dict())
+
+
+def test_an_outer_fp16_autocast_around_a_float64_model_does_not_warn() -> None:
+    """Autocast casts nothing in a float64 model: no gradient can flush, nothing to warn of."""
+    model = _mlp().double()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2)
+    x, y = (t.double() for t in _batch(5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert acc.step((x, y), _mse_float64).stepped

@@ -119,6 +119,8 @@ class PrecisionRuntime:
             torch.amp.GradScaler(self.device.type) if precision is Precision.FP16 else None
         )
         self.buffers: list[torch.Tensor | None] = []
+        # The caller's own fp16 autocast: warned of once, where it casts anything (not float64).
+        self._outer_warned = all(p.dtype in _WIDE for p in params)
         # Whether any parameter of this model accumulates in a separate higher-precision buffer.
         self.uses_buffers = any(self.buffered(p) for p in params)
 
@@ -166,8 +168,30 @@ class PrecisionRuntime:
         cannot feed buffers: `check_fsdp_support` refused them at construction).
         """
         self.buffers = [None] * param_count
+        self._check_outer_autocast()
         if params is not None and self.accum_dtype is not None:
             self.uses_buffers = any(self.buffered(p) for p in params)
+
+    def _check_outer_autocast(self) -> None:
+        """Warn once if the caller's own fp16 autocast wraps a window that no loss scale guards.
+
+        Under "fp32" the caller's autocast reaches the forward (bf16 and fp16 open their own,
+        which takes over): in float16 without a loss scale, small gradients flush to 0, silently.
+        """
+        kind = self.device.type
+        if self._outer_warned or self.precision is not Precision.FP32:
+            return
+        if torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.float16:
+            self._outer_warned = True
+            warn_user(
+                UserWarning(
+                    f"an fp16 autocast of your own ({kind}) is active around the Accumulator, "
+                    "built with precision='fp32': the forward runs in float16 with no loss scale, "
+                    "so small gradients flush to 0 (a plain loop needs its GradScaler for this). "
+                    "Pass precision='fp16' (gradaccum's autocast and loss scale) and drop your "
+                    "autocast; a bf16 autocast needs no loss scale."
+                )
+            )
 
     def collect(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Move fresh low-precision `.grad` values into their buffers after one backward."""
@@ -299,6 +323,19 @@ class PrecisionRuntime:
             raise ValueError("the saved accumulation buffers do not match this model's parameters.")
         if buffers:  # none held: a closed window, or no accum_dtype
             check_tensors_fit(buffers, params, "accumulation buffers")
+            # A buffer for a parameter that needs none here (its dtype changed since the save)
+            # would never be read: the window's earlier micro-batches would be lost, silently.
+            stray = [
+                i for i, b in enumerate(buffers) if b is not None and not self.buffered(params[i])
+            ]
+            if stray:
+                raise ValueError(
+                    f"the saved Accumulator holds {mine} accumulation buffers for parameter "
+                    f"{stray[0]} ({len(stray)} in all), which is {params[stray[0]].dtype} here and "
+                    "needs none: the model's dtype changed since this window was saved, and its "
+                    "earlier micro-batches would be lost. Load the state into the model in its "
+                    "saved dtype (e.g. model.to(torch.bfloat16)), or save between windows."
+                )
 
     def load_state_dict(
         self, state: dict[str, Any], params: Sequence[torch.nn.Parameter] = ()
