@@ -28,11 +28,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import re
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -131,9 +133,24 @@ class TensorBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.peak = 0
         self._alive: set[int] = set()
 
-    if TYPE_CHECKING:  # torch's __enter__ is unannotated; it returns the mode itself
+    def __enter__(self) -> TensorBytesTracker:
+        # Dynamo refuses to compile a frame under a Python dispatch mode, and remembers it: a
+        # torch.compile'd model measured here ran eagerly for good after. Compiled functions run
+        # eagerly while tracking (their graphs save at most what eager saves), compiled after.
+        self._eager = _compiled_run_eagerly()
+        self._eager.__enter__()
+        try:
+            super().__enter__()  # type: ignore[no-untyped-call]  # unannotated in torch
+        except BaseException:
+            self._eager.__exit__(None, None, None)
+            raise
+        return self
 
-        def __enter__(self) -> TensorBytesTracker: ...
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            super().__exit__(*exc_info)  # type: ignore[no-untyped-call]  # unannotated in torch
+        finally:
+            self._eager.__exit__(*exc_info)
 
     def __torch_dispatch__(
         self,
@@ -184,6 +201,14 @@ def track_tensor_bytes(include_meta: bool = False) -> TensorBytesTracker:
         (True, 262144)
     """
     return TensorBytesTracker(include_meta)
+
+
+def _compiled_run_eagerly() -> contextlib.AbstractContextManager[Any]:
+    """`torch.compiler.set_stance("force_eager")`, if anything compiled (older torch: nothing)."""
+    if "torch._dynamo" not in sys.modules or not hasattr(torch.compiler, "set_stance"):
+        return contextlib.nullcontext()
+    stance: contextlib.AbstractContextManager[Any] = torch.compiler.set_stance("force_eager")
+    return stance
 
 
 def _is_dense(value: object) -> bool:
