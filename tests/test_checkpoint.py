@@ -17,8 +17,11 @@ import pickle
 import random
 import re
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -231,7 +234,22 @@ def _damaged_files(folder: Path) -> dict[str, Path]:
     payload["version"] = 99
     paths["wrong-version"] = folder / "wrong-version.pt"
     torch.save(payload, paths["wrong-version"])
+    paths["bit-flip"] = folder / "bit-flip.pt"
+    paths["bit-flip"].write_bytes(_flip_a_tensor_bit(data))
     return paths
+
+
+def _flip_a_tensor_bit(data: bytes) -> bytes:
+    """`data` (a checkpoint) with one bit flipped in the first tensor's bytes: still a valid
+    archive that `torch.load` reads, one number different."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        record = next(r for r in archive.infolist() if "/data/" in r.filename and r.file_size)
+    header = data[record.header_offset : record.header_offset + 30]
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    start = record.header_offset + 30 + name_length + extra_length
+    flipped = bytearray(data)
+    flipped[start + 2] ^= 0x10  # a float's mantissa: a plausible number, silently wrong
+    return bytes(flipped)
 
 
 DAMAGE = [
@@ -245,6 +263,7 @@ DAMAGE = [
     "plain-torch-dict",
     "plain-tensor",
     "wrong-version",
+    "bit-flip",  # before, it loaded: torch.load does not compare the records' CRC-32
 ]
 
 
@@ -671,14 +690,23 @@ def test_temporaries_of_killed_writers_are_cleaned_up(tmp_path: Path) -> None:
         text=True,
         check=True,
     )
-    stale = tmp_path / f".ckpt.pt.tmp-{dead.stdout.strip()}"
+    pid, host = dead.stdout.strip(), socket.gethostname()
+    stale = tmp_path / f".ckpt.pt.tmp-{host}-{pid}"
     stale.write_bytes(b"half a checkpoint")
+    older = tmp_path / f".ckpt.pt.tmp-{pid}"  # named by an older version: no host
+    older.write_bytes(b"half a checkpoint")
     alive = tmp_path / f".ckpt.pt.tmp-{os.getpid()}x"  # not a pid: left alone
     alive.write_bytes(b"someone else's")
+    # Another host's writer (a shared filesystem) may be alive under a pid free here.
+    elsewhere = tmp_path / f".ckpt.pt.tmp-{host}-other-{pid}"
+    elsewhere.write_bytes(b"being written on another host")
     save_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=optimizer)
     assert not stale.exists()
+    assert not older.exists()
     assert alive.exists()
+    assert elsewhere.exists()  # before, deleted: that writer's rename then failed
     assert (tmp_path / "ckpt.pt").exists()
+    assert not list(tmp_path.glob(f".ckpt.pt.tmp-{host}-{os.getpid()}"))  # its own: renamed
 
 
 # ----- extra: only what a weights_only load reads back ------------------------------------------

@@ -7,6 +7,8 @@
   and by the settings of its param groups, which also catches files that record no class), with
   the same number of param groups, of parameters per group, and per-parameter buffers of each
   parameter's shape;
+- `check_intact`: a checkpoint's bytes are the ones written (the CRC-32 of each zip record),
+  and it is a zip archive at all (another file gets torch's unrelated unpickling advice);
 - `one_line`: an exception's message as one plain line (no ANSI escapes, no line breaks);
 - `unwrapped` / `strip_wrapper_prefixes`: a checkpoint holds the weights of the module inside a
   `torch.compile` or DDP / DataParallel wrapper, so it loads into the model wrapped or not.
@@ -26,6 +28,7 @@ import functools
 import io
 import pickle
 import re
+import zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,7 @@ __all__ = [
     "CheckpointError",
     "check_class",
     "check_extra",
+    "check_intact",
     "check_optimizer_fits",
     "one_line",
     "scheduler_kind",
@@ -80,6 +84,39 @@ def strip_wrapper_prefixes(saved: dict[str, Any], keys: Any) -> dict[str, Any]:
             )
         saved = stripped
     return saved
+
+
+def check_intact(source: Path) -> None:
+    """Refuse a file that is no checkpoint archive, or whose records differ from those written.
+
+    `torch.save` records a CRC-32 per record of its zip archive, but `torch.load` does not
+    compare them: a bit flipped inside a tensor (a failing disk, a bad copy) loads silently as
+    another number. Records written without a CRC (0) are not checked.
+
+    Raises:
+        CheckpointError: Naming the file and what is wrong with it.
+    """
+    with source.open("rb") as file:
+        head = file.read(4)
+    if head and not head.startswith((b"PK\x03\x04", b"\x80")):  # \x80: a legacy pickle
+        raise CheckpointError(
+            f"{source} is not a checkpoint file: it starts with {head!r}, and torch.save writes "
+            "a zip archive; give the file save_checkpoint wrote (a run's checkpoint.pt)."
+        )
+    if not zipfile.is_zipfile(source):
+        return  # a legacy pickle, or an archive cut short: torch.load says which
+    try:
+        with zipfile.ZipFile(source) as archive:
+            for record in archive.infolist():
+                if record.CRC:
+                    with archive.open(record) as data:  # compares the CRC-32 at its end
+                        while data.read(1 << 24):
+                            pass
+    except Exception as error:  # damaged headers fail in zipfile in many ways
+        raise CheckpointError(
+            f"cannot read checkpoint {source}: it is corrupted ({one_line(error)}); its bytes "
+            "are not the ones save_checkpoint wrote. Load an intact copy."
+        ) from error
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

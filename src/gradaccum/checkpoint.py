@@ -5,8 +5,9 @@ in the middle of a window), the user's `extra` (such as the data position), the 
 optimizer and scheduler, and the RNG states of Python, NumPy and torch (CPU and CUDA). It is
 written to a temporary file in the same folder, fsynced, renamed over the target and the folder
 fsynced, so a crash at any moment leaves either the old file or the new one under the real name,
-never half of one. Loading uses `torch.load(weights_only=True)` and checks the whole file against
-the objects it is loaded into before changing any of them.
+never half of one. Loading compares each record's CRC-32 (a flipped bit is refused, not loaded),
+uses `torch.load(weights_only=True)` and checks the whole file against the objects it is loaded
+into before changing any of them.
 
 For an FSDP2 model (`fully_shard`) the checkpoint is a folder written through
 `torch.distributed.checkpoint`, each rank writing its own shards (`gradaccum._sharded_checkpoint`);
@@ -35,6 +36,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ from gradaccum._checkpoint_fit import (
     CheckpointError,
     check_class,
     check_extra,
+    check_intact,
     check_optimizer_fits,
     one_line,
     scheduler_kind,
@@ -60,6 +63,7 @@ __all__ = ["CheckpointError", "load_checkpoint", "load_model_weights", "save_che
 _FORMAT = "gradaccum-checkpoint"
 _REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 _VERSION = 1
+_HOST = socket.gethostname()  # in temporaries' names: a pid means something on its host only
 
 
 def save_checkpoint(
@@ -120,7 +124,7 @@ def save_checkpoint(
         "rng": capture_rng(),
     }
     _remove_stale_temporaries(target)
-    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    temporary = target.with_name(f".{target.name}.tmp-{_HOST}-{os.getpid()}")
     try:
         with open(temporary, "wb") as handle:
             torch.save(payload, handle)
@@ -261,15 +265,7 @@ def _read_payload(source: Path, map_location: Any = "cpu") -> dict[str, Any]:
         )
     if not source.is_file():
         raise FileNotFoundError(f"no checkpoint at {source}")
-    with source.open("rb") as file:
-        head = file.read(4)
-    # torch.save writes a zip archive (a legacy one a pickle): another file, such as a run's
-    # config.json given for its checkpoint.pt, would get torch's unrelated unpickling advice.
-    if head and not head.startswith((b"PK\x03\x04", b"\x80")):
-        raise CheckpointError(
-            f"{source} is not a checkpoint file: it starts with {head!r}, and torch.save writes "
-            "a zip archive; give the file save_checkpoint wrote (a run's checkpoint.pt)."
-        )
+    check_intact(source)  # a zip archive whose records have the CRC-32 they were written with
     try:
         payload = torch.load(source, map_location=map_location, weights_only=True)
     except Exception as error:  # damaged bytes fail deep in the unpickler, in many ways
@@ -376,10 +372,14 @@ def _checked_rng(source: Path, state: dict[str, Any]) -> RngStates:
 
 
 def _remove_stale_temporaries(target: Path) -> None:
-    """Delete temporaries left by writers of `target` that were killed mid-write."""
+    """Delete temporaries left by writers of `target` on this host that were killed mid-write.
+
+    On a filesystem shared by several hosts, another host's writer may be alive under a pid
+    that is free here: its temporary (`.tmp-HOST-PID`; `.tmp-PID` from older versions) stays.
+    """
     for leftover in target.parent.glob(f".{target.name}.tmp-*"):
-        pid = leftover.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _process_alive(int(pid)):
+        host, _, pid = leftover.name.removeprefix(f".{target.name}.tmp-").rpartition("-")
+        if host in ("", _HOST) and pid.isdigit() and not _process_alive(int(pid)):
             leftover.unlink(missing_ok=True)
 
 
