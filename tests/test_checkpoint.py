@@ -316,6 +316,20 @@ def test_save_leaves_no_temporary_file_and_overwrites_atomically(tmp_path: Path)
     assert load_checkpoint(path, model=model, optimizer=optimizer) == {"v": 2}
 
 
+def test_a_save_to_a_folder_is_refused_up_front_naming_a_file_path(tmp_path: Path) -> None:
+    """Before, the whole payload was written to a temporary and the rename failed with an
+    `IsADirectoryError` naming that hidden temporary."""
+    model, optimizer = _small()
+    folder = tmp_path / "ckpt.pt"
+    folder.mkdir()
+    for target in (folder, tmp_path):
+        with pytest.raises(ValueError, match=re.escape(f"{target}: it is a folder; give a file")):
+            save_checkpoint(target, model=model, optimizer=optimizer)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # nothing written
+    assert not list(folder.iterdir())
+    save_checkpoint(folder / "checkpoint.pt", model=model, optimizer=optimizer)  # control
+
+
 def _draws() -> tuple[float, float, torch.Tensor]:
     return random.random(), float(np.random.rand()), torch.rand(3)
 

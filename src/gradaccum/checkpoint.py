@@ -90,9 +90,9 @@ def save_checkpoint(
             tensors, dtypes and devices (what a `weights_only` load reads back).
 
     Raises:
-        ValueError: If the folder of `path` does not exist, or `extra` holds another type (such
-            as a numpy array: convert it with `torch.as_tensor` or `.tolist()`); nothing is
-            written then.
+        ValueError: If the folder of `path` does not exist, `path` is a folder (but for an
+            FSDP2 model), or `extra` holds another type (such as a numpy array: convert it
+            with `torch.as_tensor` or `.tolist()`); nothing is written then.
     """
     check_extra(extra)
     target = Path(path)
@@ -100,6 +100,11 @@ def save_checkpoint(
         raise ValueError(
             f"cannot write checkpoint {target}: folder {target.parent} does not exist; create it "
             "first."
+        )
+    if target.is_dir() and not is_fsdp(model):  # else the rename fails, the file written
+        raise ValueError(
+            f"cannot write checkpoint {target}: it is a folder; give a file path, e.g. "
+            f"{target / 'checkpoint.pt'}."
         )
     if is_fsdp(model):  # a DCP folder, each rank writing its own shards
         save_sharded(
