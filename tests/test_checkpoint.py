@@ -1041,3 +1041,75 @@ def test_a_folder_given_for_the_file_names_the_checkpoint_inside_changing_nothin
     ):
         load_model_weights(tmp_path / "run" / "..", run["model"])  # holds no .pt file
     load_checkpoint(folder / "checkpoint.pt", **run)  # control: the file itself loads
+
+
+# ----- the Accumulator's scheduler is saved and loaded when none is passed ----------------------
+
+
+def _scheduled_run(path: Path, resume: bool, *, with_accumulator: bool = True) -> Any:
+    """8 windows of an Accumulator built with a scheduler; with `resume`, each window in fresh
+    objects loaded from a checkpoint written as the README shows (`accumulator=acc` only)."""
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(80, 3, generator=generator, dtype=torch.float64)
+
+    def build() -> tuple[Any, ...]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1).double()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (1 + k))
+        return (
+            model,
+            optimizer,
+            Accumulator(model, optimizer, micro_batch_size=5, scheduler=scheduler),
+        )
+
+    model, optimizer, acc = build()
+    for window in range(8):
+        acc.step(x[window * 10 : window * 10 + 10], lambda m, b: m(b).pow(2).mean())
+        if resume:
+            kept = acc if with_accumulator else None  # a window boundary: nothing open
+            save_checkpoint(path, model=model, optimizer=optimizer, accumulator=kept)
+            model, optimizer, acc = build()
+            kept = acc if with_accumulator else None
+            load_checkpoint(path, model=model, optimizer=optimizer, accumulator=kept)
+    assert acc.scheduler is not None
+    return clone_state([model.state_dict(), acc.scheduler.state_dict()])
+
+
+def test_the_accumulators_scheduler_is_saved_and_loaded_when_none_is_passed(
+    tmp_path: Path,
+) -> None:
+    """Before, `save_checkpoint(..., accumulator=acc)` left out the scheduler the Accumulator
+    steps: every resume started the schedule over, silently (lr 0.05 instead of 0.011)."""
+    path = tmp_path / "ckpt.pt"
+    uninterrupted = _scheduled_run(path, resume=False)
+    assert_bitwise(_scheduled_run(path, resume=True), uninterrupted)
+    assert torch.load(path, weights_only=True)["scheduler_class"] == "LambdaLR"
+
+
+def test_negative_control_a_schedule_not_loaded_starts_over(tmp_path: Path) -> None:
+    """What the resume above missed: saved and loaded without the Accumulator (so without its
+    scheduler, as `accumulator=acc` was before), the schedule starts over and the model ends
+    elsewhere."""
+    path = tmp_path / "ckpt.pt"
+    uninterrupted = _scheduled_run(path, resume=False)
+    restarted = _scheduled_run(path, resume=True, with_accumulator=False)
+    assert torch.load(path, weights_only=True)["scheduler"] is None
+    with pytest.raises(AssertionError):
+        assert_bitwise(restarted, uninterrupted)
+
+
+def test_a_run_resumed_with_another_scheduler_class_starts_it_afresh(tmp_path: Path) -> None:
+    """Not passed, the Accumulator's scheduler of another class than the file's is left alone
+    (a new schedule on purpose), as before; passed, it is refused naming the class."""
+    path = tmp_path / "ckpt.pt"
+    _scheduled_run(path, resume=True)  # the file holds a LambdaLR state
+    model = torch.nn.Linear(3, 1).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    acc = Accumulator(model, optimizer, micro_batch_size=5, scheduler=scheduler)
+    fresh = clone_state(scheduler.state_dict())
+    load_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+    assert_bitwise(scheduler.state_dict(), fresh)
+    with pytest.raises(CheckpointError, match="LambdaLR"):
+        load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)

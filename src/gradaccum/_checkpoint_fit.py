@@ -9,6 +9,7 @@
   parameter's shape;
 - `check_intact`: a checkpoint's bytes are the ones written (the CRC-32 of each zip record),
   and it is a zip archive at all (another file gets torch's unrelated unpickling advice);
+- `default_scheduler`: the scheduler a checkpoint saves and loads when none is passed;
 - `one_line`: an exception's message as one plain line (no ANSI escapes, no line breaks);
 - `unwrapped` / `strip_wrapper_prefixes`: a checkpoint holds the weights of the module inside a
   `torch.compile` or DDP / DataParallel wrapper, so it loads into the model wrapped or not.
@@ -41,6 +42,7 @@ __all__ = [
     "check_extra",
     "check_intact",
     "check_optimizer_fits",
+    "default_scheduler",
     "one_line",
     "scheduler_kind",
     "strip_wrapper_prefixes",
@@ -226,6 +228,22 @@ def scheduler_kind(scheduler: object) -> str:
     if not isinstance(inner, (list, tuple)):
         return name
     return f"{name}[{', '.join(map(scheduler_kind, inner))}]"
+
+
+def default_scheduler(accumulator: Any, saved: dict[str, Any] | None = None) -> Any:
+    """The `accumulator`'s scheduler, for a save or load given no `scheduler`; else None.
+
+    It is the one the Accumulator steps, so a run saved and loaded as the README shows (with
+    `accumulator=acc` only) resumes its schedule instead of starting it over. A load (`saved`:
+    the file's states) takes it only if the file holds a state of that scheduler's kind: a run
+    resumed with another schedule on purpose starts it afresh, as when one is passed as None.
+    """
+    scheduler = getattr(accumulator, "scheduler", None)
+    if scheduler is None or saved is None:
+        return scheduler
+    recorded = saved.get("scheduler_class")
+    kind = scheduler_kind(scheduler) if "[" in str(recorded) else type(scheduler).__name__
+    return scheduler if saved.get("scheduler") is not None and recorded == kind else None
 
 
 def check_class(

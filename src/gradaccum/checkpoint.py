@@ -36,25 +36,26 @@ from __future__ import annotations
 import copy
 import os
 import re
-import socket
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gradaccum._atomic_file import write_atomically
 from gradaccum._checkpoint_fit import (
     CheckpointError,
     check_class,
     check_extra,
     check_intact,
     check_optimizer_fits,
+    default_scheduler,
     one_line,
     scheduler_kind,
     strip_wrapper_prefixes,
     unwrapped,
 )
 from gradaccum._rng_state import RngStates, capture_rng, checked_rng
-from gradaccum._sharded_checkpoint import fsync_folder, load_sharded, save_sharded
+from gradaccum._sharded_checkpoint import load_sharded, save_sharded
 from gradaccum._sync_base import is_fsdp
 from gradaccum.accumulator import Accumulator
 
@@ -63,7 +64,6 @@ __all__ = ["CheckpointError", "load_checkpoint", "load_model_weights", "save_che
 _FORMAT = "gradaccum-checkpoint"
 _REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 _VERSION = 1
-_HOST = socket.gethostname()  # in temporaries' names: a pid means something on its host only
 
 
 def save_checkpoint(
@@ -85,7 +85,7 @@ def save_checkpoint(
         model: The model (its `state_dict`).
         optimizer: The optimizer.
         accumulator: The `Accumulator`, for an exact resume mid-window.
-        scheduler: The learning-rate scheduler.
+        scheduler: The learning-rate scheduler; by default the `accumulator`'s, if it has one.
         extra: Your own plain data: dicts, lists, tuples and sets of numbers, strings, bytes,
             tensors, dtypes and devices (what a `weights_only` load reads back).
 
@@ -95,6 +95,7 @@ def save_checkpoint(
             with `torch.as_tensor` or `.tolist()`); nothing is written then.
     """
     check_extra(extra)
+    scheduler = default_scheduler(accumulator) if scheduler is None else scheduler
     target = Path(path)
     if not target.parent.is_dir():
         raise ValueError(
@@ -128,17 +129,7 @@ def save_checkpoint(
         "extra": extra,
         "rng": capture_rng(),
     }
-    _remove_stale_temporaries(target)
-    temporary = target.with_name(f".{target.name}.tmp-{_HOST}-{os.getpid()}")
-    try:
-        with open(temporary, "wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, target)
-    finally:
-        temporary.unlink(missing_ok=True)
-    fsync_folder(target.parent)
+    write_atomically(target, payload)
 
 
 def load_checkpoint(
@@ -170,7 +161,8 @@ def load_checkpoint(
         model: Receives the model state.
         optimizer: Receives the optimizer state.
         accumulator: Receives the accumulator state (the checkpoint must hold one).
-        scheduler: Receives the scheduler state (the checkpoint must hold one).
+        scheduler: Receives the scheduler state (the checkpoint must hold one); by default the
+            `accumulator`'s, if it has one and the checkpoint holds a state of its class.
         restore_rng: Also set the global RNG states of Python, NumPy and torch (and of each CUDA
             device present, up to the number saved) to the saved ones.
         map_location: Where the file's tensors are read to, as `torch.load` takes it (a device,
@@ -200,6 +192,7 @@ def load_checkpoint(
             error=CheckpointError,
         )
     payload = _read_payload(source, map_location)
+    scheduler = default_scheduler(accumulator, payload) if scheduler is None else scheduler
     for name, wanted in (("accumulator", accumulator), ("scheduler", scheduler)):
         if wanted is not None and payload.get(name) is None:
             raise CheckpointError(f"{source} holds no {name} state; pass {name}=None.")
@@ -374,25 +367,3 @@ def _checked_rng(source: Path, state: dict[str, Any]) -> RngStates:
             f"{source} holds damaged RNG states ({one_line(error)}); "
             "load it with restore_rng=False to keep the current ones."
         ) from error
-
-
-def _remove_stale_temporaries(target: Path) -> None:
-    """Delete temporaries left by writers of `target` on this host that were killed mid-write.
-
-    On a filesystem shared by several hosts, another host's writer may be alive under a pid
-    that is free here: its temporary (`.tmp-HOST-PID`; `.tmp-PID` from older versions) stays.
-    """
-    for leftover in target.parent.glob(f".{target.name}.tmp-*"):
-        host, _, pid = leftover.name.removeprefix(f".{target.name}.tmp-").rpartition("-")
-        if host in ("", _HOST) and pid.isdigit() and not _process_alive(int(pid)):
-            leftover.unlink(missing_ok=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, but another user's
-        return True
-    return True
