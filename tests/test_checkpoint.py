@@ -17,8 +17,11 @@ import pickle
 import random
 import re
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -231,7 +234,22 @@ def _damaged_files(folder: Path) -> dict[str, Path]:
     payload["version"] = 99
     paths["wrong-version"] = folder / "wrong-version.pt"
     torch.save(payload, paths["wrong-version"])
+    paths["bit-flip"] = folder / "bit-flip.pt"
+    paths["bit-flip"].write_bytes(_flip_a_tensor_bit(data))
     return paths
+
+
+def _flip_a_tensor_bit(data: bytes) -> bytes:
+    """`data` (a checkpoint) with one bit flipped in the first tensor's bytes: still a valid
+    archive that `torch.load` reads, one number different."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        record = next(r for r in archive.infolist() if "/data/" in r.filename and r.file_size)
+    header = data[record.header_offset : record.header_offset + 30]
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    start = record.header_offset + 30 + name_length + extra_length
+    flipped = bytearray(data)
+    flipped[start + 2] ^= 0x10  # a float's mantissa: a plausible number, silently wrong
+    return bytes(flipped)
 
 
 DAMAGE = [
@@ -245,6 +263,7 @@ DAMAGE = [
     "plain-torch-dict",
     "plain-tensor",
     "wrong-version",
+    "bit-flip",  # before, it loaded: torch.load does not compare the records' CRC-32
 ]
 
 
@@ -295,6 +314,20 @@ def test_save_leaves_no_temporary_file_and_overwrites_atomically(tmp_path: Path)
     save_checkpoint(path, model=model, optimizer=optimizer, extra={"v": 2})
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
     assert load_checkpoint(path, model=model, optimizer=optimizer) == {"v": 2}
+
+
+def test_a_save_to_a_folder_is_refused_up_front_naming_a_file_path(tmp_path: Path) -> None:
+    """Before, the whole payload was written to a temporary and the rename failed with an
+    `IsADirectoryError` naming that hidden temporary."""
+    model, optimizer = _small()
+    folder = tmp_path / "ckpt.pt"
+    folder.mkdir()
+    for target in (folder, tmp_path):
+        with pytest.raises(ValueError, match=re.escape(f"{target}: it is a folder; give a file")):
+            save_checkpoint(target, model=model, optimizer=optimizer)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # nothing written
+    assert not list(folder.iterdir())
+    save_checkpoint(folder / "checkpoint.pt", model=model, optimizer=optimizer)  # control
 
 
 def _draws() -> tuple[float, float, torch.Tensor]:
@@ -671,14 +704,23 @@ def test_temporaries_of_killed_writers_are_cleaned_up(tmp_path: Path) -> None:
         text=True,
         check=True,
     )
-    stale = tmp_path / f".ckpt.pt.tmp-{dead.stdout.strip()}"
+    pid, host = dead.stdout.strip(), socket.gethostname()
+    stale = tmp_path / f".ckpt.pt.tmp-{host}-{pid}"
     stale.write_bytes(b"half a checkpoint")
+    older = tmp_path / f".ckpt.pt.tmp-{pid}"  # named by an older version: no host
+    older.write_bytes(b"half a checkpoint")
     alive = tmp_path / f".ckpt.pt.tmp-{os.getpid()}x"  # not a pid: left alone
     alive.write_bytes(b"someone else's")
+    # Another host's writer (a shared filesystem) may be alive under a pid free here.
+    elsewhere = tmp_path / f".ckpt.pt.tmp-{host}-other-{pid}"
+    elsewhere.write_bytes(b"being written on another host")
     save_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=optimizer)
     assert not stale.exists()
+    assert not older.exists()
     assert alive.exists()
+    assert elsewhere.exists()  # before, deleted: that writer's rename then failed
     assert (tmp_path / "ckpt.pt").exists()
+    assert not list(tmp_path.glob(f".ckpt.pt.tmp-{host}-{os.getpid()}"))  # its own: renamed
 
 
 # ----- extra: only what a weights_only load reads back ------------------------------------------
@@ -1028,3 +1070,75 @@ def test_an_optimizer_or_scheduler_the_accumulator_does_not_step_is_refused(
     acc.optimizer, acc.scheduler = rebuilt, torch.optim.lr_scheduler.StepLR(rebuilt, 1)
     save_checkpoint(path, **{**run, "optimizer": rebuilt, "scheduler": acc.scheduler})
     load_checkpoint(path, **{**run, "optimizer": rebuilt, "scheduler": acc.scheduler})
+
+
+# ----- the Accumulator's scheduler is saved and loaded when none is passed ----------------------
+
+
+def _scheduled_run(path: Path, resume: bool, *, with_accumulator: bool = True) -> Any:
+    """8 windows of an Accumulator built with a scheduler; with `resume`, each window in fresh
+    objects loaded from a checkpoint written as the README shows (`accumulator=acc` only)."""
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(80, 3, generator=generator, dtype=torch.float64)
+
+    def build() -> tuple[Any, ...]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1).double()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (1 + k))
+        return (
+            model,
+            optimizer,
+            Accumulator(model, optimizer, micro_batch_size=5, scheduler=scheduler),
+        )
+
+    model, optimizer, acc = build()
+    for window in range(8):
+        acc.step(x[window * 10 : window * 10 + 10], lambda m, b: m(b).pow(2).mean())
+        if resume:
+            kept = acc if with_accumulator else None  # a window boundary: nothing open
+            save_checkpoint(path, model=model, optimizer=optimizer, accumulator=kept)
+            model, optimizer, acc = build()
+            kept = acc if with_accumulator else None
+            load_checkpoint(path, model=model, optimizer=optimizer, accumulator=kept)
+    assert acc.scheduler is not None
+    return clone_state([model.state_dict(), acc.scheduler.state_dict()])
+
+
+def test_the_accumulators_scheduler_is_saved_and_loaded_when_none_is_passed(
+    tmp_path: Path,
+) -> None:
+    """Before, `save_checkpoint(..., accumulator=acc)` left out the scheduler the Accumulator
+    steps: every resume started the schedule over, silently (lr 0.05 instead of 0.011)."""
+    path = tmp_path / "ckpt.pt"
+    uninterrupted = _scheduled_run(path, resume=False)
+    assert_bitwise(_scheduled_run(path, resume=True), uninterrupted)
+    assert torch.load(path, weights_only=True)["scheduler_class"] == "LambdaLR"
+
+
+def test_negative_control_a_schedule_not_loaded_starts_over(tmp_path: Path) -> None:
+    """What the resume above missed: saved and loaded without the Accumulator (so without its
+    scheduler, as `accumulator=acc` was before), the schedule starts over and the model ends
+    elsewhere."""
+    path = tmp_path / "ckpt.pt"
+    uninterrupted = _scheduled_run(path, resume=False)
+    restarted = _scheduled_run(path, resume=True, with_accumulator=False)
+    assert torch.load(path, weights_only=True)["scheduler"] is None
+    with pytest.raises(AssertionError):
+        assert_bitwise(restarted, uninterrupted)
+
+
+def test_a_run_resumed_with_another_scheduler_class_starts_it_afresh(tmp_path: Path) -> None:
+    """Not passed, the Accumulator's scheduler of another class than the file's is left alone
+    (a new schedule on purpose), as before; passed, it is refused naming the class."""
+    path = tmp_path / "ckpt.pt"
+    _scheduled_run(path, resume=True)  # the file holds a LambdaLR state
+    model = torch.nn.Linear(3, 1).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    acc = Accumulator(model, optimizer, micro_batch_size=5, scheduler=scheduler)
+    fresh = clone_state(scheduler.state_dict())
+    load_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+    assert_bitwise(scheduler.state_dict(), fresh)
+    with pytest.raises(CheckpointError, match="LambdaLR"):
+        load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)

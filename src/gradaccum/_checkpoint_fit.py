@@ -9,6 +9,9 @@
   parameter's shape;
 - `check_accumulator_targets`: the optimizer and scheduler given with an Accumulator are the
   ones it steps (a stale one, rebuilt at a stage change without telling it, is refused);
+- `check_intact`: a checkpoint's bytes are the ones written (the CRC-32 of each zip record),
+  and it is a zip archive at all (another file gets torch's unrelated unpickling advice);
+- `default_scheduler`: the scheduler a checkpoint saves and loads when none is passed;
 - `one_line`: an exception's message as one plain line (no ANSI escapes, no line breaks);
 - `unwrapped` / `strip_wrapper_prefixes`: a checkpoint holds the weights of the module inside a
   `torch.compile` or DDP / DataParallel wrapper, so it loads into the model wrapped or not.
@@ -28,6 +31,7 @@ import functools
 import io
 import pickle
 import re
+import zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -41,7 +45,9 @@ __all__ = [
     "check_accumulator_targets",
     "check_class",
     "check_extra",
+    "check_intact",
     "check_optimizer_fits",
+    "default_scheduler",
     "one_line",
     "scheduler_kind",
     "strip_wrapper_prefixes",
@@ -100,6 +106,39 @@ def strip_wrapper_prefixes(saved: dict[str, Any], keys: Any) -> dict[str, Any]:
             )
         saved = stripped
     return saved
+
+
+def check_intact(source: Path) -> None:
+    """Refuse a file that is no checkpoint archive, or whose records differ from those written.
+
+    `torch.save` records a CRC-32 per record of its zip archive, but `torch.load` does not
+    compare them: a bit flipped inside a tensor (a failing disk, a bad copy) loads silently as
+    another number. Records written without a CRC (0) are not checked.
+
+    Raises:
+        CheckpointError: Naming the file and what is wrong with it.
+    """
+    with source.open("rb") as file:
+        head = file.read(4)
+    if head and not head.startswith((b"PK\x03\x04", b"\x80")):  # \x80: a legacy pickle
+        raise CheckpointError(
+            f"{source} is not a checkpoint file: it starts with {head!r}, and torch.save writes "
+            "a zip archive; give the file save_checkpoint wrote (a run's checkpoint.pt)."
+        )
+    if not zipfile.is_zipfile(source):
+        return  # a legacy pickle, or an archive cut short: torch.load says which
+    try:
+        with zipfile.ZipFile(source) as archive:
+            for record in archive.infolist():
+                if record.CRC:
+                    with archive.open(record) as data:  # compares the CRC-32 at its end
+                        while data.read(1 << 24):
+                            pass
+    except Exception as error:  # damaged headers fail in zipfile in many ways
+        raise CheckpointError(
+            f"cannot read checkpoint {source}: it is corrupted ({one_line(error)}); its bytes "
+            "are not the ones save_checkpoint wrote. Load an intact copy."
+        ) from error
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -209,6 +248,22 @@ def scheduler_kind(scheduler: object) -> str:
     if not isinstance(inner, (list, tuple)):
         return name
     return f"{name}[{', '.join(map(scheduler_kind, inner))}]"
+
+
+def default_scheduler(accumulator: Any, saved: dict[str, Any] | None = None) -> Any:
+    """The `accumulator`'s scheduler, for a save or load given no `scheduler`; else None.
+
+    It is the one the Accumulator steps, so a run saved and loaded as the README shows (with
+    `accumulator=acc` only) resumes its schedule instead of starting it over. A load (`saved`:
+    the file's states) takes it only if the file holds a state of that scheduler's kind: a run
+    resumed with another schedule on purpose starts it afresh, as when one is passed as None.
+    """
+    scheduler = getattr(accumulator, "scheduler", None)
+    if scheduler is None or saved is None:
+        return scheduler
+    recorded = saved.get("scheduler_class")
+    kind = scheduler_kind(scheduler) if "[" in str(recorded) else type(scheduler).__name__
+    return scheduler if saved.get("scheduler") is not None and recorded == kind else None
 
 
 def check_class(

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradaccum._checkpoint_fit import default_scheduler, scheduler_kind
 from gradaccum._dtensor import local_shards
 from gradaccum._rng_state import capture_rng, checked_rng
 
@@ -71,6 +72,7 @@ def save_sharded(
         ),
         "optimizer_class": type(optimizer).__name__,
         "scheduler": None if scheduler is None else scheduler.state_dict(),
+        "scheduler_class": None if scheduler is None else scheduler_kind(scheduler),
         "extra": extra,
         "rng": capture_rng(),
     }
@@ -119,6 +121,7 @@ def load_sharded(
             f"{folder} holds the state of a {own['optimizer_class']} optimizer, not of a "
             f"{type(optimizer).__name__}; build the optimizer it was saved from."
         )
+    scheduler = default_scheduler(accumulator, own) if scheduler is None else scheduler
     for name, wanted in (("accumulator", accumulator), ("scheduler", scheduler)):
         if wanted is not None and own.get(name) is None:
             raise error(f"{folder} holds no {name} state; pass {name}=None.")

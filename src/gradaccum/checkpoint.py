@@ -5,8 +5,9 @@ in the middle of a window), the user's `extra` (such as the data position), the 
 optimizer and scheduler, and the RNG states of Python, NumPy and torch (CPU and CUDA). It is
 written to a temporary file in the same folder, fsynced, renamed over the target and the folder
 fsynced, so a crash at any moment leaves either the old file or the new one under the real name,
-never half of one. Loading uses `torch.load(weights_only=True)` and checks the whole file against
-the objects it is loaded into before changing any of them.
+never half of one. Loading compares each record's CRC-32 (a flipped bit is refused, not loaded),
+uses `torch.load(weights_only=True)` and checks the whole file against the objects it is loaded
+into before changing any of them.
 
 For an FSDP2 model (`fully_shard`) the checkpoint is a folder written through
 `torch.distributed.checkpoint`, each rank writing its own shards (`gradaccum._sharded_checkpoint`);
@@ -40,19 +41,22 @@ from typing import Any
 
 import torch
 
+from gradaccum._atomic_file import write_atomically
 from gradaccum._checkpoint_fit import (
     CheckpointError,
     check_accumulator_targets,
     check_class,
     check_extra,
+    check_intact,
     check_optimizer_fits,
+    default_scheduler,
     one_line,
     scheduler_kind,
     strip_wrapper_prefixes,
     unwrapped,
 )
 from gradaccum._rng_state import RngStates, capture_rng, checked_rng
-from gradaccum._sharded_checkpoint import fsync_folder, load_sharded, save_sharded
+from gradaccum._sharded_checkpoint import load_sharded, save_sharded
 from gradaccum._sync_base import is_fsdp
 from gradaccum.accumulator import Accumulator
 
@@ -82,22 +86,29 @@ def save_checkpoint(
         model: The model (its `state_dict`).
         optimizer: The optimizer.
         accumulator: The `Accumulator`, for an exact resume mid-window.
-        scheduler: The learning-rate scheduler.
+        scheduler: The learning-rate scheduler; by default the `accumulator`'s, if it has one.
         extra: Your own plain data: dicts, lists, tuples and sets of numbers, strings, bytes,
             tensors, dtypes and devices (what a `weights_only` load reads back).
 
     Raises:
-        ValueError: If the folder of `path` does not exist, `extra` holds another type (such
-            as a numpy array: convert it with `torch.as_tensor` or `.tolist()`), or `optimizer`
-            or `scheduler` is not the one `accumulator` steps; nothing is written then.
+        ValueError: If the folder of `path` does not exist, `path` is a folder (but for an
+            FSDP2 model), `extra` holds another type (such as a numpy array: convert it with
+            `torch.as_tensor` or `.tolist()`), or `optimizer` or `scheduler` is not the one
+            `accumulator` steps; nothing is written then.
     """
     check_extra(extra)
     check_accumulator_targets(optimizer, accumulator, scheduler, "save")
+    scheduler = default_scheduler(accumulator) if scheduler is None else scheduler
     target = Path(path)
     if not target.parent.is_dir():
         raise ValueError(
             f"cannot write checkpoint {target}: folder {target.parent} does not exist; create it "
             "first."
+        )
+    if target.is_dir() and not is_fsdp(model):  # else the rename fails, the file written
+        raise ValueError(
+            f"cannot write checkpoint {target}: it is a folder; give a file path, e.g. "
+            f"{target / 'checkpoint.pt'}."
         )
     if is_fsdp(model):  # a DCP folder, each rank writing its own shards
         save_sharded(
@@ -121,17 +132,7 @@ def save_checkpoint(
         "extra": extra,
         "rng": capture_rng(),
     }
-    _remove_stale_temporaries(target)
-    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        with open(temporary, "wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, target)
-    finally:
-        temporary.unlink(missing_ok=True)
-    fsync_folder(target.parent)
+    write_atomically(target, payload)
 
 
 def load_checkpoint(
@@ -163,7 +164,8 @@ def load_checkpoint(
         model: Receives the model state.
         optimizer: Receives the optimizer state.
         accumulator: Receives the accumulator state (the checkpoint must hold one).
-        scheduler: Receives the scheduler state (the checkpoint must hold one).
+        scheduler: Receives the scheduler state (the checkpoint must hold one); by default the
+            `accumulator`'s, if it has one and the checkpoint holds a state of its class.
         restore_rng: Also set the global RNG states of Python, NumPy and torch (and of each CUDA
             device present, up to the number saved) to the saved ones.
         map_location: Where the file's tensors are read to, as `torch.load` takes it (a device,
@@ -195,6 +197,7 @@ def load_checkpoint(
             error=CheckpointError,
         )
     payload = _read_payload(source, map_location)
+    scheduler = default_scheduler(accumulator, payload) if scheduler is None else scheduler
     for name, wanted in (("accumulator", accumulator), ("scheduler", scheduler)):
         if wanted is not None and payload.get(name) is None:
             raise CheckpointError(f"{source} holds no {name} state; pass {name}=None.")
@@ -266,15 +269,7 @@ def _read_payload(source: Path, map_location: Any = "cpu") -> dict[str, Any]:
         )
     if not source.is_file():
         raise FileNotFoundError(f"no checkpoint at {source}")
-    with source.open("rb") as file:
-        head = file.read(4)
-    # torch.save writes a zip archive (a legacy one a pickle): another file, such as a run's
-    # config.json given for its checkpoint.pt, would get torch's unrelated unpickling advice.
-    if head and not head.startswith((b"PK\x03\x04", b"\x80")):
-        raise CheckpointError(
-            f"{source} is not a checkpoint file: it starts with {head!r}, and torch.save writes "
-            "a zip archive; give the file save_checkpoint wrote (a run's checkpoint.pt)."
-        )
+    check_intact(source)  # a zip archive whose records have the CRC-32 they were written with
     try:
         payload = torch.load(source, map_location=map_location, weights_only=True)
     except Exception as error:  # damaged bytes fail deep in the unpickler, in many ways
@@ -378,21 +373,3 @@ def _checked_rng(source: Path, state: dict[str, Any]) -> RngStates:
             f"{source} holds damaged RNG states ({one_line(error)}); "
             "load it with restore_rng=False to keep the current ones."
         ) from error
-
-
-def _remove_stale_temporaries(target: Path) -> None:
-    """Delete temporaries left by writers of `target` that were killed mid-write."""
-    for leftover in target.parent.glob(f".{target.name}.tmp-*"):
-        pid = leftover.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _process_alive(int(pid)):
-            leftover.unlink(missing_ok=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, but another user's
-        return True
-    return True

@@ -1,0 +1,70 @@
+"""Atomic checkpoint writes: a temporary in the same folder, fsynced, renamed over the target.
+
+A crash at any moment leaves either the old file or the new one under the target's name, never
+half of one. A temporary is named `.NAME.tmp-HOST-PID` after its writer; the next save of the
+same target deletes those of writers on this host that are no longer alive (killed mid-write).
+On a filesystem shared by several hosts, another host's writer may be alive under a pid that is
+free here, so its temporaries are left alone (older versions named them `.NAME.tmp-PID`: those
+are taken for this host's).
+
+Example:
+    >>> import tempfile, torch
+    >>> from pathlib import Path
+    >>> target = Path(tempfile.mkdtemp()) / "ckpt.pt"
+    >>> write_atomically(target, {"weight": torch.ones(2)})
+    >>> sorted(p.name for p in target.parent.iterdir())
+    ['ckpt.pt']
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradaccum._sharded_checkpoint import fsync_folder
+
+__all__ = ["write_atomically"]
+
+_HOST = socket.gethostname()
+
+
+def write_atomically(target: Path, payload: Any) -> None:
+    """`torch.save(payload)` to `target` through a fsynced temporary renamed over it.
+
+    Raises:
+        OSError: If writing fails (a full disk...); the previous `target` is left intact and
+            the temporary removed.
+    """
+    _remove_stale_temporaries(target)
+    temporary = target.with_name(f".{target.name}.tmp-{_HOST}-{os.getpid()}")
+    try:
+        with open(temporary, "wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
+    fsync_folder(target.parent)
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Delete temporaries of `target` left by writers on this host that are no longer alive."""
+    for leftover in target.parent.glob(f".{target.name}.tmp-*"):
+        host, _, pid = leftover.name.removeprefix(f".{target.name}.tmp-").rpartition("-")
+        if host in ("", _HOST) and pid.isdigit() and not _process_alive(int(pid)):
+            leftover.unlink(missing_ok=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, but another user's
+        return True
+    return True
