@@ -50,7 +50,19 @@ def virtual_tokens(model: torch.nn.Module, logits: torch.Tensor, labels: torch.T
 def with_decoder_inputs(
     model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor
 ) -> dict[str, Any]:
-    """`inputs` with the decoder's inputs made from `labels` as an encoder-decoder makes them."""
+    """`inputs` with the decoder's inputs made from `labels` as an encoder-decoder makes them.
+
+    Raises:
+        ValueError: For a model whose config says it is no encoder-decoder: a decoder-only LM
+            ignores `decoder_input_ids` and, scored without the shift, learns to copy its input.
+    """
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", None) is False:
+        raise ValueError(
+            f"gradaccum.hf.seq2seq scores the decoder of an encoder-decoder model, but "
+            f"{type(model).__name__} is none (config.is_encoder_decoder=False): for a "
+            "decoder-only language model use gradaccum.hf.causal_lm, which scores each "
+            "position's next token."
+        )
     if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
         return inputs
     prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
