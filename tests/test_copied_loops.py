@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gradaccum import Accumulator, LossSum, accumulate_grad
-from gradaccum.loss import CopiedLoopWarning
+from gradaccum.loss import CopiedLoopWarning, LossTerms
 
 STEPS = 4
 SIZES = (5, 5, 5, 3)  # a loader's last batch is smaller: the window is ragged
@@ -289,13 +289,25 @@ def _mean_of_rows_as_sum(model: nn.Module, batch: tuple[torch.Tensor, torch.Tens
     return LossSum(per_row.mean(), count=len(batch[1]))
 
 
-@pytest.mark.parametrize("loss_fn", [_mean_as_sum, _mean_of_rows_as_sum])
-def test_a_mean_given_as_a_loss_sums_value_warns_and_is_far_from_the_step(loss_fn) -> None:
+def _mean_as_a_term(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossTerms:
+    return LossSum.terms(ce=(_mean(model, batch), len(batch[1])))
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "where"),
+    [
+        (_mean_as_sum, r"LossSum\(value, count\)"),
+        (_mean_of_rows_as_sum, r"LossSum\(value, count\)"),
+        (_mean_as_a_term, r"LossSum.terms\(ce=...\)"),
+    ],
+)
+def test_a_mean_given_as_a_loss_sums_value_warns_and_is_far_from_the_step(loss_fn, where) -> None:
     """`LossSum(mean, count)` divides the micro-batches' means by the window's count (was
     silent); `LossSum(mean, 1)`, a mean over one item, and the sum do not warn."""
     model, caught = _streamed(loss_fn)
     assert len(caught) == 1
-    assert re.search(r"count=5\) whose value is a MEAN", str(caught[0].message))
+    said = str(caught[0].message)
+    assert re.search(where + r" whose value is a MEAN .* count of 5", said), said
     assert _gap(model, _reference()) > 1e-3  # the negative control: silently another step
 
     def one_row(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossSum:

@@ -129,29 +129,36 @@ def _sum_message(node: object, items: int) -> str | None:
 
 
 def mean_problem(result: object) -> str | None:
-    """What is wrong if `result` is a `LossSum` whose value is a mean over more than one item.
+    """What is wrong if `result` is a `LossSum` (or a term of one) whose value is a mean.
 
     A torch loss with reduction='mean' or a `.mean()` (a Hugging Face model's `outputs.loss`
     without `num_items_in_batch`) given as `LossSum.value`, a sum, with a count above 1: the
     window divides the micro-batches' means by their total count, not the full-batch mean. The
     count is read (a device sync) only for such a value.
     """
-    value, count = getattr(result, "value", None), getattr(result, "count", None)
-    node = value.grad_fn if isinstance(value, torch.Tensor) else None
-    mean = getattr(node, "_saved_reduction", None) == _MEAN
-    if not (mean or type(node).__name__ == "MeanBackward0") or count is None:
-        return None
-    items = float(count)
-    if items <= 1:
-        return None
-    return (
-        f"loss_fn returned LossSum(value, count={items:g}) whose value is a MEAN "
-        f"({type(node).__name__}), but LossSum.value is the SUM of the losses the count "
-        "covers: the window divides the micro-batches' means by their total count, which is "
-        "not the full-batch mean. Sum the losses (reduction='sum', or mean * count); for a "
-        "Hugging Face model's outputs.loss, call it with num_items_in_batch=1, or use a "
-        "gradaccum.hf loss (hf.causal_lm, ...)."
-    )
+    terms = getattr(result, "terms", None)
+    if isinstance(terms, Mapping):  # LossSum.terms (a constant denominator has no count)
+        parts = [(f"LossSum.terms({k}=...)", t.value, t.count) for k, t in terms.items()]
+    else:
+        value, count = getattr(result, "value", None), getattr(result, "count", None)
+        parts = [("LossSum(value, count)", value, count)]
+    for where, value, count in parts:
+        node = value.grad_fn if isinstance(value, torch.Tensor) else None
+        mean = getattr(node, "_saved_reduction", None) == _MEAN
+        if not (mean or type(node).__name__ == "MeanBackward0") or count is None:
+            continue
+        items = float(count)
+        if items <= 1:
+            continue
+        return (
+            f"loss_fn returned {where} whose value is a MEAN ({type(node).__name__}) with a "
+            f"count of {items:g}, but the value is the SUM of the losses the count covers: the "
+            "window divides the micro-batches' means by their total count, which is not the "
+            "full-batch mean. Sum the losses (reduction='sum', or mean * count); for a Hugging "
+            "Face model's outputs.loss, call it with num_items_in_batch=1, or use a "
+            "gradaccum.hf loss (hf.causal_lm, ...)."
+        )
+    return None
 
 
 def window_count_problem(result: object, labels: torch.Tensor | None, items: int) -> str | None:

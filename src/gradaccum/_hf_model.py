@@ -13,6 +13,7 @@ import torch
 
 __all__ = [
     "accepts_keyword",
+    "refuse_router_losses",
     "logits_of",
     "problem_type_of",
     "virtual_tokens",
@@ -49,7 +50,19 @@ def virtual_tokens(model: torch.nn.Module, logits: torch.Tensor, labels: torch.T
 def with_decoder_inputs(
     model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor
 ) -> dict[str, Any]:
-    """`inputs` with the decoder's inputs made from `labels` as an encoder-decoder makes them."""
+    """`inputs` with the decoder's inputs made from `labels` as an encoder-decoder makes them.
+
+    Raises:
+        ValueError: For a model whose config says it is no encoder-decoder: a decoder-only LM
+            ignores `decoder_input_ids` and, scored without the shift, learns to copy its input.
+    """
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", None) is False:
+        raise ValueError(
+            f"gradaccum.hf.seq2seq scores the decoder of an encoder-decoder model, but "
+            f"{type(model).__name__} is none (config.is_encoder_decoder=False): for a "
+            "decoder-only language model use gradaccum.hf.causal_lm, which scores each "
+            "position's next token."
+        )
     if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
         return inputs
     prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
@@ -100,3 +113,38 @@ def logits_of(outputs: object) -> torch.Tensor:
             "use gradaccum.hf.loss_from_logits."
         )
     return logits
+
+
+def refuse_router_losses(model: torch.nn.Module, outputs: object) -> None:
+    """Raise if `outputs` carry a mixture-of-experts router loss the model's own loss would add.
+
+    Given labels, a transformers MoE model (Mixtral, Qwen-MoE, OLMoE, Switch...) with
+    `config.output_router_logits` adds its load-balancing (and z-) losses to the token loss;
+    the `gradaccum.hf` helpers score the logits alone, so they would silently train without
+    them. Computed per forward, those losses are not additive over micro-batches either, so
+    no helper can add them exactly: the user chooses.
+
+    Raises:
+        ValueError: Naming the router losses and both fixes.
+    """
+    items = outputs.items() if isinstance(outputs, Mapping) else ()
+    names = [
+        str(name)
+        for name, value in items
+        if str(name).endswith(("aux_loss", "z_loss"))
+        and isinstance(value, torch.Tensor)
+        and value.requires_grad
+    ]
+    if not names:
+        return
+    raise ValueError(
+        f"{type(model).__name__} returned router losses ({', '.join(names)}): with "
+        "config.output_router_logits=True its own loss adds them, times "
+        "config.router_aux_loss_coef, to the token loss, and gradaccum.hf scores the logits "
+        "alone. Set model.config.output_router_logits = False to train on the token loss "
+        "alone, or keep them in a loss_fn of your own: out = model(**inputs); "
+        "ce = hf.loss_from_logits(out.logits, labels, 'causal_lm'); return "
+        "LossSum.terms(ce=(ce.value, ce.count), aux=Term(out.aux_loss, count=1, "
+        "weight=coef)) (Term from gradaccum.loss), whose router loss is each micro-batch's, "
+        "not the full batch's (docs/losses.md, MoE load-balancing losses)."
+    )

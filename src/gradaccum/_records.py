@@ -72,14 +72,27 @@ def rebuild_dataclass(node: Any, values: dict[str, Any]) -> Any:
     return rebuilt
 
 
-def rebuild_mapping(node: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
-    """A mapping of `node`'s type holding `values` (a `defaultdict` keeps its default factory)."""
+def rebuild_mapping(
+    node: Mapping[Any, Any], values: dict[Any, Any], rows: slice | None = None
+) -> Any:
+    """A mapping of `node`'s type holding `values` (a `defaultdict` keeps its default factory).
+
+    A tokenizer's `BatchEncoding` keeps its per-row `encodings` (what `word_ids()` reads) for
+    the rows the values hold: `rows` of them, all with None (the same rows, moved). Values
+    whose rows were reordered or trimmed are given `rows=slice(0, 0)`: they keep none.
+    """
     kind: Any = type(node)
     if kind is dict:
         return values
     if isinstance(node, collections.defaultdict):
         return kind(node.default_factory, values)
-    return kind(values)
+    rebuilt = kind(values)
+    encodings = getattr(node, "_encodings", None)
+    if isinstance(encodings, list) and getattr(rebuilt, "_encodings", ()) is None:
+        kept = encodings if rows is None else encodings[rows]
+        if kept and (rows is None or rows.stop <= len(encodings)):
+            rebuilt._encodings, rebuilt._n_sequences = kept, getattr(node, "_n_sequences", None)
+    return rebuilt
 
 
 def is_example_list(node: Any) -> bool:

@@ -321,17 +321,22 @@ def _compile(
     ]
     if all(child is None for child in children):
         return None
-    return _container_slicer(node, children) if build else _measured
+    return _container_slicer(node, children, rows=dim == 0 and hook is None) if build else _measured
 
 
-def _container_slicer(node: Any, children: list[_Slicer | None]) -> _Slicer:
-    """Return a slicer rebuilding the container `node` from its entries' slicers."""
+def _container_slicer(node: Any, children: list[_Slicer | None], rows: bool = True) -> _Slicer:
+    """Return a slicer rebuilding the container `node` from its entries' slicers.
+
+    `rows`: its slices hold rows `start:stop` of dim 0 as they are (not reordered or trimmed).
+    """
     kind = type(node)
     if isinstance(node, Mapping):
         keys, entries = list(node), _entries_slicer(list(node.values()), children)
         if kind is dict:
             return lambda start, stop: dict(zip(keys, entries(start, stop), strict=True))
-        return lambda a, b: rebuild_mapping(node, dict(zip(keys, entries(a, b), strict=True)))
+        return lambda a, b: rebuild_mapping(
+            node, dict(zip(keys, entries(a, b), strict=True)), slice(a, b) if rows else slice(0, 0)
+        )
     if is_dataclass_instance(node):
         names, values = zip(*dataclass_entries(node), strict=True)
         fields = _entries_slicer(values, children)

@@ -44,6 +44,7 @@ from gradaccum._hf_model import (
     accepts_keyword,
     logits_of,
     problem_type_of,
+    refuse_router_losses,
     virtual_tokens,
     with_decoder_inputs,
 )
@@ -108,7 +109,9 @@ class TaskLoss:
             # Training needs no cache, and transformers isolates the documents of a packed row
             # (position_ids restarting at 0) in attention only when there is none.
             inputs.setdefault("use_cache", False)
-        logits = logits_of(model(**inputs))
+        outputs = model(**inputs)
+        refuse_router_losses(model, outputs)  # MoE: the model's loss would add them
+        logits = logits_of(outputs)
         packing = batch
         virtual = virtual_tokens(model, logits, labels)
         if virtual:

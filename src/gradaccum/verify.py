@@ -138,7 +138,10 @@ class EquivalenceReport:
                 f"the tolerance is {self.internal_dtype} rounding"
             )
         if self.non_additive:
-            lines.append("non-additive modules (accumulation cannot be exact with these):")
+            lines.append(  # e.g. dropout in train mode: how to check the rest is in explain()
+                "non-additive modules (accumulation cannot be exact with these; .explain() "
+                "gives the fix for each):"
+            )
             lines += [f"  - {module}" for module in self.non_additive]
         elif not self.ok:  # the loss itself: a count of the micro-batch, or in-batch negatives
             lines.append("no non-additive module: the loss is not additive; .explain() says why")

@@ -30,6 +30,7 @@ from tests.integrations.test_hf import (  # noqa: E402
     ROWS,
     STEPS,
     VOCAB,
+    _gpt2,
     _lengths,
     _model,
     _optimizer,
@@ -178,3 +179,19 @@ def test_without_the_token_ids_to_shift_with_it_is_refused_changing_nothing() ->
     labels = batch["labels"]
     decoder_input_ids = F.pad(labels[:, :-1], (1, 0), value=0).clamp(min=0)
     assert acc.step({**batch, "decoder_input_ids": decoder_input_ids}, hf.seq2seq).stepped
+
+
+@pytest.mark.parametrize("with_decoder_inputs", [False, True])
+def test_a_decoder_only_model_is_refused_naming_causal_lm(with_decoder_inputs: bool) -> None:
+    """GPT-2 ignores `decoder_input_ids`: scored without the shift, it would learn to copy its
+    input. Was: the message asked for `decoder_input_ids`, and with them it trained so."""
+    model = _model(_gpt2)
+    optimizer = _optimizer(model)
+    acc = Accumulator(model, optimizer, micro_batch_size=MICRO)
+    batch = _text_batch(torch.Generator().manual_seed(0), 0)
+    if with_decoder_inputs:
+        batch["decoder_input_ids"] = batch["input_ids"]
+    before = clone_state((param_tensors(model), optimizer.state_dict()))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel is none.*use gradaccum.hf.causal_lm"):
+        acc.step(batch, hf.seq2seq)
+    assert_bitwise(before, (param_tensors(model), optimizer.state_dict()))
