@@ -2,7 +2,9 @@
 
 - `find_unused_parameters=True` with a layer only rank 0 uses, `gradient_as_bucket_view=True`,
   a tiny `bucket_cap_mb`, reentrant activation checkpointing under `static_graph=True`, and
-  `ZeroRedundancyOptimizer`: three windows equal three full-batch steps, ranks bitwise equal;
+  `ZeroRedundancyOptimizer` (with `micro_batch_size="auto"` too, whose plan replays this rank's
+  local optimizer: ZeRO itself cannot be deep-copied): three windows equal three full-batch
+  steps, ranks bitwise equal;
 - `ZeroRedundancyOptimizer(overlap_with_ddp=True)`, whose step runs only inside a DDP hook that
   gradaccum never runs (its `step()` does nothing), is refused at construction;
 - a model with `SyncBatchNorm` (its train-mode forward and backward are collectives) refuses
@@ -109,14 +111,17 @@ def _train(rank: int, config: str) -> dict[str, torch.Tensor]:
         side_ranks = ()
     else:
         ddp = DistributedDataParallel(make_net(), **options)
-    if config == "zero":
+    if config.startswith("zero"):
         optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
             ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9,
             weight_decay=0.01,
         )  # fmt: skip
     else:
         optimizer = sgd(ddp.parameters())
-    acc = Accumulator(ddp, optimizer, micro_batch_size=MICRO)
+    if config == "zero_auto":
+        acc = Accumulator(ddp, optimizer, micro_batch_size="auto", memory_budget="256MiB")
+    else:
+        acc = Accumulator(ddp, optimizer, micro_batch_size=MICRO)
     for window in range(WINDOWS):
         acc.step(rank_batch(window, rank, side_ranks), loss_fn)
     return _params(ddp)
@@ -227,7 +232,7 @@ def sync_batchnorm_reference() -> dict[str, torch.Tensor]:
 
 
 def configs_worker(rank: int, world_size: int) -> dict[str, Any]:
-    configs = ("unused", "bucket_view", "tiny_buckets", "static_checkpoint", "zero")
+    configs = ("unused", "bucket_view", "tiny_buckets", "static_checkpoint", "zero", "zero_auto")
     return {
         "trained": {config: _train(rank, config) for config in configs},
         "zero_overlap": _zero_overlap_refused(),
