@@ -228,7 +228,9 @@ class DDPSync(_DistributedSync):
         """A window opens: DDP averages it only if it is a static graph's first.
 
         Raises:
-            ValueError: Under `DistributedDataParallel.join()` (every rank, before any forward).
+            ValueError: Under `DistributedDataParallel.join()`; or in a static graph's first
+                window (reduced by DDP) inside `no_sync()` or with a communication hook (every
+                rank, before any forward).
         """
         join = getattr(self.model, "_join_config", None)  # set by DistributedDataParallel.join()
         if join is not None and join.enable:
@@ -248,7 +250,16 @@ class DDPSync(_DistributedSync):
                 "micro_step() outside no_sync(): the Accumulator itself keeps DDP from reducing "
                 "before the window's end. Nothing was changed."
             )
-        if getattr(self.model, "_comm_hooks", None) and not self._hook_warned:
+        hooked = bool(getattr(self.model, "_comm_hooks", None))  # DDP.register_comm_hook()
+        if self._native and hooked:  # DDP reduces this window itself, through the hook
+            raise ValueError(
+                "the DDP communication hook registered on this static_graph=True model would "
+                "reduce its first window (DDP synchronizes it; a compression hook such as "
+                "fp16_compress_hook rounds that step's gradients) and never a later one, which "
+                "gradaccum reduces itself, exactly. Remove register_comm_hook(), or wrap with "
+                "static_graph=False. Nothing was changed."
+            )
+        if hooked and not self._hook_warned:
             self._hook_warned = True  # DDP.register_comm_hook(): its reducer never runs here
             warn_user(
                 UserWarning(

@@ -176,7 +176,7 @@ class Engine:
             if isinstance(result, LossTerms):  # each term divided by its own count
                 terms = read_terms(result)
                 ledger = TermLedger.for_micro_batch(
-                    window.terms, terms, self.normalize, expect, fsdp=self._fsdp
+                    window.terms, terms, self.normalize, expect, fsdp=self._fsdp, sync=sync
                 )
                 window.terms, window.denominator = ledger, 1.0
                 value, logged, extra = ledger.roots(terms)

@@ -158,7 +158,7 @@ def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     """
     grads = sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
     weights = sum(_nbytes(t) for t in (*model.parameters(), *model.buffers()))
-    return weights + grads + _state_bytes(optimizer)
+    return weights + grads + _state_bytes(_local_optimizer(optimizer))
 
 
 def snapshot_batchnorm(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -171,8 +171,20 @@ def snapshot_batchnorm(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch
     ]
 
 
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """What this rank steps: a `ZeroRedundancyOptimizer`'s local optimizer over its shard.
+
+    ZeRO cannot be replayed itself (it does not survive `deepcopy`, and its step broadcasts);
+    its local optimizer holds this rank's part of the state, which is what the plan counts.
+    """
+    local = getattr(optimizer, "optim", None)
+    zero = type(optimizer).__name__ == "ZeroRedundancyOptimizer"  # a torch without distributed
+    return local if zero and isinstance(local, torch.optim.Optimizer) else optimizer
+
+
 def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """(state bytes after a first step, step temporaries), from a replay on the meta device."""
+    optimizer = _local_optimizer(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     memo: dict[int, Any] = {}
     for param in params:  # this rank's part only (a DTensor's local shard)

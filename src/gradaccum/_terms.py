@@ -35,6 +35,7 @@ from gradaccum.divisor import Expectation, backward_denominator, scaled_loss
 from gradaccum.loss import MAX_TERMS, ReadTerm
 from gradaccum.options import Normalize
 from gradaccum.precision import PrecisionRuntime
+from gradaccum.sync import GradSync
 
 __all__ = ["TermLedger"]
 
@@ -96,11 +97,13 @@ class TermLedger:
         expect: Expectation,
         *,
         fsdp: bool = False,
+        sync: GradSync | None = None,
     ) -> TermLedger:
         """The window's ledger: `ledger`, checked against `terms`, or a new one from them.
 
         Raises:
-            ValueError: Under FSDP2 (`fsdp`), which does not support terms yet.
+            ValueError: Under FSDP2 (`fsdp`), which does not support terms yet, or for terms
+                needing their own pass where the backend averages every backward (`sync`).
         """
         if fsdp:
             raise ValueError(
@@ -109,7 +112,16 @@ class TermLedger:
             )
         if ledger is None:
             ahead = expect.counted if isinstance(expect.counted, dict) else None
-            return cls(terms, normalize, expected_micro_batches=expect.micro_batches, ahead=ahead)
+            ledger = cls(terms, normalize, expected_micro_batches=expect.micro_batches, ahead=ahead)
+            if ledger.extra and sync is not None and sync.averaged_over > 1:
+                raise ValueError(  # DDP's hooks and sink also fire in the extra pass: garbled
+                    "LossSum.terms whose counts the window learns at its end need one gradient "
+                    "pass per term, which the first window of a DistributedDataParallel("
+                    "static_graph=True) model cannot run (DDP reduces every backward in it; the "
+                    "ranks' gradients diverged). Wrap with static_graph=False, or start with one "
+                    "window of a single LossSum. Nothing was changed."
+                )
+            return ledger
         ledger.check(terms)
         return ledger
 

@@ -2,7 +2,9 @@
 
 - `find_unused_parameters=True` with a layer only rank 0 uses, `gradient_as_bucket_view=True`,
   a tiny `bucket_cap_mb`, reentrant activation checkpointing under `static_graph=True`, and
-  `ZeroRedundancyOptimizer`: three windows equal three full-batch steps, ranks bitwise equal;
+  `ZeroRedundancyOptimizer` (with `micro_batch_size="auto"` too, whose plan replays this rank's
+  local optimizer: ZeRO itself cannot be deep-copied): three windows equal three full-batch
+  steps, ranks bitwise equal;
 - `ZeroRedundancyOptimizer(overlap_with_ddp=True)`, whose step runs only inside a DDP hook that
   gradaccum never runs (its `step()` does nothing), is refused at construction;
 - a model with `SyncBatchNorm` (its train-mode forward and backward are collectives) refuses
@@ -10,7 +12,8 @@
   for each other); with `batchnorm="frozen"` (no collective) the uneven window is exact;
 - a `static_graph=True` model's first window (which DDP must reduce) inside the user's
   `model.no_sync()` raises a `ValueError` naming the fix, nothing changed (before: an internal
-  assert of DDP's reducer).
+  assert of DDP's reducer); so does it with a communication hook registered (before, DDP reduced
+  that window through `fp16_compress_hook`, 1e-4 off, while a warning said the hook was unused).
 
 The single-process references are computed in the test process with plain PyTorch.
 """
@@ -23,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
@@ -109,14 +113,17 @@ def _train(rank: int, config: str) -> dict[str, torch.Tensor]:
         side_ranks = ()
     else:
         ddp = DistributedDataParallel(make_net(), **options)
-    if config == "zero":
+    if config.startswith("zero"):
         optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
             ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9,
             weight_decay=0.01,
         )  # fmt: skip
     else:
         optimizer = sgd(ddp.parameters())
-    acc = Accumulator(ddp, optimizer, micro_batch_size=MICRO)
+    if config == "zero_auto":
+        acc = Accumulator(ddp, optimizer, micro_batch_size="auto", memory_budget="256MiB")
+    else:
+        acc = Accumulator(ddp, optimizer, micro_batch_size=MICRO)
     for window in range(WINDOWS):
         acc.step(rank_batch(window, rank, side_ranks), loss_fn)
     return _params(ddp)
@@ -226,13 +233,30 @@ def sync_batchnorm_reference() -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def _static_graph_with_comm_hook(rank: int) -> dict[str, Any]:
+    ddp = DistributedDataParallel(make_net(), static_graph=True)
+    ddp.register_comm_hook(None, fp16_compress_hook)
+    optimizer = sgd(ddp.parameters())
+    before = _params(ddp)
+    acc = Accumulator(ddp, optimizer, micro_batch_size=MICRO)
+    try:
+        acc.step(rank_batch(0, rank, ()), loss_fn)
+        error = "accepted"
+    except ValueError as caught:
+        error = str(caught)
+    unchanged = all(torch.equal(before[n], p) for n, p in _params(ddp).items())
+    untouched = all(p.grad is None for p in ddp.parameters()) and not optimizer.state
+    return {"error": error, "unchanged": unchanged, "untouched": untouched}
+
+
 def configs_worker(rank: int, world_size: int) -> dict[str, Any]:
-    configs = ("unused", "bucket_view", "tiny_buckets", "static_checkpoint", "zero")
+    configs = ("unused", "bucket_view", "tiny_buckets", "static_checkpoint", "zero", "zero_auto")
     return {
         "trained": {config: _train(rank, config) for config in configs},
         "zero_overlap": _zero_overlap_refused(),
         "no_sync": _static_graph_inside_no_sync(rank),
         "sync_batchnorm": _sync_batchnorm(rank),
+        "comm_hook": _static_graph_with_comm_hook(rank),
     }
 
 
@@ -298,3 +322,15 @@ def test_sync_batchnorm_refuses_uneven_plans_before_any_forward(
         assert frozen["error"] is None, (rank, frozen["error"])
         gap = relative_gap(frozen["state"], expected)
         assert gap < EXACT, f"rank {rank}: {gap:.1e} from the full-batch reference"
+
+
+def test_a_static_graphs_first_window_with_a_comm_hook_is_refused_changing_nothing(
+    runs: list[dict[str, Any]],
+) -> None:
+    """DDP reduces that window itself, through the hook: fp16 compression rounded the step."""
+    for rank, run in enumerate(runs):
+        result = run["comm_hook"]
+        assert "communication hook" in result["error"], (rank, result["error"])
+        assert "static_graph=False" in result["error"]
+        assert result["unchanged"], rank
+        assert result["untouched"], rank
