@@ -10,7 +10,7 @@ group without a device sync (a tensor lr by its identity and version counter), o
 micro-batch, until the first warning.
 
 Example:
-    >>> import warnings
+    >>> import types, warnings
     >>> import torch
     >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
     >>> watch = LearningRateWatch()
@@ -18,7 +18,7 @@ Example:
     >>> optimizer.param_groups[0]["lr"] = 0.05  # a scheduler.step() between two micro-batches
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
-    ...     watch.check(optimizer, micro_batches=1)
+    ...     watch.check(optimizer, types.SimpleNamespace(is_open=True, micro_batches=1))
     >>> caught[0].category.__name__
     'CopiedLoopWarning'
 """
