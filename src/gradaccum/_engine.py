@@ -23,6 +23,7 @@ from gradaccum._buffer_watch import BufferWatch
 from gradaccum._commit import SchedulerSteps, refuse_steps_inside, try_scheduler
 from gradaccum._commit_agreement import join_as_failed, step_on_every_rank
 from gradaccum._engine_state import component_states, restore_components
+from gradaccum._layout_watch import SequenceFirstCheck
 from gradaccum._oom import after_step_guard
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
 from gradaccum._parameters import ModelParameters
@@ -70,6 +71,7 @@ class Engine:
         self._reduced = False  # the last backward reduced the gradients (FSDP2)
         self._last_input: tuple[Any, LossFn] | None = None  # for FSDP2's zero-item settle
         self._token_mean, self._seeds = TokenMeanCheck(), Seeds()
+        self._layout = SequenceFirstCheck(model, batch_dim)  # a batch split along time
         self.telemetry: TelemetryMeter | None = None  # opt-in (gradaccum.telemetry)
         self.broken: str | None = None  # set by a half-done optimizer.step(); a load clears it
         self.schedule = SchedulerSteps()  # the scheduler's real steps, after each commit
@@ -169,7 +171,7 @@ class Engine:
         outputs: list[torch.Tensor] = []
         capture = captured_outputs(self.model, outputs) if self._fsdp else NO_CONTEXT
         with sync.micro_context(last=last), self.batchnorm.micro_context():
-            with runtime.autocast(), capture:
+            with runtime.autocast(), capture, self._layout.watch(items, expect.items):
                 result = loss_fn(self.model, micro_batch)
             window.check_no_backward_inside()  # no backward or zero_grad() inside loss_fn
             extra: list[tuple[int, torch.Tensor]] = []
@@ -244,12 +246,11 @@ class Engine:
         """Whether the last backward reduces (FSDP2): on all ranks, or none, then all settle."""
         if not self.sync.syncs_last_backward:
             return False
-        window = self.window
         pending = RankSummary(
-            window.count + count,
-            window.loss_total() + loss,
-            window.micro_batches + micro_batches,
-            window.denominator or 1.0,
+            self.window.count + count,
+            self.window.loss_total() + loss,
+            self.window.micro_batches + micro_batches,
+            self.window.denominator or 1.0,
             graph=graph,
         )
         self._agreement = self._exchange(pending)

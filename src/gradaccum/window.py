@@ -31,6 +31,7 @@ import torch
 from gradaccum._copied_loop import gradients_changed_error
 from gradaccum._dtensor import like_param
 from gradaccum._joined import JoinWatch
+from gradaccum._layout_watch import SequenceFirstCheck
 from gradaccum._parameters import trainable_parameters
 from gradaccum._state_layout import check_tensors_fit
 from gradaccum._terms import TermLedger
@@ -353,11 +354,12 @@ def accumulate_grad(
     device = params[0].device
     window = Window()
     window.open(params, len(params), loss_scale=1.0)
-    token_mean = TokenMeanCheck()
+    token_mean, layout = TokenMeanCheck(), SequenceFirstCheck(model, batch_dim=0)
     try:
         for micro_batch in micro_batches:
             items = batch_size(micro_batch)
-            result = loss_fn(model, to_device(micro_batch, device))
+            with layout.watch(items, total_items):  # a sequence-first RNN cut in time: warns
+                result = loss_fn(model, to_device(micro_batch, device))
             window.check_no_backward_inside()
             if isinstance(result, LossTerms):
                 raise ValueError(

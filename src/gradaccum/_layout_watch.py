@@ -1,0 +1,120 @@
+"""A batch split along time: a sequence-first RNN or attention fed batch-first micro-batches.
+
+`nn.LSTM`, `nn.GRU`, `nn.RNN` and `nn.MultiheadAttention` (so `nn.Transformer*` too) are
+sequence-first by default (`batch_first=False`): they read `(S, B, ...)`. A batch of such tensors
+split along dim 0 (`Accumulator.step`, `accumulate_grad` and `check_equivalence` split there unless
+told `batch_dim=1`) is cut in time, not into items: each micro-batch runs a few time steps of
+every sequence from a fresh hidden state, a silently different objective from the full batch.
+
+`SequenceFirstCheck` watches the first few split micro-batches: a sequence-first module whose
+input's dim 0 is the micro-batch's item count (and dim 1 is not) was handed the split dimension
+as its time axis, and it warns once. A model that transposes its batch-first input before such a
+module gives it `(S, items, ...)`, which is not warned about.
+
+Example:
+    >>> import torch, warnings
+    >>> rnn = torch.nn.GRU(3, 4)  # sequence-first
+    >>> check = SequenceFirstCheck(rnn, batch_dim=0)
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     with check.watch(items=2, window_items=6):
+    ...         _ = rnn(torch.randn(2, 5, 3))  # 2 of the 6 time steps, 5 sequences
+    >>> caught[0].category.__name__
+    'SequenceFirstWarning'
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gradaccum._warnings import warn_user
+
+__all__ = ["SequenceFirstCheck", "SequenceFirstWarning"]
+
+_CHECKED = 3  # split micro-batches looked at: the model's layout does not change between them
+
+
+class SequenceFirstWarning(UserWarning):
+    """A sequence-first module received micro-batches that were split along its time axis."""
+
+
+class SequenceFirstCheck:
+    """Warns once when a split along dim 0 reaches a sequence-first module as its time axis."""
+
+    def __init__(self, model: torch.nn.Module, batch_dim: int) -> None:
+        """Find the model's sequence-first modules (none to watch with `batch_dim=1`)."""
+        self.modules = [
+            (name or "<model>", module)
+            for name, module in model.named_modules()
+            if isinstance(module, (torch.nn.RNNBase, torch.nn.MultiheadAttention))
+            and not module.batch_first
+        ]
+        self._left = _CHECKED if self.modules and batch_dim == 0 else 0
+
+    def watch(
+        self, items: int, window_items: int | None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Watch one micro-batch's forward, if it is one of several the batch was split into.
+
+        Args:
+            items: The micro-batch's items along dim 0.
+            window_items: The whole batch's items, or None when the caller split it (streaming).
+        """
+        if self._left <= 0 or window_items is None or items >= window_items:
+            return contextlib.nullcontext()
+        self._left -= 1
+        return _Watch(self, items, window_items)
+
+    def found(self, items: int, window_items: int, name: str, module: torch.nn.Module) -> None:
+        """Warn once: `module` at `name` took this micro-batch's split dim 0 as its time axis."""
+        self._left = 0  # once per Accumulator (or call)
+        kind = type(module).__name__
+        warn_user(
+            SequenceFirstWarning(
+                f"the batch was split along dim 0 into micro-batches of {items} of its "
+                f"{window_items} items, but the {kind} at {name!r} is sequence-first "
+                f"(batch_first=False) and its input's dim 0 holds those {items}: the split cut "
+                "every sequence in time (or the module runs across the batch's items), which is "
+                "not the full-batch step. For (S, B, ...) batches pass batch_dim=1 "
+                f"(Accumulator(..., batch_dim=1)); for (B, S, ...) batches build the {kind} with "
+                "batch_first=True, or transpose before it."
+            )
+        )
+
+
+class _Watch:
+    """Pre-hooks on the sequence-first modules for one micro-batch's forward."""
+
+    def __init__(self, check: SequenceFirstCheck, items: int, window_items: int) -> None:
+        self.check, self.items, self.window_items = check, items, window_items
+        self.seen: list[tuple[str, torch.nn.Module]] = []
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def __enter__(self) -> None:
+        for name, module in self.check.modules:
+            self.handles.append(module.register_forward_pre_hook(self._record(name)))
+
+    def __exit__(self, *exc_info: object) -> None:
+        # A plain __exit__, not a generator: warn_user then points at the user's line.
+        for handle in self.handles:
+            handle.remove()
+        if self.seen and exc_info[0] is None:
+            self.check.found(self.items, self.window_items, *self.seen[0])
+
+    def _record(self, name: str) -> Callable[[torch.nn.Module, tuple[Any, ...]], None]:
+        def record(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            first = args[0] if args else None
+            # A PackedSequence or an unbatched 2-D input has no batch axis to confuse.
+            if (
+                not self.seen
+                and isinstance(first, torch.Tensor)
+                and first.dim() == 3
+                and first.shape[0] == self.items != first.shape[1]
+            ):
+                self.seen.append((name, module))
+
+        return record

@@ -1,0 +1,268 @@
+"""RL and sequence-training loops accumulated: PPO, truncated BPTT, sequence-first RNNs.
+
+Each exact case is compared with a plain full-batch PyTorch loop in float64 (rtol 1e-10), with a
+negative control that must fail: the naive version of the same loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradaccum import Accumulator, LossSum, accumulate_grad
+from gradaccum._layout_watch import SequenceFirstWarning
+from gradaccum.loss import Term
+
+RTOL = 1e-10
+
+
+def _gap(model: nn.Module, reference: nn.Module) -> float:
+    with torch.no_grad():
+        return max(
+            float((p - q).abs().max() / q.abs().max())
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+        )
+
+
+# ---------------------------------------------------------------- PPO
+
+
+class _ActorCritic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(4, 16), nn.Tanh())
+        self.pi, self.v = nn.Linear(16, 3), nn.Linear(16, 1)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.trunk(obs)
+        return self.pi(h), self.v(h).squeeze(-1)
+
+
+def _ppo_parts(model: nn.Module, b: dict, adv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    logits, value = model(b["obs"])
+    dist = torch.distributions.Categorical(logits=logits)
+    ratio = (dist.log_prob(b["act"]) - b["old_logp"]).exp()
+    pg = -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    return pg, (value - b["ret"]) ** 2, dist.entropy()
+
+
+def _normalized(adv: torch.Tensor) -> torch.Tensor:
+    return (adv - adv.mean()) / (adv.std() + 1e-8)
+
+
+def _ppo_terms(model: nn.Module, b: dict) -> object:
+    """The exact recipe: advantages normalized over the minibatch before it is split."""
+    pg, vl, ent = _ppo_parts(model, b, b["adv"])
+    n = len(pg)
+    return LossSum.terms(
+        pg=(pg.sum(), n),
+        v=Term(vl.sum(), count=n, weight=0.5),
+        ent=Term(ent.sum(), count=n, weight=-0.01),
+    )
+
+
+def _ppo_normalized_per_micro_batch(model: nn.Module, b: dict) -> object:
+    """The naive port: each micro-batch normalizes its own advantages."""
+    pg, vl, ent = _ppo_parts(model, b, _normalized(b["adv_raw"]))
+    n = len(pg)
+    return LossSum.terms(
+        pg=(pg.sum(), n),
+        v=Term(vl.sum(), count=n, weight=0.5),
+        ent=Term(ent.sum(), count=n, weight=-0.01),
+    )
+
+
+def _ppo(loss_fn, *, accumulate: bool) -> nn.Module:
+    """3 epochs over one rollout of 23, minibatches of 12, clipped at 0.5 as PPO does."""
+    torch.manual_seed(0)
+    model = _ActorCritic().double()
+    rollout = {
+        "obs": torch.randn(23, 4, dtype=torch.float64),
+        "act": torch.randint(0, 3, (23,)),
+        "old_logp": torch.rand(23, dtype=torch.float64) * -1.5 - 0.5,
+        "adv_raw": torch.randn(23, dtype=torch.float64) * 3 + 1,
+        "ret": torch.randn(23, dtype=torch.float64),
+    }
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    acc = Accumulator(model, optimizer, micro_batch_size=4, max_grad_norm=0.5)
+    for epoch in range(3):
+        order = torch.randperm(23, generator=torch.Generator().manual_seed(epoch))
+        for start in range(0, 23, 12):
+            b = {k: v[order[start : start + 12]] for k, v in rollout.items()}
+            b["adv"] = _normalized(b["adv_raw"])  # over the whole minibatch, before the split
+            if accumulate:
+                result = acc.step(b, loss_fn)
+                assert result.stepped
+                assert set(result.terms) == {"pg", "v", "ent"}
+                continue
+            optimizer.zero_grad()
+            pg, vl, ent = _ppo_parts(model, b, b["adv"])
+            (pg.mean() + 0.5 * vl.mean() - 0.01 * ent.mean()).backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+    return model
+
+
+def test_ppo_with_advantages_normalized_before_the_split_is_the_full_minibatch_update() -> None:
+    reference = _ppo(None, accumulate=False)
+    assert _gap(_ppo(_ppo_terms, accumulate=True), reference) < RTOL
+    # Negative control: the advantage mean and std of each micro-batch are another objective.
+    assert _gap(_ppo(_ppo_normalized_per_micro_batch, accumulate=True), reference) > 1e-3
+
+
+# ---------------------------------------------------------------- truncated BPTT
+
+
+class _CharRNN(nn.Module):
+    def __init__(self, cell: type[nn.RNNBase]) -> None:
+        super().__init__()
+        self.embed, self.rnn = nn.Embedding(7, 8), cell(8, 12, batch_first=True)
+        self.head = nn.Linear(12, 7)
+
+    def forward(self, x: torch.Tensor, state: object) -> tuple[torch.Tensor, object]:
+        y, state = self.rnn(self.embed(x), state)
+        return self.head(y), state
+
+
+def _detached(state: object) -> object:
+    return tuple(s.detach() for s in state) if isinstance(state, tuple) else state.detach()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_tbptt_state_carried_across_micro_steps_and_windows_is_the_plain_loop(cell) -> None:
+    """Chunks of 4 steps, 3 chunks a window, the state detached and carried across both."""
+    torch.manual_seed(0)
+    data = torch.randint(0, 7, (3, 41))
+    keep = torch.rand(3, 40) > 0.2  # unscored positions: windows count different tokens
+    chunks = [
+        (data[:, t : t + 4], data[:, t + 1 : t + 5].masked_fill(~keep[:, t : t + 4], -100))
+        for t in range(0, 40, 4)
+    ]  # 10 chunks: 3 full windows and a partial one for flush()
+    start = _CharRNN(cell).double()
+
+    def run(naive: bool) -> nn.Module:
+        model = copy.deepcopy(start)
+        acc = Accumulator(
+            model, torch.optim.Adam(model.parameters(), lr=1e-2), accumulation_steps=3
+        )
+        carried: dict[str, object] = {"state": None}
+
+        def loss_fn(m: nn.Module, b: tuple) -> object:
+            logits, state = m(b[0], carried["state"])
+            carried["state"] = _detached(state)
+            ce = F.cross_entropy(
+                logits.flatten(0, 1), b[1].flatten(), ignore_index=-100, reduction="sum"
+            )
+            if naive:  # a per-chunk token mean, read by rows
+                return ce / (b[1] != -100).sum()
+            return LossSum(ce, (b[1] != -100).sum())
+
+        for chunk in chunks:
+            acc.micro_step(chunk, loss_fn)
+        assert acc.flush().stepped
+        return model
+
+    reference = copy.deepcopy(start)
+    optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    state = None
+    for w in range(0, len(chunks), 3):
+        window = chunks[w : w + 3]
+        tokens = sum(int((y != -100).sum()) for _, y in window)
+        optimizer.zero_grad()
+        for x, y in window:
+            logits, state = reference(x, state)
+            state = _detached(state)
+            F.cross_entropy(
+                logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum"
+            ).div(tokens).backward()
+        optimizer.step()
+    assert _gap(run(naive=False), reference) < RTOL
+    with pytest.warns(UserWarning, match="-100"):  # TokenMeanWarning: the control's bug
+        assert _gap(run(naive=True), reference) > 1e-6
+
+
+# ---------------------------------------------------------------- sequence-first modules
+
+
+class _SeqFirst(nn.Module):
+    """nn.LSTM's default layout: (S, B, features)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(3, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+class _BatchFirstOutside(_SeqFirst):
+    """Takes (B, S, features) and transposes before its sequence-first LSTM: correct."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.transpose(0, 1)).transpose(0, 1)
+
+
+def _seq_loss(model: nn.Module, b: tuple) -> torch.Tensor:
+    return (
+        F.cross_entropy(model(b[0]).flatten(0, 1), b[1].flatten(), reduction="sum") / b[1].numel()
+    )
+
+
+def _step(model: nn.Module, batch: tuple, loss_fn, **kwargs) -> list[warnings.WarningMessage]:
+    acc = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=3, **kwargs
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.step(batch, loss_fn)
+    return [w for w in caught if issubclass(w.category, SequenceFirstWarning)]
+
+
+def test_a_sequence_first_lstm_split_along_time_is_warned_and_batch_dim_1_is_exact() -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(10, 4, 3, dtype=torch.float64), torch.randint(0, 2, (10, 4))  # S=10, B=4
+    start = _SeqFirst().double()
+    reference = copy.deepcopy(start)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    F.cross_entropy(reference(x).flatten(0, 1), y.flatten()).backward()
+    optimizer.step()
+
+    def token_sum(model: nn.Module, b: tuple) -> LossSum:  # rows are columns here: count tokens
+        return LossSum(
+            F.cross_entropy(model(b[0]).flatten(0, 1), b[1].flatten(), reduction="sum"),
+            b[1].numel(),
+        )
+
+    cut = copy.deepcopy(start)
+    warned = _step(cut, (x, y), token_sum)  # batch_dim=0: micro-batches of 3 time steps
+    assert len(warned) == 1
+    assert "'rnn'" in str(warned[0].message)
+    assert "batch_dim=1" in str(warned[0].message)
+    assert _gap(cut, reference) > 1e-3  # what the warning is about: not the full-batch step
+
+    exact = copy.deepcopy(start)
+    assert _step(exact, (x, y.t().contiguous().t()), token_sum, batch_dim=1) == []
+    assert _gap(exact, reference) < RTOL
+
+    with warnings.catch_warnings(record=True) as caught:  # accumulate_grad splits along dim 0 too
+        warnings.simplefilter("always")
+        accumulate_grad(copy.deepcopy(start), (x, y), token_sum, micro_batch_size=3)
+    assert [w for w in caught if issubclass(w.category, SequenceFirstWarning)]
+
+
+def test_a_batch_first_model_transposing_before_its_lstm_is_not_warned_and_is_exact() -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(10, 5, 3, dtype=torch.float64), torch.randint(0, 2, (10, 5))  # B=10, S=5
+    start = _BatchFirstOutside().double()
+    reference = copy.deepcopy(start)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    F.cross_entropy(reference(x).flatten(0, 1), y.flatten()).backward()
+    optimizer.step()
+    model = copy.deepcopy(start)
+    assert _step(model, (x, y), _seq_loss) == []
+    assert _gap(model, reference) < RTOL
