@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradaccum import Accumulator, LossSum, accumulate_grad
+from gradaccum import Accumulator, LossSum, accumulate_grad, check_equivalence
 from gradaccum._layout_watch import SequenceFirstWarning
 from gradaccum.loss import Term
 
@@ -266,3 +266,148 @@ def test_a_batch_first_model_transposing_before_its_lstm_is_not_warned_and_is_ex
     model = copy.deepcopy(start)
     assert _step(model, (x, y), _seq_loss) == []
     assert _gap(model, reference) < RTOL
+
+
+def test_check_equivalence_names_advantage_normalization_and_its_exact_recipe() -> None:
+    torch.manual_seed(0)
+    model = _ActorCritic().double()
+    b = {
+        "obs": torch.randn(12, 4, dtype=torch.float64),
+        "act": torch.randint(0, 3, (12,)),
+        "old_logp": torch.rand(12, dtype=torch.float64) * -1.5 - 0.5,
+        "adv_raw": torch.randn(12, dtype=torch.float64) * 3 + 1,
+        "ret": torch.randn(12, dtype=torch.float64),
+    }
+    b["adv"] = _normalized(b["adv_raw"])
+
+    def per_micro_batch(m: nn.Module, mb: dict) -> torch.Tensor:
+        pg, vl, _ = _ppo_parts(m, mb, _normalized(mb["adv_raw"]))
+        return (pg + 0.5 * vl).mean()
+
+    def up_front(m: nn.Module, mb: dict) -> torch.Tensor:
+        pg, vl, _ = _ppo_parts(m, mb, mb["adv"])
+        return (pg + 0.5 * vl).mean()
+
+    report = check_equivalence(model, b, per_micro_batch, 5)
+    assert not report.ok
+    assert "advantage normalization" in report.explain()
+    assert "before splitting" in report.explain()
+    assert check_equivalence(model, b, up_front, 5).ok
+
+
+# ---------------------------------------------------------------- REINFORCE, VAE
+
+
+class _PackedPolicy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(3, 8, batch_first=True)
+        self.pi, self.v = nn.Linear(8, 4), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        packed = nn.utils.rnn.pack_padded_sequence(
+            x, lengths.cpu(), batch_first=True, enforce_sorted=False
+        )
+        y, _ = nn.utils.rnn.pad_packed_sequence(
+            self.rnn(packed)[0], batch_first=True, total_length=x.shape[1]
+        )
+        return self.pi(y), self.v(y).squeeze(-1)
+
+
+def _a2c_per_step(model: nn.Module, b: dict) -> torch.Tensor:
+    logits, value = model(b["x"], b["lengths"])
+    logp = torch.distributions.Categorical(logits=logits).log_prob(b["act"])
+    return (-(logp * (b["ret"] - value).detach()) + 0.5 * (value - b["ret"]) ** 2) * b["mask"]
+
+
+@pytest.mark.parametrize("per", ["step", "episode"])
+def test_reinforce_on_packed_episodes_of_different_lengths_is_the_full_batch_step(per: str) -> None:
+    torch.manual_seed(0)
+    lengths = torch.randint(1, 10, (13,))
+    mask = (torch.arange(9)[None] < lengths[:, None]).double()
+    rewards = torch.randn(13, 9, dtype=torch.float64) * mask
+    batch = {
+        "x": torch.randn(13, 9, 3, dtype=torch.float64),
+        "lengths": lengths,
+        "act": torch.randint(0, 4, (13, 9)),
+        "ret": rewards.flip(1).cumsum(1).flip(1),  # returns-to-go per episode
+        "mask": mask,
+    }
+
+    def loss_fn(model: nn.Module, b: dict) -> LossSum:
+        loss = _a2c_per_step(model, b)
+        if per == "step":
+            return LossSum(loss.sum(), b["mask"].sum())
+        return LossSum((loss.sum(1) / b["mask"].sum(1)).sum(), len(loss))
+
+    def naive(model: nn.Module, b: dict) -> torch.Tensor:  # a per-micro-batch step mean
+        return _a2c_per_step(model, b).sum() / b["mask"].sum()
+
+    start = _PackedPolicy().double()
+    reference = copy.deepcopy(start)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        optimizer.zero_grad()
+        loss = _a2c_per_step(reference, batch)
+        (
+            loss.sum() / mask.sum() if per == "step" else (loss.sum(1) / mask.sum(1)).mean()
+        ).backward()
+        nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        optimizer.step()
+    for fn, exact in ((loss_fn, True), (naive, False)):
+        model = copy.deepcopy(start)
+        acc = Accumulator(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            micro_batch_size=4,
+            max_grad_norm=0.5,
+        )
+        for _ in range(2):
+            acc.step(batch, fn)
+        assert (_gap(model, reference) < RTOL) is exact
+
+
+class _VAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = nn.Linear(6, 6), nn.Linear(3, 6)
+
+    def forward(self, x: torch.Tensor, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mu, log_var = self.enc(x).chunk(2, -1)
+        q = torch.distributions.Normal(mu, (0.5 * log_var).exp())
+        z = q.loc + q.scale * eps  # rsample() with the batch's own noise
+        kl = torch.distributions.kl_divergence(q, torch.distributions.Normal(0.0, 1.0)).sum(-1)
+        return self.dec(z), kl
+
+
+def test_a_vae_with_the_noise_in_the_batch_is_exact_as_two_terms_of_different_counts() -> None:
+    torch.manual_seed(0)
+    x, eps = torch.randn(11, 6, dtype=torch.float64), torch.randn(11, 3, dtype=torch.float64)
+
+    def loss_fn(model: nn.Module, b: dict) -> object:
+        recon, kl = model(b["x"], b["eps"])
+        return LossSum.terms(
+            recon=(F.mse_loss(recon, b["x"], reduction="sum"), b["x"].numel()),  # per pixel
+            kl=Term(kl.sum(), count=len(kl), weight=0.1),  # per item
+        )
+
+    start = _VAE().double()
+    model, reference = copy.deepcopy(start), copy.deepcopy(start)
+    acc = Accumulator(model, torch.optim.Adam(model.parameters(), lr=1e-2), micro_batch_size=4)
+    optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for _ in range(3):
+        acc.step({"x": x, "eps": eps}, loss_fn)
+        optimizer.zero_grad()
+        recon, kl = reference(x, eps)
+        (F.mse_loss(recon, x) + 0.1 * kl.mean()).backward()
+        optimizer.step()
+    assert _gap(model, reference) < RTOL
+    # Negative control: rsample() drawing its own noise per micro-batch is another step.
+    drawn = copy.deepcopy(start)
+    acc = Accumulator(drawn, torch.optim.Adam(drawn.parameters(), lr=1e-2), micro_batch_size=4)
+    for _ in range(3):
+        acc.step(
+            {"x": x, "eps": eps},
+            lambda m, b: loss_fn(m, {"x": b["x"], "eps": torch.randn_like(b["eps"])}),
+        )
+    assert _gap(drawn, reference) > 1e-3

@@ -349,4 +349,8 @@ LOSS_CAUSES = [
     "    -> no accumulation is exact there: the loss sees the micro-batch as its batch. Use the "
     "largest micro_batch_size that fits, or gather the negatives over the window yourself "
     "(docs/losses.md).",
+    "or it uses a statistic of the batch that needs no gradient (PPO's advantage "
+    "normalization, a batch-mean baseline, MoE dispatch fractions),",
+    "    -> exact: compute that statistic over the whole batch before splitting it and pass the "
+    "result in the batch (advantages normalized up front; docs/losses.md).",
 ]
