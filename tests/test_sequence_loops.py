@@ -411,3 +411,44 @@ def test_a_vae_with_the_noise_in_the_batch_is_exact_as_two_terms_of_different_co
             lambda m, b: loss_fn(m, {"x": b["x"], "eps": torch.randn_like(b["eps"])}),
         )
     assert _gap(drawn, reference) > 1e-3
+
+
+# ---------------------------------------------------------------- CTC
+
+
+def test_ctc_with_per_sample_target_lengths_is_exact_and_concatenated_targets_are_refused() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(9, 12, 4, dtype=torch.float64)
+    input_lengths, target_lengths = torch.randint(6, 13, (9,)), torch.randint(1, 5, (9,))
+    padded = torch.randint(1, 5, (9, 4))
+    listed = [padded[i, : target_lengths[i]] for i in range(9)]
+    start = nn.GRU(4, 5, batch_first=True).double()
+
+    def log_probs(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        return model(inputs)[0].log_softmax(-1).transpose(0, 1)
+
+    def ctc(model: nn.Module, b: tuple) -> LossSum:
+        targets = torch.cat(b[1]) if isinstance(b[1], list) else b[1]  # a list: concatenated here
+        value = F.ctc_loss(log_probs(model, b[0]), targets, b[2], b[3], reduction="sum")
+        return LossSum(value, b[3].sum())  # a token mean: / the window's target tokens
+
+    reference = copy.deepcopy(start)
+    F.ctc_loss(log_probs(reference, x), padded, input_lengths, target_lengths, reduction="sum").div(
+        target_lengths.sum()
+    ).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    for targets in (padded, listed):
+        model = copy.deepcopy(start)
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4)
+        acc.step((x, targets, input_lengths, target_lengths), ctc)
+        assert _gap(model, reference) < RTOL
+    # Negative control: a per-micro-batch mean over its own target tokens, read by rows.
+    naive = copy.deepcopy(start)
+    acc = Accumulator(naive, torch.optim.SGD(naive.parameters(), lr=0.1), micro_batch_size=4)
+    acc.step((x, padded, input_lengths, target_lengths), lambda m, b: ctc(m, b).value / b[3].sum())
+    assert _gap(naive, reference) > 1e-6
+
+    before = [p.detach().clone() for p in naive.parameters()]
+    with pytest.raises(ValueError, match=r"pad it to \(B, max_len\).*list of B tensors"):
+        acc.step((x, torch.cat(listed), input_lengths, target_lengths), ctc)
+    assert all(torch.equal(p, q) for p, q in zip(naive.parameters(), before, strict=True))

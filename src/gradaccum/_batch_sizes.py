@@ -98,6 +98,8 @@ def agreed_size(sizes: Sizes, dim: int) -> int:
             )
         if any("cu_seq_lens" in path_name(p) for p, _, _ in sizes):
             first += _FLATTENED_HINT
+        elif not dim:
+            first += _RAGGED_HINT
         raise ValueError(
             f"batch tensors disagree on {where} ({listing}); every tensor and array must have "
             f"the same number of items along dim {dim}.{first} If one is the same for every "
@@ -118,6 +120,11 @@ def agreed_size(sizes: Sizes, dim: int) -> int:
 
 
 _BIND = "bind it to loss_fn (a closure or functools.partial)"
+_RAGGED_HINT = (  # binding those to loss_fn would give every micro-batch the whole batch's
+    " If one holds the items' sequences end to end (CTC's 1-D targets of "
+    "sum(target_lengths) entries), it cannot be cut by item: pad it to (B, max_len), which "
+    "ctc_loss takes, or pass a list of B tensors."
+)
 _CONSTANT = (  # a dict or named tuple holding the list would still split it: not a fix
     "If it is the same for every item (class names, a shape), take it out of the batch and "
     f"{_BIND}, or pass its values as a named tuple or a dict of numbers and strings, which "
