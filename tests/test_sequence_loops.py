@@ -452,3 +452,32 @@ def test_ctc_with_per_sample_target_lengths_is_exact_and_concatenated_targets_ar
     with pytest.raises(ValueError, match=r"pad it to \(B, max_len\).*list of B tensors"):
         acc.step((x, torch.cat(listed), input_lengths, target_lengths), ctc)
     assert all(torch.equal(p, q) for p, q in zip(naive.parameters(), before, strict=True))
+
+
+def test_an_approximate_kl_rides_along_as_a_weight_0_term_for_early_stopping() -> None:
+    """PPO's KL early stop reads the minibatch's mean KL from the stepped result; no gradient."""
+    torch.manual_seed(0)
+    start = nn.Linear(4, 3).double()
+    obs, act = torch.randn(10, 4, dtype=torch.float64), torch.randint(0, 3, (10,))
+    old_logp, adv = torch.rand(10, dtype=torch.float64) - 1.5, torch.randn(10, dtype=torch.float64)
+
+    def surrogate(model: nn.Module, b: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = torch.distributions.Categorical(logits=model(b[0])).log_prob(b[1])
+        return -((logp - b[2]).exp() * b[3]), b[2] - logp
+
+    def loss_fn(model: nn.Module, b: tuple) -> object:
+        pg, kl = surrogate(model, b)
+        return LossSum.terms(
+            pg=(pg.sum(), len(pg)), kl=Term(kl.detach().sum(), count=len(kl), weight=0.0)
+        )
+
+    model, reference = copy.deepcopy(start), copy.deepcopy(start)
+    result = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=3
+    ).step((obs, act, old_logp, adv), loss_fn)
+    pg, kl = surrogate(reference, (obs, act, old_logp, adv))
+    pg.mean().backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    assert _gap(model, reference) < RTOL
+    assert result.terms["kl"] == pytest.approx(float(kl.mean()), rel=1e-12)
+    assert result.loss == pytest.approx(float(pg.mean()), rel=1e-12)  # the weight-0 term adds 0

@@ -159,8 +159,9 @@ class StepResult:
         lr: Learning rate of the first parameter group, as used by this step; None for an
             optimizer that sets its own (e.g. relative-step Adafactor, whose `lr` is None).
         terms: For a `LossSum.terms` loss, each term's window mean (its sum over the window
-            and ranks divided by its count or constant), read-only; empty otherwise. At a
-            boundary the means are over every rank, pending ones over this rank so far.
+            and ranks divided by its count or constant), read-only, at a boundary (stepped or
+            skipped); empty otherwise, and on a pending `micro_step` result, whose `loss` is
+            this rank's objective so far.
         sizing: With `micro_batch_size="auto"`, what size the window ran at and why (timing a
             candidate, or the fastest found, with its items per second), and, in "auto" or
             "largest" mode, the sizes that ran out of memory before the window was rerun whole
