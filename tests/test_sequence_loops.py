@@ -481,3 +481,23 @@ def test_an_approximate_kl_rides_along_as_a_weight_0_term_for_early_stopping() -
     assert _gap(model, reference) < RTOL
     assert result.terms["kl"] == pytest.approx(float(kl.mean()), rel=1e-12)
     assert result.loss == pytest.approx(float(pg.mean()), rel=1e-12)  # the weight-0 term adds 0
+
+
+def test_a_carried_state_not_detached_names_the_fix_and_changes_nothing() -> None:
+    torch.manual_seed(0)
+    model = nn.GRU(3, 4, batch_first=True).double()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=3)
+    before = [p.detach().clone() for p in model.parameters()]
+    carried: dict[str, object] = {"state": None}
+
+    def loss_fn(m: nn.Module, b: torch.Tensor) -> LossSum:
+        y, state = m(b, carried["state"])
+        carried["state"] = state  # the bug: the next micro-batch backpropagates into this graph
+        return LossSum(y.pow(2).sum(), y.numel())
+
+    acc.micro_step(torch.randn(2, 5, 3, dtype=torch.float64), loss_fn)
+    with pytest.raises(RuntimeError, match="second time") as info:
+        acc.micro_step(torch.randn(2, 5, 3, dtype=torch.float64), loss_fn)
+    assert any("h.detach()" in note for note in getattr(info.value, "__notes__", []))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert all(p.grad is None for p in model.parameters())

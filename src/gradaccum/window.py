@@ -214,8 +214,9 @@ class Window:
             add_note(
                 "gradaccum: every micro-batch runs its own backward, so loss_fn must not use a "
                 "tensor with a graph computed outside it (once per batch, e.g. an embedding "
-                "table or a weight transform): compute it inside loss_fn. retain_graph=True is "
-                "not the fix here."
+                "table or a weight transform): compute it inside loss_fn; a recurrent state "
+                "carried from the previous micro-batch (truncated BPTT) is carried detached, "
+                "h.detach(). retain_graph=True is not the fix here."
             )
 
     def budget(self, count: int, term: str | None) -> int:
