@@ -479,8 +479,8 @@ def test_an_approximate_kl_rides_along_as_a_weight_0_term_for_early_stopping() -
     pg.mean().backward()
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
     assert _gap(model, reference) < RTOL
-    assert result.terms["kl"] == pytest.approx(float(kl.mean()), rel=1e-12)
-    assert result.loss == pytest.approx(float(pg.mean()), rel=1e-12)  # the weight-0 term adds 0
+    assert result.terms["kl"] == pytest.approx(float(kl.detach().mean()), rel=1e-12)
+    assert result.loss == pytest.approx(float(pg.detach().mean()), rel=1e-12)  # the weight-0 term adds 0
 
 
 def test_a_carried_state_not_detached_names_the_fix_and_changes_nothing() -> None:
@@ -501,3 +501,19 @@ def test_a_carried_state_not_detached_names_the_fix_and_changes_nothing() -> Non
     assert any("h.detach()" in note for note in getattr(info.value, "__notes__", []))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_compiled_model_is_not_hooked_for_the_layout_check() -> None:
+    """Hooks added for the first micro-batches and removed after would recompile it twice."""
+    from gradaccum._layout_watch import SequenceFirstCheck
+
+    eager = _SeqFirst()
+    with SequenceFirstCheck(eager, batch_dim=0).watch(3, 10):  # eager: hooked while it runs
+        assert eager.rnn._forward_pre_hooks
+    assert not eager.rnn._forward_pre_hooks
+    compiled, inner = torch.compile(_SeqFirst()), _SeqFirst()
+    inner.rnn.compile()  # a compiled submodule
+    for model in (compiled, inner):
+        check = SequenceFirstCheck(model, batch_dim=0)
+        with check.watch(3, 10):  # a no-op context: no hook was added
+            assert not any(m._forward_pre_hooks for m in model.modules())

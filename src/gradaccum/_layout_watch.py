@@ -9,7 +9,7 @@ every sequence from a fresh hidden state, a silently different objective from th
 `SequenceFirstCheck` watches the first few split micro-batches: a sequence-first module whose
 input's dim 0 is the micro-batch's item count (and dim 1 is not) was handed the split dimension
 as its time axis, and it warns once. A model that transposes its batch-first input before such a
-module gives it `(S, items, ...)`, which is not warned about.
+module gives it `(S, items, ...)`, which is not warned about. A compiled model is not watched.
 
 Example:
     >>> import torch, warnings
@@ -53,7 +53,13 @@ class SequenceFirstCheck:
             if isinstance(module, (torch.nn.RNNBase, torch.nn.MultiheadAttention))
             and not module.batch_first
         ]
-        self._left = _CHECKED if self.modules and batch_dim == 0 else 0
+        # Hooks added and removed under torch.compile would cost two compilations (their guards
+        # change): a compiled model, or one with a compiled module, is not watched.
+        compiled = any(
+            hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
+            for m in model.modules()
+        )
+        self._left = _CHECKED if self.modules and batch_dim == 0 and not compiled else 0
 
     def watch(
         self, items: int, window_items: int | None
