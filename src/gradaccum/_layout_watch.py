@@ -85,9 +85,10 @@ class SequenceFirstCheck:
                 f"{window_items} items, but the {kind} at {name!r} is sequence-first "
                 f"(batch_first=False) and its input's dim 0 holds those {items}: the split cut "
                 "every sequence in time (or the module runs across the batch's items), which is "
-                "not the full-batch step. For (S, B, ...) batches pass batch_dim=1 "
-                f"(Accumulator(..., batch_dim=1)); for (B, S, ...) batches build the {kind} with "
-                "batch_first=True, or transpose before it."
+                "not the full-batch step. For (S, B, ...) batches pass "
+                "Accumulator(..., batch_dim=1) (accumulate_grad and check_equivalence split dim "
+                "0 only: give them (B, S, ...) tensors); for (B, S, ...) batches build the "
+                f"{kind} with batch_first=True, or transpose before it."
             )
         )
 
