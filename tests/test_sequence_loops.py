@@ -479,8 +479,9 @@ def test_an_approximate_kl_rides_along_as_a_weight_0_term_for_early_stopping() -
     pg.mean().backward()
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
     assert _gap(model, reference) < RTOL
+    # The weight-0 term adds nothing to the objective.
     assert result.terms["kl"] == pytest.approx(float(kl.detach().mean()), rel=1e-12)
-    assert result.loss == pytest.approx(float(pg.detach().mean()), rel=1e-12)  # the weight-0 term adds 0
+    assert result.loss == pytest.approx(float(pg.detach().mean()), rel=1e-12)
 
 
 def test_a_carried_state_not_detached_names_the_fix_and_changes_nothing() -> None:
