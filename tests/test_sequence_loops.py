@@ -479,8 +479,8 @@ def test_an_approximate_kl_rides_along_as_a_weight_0_term_for_early_stopping() -
     pg.mean().backward()
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
     assert _gap(model, reference) < RTOL
-    # The weight-0 term adds nothing to the objective.
     assert result.terms["kl"] == pytest.approx(float(kl.detach().mean()), rel=1e-12)
+    # The weight-0 term adds nothing to the objective.
     assert result.loss == pytest.approx(float(pg.detach().mean()), rel=1e-12)
 
 
