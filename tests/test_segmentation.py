@@ -1,0 +1,154 @@
+"""Segmentation losses as people write them, against a plain full-batch step (float64).
+
+An FCN-style segmenter (conv + BatchNorm + upsample) with a DeepLab-like auxiliary head
+(aux weight 0.4), fine-tuned with `batchnorm="frozen"`. `cross_entropy(..., ignore_index=255)`
+returned as a plain scalar is a mean over the counted pixels: weighted by images it is not the
+full-batch mean when the micro-batches ignore different numbers of pixels, and a class-weighted
+mean divides by the summed weights. The library reads the loss's graph and warns
+(`TokenMeanWarning`) with the exact recipe; the recipes equal the full-batch step.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from gradaccum import Accumulator, LossSum
+from gradaccum.loss import TokenMeanWarning
+from tests.reference import param_tensors, relative_gap
+
+_VOID = 255
+_WEIGHT = torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64)
+LossFn = Callable[[nn.Module, Any], Any]
+
+
+class _Segmenter(nn.Module):
+    """Conv + BatchNorm + pooling, a main and an auxiliary 1x1 head, bilinear upsampling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.head, self.aux = nn.Conv2d(8, 4, 1), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        features = F.max_pool2d(F.relu(self.bn(self.stem(x))), 2)
+        size = x.shape[-2:]
+        return {
+            "out": F.interpolate(self.head(features), size=size, mode="bilinear"),
+            "aux": F.interpolate(self.aux(features), size=size, mode="bilinear"),
+        }
+
+
+def _setup() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(5)
+    torch.manual_seed(0)
+    model = _Segmenter().double()
+    model.bn.running_mean.uniform_(-0.5, 0.5)  # pretrained-looking statistics
+    x = torch.randn(7, 3, 8, 8, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 4, (7, 8, 8), generator=generator)
+    y[0, :6] = _VOID  # the micro-batches ignore different numbers of pixels
+    y[1, :2] = _VOID
+    y[5, :, :3] = _VOID
+    return model, (x, y)
+
+
+def _plain_aux(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    out = model(x)
+    main = F.cross_entropy(out["out"], y, ignore_index=_VOID)
+    return main + 0.4 * F.cross_entropy(out["aux"], y, ignore_index=_VOID)
+
+
+def _sum_aux(model: nn.Module, batch: Any) -> LossSum:
+    x, y = batch
+    out = model(x)
+    main = F.cross_entropy(out["out"], y, ignore_index=_VOID, reduction="sum")
+    aux = F.cross_entropy(out["aux"], y, ignore_index=_VOID, reduction="sum")
+    return LossSum(main + 0.4 * aux, (y != _VOID).sum())
+
+
+def _plain_weighted(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x)["out"], y, weight=_WEIGHT, ignore_index=_VOID)
+
+
+def _weighted_terms(model: nn.Module, batch: Any) -> LossSum:
+    x, y = batch
+    value = F.cross_entropy(model(x)["out"], y, weight=_WEIGHT, ignore_index=_VOID, reduction="sum")
+    return LossSum.terms(ce=(value, _WEIGHT[y[y != _VOID]].sum()))
+
+
+def _full_batch(model: nn.Module, batch: Any, mean: LossFn) -> dict[str, torch.Tensor]:
+    """Two plain SGD steps on the whole batch, BatchNorm in eval mode (frozen)."""
+    model = copy.deepcopy(model)
+    model.train()
+    model.bn.eval()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        mean(model, batch).backward()
+        optimizer.step()
+    return param_tensors(model)
+
+
+def _accumulated(model: nn.Module, batch: Any, loss_fn: LossFn) -> dict[str, torch.Tensor]:
+    model = copy.deepcopy(model)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    acc = Accumulator(model, optimizer, micro_batch_size=3, batchnorm="frozen")
+    for _ in range(2):
+        assert acc.step(batch, loss_fn).stepped
+    return param_tensors(model)
+
+
+@pytest.mark.parametrize(
+    ("exact", "plain"), [(_sum_aux, _plain_aux), (_weighted_terms, _plain_weighted)]
+)
+def test_segmentation_recipes_equal_the_full_batch_step_and_the_plain_mean_warns(
+    exact: LossFn, plain: LossFn
+) -> None:
+    """Was silent: a plain `ignore_index=255` (or class-weighted) pixel mean was weighted by
+    images with no warning, 255 not being -100; its autograd node says which mean it is."""
+    model, batch = _setup()
+    full = _full_batch(model, batch, plain)  # plain PyTorch: the full batch's own pixel mean
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TokenMeanWarning)
+        assert relative_gap(_accumulated(model, batch, exact), full) < 1e-10
+    with pytest.warns(TokenMeanWarning, match="LossSum") as record:
+        naive = _accumulated(model, batch, plain)
+    assert relative_gap(naive, full) > 1e-4  # negative control: the warning is deserved
+    assert len([w for w in record if w.category is TokenMeanWarning]) == 1
+    assert record[0].filename == __file__
+    assert "batch[1]" in str(record[0].message)
+
+
+def test_no_pixel_mean_warning_when_the_mean_is_one_over_rows() -> None:
+    """Negative controls: 255 as a class under the default ignore_index, a `reduction='sum'`
+    LossSum, uniform class weights and soft targets with class weights are all exact plain."""
+    model, (x, y) = _setup()
+    y = y.clamp(max=3)  # no void pixel: every image counts the same pixels
+
+    def uniform(m: nn.Module, b: Any) -> torch.Tensor:
+        return F.cross_entropy(m(b[0])["out"], b[1], weight=torch.full((4,), 2.0).double())
+
+    def soft(m: nn.Module, b: Any) -> torch.Tensor:
+        target = F.one_hot(b[1], 4).permute(0, 3, 1, 2).double()
+        return F.cross_entropy(m(b[0])["out"], target, weight=_WEIGHT)
+
+    def void_is_a_class(m: nn.Module, b: Any) -> torch.Tensor:
+        logits = torch.cat([m(b[0])["out"]] * 64, dim=1)  # 256 classes: 255 is one
+        return F.cross_entropy(logits, b[1].masked_fill(b[1] == 3, _VOID))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TokenMeanWarning)
+        for loss_fn in (uniform, soft, void_is_a_class, _plain_aux):
+            full = _full_batch(model, (x, y), loss_fn)
+            assert relative_gap(_accumulated(model, (x, y), loss_fn), full) < 1e-10
