@@ -86,13 +86,15 @@ def _weighted_terms(model: nn.Module, batch: Any) -> LossSum:
     return LossSum.terms(ce=(value, _WEIGHT[y[y != _VOID]].sum()))
 
 
-def _full_batch(model: nn.Module, batch: Any, mean: LossFn) -> dict[str, torch.Tensor]:
-    """Two plain SGD steps on the whole batch, BatchNorm in eval mode (frozen)."""
+def _full_batch(
+    model: nn.Module, batch: Any, mean: LossFn, steps: int = 2
+) -> dict[str, torch.Tensor]:
+    """Plain SGD steps on the whole batch, BatchNorm in eval mode (frozen)."""
     model = copy.deepcopy(model)
     model.train()
     model.bn.eval()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    for _ in range(2):
+    for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         mean(model, batch).backward()
         optimizer.step()
@@ -152,3 +154,83 @@ def test_no_pixel_mean_warning_when_the_mean_is_one_over_rows() -> None:
         for loss_fn in (uniform, soft, void_is_a_class, _plain_aux):
             full = _full_batch(model, (x, y), loss_fn)
             assert relative_gap(_accumulated(model, (x, y), loss_fn), full) < 1e-10
+
+
+def _dice_parts(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-class sums over the counted pixels: intersection, prediction, target."""
+    valid = (y != _VOID).unsqueeze(1)
+    p = torch.softmax(model(x)["out"], 1) * valid
+    t = F.one_hot(y.clamp(max=3), 4).permute(0, 3, 1, 2) * valid
+    return (p * t).sum((0, 2, 3)), p.sum((0, 2, 3)), t.sum((0, 2, 3))
+
+
+def _dice(model: nn.Module, batch: Any) -> torch.Tensor:
+    inter, pred, target = _dice_parts(model, *batch)
+    return (1 - 2 * inter / (pred + target)).mean()
+
+
+def _dice_window(model: nn.Module, batch: Any, micro_batch_size: int) -> tuple[LossFn, float]:
+    """docs/losses.md's recipe: the window's sums, then each micro-batch's first-order share."""
+    from gradaccum import split_batch
+
+    rows = len(batch[0])
+    with torch.no_grad():  # pass 1: the window's sums, the forward pass 2 runs (eval BN)
+        model.eval()
+        parts = [_dice_parts(model, *micro) for micro in split_batch(batch, micro_batch_size)]
+        model.train()
+        inter, pred, target = (sum(part) for part in zip(*parts, strict=True))
+        total = pred + target
+        dice = (1 - 2 * inter / total).mean()
+        offset = dice + (2 * inter * target / total**2).mean()  # makes the logged loss the Dice
+
+    def share(m: nn.Module, micro: Any) -> LossSum:
+        i, p, _ = _dice_parts(m, *micro)  # the target's sums have no gradient
+        first_order = -(2 * (i * total - inter * p) / total**2).mean()
+        return LossSum(first_order + offset * len(micro[0]) / rows, len(micro[0]))
+
+    return share, float(dice)
+
+
+def test_batch_dice_is_exact_with_the_two_pass_recipe_of_the_docs() -> None:
+    """Dice over the batch is a ratio of window sums, not a LossSum: returned plainly per
+    micro-batch it is off (the control, which `check_equivalence` reports); docs/losses.md's
+    recipe (the window's sums from a no-grad pass, then each micro-batch's first-order share)
+    equals the full-batch step, and its logged loss is the batch Dice."""
+    from gradaccum import check_equivalence
+
+    model, batch = _setup()
+    full = _full_batch(model, batch, _dice)
+    naive = _accumulated(model, batch, _dice)
+    assert relative_gap(naive, full) > 1e-3
+    frozen = copy.deepcopy(model).eval()
+    assert not check_equivalence(frozen, batch, _dice, micro_batch_size=3).ok
+
+    model = copy.deepcopy(model).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    acc = Accumulator(model, optimizer, micro_batch_size=3, normalize="sum", batchnorm="frozen")
+    for _ in range(2):
+        share, dice = _dice_window(model, batch, 3)
+        result = acc.step(batch, share)
+        assert result.loss == pytest.approx(dice, rel=1e-12)
+    assert relative_gap(param_tensors(model), full) < 1e-10
+
+
+def test_the_dice_block_of_docs_losses_md_runs_and_is_exact() -> None:
+    """The block users copy (docs/losses.md, Dice over the batch) is the tested recipe."""
+    import textwrap
+
+    from gradaccum import split_batch
+    from tests.test_docs_examples import python_block
+
+    model, batch = _setup()
+    full = _full_batch(model, batch, _dice, steps=1)
+    model = copy.deepcopy(model).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    acc = Accumulator(model, optimizer, micro_batch_size=3, normalize="sum", batchnorm="frozen")
+    block = textwrap.dedent(python_block("losses.md", "def share(model, micro)"))
+    scope = {"torch": torch, "LossSum": LossSum, "split_batch": split_batch, "batch": batch}
+    scope |= {"model": model, "acc": acc, "dice_parts": _dice_parts}
+    exec(block.replace("split_batch(batch, 8)", "split_batch(batch, 3)"), scope)
+    assert relative_gap(param_tensors(model), full) < 1e-10
