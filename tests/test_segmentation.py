@@ -234,3 +234,33 @@ def test_the_dice_block_of_docs_losses_md_runs_and_is_exact() -> None:
     scope |= {"model": model, "acc": acc, "dice_parts": _dice_parts}
     exec(block.replace("split_batch(batch, 8)", "split_batch(batch, 3)"), scope)
     assert relative_gap(param_tensors(model), full) < 1e-10
+
+
+def test_the_graph_check_finds_the_mean_however_the_loss_is_written() -> None:
+    """Label smoothing, flattened pixels, a shifted copy of the labels (named by the batch
+    entry that holds the ignored value), nll_loss; a sum or a mean without ignored targets
+    is not a problem (negative controls)."""
+    from gradaccum._nll_mean import nll_mean_problem
+
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 4, 3, 3, generator=generator, dtype=torch.float64)
+    logits.requires_grad_(True)
+    y = torch.randint(0, 4, (2, 3, 3), generator=generator)
+    y[0, 0, 0] = _VOID
+    flat = logits.permute(0, 2, 3, 1).reshape(-1, 4)
+    found = {
+        "smoothing": F.cross_entropy(logits, y, ignore_index=_VOID, label_smoothing=0.1),
+        "flat": F.cross_entropy(flat, y.flatten(), ignore_index=_VOID),
+        "shifted": F.cross_entropy(flat[1:], y.flatten()[:-1].clone(), ignore_index=_VOID),
+        "nll": F.nll_loss(F.log_softmax(logits, 1), y, ignore_index=_VOID),
+    }
+    for name, loss in found.items():
+        problem = nll_mean_problem(loss, {"x": logits, "labels": y})
+        assert problem is not None, name
+        assert "batch['labels'] holds 255" in problem, name
+        assert "ignore_index=255" in problem, name
+    clean = y.clamp(max=3)
+    assert (
+        nll_mean_problem(F.cross_entropy(logits, y, ignore_index=_VOID, reduction="sum"), y) is None
+    )
+    assert nll_mean_problem(F.cross_entropy(logits, clean, ignore_index=_VOID), clean) is None

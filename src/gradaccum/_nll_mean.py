@@ -50,17 +50,24 @@ def _nll_means(loss: torch.Tensor) -> Iterator[object]:
         queue.extend(function for function, _ in node.next_functions)
 
 
-def _where(micro_batch: object, target: torch.Tensor) -> str:
-    """How the user indexes `target` in the micro-batch (`batch[1]`), or "the target"."""
+def _where(micro_batch: object, target: torch.Tensor, ignore: int) -> str:
+    """How the user indexes `target` in the micro-batch (`batch[1]`), or "the target".
+
+    The target itself (a view of a batch entry: `y.flatten()`), else the entry holding
+    `ignore` (a model's labels shifted into a copy: a Hugging Face causal LM).
+    """
     if isinstance(micro_batch, Mapping):
         items = [(f"[{key!r}]", value) for key, value in micro_batch.items()]
     elif isinstance(micro_batch, (tuple, list)):
         items = [(f"[{index}]", value) for index, value in enumerate(micro_batch)]
     else:
         items = [("", micro_batch)]
-    for where, value in items:
-        same = isinstance(value, torch.Tensor) and value.numel() == target.numel()
-        if same and value.data_ptr() == target.data_ptr():
+    tensors = [(where, value) for where, value in items if isinstance(value, torch.Tensor)]
+    for where, value in tensors:
+        if value.numel() == target.numel() and value.data_ptr() == target.data_ptr():
+            return f"batch{where}"
+    for where, value in tensors:  # read only once it warns
+        if value.dtype == target.dtype and bool((value == ignore).any()):
             return f"batch{where}"
     return "the target"
 
@@ -88,8 +95,8 @@ def nll_mean_problem(loss: torch.Tensor, micro_batch: object) -> str | None:
         target = getattr(node, "_saved_target", None)
         if not isinstance(target, torch.Tensor):
             continue
-        where = _where(micro_batch, target)
         if isinstance(weight, torch.Tensor) and bool((weight != weight.flatten()[0]).any()):
+            where = _where(micro_batch, target, ignore)
             return (
                 "loss_fn returned a plain scalar, read as a mean over the micro-batch's rows, "
                 "but it is a class-weighted cross_entropy/nll_loss mean (weight=), divided by "
@@ -99,6 +106,7 @@ def nll_mean_problem(loss: torch.Tensor, micro_batch: object) -> str | None:
                 f"w[y[y != {ignore}]].sum())) instead (docs/losses.md)."
             )
         if bool((target == ignore).any()):
+            where = _where(micro_batch, target, ignore)
             return (
                 "loss_fn returned a plain scalar, read as a mean over the micro-batch's rows, "
                 f"but it is a cross_entropy/nll_loss mean over the targets that are not "
