@@ -264,3 +264,21 @@ def test_the_graph_check_finds_the_mean_however_the_loss_is_written() -> None:
         nll_mean_problem(F.cross_entropy(logits, y, ignore_index=_VOID, reduction="sum"), y) is None
     )
     assert nll_mean_problem(F.cross_entropy(logits, clean, ignore_index=_VOID), clean) is None
+
+
+def test_a_pixel_mean_per_image_averaged_over_images_is_exact_and_not_warned() -> None:
+    """Negative control of the graph check: `ce(out[i], y[i], ignore_index=255)` per image,
+    averaged over the images, is a per-row loss (exact plain), and warned falsely before."""
+    model, batch = _setup()
+
+    def per_image(m: nn.Module, b: Any) -> torch.Tensor:
+        out, y = m(b[0])["out"], b[1]
+        means = [
+            F.cross_entropy(out[i : i + 1], y[i : i + 1], ignore_index=_VOID) for i in range(len(y))
+        ]
+        return torch.stack(means).mean()
+
+    full = _full_batch(model, batch, per_image)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TokenMeanWarning)
+        assert relative_gap(_accumulated(model, batch, per_image), full) < 1e-10

@@ -72,7 +72,24 @@ def _where(micro_batch: object, target: torch.Tensor, ignore: int) -> str:
     return "the target"
 
 
-def nll_mean_problem(loss: torch.Tensor, micro_batch: object) -> str | None:
+def _one_row(target: torch.Tensor, micro_batch: object, rows: int) -> bool:
+    """Whether `target` is one row's targets of a batch entry: a per-row mean, read exactly."""
+    if rows < 2:
+        return False  # one row's token mean, weighted by 1, is not the window's (warned)
+    entries: list[object] = []
+    if isinstance(micro_batch, Mapping):
+        entries = list(micro_batch.values())
+    elif isinstance(micro_batch, (tuple, list)):
+        entries = list(micro_batch)
+    return any(
+        isinstance(value, torch.Tensor)
+        and value.dtype == target.dtype  # the labels, not the inputs (3 rows of RGB images)
+        and value.numel() == target.numel() * rows
+        for value in entries
+    )
+
+
+def nll_mean_problem(loss: torch.Tensor, micro_batch: object, rows: int = 0) -> str | None:
     """Why a plain-scalar `loss` is a mean over targets (with its fix), or None.
 
     Reads the target (a device sync on an accelerator, as the -100 check's), so it is called
@@ -81,6 +98,9 @@ def nll_mean_problem(loss: torch.Tensor, micro_batch: object) -> str | None:
     Args:
         loss: The scalar `loss_fn` returned, with its graph (before its backward).
         micro_batch: The micro-batch, to name where the target is.
+        rows: The micro-batch's rows (0 if not known): a mean over one row's targets, taken
+            per row and averaged (`torch.stack([ce(o[i], y[i]) ...]).mean()`), is a per-row
+            loss and exact.
 
     Returns:
         A message naming the fix when the loss is a class-weighted mean, or a mean over
@@ -93,7 +113,7 @@ def nll_mean_problem(loss: torch.Tensor, micro_batch: object) -> str | None:
         ignore = ignore - 2**64 if ignore >= 2**63 else ignore  # saved as an unsigned int64
         weight = getattr(node, "_saved_weight", None)
         target = getattr(node, "_saved_target", None)
-        if not isinstance(target, torch.Tensor):
+        if not isinstance(target, torch.Tensor) or _one_row(target, micro_batch, rows):
             continue
         if isinstance(weight, torch.Tensor) and bool((weight != weight.flatten()[0]).any()):
             where = _where(micro_batch, target, ignore)

@@ -72,7 +72,7 @@ def _labelled(micro_batch: object) -> bool:
     )
 
 
-def warn_if_token_mean(micro_batch: object, loss: object = None) -> bool:
+def warn_if_token_mean(micro_batch: object, loss: object = None, rows: int = 0) -> bool:
     """Warn if a plain-scalar loss is a mean over targets, not rows: a mean read by rows.
 
     Called for losses returned as plain scalars (a mean over the micro-batch's rows). Targets
@@ -84,7 +84,7 @@ def warn_if_token_mean(micro_batch: object, loss: object = None) -> bool:
     Returns:
         Whether it warned.
     """
-    problem = nll_mean_problem(loss, micro_batch) if isinstance(loss, torch.Tensor) else None
+    problem = nll_mean_problem(loss, micro_batch, rows) if isinstance(loss, torch.Tensor) else None
     if problem is not None:
         warn_user(TokenMeanWarning(problem))
         return True
@@ -150,7 +150,7 @@ class TokenMeanCheck:
                 warn_user(CopiedLoopWarning(problem))
                 self.copied_left = 0
         if self.left and isinstance(result, torch.Tensor):
-            self.left = 0 if warn_if_token_mean(micro_batch, result) else self.left - 1
+            self.left = 0 if warn_if_token_mean(micro_batch, result, items) else self.left - 1
 
     @property
     def pending(self) -> bool:
