@@ -945,3 +945,17 @@ def test_uncollated_pairs_with_python_labels_are_examples_not_a_container() -> N
     means = [loss_fn(copy.deepcopy(reference), mb) for mb in loader]
     full = loss_fn(reference, examples)
     assert abs(float(sum(means) / 3) - float(full)) > 1e-3
+
+
+def test_a_list_of_images_alone_is_a_container_and_as_examples_is_per_image() -> None:
+    """docs/vision.md: a bare list of ragged images reads as batched tensors (split along the
+    channels, B=3); with targets, or as `[{"image": ...}]` examples, it splits image by image."""
+    images = [torch.zeros(3, 4 + i, 5) for i in range(5)]
+    targets = [{"labels": torch.tensor([i])} for i in range(5)]
+    bare = split_batch(images, 2)
+    assert [micro[0].shape[0] for micro in bare] == [2, 1]  # channels, not images
+    examples = split_batch([{"image": image} for image in images], 2)
+    assert [len(micro) for micro in examples] == [2, 2, 1]
+    assert examples[2][0]["image"] is images[4]
+    paired = split_batch((images, targets), 2)
+    assert [len(micro[0]) for micro in paired] == [2, 2, 1]

@@ -556,3 +556,27 @@ def test_a_mean_times_a_zero_count_is_refused_naming_the_sum(drive: str) -> None
     gradaccum.accumulate_grad(model, (x, y), _ignore_index_ce_sum, micro_batch_size=3)
     for exact, accumulated in zip(full.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(accumulated.grad, exact.grad, rtol=1e-10, atol=0)
+
+
+def test_a_detection_loss_dict_returned_whole_is_refused_naming_its_total() -> None:
+    """torchvision-style detectors return a dict of losses; returned whole it was refused with
+    no hint (a dict without a 'loss' key). The message names sum(result.values()); nothing
+    changes (parameters bitwise, no .grad, no optimizer state)."""
+    model = torch.nn.Linear(3, 2).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    images = [torch.randn(3, 4 + i, 5, dtype=torch.float64) for i in range(5)]
+    targets = [{"labels": torch.tensor([i])} for i in range(5)]
+
+    def loss_dict(m: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        pooled = torch.stack([image.mean((1, 2)) for image in batch[0]])
+        return {"loss_classifier": m(pooled).pow(2).mean(), "loss_box_reg": m(pooled).abs().mean()}
+
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=2)
+    with pytest.raises(TypeError, match=r"sum\(result\.values\(\)\)"):
+        acc.step((images, targets), loss_dict)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert not optimizer.state
+    fixed = acc.step((images, targets), lambda m, b: sum(loss_dict(m, b).values()))
+    assert fixed.stepped  # the fix

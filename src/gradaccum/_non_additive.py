@@ -345,10 +345,12 @@ LOSS_CAUSES = [
     "mean weighted by the micro-batch's leading dimension.",
     "or each item's loss depends on the other items of its batch (in-batch negatives: "
     "InfoNCE, CLIP; triplet mining; batch statistics, such as an MoE load-balancing loss "
-    "computed per forward; a penalty on the parameters' gradient over the batch),",
+    "computed per forward; a penalty on the parameters' gradient over the batch; Dice, soft "
+    "IoU, Lovasz or OHEM over the batch's pixels),",
     "    -> no accumulation is exact there: the loss sees the micro-batch as its batch. Use the "
     "largest micro_batch_size that fits, or gather the negatives over the window yourself "
-    "(docs/losses.md).",
+    "(docs/losses.md; a batch Dice or soft IoU, a ratio of window sums, has an exact two-pass "
+    "recipe there).",
     "or it uses a statistic of the batch that needs no gradient (PPO's advantage "
     "normalization, a batch-mean baseline, MoE dispatch fractions),",
     "    -> exact: compute that statistic over the whole batch before splitting it and pass the "

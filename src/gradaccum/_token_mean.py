@@ -31,6 +31,7 @@ from gradaccum._copied_loop import (
     sum_problem,
     window_count_problem,
 )
+from gradaccum._nll_mean import nll_mean_problem
 from gradaccum._warnings import warn_user
 
 __all__ = ["TokenMeanCheck", "TokenMeanWarning", "warn_if_token_mean"]
@@ -71,16 +72,22 @@ def _labelled(micro_batch: object) -> bool:
     )
 
 
-def warn_if_token_mean(micro_batch: object) -> bool:
-    """Warn if a plain-scalar loss's batch has integer targets with -100: a mean read by rows.
+def warn_if_token_mean(micro_batch: object, loss: object = None, rows: int = 0) -> bool:
+    """Warn if a plain-scalar loss is a mean over targets, not rows: a mean read by rows.
 
     Called for losses returned as plain scalars (a mean over the micro-batch's rows). Targets
     holding -100 (unscored positions) mean the scalar is a mean over the scored targets, and
-    weighting it by rows is not the full-batch mean.
+    weighting it by rows is not the full-batch mean. The `loss`'s graph is read too
+    (`nll_mean_problem`): a `cross_entropy` / `nll_loss` mean whose targets hold its own
+    `ignore_index` (255 in segmentation), or that is class-weighted (`weight=`).
 
     Returns:
         Whether it warned.
     """
+    problem = nll_mean_problem(loss, micro_batch, rows) if isinstance(loss, torch.Tensor) else None
+    if problem is not None:
+        warn_user(TokenMeanWarning(problem))
+        return True
     for where, labels in _targets(micro_batch):
         if not bool((labels == _IGNORE_INDEX).any()):
             continue
@@ -143,7 +150,7 @@ class TokenMeanCheck:
                 warn_user(CopiedLoopWarning(problem))
                 self.copied_left = 0
         if self.left and isinstance(result, torch.Tensor):
-            self.left = 0 if warn_if_token_mean(micro_batch) else self.left - 1
+            self.left = 0 if warn_if_token_mean(micro_batch, result, items) else self.left - 1
 
     @property
     def pending(self) -> bool:

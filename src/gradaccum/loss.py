@@ -243,11 +243,27 @@ def _loss_inside(result: object) -> str:
         where = "result.loss"
     elif isinstance(result, (tuple, list)) and result and isinstance(result[0], torch.Tensor):
         where = "result[0] (if it is the loss)"
+    elif _loss_dict(result):  # a detection model's losses (torchvision's convention)
+        return (
+            ": it is a dict of losses; return their total, sum(result.values()) (each a mean "
+            "over its micro-batch's images, boxes or anchors: docs/vision.md), or their sums "
+            "as gradaccum.LossSum(total_sum, count) / LossSum.terms(...)"
+        )
     else:
         return ""
     return (
         f": return {where} alone (a Hugging Face model's loss is a token mean, weighted by rows "
         "here: gradaccum.hf.causal_lm and its siblings count tokens exactly)"
+    )
+
+
+def _loss_dict(result: object) -> bool:
+    """Whether `result` is a non-empty dict of scalar tensors keyed `loss...`."""
+    return (
+        isinstance(result, Mapping)
+        and bool(result)
+        and all(str(key).startswith("loss") for key in result)
+        and all(isinstance(v, torch.Tensor) and v.numel() == 1 for v in result.values())
     )
 
 

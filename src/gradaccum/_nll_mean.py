@@ -1,0 +1,138 @@
+"""A plain-scalar `cross_entropy` / `nll_loss` mean over targets, not rows, read from its graph.
+
+A scalar loss is read as a mean over the micro-batch's rows. `cross_entropy(...)` with the
+default `reduction="mean"` divides by the targets it counts instead: those that are not its
+`ignore_index` (255 for the pixels of no class in segmentation, whatever the user set), and,
+with class weights (`weight=`), by the targets' summed weights. Either way the micro-batches'
+denominators differ, and weighting each by rows is not the full-batch mean.
+
+The batch alone cannot tell: 255 may be a class, and the weights are not in it. The loss's
+autograd graph can: an `NllLossBackward0` / `NllLoss2DBackward0` node (under `cross_entropy`,
+`nll_loss`, a `label_smoothing` sum, an auxiliary head's `ce + 0.4 * ce_aux`) saves the
+reduction, the `ignore_index`, the weight and the target. Only the nodes near the loss are read,
+before its backward frees them.
+
+Example:
+    >>> import torch
+    >>> logits = torch.randn(2, 3, 4, 4, requires_grad=True)
+    >>> target = torch.randint(0, 3, (2, 4, 4))
+    >>> target[0, 0] = 255
+    >>> loss = torch.nn.functional.cross_entropy(logits, target, ignore_index=255)
+    >>> "ignore_index=255" in nll_mean_problem(loss, (logits, target))
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+
+__all__ = ["nll_mean_problem"]
+
+_NLL_NODES = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})
+_MEAN = 1  # torch's Reduction::Mean, as the nodes save it
+_NEAR = 48  # graph nodes read at most: the loss's own arithmetic, never the model's graph
+
+
+def _nll_means(loss: torch.Tensor) -> Iterator[object]:
+    """The mean-reduced NLL nodes near `loss`'s root (breadth first, not below them)."""
+    queue, seen = [loss.grad_fn], 0
+    while queue and seen < _NEAR:
+        node = queue.pop(0)
+        if node is None:
+            continue
+        seen += 1
+        if node.name() in _NLL_NODES:
+            if getattr(node, "_saved_reduction", None) == _MEAN:
+                yield node
+            continue  # below it is the model: its logits
+        queue.extend(function for function, _ in node.next_functions)
+
+
+def _where(micro_batch: object, target: torch.Tensor, ignore: int) -> str:
+    """How the user indexes `target` in the micro-batch (`batch[1]`), or "the target".
+
+    The target itself (a view of a batch entry: `y.flatten()`), else the entry holding
+    `ignore` (a model's labels shifted into a copy: a Hugging Face causal LM).
+    """
+    if isinstance(micro_batch, Mapping):
+        items = [(f"[{key!r}]", value) for key, value in micro_batch.items()]
+    elif isinstance(micro_batch, (tuple, list)):
+        items = [(f"[{index}]", value) for index, value in enumerate(micro_batch)]
+    else:
+        items = [("", micro_batch)]
+    tensors = [(where, value) for where, value in items if isinstance(value, torch.Tensor)]
+    for where, value in tensors:
+        if value.numel() == target.numel() and value.data_ptr() == target.data_ptr():
+            return f"batch{where}"
+    for where, value in tensors:  # read only once it warns
+        if value.dtype == target.dtype and bool((value == ignore).any()):
+            return f"batch{where}"
+    return "the target"
+
+
+def _one_row(target: torch.Tensor, micro_batch: object, rows: int) -> bool:
+    """Whether `target` is one row's targets of a batch entry: a per-row mean, read exactly."""
+    if rows < 2:
+        return False  # one row's token mean, weighted by 1, is not the window's (warned)
+    entries: list[object] = []
+    if isinstance(micro_batch, Mapping):
+        entries = list(micro_batch.values())
+    elif isinstance(micro_batch, (tuple, list)):
+        entries = list(micro_batch)
+    return any(
+        isinstance(value, torch.Tensor)
+        and value.dtype == target.dtype  # the labels, not the inputs (3 rows of RGB images)
+        and value.numel() == target.numel() * rows
+        for value in entries
+    )
+
+
+def nll_mean_problem(loss: torch.Tensor, micro_batch: object, rows: int = 0) -> str | None:
+    """Why a plain-scalar `loss` is a mean over targets (with its fix), or None.
+
+    Reads the target (a device sync on an accelerator, as the -100 check's), so it is called
+    for the first few micro-batches only.
+
+    Args:
+        loss: The scalar `loss_fn` returned, with its graph (before its backward).
+        micro_batch: The micro-batch, to name where the target is.
+        rows: The micro-batch's rows (0 if not known): a mean over one row's targets, taken
+            per row and averaged (`torch.stack([ce(o[i], y[i]) ...]).mean()`), is a per-row
+            loss and exact.
+
+    Returns:
+        A message naming the fix when the loss is a class-weighted mean, or a mean over
+        targets that hold its `ignore_index`; None otherwise.
+    """
+    if loss.grad_fn is None:
+        return None
+    for node in _nll_means(loss):
+        ignore = int(getattr(node, "_saved_ignore_index", -100))
+        ignore = ignore - 2**64 if ignore >= 2**63 else ignore  # saved as an unsigned int64
+        weight = getattr(node, "_saved_weight", None)
+        target = getattr(node, "_saved_target", None)
+        if not isinstance(target, torch.Tensor) or _one_row(target, micro_batch, rows):
+            continue
+        if isinstance(weight, torch.Tensor) and bool((weight != weight.flatten()[0]).any()):
+            where = _where(micro_batch, target, ignore)
+            return (
+                "loss_fn returned a plain scalar, read as a mean over the micro-batch's rows, "
+                "but it is a class-weighted cross_entropy/nll_loss mean (weight=), divided by "
+                f"the summed weights of {where}'s classes: weighting it by rows is not the "
+                "full-batch mean. Return gradaccum.LossSum.terms(ce=(F.cross_entropy(..., "
+                f"weight=w, ignore_index={ignore}, reduction='sum'), "
+                f"w[y[y != {ignore}]].sum())) instead (docs/losses.md)."
+            )
+        if bool((target == ignore).any()):
+            where = _where(micro_batch, target, ignore)
+            return (
+                "loss_fn returned a plain scalar, read as a mean over the micro-batch's rows, "
+                f"but it is a cross_entropy/nll_loss mean over the targets that are not "
+                f"ignore_index={ignore}, and {where} holds {ignore}: a mean over the counted "
+                "targets (pixels, tokens) weighted by rows is not the full-batch mean. Return "
+                f"gradaccum.LossSum(F.cross_entropy(..., ignore_index={ignore}, "
+                f"reduction='sum'), count=(y != {ignore}).sum()) instead."
+            )
+    return None
