@@ -23,6 +23,7 @@ from gradaccum._buffer_watch import BufferWatch
 from gradaccum._commit import SchedulerSteps, refuse_steps_inside, try_scheduler
 from gradaccum._commit_agreement import join_as_failed, step_on_every_rank
 from gradaccum._engine_state import component_states, restore_components
+from gradaccum._loss_call import call_loss_fn
 from gradaccum._oom import after_step_guard
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
 from gradaccum._parameters import ModelParameters
@@ -170,7 +171,7 @@ class Engine:
         capture = captured_outputs(self.model, outputs) if self._fsdp else NO_CONTEXT
         with sync.micro_context(last=last), self.batchnorm.micro_context():
             with runtime.autocast(), capture:
-                result = loss_fn(self.model, micro_batch)
+                result = call_loss_fn(loss_fn, self.model, micro_batch)
             window.check_no_backward_inside()  # no backward or zero_grad() inside loss_fn
             extra: list[tuple[int, torch.Tensor]] = []
             if isinstance(result, LossTerms):  # each term divided by its own count

@@ -31,6 +31,7 @@ import torch
 from gradaccum._copied_loop import gradients_changed_error
 from gradaccum._dtensor import like_param
 from gradaccum._joined import JoinWatch
+from gradaccum._loss_call import call_loss_fn
 from gradaccum._parameters import trainable_parameters
 from gradaccum._state_layout import check_tensors_fit
 from gradaccum._terms import TermLedger
@@ -357,7 +358,7 @@ def accumulate_grad(
     try:
         for micro_batch in micro_batches:
             items = batch_size(micro_batch)
-            result = loss_fn(model, to_device(micro_batch, device))
+            result = call_loss_fn(loss_fn, model, to_device(micro_batch, device))
             window.check_no_backward_inside()
             if isinstance(result, LossTerms):
                 raise ValueError(
