@@ -140,3 +140,25 @@ def test_partial_and_varargs_loss_fns_still_run_exactly() -> None:
     acc.step(batch, functools.partial(weighted, scale=1.0))
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("make_loss_fn", "expected"),
+    [
+        (
+            lambda model: model,
+            r"loss_fn is the model itself; .* wrap it: `def loss_fn\(model, batch\)",
+        ),
+        (lambda model: nn.CrossEntropyLoss(), r"loss_fn is a CrossEntropyLoss, which takes"),
+        (lambda model: "cross_entropy", r"loss_fn='cross_entropy' is not callable"),
+    ],
+)
+def test_a_model_a_criterion_or_a_name_as_loss_fn_is_refused_naming_the_wrapper(
+    make_loss_fn: Any, expected: str
+) -> None:
+    model, optimizer, batch = _setup()
+    acc = _warm(model, optimizer, batch)
+    before = _state(model, optimizer)
+    with pytest.raises(TypeError, match=expected):
+        acc.step(batch, make_loss_fn(model))
+    _assert_same(before, _state(model, optimizer))

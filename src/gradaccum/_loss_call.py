@@ -46,7 +46,7 @@ def call_loss_fn(loss_fn: Callable[..., Any], model: torch.nn.Module, micro_batc
     except Exception as error:
         if isinstance(error, torch.OutOfMemoryError):  # rerun smaller by the caller: no advice
             raise
-        refusal = _signature_error(loss_fn)
+        refusal = _signature_error(loss_fn, model)
         if refusal is not None:
             raise TypeError(refusal) from error
         add_note = getattr(error, "add_note", None)
@@ -56,8 +56,15 @@ def call_loss_fn(loss_fn: Callable[..., Any], model: torch.nn.Module, micro_batc
         raise
 
 
-def _signature_error(loss_fn: Callable[..., Any]) -> str | None:
+def _signature_error(loss_fn: Callable[..., Any], model: torch.nn.Module) -> str | None:
     """Why `loss_fn`'s signature does not fit `(model, micro_batch)`, or None."""
+    wrap = "wrap it: `def loss_fn(model, batch): return criterion(model(batch[0]), batch[1])`."
+    if not callable(loss_fn):
+        return f"loss_fn={loss_fn!r:.60} is not callable; pass a function loss_fn(model, batch)."
+    if loss_fn is model:
+        return f"loss_fn is the model itself; it must return the loss of a micro-batch: {wrap}"
+    if isinstance(loss_fn, torch.nn.modules.loss._Loss):  # criterion(input, target)
+        return f"loss_fn is a {type(loss_fn).__name__}, which takes (input, target); {wrap}"
     try:
         signature = inspect.signature(loss_fn)
     except (TypeError, ValueError):  # a builtin or an extension type: nothing to read
