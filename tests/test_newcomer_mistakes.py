@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -65,3 +66,14 @@ def test_optimizer_and_model_swapped_is_one_line_naming_the_order() -> None:
     assert message.endswith("The model comes first: Accumulator(model, optimizer, ...).")
     with pytest.raises(TypeError, match=r"e\.g\. torch\.optim\.AdamW\(model\.parameters\(\)"):
         Accumulator(model, model.parameters(), micro_batch_size=4)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("value", "fix"),
+    [(np.int64(8), "8"), (8.0, "8"), (torch.tensor(8), "8"), (2.5, "8"), (True, "8")],
+)
+@pytest.mark.parametrize("name", ["micro_batch_size", "accumulation_steps"])
+def test_a_non_int_size_names_the_int_to_pass(value: object, fix: str, name: str) -> None:
+    model, optimizer, _ = _setup()
+    with pytest.raises(ValueError, match=rf"must be a positive int .*: pass {name}={fix}\.$"):
+        Accumulator(model, optimizer, **{name: value})

@@ -154,11 +154,22 @@ def check_micro_batch_size(micro_batch_size: object, name: str = "micro_batch_si
         )
         raise ValueError(
             f"{name}={micro_batch_size!r} must be a positive int ({unit}), "
-            f"got {type(micro_batch_size).__name__}."
+            f"got {type(micro_batch_size).__name__}: pass {name}={_whole(micro_batch_size)}."
         )
     if micro_batch_size <= 0:
         raise ValueError(f"{name}={micro_batch_size} must be a positive int, e.g. {name}=8.")
     return micro_batch_size
+
+
+def _whole(value: object) -> str:
+    """`value` as the positive int it stands for (numpy's 8, 8.0, tensor(8)), else an example."""
+    if isinstance(value, bool):  # True is no size anyone meant
+        return "8"
+    try:
+        number = float(value)  # type: ignore[arg-type]  # numpy, tensors: whatever converts
+    except (TypeError, ValueError):
+        return "8"
+    return str(int(number)) if number.is_integer() and number > 0 else "8"
 
 
 def check_batch_dim(batch_dim: object) -> int:
