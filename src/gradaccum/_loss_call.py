@@ -26,10 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["call_loss_fn"]
+__all__ = ["call_loss_fn", "fix_notes"]
 
 _BATCH_NAMES = frozenset({"batch", "micro_batch", "microbatch", "mb", "inputs", "data", "x", "b"})
 _MODEL_NAMES = frozenset({"model", "net", "module", "network", "m"})
+# How the notes that name a fix begin (the first note, describing the micro-batch, names none).
+_FIX_NOTES = ("gradaccum: the batch holds", "gradaccum: if this list holds")
 
 
 def call_loss_fn(loss_fn: Callable[..., Any], model: torch.nn.Module, micro_batch: Any) -> Any:
@@ -54,6 +56,12 @@ def call_loss_fn(loss_fn: Callable[..., Any], model: torch.nn.Module, micro_batc
             for note in _notes(micro_batch):
                 add_note(f"gradaccum: {note}")
         raise
+
+
+def fix_notes(error: BaseException) -> list[str]:
+    """The notes `call_loss_fn` added to `error` that name a fix (for one-line CLI messages)."""
+    notes = getattr(error, "__notes__", [])
+    return [n.removeprefix("gradaccum: ") for n in notes if n.startswith(_FIX_NOTES)]
 
 
 def _signature_error(loss_fn: Callable[..., Any], model: torch.nn.Module) -> str | None:
