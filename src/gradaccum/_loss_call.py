@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["call_loss_fn", "fix_notes"]
+__all__ = ["call_loss_fn", "hints"]
 
 _BATCH_NAMES = frozenset({"batch", "micro_batch", "microbatch", "mb", "inputs", "data", "x", "b"})
 _MODEL_NAMES = frozenset({"model", "net", "module", "network", "m"})
@@ -58,10 +58,10 @@ def call_loss_fn(loss_fn: Callable[..., Any], model: torch.nn.Module, micro_batc
         raise
 
 
-def fix_notes(error: BaseException) -> list[str]:
-    """The notes `call_loss_fn` added to `error` that name a fix (for one-line CLI messages)."""
+def hints(error: BaseException) -> str:
+    """`"; <fix>"` for each note `call_loss_fn` added to `error` naming a fix (one line)."""
     notes = getattr(error, "__notes__", [])
-    return [n.removeprefix("gradaccum: ") for n in notes if n.startswith(_FIX_NOTES)]
+    return "".join(f"; {n.removeprefix('gradaccum: ')}" for n in notes if n.startswith(_FIX_NOTES))
 
 
 def _signature_error(loss_fn: Callable[..., Any], model: torch.nn.Module) -> str | None:
