@@ -1,7 +1,7 @@
 """Fine-tune a tiny Hugging Face Llama with gradaccum, one line per optimizer step.
 
 Run it from the repository root (no download: the model is built from a config and the text
-ships with the package):
+ships with the package); it needs the `[hf]` extra (`pip install -e '.[hf]'`; `make` installs it):
 
     .venv/bin/python examples/hf_finetune.py
     .venv/bin/python examples/hf_finetune.py --steps 80 --batch-size 64 --seed 1
@@ -31,7 +31,16 @@ from collections.abc import Iterator
 from importlib import resources
 
 import torch
-import transformers
+
+try:
+    import transformers
+except ModuleNotFoundError as missing:  # a newcomer's `pip install -e '.[cli,dev]'` lacks it
+    print(
+        f"examples/hf_finetune.py needs {missing.name}, which is not installed; install it with: "
+        "pip install 'gradaccum[hf]' (see the README, section Installing)",
+        file=sys.stderr,
+    )
+    raise SystemExit(2) from None
 
 from gradaccum import Accumulator, StepResult, hf
 

@@ -12,20 +12,32 @@ Runs, from the same initial weights, on the same micro-batches of 16 (4 per opti
   (c) the seed's loop, fixed with gradaccum.keras            GradientWindow + loss_sum
   (d) model.fit with gradaccum.keras.accumulate(steps=4)     batch_size=16
 
-Float64, so (c) and (d) match (a) to rounding. Usage: python examples/keras_digits.py (~10 s).
+Float64, so (c) and (d) match (a) to rounding. Usage: python examples/keras_digits.py (~10 s;
+needs the `[keras]` and `[cli]` extras: `pip install -e '.[keras,cli]'`, or `make`).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # the seed is a tf.GradientTape loop
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras
-import numpy as np
-import tensorflow as tf
-from sklearn.datasets import load_digits
+try:
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from sklearn.datasets import load_digits
+except ModuleNotFoundError as missing:  # a newcomer's `pip install -e '.[cli,dev]'` lacks them
+    package = (missing.name or "").partition(".")[0]  # sklearn, not sklearn.datasets
+    extra = "cli" if package == "sklearn" else "keras"
+    print(
+        f"examples/keras_digits.py needs {package}, which is not installed; install it "
+        f"with: pip install 'gradaccum[{extra}]' (see the README, section Installing)",
+        file=sys.stderr,
+    )
+    raise SystemExit(2) from None
 
 import gradaccum.keras as gk
 

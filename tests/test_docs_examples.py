@@ -241,3 +241,43 @@ def test_readme_step_pre_hook_skips_skipped_windows_and_its_error_changes_nothin
         assert torch.equal(optimizer.state[param]["momentum_buffer"], momentum)
     assert acc.step((x, y), _clip_loss).stepped  # the run goes on
     assert len(calls) == 3
+
+
+class _TinyLM(nn.Module):
+    """Token ids (B, S) to logits (B, S, V): what README's 30-line block calls `model`."""
+
+    def __init__(self, vocab: int = 20) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 16)
+        self.head = nn.Linear(16, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+def test_readme_api_in_30_lines_runs_as_written(tmp_path: Path, monkeypatch: Any) -> None:
+    """README's "API in 30 lines", run top to bottom (only the Hugging Face line swapped for the
+    same call with the block's own loss_fn, which needs no transformers model); its stage change
+    used to leave `optimizer` the old one, so the next `save_checkpoint` was refused."""
+    block = _readme_block("def loss_fn(model, batch):")
+    hf_line = "result = acc.step(batch, hf.causal_lm)"
+    assert hf_line in block
+    block = block.replace(hf_line, "result = acc.step(batch, loss_fn)")
+    torch.manual_seed(0)
+    model = _TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(1, 20, (32, 12))
+    labels = ids.masked_fill(torch.arange(12) >= 8, -100)  # padding is -100
+    batch = {"input_ids": ids, "labels": labels}
+    loader = [{k: v[i : i + 8] for k, v in batch.items()} for i in range(0, 32, 8)]
+    scope: dict[str, Any] = {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 10),
+        "batch": batch,
+        "loader": loader,
+    }
+    monkeypatch.chdir(tmp_path)  # the block writes ckpt.pt
+    exec(compile(block, "README.md: The API in 30 lines", "exec"), scope)
+    assert (tmp_path / "ckpt.pt").is_file()
+    assert scope["acc"].micro_batch_size == "auto"

@@ -22,6 +22,7 @@ __all__ = [
     "check_batch_dim",
     "check_micro_batch_size",
     "check_not_empty",
+    "no_tensor_hint",
     "path_name",
     "refuse_objects",
 ]
@@ -160,11 +161,22 @@ def check_micro_batch_size(micro_batch_size: object, name: str = "micro_batch_si
         )
         raise ValueError(
             f"{name}={micro_batch_size!r} must be a positive int ({unit}), "
-            f"got {type(micro_batch_size).__name__}."
+            f"got {type(micro_batch_size).__name__}: pass {name}={_whole(micro_batch_size)}."
         )
     if micro_batch_size <= 0:
         raise ValueError(f"{name}={micro_batch_size} must be a positive int, e.g. {name}=8.")
     return micro_batch_size
+
+
+def _whole(value: object) -> str:
+    """`value` as the positive int it stands for (numpy's 8, 8.0, tensor(8)), else an example."""
+    if isinstance(value, bool):  # True is no size anyone meant
+        return "8"
+    try:
+        number = float(value)  # type: ignore[arg-type]  # numpy, tensors: whatever converts
+    except (TypeError, ValueError):
+        return "8"
+    return str(int(number)) if number.is_integer() and number > 0 else "8"
 
 
 def check_batch_dim(batch_dim: object) -> int:
@@ -175,3 +187,23 @@ def check_batch_dim(batch_dim: object) -> int:
             "every tensor and array, e.g. batch_dim=1 for sequence-first (S, B, ...) tensors."
         )
     return batch_dim
+
+
+def no_tensor_hint(batch: object) -> str:
+    """The fix for a batch that holds nothing to split, when it is a newcomer's known mistake.
+
+    A function or a model passed as the batch is `step(loss_fn, batch)`, the arguments swapped; a
+    DataLoader, generator or other iterator is the whole data, where one batch was meant.
+    """
+    if callable(batch) and not isinstance(batch, type):  # a function, or an nn.Module
+        return (
+            " It looks like the loss function or the model: the batch comes first, "
+            "acc.step(batch, loss_fn) and acc.micro_step(micro_batch, loss_fn)."
+        )
+    if hasattr(batch, "__iter__") and not isinstance(batch, (str, bytes, dict, list, tuple)):
+        return (
+            f" A {type(batch).__name__} is the whole data, not one batch: iterate it, "
+            "`for batch in loader: acc.step(batch, loss_fn)` (or acc.micro_step(batch, loss_fn) "
+            "with Accumulator(..., accumulation_steps=N) when it yields micro-batches)."
+        )
+    return ""

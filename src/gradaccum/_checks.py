@@ -70,7 +70,10 @@ def check_optimizer(optimizer: object, model: torch.nn.Module) -> None:
             "that steps both (README, 'Two optimizers on one model')."
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer={optimizer!r} must be a torch.optim.Optimizer.")
+        raise TypeError(
+            f"optimizer={_short(optimizer)} must be a torch.optim.Optimizer, e.g. "
+            "torch.optim.AdamW(model.parameters(), lr=1e-3)."
+        )
     if not hasattr(optimizer, "_optimizer_step_pre_hooks"):
         # A wrapper that never ran Optimizer.__init__ (accelerate's AcceleratedOptimizer): no
         # hooks to watch its steps with, and it steps, scales and skips by its own rules.
@@ -246,9 +249,15 @@ def check_settings(
     """
     if not isinstance(model, torch.nn.Module):
         what = "a class" if isinstance(model, type) else type(model).__name__
+        swapped = (
+            " The model comes first: Accumulator(model, optimizer, ...)."
+            if isinstance(model, torch.optim.Optimizer)
+            else ""
+        )
         raise TypeError(
-            f"model={model!r} must be a torch.nn.Module instance, not {what}: pass the module "
-            "itself (e.g. MyModel(), not MyModel or a function; the loss goes in loss_fn)."
+            f"model={_short(model)} must be a torch.nn.Module instance, not {what}: pass the "
+            "module itself (e.g. MyModel(), not MyModel or a function; the loss goes in "
+            f"loss_fn).{swapped}"
         )
     auto = is_auto(micro_batch_size, memory_budget)
     if micro_batch_size is not None and not auto:
@@ -327,3 +336,12 @@ def check_savable(broken: str | None, *, deferred: bool, open_window: bool) -> N
             "partial gradient sums until the last backward); save at a window boundary, or "
             "build the Accumulator with sync_policy='micro'."
         )
+
+
+def _short(value: object) -> str:
+    """`repr(value)` for a message of one line: a multi-line or long repr gives way to the type.
+
+    An optimizer's or a model's repr spans many lines (every param group, every layer).
+    """
+    text = repr(value)
+    return text if "\n" not in text and len(text) <= 80 else f"<{type(value).__name__}>"

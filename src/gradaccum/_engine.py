@@ -24,6 +24,7 @@ from gradaccum._commit import SchedulerSteps, refuse_steps_inside, try_scheduler
 from gradaccum._commit_agreement import join_as_failed, step_on_every_rank
 from gradaccum._engine_state import component_states, restore_components
 from gradaccum._layout_watch import SequenceFirstCheck
+from gradaccum._loss_call import call_loss_fn
 from gradaccum._oom import after_step_guard
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
 from gradaccum._parameters import ModelParameters
@@ -94,9 +95,8 @@ class Engine:
         """
         count = len(micro_batches)
         if isinstance(size, int):
-            sizes = [min(size, window_items - i * size) for i in range(count)]
-        else:
-            sizes = list(size)
+            size = [min(size, window_items - i * size) for i in range(count)]
+        sizes = list(size)
         plan = self.sync.agree_on_plan(count, sizes[0] if sizes else 0)
         counted = counted_ahead(loss_fn, micro_batches) if self.sync.world == 1 else None
         expect = Expectation(count, window_items, counted)
@@ -172,7 +172,7 @@ class Engine:
         capture = captured_outputs(self.model, outputs) if self._fsdp else NO_CONTEXT
         with sync.micro_context(last=last), self.batchnorm.micro_context():
             with runtime.autocast(), capture, self._layout.watch(items, expect.items):
-                result = loss_fn(self.model, micro_batch)
+                result = call_loss_fn(loss_fn, self.model, micro_batch)
             window.check_no_backward_inside()  # no backward or zero_grad() inside loss_fn
             extra: list[tuple[int, torch.Tensor]] = []
             if isinstance(result, LossTerms):  # each term divided by its own count

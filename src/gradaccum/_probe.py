@@ -23,6 +23,7 @@ import torch
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from gradaccum._dtensor import local_tensor
+from gradaccum._loss_call import call_loss_fn
 from gradaccum._sync_base import is_fsdp
 from gradaccum.batching import batch_size, slice_batch, to_device
 from gradaccum.loss import read_loss
@@ -111,7 +112,9 @@ class Probe:
             reduce = self.sharded
             with track_tensor_bytes() as tracker, sync_context(self.model, sync=reduce):
                 with self.runtime.autocast():
-                    value, _, _ = read_loss(self.loss_fn(self.model, micro_batch), size)
+                    value, _, _ = read_loss(
+                        call_loss_fn(self.loss_fn, self.model, micro_batch), size
+                    )
                 if value.requires_grad:
                     value.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
                 del value

@@ -57,6 +57,7 @@ from gradaccum._batch_sizes import (
     check_batch_dim,
     check_micro_batch_size,
     check_not_empty,
+    no_tensor_hint,
     refuse_objects,
 )
 from gradaccum._device import map_tensors, on_device, to_device
@@ -245,6 +246,7 @@ def _general(
         raise ValueError(
             f"the batch ({type(batch).__name__}) holds no tensor, array or per-item list; "
             "pass a tensor, or a dict/list/tuple of tensors that share the batch dimension."
+            + no_tensor_hint(batch)
         )
     return slicer, agreed_size(sizes, dim)
 

@@ -40,6 +40,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from gradaccum._loss_call import call_loss_fn
+
 __all__ = ["TensorBytesTracker", "measure_activation_bytes", "parse_bytes", "track_tensor_bytes"]
 
 # A number, then an optional unit: a decimal prefix (K, M, G, T), "i" for binary, "B" for bytes.
@@ -102,7 +104,7 @@ def measure_activation_bytes(
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        result = loss_fn(model, batch)
+        result = call_loss_fn(loss_fn, model, batch)
     # Every saved storage stays alive until `result` (and so its graph) is dropped below, so no
     # address in `saved` can have been reused by another storage during the forward.
     del result

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from gradaccum._check_precision import PrecisionProbe, tolerance
+from gradaccum._loss_call import call_loss_fn
 from gradaccum._non_additive import (
     LOSS_CAUSES,
     RANDOM_DRAWS,
@@ -239,7 +240,7 @@ def check_equivalence(
         with torch.random.fork_rng(devices=devices), precision:
             rng = rng_snapshot(devices)
             with random_draws(full_model, devices, known) as drawing:
-                result = loss_fn(full_model, batch)
+                result = call_loss_fn(loss_fn, full_model, batch)
             if any(param.grad is not None for param in full_model.parameters()):
                 raise backward_inside_error()  # the gradient would be counted twice
             if isinstance(result, LossTerms):

@@ -32,6 +32,7 @@ from gradaccum._copied_loop import gradients_changed_error
 from gradaccum._dtensor import like_param
 from gradaccum._joined import JoinWatch
 from gradaccum._layout_watch import SequenceFirstCheck
+from gradaccum._loss_call import call_loss_fn
 from gradaccum._parameters import trainable_parameters
 from gradaccum._state_layout import check_tensors_fit
 from gradaccum._terms import TermLedger
@@ -360,7 +361,7 @@ def accumulate_grad(
         for micro_batch in micro_batches:
             items = batch_size(micro_batch)
             with layout.watch(items, total_items):  # a sequence-first RNN cut in time: warns
-                result = loss_fn(model, to_device(micro_batch, device))
+                result = call_loss_fn(loss_fn, model, to_device(micro_batch, device))
             window.check_no_backward_inside()
             if isinstance(result, LossTerms):
                 raise ValueError(

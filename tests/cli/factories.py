@@ -19,6 +19,7 @@ The rest are malformed on purpose, for the bad-input tests.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -185,3 +186,15 @@ def ragged_batch():
 
 def bad_loss():
     return token_model(), ragged_tokens(), lambda model, batch: "not a loss"
+
+
+def numpy_batch():
+    """A newcomer's batch of numpy arrays, which the model cannot take: the error names the fix."""
+    model = nn.Linear(4, 2)
+    return model, np.zeros((6, 4), dtype=np.float32), lambda m, batch: m(batch).pow(2).mean()
+
+
+def one_argument_loss():
+    """A `loss_fn(batch)`: the message names the `(model, batch)` signature."""
+    model = nn.Linear(4, 2)
+    return model, torch.zeros(6, 4), lambda batch: model(batch).sum()

@@ -258,6 +258,12 @@ _F = "tests.cli.factories"
         (["--model", f"{_F}:raises"], "RuntimeError: cannot build the model"),
         (["--model", f"{_F}:ragged_batch"], "disagree on the leading dimension"),
         (["--model", f"{_F}:bad_loss"], "the check could not run"),
+        (
+            ["--model", f"{_F}:numpy_batch"],
+            "numpy.ndarray; the batch holds numpy arrays: gradaccum splits them but neither "
+            "converts them nor moves them to the model's device; put torch.as_tensor(array)",
+        ),
+        (["--model", f"{_F}:one_argument_loss"], "define it as `def loss_fn(model, batch): ...`"),
         (["--model", f"{_F}:additive", "--norm", "group"], "--norm applies to --task only"),
         (["--model", f"{_F}:additive", "--batch-size", "11"], "larger than the factory's batch"),
     ],

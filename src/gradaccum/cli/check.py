@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from gradaccum._loss_call import hints
 from gradaccum.batching import batch_size, map_tensors
 from gradaccum.cli import UsageError
 from gradaccum.cli._args import error_summary, one_line, positive_int
@@ -118,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
         report = check_equivalence(
             target.model, target.batch, target.loss_fn, micro, dtype=_DTYPES[args.dtype]
         )
-    except Exception as error:  # the user's model or loss failed on this batch: bad input
-        raise UsageError(f"the check could not run: {error_summary(error)}") from error
+    except Exception as exc:  # the user's model or loss failed on this batch: bad input
+        raise UsageError(f"the check could not run: {error_summary(exc)}{hints(exc)}") from exc
     sizes = [micro] * (size // micro) + ([size % micro] if size % micro else [])
     split = " + ".join(map(str, sizes)) if len(sizes) <= 8 else f"{len(sizes)} micro-batches"
     how = "--micro-batch-size" if args.micro_batch_size else "default, a ragged split"
