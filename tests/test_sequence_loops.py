@@ -213,6 +213,15 @@ def _seq_loss(model: nn.Module, b: tuple) -> torch.Tensor:
     )
 
 
+def _full_batch_step(start: nn.Module, x: torch.Tensor, y: torch.Tensor) -> nn.Module:
+    """The reference: one SGD step on the token-mean cross-entropy of the whole batch."""
+    reference = copy.deepcopy(start)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    F.cross_entropy(reference(x).flatten(0, 1), y.flatten()).backward()
+    optimizer.step()
+    return reference
+
+
 def _step(model: nn.Module, batch: tuple, loss_fn, **kwargs) -> list[warnings.WarningMessage]:
     acc = Accumulator(
         model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=3, **kwargs
@@ -227,10 +236,7 @@ def test_a_sequence_first_lstm_split_along_time_is_warned_and_batch_dim_1_is_exa
     torch.manual_seed(0)
     x, y = torch.randn(10, 4, 3, dtype=torch.float64), torch.randint(0, 2, (10, 4))  # S=10, B=4
     start = _SeqFirst().double()
-    reference = copy.deepcopy(start)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    F.cross_entropy(reference(x).flatten(0, 1), y.flatten()).backward()
-    optimizer.step()
+    reference = _full_batch_step(start, x, y)
 
     def token_sum(model: nn.Module, b: tuple) -> LossSum:  # rows are columns here: count tokens
         return LossSum(
@@ -259,10 +265,7 @@ def test_a_batch_first_model_transposing_before_its_lstm_is_not_warned_and_is_ex
     torch.manual_seed(0)
     x, y = torch.randn(10, 5, 3, dtype=torch.float64), torch.randint(0, 2, (10, 5))  # B=10, S=5
     start = _BatchFirstOutside().double()
-    reference = copy.deepcopy(start)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    F.cross_entropy(reference(x).flatten(0, 1), y.flatten()).backward()
-    optimizer.step()
+    reference = _full_batch_step(start, x, y)
     model = copy.deepcopy(start)
     assert _step(model, (x, y), _seq_loss) == []
     assert _gap(model, reference) < RTOL
