@@ -111,3 +111,20 @@ def test_an_auto_accumulator_refuses_a_fixed_size_instead_of_ignoring_it() -> No
     fixed = Accumulator(model, optimizer, micro_batch_size=4)
     fixed.micro_batch_size = 6  # one int for another: fine between windows
     assert fixed.step(_micro_batches(3)[2], _loss).micro_batch_size == 4  # 4 items, at most 6
+
+
+def test_batch_dim_set_after_construction_is_refused_and_changes_nothing() -> None:
+    """`acc.batch_dim = 1` rebound the attribute while the engine (and its layout check, auto
+    sizing) kept splitting along 0: the split and the engine's item count disagreed. A change is
+    refused naming the fix; the same value is accepted; the run goes on exactly."""
+    model = _model()
+    acc = Accumulator(model, torch.optim.Adam(model.parameters(), lr=LR), micro_batch_size=2)
+    x, y = _micro_batches(1)[0]
+    with pytest.raises(ValueError, match=r"batch_dim cannot change from 0 to 1.*batch_dim=1"):
+        acc.batch_dim = 1
+    assert acc.batch_dim == 0
+    acc.batch_dim = 0
+    assert acc.step((x, y), _loss).stepped
+    reference = _reference([1])
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=0.0)

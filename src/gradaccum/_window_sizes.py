@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradaccum._batch_sizes import check_micro_batch_size
+from gradaccum._batch_sizes import check_batch_dim, check_micro_batch_size
 from gradaccum.options import Normalize, Precision, Tokens
 
 __all__ = ["WindowSizes"]
@@ -24,7 +24,7 @@ class WindowSizes:
 
     normalize: Normalize
     precision: Precision
-    batch_dim: int
+    _batch_dim: int
     _micro_batch_size: int | str | None
     _accumulation_steps: int | Tokens | None
 
@@ -48,6 +48,23 @@ class WindowSizes:
         elif value is not None:
             check_micro_batch_size(value)
         self._micro_batch_size = value
+
+    @property
+    def batch_dim(self) -> int:
+        """The items' dimension of every tensor in a batch, fixed by the constructor."""
+        return self._batch_dim
+
+    @batch_dim.setter
+    def batch_dim(self, value: int) -> None:
+        current = getattr(self, "_batch_dim", None)  # None while the constructor runs
+        if current is not None and value != current:
+            raise ValueError(
+                f"batch_dim cannot change from {current} to {value!r}: the engine, its layout "
+                "check and auto sizing split along the constructor's. Build a new "
+                f"Accumulator(..., batch_dim={value!r}) and load this one's state_dict() saved "
+                "between windows into it (a saved state records its batch_dim)."
+            )
+        self._batch_dim = check_batch_dim(value)
 
     @property
     def accumulation_steps(self) -> int | Tokens | None:

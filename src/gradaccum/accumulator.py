@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from gradaccum._batch_sizes import check_batch_dim
 from gradaccum._checks import check_fsdp_support, check_savable, check_saved_state, check_settings
 from gradaccum._engine import Engine
 from gradaccum._lr_watch import LearningRateWatch
@@ -133,7 +132,7 @@ class Accumulator(WindowSizes, OptimizerSetting):
             scheduler=scheduler,
         )
         params = trainable_parameters(model)
-        self.batch_dim = check_batch_dim(batch_dim)
+        self.batch_dim = batch_dim  # checked (`WindowSizes`)
         self.normalize = parse(Normalize, normalize, "normalize")
         self.precision = parse(Precision, precision, "precision")
         self.partial_window = parse(PartialWindow, partial_window, "partial_window")
