@@ -77,17 +77,22 @@ def _ppo_normalized_per_micro_batch(model: nn.Module, b: dict) -> object:
     )
 
 
+def _rollout(n: int) -> dict[str, torch.Tensor]:
+    """`n` steps of observations, actions, old log-probabilities, raw advantages, returns."""
+    return {
+        "obs": torch.randn(n, 4, dtype=torch.float64),
+        "act": torch.randint(0, 3, (n,)),
+        "old_logp": torch.rand(n, dtype=torch.float64) * -1.5 - 0.5,
+        "adv_raw": torch.randn(n, dtype=torch.float64) * 3 + 1,
+        "ret": torch.randn(n, dtype=torch.float64),
+    }
+
+
 def _ppo(loss_fn, *, accumulate: bool) -> nn.Module:
     """3 epochs over one rollout of 23, minibatches of 12, clipped at 0.5 as PPO does."""
     torch.manual_seed(0)
     model = _ActorCritic().double()
-    rollout = {
-        "obs": torch.randn(23, 4, dtype=torch.float64),
-        "act": torch.randint(0, 3, (23,)),
-        "old_logp": torch.rand(23, dtype=torch.float64) * -1.5 - 0.5,
-        "adv_raw": torch.randn(23, dtype=torch.float64) * 3 + 1,
-        "ret": torch.randn(23, dtype=torch.float64),
-    }
+    rollout = _rollout(23)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     acc = Accumulator(model, optimizer, micro_batch_size=4, max_grad_norm=0.5)
     for epoch in range(3):
@@ -274,13 +279,7 @@ def test_a_batch_first_model_transposing_before_its_lstm_is_not_warned_and_is_ex
 def test_check_equivalence_names_advantage_normalization_and_its_exact_recipe() -> None:
     torch.manual_seed(0)
     model = _ActorCritic().double()
-    b = {
-        "obs": torch.randn(12, 4, dtype=torch.float64),
-        "act": torch.randint(0, 3, (12,)),
-        "old_logp": torch.rand(12, dtype=torch.float64) * -1.5 - 0.5,
-        "adv_raw": torch.randn(12, dtype=torch.float64) * 3 + 1,
-        "ret": torch.randn(12, dtype=torch.float64),
-    }
+    b = _rollout(12)
     b["adv"] = _normalized(b["adv_raw"])
 
     def per_micro_batch(m: nn.Module, mb: dict) -> torch.Tensor:
