@@ -43,6 +43,7 @@ import contextlib
 import copy
 import datetime
 import json
+import os
 import platform
 import socket
 import statistics
@@ -308,11 +309,16 @@ def rank_main(
             )
         if rank == 0:
             queue.put(results)
-        # Every rank done with its collectives before any tears the group down: gloo's
-        # background threads of a rank still finishing were seen to abort its exit (SIGABRT).
+        # Every rank done with its collectives before any tears the group down.
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # torch's gloo threads torn down during interpreter finalization abort a rank now and then
+    # (SIGABRT, "terminate called without an active exception"), even after
+    # destroy_process_group(): the results are in the queue, so leave without finalizing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --------------------------------------------------------------------------------------------

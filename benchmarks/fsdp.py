@@ -33,6 +33,7 @@ import argparse
 import datetime
 import functools
 import json
+import os
 import socket
 import statistics
 import sys
@@ -166,9 +167,16 @@ def rank_main(
         results = {str(n): bench_n(rank, n, settings, calls) for n in settings["n"]}
         if rank == 0:
             queue.put(results)
+        # Every rank done with its collectives before any tears the group down.
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # torch's gloo threads torn down during interpreter finalization abort a rank now and then
+    # (SIGABRT, "terminate called without an active exception"), even after
+    # destroy_process_group(): the results are in the queue, so leave without finalizing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def print_report(results: dict[str, Any], settings: dict[str, Any]) -> None:
