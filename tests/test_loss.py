@@ -508,6 +508,41 @@ def test_negative_controls_no_ignore_index_warning_without_minus_100_integer_tar
         torch.testing.assert_close(accumulated.grad, exact.grad, rtol=1e-10, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.uint32, torch.uint64])
+def test_unsigned_tensors_are_no_ignore_index_targets(dtype: torch.dtype) -> None:
+    """`uint8 == -100` wraps to 156: every `(uint8 image, y)` batch with a pixel of 156 warned,
+    telling a correct row-mean loss to become a LossSum. Unsigned tensors cannot hold -100; the
+    same batch with signed labels of -100 still warns (the control that the check is live)."""
+    import warnings
+
+    from gradaccum.loss import TokenMeanWarning
+
+    generator = torch.Generator().manual_seed(4)
+    images = torch.randint(0, 256, (9, 6), generator=generator).to(dtype)
+    images[0, 0] = 156  # reads as -100 through the wrap
+    y = torch.randn(9, 1, generator=generator, dtype=torch.float64)
+    model = torch.nn.Linear(6, 1).double()
+
+    def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(m(batch[0].double() / 255), batch[1])
+
+    full = copy.deepcopy(model)
+    loss_fn(full, (images, y)).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TokenMeanWarning)
+        gradaccum.accumulate_grad(model, (images, y), loss_fn, micro_batch_size=4)
+        for exact, accumulated in zip(full.parameters(), model.parameters(), strict=True):
+            torch.testing.assert_close(accumulated.grad, exact.grad, rtol=1e-10, atol=0)
+        gradaccum.accumulate_grad(model, {"x": images, "labels": images}, _first, 4)
+    signed = images.to(torch.int16).masked_fill(images.to(torch.int16) == 156, IGNORE)
+    with pytest.warns(TokenMeanWarning, match="hold -100"):
+        gradaccum.accumulate_grad(model, (signed, y), loss_fn, micro_batch_size=4)
+
+
+def _first(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    return model(batch["x"].double()).pow(2).mean()
+
+
 def _mean_times_count(model: torch.nn.Module, batch: Any) -> LossSum:
     """The usual 'mean to sum' conversion: nan * 0 on a micro-batch whose targets are all -100."""
     x, y = batch

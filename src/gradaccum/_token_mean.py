@@ -59,8 +59,12 @@ def _targets(micro_batch: object) -> Iterator[tuple[str, torch.Tensor]]:
     else:
         return
     for where, value in items:
-        if isinstance(value, torch.Tensor) and not (
-            value.is_floating_point() or value.is_complex() or value.dtype == torch.bool
+        # Unsigned tensors (uint8 images, bool masks) cannot hold -100, yet `== -100` wraps
+        # to 156 in uint8: every image with a pixel of 156 warned of unscored labels.
+        if (
+            isinstance(value, torch.Tensor)
+            and value.dtype.is_signed
+            and not (value.is_floating_point() or value.is_complex())
         ):
             yield where, value
 
