@@ -653,6 +653,85 @@ def test_objects_holding_the_batch_are_refused_and_nothing_changes(holder: str) 
         split_batch(batch, 3)
 
 
+class GraphBatch:
+    """A PyG-like `Batch`: node rows, a node-to-graph vector and one label per graph."""
+
+    def __init__(self, graphs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.x = torch.cat([x for x, _ in graphs])
+        self.batch = torch.cat([torch.full((len(x),), i) for i, (x, _) in enumerate(graphs)])
+        self.y = torch.stack([y for _, y in graphs])
+        self.num_graphs = len(graphs)
+
+    def to_data_list(self) -> list[SimpleNamespace]:
+        return [
+            SimpleNamespace(x=self.x[self.batch == i], y=self.y[i]) for i in range(self.num_graphs)
+        ]
+
+
+def _graph_loss(model: torch.nn.Module, batch: object) -> torch.Tensor:
+    """Graph regression: node outputs summed per graph; a list of graphs is collated here."""
+    if isinstance(batch, list):  # the per-item list the refusal names, rebuilt in loss_fn
+        batch = GraphBatch([(g.x, g.y) for g in batch])
+    assert isinstance(batch, GraphBatch)
+    pooled = torch.zeros(batch.num_graphs, 1, dtype=torch.float64)
+    pooled = pooled.index_add(0, batch.batch, model(batch.x))
+    return torch.nn.functional.mse_loss(pooled, batch.y)
+
+
+def test_a_graph_batch_object_is_refused_naming_the_per_item_list_that_splits_it() -> None:
+    """A graph batch (17 node rows, 7 graphs) was refused with fixes that fail for it: split
+    field by field, as a dataclass or dict, its node and graph rows disagree. The refusal, by
+    step() and micro_step() alike, changes nothing and names the list of one object per item;
+    that list steps as the full batch does (the naive mean of micro-batch means does not)."""
+    generator = torch.Generator().manual_seed(5)
+    graphs = [
+        (torch.randn(n, 4, generator=generator, dtype=torch.float64), torch.randn(1).double())
+        for n in (2, 3, 1, 4, 2, 2, 3)
+    ]
+    model, _, _ = _regression()
+    graph = GraphBatch(graphs)
+    reference = copy.deepcopy(model)
+    _graph_loss(reference, graph).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    naive = copy.deepcopy(model)
+    for part in (graphs[0:3], graphs[3:6], graphs[6:]):
+        (_graph_loss(naive, GraphBatch(part)) / 3).backward()
+    torch.optim.SGD(naive.parameters(), lr=0.5).step()
+
+    streamed = copy.deepcopy(model)
+    stream = gradaccum.Accumulator(
+        streamed, torch.optim.SGD(streamed.parameters(), lr=0.5), accumulation_steps=3
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=3)
+    before = _state(model, optimizer)
+    for call in (
+        lambda: acc.step(graph, _graph_loss),
+        lambda: stream.micro_step(graph, _graph_loss),
+    ):
+        with pytest.raises(TypeError, match=r"every micro-batch.*to_data_list\(\)") as info:
+            call()
+        assert "from_data_list" in str(info.value)
+        assert all(torch.equal(a, b) for a, b in zip(_state(model, optimizer), before, strict=True))
+    assert acc.step(graph.to_data_list(), _graph_loss).micro_batches == 3
+    for part in (graphs[0:3], graphs[3:6], graphs[6:]):  # a loader of graph micro-batches
+        stream.micro_step(GraphBatch(part).to_data_list(), _graph_loss)
+    assert stream.flush().stepped is False  # the third micro-batch closed the window
+    for got, want, bad, other in zip(
+        model.parameters(),
+        reference.parameters(),
+        naive.parameters(),
+        streamed.parameters(),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+        torch.testing.assert_close(other, want, rtol=1e-10, atol=0)
+        assert not torch.allclose(bad, want, rtol=1e-10, atol=0)
+    with pytest.raises(TypeError, match="Make it a dataclass") as plain:
+        split_batch({"ids": torch.arange(7), "h": Holder(torch.zeros(7, 2), torch.zeros(7))}, 3)
+    assert "to_data_list" not in str(plain.value)  # rows that agree: no graph-batch hint
+
+
 class SlottedHolder:
     """Like an attrs class (slots by default): no __dict__ to look into."""
 

@@ -139,12 +139,25 @@ def refuse_objects(held: Sizes, size: int | None) -> None:
     if wrong:
         named = ", ".join(f"{path_name(p)} ({k.removeprefix(OBJECT)} object)" for p, k in wrong)
         verb = "holds" if len(wrong) == 1 else "hold"
+        owners = {p[0] for p, _ in wrong}  # a held tensor's path is (object's path, "{}", name)
+        ragged = any(len({n for p, n, _ in held if p[0] == owner}) > 1 for owner in owners)
         raise TypeError(
-            f"{named} {verb} the batch's items, but gradaccum cannot split that object, and "
-            "handing it whole to every micro-batch would count each item many times. Make it a "
-            "dataclass (split field by field), a dict or a named tuple, or pass its tensors in "
-            "the batch itself; make a range, deque or array a list (list(x))."
+            f"{named} {verb} the batch's items, but gradaccum cannot split that object or count "
+            "its items, and handing it whole to every micro-batch would count each item many "
+            "times. Make it a dataclass (split field by field), a dict or a named tuple, or pass "
+            "its tensors in the batch itself; make a range, deque or array a list (list(x))."
+            + (_RAGGED_OBJECT if ragged else "")
         )
+
+
+# Split field by field, a graph batch's node rows and graph rows disagree: a list of one object
+# per item is what splits it (`per_item` lists: `gradaccum.batching`), for step() and micro_step().
+_RAGGED_OBJECT = (
+    " Its tensors do not all hold one row per item (a graph batch: nodes and graphs, as in PyG's "
+    "Batch): pass a list of one object per item instead (batch.to_data_list()), which is split "
+    "item by item, and rebuild the micro-batch in loss_fn (Batch.from_data_list(micro_batch)"
+    ".to(device): objects are passed as they are, not moved)."
+)
 
 
 def check_not_empty(size: int) -> None:
