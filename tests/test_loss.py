@@ -543,6 +543,52 @@ def _first(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return model(batch["x"].double()).pow(2).mean()
 
 
+@pytest.mark.parametrize("loss", ["mean", "loss_sum"])
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_inputs_that_require_grad_step_exactly_and_their_grad_is_as_documented(
+    loss: str, drive: str
+) -> None:
+    """docs/losses.md: a batch input with requires_grad=True steps the parameters exactly, and an
+    input gradient taken with autograd.grad inside loss_fn (a PINN's) is exact; the input's own
+    .grad is the full-batch one only for a plain scalar loss in step(), else off by a positive
+    factor (its sign, FGSM's, is right)."""
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(11, 2, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (11,), generator=generator)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = model.double()
+
+    def loss_fn(m: torch.nn.Module, batch: Any) -> Any:
+        inputs, targets = batch
+        logits = m(inputs)
+        slope = torch.autograd.grad(logits.sum(), inputs, create_graph=True)[0]
+        rows = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+        rows = rows + slope.pow(2).sum(1)  # a per-row input-gradient penalty
+        return rows.mean() if loss == "mean" else LossSum(rows.sum(), len(rows))
+
+    reference, leaf = copy.deepcopy(model), x.clone().requires_grad_(True)
+    objective = loss_fn(reference, (leaf, y))
+    (objective if loss == "mean" else objective.value / objective.count).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    full_batch_input_grad = leaf.grad
+
+    inputs = x.clone().requires_grad_(True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    if drive == "step":
+        gradaccum.Accumulator(model, optimizer, micro_batch_size=3).step((inputs, y), loss_fn)
+    else:
+        acc = gradaccum.Accumulator(model, optimizer, accumulation_steps=4)
+        for start in range(0, 11, 3):
+            acc.micro_step((inputs[start : start + 3], y[start : start + 3]), loss_fn)
+        assert acc.flush().stepped is False  # the fourth micro-batch closed the window
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    ratio = inputs.grad / full_batch_input_grad
+    assert bool((ratio > 0).all())
+    exact = bool(torch.allclose(ratio, torch.ones_like(ratio), rtol=1e-10, atol=0))
+    assert exact == (loss == "mean" and drive == "step")
+
+
 def _mean_times_count(model: torch.nn.Module, batch: Any) -> LossSum:
     """The usual 'mean to sum' conversion: nan * 0 on a micro-batch whose targets are all -100."""
     x, y = batch
