@@ -732,6 +732,24 @@ def test_a_graph_batch_object_is_refused_naming_the_per_item_list_that_splits_it
     assert "to_data_list" not in str(plain.value)  # rows that agree: no graph-batch hint
 
 
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_a_meta_tensor_in_the_batch_is_refused_naming_it_and_nothing_changes(drive: str) -> None:
+    """A meta tensor (built under `with torch.device("meta")`) failed in the move to the model's
+    device with torch's bare NotImplementedError "Cannot copy out of meta tensor; no data!"."""
+    model, x, y = _regression()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=3, accumulation_steps=2)
+    acc.step({"features": Features(x, y)}, _fields_mse)  # optimizer state to protect
+    before = _state(model, optimizer)
+    batch = {"features": Features(x, y), "mask": torch.ones(7, 5, device="meta")}
+    run = acc.step if drive == "step" else acc.micro_step
+    with pytest.raises(ValueError, match=r"meta tensor of shape \(3, 5\).*real device"):
+        run(batch if drive == "step" else split_batch(batch, 3)[0], _fields_mse)
+    assert all(torch.equal(a, b) for a, b in zip(_state(model, optimizer), before, strict=True))
+    assert acc.step({"features": Features(x, y)}, _fields_mse).stepped  # the control: real data
+    assert to_device(batch, torch.device("meta"))["mask"].is_meta  # meta to meta: no move needed
+
+
 class SlottedHolder:
     """Like an attrs class (slots by default): no __dict__ to look into."""
 

@@ -28,6 +28,9 @@ def to_device(batch: Any, device: torch.device) -> Any:
     A batch already on `device` is returned as it is, without rebuilding its containers. Other
     leaves, numpy arrays included, are kept as they are.
 
+    Raises:
+        ValueError: If a tensor is on the meta device (no data to move), naming its shape.
+
     Example:
         >>> import torch
         >>> to_device({"x": torch.ones(2)}, torch.device("cpu"))["x"].device.type
@@ -35,7 +38,18 @@ def to_device(batch: Any, device: torch.device) -> Any:
     """
     if on_device(batch, device):
         return batch
-    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_meta and device.type != "meta":  # torch: "Cannot copy out of meta tensor"
+            raise ValueError(
+                f"the batch holds a meta tensor of shape {tuple(tensor.shape)}: it has a shape "
+                f"but no data, so it cannot be moved to the model's device ({device}). Build the "
+                "batch on a real device (not under `with torch.device('meta')` nor with "
+                "device='meta'), or take the tensor out of the batch."
+            )
+        return tensor.to(device, non_blocking=True)
+
+    return map_tensors(batch, move)
 
 
 def on_device(batch: Any, device: torch.device) -> bool:
