@@ -8,6 +8,7 @@ import math
 import warnings
 from collections import OrderedDict, defaultdict, namedtuple
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -946,6 +947,51 @@ def test_torchvision_detection_collate_tuples_are_split_per_image() -> None:
     # The batch itself is never a per-item tuple: (x, y) of 4 and 3 rows stays a wrong batch.
     with pytest.raises(ValueError, match="disagree on the leading dimension"):
         split_batch((torch.zeros(4, 2), torch.zeros(3, 2)), 2)
+
+
+@pytest.mark.parametrize("layout", ["tuple", "list", "dict of lists"])
+def test_target_dicts_with_an_optional_key_are_split_per_image(layout: str) -> None:
+    """Detection targets with `masks` for some images only: the dicts' keys differ, so they were
+    read as a container and refused ("batch tensors disagree on the leading dimension", listing
+    every box). They are one target per image, as when their keys agree; the step is exact. Dicts
+    that share no key (`[inputs, targets]` of 4 and 3 rows) stay a wrong batch."""
+    generator = torch.Generator().manual_seed(1)
+    images = [torch.randn(3, 5 + i, 4, generator=generator).double() for i in range(7)]
+    targets = [
+        {"label": torch.tensor(i % 3), "boxes": torch.rand(i + 1, 4, generator=generator)}
+        for i in range(7)
+    ]
+    for i in (1, 4):  # instance masks for two images only
+        targets[i]["masks"] = torch.ones(i + 1, 5 + i, 4)
+    batch: Any = {
+        "tuple": (tuple(images), tuple(targets)),
+        "list": (images, targets),
+        "dict of lists": {"images": images, "targets": targets},
+    }[layout]
+    assert batch_size(batch) == 7
+    micro_batches = split_batch(batch, 3)
+    parts = [mb["targets"] if layout == "dict of lists" else mb[1] for mb in micro_batches]
+    assert [len(part) for part in parts] == [3, 3, 1]
+    assert parts[1][1] is targets[4]  # whole, with its masks
+
+    def loss_fn(model: torch.nn.Module, mb: Any) -> gradaccum.LossSum:
+        pair = (mb["images"], mb["targets"]) if isinstance(mb, dict) else mb
+        return _detection_loss(model, pair)
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 3).double()
+    reference = copy.deepcopy(model)
+    loss = loss_fn(reference, batch)
+    (loss.value / loss.count).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    result = gradaccum.Accumulator(model, optimizer, micro_batch_size=3).step(batch, loss_fn)
+    assert (result.micro_batches, result.count) == (3, 7)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    with pytest.raises(ValueError, match="disagree on the leading dimension"):
+        split_batch([{"x": torch.zeros(4, 2)}, {"y": torch.zeros(3, 2)}], 2)
 
 
 def test_a_default_collate_pair_of_mismatched_tensors_is_refused() -> None:

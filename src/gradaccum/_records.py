@@ -139,7 +139,9 @@ def per_item_list(node: Any, nested: bool = True) -> bool:
     sizes disagree with the batch's B): images of different sizes, `[(x, y), ...]` examples.
     Alike tensors share ndim and dtype: `[x, y]` of 4 and 3 rows is a wrong batch, not 2
     items. Inside a container, a plain tuple of alike tensors or of uncollated examples is
-    per item too: torchvision's detection `collate_fn`, `tuple(zip(*batch))`.
+    per item too: torchvision's detection `collate_fn`, `tuple(zip(*batch))`. Dicts are per
+    item if they share a key, whatever else they hold: detection targets with `masks` for some
+    images only (`[{"x": ...}, {"y": ...}]` shares none: a wrong batch).
     """
     kind = type(node)
     if kind is not list and not (kind is tuple and nested and node):
@@ -152,10 +154,20 @@ def per_item_list(node: Any, nested: bool = True) -> bool:
             type(e) is torch.Tensor and e.ndim == first.ndim and e.dtype == first.dtype
             for e in node
         )
+    if isinstance(first, Mapping):  # per-item targets, an optional key in some (`masks`)
+        return all(isinstance(e, Mapping) for e in node) and bool(_shared_keys(node))
     if kind is tuple:
         return is_example_list(list(node))
     size = len(first) if type(first) is tuple else -1
     return all(type(entry) is tuple and len(entry) == size for entry in node)
+
+
+def _shared_keys(dicts: Sequence[Mapping[Any, Any]]) -> set[Any]:
+    """The keys every dict has: none for `[inputs, targets]`, a wrong batch, not 2 items."""
+    keys = set(dicts[0])
+    for entry in dicts[1:]:
+        keys.intersection_update(entry)
+    return keys
 
 
 def object_arrays(node: object, dim: int) -> list[tuple[str, int]]:
