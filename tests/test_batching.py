@@ -7,6 +7,7 @@ import dataclasses
 import math
 import warnings
 from collections import OrderedDict, defaultdict, namedtuple
+from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -797,6 +798,78 @@ def test_sequences_of_b_entries_that_cannot_be_split_are_refused() -> None:
         torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
     constant = range(3)  # 3 entries, not the batch's 7: passed whole
     assert split_batch({"ids": torch.arange(7), "c": constant}, 3)[2]["c"] is constant
+
+
+class AttrDict(dict):
+    """An attribute-access dict (EasyDict, `Box`-like): `batch.x`; a missing key is a KeyError."""
+
+    __getattr__ = dict.__getitem__
+
+
+class FieldsBatch(dict):
+    """A dict subclass whose `__init__` takes fields, with an attribute of its own."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, split: str = "train") -> None:
+        super().__init__(x=x, y=y)
+        self.split = split
+
+
+class ReadOnlyBatch(Mapping):
+    """A read-only mapping built from fields: gradaccum cannot rebuild it from a dict."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self._values = {"x": x, "y": y}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+def _keys_mse(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+
+@pytest.mark.parametrize("kind", [AttrDict, FieldsBatch])
+def test_dict_subclasses_with_their_own_getattr_or_init_split_keeping_their_type(
+    kind: type,
+) -> None:
+    """An attribute-access dict crashed every split with `KeyError: '_encodings'` (the
+    BatchEncoding lookup went through its `__getattr__`); a dict subclass whose `__init__` takes
+    fields failed with its own `missing 1 required positional argument`. Both split as dicts do,
+    keeping their type (and attributes), and step as the full batch does."""
+    model, x, y = _regression()
+    batch = kind(x=x, y=y) if kind is AttrDict else kind(x, y, "val")
+    micro_batches = split_batch(batch, 3)
+    assert [type(mb) for mb in micro_batches] == [kind] * 3
+    assert [len(mb["x"]) for mb in micro_batches] == [3, 3, 1]
+    if kind is FieldsBatch:
+        assert micro_batches[2].split == "val"
+        assert list(batch) == ["x", "y"]  # the batch itself untouched
+        assert batch["x"] is x
+    assert type(to_device(map_tensors(batch, lambda t: t + 0), torch.device("cpu"))) is kind
+    reference = copy.deepcopy(model)
+    _keys_mse(reference, {"x": x, "y": y}).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    gradaccum.Accumulator(model, optimizer, micro_batch_size=3).step(batch, _keys_mse)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+def test_a_mapping_that_cannot_be_rebuilt_is_refused_naming_the_fix() -> None:
+    model, x, y = _regression()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=3)
+    before = _state(model, optimizer)
+    with pytest.raises(TypeError, match=r"ReadOnlyBatch an __init__ that takes a dict"):
+        acc.step(ReadOnlyBatch(x, y), _keys_mse)
+    assert all(torch.equal(a, b) for a, b in zip(_state(model, optimizer), before, strict=True))
+    assert acc.step(dict(ReadOnlyBatch(x, y)), _keys_mse).stepped  # the named fix
 
 
 def test_defaultdicts_are_rebuilt_with_their_default_factory() -> None:

@@ -18,7 +18,7 @@ import collections
 import copy
 import dataclasses
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -86,13 +86,36 @@ def rebuild_mapping(
         return values
     if isinstance(node, collections.defaultdict):
         return kind(node.default_factory, values)
-    rebuilt = kind(values)
-    encodings = getattr(node, "_encodings", None)
-    if isinstance(encodings, list) and getattr(rebuilt, "_encodings", ()) is None:
+    try:
+        rebuilt = kind(values)
+    except TypeError as error:  # an `__init__` of its own, e.g. `Batch(x, y)`
+        if not isinstance(node, MutableMapping):
+            raise TypeError(
+                f"gradaccum rebuilds each micro-batch's {kind.__name__} as "
+                f"{kind.__name__}(dict_of_its_split_values), which raised: {error}. Give "
+                f"{kind.__name__} an __init__ that takes a dict, as dict's does, or pass a dict."
+            ) from error
+        rebuilt = copy.copy(node)  # its attributes kept; its items replaced
+        rebuilt.clear()
+        rebuilt.update(values)
+    # Read from the instance's own attributes: an attribute-access dict (`__getattr__ =
+    # dict.__getitem__`) raises KeyError for a missing one, which getattr's default misses.
+    encodings = _own_attribute(node, "_encodings")
+    if isinstance(encodings, list) and _own_attribute(rebuilt, "_encodings", ()) is None:
         kept = encodings if rows is None else encodings[rows]
         if kept and (rows is None or rows.stop <= len(encodings)):
-            rebuilt._encodings, rebuilt._n_sequences = kept, getattr(node, "_n_sequences", None)
+            rebuilt._encodings = kept
+            rebuilt._n_sequences = _own_attribute(node, "_n_sequences")
     return rebuilt
+
+
+def _own_attribute(node: object, name: str, default: Any = None) -> Any:
+    """`node.<name>` from its instance `__dict__`, never through a `__getattr__` of its class."""
+    try:
+        attributes = object.__getattribute__(node, "__dict__")
+    except AttributeError:  # a slotted class
+        return default
+    return attributes.get(name, default)
 
 
 def is_example_list(node: Any) -> bool:
