@@ -861,7 +861,9 @@ def test_dict_subclasses_with_their_own_getattr_or_init_split_keeping_their_type
         torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
 
 
-def test_a_mapping_that_cannot_be_rebuilt_is_refused_naming_the_fix() -> None:
+def test_a_mapping_or_tuple_that_cannot_be_rebuilt_is_refused_naming_the_fix() -> None:
+    """A read-only Mapping built from fields, and a tuple subclass whose `__new__` takes fields,
+    failed with their own bare TypeError; refused naming what gradaccum calls and the fix."""
     model, x, y = _regression()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=3)
@@ -870,6 +872,16 @@ def test_a_mapping_that_cannot_be_rebuilt_is_refused_naming_the_fix() -> None:
         acc.step(ReadOnlyBatch(x, y), _keys_mse)
     assert all(torch.equal(a, b) for a, b in zip(_state(model, optimizer), before, strict=True))
     assert acc.step(dict(ReadOnlyBatch(x, y)), _keys_mse).stepped  # the named fix
+    with pytest.raises(TypeError, match=r"Give FieldPair a __new__ that takes one list"):
+        split_batch({"pair": FieldPair(x, y)}, 3)
+    assert type(map_tensors(torch.Size([2, 3]), lambda t: t)) is torch.Size  # records still
+
+
+class FieldPair(tuple):
+    """A tuple subclass whose `__new__` takes its fields (not one iterable, as tuple's)."""
+
+    def __new__(cls, x: torch.Tensor, y: torch.Tensor) -> FieldPair:
+        return super().__new__(cls, (x, y))
 
 
 def test_defaultdicts_are_rebuilt_with_their_default_factory() -> None:

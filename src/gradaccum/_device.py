@@ -17,6 +17,7 @@ from gradaccum._records import (
     is_dataclass_instance,
     rebuild_dataclass,
     rebuild_mapping,
+    rebuild_tuple,
 )
 
 __all__ = ["map_tensors", "on_device", "to_device"]
@@ -88,8 +89,8 @@ def map_tensors(
         return fn(batch)
     if isinstance(batch, Mapping):
         return rebuild_mapping(batch, {k: map_tensors(v, fn, arrays) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
-        return type(batch)(*(map_tensors(v, fn, arrays) for v in batch))
+    if isinstance(batch, tuple) and type(batch) is not tuple:  # named tuples, torch.Size...
+        return rebuild_tuple(batch, [map_tensors(v, fn, arrays) for v in batch])
     if isinstance(batch, (list, tuple)):
         return type(batch)(map_tensors(v, fn, arrays) for v in batch)
     if is_dataclass_instance(batch):

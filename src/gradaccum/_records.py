@@ -36,6 +36,7 @@ __all__ = [
     "per_item_list",
     "rebuild_dataclass",
     "rebuild_mapping",
+    "rebuild_tuple",
 ]
 
 
@@ -107,6 +108,21 @@ def rebuild_mapping(
             rebuilt._encodings = kept
             rebuilt._n_sequences = _own_attribute(node, "_n_sequences")
     return rebuilt
+
+
+def rebuild_tuple(node: tuple[Any, ...], values: list[Any]) -> Any:
+    """A tuple of `node`'s type (a named tuple, `torch.Size`, a subclass) holding `values`."""
+    kind: Any = type(node)
+    try:
+        return kind(*values) if hasattr(node, "_fields") else kind(values)
+    except TypeError as error:  # a `__new__` of its own, e.g. `Pair(x, y)`
+        how = "its fields" if hasattr(node, "_fields") else "one list"
+        raise TypeError(
+            f"gradaccum rebuilds each micro-batch's {kind.__name__} from {how} of its split "
+            f"entries, which raised: {error}. Give {kind.__name__} a __new__ that takes "
+            f"{how}, as {'namedtuple' if how == 'its fields' else 'tuple'}'s does, or pass a "
+            "plain tuple or a dict."
+        ) from error
 
 
 def _own_attribute(node: object, name: str, default: Any = None) -> Any:

@@ -74,6 +74,7 @@ from gradaccum._records import (
     per_item_list,
     rebuild_dataclass,
     rebuild_mapping,
+    rebuild_tuple,
 )
 
 __all__ = [
@@ -347,10 +348,10 @@ def _container_slicer(node: Any, children: list[_Slicer | None], rows: bool = Tr
             node, dict(zip(names, fields(start, stop), strict=True))
         )
     entries = _entries_slicer(node, children)
-    if isinstance(node, tuple) and hasattr(node, "_fields"):  # a named tuple
-        return lambda start, stop: kind(*entries(start, stop))
     if kind is list:
         return entries
+    if isinstance(node, tuple) and kind is not tuple:  # named tuples, torch.Size...
+        return lambda start, stop: rebuild_tuple(node, entries(start, stop))
     return lambda start, stop: kind(entries(start, stop))
 
 
