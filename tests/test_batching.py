@@ -999,6 +999,41 @@ def test_lists_of_one_tensor_per_item_are_split_when_the_batch_says_so() -> None
         split_batch({"pair": [torch.zeros(4, 2), torch.zeros(3, 2)], "x": torch.zeros(4)}, 2)
 
 
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_lists_of_numpy_waveforms_are_split_one_per_item(drive: str) -> None:
+    """`{"audio": [B numpy waveforms of varied lengths], "y": (B, 1)}`, as librosa or soundfile
+    load them: refused ("batch tensors disagree", listing every waveform) while a list of
+    tensors of the same lengths was split one per item. Now alike; the step is exact. Arrays
+    of other ndims or dtypes are no per-item list (`[x, y]` mismatched stays a wrong batch)."""
+    rng = np.random.default_rng(0)
+    waves = [rng.standard_normal((n, 4)) for n in (3, 6, 2, 5, 4, 6, 1)]
+    model, _, y = _regression()
+    batch = {"audio": waves, "y": y}
+    assert batch_size(batch) == 7
+    parts = split_batch(batch, 3)
+    assert [len(mb["audio"]) for mb in parts] == [3, 3, 1]
+    assert parts[2]["audio"][0] is waves[6]
+
+    def loss_fn(m: torch.nn.Module, mb: dict) -> torch.Tensor:
+        pooled = torch.stack([m(torch.as_tensor(w)).mean(0) for w in mb["audio"]])
+        return torch.nn.functional.mse_loss(pooled, mb["y"])
+
+    reference = copy.deepcopy(model)
+    loss_fn(reference, batch).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    if drive == "step":
+        gradaccum.Accumulator(model, optimizer, micro_batch_size=3).step(batch, loss_fn)
+    else:
+        acc = gradaccum.Accumulator(model, optimizer, accumulation_steps=3)
+        assert [acc.micro_step(mb, loss_fn).stepped for mb in parts] == [False, False, True]
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    mismatched = {"pair": [np.zeros((4, 2)), np.zeros(3, dtype=np.int64)], "x": np.zeros(4)}
+    with pytest.raises(ValueError, match="disagree on the leading dimension"):
+        split_batch(mismatched, 2)
+
+
 def test_torchvision_detection_collate_tuples_are_split_per_image() -> None:
     """torchvision's detection `collate_fn` is `tuple(zip(*batch))`: a tuple of B images and a
     tuple of B target dicts (with a 0-dim `image_id`). Once refused as a container whose

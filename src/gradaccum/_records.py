@@ -172,7 +172,7 @@ def _labelled_pairs(node: list[Any]) -> bool:
 
 
 def per_item_list(node: Any, nested: bool = True) -> bool:
-    """A plain list of alike tensors, or of plain tuples of one length: per item, if need be.
+    """A plain list of alike tensors or arrays, or of same-length tuples: per item, if need be.
 
     Asked only when a batch cannot be read with such lists as containers (their tensors'
     sizes disagree with the batch's B): images of different sizes, `[(x, y), ...]` examples.
@@ -188,10 +188,10 @@ def per_item_list(node: Any, nested: bool = True) -> bool:
     if not node:
         return True
     first = node[0]
-    if type(first) is torch.Tensor:
+    array = type(first)
+    if array is torch.Tensor or array is np.ndarray:  # numpy: waveforms as librosa loads them
         return all(
-            type(e) is torch.Tensor and e.ndim == first.ndim and e.dtype == first.dtype
-            for e in node
+            type(e) is array and e.ndim == first.ndim and e.dtype == first.dtype for e in node
         )
     if isinstance(first, Mapping):  # per-item targets, an optional key in some (`masks`)
         return all(isinstance(e, Mapping) for e in node) and bool(_shared_keys(node))

@@ -11,10 +11,10 @@ list or plain tuple holding no tensor or array   ``x[start:stop]``, one entry pe
 (strings, ints, dicts of them, token lists...)   length must be B (an empty one counts as 0)
 list of dicts with the same keys, or of one      ``x[start:stop]``: uncollated examples, one per
 dataclass or named tuple                         item (a plain tuple of them is a container)
-list of alike tensors, same-length tuples or     ``x[start:stop]``: one entry per item (images
-dicts sharing a key, or a nested plain tuple of  of varied sizes, ``collate_fn=list`` pairs,
-those, read as a container it disagrees with B   torchvision's ``tuple(zip(*batch))``, target
-                                                 dicts with a key for some images only)
+list of alike tensors or arrays, same-length     ``x[start:stop]``: one entry per item (images
+tuples or dicts sharing a key, or a nested       of varied sizes, ``collate_fn=list`` pairs,
+tuple of those, read as a container disagreeing  torchvision's ``tuple(zip(*batch))``, target
+with B                                           dicts with a key for some images only)
 other list or plain tuple holding a tensor       a container: rebuilt, each entry by these rules
 dict, named tuple, dataclass, tuple subclass     a record: rebuilt with its type, entry by entry
 anything else: str, int, float, bool, None...    the same object, whole, in every micro-batch
