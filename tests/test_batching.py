@@ -884,6 +884,33 @@ class FieldPair(tuple):
         return super().__new__(cls, (x, y))
 
 
+def test_one_sample_given_as_a_micro_batch_is_refused_naming_the_dataloader() -> None:
+    """`for x, y in dataset: acc.micro_step((x, y), loss_fn)`: the 0-dim label was refused as
+    a per-batch constant ("pass it as a Python number"), advice that fits a temperature, not an
+    unbatched sample. The message now names batching it too; nothing changes."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model, x, _ = _regression()
+    labels = torch.arange(7) % 2
+    model = torch.nn.Linear(4, 2).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    acc = gradaccum.Accumulator(model, optimizer, accumulation_steps=2)
+    dataset = TensorDataset(x, labels)
+
+    def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(m(batch[0]), batch[1])
+
+    before = _state(model, optimizer)
+    with pytest.raises(ValueError, match=r"batch\[1\] is a 0-dim tensor.*DataLoader\(dataset"):
+        acc.micro_step(dataset[0], loss_fn)
+    assert all(torch.equal(a, b) for a, b in zip(_state(model, optimizer), before, strict=True))
+    steps = [acc.micro_step(b, loss_fn).stepped for b in DataLoader(dataset, batch_size=3)]
+    assert steps == [False, True, False]  # the named fix runs
+    with pytest.raises(ValueError, match="0-dim tensor") as constant:
+        split_batch({"x": x, "temperature": torch.tensor(2.0)}, 3)
+    assert "DataLoader" in str(constant.value)  # a scalar in a dict may be a sample's too
+
+
 def test_defaultdicts_are_rebuilt_with_their_default_factory() -> None:
     counts = defaultdict(int, {"x": torch.arange(5), "inner": defaultdict(list, {"y": _texts(5)})})
     first, _, last = split_batch(counts, 2)

@@ -50,6 +50,11 @@ def array_items(array: Any, path: Path, dim: int, kind: str) -> int:
                 f" A per-item {kind} (labels, lengths) needs its items along dim {dim} too: "
                 f"give it shape ({ones}B) with x.reshape({ones}-1), or pass a list (x.tolist())."
             )
+        elif not dim and not isinstance(path, str):  # `for x, y in dataset`: y a 0-dim label
+            per_item = (
+                " If the batch is one sample (a Dataset iterated without a DataLoader), batch "
+                "it: iterate DataLoader(dataset, batch_size=...) instead."
+            )
         raise ValueError(
             f"{path_name(path)} is a {array.ndim}-dim {kind}; every tensor and array in a batch "
             f"needs the batch dimension (batch_dim={dim}).{per_item} Pass per-batch constants "
