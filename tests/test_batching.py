@@ -1177,6 +1177,29 @@ def test_default_collate_columns_of_a_per_sample_list_are_split_per_item() -> No
     assert [mb["pairs"] for mb in split_batch(pairs, 2)] == [[("a", "b"), ("c", "d")], [("e", "f")]]
 
 
+def test_default_collate_columns_as_long_as_the_batch_need_the_documented_collate_fn() -> None:
+    """README and `gradaccum.batching`: L tuples of B strings with L == B (4 answer choices in a
+    batch of 4) cannot be told from B per-item tuples, and read so: each micro-batch gets whole
+    columns (the documented limitation, pinned here). The documented fix, gathering the field per
+    sample in the collate_fn, splits each item's own choices."""
+    samples = [
+        {"x": torch.full((2,), float(i)), "choices": [f"q{i}-{j}" for j in range(4)]}
+        for i in range(4)
+    ]
+    collated = torch.utils.data.default_collate(samples)
+    first = split_batch(collated, 2)[0]
+    assert first["choices"] == [("q0-0", "q1-0", "q2-0", "q3-0"), ("q0-1", "q1-1", "q2-1", "q3-1")]
+
+    def collate(batch: list[dict]) -> dict:
+        collated = torch.utils.data.default_collate([{"x": s["x"]} for s in batch])
+        return {**collated, "choices": [s["choices"] for s in batch]}
+
+    gathered = next(iter(torch.utils.data.DataLoader(samples, batch_size=4, collate_fn=collate)))
+    for start, micro_batch in zip((0, 2), split_batch(gathered, 2), strict=True):
+        assert micro_batch["choices"] == [s["choices"] for s in samples[start : start + 2]]
+        assert micro_batch["x"][:, 0].tolist() == [start, start + 1]
+
+
 def test_uncollated_tuples_from_a_tensor_dataset_are_split_per_example() -> None:
     """`DataLoader(TensorDataset(x, y), collate_fn=list)`: a list of `(x_i, y_i)` pairs."""
     model, x, _ = _regression()

@@ -27,7 +27,9 @@ B items raises a TypeError (make it a dataclass or a dict); nested and sparse CS
 A constant of B items (B class names, a B x B matrix) looks per-item and is split: bind constants
 to `loss_fn` (a closure, functools.partial). A list of L tuples of B strings each, the layout
 `default_collate` makes of a per-sample list (5 captions per image), is read as L per-item
-tuples when the batch cannot be read otherwise. Splitting makes views and walks the batch once;
+tuples when the batch cannot be read otherwise: with L == B it reads as B per-item tuples, each
+micro-batch given whole caption columns; keep such lists per sample (a `collate_fn` that puts
+`[s["captions"] for s in samples]` in the batch). Splitting makes views and walks the batch once;
 `take_batch` and `map_leaves` reorder and map the leaves by the same rules (`gradaccum.packing`).
 
 Example:
