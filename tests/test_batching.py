@@ -687,7 +687,10 @@ def test_a_graph_batch_object_is_refused_naming_the_per_item_list_that_splits_it
     that list steps as the full batch does (the naive mean of micro-batch means does not)."""
     generator = torch.Generator().manual_seed(5)
     graphs = [
-        (torch.randn(n, 4, generator=generator, dtype=torch.float64), torch.randn(1).double())
+        (
+            torch.randn(n, 4, generator=generator, dtype=torch.float64),
+            torch.randn(1, generator=generator).double(),
+        )
         for n in (2, 3, 1, 4, 2, 2, 3)
     ]
     model, _, _ = _regression()
