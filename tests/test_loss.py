@@ -540,6 +540,35 @@ def test_unsigned_tensors_are_no_ignore_index_targets() -> None:
         gradaccum.accumulate_grad(model, (signed, y), loss_fn, micro_batch_size=4)
 
 
+def test_signed_integer_inputs_with_other_negative_values_are_no_ignore_index_targets() -> None:
+    """Raw int16 PCM audio (`torchaudio.load(normalize=False)`) holds -100 among other negative
+    samples: `(pcm, y)` with a row-mean loss warned of unscored labels. Targets are class indices
+    and -100 only; the same clip with its other negative samples clipped to 0 still warns."""
+    import warnings
+
+    from gradaccum.loss import TokenMeanWarning
+
+    generator = torch.Generator().manual_seed(5)
+    pcm = (torch.randn(9, 6, generator=generator) * 3000).to(torch.int16)
+    pcm[0, 0] = IGNORE
+    y = torch.randn(9, 1, generator=generator, dtype=torch.float64)
+    model = torch.nn.Linear(6, 1).double()
+
+    def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(m(batch[0].double() / 32768), batch[1])
+
+    full = copy.deepcopy(model)
+    loss_fn(full, (pcm, y)).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TokenMeanWarning)
+        gradaccum.accumulate_grad(model, (pcm, y), loss_fn, micro_batch_size=4)
+    for exact, accumulated in zip(full.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(accumulated.grad, exact.grad, rtol=1e-10, atol=0)
+    labels_like = pcm.masked_fill((pcm < 0) & (pcm != IGNORE), 0)
+    with pytest.warns(TokenMeanWarning, match="hold -100"):
+        gradaccum.accumulate_grad(model, (labels_like, y), loss_fn, micro_batch_size=4)
+
+
 def _first(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return model(batch["x"].double()).pow(2).mean()
 

@@ -93,7 +93,10 @@ def warn_if_token_mean(micro_batch: object, loss: object = None, rows: int = 0) 
         warn_user(TokenMeanWarning(problem))
         return True
     for where, labels in _targets(micro_batch):
-        if not bool((labels == _IGNORE_INDEX).any()):
+        ignored = labels == _IGNORE_INDEX
+        # Targets are class indices and -100; signed PCM audio (int16) holds -100 among other
+        # negative samples: it is an input, and warned of every clip that had that sample.
+        if not bool(ignored.any()) or bool(((labels < 0) & ~ignored).any()):
             continue
         warn_user(
             TokenMeanWarning(
