@@ -276,6 +276,39 @@ def test_a_batch_first_model_transposing_before_its_lstm_is_not_warned_and_is_ex
     assert _gap(model, reference) < RTOL
 
 
+class _OneSequenceAtATime(nn.Module):
+    """Reads one `(T, features)` sequence of a per-item list through a sequence-first GRU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.GRU(3, 8), nn.Linear(8, 1)
+
+    def forward(self, sequence: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(sequence.unsqueeze(1))[1][-1])  # (T, 1, features)
+
+
+def test_per_item_sequences_through_a_sequence_first_gru_are_not_warned_and_are_exact() -> None:
+    """`{"seqs": [B sequences of varied lengths], "y": ...}`, each sequence fed as `(T, 1, F)`:
+    one of T == 3 in a micro-batch of 3 items was taken for a batch split along time, and the
+    warning advised batch_dim=1, which breaks this correct step. The time-split control warns."""
+    torch.manual_seed(0)
+    sequences = [torch.randn(n, 3, dtype=torch.float64) for n in (3, 5, 2, 3, 4, 3, 6)]
+    batch = {"seqs": sequences, "y": torch.randn(7, 1, dtype=torch.float64)}
+
+    def loss_fn(model: nn.Module, b: dict) -> torch.Tensor:
+        return F.mse_loss(torch.cat([model(s) for s in b["seqs"]]), b["y"])
+
+    start = _OneSequenceAtATime().double()
+    reference = copy.deepcopy(start)
+    loss_fn(reference, batch).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    model = copy.deepcopy(start)
+    assert _step(model, batch, loss_fn) == []
+    assert _gap(model, reference) < RTOL
+    x, y = torch.randn(10, 4, 3, dtype=torch.float64), torch.randint(0, 2, (10, 4))
+    assert len(_step(_SeqFirst().double(), (x, y), _seq_loss)) == 1  # split along time
+
+
 def test_check_equivalence_names_advantage_normalization_and_its_exact_recipe() -> None:
     torch.manual_seed(0)
     model = _ActorCritic().double()

@@ -7,9 +7,10 @@ told `batch_dim=1`) is cut in time, not into items: each micro-batch runs a few 
 every sequence from a fresh hidden state, a silently different objective from the full batch.
 
 `SequenceFirstCheck` watches the first few split micro-batches: a sequence-first module whose
-input's dim 0 is the micro-batch's item count (and dim 1 is not) was handed the split dimension
-as its time axis, and it warns once. A model that transposes its batch-first input before such a
-module gives it `(S, items, ...)`, which is not warned about. A compiled model is not watched.
+input's dim 0 is the micro-batch's item count (and dim 1 is not, nor 1: one item's sequence of a
+per-item list, `(T, 1, F)`) was handed the split dimension as its time axis, and it warns once.
+A model that transposes its batch-first input before such a module gives it `(S, items, ...)`,
+which is not warned about. A compiled model is not watched.
 
 Example:
     >>> import torch, warnings
@@ -115,12 +116,14 @@ class _Watch:
     def _record(self, name: str) -> Callable[[torch.nn.Module, tuple[Any, ...]], None]:
         def record(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
             first = args[0] if args else None
-            # A PackedSequence or an unbatched 2-D input has no batch axis to confuse.
+            # A PackedSequence or an unbatched 2-D input has no batch axis to confuse; nor has
+            # one item's sequence, `(T, 1, F)` from a per-item list, whose T may equal `items`.
             if (
                 not self.seen
                 and isinstance(first, torch.Tensor)
                 and first.dim() == 3
                 and first.shape[0] == self.items != first.shape[1]
+                and first.shape[1] > 1
             ):
                 self.seen.append((name, module))
 
