@@ -366,3 +366,33 @@ def test_a_sum_over_rows_divided_by_rows_does_not_warn_when_rows_equal_micro_bat
     assert "divides its loss by 4" in str(caught[0].message)
     if loss_fn is _row_sum:  # the same objective, divided by 4 once more: another step
         assert _gap(divided, reference) > 1e-3
+
+
+def test_a_plateau_step_inside_a_window_is_named_harmless_and_is_the_plain_step() -> None:
+    """`ReduceLROnPlateau.step(val_loss)` (stepped by the user, as the constructor's error says)
+    after a validation that falls inside a window changes the rate once: the warning says that is
+    the plain loop's step too, and the steps equal a full-batch loop reducing at the same time."""
+    model, reference = _model(), _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.5)
+    plateaus = [
+        torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0) for o in (optimizer, plain)
+    ]
+    acc = Accumulator(model, optimizer, accumulation_steps=STEPS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for epoch in range(2):
+            for index, batch in enumerate(_loader()):
+                acc.micro_step(batch, _mean)
+                if index == 1:  # a validation in the window's middle, worse every time
+                    plateaus[0].step(float(epoch))
+            x, y = (torch.cat(parts) for parts in zip(*_loader(), strict=True))
+            plateaus[1].step(float(epoch))
+            plain.zero_grad()
+            _mean(reference, (x, y)).backward()
+            plain.step()
+    messages = [str(w.message) for w in caught if issubclass(w.category, CopiedLoopWarning)]
+    assert len(messages) == 1
+    assert "ReduceLROnPlateau" in messages[0]
+    assert optimizer.param_groups[0]["lr"] == plain.param_groups[0]["lr"] == 0.05
+    assert _gap(model, reference) < 1e-10

@@ -78,6 +78,9 @@ class LearningRateWatch:
                 "rate it ends with. If a scheduler.step() (or a manual lr) runs per micro-batch, "
                 "the schedule runs accumulation_steps times too fast: step your scheduler only "
                 "when result.stepped is True, or pass it as Accumulator(..., scheduler=...), "
-                "which steps it once per optimizer step."
+                "which steps it once per optimizer step. A one-off change (a "
+                "ReduceLROnPlateau.step(val_loss) after a validation that fell inside a window) "
+                "is the plain loop's step too; validate when result.stepped to keep it between "
+                "windows."
             )
         )
