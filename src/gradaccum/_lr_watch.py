@@ -68,7 +68,9 @@ class LearningRateWatch:
             return
         micro_batches = window.micro_batches
         seen, self._seen = self._seen, None
-        if seen is None or self.warned or seen == _rates(optimizer):
+        # Only the groups the last micro-batch saw: one added by add_param_group() mid-window is
+        # no rate change (it sits the window out, and `_joined` warns of that).
+        if seen is None or self.warned or seen == _rates(optimizer)[: len(seen)]:
             return
         self.warned = True
         warn_user(
