@@ -671,6 +671,56 @@ def test_negative_control_an_unguarded_optimizer_step_inside_the_window_is_a_wro
     assert gap > 1e-3
 
 
+@pytest.mark.parametrize("stepping", ["per-parameter optimizers", "the Accumulator's optimizer"])
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_an_optimizer_stepped_in_the_backward_is_refused_changing_nothing(
+    drive: str, stepping: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PyTorch's optimizer-in-backward recipe: a `register_post_accumulate_grad_hook` steps (and
+    clears) each parameter as soon as its gradient is accumulated. Under accumulation it stepped
+    once per micro-batch on a partial, undivided sum, silently (per-parameter optimizers), or
+    stepped on the window's first micro-batch before the Accumulator's own optimizer was
+    refused at the second (the window's first micro-batch counted as no open window). Refused at
+    the first micro-batch now, before any step: everything bitwise as before, and once the hooks
+    are removed the step is the full-batch one."""
+    model, optimizer, scheduler, acc = _setup(**_DRIVES[drive])
+    _warm_up(acc)
+    twin = copy.deepcopy((model, optimizer, scheduler))
+    own = {p: torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in model.parameters()}
+
+    def in_backward(param: torch.Tensor) -> None:
+        if stepping == "per-parameter optimizers":
+            own[param].step()
+            own[param].zero_grad()
+        else:
+            optimizer.step()
+
+    hooks = [p.register_post_accumulate_grad_hook(in_backward) for p in model.parameters()]
+    before = _everything(model, optimizer, scheduler)
+    states = clone_state([o.state_dict() for o in own.values()])
+    with pytest.raises(RuntimeError, match="optimizer-in-backward") as raised:
+        _drive(acc, drive, _batch(2))
+    assert "(0 micro-batches so far)" in str(raised.value)
+    assert_bitwise(_everything(model, optimizer, scheduler), before)
+    assert_bitwise(clone_state([o.state_dict() for o in own.values()]), states)
+    for hook in hooks:
+        hook.remove()
+    assert _drive(acc, drive, _batch(2)).stepped
+    reference_step(twin[0], twin[1], _batch(2), mse_loss, scheduler=twin[2])
+    for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+    if stepping == "per-parameter optimizers":  # negative control: unrefused, a step per micro
+        monkeypatch.setattr(gradaccum._engine, "steps_refused", lambda window: nullcontext())
+        hooks = [p.register_post_accumulate_grad_hook(in_backward) for p in model.parameters()]
+        _drive(acc, drive, _batch(3))
+        reference_step(twin[0], twin[1], _batch(3), mse_loss, scheduler=twin[2])
+        gap = max(
+            float((p - q).detach().abs().max())
+            for p, q in zip(model.parameters(), twin[0].parameters(), strict=True)
+        )
+        assert gap > 1e-3
+
+
 @pytest.mark.parametrize("drive", ["step", "micro_step"])
 def test_weights_changed_in_place_by_the_forward_are_no_optimizer_step(drive: str) -> None:
     """nn.Embedding(max_norm=...) renormalizes its weight in place in every forward: allowed."""

@@ -65,6 +65,7 @@ class Window:
         self.joins = JoinWatch(optimizer)  # the optimizer's parameters unfrozen mid-window
         self.params: list[torch.nn.Parameter] = []
         self.held = 0  # the first `held` params are the optimizer's
+        self.running = False  # a micro-batch's loss_fn and backward run (`_commit.steps_refused`)
         self._close()
 
     def _close(self) -> None:
