@@ -249,6 +249,27 @@ def test_schedulers_that_need_a_metric_are_refused_naming_the_fix() -> None:
     )
 
 
+def test_a_scheduler_whose_step_needs_an_epoch_is_refused_naming_it_not_a_metric() -> None:
+    """timm's schedulers take `step(epoch, metric=None)`: the refusal said "needs an argument (a
+    metric)" and told the user to call `step(val_loss)` after validation, which sets the lr of
+    epoch `val_loss`. It names the argument and says to count steps or epochs."""
+
+    class CosineLRScheduler:  # timm.scheduler's shape, without timm
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer = optimizer
+
+        def step(self, epoch: int, metric: float | None = None) -> None: ...
+
+        def step_update(self, num_updates: int, metric: float | None = None) -> None: ...
+
+    model = make_model("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="needs the argument epoch") as raised:
+        Accumulator(model, optimizer, micro_batch_size=2, scheduler=CosineLRScheduler(optimizer))
+    assert "val_loss" not in str(raised.value)
+    assert "never micro-batches" in str(raised.value)
+
+
 def test_optimizers_that_need_a_closure_are_refused() -> None:
     model = make_model("mlp")
     with pytest.raises(ValueError, match="needs a closure"):
