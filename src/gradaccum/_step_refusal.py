@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -94,6 +95,29 @@ def refuse_steps_inside(optimizer: torch.optim.Optimizer, window: OpenWindow) ->
     weakref.finalize(window, optimizer.register_step_pre_hook(hook).remove)
 
 
+def _refuse_running(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The global step pre-hook: refuse a step of a running window's parameters."""
+    if stepped in COMMITTING:  # another Accumulator's commit (its own hook names it)
+        return
+    for window in _RUNNING:  # a tuple, replaced whole: safe to read from any thread
+        mine = set(map(id, window.params))
+        if any(id(p) in mine for group in stepped.param_groups for p in group["params"]):
+            raise RuntimeError(
+                f"{type(stepped).__name__}.step() was called inside an accumulation window "
+                f"({window.micro_batches} micro-batches so far), while a micro-batch's loss_fn "
+                "or backward ran: it would step on a partial, undivided sum of the window's "
+                "gradients, once per micro-batch. An optimizer stepped in the backward (a "
+                "register_post_accumulate_grad_hook, PyTorch's optimizer-in-backward recipe) "
+                "cannot accumulate: remove the hook (handle.remove()) and let the Accumulator "
+                "step its optimizer once per window. Nothing was stepped."
+            )
+
+
+_RUNNING: tuple[OpenWindow, ...] = ()  # the windows whose micro-batch runs, in any thread
+_LOCK = threading.Lock()
+_HOOKED: list[bool] = []  # the global hook is registered once, on first use
+
+
 @contextmanager
 def steps_refused(window: OpenWindow) -> Iterator[None]:
     """While a micro-batch runs: refuse any optimizer's step of the window's parameters.
@@ -101,29 +125,20 @@ def steps_refused(window: OpenWindow) -> Iterator[None]:
     The first micro-batch's too, before the window counts as open. PyTorch's optimizer-in-backward
     recipe steps each parameter from a `register_post_accumulate_grad_hook`: under accumulation
     that is a step per micro-batch on a partial, undivided sum, silently. Refused before the step
-    changes anything (a global pre-hook, registered for this micro-batch only).
+    changes anything, by one global pre-hook registered once (registering one per micro-batch
+    would mutate torch's hook dict while another thread's step may iterate it); a CUDA backward
+    runs its hooks in torch's device threads, so the running windows are process-wide.
     """
-
-    def hook(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        mine = set(map(id, window.params))
-        if stepped in COMMITTING or not any(
-            id(p) in mine for group in stepped.param_groups for p in group["params"]
-        ):
-            return  # another Accumulator's commit (its own hook names it), or other parameters
-        raise RuntimeError(
-            f"{type(stepped).__name__}.step() was called inside an accumulation window "
-            f"({window.micro_batches} micro-batches so far), while a micro-batch's loss_fn or "
-            "backward ran: it would step on a partial, undivided sum of the window's gradients, "
-            "once per micro-batch. An optimizer stepped in the backward (a "
-            "register_post_accumulate_grad_hook, PyTorch's optimizer-in-backward recipe) cannot "
-            "accumulate: remove the hook (handle.remove()) and let the Accumulator step its "
-            "optimizer once per window. Nothing was stepped."
-        )
-
-    handle = register_optimizer_step_pre_hook(hook)
+    global _RUNNING
+    with _LOCK:
+        if not _HOOKED:
+            register_optimizer_step_pre_hook(_refuse_running)
+            _HOOKED.append(True)
+        _RUNNING = (*_RUNNING, window)
     window.running = True
     try:
         yield
     finally:
         window.running = False
-        handle.remove()
+        with _LOCK:
+            _RUNNING = tuple(w for w in _RUNNING if w is not window)
