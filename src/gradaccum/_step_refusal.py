@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -118,8 +116,7 @@ _LOCK = threading.Lock()
 _HOOKED: list[bool] = []  # the global hook is registered once, on first use
 
 
-@contextmanager
-def steps_refused(window: OpenWindow) -> Iterator[None]:
+class steps_refused:  # noqa: N801  (a context manager used like a function)
     """While a micro-batch runs: refuse any optimizer's step of the window's parameters.
 
     The first micro-batch's too, before the window counts as open. PyTorch's optimizer-in-backward
@@ -127,18 +124,26 @@ def steps_refused(window: OpenWindow) -> Iterator[None]:
     that is a step per micro-batch on a partial, undivided sum, silently. Refused before the step
     changes anything, by one global pre-hook registered once (registering one per micro-batch
     would mutate torch's hook dict while another thread's step may iterate it); a CUDA backward
-    runs its hooks in torch's device threads, so the running windows are process-wide.
+    runs its hooks in torch's device threads, so the running windows are process-wide. A class,
+    not a generator: it runs twice per micro-batch.
     """
-    global _RUNNING
-    with _LOCK:
-        if not _HOOKED:
-            register_optimizer_step_pre_hook(_refuse_running)
-            _HOOKED.append(True)
-        _RUNNING = (*_RUNNING, window)
-    window.running = True
-    try:
-        yield
-    finally:
-        window.running = False
+
+    __slots__ = ("window",)
+
+    def __init__(self, window: OpenWindow) -> None:
+        self.window = window
+
+    def __enter__(self) -> None:
+        global _RUNNING
         with _LOCK:
-            _RUNNING = tuple(w for w in _RUNNING if w is not window)
+            if not _HOOKED:
+                register_optimizer_step_pre_hook(_refuse_running)
+                _HOOKED.append(True)
+            _RUNNING = (*_RUNNING, self.window)
+        self.window.running = True
+
+    def __exit__(self, *exc: object) -> None:
+        global _RUNNING
+        self.window.running = False
+        with _LOCK:
+            _RUNNING = tuple(w for w in _RUNNING if w is not self.window)
