@@ -7,8 +7,8 @@ updates per optimizer step instead of one, and later micro-batches read another 
 full batch does. Silent, unlike a buffer's update (`_buffer_watch`). `FrozenWatch` tells
 `BufferWatch` once, naming the parameters, for its `ForwardStateWarning`, without copying them
 (a frozen backbone can be most of the model): each window compares their version counters and
-storages (an in-place update, a `p.data = ...` reassignment), and the first three also their
-float64 norms (a `p.data.mul_()`, which bumps no version counter; a target copied from the
+storages (an in-place update, a `p.data = ...` reassignment), and the first three also a sample
+of their elements (a `p.data.mul_()`, which bumps no version counter; a target copied from the
 trained network moves only from the second window on). They are not put back when a window
 is forgotten: nothing else than a copy could.
 """
@@ -22,17 +22,23 @@ from gradaccum._wrappers import unwrapped
 __all__ = ["FrozenWatch"]
 
 _SHOWN = 6  # parameter names in the warning
-_BY_VALUE = 3  # windows whose norms are compared (two reads of every frozen parameter each)
+_BY_VALUE = 3  # windows whose samples are compared
+_SAMPLE = 1024  # elements per parameter
 
 
 def _version(param: torch.Tensor) -> int | None:
     return None if param.is_inference() else param._version
 
 
-def _norms(params: list[torch.Tensor]) -> list[float]:
-    """Each tensor's float64 norm (one read per tensor: the first windows only)."""
+def _samples(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Up to `_SAMPLE` evenly spaced elements of each tensor, copied (the first windows only).
+
+    Not a norm: a float64 norm or sum of a large frozen weight allocates a float64 copy of it.
+    A momentum update moves every element, so a sample sees it.
+    """
     with torch.no_grad():
-        return [float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) for p in params]
+        flat = [p.detach().reshape(-1) for p in params]  # a view, unless non-contiguous
+        return [f[:: max(1, f.numel() // _SAMPLE)][:_SAMPLE].clone() for f in flat]
 
 
 class FrozenWatch:
@@ -54,15 +60,15 @@ class FrozenWatch:
         self._params = [
             (name, p)
             for name, p in model.named_parameters()
-            # Plain tensors only: a DTensor's storage pointer and norm are not a local read.
+            # Plain tensors only: a DTensor's storage pointer and elements are not a local read.
             if active
             and not p.requires_grad
             and id(p) not in renormed
             and type(p.detach()) is torch.Tensor
         ]
         self._marks: list[tuple[str, torch.Tensor, int | None, int]] = []
-        self._norms: list[float] | None = None  # the first windows', by value
-        self._by_value = _BY_VALUE  # windows left to compare norms in
+        self._samples: list[torch.Tensor] | None = None  # the first windows', by value
+        self._by_value = _BY_VALUE  # windows left to compare samples in
         self.warned = False
 
     def open(self) -> None:
@@ -73,11 +79,11 @@ class FrozenWatch:
             (n, p, _version(p), p.data_ptr()) for n, p in self._params if not p.requires_grad
         ]
         if self._by_value:
-            self._norms = _norms([p for _, p, _, _ in self._marks])
+            self._samples = _samples([p for _, p, _, _ in self._marks])
 
     def close(self, micro_batches: int) -> str | None:
         """At a commit (after the step, which steps no frozen parameter): what moved, if any."""
-        marks, norms = self._marks, self._norms
+        marks, samples = self._marks, self._samples
         self.reset()
         if not marks:
             return None
@@ -87,10 +93,10 @@ class FrozenWatch:
             for name, p, version, pointer in marks
             if not p.requires_grad and (_version(p) != version or p.data_ptr() != pointer)
         ]
-        if not moved and norms is not None:
-            now = _norms([p for _, p, _, _ in marks])
-            pairs = zip(marks, norms, now, strict=True)
-            moved = [m[0] for m, old, new in pairs if old != new and not m[1].requires_grad]
+        if not moved and samples is not None:
+            now = _samples([p for _, p, _, _ in marks])
+            pairs = zip(marks, samples, now, strict=True)
+            moved = [m[0] for m, old, new in pairs if not (m[1].requires_grad or old.equal(new))]
         if not moved or micro_batches < 2:
             return None
         self.warned = True
@@ -106,4 +112,4 @@ class FrozenWatch:
 
     def reset(self) -> None:
         """Drop this window's marks (it closed, was forgotten, or a state was loaded)."""
-        self._marks, self._norms = [], None
+        self._marks, self._samples = [], None
