@@ -65,6 +65,7 @@ class FrozenWatch:
             and not p.requires_grad
             and id(p) not in renormed
             and type(p.detach()) is torch.Tensor
+            and p.layout is torch.strided
         ]
         self._marks: list[tuple[str, torch.Tensor, int | None, int]] = []
         self._samples: list[torch.Tensor] | None = None  # the first windows', by value
