@@ -22,7 +22,8 @@ Guards around the one call that changes the model, none of which copies a parame
 - a step pre-hook on the optimizer (`refuse_steps_inside`) refuses the user's own
   `optimizer.step()` inside an open window, before it changes anything; while a micro-batch's
   `loss_fn` and backward run, a global one (`steps_refused`) refuses any optimizer's step of
-  the window's parameters (a `register_post_accumulate_grad_hook` stepping in the backward).
+  the window's parameters (a `register_post_accumulate_grad_hook` stepping in the backward);
+  both live in `_step_refusal` and are re-exported here, where the engine takes its guards.
 
 Example:
     >>> import torch
