@@ -316,3 +316,83 @@ def test_a_mean_given_as_a_loss_sums_value_warns_and_is_far_from_the_step(loss_f
     for fine in (one_row, _loss_sum):
         _, caught = _streamed(fine)
         assert not caught
+
+
+def _row_sum(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return _summed(model, batch) / len(batch[1])  # a mean over the rows, written by hand
+
+
+def _batchmean_kl(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    target = nn.functional.one_hot(batch[1], 3).double() * 0.8 + 0.2 / 3  # a teacher's soft labels
+    logp = nn.functional.log_softmax(model(batch[0]), dim=-1)
+    return nn.functional.kl_div(logp, target, reduction="batchmean")  # sum / rows, torch's own
+
+
+@pytest.mark.parametrize("loss_fn", [_row_sum, _batchmean_kl])
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_a_sum_over_rows_divided_by_rows_does_not_warn_when_rows_equal_micro_batches(
+    loss_fn, drive
+) -> None:
+    """16 rows in 4 micro-batches of 4: `sum / len(x)` and `kl_div(reduction='batchmean')` (a
+    distillation loss) divide by 4, the micro-batches' number, but they are row means, exactly
+    what a plain scalar is read as. It warned, telling the user to remove the division (which
+    would make every gradient 4x too large); the step is the full-batch one. `mean / 4` (the
+    copied line) on the same split still warns."""
+    generator = torch.Generator().manual_seed(2)
+    x, y = torch.randn(16, 5, generator=generator, dtype=torch.float64), torch.arange(16) % 3
+    reference = _model()
+    loss_fn(reference, (x, y)).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+
+    def run(fn) -> tuple[nn.Module, list[warnings.WarningMessage]]:
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if drive == "step":
+                assert Accumulator(model, optimizer, micro_batch_size=4).step((x, y), fn).stepped
+            else:
+                acc = Accumulator(model, optimizer, accumulation_steps=4)
+                parts = zip(x.split(4), y.split(4), strict=True)
+                results = [acc.micro_step(mb, fn) for mb in parts]
+                assert results[-1].stepped
+        return model, [w for w in caught if issubclass(w.category, CopiedLoopWarning)]
+
+    model, caught = run(loss_fn)
+    assert not caught, [str(w.message) for w in caught]
+    assert _gap(model, reference) < 1e-10
+    divided, caught = run(lambda model, batch: _mean(model, batch) / 4)  # negative control
+    assert len(caught) == 1
+    assert "divides its loss by 4" in str(caught[0].message)
+    if loss_fn is _row_sum:  # the same objective, divided by 4 once more: another step
+        assert _gap(divided, reference) > 1e-3
+
+
+def test_a_plateau_step_inside_a_window_is_named_harmless_and_is_the_plain_step() -> None:
+    """`ReduceLROnPlateau.step(val_loss)` (stepped by the user, as the constructor's error says)
+    after a validation that falls inside a window changes the rate once: the warning says that is
+    the plain loop's step too, and the steps equal a full-batch loop reducing at the same time."""
+    model, reference = _model(), _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.5)
+    plateaus = [
+        torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0) for o in (optimizer, plain)
+    ]
+    acc = Accumulator(model, optimizer, accumulation_steps=STEPS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for epoch in range(2):
+            for index, batch in enumerate(_loader()):
+                acc.micro_step(batch, _mean)
+                if index == 1:  # a validation in the window's middle, worse every time
+                    plateaus[0].step(float(epoch))
+            x, y = (torch.cat(parts) for parts in zip(*_loader(), strict=True))
+            plateaus[1].step(float(epoch))
+            plain.zero_grad()
+            _mean(reference, (x, y)).backward()
+            plain.step()
+    messages = [str(w.message) for w in caught if issubclass(w.category, CopiedLoopWarning)]
+    assert len(messages) == 1
+    assert "ReduceLROnPlateau" in messages[0]
+    assert optimizer.param_groups[0]["lr"] == plain.param_groups[0]["lr"] == 0.05
+    assert _gap(model, reference) < 1e-10

@@ -281,3 +281,33 @@ def test_readme_api_in_30_lines_runs_as_written(tmp_path: Path, monkeypatch: Any
     exec(compile(block, "README.md: The API in 30 lines", "exec"), scope)
     assert (tmp_path / "ckpt.pt").is_file()
     assert scope["acc"].micro_batch_size == "auto"
+
+
+@pytest.mark.parametrize(
+    ("partial_window", "windows"),
+    [
+        ("step", lambda n, k, e: e * -(-n // k)),
+        ("drop", lambda n, k, e: e * (n // k)),
+        ("carry", lambda n, k, e: -(-e * n // k)),
+    ],
+)
+def test_readme_schedule_sizes_count_the_windows(partial_window: str, windows: Any) -> None:
+    """README: a `OneCycleLR` sized by the windows each `partial_window` makes (10 micro-batches
+    per epoch, windows of 4, 3 epochs) ends exactly at its `total_steps`, its final rate."""
+    loader, steps, epochs = [(torch.randn(2, 3), torch.randn(2, 1)) for _ in range(10)], 4, 3
+    total = windows(len(loader), steps, epochs)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.3, total_steps=total)
+    acc = Accumulator(model, optimizer, accumulation_steps=steps, scheduler=schedule)
+    mse = lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    for _ in range(epochs):
+        for micro_batch in loader:
+            acc.micro_step(micro_batch, mse)
+        acc.flush(partial_window)
+    if partial_window == "carry":
+        acc.flush("step")  # the run's last window
+    assert schedule.last_epoch == total
+    acc.micro_step(loader[0], mse)
+    with pytest.raises(ValueError, match="Tried to step"):  # one window more: past its end
+        acc.flush("step")

@@ -10,6 +10,7 @@ negative controls show the snapshot comparison can fail.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -23,7 +24,7 @@ import gradaccum._commit
 import gradaccum._commit_agreement
 from gradaccum import Accumulator, LossSum
 from gradaccum._engine import Engine
-from gradaccum.loss import TokenMeanWarning
+from gradaccum.loss import CopiedLoopWarning, TokenMeanWarning
 from gradaccum.result import PartialStepError
 from gradaccum.sync import LocalSync
 from tests.integrations._hf import import_transformers
@@ -248,6 +249,27 @@ def test_schedulers_that_need_a_metric_are_refused_naming_the_fix() -> None:
     )
 
 
+def test_a_scheduler_whose_step_needs_an_epoch_is_refused_naming_it_not_a_metric() -> None:
+    """timm's schedulers take `step(epoch, metric=None)`: the refusal said "needs an argument (a
+    metric)" and told the user to call `step(val_loss)` after validation, which sets the lr of
+    epoch `val_loss`. It names the argument and says to count steps or epochs."""
+
+    class CosineLRScheduler:  # timm.scheduler's shape, without timm
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer = optimizer
+
+        def step(self, epoch: int, metric: float | None = None) -> None: ...
+
+        def step_update(self, num_updates: int, metric: float | None = None) -> None: ...
+
+    model = make_model("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="needs the argument epoch") as raised:
+        Accumulator(model, optimizer, micro_batch_size=2, scheduler=CosineLRScheduler(optimizer))
+    assert "val_loss" not in str(raised.value)
+    assert "never micro-batches" in str(raised.value)
+
+
 def test_optimizers_that_need_a_closure_are_refused() -> None:
     model = make_model("mlp")
     with pytest.raises(ValueError, match="needs a closure"):
@@ -444,7 +466,11 @@ def test_a_parameter_joining_mid_window_takes_part_from_the_next_window(
                 with pytest.warns(UserWarning, match=joined):
                     result = acc.micro_step((x[piece], y[piece]), mse_loss)
             else:
-                result = acc.micro_step((x[piece], y[piece]), mse_loss)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    result = acc.micro_step((x[piece], y[piece]), mse_loss)
+                # A group added is no learning rate changed inside the window (`join` warns).
+                assert not [w for w in caught if issubclass(w.category, CopiedLoopWarning)]
         assert result.stepped
         if index == 0:
             assert torch.equal(first, before)  # out of the window it opened without
@@ -664,6 +690,56 @@ def test_negative_control_an_unguarded_optimizer_step_inside_the_window_is_a_wro
         for p, q in zip(model.parameters(), twin[0].parameters(), strict=True)
     )
     assert gap > 1e-3
+
+
+@pytest.mark.parametrize("stepping", ["per-parameter optimizers", "the Accumulator's optimizer"])
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_an_optimizer_stepped_in_the_backward_is_refused_changing_nothing(
+    drive: str, stepping: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PyTorch's optimizer-in-backward recipe: a `register_post_accumulate_grad_hook` steps (and
+    clears) each parameter as soon as its gradient is accumulated. Under accumulation it stepped
+    once per micro-batch on a partial, undivided sum, silently (per-parameter optimizers), or
+    stepped on the window's first micro-batch before the Accumulator's own optimizer was
+    refused at the second (the window's first micro-batch counted as no open window). Refused at
+    the first micro-batch now, before any step: everything bitwise as before, and once the hooks
+    are removed the step is the full-batch one."""
+    model, optimizer, scheduler, acc = _setup(**_DRIVES[drive])
+    _warm_up(acc)
+    twin = copy.deepcopy((model, optimizer, scheduler))
+    own = {p: torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in model.parameters()}
+
+    def in_backward(param: torch.Tensor) -> None:
+        if stepping == "per-parameter optimizers":
+            own[param].step()
+            own[param].zero_grad()
+        else:
+            optimizer.step()
+
+    hooks = [p.register_post_accumulate_grad_hook(in_backward) for p in model.parameters()]
+    before = _everything(model, optimizer, scheduler)
+    states = clone_state([o.state_dict() for o in own.values()])
+    with pytest.raises(RuntimeError, match="optimizer-in-backward") as raised:
+        _drive(acc, drive, _batch(2))
+    assert "(0 micro-batches so far)" in str(raised.value)
+    assert_bitwise(_everything(model, optimizer, scheduler), before)
+    assert_bitwise(clone_state([o.state_dict() for o in own.values()]), states)
+    for hook in hooks:
+        hook.remove()
+    assert _drive(acc, drive, _batch(2)).stepped
+    reference_step(twin[0], twin[1], _batch(2), mse_loss, scheduler=twin[2])
+    for got, want in zip(model.parameters(), twin[0].parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+    if stepping == "per-parameter optimizers":  # negative control: unrefused, a step per micro
+        monkeypatch.setattr(gradaccum._engine, "steps_refused", lambda window: nullcontext())
+        hooks = [p.register_post_accumulate_grad_hook(in_backward) for p in model.parameters()]
+        _drive(acc, drive, _batch(3))
+        reference_step(twin[0], twin[1], _batch(3), mse_loss, scheduler=twin[2])
+        gap = max(
+            float((p - q).detach().abs().max())
+            for p, q in zip(model.parameters(), twin[0].parameters(), strict=True)
+        )
+        assert gap > 1e-3
 
 
 @pytest.mark.parametrize("drive", ["step", "micro_step"])

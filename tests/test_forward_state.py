@@ -225,3 +225,85 @@ def test_a_buffer_made_in_inference_mode_is_watched_without_a_version_counter() 
         acc.step(batch, replacing)
     assert model.offset is original
     assert torch.equal(model.offset, torch.arange(3.0))
+
+
+class _MomentumTarget(torch.nn.Module):
+    """MoCo / BYOL: a frozen key encoder (parameters, not buffers) moved toward the query one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.query = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)
+        )
+        self.key = copy.deepcopy(self.query).requires_grad_(False)
+        self.double()
+
+    def momentum_update(self, how: str) -> None:
+        with torch.no_grad():
+            for key, query in zip(self.key.parameters(), self.query.parameters(), strict=True):
+                if how == "in_place":
+                    key.mul_(0.9).add_(query, alpha=0.1)
+                elif how == "data":  # BYOL implementations: no version bump
+                    key.data.mul_(0.9).add_(query.data, alpha=0.1)
+                else:  # MoCo's reference code: a new tensor
+                    key.data = key.data * 0.9 + query.data * 0.1
+
+
+def _target_loss(how: str | None):
+    def loss_fn(model: _MomentumTarget, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if how is not None:  # the training step's update, pasted into loss_fn
+            model.momentum_update(how)
+        return ((model.query(batch[0]) - model.key(batch[1])) ** 2).sum(1).mean()
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("how", ["in_place", "data", "reassigned"])
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_a_target_networks_update_inside_loss_fn_warns_and_once_per_window_is_exact(
+    how: str, drive: str
+) -> None:
+    """A momentum update of frozen parameters written in `loss_fn` ran once per micro-batch
+    (3 per step) silently, 1e-2 away from the full-batch run; it warns once, naming them. The
+    update once per window, when `result.stepped`, equals the full-batch run and does not warn."""
+    generator = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(12, 4, generator=generator, dtype=torch.float64) for _ in range(2))
+    reference = _MomentumTarget()
+    plain = torch.optim.SGD(reference.query.parameters(), lr=0.1)
+    for _ in range(3):
+        reference.momentum_update(how)
+        plain.zero_grad()
+        _target_loss(None)(reference, (x, y)).backward()
+        plain.step()
+
+    def run(inside: bool) -> tuple[_MomentumTarget, list[str]]:
+        model = _MomentumTarget()
+        optimizer = torch.optim.SGD(model.query.parameters(), lr=0.1)
+        step = {"micro_batch_size": 4} if drive == "step" else {"accumulation_steps": 3}
+        acc = Accumulator(model, optimizer, **step)
+        loss_fn = _target_loss(how if inside else None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                if not inside:
+                    model.momentum_update(how)  # once per window, before its micro-batches
+                if drive == "step":
+                    assert acc.step((x, y), loss_fn).stepped
+                else:
+                    parts = zip(x.split(4), y.split(4), strict=True)
+                    assert [acc.micro_step(mb, loss_fn) for mb in parts][-1].stepped
+        return model, [str(w.message) for w in caught if w.category is ForwardStateWarning]
+
+    def gap(model: _MomentumTarget) -> float:
+        pairs = zip(model.parameters(), reference.parameters(), strict=True)
+        return max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
+
+    model, messages = run(inside=True)
+    assert len(messages) == 1
+    assert "do not require grad (key.0.weight, key.0.bias, key.2.weight" in messages[0]
+    assert "once per micro-batch" in messages[0]
+    assert gap(model) > 1e-3  # the negative control: silently other steps
+    model, messages = run(inside=False)
+    assert messages == []
+    assert gap(model) < 1e-10

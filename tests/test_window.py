@@ -130,6 +130,21 @@ def test_accumulate_grad_restores_gradients_when_a_micro_batch_fails() -> None:
         assert torch.equal(p.grad, s)
 
 
+def test_accumulate_grad_refuses_an_optimizer_stepped_in_the_backward() -> None:
+    """PyTorch's optimizer-in-backward recipe stepped each parameter once per micro-batch of
+    `accumulate_grad`, silently; refused before any step, weights and gradients as before."""
+    model, batch = _mlp(), _data()
+    weights = [p.detach().clone() for p in model.parameters()]
+    inner = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(lambda p: inner[p].step())
+    with pytest.raises(RuntimeError, match="optimizer-in-backward"):
+        accumulate_grad(model, batch, _mse, 4)
+    for param, weight in zip(model.parameters(), weights, strict=True):
+        assert torch.equal(param, weight)
+        assert param.grad is None
+
+
 def test_accumulate_grad_rejects_bad_arguments_before_any_work() -> None:
     model = _mlp()
     batch = _data()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from gradaccum._frozen_watch import FrozenWatch
 from gradaccum._warnings import warn_user
 from gradaccum._wrappers import known_name, unwrapped
 
@@ -52,9 +53,11 @@ class BufferWatch:
         self._versions: list[tuple[int, torch.Tensor, int | None]] = []  # slot, tensor, version
         self._warned = False
         self._tied = tied_max_norm(model)  # warned of at the first split window
+        self._frozen = FrozenWatch(model, active=active)  # a target network's EMA in loss_fn
 
     def open(self) -> None:
         """Copy what this window may change (all of it until one window has shown what does)."""
+        self._frozen.open()
         if not self._slots:
             return
         current = [(i, m._buffers.get(k)) for i, (_, m, k) in enumerate(self._slots)]
@@ -94,6 +97,9 @@ class BufferWatch:
                     "torch.embedding_renorm_(emb.weight, ids.unique(), max_norm, 2.0)."
                 )
             )
+        frozen = self._frozen.close(micro_batches)
+        if frozen is not None:
+            warn_user(ForwardStateWarning(frozen))
         if not self._slots:
             return
         changed = self._changed_slots()
@@ -133,6 +139,7 @@ class BufferWatch:
     def reset(self) -> None:
         """Drop this window's copies (it closed, or another window's state was loaded)."""
         self._saved, self._versions = [], []
+        self._frozen.reset()
 
     def state_dict(self) -> list[list[str | torch.Tensor]]:
         """The open window's starting copies, `[[buffer name, tensor], ...]` (plain data).

@@ -139,11 +139,19 @@ def check_scheduler(scheduler: Any) -> None:
     step = getattr(scheduler, "step", None)
     if not callable(step):
         raise TypeError(f"scheduler={scheduler!r} has no step(); pass an LRScheduler or None.")
-    if _needs_argument(getattr(type(scheduler), "step", step)):
+    needed, name = _needs_argument(getattr(type(scheduler), "step", step)), type(scheduler).__name__
+    if needed == ["metrics"]:  # ReduceLROnPlateau
         raise ValueError(
-            f"{type(scheduler).__name__}.step() needs an argument (a metric); the Accumulator "
-            "steps its scheduler with none. Pass scheduler=None and call "
-            f"{type(scheduler).__name__}.step(val_loss) yourself after validation."
+            f"{name}.step() needs an argument (a metric); the Accumulator steps its scheduler "
+            f"with none. Pass scheduler=None and call {name}.step(val_loss) yourself after "
+            "validation (between windows: when result.stepped is True)."
+        )
+    if needed:  # timm's schedulers: step(epoch), step_update(num_updates)
+        raise ValueError(
+            f"{name}.step() needs the argument {', '.join(needed)}, and the Accumulator steps "
+            f"its scheduler with none. Pass scheduler=None and step {name} yourself as its "
+            "documentation says, counting optimizer steps (when result.stepped is True) or "
+            "epochs, never micro-batches."
         )
 
 
@@ -195,22 +203,23 @@ def check_sparse(model: torch.nn.Module) -> None:
             )
 
 
-def _needs_argument(method: Any) -> bool:
-    """Whether calling the method `method` (read on the class) with no argument is an error.
+def _needs_argument(method: Any) -> list[str]:
+    """The arguments calling the method `method` (read on the class) cannot go without.
 
     Read on the class: schedulers wrap the instance's `optimizer.step` in a `*args` wrapper.
     """
     try:
         parameters = list(inspect.signature(method).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: assume it takes none
-        return False
+        return []
     if inspect.isfunction(inspect.unwrap(method)) and parameters:
         parameters = parameters[1:]  # self
-    return any(
-        p.default is inspect.Parameter.empty
-        and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [
+        p.name
         for p in parameters
-    )
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
 
 
 def check_fsdp_support(model: torch.nn.Module, *, buffers: bool, policy: SyncPolicy) -> None:

@@ -20,7 +20,10 @@ Guards around the one call that changes the model, none of which copies a parame
   parameters it changed and how to continue, and the engine refuses every later window until
   a state is loaded, so a retried call can never step the same parameters twice;
 - a step pre-hook on the optimizer (`refuse_steps_inside`) refuses the user's own
-  `optimizer.step()` inside an open window, before it changes anything.
+  `optimizer.step()` inside an open window, before it changes anything; while a micro-batch's
+  `loss_fn` and backward run, a global one (`steps_refused`) refuses any optimizer's step of
+  the window's parameters (a `register_post_accumulate_grad_hook` stepping in the backward);
+  both live in `_step_refusal` and are re-exported here, where the engine takes its guards.
 
 Example:
     >>> import torch
@@ -36,7 +39,6 @@ from __future__ import annotations
 import copy
 import operator
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -44,8 +46,9 @@ import torch
 
 from gradaccum._checks import check_scheduler, check_scheduler_optimizer
 from gradaccum._dtensor import local_tensor
-from gradaccum._joined import JoinWatch, warn_joined
+from gradaccum._joined import warn_joined
 from gradaccum._oom import optimizer_step_guard
+from gradaccum._step_refusal import COMMITTING, OpenWindow, refuse_steps_inside, steps_refused
 from gradaccum._warnings import warn_user
 from gradaccum.result import PartialStepError
 
@@ -55,6 +58,7 @@ __all__ = [
     "SchedulerSteps",
     "refuse_steps_inside",
     "run_each",
+    "steps_refused",
     "step_optimizer",
     "triable",
     "try_scheduler",
@@ -62,9 +66,6 @@ __all__ = [
 
 _VERSION = operator.attrgetter("_version")
 _SHOWN_NAMES = 5
-# The optimizers an Accumulator's own window step is running on: a second Accumulator's window
-# open over the same optimizer then names that Accumulator, not a stray optimizer.step().
-_COMMITTING: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 class Breakable(Protocol):
@@ -73,59 +74,12 @@ class Breakable(Protocol):
     broken: str | None
 
 
-class _OpenWindow(Protocol):
-    """What `refuse_steps_inside` reads of a window (`gradaccum.window.Window`)."""
-
-    @property
-    def is_open(self) -> bool: ...
-
-    micro_batches: int
-    joins: JoinWatch  # the optimizer's parameters that started to require grad mid-window
-    committing: bool  # True while the Accumulator's own `optimizer.step()` runs
-
-
-def refuse_steps_inside(optimizer: torch.optim.Optimizer, window: _OpenWindow) -> None:
-    """Make `optimizer.step()` raise, changing nothing, when called inside an open `window`.
-
-    A loop moved to the Accumulator that kept its own `optimizer.step()`, between two
-    `micro_step()` calls or inside `loss_fn`, would step on a partial, undivided sum of the
-    window's gradients. A step pre-hook refuses it before anything changes; the Accumulator's
-    own step, and steps between windows, pass. The hook holds the optimizer and the window
-    weakly and is removed with the window.
-    """
-    owner, ref = weakref.ref(optimizer), weakref.ref(window)
-
-    def hook(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        open_window = ref()
-        if open_window is None or not open_window.is_open or open_window.committing:
-            return
-        if stepped is not owner():  # a copy of the optimizer
-            return
-        if stepped in _COMMITTING:  # another Accumulator's window step, not the user's
-            raise RuntimeError(
-                f"another Accumulator steps this {type(stepped).__name__} while a window of an "
-                f"Accumulator over it is open ({open_window.micro_batches} micro-batches so "
-                "far): the step would clear that window's partial gradients. Settle the open "
-                "window first (its acc.flush('step') or acc.flush('drop')), or drive both loops "
-                "with one Accumulator. Nothing was stepped: the open window is kept, the "
-                "stepping one was discarded."
-            )
-        raise RuntimeError(
-            f"{type(stepped).__name__}.step() was called inside an accumulation window "
-            f"({open_window.micro_batches} micro-batches so far): it would step on a partial, "
-            "undivided sum of the window's gradients. Remove it: the Accumulator steps the "
-            "optimizer itself when the window is full. Nothing was stepped; the window is kept."
-        )
-
-    weakref.finalize(window, optimizer.register_step_pre_hook(hook).remove)
-
-
 def step_optimizer(
     optimizer: torch.optim.Optimizer,
     params: Sequence[torch.Tensor],
     names: dict[int, str],
     owner: Breakable | None = None,
-    window: _OpenWindow | None = None,
+    window: OpenWindow | None = None,
 ) -> None:
     """`optimizer.step()`; if it raises, nothing changed, or `PartialStepError` says what did.
 
@@ -147,7 +101,7 @@ def step_optimizer(
     if window is not None:
         warn_joined(window.joins.drop(), names)  # unfrozen mid-window: not in this step
         window.committing = True  # the step pre-hook lets this step through
-        _COMMITTING.add(optimizer)
+        COMMITTING.add(optimizer)
     try:
         with optimizer_step_guard():  # out of memory here is not rerun smaller: it may have stepped
             optimizer.step()
@@ -168,7 +122,7 @@ def step_optimizer(
     finally:
         if window is not None:
             window.committing = False
-            _COMMITTING.discard(optimizer)
+            COMMITTING.discard(optimizer)
 
 
 def run_each(*parts: Callable[[], object]) -> None:

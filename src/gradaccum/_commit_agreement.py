@@ -21,7 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from gradaccum._commit import Breakable, _OpenWindow, step_optimizer
+from gradaccum._commit import Breakable, step_optimizer
+from gradaccum._step_refusal import OpenWindow
 from gradaccum._sync_base import GradSync
 
 __all__ = ["join_as_failed", "step_on_every_rank"]
@@ -32,7 +33,7 @@ def step_on_every_rank(
     params: Sequence[torch.Tensor],
     names: dict[int, str],
     owner: Breakable,
-    window: _OpenWindow,
+    window: OpenWindow,
     sync: GradSync,
 ) -> str | None:
     """`step_optimizer`, then (several ranks) agree on whether it raised anywhere.

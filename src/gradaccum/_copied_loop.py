@@ -88,16 +88,20 @@ def _sum_over(node: object, *, read_device: bool = False) -> float | None:
     return float(other)
 
 
-def division_problem(result: object, micro_batches: int) -> str | None:
+def division_problem(result: object, micro_batches: int, items: int = 0) -> str | None:
     """What is wrong if `result` (a plain scalar, a `LossSum`'s value) divides by `micro_batches`.
 
     `micro_batches` is the window's number of micro-batches when known up front (else 0). A
     count from the data (`loss_sum / n_tokens`) may equal it once by chance: the caller warns
-    only when it holds on two micro-batches.
+    only when it holds on two micro-batches. A sum divided by the micro-batch's own `items`
+    rows (`.sum() / len(x)`, `kl_div(reduction='batchmean')`) is the row mean gradaccum reads,
+    whatever the number of micro-batches (16 rows split in 4 micro-batches of 4).
     """
     value = result if isinstance(result, torch.Tensor) else getattr(result, "value", None)
     node = value.grad_fn if isinstance(value, torch.Tensor) else None
     if micro_batches < 2 or node is None or _divisor(node) != micro_batches:
+        return None
+    if isinstance(result, torch.Tensor) and items == micro_batches and _sum_over(node) == items:
         return None
     return (
         f"loss_fn divides its loss by {micro_batches}, the window's number of micro-batches "

@@ -20,7 +20,7 @@ from gradaccum import _boundary, _commit
 from gradaccum._agreement import RankMismatchError
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
 from gradaccum._buffer_watch import BufferWatch
-from gradaccum._commit import SchedulerSteps, refuse_steps_inside, try_scheduler
+from gradaccum._commit import SchedulerSteps, refuse_steps_inside, steps_refused, try_scheduler
 from gradaccum._commit_agreement import join_as_failed, step_on_every_rank
 from gradaccum._engine_state import component_states, restore_components
 from gradaccum._layout_watch import SequenceFirstCheck
@@ -170,7 +170,7 @@ class Engine:
         self.batchnorm.warn_once(items, expect.items or items * expect.micro_batches)
         outputs: list[torch.Tensor] = []
         capture = captured_outputs(self.model, outputs) if self._fsdp else NO_CONTEXT
-        with sync.micro_context(last=last), self.batchnorm.micro_context():
+        with sync.micro_context(last=last), self.batchnorm.micro_context(), steps_refused(window):
             with runtime.autocast(), capture, self._layout.watch(items, expect.items):
                 result = call_loss_fn(loss_fn, self.model, micro_batch)
             window.check_no_backward_inside()  # no backward or zero_grad() inside loss_fn

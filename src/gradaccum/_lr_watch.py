@@ -68,7 +68,9 @@ class LearningRateWatch:
             return
         micro_batches = window.micro_batches
         seen, self._seen = self._seen, None
-        if seen is None or self.warned or seen == _rates(optimizer):
+        # Only the groups the last micro-batch saw: one added by add_param_group() mid-window is
+        # no rate change (it sits the window out, and `_joined` warns of that).
+        if seen is None or self.warned or seen == _rates(optimizer)[: len(seen)]:
             return
         self.warned = True
         warn_user(
@@ -78,6 +80,9 @@ class LearningRateWatch:
                 "rate it ends with. If a scheduler.step() (or a manual lr) runs per micro-batch, "
                 "the schedule runs accumulation_steps times too fast: step your scheduler only "
                 "when result.stepped is True, or pass it as Accumulator(..., scheduler=...), "
-                "which steps it once per optimizer step."
+                "which steps it once per optimizer step. A one-off change (a "
+                "ReduceLROnPlateau.step(val_loss) after a validation that fell inside a window) "
+                "is the plain loop's step too; validate when result.stepped to keep it between "
+                "windows."
             )
         )

@@ -146,7 +146,7 @@ class TokenMeanCheck:
             if scaled is not None:
                 raise ValueError(scaled)
             self.copied_left -= 1
-            divided = division_problem(result, micro_batches)
+            divided = division_problem(result, micro_batches, items)
             self.divisions += divided is not None
             problem = sum_problem(result, items) or mean_problem(result)
             problem = problem or (divided if self.divisions > 1 else None)

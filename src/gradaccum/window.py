@@ -35,6 +35,7 @@ from gradaccum._layout_watch import SequenceFirstCheck
 from gradaccum._loss_call import call_loss_fn
 from gradaccum._parameters import trainable_parameters
 from gradaccum._state_layout import check_tensors_fit
+from gradaccum._step_refusal import steps_refused
 from gradaccum._terms import TermLedger
 from gradaccum.batching import batch_size, split_batch, to_device
 from gradaccum.divisor import backward_denominator, divide_, folds_counts, grad_divisor, seeded_loss
@@ -65,6 +66,7 @@ class Window:
         self.joins = JoinWatch(optimizer)  # the optimizer's parameters unfrozen mid-window
         self.params: list[torch.nn.Parameter] = []
         self.held = 0  # the first `held` params are the optimizer's
+        self.running = False  # a micro-batch's loss_fn and backward run (`_commit.steps_refused`)
         self._close()
 
     def _close(self) -> None:
@@ -359,31 +361,32 @@ def accumulate_grad(
     window.open(params, len(params), loss_scale=1.0)
     token_mean, layout = TokenMeanCheck(), SequenceFirstCheck(model, batch_dim=0)
     try:
-        for micro_batch in micro_batches:
-            items = batch_size(micro_batch)
-            with layout.watch(items, total_items):  # a sequence-first RNN cut in time: warns
-                result = call_loss_fn(loss_fn, model, to_device(micro_batch, device))
-            window.check_no_backward_inside()
-            if isinstance(result, LossTerms):
-                raise ValueError(
-                    "accumulate_grad takes a loss with one denominator; a LossSum.terms loss "
-                    "divides each term by its own window count: use Accumulator.step."
-                )
-            value, weight, count = read_loss(result, items, needs_graph=True)
-            token_mean.check(result, micro_batch, items, len(micro_batches))  # misread losses
-            if window.denominator is None:
-                # A count known up front (a plain mean's items, or one the loss counts ahead)
-                # is folded into each backward.
-                folded = (total_items if weight > 1 else counted) or None
-                folded = folded if folds_counts(value.dtype) else None  # bf16: exact seeds
-                window.denominator = backward_denominator(
-                    objective, expected_items=count * len(micro_batches), window_items=folded
-                )
-            if value.requires_grad:
-                root, seed = seeded_loss(value, weight, window.denominator)
-                root.backward(seed)  # type: ignore[no-untyped-call]
-            window.watch()
-            window.add(value, weight, count, items)
+        with steps_refused(window):  # an optimizer stepped in the backward
+            for micro_batch in micro_batches:
+                items = batch_size(micro_batch)
+                with layout.watch(items, total_items):  # a sequence-first RNN cut in time: warns
+                    result = call_loss_fn(loss_fn, model, to_device(micro_batch, device))
+                window.check_no_backward_inside()
+                if isinstance(result, LossTerms):
+                    raise ValueError(
+                        "accumulate_grad takes a loss with one denominator; a LossSum.terms loss "
+                        "divides each term by its own window count: use Accumulator.step."
+                    )
+                value, weight, count = read_loss(result, items, needs_graph=True)
+                token_mean.check(result, micro_batch, items, len(micro_batches))  # misread losses
+                if window.denominator is None:
+                    # A count known up front (a plain mean's items, or one the loss counts ahead)
+                    # is folded into each backward.
+                    folded = (total_items if weight > 1 else counted) or None
+                    folded = folded if folds_counts(value.dtype) else None  # bf16: exact seeds
+                    window.denominator = backward_denominator(
+                        objective, expected_items=count * len(micro_batches), window_items=folded
+                    )
+                if value.requires_grad:
+                    root, seed = seeded_loss(value, weight, window.denominator)
+                    root.backward(seed)  # type: ignore[no-untyped-call]
+                window.watch()
+                window.add(value, weight, count, items)
     except BaseException as error:
         window.note_discarded(error)
         window.restore()

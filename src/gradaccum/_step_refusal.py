@@ -1,0 +1,149 @@
+"""Optimizer steps refused inside an accumulation window, before they change anything.
+
+A step on a partial, undivided sum of the window's gradients is never the full-batch step:
+
+- `refuse_steps_inside`: a step pre-hook on the Accumulator's optimizer refuses the user's own
+  `optimizer.step()` inside an open window (a copied loop's line, between two `micro_step()`
+  calls or inside `loss_fn`), and names a second Accumulator stepping it;
+- `steps_refused`: while a micro-batch's `loss_fn` and backward run (the window's first too), a
+  global pre-hook refuses a step of ANY optimizer holding the window's parameters: PyTorch's
+  optimizer-in-backward recipe (`register_post_accumulate_grad_hook` stepping one optimizer per
+  parameter) would otherwise step once per micro-batch, silently.
+
+Example:
+    >>> import torch
+    >>> from gradaccum import Accumulator
+    >>> model = torch.nn.Linear(2, 1)
+    >>> acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=1)
+    >>> inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> for param in model.parameters():  # PyTorch's optimizer-in-backward recipe
+    ...     _ = param.register_post_accumulate_grad_hook(lambda p: inner.step())
+    >>> acc.step(torch.ones(2, 2), lambda m, b: m(b).sum())
+    Traceback (most recent call last):
+    ...
+    RuntimeError: SGD.step() was called inside an accumulation window (0 micro-batches so far)...
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Protocol
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from gradaccum._joined import JoinWatch
+
+__all__ = ["COMMITTING", "OpenWindow", "refuse_steps_inside", "steps_refused"]
+
+# The optimizers an Accumulator's own window step is running on: a second Accumulator's window
+# open over the same optimizer then names that Accumulator, not a stray optimizer.step().
+COMMITTING: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+class OpenWindow(Protocol):
+    """What `refuse_steps_inside` reads of a window (`gradaccum.window.Window`)."""
+
+    @property
+    def is_open(self) -> bool: ...
+
+    micro_batches: int
+    params: list[torch.nn.Parameter]
+    joins: JoinWatch  # the optimizer's parameters that started to require grad mid-window
+    committing: bool  # True while the Accumulator's own `optimizer.step()` runs
+    running: bool  # True while a micro-batch's loss_fn and backward run (`steps_refused`)
+
+
+def refuse_steps_inside(optimizer: torch.optim.Optimizer, window: OpenWindow) -> None:
+    """Make `optimizer.step()` raise, changing nothing, when called inside an open `window`.
+
+    A loop moved to the Accumulator that kept its own `optimizer.step()`, between two
+    `micro_step()` calls or inside `loss_fn`, would step on a partial, undivided sum of the
+    window's gradients. A step pre-hook refuses it before anything changes; the Accumulator's
+    own step, and steps between windows, pass. The hook holds the optimizer and the window
+    weakly and is removed with the window.
+    """
+    owner, ref = weakref.ref(optimizer), weakref.ref(window)
+
+    def hook(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        open_window = ref()
+        if open_window is None or open_window.committing:
+            return
+        if not (open_window.is_open or open_window.running):  # between windows: the user's
+            return
+        if stepped is not owner():  # a copy of the optimizer
+            return
+        if stepped in COMMITTING:  # another Accumulator's window step, not the user's
+            raise RuntimeError(
+                f"another Accumulator steps this {type(stepped).__name__} while a window of an "
+                f"Accumulator over it is open ({open_window.micro_batches} micro-batches so "
+                "far): the step would clear that window's partial gradients. Settle the open "
+                "window first (its acc.flush('step') or acc.flush('drop')), or drive both loops "
+                "with one Accumulator. Nothing was stepped: the open window is kept, the "
+                "stepping one was discarded."
+            )
+        raise RuntimeError(
+            f"{type(stepped).__name__}.step() was called inside an accumulation window "
+            f"({open_window.micro_batches} micro-batches so far): it would step on a partial, "
+            "undivided sum of the window's gradients. Remove it: the Accumulator steps the "
+            "optimizer itself when the window is full. Nothing was stepped; the window is kept."
+        )
+
+    weakref.finalize(window, optimizer.register_step_pre_hook(hook).remove)
+
+
+def _refuse_running(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The global step pre-hook: refuse a step of a running window's parameters."""
+    if stepped in COMMITTING:  # another Accumulator's commit (its own hook names it)
+        return
+    for window in _RUNNING:  # a tuple, replaced whole: safe to read from any thread
+        mine = set(map(id, window.params))
+        if any(id(p) in mine for group in stepped.param_groups for p in group["params"]):
+            raise RuntimeError(
+                f"{type(stepped).__name__}.step() was called inside an accumulation window "
+                f"({window.micro_batches} micro-batches so far), while a micro-batch's loss_fn "
+                "or backward ran: it would step on a partial, undivided sum of the window's "
+                "gradients, once per micro-batch. An optimizer stepped in the backward (a "
+                "register_post_accumulate_grad_hook, PyTorch's optimizer-in-backward recipe) "
+                "cannot accumulate: remove the hook (handle.remove()) and let the Accumulator "
+                "step its optimizer once per window. Nothing was stepped."
+            )
+
+
+_RUNNING: tuple[OpenWindow, ...] = ()  # the windows whose micro-batch runs, in any thread
+_LOCK = threading.Lock()
+_HOOKED: list[bool] = []  # the global hook is registered once, on first use
+
+
+class steps_refused:  # noqa: N801  (a context manager used like a function)
+    """While a micro-batch runs: refuse any optimizer's step of the window's parameters.
+
+    The first micro-batch's too, before the window counts as open. PyTorch's optimizer-in-backward
+    recipe steps each parameter from a `register_post_accumulate_grad_hook`: under accumulation
+    that is a step per micro-batch on a partial, undivided sum, silently. Refused before the step
+    changes anything, by one global pre-hook registered once (registering one per micro-batch
+    would mutate torch's hook dict while another thread's step may iterate it); a CUDA backward
+    runs its hooks in torch's device threads, so the running windows are process-wide. A class,
+    not a generator: it runs twice per micro-batch.
+    """
+
+    __slots__ = ("window",)
+
+    def __init__(self, window: OpenWindow) -> None:
+        self.window = window
+
+    def __enter__(self) -> None:
+        global _RUNNING
+        with _LOCK:
+            if not _HOOKED:
+                register_optimizer_step_pre_hook(_refuse_running)
+                _HOOKED.append(True)
+            _RUNNING = (*_RUNNING, self.window)
+        self.window.running = True
+
+    def __exit__(self, *exc: object) -> None:
+        global _RUNNING
+        self.window.running = False
+        with _LOCK:
+            _RUNNING = tuple(w for w in _RUNNING if w is not self.window)
