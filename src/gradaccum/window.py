@@ -218,9 +218,8 @@ class Window:
                 "gradaccum: every micro-batch runs its own backward, so loss_fn must not use a "
                 "tensor with a graph computed outside it (once per batch, e.g. an encoder's "
                 "output put in the batch, an embedding table or a weight transform): compute it "
-                "inside loss_fn from the micro-batch's inputs; a recurrent state "
-                "carried from the previous micro-batch (truncated BPTT) is carried detached, "
-                "h.detach(). retain_graph=True is not the fix here."
+                "inside loss_fn; a recurrent state carried from the previous micro-batch "
+                "(truncated BPTT) is carried detached, h.detach(). Not retain_graph=True."
             )
 
     def budget(self, count: int, term: str | None) -> int:
