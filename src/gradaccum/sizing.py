@@ -7,8 +7,9 @@ Memory during training is a fixed part plus a part that grows with the micro-bat
     activations(m) = fixed_activations + per_item * m
 
 `plan_micro_batch` measures each term without copying the model (that would double what it
-plans) and leaves everything as it was: parameters, gradients, BatchNorm statistics, optimizer
-state and the random number generators (see `gradaccum._probe`):
+plans) and leaves everything as it was: parameters, gradients, buffers a forward updates (BatchNorm
+statistics, spectral norm's vectors, an EMA codebook), optimizer state and the random number
+generators, Python's and NumPy's included (see `gradaccum._probe`):
 
 - parameters, buffers, gradients and accumulation buffers are counted from the tensors; the
   optimizer's state after its first step, and its step's temporaries, come from replaying one
@@ -43,7 +44,13 @@ from typing import Any
 
 import torch
 
-from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_memory
+from gradaccum._oom import (
+    MemoryBudgetError,
+    is_out_of_memory,
+    release_cached_memory,
+    rng_states,
+    set_rng_states,
+)
 from gradaccum._probe import Probe, resident_bytes
 from gradaccum.batching import batch_size
 from gradaccum.memory import parse_bytes
@@ -209,9 +216,12 @@ def plan_micro_batch(
             "rank (micro_batch_size='auto' plans on the first step()'s), or pass the int "
             "micro_batch_size that plan_micro_batch chooses."
         )
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    rng = rng_states(device)  # Python's and NumPy's too: a loss_fn may augment with np.random
+    try:
         probe = Probe(model, optimizer, loss_fn, sample_batch, mode, accum_dtype, policy, batch_dim)
         sizes = _probe_sizes(probe, items, budget, margin)
+    finally:
+        set_rng_states(device, rng)
     return sizes.plan(_choose(sizes, budget, margin), items, budget, margin, str(device))
 
 
