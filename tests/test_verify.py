@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import random
 import warnings
 
 import numpy as np
@@ -974,3 +975,69 @@ def test_random_draws_in_the_forward_are_named_as_the_cause() -> None:
     report = check_equivalence(_Vae(), (x, eps), passed, micro_batch_size=8)
     assert report.ok
     assert report.non_additive == ()
+
+
+class _NumpyJitter(torch.nn.Module):
+    """Jitters its input's scale with NumPy's global generator: one draw per forward call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x * (1 + float(np.random.uniform(-0.5, 0.5))))
+
+
+def _host_rng() -> tuple[object, list[object]]:
+    kind, keys, *rest = np.random.get_state()
+    return random.getstate(), [kind, keys.tolist(), *rest]
+
+
+@pytest.mark.parametrize("source", ["numpy", "python"])
+def test_numpy_and_python_draws_are_named_and_their_generators_left_as_found(source: str) -> None:
+    """A diffusion loss drawing timesteps per item with NumPy (or Python's `random`), then
+    a noise scale: the draws are named as the cause, the caller's generators are left as found.
+
+    Before, check_equivalence forked torch's generators only: the accumulated run started from
+    other NumPy/Python draws than the full batch, the gap was blamed on the loss ("not additive
+    over items"), and the caller's generators were left advanced.
+    """
+    x = torch.randn(12, 4, generator=torch.Generator().manual_seed(2))
+
+    def diffusion(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        items = len(batch)
+        if source == "numpy":
+            t = torch.from_numpy(np.random.randint(0, 1000, items)).to(batch.dtype)
+            scale = float(np.random.uniform())  # one draw per call, after the per-item ones
+        else:
+            t = torch.tensor([random.randrange(1000) for _ in range(items)], dtype=batch.dtype)
+            scale = random.random()
+        noisy = batch * (1 - t[:, None] / 1000) * scale
+        return torch.nn.functional.mse_loss(model(noisy), batch[:, :1])
+
+    np.random.seed(0)
+    random.seed(0)
+    host = _host_rng()
+    report = check_equivalence(_mlp(), x, diffusion, micro_batch_size=4)
+    assert _host_rng() == host
+    assert not report.ok
+    assert [(m.name, m.kind) for m in report.non_additive] == [("<forward>", "random draws")]
+    assert "the loss is not additive" not in report.explain()
+    # Both runs start from the same draws: one micro-batch draws the full batch's numbers.
+    whole = check_equivalence(_mlp(), x, diffusion, micro_batch_size=12)
+    assert whole.ok
+    assert whole.max_abs_diff == 0.0
+    # A module that draws from NumPy in its forward is named itself.
+    jitter = check_equivalence(_NumpyJitter(), _batch(), _mse, micro_batch_size=4)
+    assert [(m.name, m.kind) for m in jitter.non_additive] == [("<model>", "_NumpyJitter")]
+    assert _host_rng() == host
+    # NEGATIVE CONTROL: with the draws made for the whole batch and passed in it, exact.
+    t = torch.from_numpy(np.random.randint(0, 1000, 12)).to(x.dtype)
+
+    def passed(model: torch.nn.Module, batch) -> torch.Tensor:
+        noisy = batch[0] * (1 - batch[1][:, None] / 1000) * 0.5
+        return torch.nn.functional.mse_loss(model(noisy), batch[0][:, :1])
+
+    exact = check_equivalence(_mlp(), (x, t), passed, micro_batch_size=4)
+    assert exact.ok
+    assert exact.non_additive == ()

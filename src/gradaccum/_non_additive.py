@@ -20,12 +20,14 @@ Example:
 from __future__ import annotations
 
 import copy
+import random
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm as _LegacySpectralNorm
@@ -41,6 +43,7 @@ __all__ = [
     "find_non_additive",
     "fix_for",
     "hooked_buffers",
+    "host_rng_forked",
     "random_draws",
     "rng_advanced",
     "rng_snapshot",
@@ -213,22 +216,18 @@ def random_draws(
 
     Dropout is known by its class, but stochastic depth (torchvision's `StochasticDepth`, timm's
     `DropPath`), `F.dropout` in a custom forward or injected noise are not: any forward that
-    advances the CPU generator (or a CUDA one in `devices`) is, so each micro-batch draws other
-    values than the full batch. The innermost such module is listed, unless `known` has it. The
-    list is filled when the block exits.
+    advances the CPU generator (or a CUDA one in `devices`, NumPy's or Python's) is, so each
+    micro-batch draws other values than the full batch. The innermost such module is listed,
+    unless `known` has it. The list is filled when the block exits.
     """
-
-    def states() -> list[torch.Tensor]:
-        return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
-
-    stack: list[list[torch.Tensor]] = []
+    stack: list[RngSnapshot] = []
     drew: dict[str, str] = {}
 
     def before(module: torch.nn.Module, args: Any) -> None:
-        stack.append(states())
+        stack.append(rng_snapshot(devices))
 
     def after(name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if stack and any(not torch.equal(a, b) for a, b in zip(stack.pop(), states(), strict=True)):
+        if stack and rng_advanced(stack.pop(), devices):
             drew[name] = type(module).__name__
 
     handles = []
@@ -286,20 +285,52 @@ def changed_parameters(
 RANDOM_DRAWS = NonAdditiveModule(
     "<forward>",
     "random draws",
-    "the forward or loss_fn drew random numbers (torch.randn_like, torch.rand, F.dropout: a "
-    "VAE's reparameterization, stochastic depth, noise), and micro-batches draw other random "
-    "numbers than the full batch",
+    "the forward or loss_fn drew random numbers (torch.randn_like, torch.rand, F.dropout, "
+    "np.random, random: a VAE's reparameterization, stochastic depth, noise, a diffusion "
+    "model's timesteps, augmentation), and micro-batches draw other random numbers than the "
+    "full batch",
 )
 
 
-def rng_snapshot(devices: list[int]) -> list[torch.Tensor]:
-    """The CPU RNG state, then each CUDA device's in `devices`."""
-    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+# Python's and NumPy's global generators, as comparable plain values, then torch's states.
+RngSnapshot = tuple[object, bytes, list[torch.Tensor]]
 
 
-def rng_advanced(before: list[torch.Tensor], devices: list[int]) -> bool:
+def rng_snapshot(devices: list[int]) -> RngSnapshot:
+    """Python's and NumPy's generator states, then the CPU's and each CUDA device's in `devices`.
+
+    Python's and NumPy's count too: a model or loss_fn augmenting with `random`/`np.random`
+    draws other numbers per micro-batch just as one drawing with torch does.
+    """
+    kind, keys, position, has_gauss, gauss = np.random.get_state(legacy=True)
+    host = np.asarray(keys).tobytes() + repr((kind, position, has_gauss, gauss)).encode()
+    devices_states = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+    return random.getstate(), host, devices_states
+
+
+def rng_advanced(before: RngSnapshot, devices: list[int]) -> bool:
     """Whether any RNG advanced since `before` was taken."""
-    return any(not torch.equal(a, b) for a, b in zip(before, rng_snapshot(devices), strict=True))
+    python, host, states = rng_snapshot(devices)
+    return (
+        python != before[0]
+        or host != before[1]
+        or any(not torch.equal(a, b) for a, b in zip(before[2], states, strict=True))
+    )
+
+
+@contextmanager
+def host_rng_forked() -> Iterator[None]:
+    """Python's and NumPy's global generators put back as they were when the block exits.
+
+    `torch.random.fork_rng` does this for torch's alone; check_equivalence's two runs must start
+    from the same draws of all three, and leave the caller's as they were.
+    """
+    python, numpy = random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
 
 
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:

@@ -2,13 +2,14 @@
 
 It runs one plain full-batch backward and one accumulated backward on two deep copies of the
 model, in float64 by default so that rounding cannot hide a real difference, and compares every
-gradient (complex ones as complex numbers). Both runs start from the caller's RNG state, which is
-left exactly as it was found. A model that computes in a less precise dtype inside (a Llama-style
-RMSNorm's `x.float()`, a loss that casts the logits with `.float()`) is judged at that dtype's
-rounding. It also lists the modules that make accumulation inexact by construction (BatchNorm in
-train mode, dropout, spectral norm's power iteration, other stateful parametrizations and hooks),
-so a failed check comes with its likely cause. That listing (`find_non_additive`,
-`NonAdditiveModule`) lives in `gradaccum._non_additive` and is re-exported here.
+gradient (complex ones as complex numbers). Both runs start from the caller's RNG states (torch's,
+NumPy's and Python's), which are left exactly as they were found. A model that computes in a less
+precise dtype inside (a Llama-style RMSNorm's `x.float()`, a loss that casts the logits with
+`.float()`) is judged at that dtype's rounding. It also lists the modules that make accumulation
+inexact by construction (BatchNorm in train mode, dropout, spectral norm's power iteration, other
+stateful parametrizations and hooks), so a failed check comes with its likely cause. That listing
+(`find_non_additive`, `NonAdditiveModule`) lives in `gradaccum._non_additive` and is re-exported
+here.
 
 Example:
     >>> import torch
@@ -42,6 +43,7 @@ from gradaccum._non_additive import (
     find_non_additive,
     fix_for,
     hooked_buffers,
+    host_rng_forked,
     random_draws,
     rng_advanced,
     rng_snapshot,
@@ -208,8 +210,8 @@ def check_equivalence(
 
     The model itself is not touched. Floating tensors of the model and the batch (and the
     batch's floating numpy arrays) are cast to `dtype`, complex ones to the complex dtype of
-    its precision. Both runs start from the caller's RNG state (CPU, and CUDA when used), which
-    is restored afterwards.
+    its precision. Both runs start from the caller's RNG states (torch's CPU, and CUDA when used;
+    NumPy's and Python's), which are restored afterwards.
 
     Args:
         model: The model to check.
@@ -237,7 +239,7 @@ def check_equivalence(
     known = {m.name for m in find_non_additive(model)}
 
     with torch.enable_grad():
-        with torch.random.fork_rng(devices=devices), precision:
+        with torch.random.fork_rng(devices=devices), host_rng_forked(), precision:
             rng = rng_snapshot(devices)
             with random_draws(full_model, devices, known) as drawing:
                 result = call_loss_fn(loss_fn, full_model, batch)
@@ -252,7 +254,7 @@ def check_equivalence(
             if count > 0:  # the plain full-batch loss itself: no op a user would not write
                 torch.autograd.backward(value if weight == count else value / count)
             drew = rng_advanced(rng, devices)
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), host_rng_forked():
             try:
                 accumulate_grad(accumulated_model, batch, loss_fn, micro_batch_size)
             except ValueError as error:
