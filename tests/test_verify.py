@@ -1041,3 +1041,72 @@ def test_numpy_and_python_draws_are_named_and_their_generators_left_as_found(sou
     exact = check_equivalence(_mlp(), (x, t), passed, micro_batch_size=4)
     assert exact.ok
     assert exact.non_additive == ()
+
+
+class _QatNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.ao import quantization
+
+        self.quant, self.dequant = quantization.QuantStub(), quantization.DeQuantStub()
+        self.hidden, self.out = torch.nn.Linear(4, 6), torch.nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dequant(self.out(torch.relu(self.hidden(self.quant(x)))))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_quantization_observers_get_the_fix_that_stops_them() -> None:
+    """Quantization-aware training: FakeQuantize's observers update their ranges in every
+    forward, in eval mode too. The fix named is disable_observer, which makes the check exact.
+
+    Before, the fix said to check in eval mode, which still observes: the eval-mode check
+    was as inexact as the train-mode one and repeated the same advice.
+    """
+    from torch.ao import quantization
+
+    torch.manual_seed(0)
+    model = _QatNet()
+    model.qconfig = quantization.get_default_qat_qconfig("x86")
+    model = quantization.prepare_qat(model.train())
+    x = torch.randn(24, 4, generator=torch.Generator().manual_seed(1))
+    batch = (x, x[:, :1].clone())
+    model(x)  # calibrated once, as after a first step
+    for mode in ("train", "eval"):
+        report = check_equivalence(
+            model.train(mode == "train"), batch, _mse, 6, dtype=torch.float32
+        )  # fused fake quantization runs in float32 only
+        assert not report.ok, mode
+        explained = report.explain()
+        assert "disable_observer" in explained, mode
+        assert "check in eval mode" not in explained, mode
+        assert all("observer" in m.reason for m in report.non_additive), mode
+    # NEGATIVE CONTROL: with the observers frozen (the fix), the check is exact.
+    model.apply(quantization.disable_observer)
+    frozen = check_equivalence(model.train(), batch, _mse, 6, dtype=torch.float32)
+    assert frozen.ok
+    assert frozen.non_additive == ()
+
+
+class _AlwaysEma(torch.nn.Module):
+    """Updates a running mean in every forward, whatever the mode (no `self.training` check)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("average", torch.zeros(4))
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.average.mul_(0.5).add_(0.5 * x.mean(0))
+        return self.linear(x - self.average)
+
+
+def test_state_updated_in_eval_mode_too_is_not_told_to_check_in_eval_mode() -> None:
+    report = check_equivalence(_AlwaysEma().eval(), _batch(), _mse, 4)
+    assert not report.ok
+    assert "even in eval mode" in report.non_additive[0].reason
+    assert "check in eval mode" not in report.explain()
+    # NEGATIVE CONTROL: in train mode the advice to check in eval mode stays.
+    trained = check_equivalence(_AlwaysEma().train(), _batch(), _mse, 4)
+    assert "check in eval mode" in trained.explain()

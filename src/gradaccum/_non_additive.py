@@ -33,7 +33,6 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm as _LegacySpectralNorm
 
 __all__ = [
-    "LOSS_CAUSES",
     "RANDOM_DRAWS",
     "NonAdditiveModule",
     "changed_by_hooks",
@@ -41,7 +40,6 @@ __all__ = [
     "cuda_devices",
     "diverged_buffers",
     "find_non_additive",
-    "fix_for",
     "hooked_buffers",
     "host_rng_forked",
     "random_draws",
@@ -200,12 +198,26 @@ def diverged_buffers(
             if key in other and not torch.equal(buffer, other[key])
         ]
         if changed:
-            reason = (
-                f"its forward updates its buffers {', '.join(changed)}, once per micro-batch "
-                "instead of once per batch, so later micro-batches see another state"
-            )
+            buffers = ", ".join(changed)
+            if _observes(module):  # QAT: eval mode does not stop an observer
+                reason = (
+                    f"its observer updates its buffers {buffers} in every forward, in eval mode "
+                    "too, once per micro-batch instead of once per batch, so later micro-batches "
+                    "quantize with another range"
+                )
+            else:
+                when = "" if module.training else ", even in eval mode,"
+                reason = (
+                    f"its forward updates its buffers {buffers}{when} once per micro-batch "
+                    "instead of once per batch, so later micro-batches see another state"
+                )
             found.append(NonAdditiveModule(label, type(module).__name__, reason))
     return found
+
+
+def _observes(module: torch.nn.Module) -> bool:
+    """A quantization observer or fake-quantize module (known by class name: no import)."""
+    return any(c.__name__ in ("ObserverBase", "FakeQuantizeBase") for c in type(module).__mro__)
 
 
 @contextmanager
@@ -336,54 +348,3 @@ def host_rng_forked() -> Iterator[None]:
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
     """Every CUDA device when any of `tensors` is on one (their RNGs are forked too), else none."""
     return list(range(torch.cuda.device_count())) if any(t.is_cuda for t in tensors) else []
-
-
-_FIXES = {
-    "BatchNorm": "convert it with gradaccum.batchnorm.convert_to_groupnorm(model) (exact), or "
-    "train with Accumulator(..., batchnorm='pooled') (running statistics from the whole window) "
-    "or 'frozen' (eval-mode statistics); see docs/batchnorm.md",
-    "other": "check with dropout off (eval mode, or p=0 and a stochastic depth probability of 0) "
-    "to confirm the rest is exact, or with the noise drawn for the whole batch and passed in it "
-    "(eps = torch.randn(B, ...) as a batch tensor); in training, other random draws per "
-    "micro-batch are expected noise, not a bug (docs/vision.md)",
-    "in place": "for nn.Embedding(max_norm=...), renormalize the whole batch's rows once "
-    "before the window (with torch.no_grad(): torch.embedding_renorm_(emb.weight, "
-    "ids.unique(), max_norm, 2.0)): each micro-batch's renormalization then changes nothing "
-    "and reads what the full batch reads; any other forward should leave its parameters alone",
-    "state": "check in eval mode (model.eval()) to confirm the rest is exact; in training the "
-    "state advances once per micro-batch, which no accumulation undoes: update it once per "
-    "window (e.g. from Accumulator's step results) if it must match the full batch",
-}
-
-
-def fix_for(kind: str, reason: str) -> str:
-    """The fix a non-additive module of `kind` (found for `reason`) calls for."""
-    if "BatchNorm" in kind:
-        return _FIXES["BatchNorm"]
-    if "in place" in reason:
-        return _FIXES["in place"]
-    return _FIXES["other" if "random" in reason else "state"]
-
-
-# What `EquivalenceReport.explain` says when no module explains a gap: the loss itself.
-LOSS_CAUSES = [
-    "cause: no module behaves differently on micro-batches, so the loss is not additive over "
-    "items. Either it normalizes by something of the micro-batch (a token, pixel or "
-    "masked-position count, the targets' summed class weights of cross_entropy(weight=...), "
-    "a max, a mean of per-micro-batch means),",
-    "    -> return gradaccum.LossSum(sum of per-item losses, number of items counted) (summed "
-    "weights: LossSum.terms(loss=(weighted_sum, summed_weights))); a plain scalar is read as a "
-    "mean weighted by the micro-batch's leading dimension.",
-    "or each item's loss depends on the other items of its batch (in-batch negatives: "
-    "InfoNCE, CLIP; triplet mining; batch statistics, such as an MoE load-balancing loss "
-    "computed per forward; a penalty on the parameters' gradient over the batch; Dice, soft "
-    "IoU, Lovasz or OHEM over the batch's pixels),",
-    "    -> no accumulation is exact there: the loss sees the micro-batch as its batch. Use the "
-    "largest micro_batch_size that fits, or gather the negatives over the window yourself "
-    "(docs/losses.md; a batch Dice or soft IoU, a ratio of window sums, has an exact two-pass "
-    "recipe there).",
-    "or it uses a statistic of the batch that needs no gradient (PPO's advantage "
-    "normalization, a batch-mean baseline, MoE dispatch fractions),",
-    "    -> exact: compute that statistic over the whole batch before splitting it and pass the "
-    "result in the batch (advantages normalized up front; docs/losses.md).",
-]

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from gradaccum._check_precision import PrecisionProbe, tolerance
+from gradaccum._fixes import LOSS_CAUSES, fix_for
 from gradaccum._loss_call import call_loss_fn
 from gradaccum._non_additive import (
-    LOSS_CAUSES,
     RANDOM_DRAWS,
     NonAdditiveModule,
     changed_by_hooks,
@@ -41,7 +41,6 @@ from gradaccum._non_additive import (
     cuda_devices,
     diverged_buffers,
     find_non_additive,
-    fix_for,
     hooked_buffers,
     host_rng_forked,
     random_draws,
