@@ -1110,3 +1110,57 @@ def test_state_updated_in_eval_mode_too_is_not_told_to_check_in_eval_mode() -> N
     # NEGATIVE CONTROL: in train mode the advice to check in eval mode stays.
     trained = check_equivalence(_AlwaysEma().train(), _batch(), _mse, 4)
     assert "check in eval mode" in trained.explain()
+
+
+class _Alternating(torch.nn.Module):
+    """Counts its calls in a plain attribute and halves its output on every second call."""
+
+    def __init__(self, reads: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear, self.reads, self.calls = torch.nn.Linear(4, 1), reads, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.linear(x) * (0.5 if self.reads and self.calls % 2 == 0 else 1.0)
+
+
+class _KeptState(torch.nn.Module):
+    """Keeps its LSTM's (h, c) between calls in a plain attribute, as truncated BPTT does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn, self.head = torch.nn.LSTM(4, 8, batch_first=True), torch.nn.Linear(8, 1)
+        self.state: tuple[torch.Tensor, ...] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, state = self.rnn(x, self.state)
+        self.state = tuple(t.detach() for t in state)
+        return self.head(out[:, -1])
+
+
+def test_state_kept_in_plain_attributes_is_named_as_the_cause() -> None:
+    """A call counter or a hidden state held in a plain attribute (no buffer) is named; before,
+    the gap was blamed on the loss ("not additive over items")."""
+    report = check_equivalence(_Alternating(), _batch(12), _mse, 4)
+    assert not report.ok
+    assert [(m.name, m.kind) for m in report.non_additive] == [("<model>", "_Alternating")]
+    assert "calls (plain Python state" in report.non_additive[0].reason
+    assert "register_buffer" in report.explain()
+    assert "the loss is not additive" not in report.explain()
+    x = torch.randn(12, 3, 4, generator=torch.Generator().manual_seed(1))
+    batch = (x, x[:, -1, :1].clone())
+    kept = check_equivalence(_KeptState(), batch, _mse, 4)
+    assert not kept.ok
+    assert [m.kind for m in kept.non_additive] == ["_KeptState"]
+    # Once the full batch has set it, the micro-batches fail on its shape: the error says why.
+    model = _KeptState()
+    model(x)  # float32 state: cast with the model to the check's float64
+    with pytest.raises(RuntimeError, match="hidden") as caught:
+        check_equivalence(model, batch, _mse, 4)
+    assert "keep state between calls in plain attributes" in "\n".join(caught.value.__notes__)
+    assert "<model> (_KeptState)" in "\n".join(caught.value.__notes__)
+    # NEGATIVE CONTROL: a counter the forward does not read is listed, but the check is exact.
+    counted = check_equivalence(_Alternating(reads=False), _batch(12), _mse, 4)
+    assert counted.ok

@@ -33,6 +33,11 @@ _FIXES = {
     "stop the update (a flag in the module) to confirm the rest is exact; in training it "
     "advances once per micro-batch, which no accumulation undoes: update it once per window "
     "(e.g. from Accumulator's step results) if it must match the full batch",
+    "attribute": "if the forward reads it (a call counter, a hidden state kept between calls), "
+    "check with it fixed (reset it in loss_fn, or carry the hidden state in the batch) to "
+    "confirm the rest is exact; keep such state in a buffer (register_buffer), which gradaccum "
+    "warns of and puts back when a window fails, planning included (a plain attribute it "
+    "cannot see); if the forward only records it (a logged value), it is not the cause",
     "observer": "check with the observers frozen: "
     "model.apply(torch.ao.quantization.disable_observer) (model.eval() does not stop them); in "
     "quantization-aware training the ranges then stay fixed and the step is the full-batch "
@@ -47,6 +52,8 @@ def fix_for(kind: str, reason: str) -> str:
         return _FIXES["BatchNorm"]
     if "in place" in reason:
         return _FIXES["in place"]
+    if "plain Python state" in reason:
+        return _FIXES["attribute"]
     if "observer" in reason:
         return _FIXES["observer"]
     if "even in eval mode" in reason:

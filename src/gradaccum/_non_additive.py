@@ -4,11 +4,11 @@ BatchNorm in train mode (or without running statistics), dropout, spectral norm'
 iteration, other stateful parametrizations, and modules whose forward pre-hooks change their
 buffers all compute something else on micro-batches than on one full batch. `find_non_additive`
 lists them from the model alone; `hooked_buffers` and `changed_by_hooks` find the hooks that do so
-once `gradaccum.verify.check_equivalence` has run the model, `random_draws` the modules whose
-forward draws random numbers (stochastic depth, noise) as it runs, and `diverged_buffers` the
-modules whose forward updates a buffer (a running statistic) differently on micro-batches,
-`changed_parameters` those whose forward writes their own weights (`nn.Embedding(max_norm=...)`),
-`rng_advanced` random draws outside any module. Everything here is used by `gradaccum.verify`.
+once `gradaccum.verify.check_equivalence` has run the model, `diverged_buffers` the modules whose
+forward updates a buffer (a running statistic) differently on micro-batches, `diverged_attributes`
+likewise for plain attributes (a call counter, a hidden state kept), and `changed_parameters` those
+whose forward writes their own weights (`nn.Embedding(max_norm=...)`); random draws are found by
+`gradaccum._random_draws`. Everything here is used by `gradaccum.verify`.
 
 Example:
     >>> import torch
@@ -20,31 +20,23 @@ Example:
 from __future__ import annotations
 
 import copy
-import random
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, cast
+from typing import cast
 
-import numpy as np
 import torch
 from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm as _LegacySpectralNorm
 
 __all__ = [
-    "RANDOM_DRAWS",
     "NonAdditiveModule",
     "changed_by_hooks",
     "changed_parameters",
     "cuda_devices",
+    "diverged_attributes",
     "diverged_buffers",
     "find_non_additive",
     "hooked_buffers",
-    "host_rng_forked",
-    "random_draws",
-    "rng_advanced",
-    "rng_snapshot",
 ]
 
 _SPECTRAL_REASON = (
@@ -215,50 +207,61 @@ def diverged_buffers(
     return found
 
 
+def diverged_attributes(
+    full: torch.nn.Module, accumulated: torch.nn.Module, known: set[str]
+) -> list[NonAdditiveModule]:
+    """Modules whose plain attributes (no buffer) ended differently after the micro-batches.
+
+    A call counter (`self.calls += 1`) or a hidden state kept between calls (`self.h = h.detach()`)
+    is state as much as a buffer is, but neither is in `named_buffers()`: numbers, tensors and
+    tuples or lists of them are compared. Modules already listed in `known` are skipped.
+    """
+    found = []
+    modules = dict(accumulated.named_modules())
+    for name, module in full.named_modules():
+        label = name or "<model>"
+        if label in known:
+            continue
+        other = vars(modules[name])
+        changed = [
+            key
+            for key, value in vars(module).items()
+            if key != "training" and _plain(value) and not _same(value, other.get(key))
+        ]
+        if changed:
+            reason = (
+                f"its forward changes its attributes {', '.join(changed)} (plain Python state, "
+                "not a buffer) once per micro-batch instead of once per batch; where the "
+                "forward reads them, later micro-batches see another state"
+            )
+            found.append(NonAdditiveModule(label, type(module).__name__, reason))
+    return found
+
+
+def _plain(value: object) -> bool:
+    """A number, a tensor that is no parameter, or a tuple or list of them (an LSTM's (h, c))."""
+    if isinstance(value, (tuple, list)):
+        return bool(value) and all(_plain(item) for item in value)
+    if isinstance(value, torch.Tensor):
+        return not isinstance(value, torch.nn.Parameter)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _same(value: object, other: object) -> bool:
+    if isinstance(value, (tuple, list)):
+        return (
+            isinstance(other, (tuple, list))
+            and len(other) == len(value)
+            and all(_same(a, b) for a, b in zip(value, other, strict=True))
+        )
+    if isinstance(value, torch.Tensor):
+        return isinstance(other, torch.Tensor) and torch.equal(value, other)
+    return bool(value == other)
+
+
 def _observes(module: torch.nn.Module) -> bool:
     """A quantization observer or fake-quantize module (known by class name: no import)."""
     return any(c.__name__ in ("ObserverBase", "FakeQuantizeBase") for c in type(module).__mro__)
-
-
-@contextmanager
-def random_draws(
-    model: torch.nn.Module, devices: list[int], known: set[str]
-) -> Iterator[list[NonAdditiveModule]]:
-    """Note the modules whose forward draws random numbers while the block runs.
-
-    Dropout is known by its class, but stochastic depth (torchvision's `StochasticDepth`, timm's
-    `DropPath`), `F.dropout` in a custom forward or injected noise are not: any forward that
-    advances the CPU generator (or a CUDA one in `devices`, NumPy's or Python's) is, so each
-    micro-batch draws other values than the full batch. The innermost such module is listed,
-    unless `known` has it. The list is filled when the block exits.
-    """
-    stack: list[RngSnapshot] = []
-    drew: dict[str, str] = {}
-
-    def before(module: torch.nn.Module, args: Any) -> None:
-        stack.append(rng_snapshot(devices))
-
-    def after(name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if stack and rng_advanced(stack.pop(), devices):
-            drew[name] = type(module).__name__
-
-    handles = []
-    for name, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(before))
-        handles.append(module.register_forward_hook(partial(after, name), always_call=True))
-    found: list[NonAdditiveModule] = []
-    try:
-        yield found
-    finally:
-        for handle in handles:
-            handle.remove()
-    for name, kind in drew.items():  # the innermost: no module inside it drew too
-        inner = any(other.startswith(f"{name}.") or not name for other in drew if other != name)
-        if not inner and (name or "<model>") not in known:
-            reason = "draws random numbers in its forward, so each micro-batch draws others"
-            found.append(
-                NonAdditiveModule(name or "<model>", kind, f"{reason} than the full batch")
-            )
 
 
 def changed_parameters(
@@ -290,59 +293,6 @@ def changed_parameters(
         )
         found[label] = NonAdditiveModule(label, type(module).__name__, reason)
     return list(found.values())
-
-
-# A forward (or loss_fn) drawing random numbers outside a dropout module: noise, stochastic depth,
-# a VAE's reparameterization. Micro-batches draw other numbers than one full batch.
-RANDOM_DRAWS = NonAdditiveModule(
-    "<forward>",
-    "random draws",
-    "the forward or loss_fn drew random numbers (torch.randn_like, torch.rand, F.dropout, "
-    "np.random, random: a VAE's reparameterization, stochastic depth, noise, a diffusion "
-    "model's timesteps, augmentation), and micro-batches draw other random numbers than the "
-    "full batch",
-)
-
-
-# Python's and NumPy's global generators, as comparable plain values, then torch's states.
-RngSnapshot = tuple[object, bytes, list[torch.Tensor]]
-
-
-def rng_snapshot(devices: list[int]) -> RngSnapshot:
-    """Python's and NumPy's generator states, then the CPU's and each CUDA device's in `devices`.
-
-    Python's and NumPy's count too: a model or loss_fn augmenting with `random`/`np.random`
-    draws other numbers per micro-batch just as one drawing with torch does.
-    """
-    kind, keys, position, has_gauss, gauss = np.random.get_state(legacy=True)
-    host = np.asarray(keys).tobytes() + repr((kind, position, has_gauss, gauss)).encode()
-    devices_states = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
-    return random.getstate(), host, devices_states
-
-
-def rng_advanced(before: RngSnapshot, devices: list[int]) -> bool:
-    """Whether any RNG advanced since `before` was taken."""
-    python, host, states = rng_snapshot(devices)
-    return (
-        python != before[0]
-        or host != before[1]
-        or any(not torch.equal(a, b) for a, b in zip(before[2], states, strict=True))
-    )
-
-
-@contextmanager
-def host_rng_forked() -> Iterator[None]:
-    """Python's and NumPy's global generators put back as they were when the block exits.
-
-    `torch.random.fork_rng` does this for torch's alone; check_equivalence's two runs must start
-    from the same draws of all three, and leave the caller's as they were.
-    """
-    python, numpy = random.getstate(), np.random.get_state()
-    try:
-        yield
-    finally:
-        random.setstate(python)
-        np.random.set_state(numpy)
 
 
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:

@@ -34,14 +34,17 @@ from gradaccum._check_precision import PrecisionProbe, tolerance
 from gradaccum._fixes import LOSS_CAUSES, fix_for
 from gradaccum._loss_call import call_loss_fn
 from gradaccum._non_additive import (
-    RANDOM_DRAWS,
     NonAdditiveModule,
     changed_by_hooks,
     changed_parameters,
     cuda_devices,
+    diverged_attributes,
     diverged_buffers,
     find_non_additive,
     hooked_buffers,
+)
+from gradaccum._random_draws import (
+    RANDOM_DRAWS,
     host_rng_forked,
     random_draws,
     rng_advanced,
@@ -256,17 +259,40 @@ def check_equivalence(
         with torch.random.fork_rng(devices=devices), host_rng_forked():
             try:
                 accumulate_grad(accumulated_model, batch, loss_fn, micro_batch_size)
-            except ValueError as error:
+            except Exception as error:
+                # State kept between calls (an RNN's hidden state held as an attribute) that the
+                # full batch set for its B items: the micro-batches then fail on its shape.
+                kept = diverged_attributes(_cast_copy(model, dtype), full_model, set())
+                held = ", ".join(f"{m.name} ({m.kind})" for m in kept)
+                hint = (
+                    f" These modules keep state between calls in plain attributes, which the full "
+                    f"batch's forward set: {held}; reset it in loss_fn (e.g. model.state = None) "
+                    "or carry it in the batch."
+                    if kept
+                    else ""
+                )
+                if not isinstance(error, ValueError):
+                    if kept and hasattr(error, "add_note"):
+                        error.add_note(
+                            f"gradaccum: check_equivalence's accumulated run failed at "
+                            f"micro_batch_size={micro_batch_size} although the full batch ran."
+                            + hint
+                        )
+                    raise
                 suspects = "; ".join(str(m) for m in find_non_additive(model)) or "none found"
                 raise ValueError(
                     f"the accumulated run failed at micro_batch_size={micro_batch_size} although "
                     f"the full batch ran: {error}. Non-additive modules: {suspects}. Try a larger "
-                    "micro_batch_size (BatchNorm needs more than 1 item per channel in train mode)."
+                    "micro_batch_size (BatchNorm needs more than 1 item per channel in train "
+                    f"mode).{hint}"
                 ) from error
 
     non_additive = find_non_additive(model) + drawing
     non_additive += changed_by_hooks(full_model, hooked, {m.name for m in non_additive})
     non_additive += diverged_buffers(full_model, accumulated_model, {m.name for m in non_additive})
+    non_additive += diverged_attributes(
+        full_model, accumulated_model, {m.name for m in non_additive}
+    )
     non_additive += changed_parameters(model, full_model, {m.name for m in non_additive})
     if drew and not any("random" in m.reason for m in non_additive):
         non_additive.append(RANDOM_DRAWS)
@@ -335,6 +361,12 @@ def _cast_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
             "module attributes."
         ) from error
     clone._apply(lambda tensor: _cast(tensor, dtype))  # type: ignore[no-untyped-call]
+    for module in clone.modules():  # state kept in plain attributes (an RNN's (h, c)) too
+        for key, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                setattr(module, key, _cast(value, dtype))
+            elif isinstance(value, tuple) and all(isinstance(v, torch.Tensor) for v in value):
+                setattr(module, key, tuple(_cast(v, dtype) for v in value))
     return clone
 
 
