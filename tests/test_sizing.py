@@ -462,3 +462,17 @@ def test_cuda_default_budget_adds_back_what_the_model_already_holds(monkeypatch)
         plan_micro_batch(
             model, batch, _loss, optimizer, memory_budget=resolve_budget(None, torch.device("cuda"))
         )
+
+
+def test_a_lazy_module_that_has_not_run_is_refused_naming_the_fix() -> None:
+    """Before, torch's own error about numel() of an uninitialized parameter came out."""
+    lazy = nn.Sequential(nn.LazyLinear(16), nn.Tanh(), nn.Linear(16, 10))
+    optimizer = torch.optim.SGD(lazy.parameters())
+    with pytest.raises(ValueError, match=r"0\.weight is uninitialized .*run one forward pass"):
+        plan_micro_batch(lazy, _batch(), _loss, optimizer, memory_budget="1GiB")
+    assert torch.nn.parameter.is_lazy(lazy[0].weight)  # nothing ran
+    # NEGATIVE CONTROL: after one forward (and an optimizer built on it), it plans.
+    lazy(_batch()[0][:2])
+    optimizer = torch.optim.SGD(lazy.parameters())
+    plan = plan_micro_batch(lazy, _batch(), _loss, optimizer, memory_budget="1GiB")
+    assert plan.micro_batch_size == 1024

@@ -194,9 +194,17 @@ def plan_micro_batch(
         The `MemoryPlan`; `str(plan)` is a table.
 
     Raises:
-        ValueError: On a bad budget or margin, or no budget on CPU.
+        ValueError: On a bad budget or margin, no budget on CPU, or a lazy module that has not
+            run yet.
         MemoryBudgetError: If even one item per micro-batch does not fit.
     """
+    for name, param in model.named_parameters():  # before a probe's forward materializes it
+        if torch.nn.parameter.is_lazy(param):
+            raise ValueError(
+                f"parameter {name} is uninitialized (a lazy module); run one forward pass on a "
+                "sample batch before planning: the plan counts the parameters' bytes, and the "
+                "optimizer must hold the materialized ones."
+            )
     if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ValueError(f"margin={margin!r} must be a number in [0, 1), e.g. 0.1.")
     mode = parse(Precision, precision, "precision")
