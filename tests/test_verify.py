@@ -1164,3 +1164,39 @@ def test_state_kept_in_plain_attributes_is_named_as_the_cause() -> None:
     # NEGATIVE CONTROL: a counter the forward does not read is listed, but the check is exact.
     counted = check_equivalence(_Alternating(reads=False), _batch(12), _mse, 4)
     assert counted.ok
+
+
+class _OwnNoise(torch.nn.Module):
+    """Draws its noise from a generator of its own (reproducible noise), not the global one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear, self.generator = torch.nn.Linear(4, 1), torch.Generator().manual_seed(7)
+
+    def forward(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        if noise is None:  # per item, then one strength per call: split, the draws interleave
+            noise = torch.randn(x.shape, generator=self.generator, dtype=x.dtype)
+            noise = noise * torch.rand(1, generator=self.generator, dtype=x.dtype)
+        return self.linear(x + 0.5 * noise)
+
+
+def test_draws_from_a_generator_the_model_holds_are_named() -> None:
+    """Before, the global generators did not move, so the gap was blamed on the loss."""
+    model = _OwnNoise()
+    state = model.generator.get_state()
+    report = check_equivalence(model, _batch(12), _mse, 4)
+    assert not report.ok
+    assert [(m.name, m.kind) for m in report.non_additive] == [("<model>", "_OwnNoise")]
+    assert "the loss is not additive" not in report.explain()
+    assert torch.equal(model.generator.get_state(), state)  # the model's own: copies drew
+    # NEGATIVE CONTROL: the noise drawn for the whole batch and passed in it is exact.
+    x, y = _batch(12)
+    noise = torch.randn(12, 4, generator=torch.Generator().manual_seed(1))
+
+    def passed(model: torch.nn.Module, batch) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(batch[0], batch[2]), batch[1])
+
+    exact = check_equivalence(_OwnNoise(), (x, y, noise), passed, 4)
+    assert exact.ok
+    assert exact.non_additive == ()

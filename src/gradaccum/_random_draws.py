@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -31,6 +31,7 @@ from gradaccum._non_additive import NonAdditiveModule
 __all__ = [
     "RANDOM_DRAWS",
     "RngSnapshot",
+    "held_generators",
     "host_rng_forked",
     "random_draws",
     "rng_advanced",
@@ -44,9 +45,9 @@ RANDOM_DRAWS = NonAdditiveModule(
     "<forward>",
     "random draws",
     "the forward or loss_fn drew random numbers (torch.randn_like, torch.rand, F.dropout, "
-    "np.random, random: a VAE's reparameterization, stochastic depth, noise, a diffusion "
-    "model's timesteps, augmentation), and micro-batches draw other random numbers than the "
-    "full batch",
+    "np.random, random, a generator of the model's: a VAE's reparameterization, stochastic "
+    "depth, noise, a diffusion model's timesteps, augmentation), and micro-batches draw other "
+    "random numbers than the full batch",
 )
 
 
@@ -54,26 +55,43 @@ RANDOM_DRAWS = NonAdditiveModule(
 RngSnapshot = tuple[object, bytes, list[torch.Tensor]]
 
 
-def rng_snapshot(devices: list[int]) -> RngSnapshot:
-    """Python's and NumPy's generator states, then the CPU's and each CUDA device's in `devices`.
+def rng_snapshot(devices: list[int], generators: Sequence[torch.Generator] = ()) -> RngSnapshot:
+    """Python's and NumPy's generator states, then torch's: the CPU's, `devices`', `generators`'.
 
-    Python's and NumPy's count too: a model or loss_fn augmenting with `random`/`np.random`
-    draws other numbers per micro-batch just as one drawing with torch does.
+    `generators` are a model's own (`held_generators`). Python's and NumPy's count too: a model
+    or loss_fn augmenting with `random`/`np.random` draws other numbers per micro-batch just as
+    one drawing with torch does.
     """
     kind, keys, position, has_gauss, gauss = np.random.get_state(legacy=True)
     host = np.asarray(keys).tobytes() + repr((kind, position, has_gauss, gauss)).encode()
     devices_states = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+    devices_states += [generator.get_state() for generator in generators]
     return random.getstate(), host, devices_states
 
 
-def rng_advanced(before: RngSnapshot, devices: list[int]) -> bool:
-    """Whether any RNG advanced since `before` was taken."""
-    python, host, states = rng_snapshot(devices)
+def rng_advanced(
+    before: RngSnapshot, devices: list[int], generators: Sequence[torch.Generator] = ()
+) -> bool:
+    """Whether any RNG advanced since `before` was taken (with the same `generators`)."""
+    python, host, states = rng_snapshot(devices, generators)
     return (
         python != before[0]
         or host != before[1]
         or any(not torch.equal(a, b) for a, b in zip(before[2], states, strict=True))
     )
+
+
+def held_generators(model: torch.nn.Module) -> list[torch.Generator]:
+    """The `torch.Generator`s the model's modules hold as attributes (`self.generator`).
+
+    A diffusion model drawing its noise from its own generator leaves the global ones alone.
+    """
+    return [
+        value
+        for module in model.modules()
+        for value in vars(module).values()
+        if isinstance(value, torch.Generator)
+    ]
 
 
 @contextmanager
@@ -105,12 +123,13 @@ def random_draws(
     """
     stack: list[RngSnapshot] = []
     drew: dict[str, str] = {}
+    generators = held_generators(model)
 
     def before(module: torch.nn.Module, args: Any) -> None:
-        stack.append(rng_snapshot(devices))
+        stack.append(rng_snapshot(devices, generators))
 
     def after(name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if stack and rng_advanced(stack.pop(), devices):
+        if stack and rng_advanced(stack.pop(), devices, generators):
             drew[name] = type(module).__name__
 
     handles = []

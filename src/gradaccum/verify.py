@@ -45,6 +45,7 @@ from gradaccum._non_additive import (
 )
 from gradaccum._random_draws import (
     RANDOM_DRAWS,
+    held_generators,
     host_rng_forked,
     random_draws,
     rng_advanced,
@@ -242,7 +243,8 @@ def check_equivalence(
 
     with torch.enable_grad():
         with torch.random.fork_rng(devices=devices), host_rng_forked(), precision:
-            rng = rng_snapshot(devices)
+            generators = held_generators(full_model)  # its own, next to the global ones
+            rng = rng_snapshot(devices, generators)
             with random_draws(full_model, devices, known) as drawing:
                 result = call_loss_fn(loss_fn, full_model, batch)
             if any(param.grad is not None for param in full_model.parameters()):
@@ -255,7 +257,7 @@ def check_equivalence(
             value, weight, count = read_loss(result, batch_size(batch), needs_graph=True)
             if count > 0:  # the plain full-batch loss itself: no op a user would not write
                 torch.autograd.backward(value if weight == count else value / count)
-            drew = rng_advanced(rng, devices)
+            drew = rng_advanced(rng, devices, generators)
         with torch.random.fork_rng(devices=devices), host_rng_forked():
             try:
                 accumulate_grad(accumulated_model, batch, loss_fn, micro_batch_size)
