@@ -154,9 +154,21 @@ class _EmaShift(nn.Module):
         return self.linear(x - self.average)
 
 
+class _OwnNoise(nn.Module):
+    """Adds noise drawn from a generator of its own (a diffusion model's), not the global one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 0.1 * torch.randn(x.shape, generator=self.generator, dtype=x.dtype)
+
+
 def _forward_state_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
+        _OwnNoise(),
         _EmaShift(),
         nn.utils.spectral_norm(nn.Linear(32, 32)),  # weight_u, weight_v: each forward
         nn.utils.parametrizations.spectral_norm(nn.Linear(32, 10)),  # _u, _v likewise
@@ -177,8 +189,9 @@ def _host_rng() -> tuple[object, list[object]]:
 
 
 def test_planning_puts_back_what_the_forward_changed_and_every_generator() -> None:
-    """Buffers the forward updates, a max-norm embedding's rows and NumPy's and Python's
-    generators are left as found (before, only BatchNorm's buffers and torch's generator)."""
+    """Buffers the forward updates, a max-norm embedding's rows, NumPy's and Python's
+    generators and one the model holds are left as found (before, only BatchNorm's buffers and
+    torch's global generator)."""
     model = _forward_state_model()
     before = clone_state(model.state_dict())
     np.random.seed(3)
@@ -189,6 +202,9 @@ def test_planning_puts_back_what_the_forward_changed_and_every_generator() -> No
     )
     assert_bitwise(clone_state(model.state_dict()), before)
     assert _host_rng() == host
+    assert torch.equal(
+        model[0].generator.get_state(), _forward_state_model()[0].generator.get_state()
+    )
     embedding = nn.Embedding(50, 32, max_norm=0.5)  # renormalizes the rows it looks up
     tied = nn.Sequential(embedding, nn.Flatten(), nn.Linear(64, 10))
     weight = embedding.weight.detach().clone()
@@ -203,10 +219,10 @@ def test_planning_puts_back_what_the_forward_changed_and_every_generator() -> No
 
 
 def test_auto_sizing_steps_as_the_size_it_chose_from_the_start() -> None:
-    """With a forward that updates buffers and a loss drawing from NumPy, an "auto" window
-    equals a fixed-size one of the size it chose: before, the planning probes' forwards had
-    advanced the EMA, spectral norm's vectors and NumPy's generator first (0.08 on the EMA,
-    1e-3 on the weights after one step)."""
+    """With a forward that updates buffers and draws from its own generator, and a loss drawing
+    from NumPy, an "auto" window equals a fixed-size one of the size it chose: before, the
+    planning probes' forwards had advanced the EMA, spectral norm's vectors and the generators
+    first (0.08 on the EMA, 1e-3 on the weights after one step)."""
     x, y = _batch(64)
     models = _forward_state_model(), _forward_state_model()
     auto = Accumulator(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -38,11 +38,12 @@ __all__ = [
 
 
 class RngStates(NamedTuple):
-    """The global generators' states: Python's, NumPy's, torch's (CPU, then the CUDA device)."""
+    """The generators' states: Python's, NumPy's, torch's (CPU, the CUDA device), the model's."""
 
     python: tuple[Any, ...]
     numpy: Any
     devices: list[torch.Tensor]
+    held: list[tuple[torch.Generator, torch.Tensor]]
 
 
 # Older PyTorch raised plain RuntimeErrors; these phrases mark the allocators' messages, and
@@ -139,17 +140,19 @@ def release_cached_memory(device: torch.device) -> None:
         torch.mps.empty_cache()
 
 
-def rng_states(device: torch.device) -> RngStates:
+def rng_states(device: torch.device, held: Sequence[torch.Generator] = ()) -> RngStates:
     """The RNG states a window or a probe may draw from, to rewind them.
 
-    Python's `random` and NumPy's global generator too: a `loss_fn` that augments with
-    `np.random` draws from them, and a rerun (or a planning probe) must leave them as a run at
-    a fixed size would.
+    Python's `random` and NumPy's global generator too, and the generators the model holds
+    itself (`held`: `gradaccum._rng_state.held_generators`): a `loss_fn` that augments with
+    `np.random`, or a diffusion model drawing noise from its own generator, must see the same
+    numbers in a rerun (or after a planning probe) as a run at a fixed size would.
     """
     torch_states = [torch.get_rng_state()]
     if device.type == "cuda":
         torch_states.append(torch.cuda.get_rng_state(device))
-    return RngStates(random.getstate(), np.random.get_state(), torch_states)
+    own = [(generator, generator.get_state()) for generator in held]
+    return RngStates(random.getstate(), np.random.get_state(), torch_states, own)
 
 
 def set_rng_states(device: torch.device, states: RngStates) -> None:
@@ -159,3 +162,5 @@ def set_rng_states(device: torch.device, states: RngStates) -> None:
     torch.set_rng_state(states.devices[0])
     if device.type == "cuda":
         torch.cuda.set_rng_state(states.devices[1], device)
+    for generator, state in states.held:
+        generator.set_state(state)

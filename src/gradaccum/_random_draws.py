@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from gradaccum._non_additive import NonAdditiveModule
+from gradaccum._rng_state import held_generators
 
 __all__ = [
     "RANDOM_DRAWS",
     "RngSnapshot",
-    "held_generators",
     "host_rng_forked",
     "random_draws",
     "rng_advanced",
@@ -79,19 +79,6 @@ def rng_advanced(
         or host != before[1]
         or any(not torch.equal(a, b) for a, b in zip(before[2], states, strict=True))
     )
-
-
-def held_generators(model: torch.nn.Module) -> list[torch.Generator]:
-    """The `torch.Generator`s the model's modules hold as attributes (`self.generator`).
-
-    A diffusion model drawing its noise from its own generator leaves the global ones alone.
-    """
-    return [
-        value
-        for module in model.modules()
-        for value in vars(module).values()
-        if isinstance(value, torch.Generator)
-    ]
 
 
 @contextmanager

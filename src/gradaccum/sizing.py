@@ -52,6 +52,7 @@ from gradaccum._oom import (
     set_rng_states,
 )
 from gradaccum._probe import Probe, resident_bytes
+from gradaccum._rng_state import held_generators
 from gradaccum.batching import batch_size
 from gradaccum.memory import parse_bytes
 from gradaccum.options import Precision, SyncPolicy, parse
@@ -224,7 +225,8 @@ def plan_micro_batch(
             "rank (micro_batch_size='auto' plans on the first step()'s), or pass the int "
             "micro_batch_size that plan_micro_batch chooses."
         )
-    rng = rng_states(device)  # Python's and NumPy's too: a loss_fn may augment with np.random
+    # Python's, NumPy's and the model's own too: a loss_fn may augment with np.random.
+    rng = rng_states(device, held_generators(model))
     try:
         probe = Probe(model, optimizer, loss_fn, sample_batch, mode, accum_dtype, policy, batch_dim)
         sizes = _probe_sizes(probe, items, budget, margin)

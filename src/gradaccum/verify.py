@@ -45,12 +45,12 @@ from gradaccum._non_additive import (
 )
 from gradaccum._random_draws import (
     RANDOM_DRAWS,
-    held_generators,
     host_rng_forked,
     random_draws,
     rng_advanced,
     rng_snapshot,
 )
+from gradaccum._rng_state import held_generators
 from gradaccum.batching import batch_size, map_tensors, split_batch
 from gradaccum.loss import LossTerms, backward_inside_error, read_loss
 from gradaccum.window import LossFn, accumulate_grad
