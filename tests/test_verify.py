@@ -433,7 +433,8 @@ def test_global_rng_state_is_left_as_found() -> None:
     # Both runs start from the caller's state: one micro-batch draws the full batch's numbers.
     assert whole.ok
     assert whole.max_abs_diff == 0.0
-    assert [m.kind for m in whole.non_additive] == ["Dropout"]
+    # The dropout, and the loss's own draw outside the model (named since it is told apart).
+    assert [m.kind for m in whole.non_additive] == ["Dropout", "random draws"]
     # NEGATIVE CONTROL: split, the draws differ; the same state gives the same report again.
     assert not split.ok
     assert check_equivalence(model, _batch(), _noisy_mse, 3).max_abs_diff == split.max_abs_diff
@@ -1200,3 +1201,24 @@ def test_draws_from_a_generator_the_model_holds_are_named() -> None:
     exact = check_equivalence(_OwnNoise(), (x, y, noise), passed, 4)
     assert exact.ok
     assert exact.non_additive == ()
+
+
+def test_draws_outside_the_model_are_named_next_to_dropout() -> None:
+    """A diffusion loss_fn drawing timesteps and noise for a model with dropout: both causes are
+    named. Before, the dropout alone was (any reason with "random" hid the loss's draws), and
+    checking in eval mode as its fix said still failed, on a cause not named before."""
+    x = torch.randn(12, 4, generator=torch.Generator().manual_seed(2))
+
+    def diffusion(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        t = torch.rand(len(batch), 1)  # per item, then one scale per call: draws interleave
+        noise = torch.randn_like(batch) * torch.rand(())
+        return torch.nn.functional.mse_loss(model(batch * (1 - t) + noise * t), batch[:, :1])
+
+    report = check_equivalence(_dropout_mlp(), x, diffusion, 4)
+    assert [m.kind for m in report.non_additive] == ["Dropout", "random draws"]
+    evaluated = check_equivalence(_dropout_mlp().eval(), x, diffusion, 4)
+    assert not evaluated.ok
+    assert [m.kind for m in evaluated.non_additive] == ["random draws"]
+    # NEGATIVE CONTROL: the same model and a loss drawing nothing: the dropout alone.
+    plain = check_equivalence(_dropout_mlp(), (x, x[:, :1].clone()), _mse, 4)
+    assert [m.kind for m in plain.non_additive] == ["Dropout"]

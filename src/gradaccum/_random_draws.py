@@ -106,18 +106,28 @@ def random_draws(
     `DropPath`), `F.dropout` in a custom forward or injected noise are not: any forward that
     advances the CPU generator (or a CUDA one in `devices`, NumPy's or Python's) is, so each
     micro-batch draws other values than the full batch. The innermost such module is listed,
-    unless `known` has it. The list is filled when the block exits.
+    unless `known` has it. Draws outside the model's forward (a diffusion loss_fn's timesteps
+    and noise) add `RANDOM_DRAWS`, even when a module drew too (dropout in the same model). The
+    list is filled when the block exits.
     """
     stack: list[RngSnapshot] = []
     drew: dict[str, str] = {}
     generators = held_generators(model)
+    # The state since the model's last forward; None once something drew outside one.
+    last: RngSnapshot | None = rng_snapshot(devices, generators)
 
     def before(module: torch.nn.Module, args: Any) -> None:
+        nonlocal last
+        if module is model and last is not None and rng_advanced(last, devices, generators):
+            last = None
         stack.append(rng_snapshot(devices, generators))
 
     def after(name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
+        nonlocal last
         if stack and rng_advanced(stack.pop(), devices, generators):
             drew[name] = type(module).__name__
+        if module is model and last is not None:
+            last = rng_snapshot(devices, generators)
 
     handles = []
     for name, module in model.named_modules():
@@ -136,3 +146,5 @@ def random_draws(
             found.append(
                 NonAdditiveModule(name or "<model>", kind, f"{reason} than the full batch")
             )
+    if last is None or rng_advanced(last, devices, generators):
+        found.append(RANDOM_DRAWS)
