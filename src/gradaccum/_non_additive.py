@@ -28,6 +28,8 @@ import torch
 from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm as _LegacySpectralNorm
 
+from gradaccum._buffer_watch import is_observer
+
 __all__ = [
     "NonAdditiveModule",
     "changed_by_hooks",
@@ -191,7 +193,7 @@ def diverged_buffers(
         ]
         if changed:
             buffers = ", ".join(changed)
-            if _observes(module):  # QAT: eval mode does not stop an observer
+            if is_observer(module):  # QAT: eval mode does not stop an observer
                 reason = (
                     f"its observer updates its buffers {buffers} in every forward, in eval mode "
                     "too, once per micro-batch instead of once per batch, so later micro-batches "
@@ -257,11 +259,6 @@ def _same(value: object, other: object) -> bool:
     if isinstance(value, torch.Tensor):
         return isinstance(other, torch.Tensor) and torch.equal(value, other)
     return bool(value == other)
-
-
-def _observes(module: torch.nn.Module) -> bool:
-    """A quantization observer or fake-quantize module (known by class name: no import)."""
-    return any(c.__name__ in ("ObserverBase", "FakeQuantizeBase") for c in type(module).__mro__)
 
 
 def changed_parameters(

@@ -191,6 +191,8 @@ class ForwardState:
         with torch.no_grad():
             for module, key, buffer, old in self._saved:
                 module._buffers[key] = buffer  # a forward may have reassigned the attribute
+                if buffer.shape != old.shape:  # resized in place (a per-channel observer's)
+                    buffer.resize_(old.shape)
                 if not torch.equal(buffer, old):  # unchanged ones keep their version counters
                     buffer.copy_(old)
             for weight, old in self._weights:
