@@ -1073,6 +1073,11 @@ def test_quantization_observers_get_the_fix_that_stops_them() -> None:
     x = torch.randn(24, 4, generator=torch.Generator().manual_seed(1))
     batch = (x, x[:, :1].clone())
     model(x)  # calibrated once, as after a first step
+    # The default float64 check fails in the fused fake-quantize kernels: the note names the fix
+    # (before, torch's "expected scalar type Float but found Double" alone).
+    with pytest.raises(RuntimeError) as caught:
+        check_equivalence(model, batch, _mse, 6)
+    assert "dtype=torch.float32" in "\n".join(caught.value.__notes__)
     for mode in ("train", "eval"):
         report = check_equivalence(
             model.train(mode == "train"), batch, _mse, 6, dtype=torch.float32

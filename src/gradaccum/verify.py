@@ -23,13 +23,19 @@ Example:
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
+from gradaccum._check_copies import (
+    cast,
+    cast_array,
+    cast_copy,
+    float32_only,
+    refuse_unmaterialized,
+    tensors_of,
+)
 from gradaccum._check_precision import PrecisionProbe, tolerance
 from gradaccum._fixes import LOSS_CAUSES, fix_for
 from gradaccum._loss_call import call_loss_fn
@@ -65,8 +71,6 @@ __all__ = [
 
 # Relative gaps are taken against max(|parameter's gradient|, this x the model's largest one).
 _SCALE_FLOOR = 1e-3
-# Complex tensors follow the check's dtype with the complex dtype of the same precision.
-_COMPLEX = {torch.float64: torch.complex128, torch.float32: torch.complex64}
 
 
 @dataclass(frozen=True)
@@ -232,11 +236,11 @@ def check_equivalence(
         ValueError: If a parameter, buffer or batch tensor has no values (meta device, lazy
             module), the batch or `micro_batch_size` is invalid, or only the accumulated run fails.
     """
-    _refuse_unmaterialized(model, batch)
+    refuse_unmaterialized(model, batch)
     micro_batches = len(split_batch(batch, micro_batch_size))  # validates before any work
-    full_model, accumulated_model = _cast_copy(model, dtype), _cast_copy(model, dtype)
-    batch = map_tensors(batch, lambda t: _cast(t, dtype), lambda a: _cast_array(a, dtype))
-    devices = cuda_devices([*model.parameters(), *model.buffers(), *_tensors_of(batch)])
+    full_model, accumulated_model = cast_copy(model, dtype), cast_copy(model, dtype)
+    batch = map_tensors(batch, lambda t: cast(t, dtype), lambda a: cast_array(a, dtype))
+    devices = cuda_devices([*model.parameters(), *model.buffers(), *tensors_of(batch)])
     hooked = hooked_buffers(full_model)
     precision = PrecisionProbe(dtype)
     known = {m.name for m in find_non_additive(model)}
@@ -246,7 +250,16 @@ def check_equivalence(
             generators = held_generators(full_model)  # its own, next to the global ones
             rng = rng_snapshot(devices, generators)
             with random_draws(full_model, devices, known) as drawing:
-                result = call_loss_fn(loss_fn, full_model, batch)
+                try:
+                    result = call_loss_fn(loss_fn, full_model, batch)
+                except Exception as error:
+                    fused = float32_only(model)
+                    if fused and dtype != torch.float32 and hasattr(error, "add_note"):
+                        error.add_note(
+                            f"gradaccum: {', '.join(fused[:3])} run float32 kernels only; "
+                            "check with check_equivalence(..., dtype=torch.float32)."
+                        )
+                    raise
             if any(param.grad is not None for param in full_model.parameters()):
                 raise backward_inside_error()  # the gradient would be counted twice
             if isinstance(result, LossTerms):
@@ -264,7 +277,7 @@ def check_equivalence(
             except Exception as error:
                 # State kept between calls (an RNN's hidden state held as an attribute) that the
                 # full batch set for its B items: the micro-batches then fail on its shape.
-                kept = diverged_attributes(_cast_copy(model, dtype), full_model, set())
+                kept = diverged_attributes(cast_copy(model, dtype), full_model, set())
                 held = ", ".join(f"{m.name} ({m.kind})" for m in kept)
                 hint = (
                     f" These modules keep state between calls in plain attributes, which the full "
@@ -330,71 +343,3 @@ def _gaps(full_model: torch.nn.Module, accumulated: torch.nn.Module) -> tuple[Pa
         rel_diff = abs_diff / scale if scale > 0 else (0.0 if abs_diff == 0 else float("inf"))
         gaps.append(ParameterGap(name, shape, abs_diff, rel_diff))
     return tuple(gaps)
-
-
-def _refuse_unmaterialized(model: torch.nn.Module, batch: Any) -> None:
-    """Raise, naming the fix, if a parameter, buffer or batch tensor holds no values."""
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if torch.nn.parameter.is_lazy(tensor):
-            raise ValueError(
-                f"{name} is uninitialized (a lazy module): run one forward pass on a batch first "
-                "so that it gets its shape, then check."
-            )
-        if tensor.is_meta:
-            raise ValueError(
-                f"{name} is on the meta device: it has a shape but no values, so there is no "
-                "gradient to check. Materialize the model first, e.g. "
-                "model.to_empty(device='cpu'), then initialize it (reset_parameters() on each "
-                "module, or load_state_dict(...))."
-            )
-    if any(tensor.is_meta for tensor in _tensors_of(batch)):
-        raise ValueError("the batch holds a meta tensor (no values); pass real data.")
-
-
-def _cast_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """A deep copy, cast tensor by tensor: `Module.to(dtype)` would make complex tensors real."""
-    try:
-        clone = copy.deepcopy(model)
-    except RuntimeError as error:  # e.g. a non-leaf tensor held as an attribute
-        raise ValueError(
-            f"check_equivalence runs on deep copies of the model, and copy.deepcopy failed: "
-            f"{error}. Make the model copyable: replace torch.nn.utils.weight_norm with "
-            "torch.nn.utils.parametrizations.weight_norm, and keep computed tensors out of "
-            "module attributes."
-        ) from error
-    clone._apply(lambda tensor: _cast(tensor, dtype))  # type: ignore[no-untyped-call]
-    for module in clone.modules():  # state kept in plain attributes (an RNN's (h, c)) too
-        for key, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                setattr(module, key, _cast(value, dtype))
-            elif isinstance(value, tuple) and all(isinstance(v, torch.Tensor) for v in value):
-                setattr(module, key, tuple(_cast(v, dtype) for v in value))
-    return clone
-
-
-def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if tensor.is_complex():
-        return tensor.to(_COMPLEX.get(dtype, torch.complex64))
-    return tensor.to(dtype) if tensor.is_floating_point() else tensor
-
-
-def _cast_array(array: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    """A floating (complex) numpy array in `dtype` (its complex twin), as tensors are cast."""
-    if array.dtype.kind not in "fc":
-        return array
-    target = _COMPLEX.get(dtype, torch.complex64) if array.dtype.kind == "c" else dtype
-    try:
-        return array.astype(torch.empty(0, dtype=target).numpy().dtype)
-    except TypeError:  # a dtype numpy does not have (bfloat16): left as it is
-        return array
-
-
-def _tensors_of(batch: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-
-    def keep(tensor: torch.Tensor) -> torch.Tensor:
-        found.append(tensor)
-        return tensor
-
-    map_tensors(batch, keep)
-    return found
