@@ -1224,6 +1224,14 @@ def test_draws_outside_the_model_are_named_next_to_dropout() -> None:
     evaluated = check_equivalence(_dropout_mlp().eval(), x, diffusion, 4)
     assert not evaluated.ok
     assert [m.kind for m in evaluated.non_additive] == ["random draws"]
-    # NEGATIVE CONTROL: the same model and a loss drawing nothing: the dropout alone.
+    # NEGATIVE CONTROL: the same model and a loss drawing nothing: the dropout alone, also
+    # when the loss_fn calls the model's parts itself rather than the model.
     plain = check_equivalence(_dropout_mlp(), (x, x[:, :1].clone()), _mse, 4)
     assert [m.kind for m in plain.non_additive] == ["Dropout"]
+
+    def by_parts(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        hidden = model[2](model[1](model[0](batch)))
+        return torch.nn.functional.mse_loss(model[3](hidden), batch[:, :1])
+
+    parts = check_equivalence(_dropout_mlp(), x, by_parts, 4)
+    assert [m.kind for m in parts.non_additive] == ["Dropout"]

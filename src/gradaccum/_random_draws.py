@@ -113,12 +113,13 @@ def random_draws(
     stack: list[RngSnapshot] = []
     drew: dict[str, str] = {}
     generators = held_generators(model)
-    # The state since the model's last forward; None once something drew outside one.
+    # The state since the last outermost forward (of the model, or of a part of it a loss_fn
+    # calls itself); None once something drew outside every forward.
     last: RngSnapshot | None = rng_snapshot(devices, generators)
 
     def before(module: torch.nn.Module, args: Any) -> None:
         nonlocal last
-        if module is model and last is not None and rng_advanced(last, devices, generators):
+        if not stack and last is not None and rng_advanced(last, devices, generators):
             last = None
         stack.append(rng_snapshot(devices, generators))
 
@@ -126,7 +127,7 @@ def random_draws(
         nonlocal last
         if stack and rng_advanced(stack.pop(), devices, generators):
             drew[name] = type(module).__name__
-        if module is model and last is not None:
+        if not stack and last is not None:
             last = rng_snapshot(devices, generators)
 
     handles = []
