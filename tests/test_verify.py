@@ -1153,8 +1153,10 @@ def test_state_kept_in_plain_attributes_is_named_as_the_cause() -> None:
     assert not report.ok
     assert [(m.name, m.kind) for m in report.non_additive] == [("<model>", "_Alternating")]
     assert "calls (plain Python state" in report.non_additive[0].reason
-    assert "register_buffer" in report.explain()
-    assert "the loss is not additive" not in report.explain()
+    explained = report.explain()
+    assert "register_buffer" in explained
+    # Named first; the loss stays a suspect only for attributes the forward does not read.
+    assert explained.index("calls (plain Python state") < explained.index("are not read by")
     x = torch.randn(12, 3, 4, generator=torch.Generator().manual_seed(1))
     batch = (x, x[:, -1, :1].clone())
     kept = check_equivalence(_KeptState(), batch, _mse, 4)
@@ -1170,6 +1172,10 @@ def test_state_kept_in_plain_attributes_is_named_as_the_cause() -> None:
     # NEGATIVE CONTROL: a counter the forward does not read is listed, but the check is exact.
     counted = check_equivalence(_Alternating(reads=False), _batch(12), _mse, 4)
     assert counted.ok
+    # An attribute that only records, next to a loss that is not additive: both are suspects.
+    recorded = check_equivalence(_Alternating(reads=False), _batch(12), _squared_mean_residual, 4)
+    assert not recorded.ok
+    assert "the loss is not additive" in recorded.explain()
 
 
 class _OwnNoise(torch.nn.Module):

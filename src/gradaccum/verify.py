@@ -194,6 +194,9 @@ class EquivalenceReport:
                 names = ", ".join(m.name for m in modules[:4]) + more
                 fix = fix_for(kind, modules[0].reason)
                 lines += [f"  {kind} at {names}: {modules[0].reason}", f"    -> {fix}"]
+            if not self.ok and all("plain Python state" in m.reason for m in self.non_additive):
+                # Such an attribute may only record (a logged value): the loss stays a suspect.
+                lines += ["if those attributes are not read by the forward:", *LOSS_CAUSES]
         elif not self.ok:
             lines += LOSS_CAUSES
         if not self.ok and self.dtype not in (torch.float64, torch.float32):
