@@ -2,9 +2,11 @@
 
 Micro-batches draw other random numbers than one full batch (dropout masks, stochastic depth,
 a VAE's noise, a diffusion model's timesteps), so `gradaccum.verify.check_equivalence` notes
-which modules drew (`random_draws`), whether anything drew at all (`rng_snapshot`,
-`rng_advanced`: torch's generators, NumPy's and Python's), and runs both passes from the same
-draws of all three (`host_rng_forked` for NumPy's and Python's, next to `torch.random.fork_rng`).
+which modules drew (`random_draws`; draws outside every forward, the loss_fn's own, add
+`RANDOM_DRAWS`), whether anything drew at all (`rng_snapshot`, `rng_advanced`: torch's
+generators, NumPy's, Python's and those the model holds), and runs both passes from the same
+draws of all (`host_rng_forked` for NumPy's and Python's, next to `torch.random.fork_rng`; the
+model's own are copied with it).
 
 Example:
     >>> import random
