@@ -307,3 +307,94 @@ def test_a_target_networks_update_inside_loss_fn_warns_and_once_per_window_is_ex
     model, messages = run(inside=False)
     assert messages == []
     assert gap(model) < 1e-10
+
+
+class _QatNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.ao import quantization
+
+        self.quant, self.dequant = quantization.QuantStub(), quantization.DeQuantStub()
+        self.hidden, self.out = torch.nn.Linear(4, 6), torch.nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dequant(self.out(torch.relu(self.hidden(self.quant(x)))))
+
+
+def _qat_model() -> torch.nn.Module:
+    """prepare_qat's default: per-channel weight observers, whose ranges start empty (shape 0)
+    and take the channel count at the first forward, resized in place."""
+    from torch.ao import quantization
+
+    torch.manual_seed(0)
+    model = _QatNet()
+    model.qconfig = quantization.get_default_qat_qconfig("x86")
+    return quantization.prepare_qat(model.train())
+
+
+def _qat_loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def _qat_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_a_failing_first_window_of_a_qat_model_puts_its_observers_back(tmp_path) -> None:
+    """The observers' per-channel ranges are resized in place by the first forward.
+
+    Before, putting them back (a failed first window, a planning probe) raised "The size of
+    tensor a (6) must match the size of tensor b (0)" in place of the user's error, and left
+    them resized; a checkpoint of a trained QAT model was refused by a fresh one ("holds
+    hidden.weight_fake_quant.scale of shape (6,), the model has (1,)"), which torch loads.
+    """
+    from gradaccum import load_checkpoint, plan_micro_batch, save_checkpoint
+    from tests.state import assert_bitwise, clone_state
+
+    model = _qat_model()
+    before = clone_state(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan_micro_batch(model, _qat_batch(0), _qat_loss, optimizer, memory_budget="1GiB")
+    assert_bitwise(clone_state(model.state_dict()), before)
+    acc = Accumulator(model, optimizer, micro_batch_size=2)
+    calls = []
+
+    def failing(model: torch.nn.Module, batch) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the user's own error")
+        return _qat_loss(model, batch)
+
+    with pytest.raises(RuntimeError, match="the user's own error"):
+        acc.step(_qat_batch(0), failing)
+    assert_bitwise(clone_state(model.state_dict()), before)
+    # Trained, saved mid-window, loaded into a fresh model: as the uninterrupted run.
+    acc = Accumulator(model, optimizer, accumulation_steps=2)
+    for seed in range(2):
+        acc.micro_step(_qat_batch(seed), _qat_loss)
+    start = clone_state(model.state_dict())  # the open window's start
+    acc.micro_step(_qat_batch(2), _qat_loss)
+    save_checkpoint(tmp_path / "qat.pt", model=model, optimizer=optimizer, accumulator=acc)
+
+    def fresh() -> tuple[torch.nn.Module, Accumulator]:
+        model = _qat_model()  # its per-channel ranges empty again
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        acc = Accumulator(model, optimizer, accumulation_steps=2)
+        load_checkpoint(tmp_path / "qat.pt", model=model, optimizer=optimizer, accumulator=acc)
+        return model, acc
+
+    resumed_model, resumed = fresh()
+    acc.micro_step(_qat_batch(3), _qat_loss)
+    resumed.micro_step(_qat_batch(3), _qat_loss)
+    assert_bitwise(clone_state(resumed_model.state_dict()), clone_state(model.state_dict()))
+    failed_model, failed = fresh()
+    calls.clear()
+    calls.extend([1, 1])  # the next call raises
+    with pytest.raises(RuntimeError, match="the user's own error"):
+        failed.micro_step(_qat_batch(3), failing)
+    assert_bitwise(clone_state(failed_model.state_dict()), start)
+    # NEGATIVE CONTROL: the window's forwards did move the observers.
+    with pytest.raises(AssertionError):
+        assert_bitwise(clone_state(model.state_dict()), start)

@@ -12,7 +12,9 @@ window's start. The negative control keeps the failed attempt's gradients and mu
 from __future__ import annotations
 
 import math
+import random
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -750,3 +752,64 @@ def test_a_skipped_window_advances_the_random_numbers_as_a_fixed_size_run(mode: 
             torch.set_rng_state(rewind)
     with pytest.raises(AssertionError):
         assert_bitwise(_state(acc), _state(rewound))
+
+
+def _augmented_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Jitters the inputs with NumPy's and Python's global generators (an older pipeline's
+    augmentation), not torch's."""
+    x, y = batch
+    jitter = torch.from_numpy(np.random.standard_normal(tuple(x.shape))) * random.uniform(0, 1)
+    return F.cross_entropy(model(x + jitter), y)
+
+
+class _OwnJitter(nn.Module):
+    """Jitters its input with a generator of its own (a diffusion model's noise generator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 0.1 * torch.randn(x.shape, generator=self.generator, dtype=x.dtype)
+
+
+def test_a_rerun_window_draws_numpy_and_python_numbers_as_a_fixed_size_run() -> None:
+    """An out-of-memory rerun rewinds NumPy's and Python's generators too, and those the model
+    holds, so a `loss_fn` that augments with them (a model drawing its own noise) sees the same
+    numbers as a run at the smaller size from the start.
+
+    Before, only torch's global generators were rewound: the rerun jittered with the failed
+    attempt's successors and ended 1e-2 away from that run.
+    """
+    batches = _batches(3)
+
+    def run(sizes: list[int] | None, burned: int = 0) -> Accumulator:
+        torch.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+        if sizes is None:  # auto, failing once at the second window's third micro-batch
+            model = OomAt(nn.Sequential(_OwnJitter(), _inner()))
+            acc = _accumulator(model, "largest")
+            acc._auto.planned = acc._auto.size = 8  # type: ignore[union-attr]
+            acc.step(batches[0], _augmented_loss)
+            model.arm(2)
+            results = [acc.step(batch, _augmented_loss) for batch in batches[1:]]
+            assert [r.micro_batch_size for r in results] == [6, 6]
+            return acc
+        jitter = _OwnJitter()
+        acc = _accumulator(OomAbove(nn.Sequential(jitter, _inner())), sizes[0])
+        for index, (size, batch) in enumerate(zip(sizes, batches, strict=True)):
+            for _ in range(burned if index == 1 else 0):  # the failed attempt's draws
+                np.random.standard_normal((8, 6))
+                random.uniform(0, 1)
+                torch.randn(8, 6, generator=jitter.generator, dtype=torch.float64)
+            acc.micro_batch_size = size
+            acc.step(batch, _augmented_loss)
+        return acc
+
+    rerun = run(None)
+    assert_bitwise(_state(rerun), _state(run([8, 6, 6])))
+    # NEGATIVE CONTROL: the same sizes after the failed attempt's 3 micro-batches of draws (the
+    # old behaviour) end elsewhere.
+    with pytest.raises(AssertionError):
+        assert_bitwise(_state(rerun), _state(run([8, 6, 6], burned=3)))

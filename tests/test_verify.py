@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import random
 import warnings
 
 import numpy as np
@@ -432,7 +433,8 @@ def test_global_rng_state_is_left_as_found() -> None:
     # Both runs start from the caller's state: one micro-batch draws the full batch's numbers.
     assert whole.ok
     assert whole.max_abs_diff == 0.0
-    assert [m.kind for m in whole.non_additive] == ["Dropout"]
+    # The dropout, and the loss's own draw outside the model (named since it is told apart).
+    assert [m.kind for m in whole.non_additive] == ["Dropout", "random draws"]
     # NEGATIVE CONTROL: split, the draws differ; the same state gives the same report again.
     assert not split.ok
     assert check_equivalence(model, _batch(), _noisy_mse, 3).max_abs_diff == split.max_abs_diff
@@ -974,3 +976,268 @@ def test_random_draws_in_the_forward_are_named_as_the_cause() -> None:
     report = check_equivalence(_Vae(), (x, eps), passed, micro_batch_size=8)
     assert report.ok
     assert report.non_additive == ()
+
+
+class _NumpyJitter(torch.nn.Module):
+    """Jitters its input's scale with NumPy's global generator: one draw per forward call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x * (1 + float(np.random.uniform(-0.5, 0.5))))
+
+
+def _host_rng() -> tuple[object, list[object]]:
+    kind, keys, *rest = np.random.get_state()
+    return random.getstate(), [kind, keys.tolist(), *rest]
+
+
+@pytest.mark.parametrize("source", ["numpy", "python"])
+def test_numpy_and_python_draws_are_named_and_their_generators_left_as_found(source: str) -> None:
+    """A diffusion loss drawing timesteps per item with NumPy (or Python's `random`), then
+    a noise scale: the draws are named as the cause, the caller's generators are left as found.
+
+    Before, check_equivalence forked torch's generators only: the accumulated run started from
+    other NumPy/Python draws than the full batch, the gap was blamed on the loss ("not additive
+    over items"), and the caller's generators were left advanced.
+    """
+    x = torch.randn(12, 4, generator=torch.Generator().manual_seed(2))
+
+    def diffusion(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        items = len(batch)
+        if source == "numpy":
+            t = torch.from_numpy(np.random.randint(0, 1000, items)).to(batch.dtype)
+            scale = float(np.random.uniform())  # one draw per call, after the per-item ones
+        else:
+            t = torch.tensor([random.randrange(1000) for _ in range(items)], dtype=batch.dtype)
+            scale = random.random()
+        noisy = batch * (1 - t[:, None] / 1000) * scale
+        return torch.nn.functional.mse_loss(model(noisy), batch[:, :1])
+
+    np.random.seed(0)
+    random.seed(0)
+    host = _host_rng()
+    report = check_equivalence(_mlp(), x, diffusion, micro_batch_size=4)
+    assert _host_rng() == host
+    assert not report.ok
+    assert [(m.name, m.kind) for m in report.non_additive] == [("<forward>", "random draws")]
+    assert "the loss is not additive" not in report.explain()
+    # Both runs start from the same draws: one micro-batch draws the full batch's numbers.
+    whole = check_equivalence(_mlp(), x, diffusion, micro_batch_size=12)
+    assert whole.ok
+    assert whole.max_abs_diff == 0.0
+    # A module that draws from NumPy in its forward is named itself.
+    jitter = check_equivalence(_NumpyJitter(), _batch(), _mse, micro_batch_size=4)
+    assert [(m.name, m.kind) for m in jitter.non_additive] == [("<model>", "_NumpyJitter")]
+    assert _host_rng() == host
+    # NEGATIVE CONTROL: with the draws made for the whole batch and passed in it, exact.
+    t = torch.from_numpy(np.random.randint(0, 1000, 12)).to(x.dtype)
+
+    def passed(model: torch.nn.Module, batch) -> torch.Tensor:
+        noisy = batch[0] * (1 - batch[1][:, None] / 1000) * 0.5
+        return torch.nn.functional.mse_loss(model(noisy), batch[0][:, :1])
+
+    exact = check_equivalence(_mlp(), (x, t), passed, micro_batch_size=4)
+    assert exact.ok
+    assert exact.non_additive == ()
+
+
+class _QatNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.ao import quantization
+
+        self.quant, self.dequant = quantization.QuantStub(), quantization.DeQuantStub()
+        self.hidden, self.out = torch.nn.Linear(4, 6), torch.nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dequant(self.out(torch.relu(self.hidden(self.quant(x)))))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_quantization_observers_get_the_fix_that_stops_them() -> None:
+    """Quantization-aware training: FakeQuantize's observers update their ranges in every
+    forward, in eval mode too. The fix named is disable_observer, which makes the check exact.
+
+    Before, the fix said to check in eval mode, which still observes: the eval-mode check
+    was as inexact as the train-mode one and repeated the same advice.
+    """
+    from torch.ao import quantization
+
+    torch.manual_seed(0)
+    model = _QatNet()
+    model.qconfig = quantization.get_default_qat_qconfig("x86")
+    model = quantization.prepare_qat(model.train())
+    x = torch.randn(24, 4, generator=torch.Generator().manual_seed(1))
+    batch = (x, x[:, :1].clone())
+    model(x)  # calibrated once, as after a first step
+    # The default float64 check fails in the fused fake-quantize kernels: the note names the fix
+    # (before, torch's "expected scalar type Float but found Double" alone).
+    with pytest.raises(RuntimeError) as caught:
+        check_equivalence(model, batch, _mse, 6)
+    assert "dtype=torch.float32" in "\n".join(caught.value.__notes__)
+    for mode in ("train", "eval"):
+        report = check_equivalence(
+            model.train(mode == "train"), batch, _mse, 6, dtype=torch.float32
+        )  # fused fake quantization runs in float32 only
+        assert not report.ok, mode
+        explained = report.explain()
+        assert "disable_observer" in explained, mode
+        assert "check in eval mode" not in explained, mode
+        assert all("observer" in m.reason for m in report.non_additive), mode
+    # NEGATIVE CONTROL: with the observers frozen (the fix), the check is exact.
+    model.apply(quantization.disable_observer)
+    frozen = check_equivalence(model.train(), batch, _mse, 6, dtype=torch.float32)
+    assert frozen.ok
+    assert frozen.non_additive == ()
+
+
+class _AlwaysEma(torch.nn.Module):
+    """Updates a running mean in every forward, whatever the mode (no `self.training` check)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("average", torch.zeros(4))
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.average.mul_(0.5).add_(0.5 * x.mean(0))
+        return self.linear(x - self.average)
+
+
+def test_state_updated_in_eval_mode_too_is_not_told_to_check_in_eval_mode() -> None:
+    report = check_equivalence(_AlwaysEma().eval(), _batch(), _mse, 4)
+    assert not report.ok
+    assert "even in eval mode" in report.non_additive[0].reason
+    assert "check in eval mode" not in report.explain()
+    # NEGATIVE CONTROL: in train mode the advice to check in eval mode stays.
+    trained = check_equivalence(_AlwaysEma().train(), _batch(), _mse, 4)
+    assert "check in eval mode" in trained.explain()
+
+
+class _Alternating(torch.nn.Module):
+    """Counts its calls in a plain attribute and halves its output on every second call."""
+
+    def __init__(self, reads: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear, self.reads, self.calls = torch.nn.Linear(4, 1), reads, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.linear(x) * (0.5 if self.reads and self.calls % 2 == 0 else 1.0)
+
+
+class _KeptState(torch.nn.Module):
+    """Keeps its LSTM's (h, c) between calls in a plain attribute, as truncated BPTT does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn, self.head = torch.nn.LSTM(4, 8, batch_first=True), torch.nn.Linear(8, 1)
+        self.state: tuple[torch.Tensor, ...] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, state = self.rnn(x, self.state)
+        self.state = tuple(t.detach() for t in state)
+        return self.head(out[:, -1])
+
+
+def test_state_kept_in_plain_attributes_is_named_as_the_cause() -> None:
+    """A call counter or a hidden state held in a plain attribute (no buffer) is named; before,
+    the gap was blamed on the loss ("not additive over items")."""
+    report = check_equivalence(_Alternating(), _batch(12), _mse, 4)
+    assert not report.ok
+    assert [(m.name, m.kind) for m in report.non_additive] == [("<model>", "_Alternating")]
+    assert "calls (plain Python state" in report.non_additive[0].reason
+    explained = report.explain()
+    assert "register_buffer" in explained
+    # Named first; the loss stays a suspect only for attributes the forward does not read.
+    assert explained.index("calls (plain Python state") < explained.index("are not read by")
+    x = torch.randn(12, 3, 4, generator=torch.Generator().manual_seed(1))
+    batch = (x, x[:, -1, :1].clone())
+    kept = check_equivalence(_KeptState(), batch, _mse, 4)
+    assert not kept.ok
+    assert [m.kind for m in kept.non_additive] == ["_KeptState"]
+    # Once the full batch has set it, the micro-batches fail on its shape: the error says why.
+    model = _KeptState()
+    model(x)  # float32 state: cast with the model to the check's float64
+    with pytest.raises(RuntimeError, match="hidden") as caught:
+        check_equivalence(model, batch, _mse, 4)
+    assert "keep state between calls in plain attributes" in "\n".join(caught.value.__notes__)
+    assert "<model> (_KeptState)" in "\n".join(caught.value.__notes__)
+    # NEGATIVE CONTROL: a counter the forward does not read is listed, but the check is exact.
+    counted = check_equivalence(_Alternating(reads=False), _batch(12), _mse, 4)
+    assert counted.ok
+    # An attribute that only records, next to a loss that is not additive: both are suspects.
+    recorded = check_equivalence(_Alternating(reads=False), _batch(12), _squared_mean_residual, 4)
+    assert not recorded.ok
+    assert "the loss is not additive" in recorded.explain()
+
+
+class _OwnNoise(torch.nn.Module):
+    """Draws its noise from a generator of its own (reproducible noise), not the global one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear, self.generator = torch.nn.Linear(4, 1), torch.Generator().manual_seed(7)
+
+    def forward(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        if noise is None:  # per item, then one strength per call: split, the draws interleave
+            noise = torch.randn(x.shape, generator=self.generator, dtype=x.dtype)
+            noise = noise * torch.rand(1, generator=self.generator, dtype=x.dtype)
+        return self.linear(x + 0.5 * noise)
+
+
+def test_draws_from_a_generator_the_model_holds_are_named() -> None:
+    """Before, the global generators did not move, so the gap was blamed on the loss."""
+    model = _OwnNoise()
+    state = model.generator.get_state()
+    report = check_equivalence(model, _batch(12), _mse, 4)
+    assert not report.ok
+    assert [(m.name, m.kind) for m in report.non_additive] == [("<model>", "_OwnNoise")]
+    assert "the loss is not additive" not in report.explain()
+    assert torch.equal(model.generator.get_state(), state)  # the model's own: copies drew
+    # NEGATIVE CONTROL: the noise drawn for the whole batch and passed in it is exact.
+    x, y = _batch(12)
+    noise = torch.randn(12, 4, generator=torch.Generator().manual_seed(1))
+
+    def passed(model: torch.nn.Module, batch) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(batch[0], batch[2]), batch[1])
+
+    exact = check_equivalence(_OwnNoise(), (x, y, noise), passed, 4)
+    assert exact.ok
+    assert exact.non_additive == ()
+
+
+def test_draws_outside_the_model_are_named_next_to_dropout() -> None:
+    """A diffusion loss_fn drawing timesteps and noise for a model with dropout: both causes are
+    named. Before, the dropout alone was (any reason with "random" hid the loss's draws), and
+    checking in eval mode as its fix said still failed, on a cause not named before."""
+    x = torch.randn(12, 4, generator=torch.Generator().manual_seed(2))
+
+    def diffusion(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        t = torch.rand(len(batch), 1)  # per item, then one scale per call: draws interleave
+        noise = torch.randn_like(batch) * torch.rand(())
+        return torch.nn.functional.mse_loss(model(batch * (1 - t) + noise * t), batch[:, :1])
+
+    report = check_equivalence(_dropout_mlp(), x, diffusion, 4)
+    assert [m.kind for m in report.non_additive] == ["Dropout", "random draws"]
+    evaluated = check_equivalence(_dropout_mlp().eval(), x, diffusion, 4)
+    assert not evaluated.ok
+    assert [m.kind for m in evaluated.non_additive] == ["random draws"]
+    # NEGATIVE CONTROL: the same model and a loss drawing nothing: the dropout alone, also
+    # when the loss_fn calls the model's parts itself rather than the model.
+    plain = check_equivalence(_dropout_mlp(), (x, x[:, :1].clone()), _mse, 4)
+    assert [m.kind for m in plain.non_additive] == ["Dropout"]
+
+    def by_parts(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        hidden = model[2](model[1](model[0](batch)))
+        return torch.nn.functional.mse_loss(model[3](hidden), batch[:, :1])
+
+    parts = check_equivalence(_dropout_mlp(), x, by_parts, 4)
+    assert [m.kind for m in parts.non_additive] == ["Dropout"]

@@ -17,7 +17,7 @@ from gradaccum._frozen_watch import FrozenWatch
 from gradaccum._warnings import warn_user
 from gradaccum._wrappers import known_name, unwrapped
 
-__all__ = ["BufferWatch", "ForwardStateWarning"]
+__all__ = ["BufferWatch", "ForwardStateWarning", "is_observer", "observer_buffers"]
 
 
 class ForwardStateWarning(UserWarning):
@@ -127,6 +127,8 @@ class BufferWatch:
                 _, module, key = self._slots[i]
                 if module._buffers.get(key) is not buffer:  # a reassigned attribute
                     module._buffers[key] = buffer  # the original back
+                if buffer.shape != old.shape:  # resized in place: a per-channel quantization
+                    buffer.resize_(old.shape)  # observer's range, empty until its first forward
                 if not _equal(buffer, old):  # (an inference tensor is never written here)
                     buffer.copy_(old)
             copied = {i for i, *_ in self._saved}
@@ -164,11 +166,13 @@ class BufferWatch:
             name, tensor = entry if isinstance(entry, list) and len(entry) == 2 else ("", None)
             i = slots.get(known_name(name, slots)) if isinstance(name, str) else None
             buffer = None if i is None else self._now(i)
+            resizable = i is not None and is_observer(self._slots[i][1])  # see is_observer
             if (
                 i is None
                 or buffer is None
                 or not isinstance(tensor, torch.Tensor)
-                or (tensor.shape, tensor.dtype) != (buffer.shape, buffer.dtype)
+                or tensor.dtype != buffer.dtype
+                or (tensor.shape != buffer.shape and not resizable)
             ):
                 raise ValueError(
                     f"the Accumulator state is damaged: engine.buffers entry {str(entry)[:80]} "
@@ -198,6 +202,25 @@ class BufferWatch:
 
     def _same(self, slot: int, buffer: torch.Tensor, old: torch.Tensor) -> bool:
         return self._now(slot) is buffer and _equal(buffer, old)
+
+
+def is_observer(module: torch.nn.Module) -> bool:
+    """A quantization observer or fake-quantize module (known by class name: no import).
+
+    Their buffers change shape: a per-channel range is empty until the first forward gives it
+    the channel count, and a load resizes them to the saved shape.
+    """
+    return any(c.__name__ in ("ObserverBase", "FakeQuantizeBase") for c in type(module).__mro__)
+
+
+def observer_buffers(model: torch.nn.Module) -> set[str]:
+    """The names of the buffers `is_observer` modules hold (state_dict keys)."""
+    return {
+        f"{name}.{key}".lstrip(".")
+        for name, module in model.named_modules()
+        if is_observer(module)
+        for key in module._buffers
+    }
 
 
 def _version(buffer: torch.Tensor) -> int | None:

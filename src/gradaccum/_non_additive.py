@@ -4,11 +4,11 @@ BatchNorm in train mode (or without running statistics), dropout, spectral norm'
 iteration, other stateful parametrizations, and modules whose forward pre-hooks change their
 buffers all compute something else on micro-batches than on one full batch. `find_non_additive`
 lists them from the model alone; `hooked_buffers` and `changed_by_hooks` find the hooks that do so
-once `gradaccum.verify.check_equivalence` has run the model, `random_draws` the modules whose
-forward draws random numbers (stochastic depth, noise) as it runs, and `diverged_buffers` the
-modules whose forward updates a buffer (a running statistic) differently on micro-batches,
-`changed_parameters` those whose forward writes their own weights (`nn.Embedding(max_norm=...)`),
-`rng_advanced` random draws outside any module. Everything here is used by `gradaccum.verify`.
+once `gradaccum.verify.check_equivalence` has run the model, `diverged_buffers` the modules whose
+forward updates a buffer (a running statistic) differently on micro-batches, `diverged_attributes`
+likewise for plain attributes (a call counter, a hidden state kept), and `changed_parameters` those
+whose forward writes their own weights (`nn.Embedding(max_norm=...)`); random draws are found by
+`gradaccum._random_draws`. Everything here is used by `gradaccum.verify`.
 
 Example:
     >>> import torch
@@ -20,30 +20,25 @@ Example:
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm as _LegacySpectralNorm
 
+from gradaccum._buffer_watch import is_observer
+
 __all__ = [
-    "LOSS_CAUSES",
-    "RANDOM_DRAWS",
     "NonAdditiveModule",
     "changed_by_hooks",
     "changed_parameters",
     "cuda_devices",
+    "diverged_attributes",
     "diverged_buffers",
     "find_non_additive",
-    "fix_for",
     "hooked_buffers",
-    "random_draws",
-    "rng_advanced",
-    "rng_snapshot",
 ]
 
 _SPECTRAL_REASON = (
@@ -197,57 +192,73 @@ def diverged_buffers(
             if key in other and not torch.equal(buffer, other[key])
         ]
         if changed:
+            buffers = ", ".join(changed)
+            if is_observer(module):  # QAT: eval mode does not stop an observer
+                reason = (
+                    f"its observer updates its buffers {buffers} in every forward, in eval mode "
+                    "too, once per micro-batch instead of once per batch, so later micro-batches "
+                    "quantize with another range"
+                )
+            else:
+                when = "" if module.training else ", even in eval mode,"
+                reason = (
+                    f"its forward updates its buffers {buffers}{when} once per micro-batch "
+                    "instead of once per batch, so later micro-batches see another state"
+                )
+            found.append(NonAdditiveModule(label, type(module).__name__, reason))
+    return found
+
+
+def diverged_attributes(
+    full: torch.nn.Module, accumulated: torch.nn.Module, known: set[str]
+) -> list[NonAdditiveModule]:
+    """Modules whose plain attributes (no buffer) ended differently after the micro-batches.
+
+    A call counter (`self.calls += 1`) or a hidden state kept between calls (`self.h = h.detach()`)
+    is state as much as a buffer is, but neither is in `named_buffers()`: numbers, tensors and
+    tuples or lists of them are compared. Modules already listed in `known` are skipped.
+    """
+    found = []
+    modules = dict(accumulated.named_modules())
+    for name, module in full.named_modules():
+        label = name or "<model>"
+        if label in known:
+            continue
+        other = vars(modules[name])
+        changed = [
+            key
+            for key, value in vars(module).items()
+            if key != "training" and _plain(value) and not _same(value, other.get(key))
+        ]
+        if changed:
             reason = (
-                f"its forward updates its buffers {', '.join(changed)}, once per micro-batch "
-                "instead of once per batch, so later micro-batches see another state"
+                f"its forward changes its attributes {', '.join(changed)} (plain Python state, "
+                "not a buffer) once per micro-batch instead of once per batch; where the "
+                "forward reads them, later micro-batches see another state"
             )
             found.append(NonAdditiveModule(label, type(module).__name__, reason))
     return found
 
 
-@contextmanager
-def random_draws(
-    model: torch.nn.Module, devices: list[int], known: set[str]
-) -> Iterator[list[NonAdditiveModule]]:
-    """Note the modules whose forward draws random numbers while the block runs.
+def _plain(value: object) -> bool:
+    """A number, a tensor that is no parameter, or a tuple or list of them (an LSTM's (h, c))."""
+    if isinstance(value, (tuple, list)):
+        return bool(value) and all(_plain(item) for item in value)
+    if isinstance(value, torch.Tensor):
+        return not isinstance(value, torch.nn.Parameter)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
-    Dropout is known by its class, but stochastic depth (torchvision's `StochasticDepth`, timm's
-    `DropPath`), `F.dropout` in a custom forward or injected noise are not: any forward that
-    advances the CPU generator (or a CUDA one in `devices`) is, so each micro-batch draws other
-    values than the full batch. The innermost such module is listed, unless `known` has it. The
-    list is filled when the block exits.
-    """
 
-    def states() -> list[torch.Tensor]:
-        return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
-
-    stack: list[list[torch.Tensor]] = []
-    drew: dict[str, str] = {}
-
-    def before(module: torch.nn.Module, args: Any) -> None:
-        stack.append(states())
-
-    def after(name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if stack and any(not torch.equal(a, b) for a, b in zip(stack.pop(), states(), strict=True)):
-            drew[name] = type(module).__name__
-
-    handles = []
-    for name, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(before))
-        handles.append(module.register_forward_hook(partial(after, name), always_call=True))
-    found: list[NonAdditiveModule] = []
-    try:
-        yield found
-    finally:
-        for handle in handles:
-            handle.remove()
-    for name, kind in drew.items():  # the innermost: no module inside it drew too
-        inner = any(other.startswith(f"{name}.") or not name for other in drew if other != name)
-        if not inner and (name or "<model>") not in known:
-            reason = "draws random numbers in its forward, so each micro-batch draws others"
-            found.append(
-                NonAdditiveModule(name or "<model>", kind, f"{reason} than the full batch")
-            )
+def _same(value: object, other: object) -> bool:
+    if isinstance(value, (tuple, list)):
+        return (
+            isinstance(other, (tuple, list))
+            and len(other) == len(value)
+            and all(_same(a, b) for a, b in zip(value, other, strict=True))
+        )
+    if isinstance(value, torch.Tensor):
+        return isinstance(other, torch.Tensor) and torch.equal(value, other)
+    return bool(value == other)
 
 
 def changed_parameters(
@@ -281,78 +292,6 @@ def changed_parameters(
     return list(found.values())
 
 
-# A forward (or loss_fn) drawing random numbers outside a dropout module: noise, stochastic depth,
-# a VAE's reparameterization. Micro-batches draw other numbers than one full batch.
-RANDOM_DRAWS = NonAdditiveModule(
-    "<forward>",
-    "random draws",
-    "the forward or loss_fn drew random numbers (torch.randn_like, torch.rand, F.dropout: a "
-    "VAE's reparameterization, stochastic depth, noise), and micro-batches draw other random "
-    "numbers than the full batch",
-)
-
-
-def rng_snapshot(devices: list[int]) -> list[torch.Tensor]:
-    """The CPU RNG state, then each CUDA device's in `devices`."""
-    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
-
-
-def rng_advanced(before: list[torch.Tensor], devices: list[int]) -> bool:
-    """Whether any RNG advanced since `before` was taken."""
-    return any(not torch.equal(a, b) for a, b in zip(before, rng_snapshot(devices), strict=True))
-
-
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
     """Every CUDA device when any of `tensors` is on one (their RNGs are forked too), else none."""
     return list(range(torch.cuda.device_count())) if any(t.is_cuda for t in tensors) else []
-
-
-_FIXES = {
-    "BatchNorm": "convert it with gradaccum.batchnorm.convert_to_groupnorm(model) (exact), or "
-    "train with Accumulator(..., batchnorm='pooled') (running statistics from the whole window) "
-    "or 'frozen' (eval-mode statistics); see docs/batchnorm.md",
-    "other": "check with dropout off (eval mode, or p=0 and a stochastic depth probability of 0) "
-    "to confirm the rest is exact, or with the noise drawn for the whole batch and passed in it "
-    "(eps = torch.randn(B, ...) as a batch tensor); in training, other random draws per "
-    "micro-batch are expected noise, not a bug (docs/vision.md)",
-    "in place": "for nn.Embedding(max_norm=...), renormalize the whole batch's rows once "
-    "before the window (with torch.no_grad(): torch.embedding_renorm_(emb.weight, "
-    "ids.unique(), max_norm, 2.0)): each micro-batch's renormalization then changes nothing "
-    "and reads what the full batch reads; any other forward should leave its parameters alone",
-    "state": "check in eval mode (model.eval()) to confirm the rest is exact; in training the "
-    "state advances once per micro-batch, which no accumulation undoes: update it once per "
-    "window (e.g. from Accumulator's step results) if it must match the full batch",
-}
-
-
-def fix_for(kind: str, reason: str) -> str:
-    """The fix a non-additive module of `kind` (found for `reason`) calls for."""
-    if "BatchNorm" in kind:
-        return _FIXES["BatchNorm"]
-    if "in place" in reason:
-        return _FIXES["in place"]
-    return _FIXES["other" if "random" in reason else "state"]
-
-
-# What `EquivalenceReport.explain` says when no module explains a gap: the loss itself.
-LOSS_CAUSES = [
-    "cause: no module behaves differently on micro-batches, so the loss is not additive over "
-    "items. Either it normalizes by something of the micro-batch (a token, pixel or "
-    "masked-position count, the targets' summed class weights of cross_entropy(weight=...), "
-    "a max, a mean of per-micro-batch means),",
-    "    -> return gradaccum.LossSum(sum of per-item losses, number of items counted) (summed "
-    "weights: LossSum.terms(loss=(weighted_sum, summed_weights))); a plain scalar is read as a "
-    "mean weighted by the micro-batch's leading dimension.",
-    "or each item's loss depends on the other items of its batch (in-batch negatives: "
-    "InfoNCE, CLIP; triplet mining; batch statistics, such as an MoE load-balancing loss "
-    "computed per forward; a penalty on the parameters' gradient over the batch; Dice, soft "
-    "IoU, Lovasz or OHEM over the batch's pixels),",
-    "    -> no accumulation is exact there: the loss sees the micro-batch as its batch. Use the "
-    "largest micro_batch_size that fits, or gather the negatives over the window yourself "
-    "(docs/losses.md; a batch Dice or soft IoU, a ratio of window sums, has an exact two-pass "
-    "recipe there).",
-    "or it uses a statistic of the batch that needs no gradient (PPO's advantage "
-    "normalization, a batch-mean baseline, MoE dispatch fractions),",
-    "    -> exact: compute that statistic over the whole batch before splitting it and pass the "
-    "result in the batch (advantages normalized up front; docs/losses.md).",
-]

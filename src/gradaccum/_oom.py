@@ -1,5 +1,8 @@
 """Telling an out-of-memory error from other errors, and giving memory back after one.
 
+`rng_states`/`set_rng_states` rewind the random number generators for a window rerun smaller
+(and for `gradaccum.sizing`'s probes).
+
 Example:
     >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
     True
@@ -11,13 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from gradaccum.result import PartialStepError
 
 __all__ = [
+    "RngStates",
     "rng_states",
     "set_rng_states",
     "MemoryBudgetError",
@@ -28,6 +35,16 @@ __all__ = [
     "optimizer_step_guard",
     "release_cached_memory",
 ]
+
+
+class RngStates(NamedTuple):
+    """The generators' states: Python's, NumPy's, torch's (CPU, the CUDA device), the model's."""
+
+    python: tuple[Any, ...]
+    numpy: Any
+    devices: list[torch.Tensor]
+    held: list[tuple[torch.Generator, torch.Tensor]]
+
 
 # Older PyTorch raised plain RuntimeErrors; these phrases mark the allocators' messages, and
 # cuDNN's and cuBLAS's own word for a failed allocation (CUDNN_/CUBLAS_STATUS_ALLOC_FAILED).
@@ -123,16 +140,27 @@ def release_cached_memory(device: torch.device) -> None:
         torch.mps.empty_cache()
 
 
-def rng_states(device: torch.device) -> list[torch.Tensor]:
-    """The CPU (and this CUDA device's) RNG states, for a window that may be rerun smaller."""
-    states = [torch.get_rng_state()]
+def rng_states(device: torch.device, held: Sequence[torch.Generator] = ()) -> RngStates:
+    """The RNG states a window or a probe may draw from, to rewind them.
+
+    Python's `random` and NumPy's global generator too, and the generators the model holds
+    itself (`held`: `gradaccum._rng_state.held_generators`): a `loss_fn` that augments with
+    `np.random`, or a diffusion model drawing noise from its own generator, must see the same
+    numbers in a rerun (or after a planning probe) as a run at a fixed size would.
+    """
+    torch_states = [torch.get_rng_state()]
     if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    return states
+        torch_states.append(torch.cuda.get_rng_state(device))
+    own = [(generator, generator.get_state()) for generator in held]
+    return RngStates(random.getstate(), np.random.get_state(), torch_states, own)
 
 
-def set_rng_states(device: torch.device, states: list[torch.Tensor]) -> None:
+def set_rng_states(device: torch.device, states: RngStates) -> None:
     """Put back `rng_states(device)`, so a rerun window draws the same dropout masks."""
-    torch.set_rng_state(states[0])
+    random.setstate(states.python)
+    np.random.set_state(states.numpy)
+    torch.set_rng_state(states.devices[0])
     if device.type == "cuda":
-        torch.cuda.set_rng_state(states[1], device)
+        torch.cuda.set_rng_state(states.devices[1], device)
+    for generator, state in states.held:
+        generator.set_state(state)

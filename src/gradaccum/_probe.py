@@ -32,7 +32,7 @@ from gradaccum.options import Precision, SyncPolicy
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.sync import sync_context
 
-__all__ = ["CudaAllocatorPeak", "Probe", "resident_bytes", "snapshot_batchnorm"]
+__all__ = ["CudaAllocatorPeak", "ForwardState", "Probe", "resident_bytes"]
 
 
 class _AllocatorStatistics(Protocol):
@@ -49,8 +49,9 @@ class Probe:
 
     The parameters are not copied: that would double the memory being planned. Each probe sets
     the gradients aside (putting zeros in their place, as in a window's steady state), runs one
-    forward and backward without a cross-rank reduction, and puts back the gradients, the
-    BatchNorm statistics and the random number generators. The optimizer is replayed on the
+    forward and backward without a cross-rank reduction, and puts back the gradients and what
+    the forward changed (`ForwardState`: every buffer, a max-norm embedding's weight); the
+    planner puts back the random number generators. The optimizer is replayed on the
     meta device, where its state and temporaries have sizes but take no memory.
     """
 
@@ -101,7 +102,7 @@ class Probe:
         micro_batch = to_device(first, self.device)
         allocator = self.allocator
         saved_grads = [p.grad for p in self.params]
-        statistics = snapshot_batchnorm(self.model)
+        state = ForwardState(self.model)  # buffers a forward updates: put back below
         try:
             for param in self.params:  # the steady state: gradients exist and are added into
                 param.grad = torch.zeros_like(param)
@@ -123,8 +124,7 @@ class Probe:
         finally:
             for param, grad in zip(self.params, saved_grads, strict=True):
                 param.grad = grad
-            for buffer, value in statistics:
-                buffer.copy_(value)
+            state.restore()
         self.measured[size] = peak
         return peak
 
@@ -164,14 +164,40 @@ def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     return weights + grads + _state_bytes(_local_optimizer(optimizer))
 
 
-def snapshot_batchnorm(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`(buffer, copy)` for every BatchNorm buffer, to put them back after a probe or a rerun."""
-    return [
-        (buffer, buffer.clone())
-        for module in model.modules()
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
-        for buffer in module.buffers(recurse=False)
-    ]
+class ForwardState:
+    """What a forward may change in place, copied to be put back after a probe.
+
+    Every buffer (BatchNorm statistics, spectral norm's power-iteration vectors, a VQ-VAE's EMA
+    codebook, a quantization observer's range; updated in place or by reassigning the attribute)
+    and the weight of each `nn.Embedding(max_norm=...)`, which renormalizes the rows it looks up.
+    Other parameters are not copied: that would double the memory being planned.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._saved = [
+            (module, key, buffer, buffer.detach().clone())
+            for module in model.modules()
+            for key, buffer in module._buffers.items()
+            if buffer is not None
+        ]
+        self._weights = [
+            (module.weight, module.weight.detach().clone())
+            for module in model.modules()
+            if isinstance(module, torch.nn.Embedding) and module.max_norm is not None
+        ]
+
+    def restore(self) -> None:
+        """Put every copied tensor back: the same objects, their values as when copied."""
+        with torch.no_grad():
+            for module, key, buffer, old in self._saved:
+                module._buffers[key] = buffer  # a forward may have reassigned the attribute
+                if buffer.shape != old.shape:  # resized in place (a per-channel observer's)
+                    buffer.resize_(old.shape)
+                if not torch.equal(buffer, old):  # unchanged ones keep their version counters
+                    buffer.copy_(old)
+            for weight, old in self._weights:
+                if not torch.equal(weight, old):
+                    weight.copy_(old)
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -4,7 +4,8 @@
 when available) into plain data that `torch.load(weights_only=True)` accepts. `checked_rng` tries
 each saved state on a fresh generator, leaving the global ones untouched, and returns `RngStates`,
 whose `restore()` sets the global generators. `gradaccum.checkpoint` turns a failed check into a
-`CheckpointError`.
+`CheckpointError`. `held_generators` finds the generators a model holds itself, which no
+checkpoint holds and which check_equivalence, planning and out-of-memory reruns fork.
 
 Example:
     >>> import random
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["RngStates", "capture_rng", "checked_rng"]
+__all__ = ["RngStates", "capture_rng", "checked_rng", "held_generators"]
 
 
 def capture_rng() -> dict[str, Any]:
@@ -95,3 +96,16 @@ def checked_rng(state: dict[str, Any]) -> RngStates:
             raise TypeError("a CUDA RNG state is not a uint8 tensor")
     cuda = [device_state.cpu() for device_state in cuda]  # set_rng_state takes CPU tensors
     return RngStates(python, numpy, cpu, cuda)
+
+
+def held_generators(model: torch.nn.Module) -> list[torch.Generator]:
+    """The `torch.Generator`s the model's modules hold as attributes (`self.generator`).
+
+    A diffusion model drawing its noise from its own generator leaves the global ones alone.
+    """
+    return [
+        value
+        for module in model.modules()
+        for value in vars(module).values()
+        if isinstance(value, torch.Generator)
+    ]

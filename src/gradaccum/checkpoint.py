@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from gradaccum._atomic_file import write_atomically
+from gradaccum._buffer_watch import observer_buffers
 from gradaccum._checkpoint_fit import (
     CheckpointError,
     check_accumulator_targets,
@@ -207,7 +208,7 @@ def load_checkpoint(
     if missing:
         raise CheckpointError(f"{source} is incomplete: it lacks {', '.join(missing)}.")
     model, weights = unwrapped(model), payload["model"]
-    weights = _check_model_fits(source, weights, model.state_dict())
+    weights = _check_model_fits(source, weights, model.state_dict(), observer_buffers(model))
     check_optimizer_fits(source, payload, optimizer)
     if scheduler is not None:
         _check_scheduler_fits(source, payload, scheduler, optimizer)
@@ -252,7 +253,8 @@ def load_model_weights(
     if not isinstance(payload.get("model"), dict):
         raise CheckpointError(f"{source} is incomplete: it lacks model.")
     model = unwrapped(model)
-    model.load_state_dict(_check_model_fits(source, payload["model"], model.state_dict()))
+    fits = _check_model_fits(source, payload["model"], model.state_dict(), observer_buffers(model))
+    model.load_state_dict(fits)
 
 
 def _read_payload(source: Path, map_location: Any = "cpu") -> dict[str, Any]:
@@ -299,9 +301,12 @@ _ARCHITECTURE = "load it into the architecture it was saved from"
 
 
 def _check_model_fits(
-    source: Path, saved: dict[str, Any], current: dict[str, Any]
+    source: Path, saved: dict[str, Any], current: dict[str, Any], resizable: set[str]
 ) -> dict[str, Any]:
     """The saved model state, refused if its keys or tensor shapes differ from the model's.
+
+    The `resizable` keys (quantization observers' buffers, which their modules resize on load:
+    a fresh per-channel range is empty) may differ in shape.
 
     Files saved from a wrapped model by an older gradaccum carry its prefix on every key (the
     `_orig_mod.` of `torch.compile`, the `module.` of DDP); it is taken off.
@@ -322,7 +327,7 @@ def _check_model_fits(
                 f"{source} holds {key} as {type(value).__name__}, the model has a tensor; "
                 f"{_ARCHITECTURE}."
             )
-        if tuple(value.shape) != tuple(tensor.shape):
+        if tuple(value.shape) != tuple(tensor.shape) and key not in resizable:
             raise CheckpointError(
                 f"{source} holds {key} of shape {tuple(value.shape)}, the model has "
                 f"{tuple(tensor.shape)}; {_ARCHITECTURE}."

@@ -47,6 +47,7 @@ from gradaccum._oom import (
     rng_states,
     set_rng_states,
 )
+from gradaccum._rng_state import held_generators
 from gradaccum._tuner import ThroughputTuner
 from gradaccum.batching import batch_size, map_tensors
 from gradaccum.memory import parse_bytes
@@ -122,6 +123,7 @@ class AutoSizer:
         self.tuner: ThroughputTuner | None = None  # made with the plan, in "auto" mode
         self.capped = False  # the plan took every item of its batch: a larger one plans again
         self._model: torch.nn.Module | None = None
+        self._generators: list[torch.Generator] = []
 
     def ensure_plan(
         self,
@@ -160,6 +162,8 @@ class AutoSizer:
             self.planned = self.size = all_ranks_min(model, plan.micro_batch_size)
             self.capped = self.planned >= all_ranks_min(model, plan.batch_size)
             self.tuner = None  # time the sizes up to the new plan's
+        if model is not self._model:  # a rerun rewinds the model's own generators too
+            self._generators = held_generators(model)
         self._model = model  # also after load_state_dict, which restores a size but no model
         assert self.size is not None
         return self.size
@@ -196,7 +200,8 @@ class AutoSizer:
             size = tuner.next_size() if tuner is not None and timing else self.size
             assert size is not None
             tried.append(size)
-            rng = rng_states(self.device)  # only a rerun rewinds them: a skipped window draws on
+            # Only a rerun rewinds them: a skipped window draws on.
+            rng = rng_states(self.device, self._generators)
             start = self.clock()
             try:
                 result = attempt(size, _note(tuner, size, tried, items))

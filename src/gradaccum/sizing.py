@@ -7,8 +7,9 @@ Memory during training is a fixed part plus a part that grows with the micro-bat
     activations(m) = fixed_activations + per_item * m
 
 `plan_micro_batch` measures each term without copying the model (that would double what it
-plans) and leaves everything as it was: parameters, gradients, BatchNorm statistics, optimizer
-state and the random number generators (see `gradaccum._probe`):
+plans) and leaves everything as it was: parameters, gradients, buffers a forward updates (BatchNorm
+statistics, spectral norm's vectors, an EMA codebook), optimizer state and the random number
+generators, Python's and NumPy's included (see `gradaccum._probe`):
 
 - parameters, buffers, gradients and accumulation buffers are counted from the tensors; the
   optimizer's state after its first step, and its step's temporaries, come from replaying one
@@ -43,8 +44,15 @@ from typing import Any
 
 import torch
 
-from gradaccum._oom import MemoryBudgetError, is_out_of_memory, release_cached_memory
+from gradaccum._oom import (
+    MemoryBudgetError,
+    is_out_of_memory,
+    release_cached_memory,
+    rng_states,
+    set_rng_states,
+)
 from gradaccum._probe import Probe, resident_bytes
+from gradaccum._rng_state import held_generators
 from gradaccum.batching import batch_size
 from gradaccum.memory import parse_bytes
 from gradaccum.options import Precision, SyncPolicy, parse
@@ -187,9 +195,17 @@ def plan_micro_batch(
         The `MemoryPlan`; `str(plan)` is a table.
 
     Raises:
-        ValueError: On a bad budget or margin, or no budget on CPU.
+        ValueError: On a bad budget or margin, no budget on CPU, or a lazy module that has not
+            run yet.
         MemoryBudgetError: If even one item per micro-batch does not fit.
     """
+    for name, param in model.named_parameters():  # before a probe's forward materializes it
+        if torch.nn.parameter.is_lazy(param):
+            raise ValueError(
+                f"parameter {name} is uninitialized (a lazy module); run one forward pass on a "
+                "sample batch before planning: the plan counts the parameters' bytes, and the "
+                "optimizer must hold the materialized ones."
+            )
     if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ValueError(f"margin={margin!r} must be a number in [0, 1), e.g. 0.1.")
     mode = parse(Precision, precision, "precision")
@@ -209,9 +225,13 @@ def plan_micro_batch(
             "rank (micro_batch_size='auto' plans on the first step()'s), or pass the int "
             "micro_batch_size that plan_micro_batch chooses."
         )
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    # Python's, NumPy's and the model's own too: a loss_fn may augment with np.random.
+    rng = rng_states(device, held_generators(model))
+    try:
         probe = Probe(model, optimizer, loss_fn, sample_batch, mode, accum_dtype, policy, batch_dim)
         sizes = _probe_sizes(probe, items, budget, margin)
+    finally:
+        set_rng_states(device, rng)
     return sizes.plan(_choose(sizes, budget, margin), items, budget, margin, str(device))
 
 

@@ -2,13 +2,14 @@
 
 It runs one plain full-batch backward and one accumulated backward on two deep copies of the
 model, in float64 by default so that rounding cannot hide a real difference, and compares every
-gradient (complex ones as complex numbers). Both runs start from the caller's RNG state, which is
-left exactly as it was found. A model that computes in a less precise dtype inside (a Llama-style
-RMSNorm's `x.float()`, a loss that casts the logits with `.float()`) is judged at that dtype's
-rounding. It also lists the modules that make accumulation inexact by construction (BatchNorm in
-train mode, dropout, spectral norm's power iteration, other stateful parametrizations and hooks),
-so a failed check comes with its likely cause. That listing (`find_non_additive`,
-`NonAdditiveModule`) lives in `gradaccum._non_additive` and is re-exported here.
+gradient (complex ones as complex numbers). Both runs start from the caller's RNG states (torch's,
+NumPy's and Python's), which are left exactly as they were found. A model that computes in a less
+precise dtype inside (a Llama-style RMSNorm's `x.float()`, a loss that casts the logits with
+`.float()`) is judged at that dtype's rounding. It also lists the modules that make accumulation
+inexact by construction (BatchNorm in train mode, dropout, spectral norm's power iteration, other
+stateful parametrizations and hooks), so a failed check comes with its likely cause. That listing
+(`find_non_additive`, `NonAdditiveModule`) lives in `gradaccum._non_additive` and is re-exported
+here.
 
 Example:
     >>> import torch
@@ -22,30 +23,40 @@ Example:
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
+from gradaccum._check_copies import (
+    cast,
+    cast_array,
+    cast_copy,
+    float32_only,
+    refuse_unmaterialized,
+    tensors_of,
+)
 from gradaccum._check_precision import PrecisionProbe, tolerance
+from gradaccum._fixes import LOSS_CAUSES, fix_for
 from gradaccum._loss_call import call_loss_fn
 from gradaccum._non_additive import (
-    LOSS_CAUSES,
-    RANDOM_DRAWS,
     NonAdditiveModule,
     changed_by_hooks,
     changed_parameters,
     cuda_devices,
+    diverged_attributes,
     diverged_buffers,
     find_non_additive,
-    fix_for,
     hooked_buffers,
+)
+from gradaccum._random_draws import (
+    RANDOM_DRAWS,
+    host_rng_forked,
     random_draws,
     rng_advanced,
     rng_snapshot,
 )
+from gradaccum._rng_state import held_generators
 from gradaccum.batching import batch_size, map_tensors, split_batch
 from gradaccum.loss import LossTerms, backward_inside_error, read_loss
 from gradaccum.window import LossFn, accumulate_grad
@@ -60,8 +71,6 @@ __all__ = [
 
 # Relative gaps are taken against max(|parameter's gradient|, this x the model's largest one).
 _SCALE_FLOOR = 1e-3
-# Complex tensors follow the check's dtype with the complex dtype of the same precision.
-_COMPLEX = {torch.float64: torch.complex128, torch.float32: torch.complex64}
 
 
 @dataclass(frozen=True)
@@ -185,6 +194,9 @@ class EquivalenceReport:
                 names = ", ".join(m.name for m in modules[:4]) + more
                 fix = fix_for(kind, modules[0].reason)
                 lines += [f"  {kind} at {names}: {modules[0].reason}", f"    -> {fix}"]
+            if not self.ok and all("plain Python state" in m.reason for m in self.non_additive):
+                # Such an attribute may only record (a logged value): the loss stays a suspect.
+                lines += ["if those attributes are not read by the forward:", *LOSS_CAUSES]
         elif not self.ok:
             lines += LOSS_CAUSES
         if not self.ok and self.dtype not in (torch.float64, torch.float32):
@@ -208,8 +220,8 @@ def check_equivalence(
 
     The model itself is not touched. Floating tensors of the model and the batch (and the
     batch's floating numpy arrays) are cast to `dtype`, complex ones to the complex dtype of
-    its precision. Both runs start from the caller's RNG state (CPU, and CUDA when used), which
-    is restored afterwards.
+    its precision. Both runs start from the caller's RNG states (torch's CPU, and CUDA when used;
+    NumPy's and Python's), which are restored afterwards.
 
     Args:
         model: The model to check.
@@ -227,20 +239,30 @@ def check_equivalence(
         ValueError: If a parameter, buffer or batch tensor has no values (meta device, lazy
             module), the batch or `micro_batch_size` is invalid, or only the accumulated run fails.
     """
-    _refuse_unmaterialized(model, batch)
+    refuse_unmaterialized(model, batch)
     micro_batches = len(split_batch(batch, micro_batch_size))  # validates before any work
-    full_model, accumulated_model = _cast_copy(model, dtype), _cast_copy(model, dtype)
-    batch = map_tensors(batch, lambda t: _cast(t, dtype), lambda a: _cast_array(a, dtype))
-    devices = cuda_devices([*model.parameters(), *model.buffers(), *_tensors_of(batch)])
+    full_model, accumulated_model = cast_copy(model, dtype), cast_copy(model, dtype)
+    batch = map_tensors(batch, lambda t: cast(t, dtype), lambda a: cast_array(a, dtype))
+    devices = cuda_devices([*model.parameters(), *model.buffers(), *tensors_of(batch)])
     hooked = hooked_buffers(full_model)
     precision = PrecisionProbe(dtype)
     known = {m.name for m in find_non_additive(model)}
 
     with torch.enable_grad():
-        with torch.random.fork_rng(devices=devices), precision:
-            rng = rng_snapshot(devices)
+        with torch.random.fork_rng(devices=devices), host_rng_forked(), precision:
+            generators = held_generators(full_model)  # its own, next to the global ones
+            rng = rng_snapshot(devices, generators)
             with random_draws(full_model, devices, known) as drawing:
-                result = call_loss_fn(loss_fn, full_model, batch)
+                try:
+                    result = call_loss_fn(loss_fn, full_model, batch)
+                except Exception as error:
+                    fused = float32_only(model)
+                    if fused and dtype != torch.float32 and hasattr(error, "add_note"):
+                        error.add_note(
+                            f"gradaccum: {', '.join(fused[:3])} run float32 kernels only; "
+                            "check with check_equivalence(..., dtype=torch.float32)."
+                        )
+                    raise
             if any(param.grad is not None for param in full_model.parameters()):
                 raise backward_inside_error()  # the gradient would be counted twice
             if isinstance(result, LossTerms):
@@ -251,21 +273,44 @@ def check_equivalence(
             value, weight, count = read_loss(result, batch_size(batch), needs_graph=True)
             if count > 0:  # the plain full-batch loss itself: no op a user would not write
                 torch.autograd.backward(value if weight == count else value / count)
-            drew = rng_advanced(rng, devices)
-        with torch.random.fork_rng(devices=devices):
+            drew = rng_advanced(rng, devices, generators)
+        with torch.random.fork_rng(devices=devices), host_rng_forked():
             try:
                 accumulate_grad(accumulated_model, batch, loss_fn, micro_batch_size)
-            except ValueError as error:
+            except Exception as error:
+                # State kept between calls (an RNN's hidden state held as an attribute) that the
+                # full batch set for its B items: the micro-batches then fail on its shape.
+                kept = diverged_attributes(cast_copy(model, dtype), full_model, set())
+                held = ", ".join(f"{m.name} ({m.kind})" for m in kept)
+                hint = (
+                    f" These modules keep state between calls in plain attributes, which the full "
+                    f"batch's forward set: {held}; reset it in loss_fn (e.g. model.state = None) "
+                    "or carry it in the batch."
+                    if kept
+                    else ""
+                )
+                if not isinstance(error, ValueError):
+                    if kept and hasattr(error, "add_note"):
+                        error.add_note(
+                            f"gradaccum: check_equivalence's accumulated run failed at "
+                            f"micro_batch_size={micro_batch_size} although the full batch ran."
+                            + hint
+                        )
+                    raise
                 suspects = "; ".join(str(m) for m in find_non_additive(model)) or "none found"
                 raise ValueError(
                     f"the accumulated run failed at micro_batch_size={micro_batch_size} although "
                     f"the full batch ran: {error}. Non-additive modules: {suspects}. Try a larger "
-                    "micro_batch_size (BatchNorm needs more than 1 item per channel in train mode)."
+                    "micro_batch_size (BatchNorm needs more than 1 item per channel in train "
+                    f"mode).{hint}"
                 ) from error
 
     non_additive = find_non_additive(model) + drawing
     non_additive += changed_by_hooks(full_model, hooked, {m.name for m in non_additive})
     non_additive += diverged_buffers(full_model, accumulated_model, {m.name for m in non_additive})
+    non_additive += diverged_attributes(
+        full_model, accumulated_model, {m.name for m in non_additive}
+    )
     non_additive += changed_parameters(model, full_model, {m.name for m in non_additive})
     if drew and not any("random" in m.reason for m in non_additive):
         non_additive.append(RANDOM_DRAWS)
@@ -301,65 +346,3 @@ def _gaps(full_model: torch.nn.Module, accumulated: torch.nn.Module) -> tuple[Pa
         rel_diff = abs_diff / scale if scale > 0 else (0.0 if abs_diff == 0 else float("inf"))
         gaps.append(ParameterGap(name, shape, abs_diff, rel_diff))
     return tuple(gaps)
-
-
-def _refuse_unmaterialized(model: torch.nn.Module, batch: Any) -> None:
-    """Raise, naming the fix, if a parameter, buffer or batch tensor holds no values."""
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if torch.nn.parameter.is_lazy(tensor):
-            raise ValueError(
-                f"{name} is uninitialized (a lazy module): run one forward pass on a batch first "
-                "so that it gets its shape, then check."
-            )
-        if tensor.is_meta:
-            raise ValueError(
-                f"{name} is on the meta device: it has a shape but no values, so there is no "
-                "gradient to check. Materialize the model first, e.g. "
-                "model.to_empty(device='cpu'), then initialize it (reset_parameters() on each "
-                "module, or load_state_dict(...))."
-            )
-    if any(tensor.is_meta for tensor in _tensors_of(batch)):
-        raise ValueError("the batch holds a meta tensor (no values); pass real data.")
-
-
-def _cast_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """A deep copy, cast tensor by tensor: `Module.to(dtype)` would make complex tensors real."""
-    try:
-        clone = copy.deepcopy(model)
-    except RuntimeError as error:  # e.g. a non-leaf tensor held as an attribute
-        raise ValueError(
-            f"check_equivalence runs on deep copies of the model, and copy.deepcopy failed: "
-            f"{error}. Make the model copyable: replace torch.nn.utils.weight_norm with "
-            "torch.nn.utils.parametrizations.weight_norm, and keep computed tensors out of "
-            "module attributes."
-        ) from error
-    clone._apply(lambda tensor: _cast(tensor, dtype))  # type: ignore[no-untyped-call]
-    return clone
-
-
-def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if tensor.is_complex():
-        return tensor.to(_COMPLEX.get(dtype, torch.complex64))
-    return tensor.to(dtype) if tensor.is_floating_point() else tensor
-
-
-def _cast_array(array: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    """A floating (complex) numpy array in `dtype` (its complex twin), as tensors are cast."""
-    if array.dtype.kind not in "fc":
-        return array
-    target = _COMPLEX.get(dtype, torch.complex64) if array.dtype.kind == "c" else dtype
-    try:
-        return array.astype(torch.empty(0, dtype=target).numpy().dtype)
-    except TypeError:  # a dtype numpy does not have (bfloat16): left as it is
-        return array
-
-
-def _tensors_of(batch: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-
-    def keep(tensor: torch.Tensor) -> torch.Tensor:
-        found.append(tensor)
-        return tensor
-
-    map_tensors(batch, keep)
-    return found
