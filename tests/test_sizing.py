@@ -317,7 +317,10 @@ def test_resident_memory_of_training_stays_under_the_budget() -> None:
     sweep = {int(size): run["peak"] for size, run in runs.items() if size != "largest"}
     too_big = min((size for size, peak in sweep.items() if peak > budget), default=None)
     assert too_big is not None, f"the sweep must reach sizes that do not fit: {report}"
-    assert chosen >= 0.9 * (too_big - 1), report  # the largest that fits is below too_big
+    # Not too cautious: at least 90% of the largest swept size that fits. (Not `too_big - 1`: a
+    # swept size may land within 0.1% of the budget, on either side from run to run.)
+    fits = max(size for size, peak in sweep.items() if peak <= budget)
+    assert chosen >= 0.9 * fits, report
     # NEGATIVE CONTROL: the sweep's over-budget sizes really are over; the check can fail.
     assert sweep[max(sweep)] > budget
 
