@@ -34,7 +34,7 @@ import torch
 
 from gradaccum.cli import main
 from gradaccum.experiments.folders import run_folder, stop_on_signals
-from tests.cli._helpers import read_jsonl
+from tests.cli._helpers import read_jsonl, subprocess_env
 from tests.cli.signal_at import HOOK
 from tests.state import assert_bitwise
 
@@ -46,7 +46,7 @@ STATES = ("model", "optimizer", "scheduler", "accumulator")
 
 
 def _start(args: list[str], hook: str | None = None) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if k != HOOK}
+    env = {k: v for k, v in subprocess_env().items() if k != HOOK}
     if hook is not None:
         env[HOOK] = hook
     return subprocess.Popen(
