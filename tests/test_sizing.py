@@ -208,7 +208,13 @@ def test_resident_memory_of_training_stays_under_the_budget() -> None:
     sweep = {int(size): run["peak"] for size, run in runs.items() if size != "largest"}
     too_big = min((size for size, peak in sweep.items() if peak > budget), default=None)
     assert too_big is not None, f"the sweep must reach sizes that do not fit: {report}"
-    assert chosen >= 0.9 * (too_big - 1), report  # the largest that fits is below too_big
+    fits = max(size for size in sweep if size < too_big)
+    # The largest size that fits, between the two: peak RSS grows linearly with the size, so
+    # interpolate. (`too_big - 1` was used before: when a sweep size lands within the RSS noise of
+    # the budget, measured at 1.006-1.014 of it for 0.8 of the batch, one run in a while finds it
+    # under, and `too_big` jumps a whole sweep step up past what the plan may be asked to reach.)
+    boundary = fits + (too_big - fits) * (budget - sweep[fits]) / (sweep[too_big] - sweep[fits])
+    assert chosen >= 0.9 * boundary, (boundary, report)
     # NEGATIVE CONTROL: the sweep's over-budget sizes really are over; the check can fail.
     assert sweep[max(sweep)] > budget
 
