@@ -191,7 +191,10 @@ def test_resident_memory_of_training_stays_under_the_budget() -> None:
     """Subprocess: RSS growth of real training at the plan's size vs the budget, and a sweep."""
     budget = 64 * 2**20
     # glibc would otherwise keep freed tensor memory (see tests/rss_worker.py, docs/memory.md).
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": str(ROOT)}
+    # The root first, for `-m tests.rss_worker`; a PYTHONPATH already set (a checkout's src/ run
+    # without installing it) is kept, or the child would import another copy of gradaccum.
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": path}
     done = subprocess.run(
         [sys.executable, "-m", "tests.rss_worker", "64MiB"],
         capture_output=True,
