@@ -45,7 +45,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -294,13 +293,10 @@ def rank_main(
     rank: int, port: int, settings: dict[str, Any], queue: mp.SimpleQueue
 ) -> None:  # pragma: no cover - runs in the spawned processes
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    timeout = datetime.timedelta(seconds=120)
+    # A client of the store the parent listens with (see `rendezvous_store`).
+    store = dist.TCPStore("127.0.0.1", port, WORLD_SIZE, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=timeout)
     try:
         results = {}
         for n in settings["n"]:
@@ -392,10 +388,13 @@ def print_report(summary: dict[str, dict], settings: dict[str, Any]) -> None:
     )
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def rendezvous_store() -> dist.TCPStore:
+    """The ranks' rendezvous store, listening on a port of 127.0.0.1 that the system picks.
+
+    The parent holds it from before the spawn: a port merely found free, then bound by rank 0
+    only after it imported torch, could be taken in between by another process of a busy machine.
+    """
+    return dist.TCPStore("127.0.0.1", 0, WORLD_SIZE, is_master=True, wait_for_workers=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -417,7 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
-    mp.spawn(rank_main, args=(free_port(), settings, queue), nprocs=WORLD_SIZE, join=True)
+    store = rendezvous_store()
+    mp.spawn(rank_main, args=(store.port, settings, queue), nprocs=WORLD_SIZE, join=True)
+    del store
     results = queue.get()
     summary = summarize(results)
     print_report(summary, settings)

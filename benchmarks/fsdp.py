@@ -34,7 +34,6 @@ import datetime
 import functools
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -155,13 +154,10 @@ def rank_main(
     rank: int, port: int, settings: dict[str, Any], queue: Any
 ) -> None:  # pragma: no cover - runs in the spawned processes
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    timeout = datetime.timedelta(seconds=300)
+    # A client of the store the parent listens with (see `rendezvous_store`).
+    store = dist.TCPStore("127.0.0.1", port, WORLD_SIZE, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=timeout)
     try:
         calls = count_reduce_scatters()
         results = {str(n): bench_n(rank, n, settings, calls) for n in settings["n"]}
@@ -208,10 +204,13 @@ def print_report(results: dict[str, Any], settings: dict[str, Any]) -> None:
     print(f"\nlargest parameter gap between the policies after one window: {gaps}")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def rendezvous_store() -> dist.TCPStore:
+    """The ranks' rendezvous store, listening on a port of 127.0.0.1 that the system picks.
+
+    The parent holds it from before the spawn: a port merely found free, then bound by rank 0
+    only after it imported torch, could be taken in between by another process of a busy machine.
+    """
+    return dist.TCPStore("127.0.0.1", 0, WORLD_SIZE, is_master=True, wait_for_workers=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": 1,
     }
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(rank_main, args=(free_port(), settings, queue), nprocs=WORLD_SIZE, join=True)
+    store = rendezvous_store()
+    mp.spawn(rank_main, args=(store.port, settings, queue), nprocs=WORLD_SIZE, join=True)
+    del store
     results = queue.get()
     print_report(results, settings)
     if args.json:

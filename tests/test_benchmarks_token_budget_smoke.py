@@ -12,14 +12,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.timeout(120)
+# About 4 s on a quiet 2-core machine, 45 s with two busy processes beside it: the timeouts only
+# bound a hang and leave a loaded CI machine ample room.
+@pytest.mark.timeout(270)
 def test_token_budget_benchmark_runs_and_pads_less() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "token_budget.py"), "--quick"],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     padding = [float(p) for p in re.findall(r"(\d+\.\d)%", proc.stdout)]

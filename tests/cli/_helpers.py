@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # The columns of every metrics.jsonl row (one per optimizer step).
 METRIC_COLUMNS = {
@@ -32,6 +35,16 @@ def run_cli(
         check=False,
         cwd=cwd,
     )
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This process's environment plus `extra`, with the repository root first on PYTHONPATH.
+
+    `python -m tests.cli.signal_at` finds the `tests` package through the working directory only
+    when pytest runs from the repository root; with the root on PYTHONPATH it does from anywhere.
+    """
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, **extra, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def read_jsonl(path: Path) -> list[dict]:

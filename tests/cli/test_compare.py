@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import struct
 import subprocess
@@ -22,7 +21,13 @@ import torch
 
 from gradaccum.cli import main
 from gradaccum.experiments.report import CURVES_SIZE, MEMORY_SIZE, PEAK_MEMORY_NOTE
-from tests.cli._helpers import DIGITS_TABLE_COLUMNS, METRIC_COLUMNS, read_jsonl, run_cli
+from tests.cli._helpers import (
+    DIGITS_TABLE_COLUMNS,
+    METRIC_COLUMNS,
+    read_jsonl,
+    run_cli,
+    subprocess_env,
+)
 from tests.cli.signal_at import HOOK
 from tests.state import assert_bitwise
 
@@ -242,7 +247,7 @@ def test_out_under_a_regular_file_exits_2(tmp_path, capsys):
 
 def _signalled(args: list[str], hook: str) -> subprocess.CompletedProcess[str]:
     """Run `gradaccum ARGS` with the test hook of `tests.cli.signal_at` set to `hook`."""
-    env = {**os.environ, HOOK: hook}
+    env = subprocess_env(**{HOOK: hook})
     return subprocess.run(
         [sys.executable, "-m", "tests.cli.signal_at", *args],
         capture_output=True, text=True, env=env, timeout=_TIMEOUT, check=False,

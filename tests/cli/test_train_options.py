@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli._helpers import run_cli
+from tests.cli._helpers import run_cli, subprocess_env
 
 FIRST_BN = "enc1.1"  # the U-Net's first BatchNorm: its input does not depend on other BN layers
 
@@ -117,7 +116,7 @@ def test_resume_of_a_run_started_from_init_weights_needs_no_init_file(tmp_path: 
     out = tmp_path / "run"
     args = ["train", "--task", "shapes", "--steps", "3", "--batch-size", "16",
             "--micro-batch-size", "8", "--bn", "pooled", "--out", str(out)]  # fmt: skip
-    env = {**os.environ, "GRADACCUM_TEST_SIGNAL_AT": "1:1:TERM"}
+    env = subprocess_env(GRADACCUM_TEST_SIGNAL_AT="1:1:TERM")
     stopped = subprocess.run(
         [sys.executable, "-m", "tests.cli.signal_at", *args, "--init-from", str(init)],
         capture_output=True, text=True, env=env, timeout=120, check=False,

@@ -1,7 +1,9 @@
 """Run a function on N real processes joined in a gloo process group, with a hard timeout.
 
 `spawn_ranks(fn, tmp_path, ...)` starts `world_size` processes with `torch.multiprocessing`
-(start method "spawn"), each of which joins a gloo group on 127.0.0.1 at a free port, calls
+(start method "spawn"), each of which joins a gloo group through a TCP store that the parent
+listens with on a port of 127.0.0.1 the system chose (held from before the spawn, so no other
+process can take it while the ranks import torch, as a port merely found free could be), calls
 `fn(rank, world_size, *args)` and writes what happened (the return value, or the exception with its
 traceback) to a file in `tmp_path`. The parent waits at most `timeout` seconds, kills whatever is
 still running after that, and returns one `RankOutcome` per rank. Nothing here can hang a test:
@@ -88,7 +90,8 @@ def has_fsdp_method(name: str) -> bool:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now (another process may take it
+    before it is bound again: `spawn_ranks` holds its store's port instead)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -114,12 +117,11 @@ def _rank_main(
     )
     outcome: dict[str, Any] = {}
     try:
+        timeout = datetime.timedelta(seconds=pg_timeout)
+        # A client of the parent's store: the port has been listened on since before the spawn.
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout),
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
         )
         outcome["result"] = fn(rank, world_size, *args)
     except BaseException as exc:  # recorded for the parent, which decides what it means
@@ -165,7 +167,18 @@ def spawn_ranks(
     out_dir = Path(tmp_path) / "ranks"
     out_dir.mkdir(parents=True, exist_ok=True)
     context = mp.get_context("spawn")
-    port = free_port()
+    # The parent hosts the rendezvous store on a port the system picks and keeps it bound for the
+    # whole run: a port found free, then bound by rank 0 seconds later (after importing torch),
+    # could be taken in between by another process of a busy machine.
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=pg_timeout),
+        wait_for_workers=False,
+    )
+    port = store.port
     processes = [
         context.Process(
             target=_rank_main,
@@ -183,6 +196,7 @@ def spawn_ranks(
     for rank in hung:
         processes[rank].kill()
         processes[rank].join(5.0)
+    del store  # every rank is gone: the port is released
     outcomes = [
         _read_outcome(rank, out_dir, processes[rank].exitcode) for rank in range(world_size)
     ]

@@ -467,7 +467,9 @@ def test_a_static_graphs_first_window_refuses_uneven_plans_on_every_rank(tmp_pat
         assert _names_ranks_and_counts(message, (3, 2)), message
 
 
-@pytest.mark.timeout(90)
+# One attempt took 12-17 s on 2 shared cores (torchrun's agent and two ranks each import torch);
+# the per-attempt timeout leaves a loaded CI machine several times that.
+@pytest.mark.timeout(330)
 def test_example_runs_under_torchrun(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():
@@ -489,7 +491,7 @@ def test_example_runs_under_torchrun(tmp_path: Path) -> None:
             env=env,
             capture_output=True,
             text=True,
-            timeout=40,
+            timeout=150,
             check=False,
         )
         output = completed.stdout + completed.stderr
@@ -497,8 +499,13 @@ def test_example_runs_under_torchrun(tmp_path: Path) -> None:
         # now and then on a loaded machine ("terminate called without an active exception"):
         # run once more then; any other failure counts at once.
         teardown = "terminate called without an active exception" in completed.stderr
-        if completed.returncode == 0 or not teardown or "identical" not in completed.stdout:
-            break
+        if teardown and completed.returncode != 0 and "identical" in completed.stdout:
+            continue
+        # The port was free when chosen, but torchrun binds it only after importing torch: on a
+        # busy machine another process may have taken it meanwhile. Nothing ran: run again.
+        if completed.returncode != 0 and "address already in use" in completed.stderr.lower():
+            continue
+        break
     assert completed.returncode == 0, output
     assert "parameters identical across ranks: yes" in completed.stdout, output
     step_lines = [line for line in completed.stdout.splitlines() if line.startswith("step ")]
