@@ -383,6 +383,46 @@ def carry_over_epochs_of_unknown_length():
 
 
 @check
+def train_on_batch_windows():
+    """`train_on_batch` on micro-batches takes one exact step per `steps` calls, before a fit and
+    after one. (On TensorFlow the first window was skipped as non-finite: the optimizer, built
+    while tracing, set its start value by an assign in the graph. After a fit, on every backend,
+    that fit's epoch length closed later windows early.)"""
+    micro = regression([4] * 6, seed=15)
+    epoch = regression([4] * 5, seed=16)  # one fit epoch, windows of 2: 2, 2 and 1
+    model = mlp()
+    trainer = gk.accumulate(model, steps=2)
+    trainer.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    for batch in micro[:4]:  # before any fit: 2 windows
+        trainer.train_on_batch(*batch)
+    trainer.fit(Batches(epoch), shuffle=False, verbose=0)
+    for batch in micro:  # after it: 3 windows
+        trainer.train_on_batch(*batch)
+    full = windows(micro[:4], 2)[0] + windows(epoch, 2)[0] + windows(micro, 2)[0]
+    ref = mlp()
+    ref.compile(optimizer=densified(keras.optimizers.Adam(0.05)), loss="mse")
+    for batch in full:
+        ref.train_on_batch(*batch)
+    # NEGATIVE CONTROL: one step per micro-batch ends elsewhere.
+    naive = mlp()
+    naive.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    for batch in micro[:4] + epoch + micro:
+        naive.train_on_batch(*batch)
+    return {"gap": gap(weights(model), weights(ref)), "state": trainer.window_state,
+            "gap_per_micro_batch": gap(weights(naive), weights(ref))}  # fmt: skip
+
+
+@check
+def subclassed_model_built_by_its_first_step():
+    """A subclassed model unbuilt until `fit`'s first batch: on TensorFlow the model, then the
+    optimizer, are built while tracing that step, after the callbacks' `on_train_begin` (which
+    built the window on the count probe alone: the step raised a bare zip() ValueError)."""
+    micro = regression([4] * 10, seed=17)  # windows of 4: 4, 4 and a dropped leftover of 2
+    optimizer = lambda: keras.optimizers.Adam(0.05)  # noqa: E731
+    return compare(_Mlp, optimizer, micro, steps=4, epochs=2, policy="drop")
+
+
+@check
 def window_state_during_fit():
     """A callback holding the trainer reads `window_state` after every micro-batch (on JAX the
     variables' values live in `fit` until synced: reading them used to raise a TypeError)."""
@@ -775,7 +815,31 @@ def bad_input_is_refused():
             messages[label] = None
         except ValueError as error:
             messages[label] = str(error)
-    return {"messages": messages, "compiled": bool(trainer.compiled)}
+    # Keras's own accumulation inside a LossScaleOptimizer: the window's step would be averaged
+    # over 2 windows and taken every other window (it was accepted silently).
+    hidden = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(gradient_accumulation_steps=2)
+    )
+    try:
+        trainer.compile(optimizer=hidden, loss="mse")
+        messages["builtin_in_loss_scale"] = None
+    except ValueError as error:
+        messages["builtin_in_loss_scale"] = str(error)
+    result = {"messages": messages, "compiled": bool(trainer.compiled)}
+    # A micro-batch size that is not a positive int: refused before any step (on TensorFlow
+    # batch_size=0 trained on all the data at once; on JAX it raised a bare TypeError).
+    x, y = regression([8])[0]
+    fitted = gk.accumulate(model, steps=2)
+    fitted.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    before = weights(model)
+    for label, size in {"batch_size=0": 0, "batch_size=-1": -1, "batch_size='4'": "4"}.items():
+        try:
+            fitted.fit(x, y, batch_size=size, verbose=0)
+            messages[label] = None
+        except (TypeError, ValueError) as error:
+            messages[label] = str(error)
+    result.update(fit_unchanged=gap(weights(model), before) == 0.0, fit_state=fitted.window_state)
+    return result
 
 
 class _Mlp(keras.Model):

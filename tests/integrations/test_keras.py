@@ -174,6 +174,18 @@ def test_stop_training_mid_epoch_settles_the_open_window(keras_results, backend)
     assert found["gap_without_leftover"] > CAUGHT, found
 
 
+def test_train_on_batch_steps_once_per_window_before_and_after_fit(keras_results, backend):
+    found = result(keras_results, backend, "train_on_batch_windows")
+    assert_exact(found, backend, steps=8)  # 2 windows, a fit's 3, then 3
+    assert found["state"]["pending"] == 0, found
+    assert found["gap_per_micro_batch"] > CAUGHT, found
+
+
+def test_a_subclassed_model_unbuilt_before_fit(keras_results, backend):
+    found = result(keras_results, backend, "subclassed_model_built_by_its_first_step")
+    assert_exact(found, backend, steps=4)  # 2 epochs of 2 windows; each leftover dropped
+
+
 def test_window_state_is_readable_from_a_callback_during_fit(keras_results, backend):
     found = result(keras_results, backend, "window_state_during_fit")
     assert found["pending"] == [1, 0, 1, 0, 0], found  # the epoch's last window steps on 1
@@ -286,7 +298,12 @@ def test_bad_input_names_the_fix_and_changes_nothing(keras_results, backend):
     assert "'step', 'drop', 'carry'" in messages["policy"]
     assert "remove it" in messages["builtin"]
     assert "sum_over_batch_size" in messages["sum"]
+    assert "remove it" in messages["builtin_in_loss_scale"]
     assert found["compiled"] is False, "a refused compile leaves the model uncompiled"
+    for label in ("batch_size=0", "batch_size=-1", "batch_size='4'"):
+        assert "must be a positive int" in messages[label], messages
+    assert found["fit_unchanged"], "a refused fit must not train"
+    assert found["fit_state"] == {"steps": 0, "skipped": 0, "pending": 0}, found
 
 
 def test_a_models_own_compute_loss_or_train_step_is_refused_not_ignored(keras_results, backend):

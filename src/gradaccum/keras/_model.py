@@ -27,6 +27,8 @@ from gradaccum.keras._counts import MEAN_REDUCTIONS, loss_count, masked_outputs,
 from gradaccum.keras._optimizer import WindowOptimizer
 from gradaccum.keras._options import (
     PARTIAL_WINDOWS,
+    check_batch_size,
+    check_no_builtin_accumulation,
     check_options,
     check_single_replica,
     warn_batchnorm,
@@ -116,11 +118,7 @@ class AccumulatingModel(keras.Model):
         inner = keras.optimizers.get(optimizer)
         if isinstance(inner, WindowOptimizer):
             inner = inner.inner_optimizer
-        if getattr(inner, "gradient_accumulation_steps", None):
-            raise ValueError(
-                f"the optimizer has gradient_accumulation_steps={inner.gradient_accumulation_steps}"
-                f"; remove it: AccumulatingModel(steps={self.steps}) accumulates exactly instead"
-            )
+        check_no_builtin_accumulation(inner, self.steps)
         static_scale = None if isinstance(inner, keras.optimizers.LossScaleOptimizer) else (
             inner.loss_scale_factor
         )  # fmt: skip
@@ -185,6 +183,7 @@ class AccumulatingModel(keras.Model):
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """`keras.Model.fit`; `batch_size` is the micro-batch size."""
+        check_batch_size(args, kwargs)
         self.built = self.built or self.model.built  # built since wrapped (BackupAndRestore)
         # First, so an epoch's leftover is settled before the user's callbacks save or stop.
         if len(args) > 5:  # callbacks given positionally
@@ -331,7 +330,7 @@ class _SettleWindows(keras.callbacks.Callback):
 
     def _optimizer(self) -> WindowOptimizer:
         optimizer = self._owner._window_optimizer()
-        if not optimizer.built:
+        if not optimizer.built and self._owner.model.built:  # else its first step builds it
             optimizer.build(self._owner.trainable_variables)
         return optimizer
 
@@ -362,6 +361,9 @@ class _SettleWindows(keras.callbacks.Callback):
             self._optimizer().flush(policy)
 
     def on_train_end(self, logs: Any = None) -> None:
+        # Later `train_on_batch` calls belong to no epoch: this fit's length would close their
+        # windows early.
+        self._optimizer().set_epoch_length(None)
         pending = self._optimizer().window_state()["pending"]
         if pending and self._owner.partial_window == "carry":
             warn_user(
