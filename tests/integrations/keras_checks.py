@@ -794,6 +794,7 @@ def bad_input_is_refused():
     for label, call in {
         "steps=0": lambda: gk.accumulate(model, steps=0),
         "steps=True": lambda: gk.accumulate(model, steps=True),
+        "steps=np.int64(3)": lambda: gk.accumulate(model, steps=np.int64(3)),
         "policy": lambda: gk.accumulate(model, steps=2, partial_window="later"),
         "count": lambda: gk.accumulate(model, steps=2, count=3),
         "wrapped": lambda: gk.accumulate(gk.accumulate(model, steps=2), steps=2),

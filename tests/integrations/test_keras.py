@@ -295,6 +295,7 @@ def test_bad_input_names_the_fix_and_changes_nothing(keras_results, backend):
     assert all(messages.values()), messages
     assert "positive int" in messages["steps=0"]
     assert "positive int" in messages["steps=True"]
+    assert "got int64: pass steps=3" in messages["steps=np.int64(3)"], messages
     assert "'step', 'drop', 'carry'" in messages["policy"]
     assert "remove it" in messages["builtin"]
     assert "sum_over_batch_size" in messages["sum"]

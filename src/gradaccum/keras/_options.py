@@ -11,6 +11,7 @@ from typing import Any
 
 import keras
 
+from gradaccum._batch_sizes import _whole
 from gradaccum._warnings import warn_user
 from gradaccum.batchnorm import BatchNormAccumulationWarning
 
@@ -38,8 +39,14 @@ def check_options(model: Any, steps: Any, partial_window: Any, count: Any, wrapp
             "pass the model you would call fit() on"
         )
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        # A numpy or float 3 is not refused unexplained: the message names the int to pass.
+        fix = (
+            ""
+            if isinstance(steps, int)
+            else f", got {type(steps).__name__}: pass steps={_whole(steps)}"
+        )
         raise ValueError(
-            f"steps={steps!r} must be a positive int: micro-batches per optimizer step"
+            f"steps={steps!r} must be a positive int: micro-batches per optimizer step{fix}"
         )
     if partial_window not in PARTIAL_WINDOWS:
         raise ValueError(
