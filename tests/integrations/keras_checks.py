@@ -787,6 +787,30 @@ def hand_written_loop():
 
 
 @check
+def gradient_window_refuses_mismatched_input():
+    """GradientWindow.add refuses gradients shaped unlike their slots and counts that are not one
+    number. (Swapped gradients broadcast silently: the kernel's slot got the bias gradient on
+    every row and the bias's slot grew to the kernel's shape; a string count was read as a
+    number on JAX.)"""
+    kernel, bias = np.ones((3, 3)), np.ones((3,))
+    window = gk.GradientWindow.zeros([kernel, bias]).add([kernel, bias], count=2)
+    messages = {}
+    for label, (grads, count) in {
+        "swapped": ([bias, kernel], 1),
+        "count_str": ([kernel, bias], "2"),
+        "count_none": ([kernel, bias], None),
+        "count_vector": ([kernel, bias], np.array([1.0, 2.0])),
+    }.items():
+        try:
+            window.add(grads, count)
+            messages[label] = None
+        except (TypeError, ValueError) as error:
+            messages[label] = f"{type(error).__name__}: {error}"
+    mean = [ops.convert_to_numpy(m).tolist() for m in window.mean()]
+    return {"messages": messages, "mean": mean}
+
+
+@check
 def bad_input_is_refused():
     """Each bad argument raises an error naming the fix, before anything changes."""
     messages = {}

@@ -307,6 +307,19 @@ def test_bad_input_names_the_fix_and_changes_nothing(keras_results, backend):
     assert found["fit_state"] == {"steps": 0, "skipped": 0, "pending": 0}, found
 
 
+def test_gradient_window_refuses_mismatched_gradients_and_counts(keras_results, backend):
+    found = result(keras_results, backend, "gradient_window_refuses_mismatched_input")
+    messages = found["messages"]
+    assert "ValueError: gradient 0 has shape (3,)" in (messages["swapped"] or ""), messages
+    assert "in the order of the variables" in messages["swapped"], messages
+    for label in ("count_str", "count_none"):
+        assert (messages[label] or "").startswith("TypeError: count="), messages
+    assert "must be one number" in (messages["count_vector"] or ""), messages
+    assert found["mean"] == [[[0.5] * 3] * 3, [0.5] * 3], (
+        "a refused add leaves the window as it was"
+    )
+
+
 def test_a_models_own_compute_loss_or_train_step_is_refused_not_ignored(keras_results, backend):
     found = result(keras_results, backend, "overridden_steps_are_refused")
     messages = found["messages"]

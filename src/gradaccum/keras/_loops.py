@@ -64,9 +64,12 @@ class GradientWindow(NamedTuple):
                 f"got {len(flat_grads)} gradients for a window of {len(flat_sums)} tensors; pass "
                 "the gradients of the same variables the window was made for"
             )
+        _check_count(count)
+        dense_grads = [None if g is None else dense(g) for g in flat_grads]
+        _check_shapes(flat_sums, dense_grads)
         summed = [
-            s if g is None else ops.add(s, ops.cast(dense(g), s.dtype))
-            for s, g in zip(flat_sums, flat_grads, strict=True)
+            s if g is None else ops.add(s, ops.cast(g, s.dtype))
+            for s, g in zip(flat_sums, dense_grads, strict=True)
         ]
         return GradientWindow(
             keras.tree.pack_sequence_as(self.sums, summed),
@@ -99,3 +102,44 @@ class GradientWindow(NamedTuple):
             return False
         optimizer.apply(keras.tree.flatten(self.mean()), keras.tree.flatten(variables))
         return True
+
+
+def _check_count(count: Any) -> None:
+    """Refuse a count that is not one number: it would broadcast the window's count."""
+    if count is None or isinstance(count, str | bytes | bool):
+        raise TypeError(
+            f"count={count!r} must be a number or a 0-dim tensor: the items the micro-batch's "
+            "loss sum covers, loss_sum's second value"
+        )
+    try:
+        shape = tuple(getattr(count, "shape", ()))
+    except (TypeError, ValueError):  # a traced tensor of unknown rank: not checked
+        return
+    if len(shape) > 0:
+        raise ValueError(
+            f"count has shape {shape}; it must be one number (0-dim), the micro-batch's "
+            "total: pass keras.ops.sum(...) of the per-row counts"
+        )
+
+
+def _check_shapes(sums: list[Any], grads: list[Any]) -> None:
+    """Refuse gradients shaped unlike their slots, which adding would broadcast silently.
+
+    Swapped gradients added a bias gradient to every row of a kernel's slot and grew the bias's
+    slot to the kernel's shape. Dimensions unknown while tracing are not compared.
+    """
+    for index, (total, grad) in enumerate(zip(sums, grads, strict=True)):
+        if grad is None:
+            continue
+        try:
+            want, got = tuple(total.shape), tuple(grad.shape)
+        except (TypeError, ValueError):  # a traced tensor of unknown rank: not checked
+            continue
+        if len(want) != len(got) or any(
+            a is not None and b is not None and a != b for a, b in zip(want, got, strict=True)
+        ):
+            raise ValueError(
+                f"gradient {index} has shape {got} but the window's tensor {index} has shape "
+                f"{want}; pass the gradients in the order of the variables the window was made "
+                "for (GradientWindow.zeros(variables), then tape.gradient(total, variables))"
+            )
