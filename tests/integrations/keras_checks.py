@@ -284,6 +284,31 @@ def custom_count():
 
 
 @check
+def count_function_must_return_one_number():
+    """A `count=` function returning per-row counts (or a string) is refused at the first step.
+    (On TensorFlow a vector count turned the loss into a vector: its gradient was the loss's
+    gradient times the rows, silently; on JAX a string count was read as a number.)"""
+    x, y = regression([8])[0]
+    messages = {}
+    for label, count in {
+        "vector": lambda x, y, y_pred, sample_weight: ops.ones((ops.shape(x)[0],), "float64"),
+        "string": lambda x, y, y_pred, sample_weight: "4",
+    }.items():
+        model = mlp()
+        before = weights(model)
+        trainer = gk.accumulate(model, steps=2, count=count)
+        trainer.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        try:
+            trainer.fit(x, y, batch_size=4, verbose=0)
+            messages[label] = None
+        except (TypeError, ValueError) as error:
+            messages[label] = f"{type(error).__name__}: {error}"
+        if BACKEND != "jax":  # JAX's fit purges the variables before its first step traces
+            messages[f"{label}_unchanged"] = gap(weights(model), before) == 0.0
+    return {"messages": messages}
+
+
+@check
 def sample_weight_token_mean():
     rng = np.random.default_rng(3)
     micro = [

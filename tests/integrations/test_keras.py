@@ -135,6 +135,18 @@ def test_a_custom_count_function_replaces_the_default(keras_results, backend):
     assert found["gap_rows"] > CAUGHT, "counting rows instead must change the result"
 
 
+def test_a_count_function_must_return_one_number(keras_results, backend):
+    messages = result(keras_results, backend, "count_function_must_return_one_number")["messages"]
+    assert "ValueError: count(x, y, y_pred, sample_weight) has shape (4,)" in (
+        messages["vector"] or ""
+    ), messages
+    assert "keras.ops.sum" in messages["vector"], messages
+    assert "TypeError: count(x, y, y_pred, sample_weight)='4'" in (messages["string"] or ""), (
+        messages
+    )
+    assert all(v for k, v in messages.items() if k.endswith("_unchanged")), messages
+
+
 def test_sample_weights_with_mean_with_sample_weight(keras_results, backend):
     assert_exact(result(keras_results, backend, "sample_weight_token_mean"), backend, steps=2)
 

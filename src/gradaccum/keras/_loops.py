@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import keras
 from keras import ops
 
+from gradaccum.keras._counts import check_count
 from gradaccum.keras._optimizer import dense
 
 __all__ = ["GradientWindow"]
@@ -64,7 +65,7 @@ class GradientWindow(NamedTuple):
                 f"got {len(flat_grads)} gradients for a window of {len(flat_sums)} tensors; pass "
                 "the gradients of the same variables the window was made for"
             )
-        _check_count(count)
+        check_count(count, "count")
         dense_grads = [None if g is None else dense(g) for g in flat_grads]
         _check_shapes(flat_sums, dense_grads)
         summed = [
@@ -102,24 +103,6 @@ class GradientWindow(NamedTuple):
             return False
         optimizer.apply(keras.tree.flatten(self.mean()), keras.tree.flatten(variables))
         return True
-
-
-def _check_count(count: Any) -> None:
-    """Refuse a count that is not one number: it would broadcast the window's count."""
-    if count is None or isinstance(count, str | bytes | bool):
-        raise TypeError(
-            f"count={count!r} must be a number or a 0-dim tensor: the items the micro-batch's "
-            "loss sum covers, loss_sum's second value"
-        )
-    try:
-        shape = tuple(getattr(count, "shape", ()))
-    except (TypeError, ValueError):  # a traced tensor of unknown rank: not checked
-        return
-    if len(shape) > 0:
-        raise ValueError(
-            f"count has shape {shape}; it must be one number (0-dim), the micro-batch's "
-            "total: pass keras.ops.sum(...) of the per-row counts"
-        )
 
 
 def _check_shapes(sums: list[Any], grads: list[Any]) -> None:

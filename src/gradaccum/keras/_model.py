@@ -23,7 +23,13 @@ import keras
 from keras import ops
 
 from gradaccum._warnings import warn_user
-from gradaccum.keras._counts import MEAN_REDUCTIONS, loss_count, masked_outputs, varying_count
+from gradaccum.keras._counts import (
+    MEAN_REDUCTIONS,
+    check_count,
+    loss_count,
+    masked_outputs,
+    varying_count,
+)
 from gradaccum.keras._optimizer import WindowOptimizer
 from gradaccum.keras._options import (
     PARTIAL_WINDOWS,
@@ -155,7 +161,9 @@ class AccumulatingModel(keras.Model):
 
     def _count_items(self, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
         if self._count_fn is not None:
-            return self._count_fn(x, y, y_pred, sample_weight)
+            count = self._count_fn(x, y, y_pred, sample_weight)
+            check_count(count, "count(x, y, y_pred, sample_weight)")
+            return count
         compiled = self._compile_loss
         if compiled is None or not compiled._flat_losses:
             first = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None)
