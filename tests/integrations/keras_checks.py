@@ -448,6 +448,34 @@ def subclassed_model_built_by_its_first_step():
 
 
 @check
+def callbacks_in_any_form():
+    """`fit(callbacks=...)` as Keras takes it: one callback, or a `CallbackList`, not only a list.
+    (Both raised a bare "Value after * must be an iterable" TypeError.)"""
+    micro = regression([4] * 5, seed=18)  # windows of 2: 2, 2 and a leftover of 1
+    full, _ = windows(micro, 2)
+    ref = fit_plain(mlp, keras.optimizers.Adam(0.05), full, epochs=1)
+    result = {}
+    for label in ("one", "list_object"):
+        seen = []
+        callback = keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs, seen=seen: seen.append(epoch)
+        )
+        model = mlp()
+        trainer = gk.accumulate(model, steps=2)
+        trainer.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        # (Keras runs a CallbackList as given: it must hold History and the model itself.)
+        given = (
+            callback
+            if label == "one"
+            else keras.callbacks.CallbackList([callback], add_history=True, model=trainer)
+        )
+        trainer.fit(Batches(micro), shuffle=False, verbose=0, callbacks=given)
+        result[label] = {"gap": gap(weights(model), weights(ref)), "state": trainer.window_state,
+                         "ran": seen}  # fmt: skip
+    return result
+
+
+@check
 def window_state_during_fit():
     """A callback holding the trainer reads `window_state` after every micro-batch (on JAX the
     variables' values live in `fit` until synced: reading them used to raise a TypeError)."""

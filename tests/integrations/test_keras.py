@@ -198,6 +198,13 @@ def test_a_subclassed_model_unbuilt_before_fit(keras_results, backend):
     assert_exact(found, backend, steps=4)  # 2 epochs of 2 windows; each leftover dropped
 
 
+@pytest.mark.parametrize("form", ["one", "list_object"])
+def test_fit_takes_callbacks_in_any_form_keras_takes(keras_results, backend, form):
+    found = result(keras_results, backend, "callbacks_in_any_form")[form]
+    assert_exact(found, backend, steps=3)
+    assert found["ran"] == [0], "the user's callback must run too"
+
+
 def test_window_state_is_readable_from_a_callback_during_fit(keras_results, backend):
     found = result(keras_results, backend, "window_state_during_fit")
     assert found["pending"] == [1, 0, 1, 0, 0], found  # the epoch's last window steps on 1
