@@ -7,15 +7,12 @@ of unknown length (or one cut short) left open, before validation and the user's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import keras
 
 from gradaccum._warnings import warn_user
 from gradaccum.keras._optimizer import WindowOptimizer
-
-if TYPE_CHECKING:
-    from gradaccum.keras._model import AccumulatingModel
 
 __all__ = ["SettleWindows"]
 
@@ -23,7 +20,12 @@ __all__ = ["SettleWindows"]
 class SettleWindows(keras.callbacks.Callback):
     """Tells the optimizer the epoch length; settles the leftover when it is unknown."""
 
-    def __init__(self, owner: AccumulatingModel) -> None:
+    def __init__(self, owner: Any) -> None:
+        """Settle `owner`'s windows.
+
+        Args:
+            owner: the `AccumulatingModel` (untyped here: no import cycle, even for types).
+        """
         super().__init__()
         self._owner = owner
         self._epoch_length: int | None = None
@@ -41,7 +43,7 @@ class SettleWindows(keras.callbacks.Callback):
         return [self, *keras.tree.flatten(callbacks or [])]
 
     def _optimizer(self) -> WindowOptimizer:
-        optimizer = self._owner._window_optimizer()
+        optimizer: WindowOptimizer = self._owner._window_optimizer()
         if not optimizer.built and self._owner.model.built:  # else its first step builds it
             optimizer.build(self._owner.trainable_variables)
         return optimizer
