@@ -284,6 +284,31 @@ def custom_count():
 
 
 @check
+def count_function_must_return_one_number():
+    """A `count=` function returning per-row counts (or a string) is refused at the first step.
+    (On TensorFlow a vector count turned the loss into a vector: its gradient was the loss's
+    gradient times the rows, silently; on JAX a string count was read as a number.)"""
+    x, y = regression([8])[0]
+    messages = {}
+    for label, count in {
+        "vector": lambda x, y, y_pred, sample_weight: ops.ones((ops.shape(x)[0],), "float64"),
+        "string": lambda x, y, y_pred, sample_weight: "4",
+    }.items():
+        model = mlp()
+        before = weights(model)
+        trainer = gk.accumulate(model, steps=2, count=count)
+        trainer.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        try:
+            trainer.fit(x, y, batch_size=4, verbose=0)
+            messages[label] = None
+        except (TypeError, ValueError) as error:
+            messages[label] = f"{type(error).__name__}: {error}"
+        if BACKEND != "jax":  # JAX's fit purges the variables before its first step traces
+            messages[f"{label}_unchanged"] = gap(weights(model), before) == 0.0
+    return {"messages": messages}
+
+
+@check
 def sample_weight_token_mean():
     rng = np.random.default_rng(3)
     micro = [
@@ -379,6 +404,74 @@ def carry_over_epochs_of_unknown_length():
     whole.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
     whole.fit(unknown_length(micro), epochs=2, verbose=0)
     result["full_windows_state"] = whole.window_state
+    return result
+
+
+@check
+def train_on_batch_windows():
+    """`train_on_batch` on micro-batches takes one exact step per `steps` calls, before a fit and
+    after one. (On TensorFlow the first window was skipped as non-finite: the optimizer, built
+    while tracing, set its start value by an assign in the graph. After a fit, on every backend,
+    that fit's epoch length closed later windows early.)"""
+    micro = regression([4] * 6, seed=15)
+    epoch = regression([4] * 5, seed=16)  # one fit epoch, windows of 2: 2, 2 and 1
+    model = mlp()
+    trainer = gk.accumulate(model, steps=2)
+    trainer.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    for batch in micro[:4]:  # before any fit: 2 windows
+        trainer.train_on_batch(*batch)
+    trainer.fit(Batches(epoch), shuffle=False, verbose=0)
+    for batch in micro:  # after it: 3 windows
+        trainer.train_on_batch(*batch)
+    full = windows(micro[:4], 2)[0] + windows(epoch, 2)[0] + windows(micro, 2)[0]
+    ref = mlp()
+    ref.compile(optimizer=densified(keras.optimizers.Adam(0.05)), loss="mse")
+    for batch in full:
+        ref.train_on_batch(*batch)
+    # NEGATIVE CONTROL: one step per micro-batch ends elsewhere.
+    naive = mlp()
+    naive.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    for batch in micro[:4] + epoch + micro:
+        naive.train_on_batch(*batch)
+    return {"gap": gap(weights(model), weights(ref)), "state": trainer.window_state,
+            "gap_per_micro_batch": gap(weights(naive), weights(ref))}  # fmt: skip
+
+
+@check
+def subclassed_model_built_by_its_first_step():
+    """A subclassed model unbuilt until `fit`'s first batch: on TensorFlow the model, then the
+    optimizer, are built while tracing that step, after the callbacks' `on_train_begin` (which
+    built the window on the count probe alone: the step raised a bare zip() ValueError)."""
+    micro = regression([4] * 10, seed=17)  # windows of 4: 4, 4 and a dropped leftover of 2
+    optimizer = lambda: keras.optimizers.Adam(0.05)  # noqa: E731
+    return compare(_Mlp, optimizer, micro, steps=4, epochs=2, policy="drop")
+
+
+@check
+def callbacks_in_any_form():
+    """`fit(callbacks=...)` as Keras takes it: one callback, or a `CallbackList`, not only a list.
+    (Both raised a bare "Value after * must be an iterable" TypeError.)"""
+    micro = regression([4] * 5, seed=18)  # windows of 2: 2, 2 and a leftover of 1
+    full, _ = windows(micro, 2)
+    ref = fit_plain(mlp, keras.optimizers.Adam(0.05), full, epochs=1)
+    result = {}
+    for label in ("one", "list_object"):
+        seen = []
+        callback = keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs, seen=seen: seen.append(epoch)
+        )
+        model = mlp()
+        trainer = gk.accumulate(model, steps=2)
+        trainer.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        # (Keras runs a CallbackList as given: it must hold History and the model itself.)
+        given = (
+            callback
+            if label == "one"
+            else keras.callbacks.CallbackList([callback], add_history=True, model=trainer)
+        )
+        trainer.fit(Batches(micro), shuffle=False, verbose=0, callbacks=given)
+        result[label] = {"gap": gap(weights(model), weights(ref)), "state": trainer.window_state,
+                         "ran": seen}  # fmt: skip
     return result
 
 
@@ -747,6 +840,30 @@ def hand_written_loop():
 
 
 @check
+def gradient_window_refuses_mismatched_input():
+    """GradientWindow.add refuses gradients shaped unlike their slots and counts that are not one
+    number. (Swapped gradients broadcast silently: the kernel's slot got the bias gradient on
+    every row and the bias's slot grew to the kernel's shape; a string count was read as a
+    number on JAX.)"""
+    kernel, bias = np.ones((3, 3)), np.ones((3,))
+    window = gk.GradientWindow.zeros([kernel, bias]).add([kernel, bias], count=2)
+    messages = {}
+    for label, (grads, count) in {
+        "swapped": ([bias, kernel], 1),
+        "count_str": ([kernel, bias], "2"),
+        "count_none": ([kernel, bias], None),
+        "count_vector": ([kernel, bias], np.array([1.0, 2.0])),
+    }.items():
+        try:
+            window.add(grads, count)
+            messages[label] = None
+        except (TypeError, ValueError) as error:
+            messages[label] = f"{type(error).__name__}: {error}"
+    mean = [ops.convert_to_numpy(m).tolist() for m in window.mean()]
+    return {"messages": messages, "mean": mean}
+
+
+@check
 def bad_input_is_refused():
     """Each bad argument raises an error naming the fix, before anything changes."""
     messages = {}
@@ -754,6 +871,7 @@ def bad_input_is_refused():
     for label, call in {
         "steps=0": lambda: gk.accumulate(model, steps=0),
         "steps=True": lambda: gk.accumulate(model, steps=True),
+        "steps=np.int64(3)": lambda: gk.accumulate(model, steps=np.int64(3)),
         "policy": lambda: gk.accumulate(model, steps=2, partial_window="later"),
         "count": lambda: gk.accumulate(model, steps=2, count=3),
         "wrapped": lambda: gk.accumulate(gk.accumulate(model, steps=2), steps=2),
@@ -775,7 +893,31 @@ def bad_input_is_refused():
             messages[label] = None
         except ValueError as error:
             messages[label] = str(error)
-    return {"messages": messages, "compiled": bool(trainer.compiled)}
+    # Keras's own accumulation inside a LossScaleOptimizer: the window's step would be averaged
+    # over 2 windows and taken every other window (it was accepted silently).
+    hidden = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(gradient_accumulation_steps=2)
+    )
+    try:
+        trainer.compile(optimizer=hidden, loss="mse")
+        messages["builtin_in_loss_scale"] = None
+    except ValueError as error:
+        messages["builtin_in_loss_scale"] = str(error)
+    result = {"messages": messages, "compiled": bool(trainer.compiled)}
+    # A micro-batch size that is not a positive int: refused before any step (on TensorFlow
+    # batch_size=0 trained on all the data at once; on JAX it raised a bare TypeError).
+    x, y = regression([8])[0]
+    fitted = gk.accumulate(model, steps=2)
+    fitted.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    before = weights(model)
+    for label, size in {"batch_size=0": 0, "batch_size=-1": -1, "batch_size='4'": "4"}.items():
+        try:
+            fitted.fit(x, y, batch_size=size, verbose=0)
+            messages[label] = None
+        except (TypeError, ValueError) as error:
+            messages[label] = str(error)
+    result.update(fit_unchanged=gap(weights(model), before) == 0.0, fit_state=fitted.window_state)
+    return result
 
 
 class _Mlp(keras.Model):

@@ -135,6 +135,18 @@ def test_a_custom_count_function_replaces_the_default(keras_results, backend):
     assert found["gap_rows"] > CAUGHT, "counting rows instead must change the result"
 
 
+def test_a_count_function_must_return_one_number(keras_results, backend):
+    messages = result(keras_results, backend, "count_function_must_return_one_number")["messages"]
+    assert "ValueError: count(x, y, y_pred, sample_weight) has shape (4,)" in (
+        messages["vector"] or ""
+    ), messages
+    assert "keras.ops.sum" in messages["vector"], messages
+    assert "TypeError: count(x, y, y_pred, sample_weight)='4'" in (messages["string"] or ""), (
+        messages
+    )
+    assert all(v for k, v in messages.items() if k.endswith("_unchanged")), messages
+
+
 def test_sample_weights_with_mean_with_sample_weight(keras_results, backend):
     assert_exact(result(keras_results, backend, "sample_weight_token_mean"), backend, steps=2)
 
@@ -172,6 +184,25 @@ def test_stop_training_mid_epoch_settles_the_open_window(keras_results, backend)
     assert_exact(found, backend, steps=5)  # 1 + the leftover, then 3 in the next fit
     assert found["val_gap"] < TOLERANCE[backend], "validation must see the leftover's step"
     assert found["gap_without_leftover"] > CAUGHT, found
+
+
+def test_train_on_batch_steps_once_per_window_before_and_after_fit(keras_results, backend):
+    found = result(keras_results, backend, "train_on_batch_windows")
+    assert_exact(found, backend, steps=8)  # 2 windows, a fit's 3, then 3
+    assert found["state"]["pending"] == 0, found
+    assert found["gap_per_micro_batch"] > CAUGHT, found
+
+
+def test_a_subclassed_model_unbuilt_before_fit(keras_results, backend):
+    found = result(keras_results, backend, "subclassed_model_built_by_its_first_step")
+    assert_exact(found, backend, steps=4)  # 2 epochs of 2 windows; each leftover dropped
+
+
+@pytest.mark.parametrize("form", ["one", "list_object"])
+def test_fit_takes_callbacks_in_any_form_keras_takes(keras_results, backend, form):
+    found = result(keras_results, backend, "callbacks_in_any_form")[form]
+    assert_exact(found, backend, steps=3)
+    assert found["ran"] == [0], "the user's callback must run too"
 
 
 def test_window_state_is_readable_from_a_callback_during_fit(keras_results, backend):
@@ -283,10 +314,29 @@ def test_bad_input_names_the_fix_and_changes_nothing(keras_results, backend):
     assert all(messages.values()), messages
     assert "positive int" in messages["steps=0"]
     assert "positive int" in messages["steps=True"]
+    assert "got int64: pass steps=3" in messages["steps=np.int64(3)"], messages
     assert "'step', 'drop', 'carry'" in messages["policy"]
     assert "remove it" in messages["builtin"]
     assert "sum_over_batch_size" in messages["sum"]
+    assert "remove it" in messages["builtin_in_loss_scale"]
     assert found["compiled"] is False, "a refused compile leaves the model uncompiled"
+    for label in ("batch_size=0", "batch_size=-1", "batch_size='4'"):
+        assert "must be a positive int" in messages[label], messages
+    assert found["fit_unchanged"], "a refused fit must not train"
+    assert found["fit_state"] == {"steps": 0, "skipped": 0, "pending": 0}, found
+
+
+def test_gradient_window_refuses_mismatched_gradients_and_counts(keras_results, backend):
+    found = result(keras_results, backend, "gradient_window_refuses_mismatched_input")
+    messages = found["messages"]
+    assert "ValueError: gradient 0 has shape (3,)" in (messages["swapped"] or ""), messages
+    assert "in the order of the variables" in messages["swapped"], messages
+    for label in ("count_str", "count_none"):
+        assert (messages[label] or "").startswith("TypeError: count="), messages
+    assert "must be one number" in (messages["count_vector"] or ""), messages
+    assert found["mean"] == [[[0.5] * 3] * 3, [0.5] * 3], (
+        "a refused add leaves the window as it was"
+    )
 
 
 def test_a_models_own_compute_loss_or_train_step_is_refused_not_ignored(keras_results, backend):

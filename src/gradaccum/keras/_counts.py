@@ -19,6 +19,7 @@ from keras.src.trainers.compile_utils import get_loss
 
 __all__ = [
     "MEAN_REDUCTIONS",
+    "check_count",
     "loss_count",
     "loss_sum",
     "masked_outputs",
@@ -28,6 +29,33 @@ __all__ = [
 
 #: Reductions whose batch value is a mean, so a window can divide once by its total count.
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+
+def check_count(count: Any, what: str) -> None:
+    """Refuse a count that is not one number, before it reaches a window.
+
+    A string or None fails far from the cause (or, on JAX, a string is read as a number); a
+    count with a batch dimension broadcasts: the window's count, or (in `fit`) the loss itself,
+    which then repeats once per entry and its gradient with it.
+
+    Args:
+        count: the micro-batch's count.
+        what: how the message names it (`"count"`, or the `count=` function's result).
+    """
+    if count is None or isinstance(count, str | bytes | bool):
+        raise TypeError(
+            f"{what}={count!r} must be a number or a 0-dim tensor: the items the micro-batch's "
+            "loss sum covers (loss_sum's second value)"
+        )
+    try:
+        shape = tuple(getattr(count, "shape", ()))
+    except (TypeError, ValueError):  # a traced tensor of unknown rank: not checked
+        return
+    if len(shape) > 0:
+        raise ValueError(
+            f"{what} has shape {shape}; it must be one number (0-dim), the micro-batch's total: "
+            "pass keras.ops.sum(...) of the per-row counts"
+        )
 
 
 def resolve_loss(loss: Any, y_true: Any = None, y_pred: Any = None) -> Any:

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import keras
 from keras import ops
 
+from gradaccum.keras._counts import check_count
 from gradaccum.keras._optimizer import dense
 
 __all__ = ["GradientWindow"]
@@ -64,9 +65,12 @@ class GradientWindow(NamedTuple):
                 f"got {len(flat_grads)} gradients for a window of {len(flat_sums)} tensors; pass "
                 "the gradients of the same variables the window was made for"
             )
+        check_count(count, "count")
+        dense_grads = [None if g is None else dense(g) for g in flat_grads]
+        _check_shapes(flat_sums, dense_grads)
         summed = [
-            s if g is None else ops.add(s, ops.cast(dense(g), s.dtype))
-            for s, g in zip(flat_sums, flat_grads, strict=True)
+            s if g is None else ops.add(s, ops.cast(g, s.dtype))
+            for s, g in zip(flat_sums, dense_grads, strict=True)
         ]
         return GradientWindow(
             keras.tree.pack_sequence_as(self.sums, summed),
@@ -99,3 +103,26 @@ class GradientWindow(NamedTuple):
             return False
         optimizer.apply(keras.tree.flatten(self.mean()), keras.tree.flatten(variables))
         return True
+
+
+def _check_shapes(sums: list[Any], grads: list[Any]) -> None:
+    """Refuse gradients shaped unlike their slots, which adding would broadcast silently.
+
+    Swapped gradients added a bias gradient to every row of a kernel's slot and grew the bias's
+    slot to the kernel's shape. Dimensions unknown while tracing are not compared.
+    """
+    for index, (total, grad) in enumerate(zip(sums, grads, strict=True)):
+        if grad is None:
+            continue
+        try:
+            want, got = tuple(total.shape), tuple(grad.shape)
+        except (TypeError, ValueError):  # a traced tensor of unknown rank: not checked
+            continue
+        if len(want) != len(got) or any(
+            a is not None and b is not None and a != b for a, b in zip(want, got, strict=True)
+        ):
+            raise ValueError(
+                f"gradient {index} has shape {got} but the window's tensor {index} has shape "
+                f"{want}; pass the gradients in the order of the variables the window was made "
+                "for (GradientWindow.zeros(variables), then tape.gradient(total, variables))"
+            )

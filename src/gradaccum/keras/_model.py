@@ -23,14 +23,23 @@ import keras
 from keras import ops
 
 from gradaccum._warnings import warn_user
-from gradaccum.keras._counts import MEAN_REDUCTIONS, loss_count, masked_outputs, varying_count
+from gradaccum.keras._counts import (
+    MEAN_REDUCTIONS,
+    check_count,
+    loss_count,
+    masked_outputs,
+    varying_count,
+)
 from gradaccum.keras._optimizer import WindowOptimizer
 from gradaccum.keras._options import (
     PARTIAL_WINDOWS,
+    check_batch_size,
+    check_no_builtin_accumulation,
     check_options,
     check_single_replica,
     warn_batchnorm,
 )
+from gradaccum.keras._settle import SettleWindows
 
 __all__ = ["PARTIAL_WINDOWS", "AccumulatingModel", "accumulate"]
 
@@ -86,7 +95,7 @@ class AccumulatingModel(keras.Model):
         self._count_fn = count
         if hasattr(model, "output_names"):
             self.output_names = model.output_names
-        self._settle = _SettleWindows(self)
+        self._settle = SettleWindows(self)
         warn_batchnorm(model, steps)
         self.built = model.built  # the probe exists already: built as the model is
 
@@ -116,11 +125,7 @@ class AccumulatingModel(keras.Model):
         inner = keras.optimizers.get(optimizer)
         if isinstance(inner, WindowOptimizer):
             inner = inner.inner_optimizer
-        if getattr(inner, "gradient_accumulation_steps", None):
-            raise ValueError(
-                f"the optimizer has gradient_accumulation_steps={inner.gradient_accumulation_steps}"
-                f"; remove it: AccumulatingModel(steps={self.steps}) accumulates exactly instead"
-            )
+        check_no_builtin_accumulation(inner, self.steps)
         static_scale = None if isinstance(inner, keras.optimizers.LossScaleOptimizer) else (
             inner.loss_scale_factor
         )  # fmt: skip
@@ -157,7 +162,9 @@ class AccumulatingModel(keras.Model):
 
     def _count_items(self, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
         if self._count_fn is not None:
-            return self._count_fn(x, y, y_pred, sample_weight)
+            count = self._count_fn(x, y, y_pred, sample_weight)
+            check_count(count, "count(x, y, y_pred, sample_weight)")
+            return count
         compiled = self._compile_loss
         if compiled is None or not compiled._flat_losses:
             first = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None)
@@ -185,12 +192,13 @@ class AccumulatingModel(keras.Model):
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """`keras.Model.fit`; `batch_size` is the micro-batch size."""
+        check_batch_size(args, kwargs)
         self.built = self.built or self.model.built  # built since wrapped (BackupAndRestore)
         # First, so an epoch's leftover is settled before the user's callbacks save or stop.
         if len(args) > 5:  # callbacks given positionally
-            args = (*args[:5], [self._settle, *(args[5] or [])], *args[6:])
+            args = (*args[:5], self._settle.first_of(args[5]), *args[6:])
         else:
-            kwargs["callbacks"] = [self._settle, *(kwargs.get("callbacks") or [])]
+            kwargs["callbacks"] = self._settle.first_of(kwargs.get("callbacks"))
         return super().fit(*args, **kwargs)
 
     def flush(self, policy: str = "step") -> bool:
@@ -319,57 +327,6 @@ def _at(path: Any, y: Any, y_pred: Any, sample_weight: Any) -> tuple[Any, Any, A
             "count=lambda x, y, y_pred, sample_weight: ... to AccumulatingModel"
         ) from error
     return y, y_pred, sample_weight
-
-
-class _SettleWindows(keras.callbacks.Callback):
-    """Tells the optimizer the epoch length; settles the leftover when it is unknown."""
-
-    def __init__(self, owner: AccumulatingModel) -> None:
-        super().__init__()
-        self._owner = owner
-        self._epoch_length: int | None = None
-
-    def _optimizer(self) -> WindowOptimizer:
-        optimizer = self._owner._window_optimizer()
-        if not optimizer.built:
-            optimizer.build(self._owner.trainable_variables)
-        return optimizer
-
-    def on_train_begin(self, logs: Any = None) -> None:
-        steps = (self.params or {}).get("steps")
-        carry = self._owner.partial_window == "carry"
-        self._epoch_length = None if carry or not steps else int(steps)
-        self._optimizer().set_epoch_length(self._epoch_length)
-
-    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self._optimizer().set_epoch_length(self._epoch_length)
-
-    def on_test_begin(self, logs: Any = None) -> None:
-        self._settle_open_window()  # validation in fit: it sees the epoch's last step
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self._settle_open_window()
-
-    def _settle_open_window(self) -> None:
-        """Settle a window the epoch left open, before validation and the user's callbacks.
-
-        An epoch of known length closes its last window at its last micro-batch; one left open
-        here had an unknown length, or was cut short (`stop_training` set by a callback), and
-        would otherwise leak into the next `fit`'s first window.
-        """
-        policy = self._owner.partial_window
-        if policy != "carry":
-            self._optimizer().flush(policy)
-
-    def on_train_end(self, logs: Any = None) -> None:
-        pending = self._optimizer().window_state()["pending"]
-        if pending and self._owner.partial_window == "carry":
-            warn_user(
-                UserWarning(
-                    f"{pending} micro-batch(es) wait in an open window (partial_window='carry'): "
-                    "the next fit() finishes it, or call trainer.flush() to step on them now"
-                )
-            )
 
 
 def accumulate(

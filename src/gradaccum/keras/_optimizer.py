@@ -115,6 +115,7 @@ class WindowOptimizer(keras.optimizers.LossScaleOptimizer):
         self.partial_window = partial_window
         self.dynamic = dynamic
         self._probe_id = probe_id
+        self._initial_epoch_length = 0  # set_epoch_length before build: the first step builds
 
     # --- state ------------------------------------------------------------------------------
 
@@ -148,10 +149,21 @@ class WindowOptimizer(keras.optimizers.LossScaleOptimizer):
         self._count = self.add_variable((), dtype=probe.dtype, name="window_count")
         int_names = ("window_micro_batches", "window_finite", "epoch_micro_batches",
                      "epoch_length", "windows_stepped", "windows_skipped")  # fmt: skip
-        ints = [self.add_variable((), dtype="int", name=name) for name in int_names]
+        # Initial values through initializers, not assigns: TensorFlow builds the optimizer while
+        # tracing the first step (`train_on_batch`, a model unbuilt until its first batch), where
+        # an assign is a graph op (the first window was skipped as non-finite).
+        start = {"window_finite": 1, "epoch_length": self._initial_epoch_length}
+        ints = [
+            self.add_variable(
+                (),
+                dtype="int",
+                name=name,
+                initializer=keras.initializers.Constant(start.get(name, 0)),
+            )
+            for name in int_names
+        ]
         (self._micro, self._finite, self._epoch_micro, self._epoch_length) = ints[:4]
         (self._stepped, self._skipped) = ints[4:]
-        self._finite.assign(1)
         super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
 
     def scale_loss(self, loss: Any) -> Any:
@@ -329,7 +341,14 @@ class WindowOptimizer(keras.optimizers.LossScaleOptimizer):
         return plain
 
     def set_epoch_length(self, micro_batches: int | None) -> None:
-        """Tell the window how many micro-batches an epoch has (0 or None: unknown)."""
+        """Tell the window how many micro-batches an epoch has (0 or None: unknown).
+
+        Before `build` (TensorFlow builds an unbuilt model, and then the optimizer, while
+        tracing the first step), the length becomes the variable's initial value.
+        """
+        if not self.built:
+            self._initial_epoch_length = int(micro_batches or 0)
+            return
         self._epoch_length.assign(int(micro_batches or 0))
         self._epoch_micro.assign(0)
 

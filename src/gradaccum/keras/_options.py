@@ -6,15 +6,19 @@ optimizer as they were.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import keras
 
+from gradaccum._batch_sizes import _whole
 from gradaccum._warnings import warn_user
 from gradaccum.batchnorm import BatchNormAccumulationWarning
 
 __all__ = [
     "PARTIAL_WINDOWS",
+    "check_batch_size",
+    "check_no_builtin_accumulation",
     "check_options",
     "check_single_replica",
     "check_standard_steps",
@@ -35,8 +39,14 @@ def check_options(model: Any, steps: Any, partial_window: Any, count: Any, wrapp
             "pass the model you would call fit() on"
         )
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        # A numpy or float 3 is not refused unexplained: the message names the int to pass.
+        fix = (
+            ""
+            if isinstance(steps, int)
+            else f", got {type(steps).__name__}: pass steps={_whole(steps)}"
+        )
         raise ValueError(
-            f"steps={steps!r} must be a positive int: micro-batches per optimizer step"
+            f"steps={steps!r} must be a positive int: micro-batches per optimizer step{fix}"
         )
     if partial_window not in PARTIAL_WINDOWS:
         raise ValueError(
@@ -49,6 +59,45 @@ def check_options(model: Any, steps: Any, partial_window: Any, count: Any, wrapp
             f"got {type(count).__name__}"
         )
     check_standard_steps(model)
+
+
+def check_no_builtin_accumulation(optimizer: Any, steps: int) -> None:
+    """Refuse an optimizer that accumulates by itself, even inside a `LossScaleOptimizer`.
+
+    The window steps the optimizer once per `steps` micro-batches; Keras's own
+    `gradient_accumulation_steps=n` would then average n windows' gradients and step once per n
+    windows, silently.
+    """
+    while optimizer is not None:
+        builtin = getattr(optimizer, "gradient_accumulation_steps", None)
+        if builtin:
+            raise ValueError(
+                f"the optimizer {type(optimizer).__name__} has gradient_accumulation_steps="
+                f"{builtin}; remove it: AccumulatingModel(steps={steps}) accumulates exactly "
+                "instead"
+            )
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+
+
+def check_batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse a `fit` micro-batch size that is not a positive int, before anything trains.
+
+    Keras's own errors for these are far from the cause (on TensorFlow, `batch_size=0` even
+    trains on a batch of all the data).
+    """
+    size = args[2] if len(args) > 2 else kwargs.get("batch_size")
+    if size is None:
+        return
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+        raise TypeError(
+            f"batch_size={size!r} must be a positive int (items per micro-batch) or None, got "
+            f"{type(size).__name__}; the optimizer steps once per `steps` micro-batches"
+        )
+    if size < 1:
+        raise ValueError(
+            f"batch_size={size!r} must be a positive int: the items per micro-batch, e.g. "
+            "batch_size=8 (the optimizer steps once per `steps` micro-batches)"
+        )
 
 
 def check_standard_steps(model: Any) -> None:
