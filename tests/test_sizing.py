@@ -3,8 +3,9 @@
 - The plan's components are the tensors' own byte counts (parameters, gradients, AdamW state).
 - Its predicted peak at a size matches the peak of tensor memory measured around a real
   `Accumulator.step` at that size (the tracker counts every storage allocated, temporaries too).
-- Planning leaves the model, its gradients, BatchNorm statistics, the optimizer and the RNG
-  bitwise as they were.
+- Planning leaves the model, its gradients, the buffers its forward updates (BatchNorm
+  statistics, an EMA, spectral norm's vectors), the optimizer and every RNG (torch's, NumPy's,
+  Python's) bitwise as they were; an "auto" window is the fixed-size window it chose.
 - A probe that runs out of memory is retried smaller, and caps the plan.
 - In a subprocess, training at the chosen size stays under the budget in resident memory, and
   the size is at least 90% of the largest one that fits, found by a sweep.
@@ -15,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -133,6 +136,112 @@ def test_planning_leaves_everything_untouched() -> None:
     )
     assert_bitwise(after, before)
     assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
+
+
+class _EmaShift(nn.Module):
+    """Subtracts a running mean of its inputs that its own forward updates (a VQ-VAE codebook's
+    EMA, an RL observation normalizer): a buffer no BatchNorm holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("average", torch.zeros(32))
+        self.linear = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.average.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.linear(x - self.average)
+
+
+class _OwnNoise(nn.Module):
+    """Adds noise drawn from a generator of its own (a diffusion model's), not the global one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 0.1 * torch.randn(x.shape, generator=self.generator, dtype=x.dtype)
+
+
+def _forward_state_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        _OwnNoise(),
+        _EmaShift(),
+        nn.utils.spectral_norm(nn.Linear(32, 32)),  # weight_u, weight_v: each forward
+        nn.utils.parametrizations.spectral_norm(nn.Linear(32, 10)),  # _u, _v likewise
+    )
+
+
+def _noisy_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Augments with NumPy's and Python's global generators, as older pipelines do."""
+    x, y = batch
+    noise = torch.from_numpy(np.random.standard_normal(x.shape).astype(np.float32))
+    return F.cross_entropy(model(x + noise * random.random()), y)
+
+
+def _host_rng() -> tuple[object, list[object]]:
+    """Python's generator state; NumPy's as plain values (its key array as a list)."""
+    kind, keys, *rest = np.random.get_state()
+    return random.getstate(), [kind, keys.tolist(), *rest]
+
+
+def test_planning_puts_back_what_the_forward_changed_and_every_generator() -> None:
+    """Buffers the forward updates, a max-norm embedding's rows, NumPy's and Python's
+    generators and one the model holds are left as found (before, only BatchNorm's buffers and
+    torch's global generator)."""
+    model = _forward_state_model()
+    before = clone_state(model.state_dict())
+    np.random.seed(3)
+    random.seed(3)
+    host = _host_rng()
+    plan_micro_batch(
+        model, _batch(), _noisy_loss, torch.optim.SGD(model.parameters()), memory_budget="1GiB"
+    )
+    assert_bitwise(clone_state(model.state_dict()), before)
+    assert _host_rng() == host
+    assert torch.equal(
+        model[0].generator.get_state(), _forward_state_model()[0].generator.get_state()
+    )
+    embedding = nn.Embedding(50, 32, max_norm=0.5)  # renormalizes the rows it looks up
+    tied = nn.Sequential(embedding, nn.Flatten(), nn.Linear(64, 10))
+    weight = embedding.weight.detach().clone()
+    ids = torch.randint(0, 50, (64, 2), generator=torch.Generator().manual_seed(0))
+    batch = (ids, torch.randint(0, 10, (64,)))
+    plan_micro_batch(tied, batch, _loss, torch.optim.SGD(tied.parameters()), memory_budget="1GiB")
+    assert torch.equal(embedding.weight, weight)
+    # NEGATIVE CONTROL: one forward of the probe's, left in place, does change them.
+    _noisy_loss(model, (_batch()[0][:8], _batch()[1][:8]))
+    with pytest.raises(AssertionError):
+        assert_bitwise(clone_state(model.state_dict()), before)
+
+
+def test_auto_sizing_steps_as_the_size_it_chose_from_the_start() -> None:
+    """With a forward that updates buffers and draws from its own generator, and a loss drawing
+    from NumPy, an "auto" window equals a fixed-size one of the size it chose: before, the
+    planning probes' forwards had advanced the EMA, spectral norm's vectors and the generators
+    first (0.08 on the EMA, 1e-3 on the weights after one step)."""
+    x, y = _batch(64)
+    models = _forward_state_model(), _forward_state_model()
+    auto = Accumulator(
+        models[0],
+        torch.optim.SGD(models[0].parameters(), lr=0.1),
+        micro_batch_size="auto",
+        memory_budget="1GiB",
+    )
+    np.random.seed(0)
+    random.seed(0)
+    chosen = auto.step((x, y), _noisy_loss).micro_batch_size
+    assert chosen == 64  # everything fits: one micro-batch, the plain full-batch step
+    fixed = Accumulator(
+        models[1], torch.optim.SGD(models[1].parameters(), lr=0.1), micro_batch_size=chosen
+    )
+    np.random.seed(0)
+    random.seed(0)
+    fixed.step((x, y), _noisy_loss)
+    assert_bitwise(clone_state(models[0].state_dict()), clone_state(models[1].state_dict()))
 
 
 class _OomAbove(nn.Module):
@@ -378,3 +487,17 @@ def test_cuda_default_budget_adds_back_what_the_model_already_holds(monkeypatch)
         plan_micro_batch(
             model, batch, _loss, optimizer, memory_budget=resolve_budget(None, torch.device("cuda"))
         )
+
+
+def test_a_lazy_module_that_has_not_run_is_refused_naming_the_fix() -> None:
+    """Before, torch's own error about numel() of an uninitialized parameter came out."""
+    lazy = nn.Sequential(nn.LazyLinear(16), nn.Tanh(), nn.Linear(16, 10))
+    optimizer = torch.optim.SGD(lazy.parameters())
+    with pytest.raises(ValueError, match=r"0\.weight is uninitialized .*run one forward pass"):
+        plan_micro_batch(lazy, _batch(), _loss, optimizer, memory_budget="1GiB")
+    assert torch.nn.parameter.is_lazy(lazy[0].weight)  # nothing ran
+    # NEGATIVE CONTROL: after one forward (and an optimizer built on it), it plans.
+    lazy(_batch()[0][:2])
+    optimizer = torch.optim.SGD(lazy.parameters())
+    plan = plan_micro_batch(lazy, _batch(), _loss, optimizer, memory_budget="1GiB")
+    assert plan.micro_batch_size == 1024
