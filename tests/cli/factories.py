@@ -198,3 +198,9 @@ def one_argument_loss():
     """A `loss_fn(batch)`: the message names the `(model, batch)` signature."""
     model = nn.Linear(4, 2)
     return model, torch.zeros(6, 4), lambda batch: model(batch).sum()
+
+
+def frozen():
+    """Every parameter frozen: nothing to train, so nothing to plan for."""
+    model = token_model().requires_grad_(False)
+    return model, ragged_tokens(), token_sum_loss

@@ -116,6 +116,19 @@ def test_plan_bad_input_exits_2_with_one_line(capsys, args, message):
     assert message in captured.err
 
 
+def test_a_model_with_no_trainable_parameter_exits_2_with_one_line(capsys):
+    """A factory whose model is all frozen made AdamW([]) raise a traceback (exit 1)."""
+    argv = ["plan", "--model", "tests.cli.factories:frozen", "--memory-budget", "1GiB"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.splitlines()) == 1, captured.err
+    assert "no parameter requires grad" in captured.err
+    assert "unfreeze some to plan" in captured.err
+    # Negative control: the same model and batch, trainable, is planned.
+    assert main([*argv[:2], "tests.cli.factories:additive", *argv[3:]]) == 0
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

@@ -31,7 +31,7 @@ import torch
 from gradaccum._loss_call import hints
 from gradaccum.batching import batch_size, map_tensors
 from gradaccum.cli import UsageError
-from gradaccum.cli._args import error_summary, one_line, positive_int
+from gradaccum.cli._args import error_summary, one_line, positive_int, seed
 from gradaccum.verify import EquivalenceReport, check_equivalence
 
 __all__ = ["Target", "add_parser", "add_target_options", "build_target", "run"]
@@ -71,7 +71,7 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
         help="the first B items (default: the task's batch, or the factory's)",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="seed of data, weights and the factory (default: 0)"
+        "--seed", type=seed, default=0, help="seed of data, weights and the factory (default: 0)"
     )
     parser.add_argument(
         "--norm", choices=("batch", "group"), help="--task only: the model's normalization"

@@ -34,11 +34,10 @@ from gradaccum.cli._options import (
     config_from,
     given_flags,
     open_checked,
-    parse_config,
     require_packages,
 )
 from gradaccum.cli.train import CONFIG_NAME, train_session
-from gradaccum.experiments.base import RunSummary, TrainConfig
+from gradaccum.experiments.base import RunSummary, TrainConfig, parse_label
 from gradaccum.experiments.folders import (
     check_not_resumable,
     check_out_dir,
@@ -158,12 +157,15 @@ def _resumed(args: argparse.Namespace) -> tuple[Path, TrainConfig, list[str]]:
 
 
 def _canonical(text: str) -> str:
-    batch, micro, tokens = parse_config(text)
+    try:
+        batch, micro, tokens = parse_label(text)
+    except ValueError as error:  # a malformed config given
+        raise UsageError(str(error)) from None
     return f"{micro}x{batch // micro}" if micro else f"{batch}@{tokens}t"
 
 
 def _split(label: str) -> dict[str, int | None]:
-    batch, micro, tokens = parse_config(label)
+    batch, micro, tokens = parse_label(label)
     return {"batch_size": batch, "micro_batch_size": micro, "max_tokens": tokens}
 
 
@@ -196,7 +198,7 @@ _CONFIG_TERMS = {  # a run's check naming an option compare lacks -> said of the
 
 def _in_config_terms(label: str, message: str) -> str:
     """`message`, if `_CONFIG_TERMS` knows it, said of the config `label`: the fix is a config."""
-    batch, _, tokens = parse_config(label)
+    batch, _, tokens = parse_label(label)
     for pattern, said in _CONFIG_TERMS.items():
         if found := re.match(pattern, message):
             return f"config {label!r}: " + said.format(*found.groups(), b=batch, t=tokens)
