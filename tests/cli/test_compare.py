@@ -370,3 +370,17 @@ def test_a_config_the_task_cannot_run_names_the_config_not_an_option_compare_lac
     assert "--max-tokens" not in err
     assert len(err.splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_configs_given_twice_as_an_option_are_all_compared(tmp_path, capsys):
+    """`--configs 8x1 --configs 4x2` compared 4x2 alone: the first list was dropped, silently."""
+    out = tmp_path / "cmp"
+    argv = ["compare", "--task", "digits", "--configs", "8x1", "--configs", "4x2", "--steps", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "gradaccum compare: digits, 2 configs, seed 0" in printed
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["4x2", "8x1"]
+    assert "and one folder per config: 8x1, 4x2" in printed
+    # Control: one config is counted as one (it once read "1 configs").
+    assert main([*argv[:5], "--steps", "1", "--out", str(tmp_path / "one")]) == 0
+    assert "gradaccum compare: digits, 1 config, seed 0" in capsys.readouterr().out

@@ -46,10 +46,7 @@ from gradaccum.experiments.folders import (
     run_folder,
     stop_on_signals,
 )
-from gradaccum.experiments.runner import (
-    CHECKPOINT_NAME,
-    TrainingRun,
-)
+from gradaccum.experiments.runner import CHECKPOINT_NAME, TrainingRun
 from gradaccum.experiments.settings import RunSettings
 
 __all__ = ["SETTINGS_NAME", "add_parser", "run"]
@@ -69,7 +66,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "curves.png and memory.png to --out and print the table and the parameter gaps. Ctrl-C "
         "keeps finished configs; --resume DIR goes on. Exit 2 on bad usage, nothing written.",
     )
-    parser.add_argument("--configs", nargs="+", metavar="MxK|B@Nt", help="e.g. 8x1 8x2 64@2048t")
+    parser.add_argument(  # extend: `--configs 8x1 --configs 8x2` keeps both, as it reads
+        "--configs", nargs="+", action="extend", metavar="MxK|B@Nt", help="e.g. 8x1 8x2 64@2048t"
+    )
     add_options(parser, batch=False)
     add_output_options(parser, "compare")
     return parser
@@ -91,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
         configs = {label: base.replace(**_split(label)) for label in labels}
         sessions = _open_pending(out, configs)
-        print(f"gradaccum compare: {base.task}, {len(labels)} configs, seed {base.seed}")
+        count = f"{len(labels)} config{'s' if len(labels) > 1 else ''}"
+        print(f"gradaccum compare: {base.task}, {count}, seed {base.seed}")
         for label in labels:
             print(
                 f"  {sessions[label].plan.describe()}" if label in sessions else f"  {label}: done"
