@@ -47,7 +47,7 @@ from gradaccum.experiments.folders import (
     stop_on_signals,
 )
 from gradaccum.experiments.runner import CHECKPOINT_NAME, TrainingRun
-from gradaccum.experiments.settings import RunSettings
+from gradaccum.experiments.settings import RunSettings, check_unchanged
 
 __all__ = ["SETTINGS_NAME", "add_parser", "run"]
 
@@ -175,6 +175,7 @@ def _open_pending(out: Path, configs: dict[str, TrainConfig]) -> dict[str, Train
     for label, config in configs.items():
         folder = out / label
         if (folder / "summary.json").is_file():
+            check_unchanged(folder, config, out)  # its row and gap would compare unlike runs
             continue
         resume = (folder / CHECKPOINT_NAME).is_file()
         if folder.exists() and not resume:  # killed before its first checkpoint: start it again

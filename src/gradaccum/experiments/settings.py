@@ -21,8 +21,9 @@ from gradaccum.experiments._every import CheckpointEvery
 from gradaccum.experiments._files import write_text_atomic
 from gradaccum.experiments._resume import plain_config
 from gradaccum.experiments.base import LrScaling, TrainConfig
+from gradaccum.experiments.folders import FolderError
 
-__all__ = ["RunSettings"]
+__all__ = ["RunSettings", "check_unchanged"]
 
 
 @dataclass(frozen=True)
@@ -70,3 +71,29 @@ class RunSettings:
         except (ValueError, KeyError, TypeError) as error:
             reason = " ".join(str(error).split())
             raise ValueError(f"{path.name} is damaged ({type(error).__name__}: {reason})") from None
+
+
+def check_unchanged(folder: Path, config: TrainConfig, owner: Path) -> None:
+    """Refuse a finished config `folder` of the compare in `owner` that no longer runs `config`.
+
+    `gradaccum train --resume DIR/8x1 --steps N` extends a config of a compare in place; its row
+    and its parameter gap would then compare runs of different lengths as if they were alike.
+
+    Raises:
+        FolderError: Naming the settings that differ and how to train the config again.
+    """
+    why = ""
+    try:
+        saved = plain_config(RunSettings.load(folder / "config.json").config)
+    except OSError as error:
+        saved, why = {}, f"its config.json cannot be read: {error.strerror or error}"
+    except ValueError as error:  # "config.json is damaged (...)"
+        saved, why = {}, str(error)
+    expected = plain_config(config)
+    differing = sorted(k for k in set(saved) | set(expected) if saved.get(k) != expected.get(k))
+    if differing:
+        reason = why if not saved else f"its config.json differs in: {', '.join(differing)}"
+        raise FolderError(
+            f"--resume {owner}: config {folder.name} no longer holds the compare's run ({reason}; "
+            f"was it extended by `gradaccum train --resume`?); remove {folder} to train it again"
+        )
