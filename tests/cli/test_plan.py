@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from gradaccum.cli import main
+from gradaccum.cli import build_parser, main
 from gradaccum.cli._args import byte_count
 from gradaccum.memory import parse_bytes
 
@@ -174,3 +175,16 @@ def test_the_train_command_is_the_setup_the_plan_measured(capsys, options, train
     else:
         assert len(lines) == 1
         assert train_with in lines[0]
+
+
+def test_the_printed_train_command_runs_as_printed_with_a_spaced_budget(capsys):
+    """`plan --memory-budget "2 GiB"` printed `... --memory-budget 2 GiB`: pasted into a shell,
+    `GiB` is a stray argument and train refuses the command."""
+    assert main(["plan", "--task", "digits", "--memory-budget", " 2 GiB "]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("train with: "))
+    command = shlex.split(line.split("(or ", 1)[0].removeprefix("train with: "))
+    auto = [*command[:6], *shlex.split(line.split("(or ", 1)[1].rstrip(")"))]  # up to the batch
+    for words in (command, auto):
+        args, unknown = build_parser().parse_known_args(words[1:])
+        assert unknown == [], words
+    assert args.memory_budget == "2GiB"

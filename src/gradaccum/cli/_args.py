@@ -95,7 +95,7 @@ def byte_count(text: str) -> str:
         parse_bytes(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-    return text.strip()
+    return "".join(text.split())  # "2 GiB" -> "2GiB": one shell word in a printed command
 
 
 @contextlib.contextmanager
