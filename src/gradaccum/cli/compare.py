@@ -100,13 +100,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"  writing to {out}")
         with stop_on_signals() as request, run_folder(out, keep_if=CHECKPOINT_NAME):
             every = args.checkpoint_every
-            RunSettings(base, every, args.threads, tuple(labels)).save(out / SETTINGS_NAME)
+            board = bool(args.tensorboard)
+            RunSettings(base, every, args.threads, board, tuple(labels)).save(out / SETTINGS_NAME)
             for index, (label, session) in enumerate(sessions.items(), start=1):
                 with run_folder(out / label, keep_if=CHECKPOINT_NAME):
-                    settings = RunSettings(session.plan.config, every, args.threads)
+                    settings = RunSettings(session.plan.config, every, args.threads, board)
                     settings.save(out / label / CONFIG_NAME)
                     name = f"[{index}/{len(sessions)}] {label}"
-                    board = args.tensorboard
                     if train_session(session, name, "compare", out, request, every, board) is None:
                         return 0
             _report(out, base, labels, args.threads)
@@ -153,6 +153,7 @@ def _resumed(args: argparse.Namespace) -> tuple[Path, TrainConfig, list[str]]:
         raise UsageError(f"--resume {folder}: {error}") from None
     args.threads = args.threads or saved.threads
     args.checkpoint_every = args.checkpoint_every or saved.checkpoint_every
+    args.tensorboard = args.tensorboard or saved.tensorboard  # as the compare was started
     return folder, saved.config, labels
 
 

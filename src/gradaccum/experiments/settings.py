@@ -28,11 +28,15 @@ __all__ = ["RunSettings", "check_unchanged"]
 
 @dataclass(frozen=True)
 class RunSettings:
-    """A run's configuration, how often it checkpoints, its threads, and a compare's configs."""
+    """A run's configuration, checkpoint interval, threads, TensorBoard choice, compare configs.
+
+    All are read back by `--resume`: a run started with `--tensorboard` goes on writing events.
+    """
 
     config: TrainConfig
     checkpoint_every: CheckpointEvery | None = None
     threads: int = 1
+    tensorboard: bool = False
     configs: tuple[str, ...] = ()
 
     def save(self, path: Path) -> None:
@@ -43,6 +47,7 @@ class RunSettings:
             if self.checkpoint_every is None
             else str(self.checkpoint_every),
             "threads": self.threads,
+            "tensorboard": self.tensorboard,
             **({"configs": list(self.configs)} if self.configs else {}),
         }
         write_text_atomic(path, json.dumps(settings, indent=2) + "\n")
@@ -62,10 +67,14 @@ class RunSettings:
             threads = settings.get("threads", 1)
             if not isinstance(threads, int) or threads < 1:
                 raise ValueError(f"threads={threads!r} is not a positive int")
+            tensorboard = settings.get("tensorboard", False)  # absent from older files
+            if not isinstance(tensorboard, bool):
+                raise ValueError(f"tensorboard={tensorboard!r} is not true or false")
             return cls(
                 TrainConfig(**plain),
                 None if every is None else CheckpointEvery.parse(every),
                 threads,
+                tensorboard,
                 tuple(str(label) for label in settings.get("configs", ())),
             )
         except (ValueError, KeyError, TypeError) as error:
