@@ -204,3 +204,8 @@ def frozen():
     """Every parameter frozen: nothing to train, so nothing to plan for."""
     model = token_model().requires_grad_(False)
     return model, ragged_tokens(), token_sum_loss
+
+
+def exits():
+    """A factory that ends the process as a script would (`sys.exit(0)`): no check was made."""
+    raise SystemExit(0)

@@ -189,7 +189,7 @@ def build_target(args: argparse.Namespace) -> Target:
         result = load_factory(args.model)()
     except UsageError:
         raise
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # sys.exit() too: no silent exit 0
         raise UsageError(f"{spec}: the factory raised {error_summary(error)}") from error
     if not isinstance(result, (tuple, list)) or len(result) != 3:
         size = f" of {len(result)} items" if isinstance(result, (tuple, list)) else ""
@@ -235,7 +235,7 @@ def load_factory(spec: str) -> Callable[[], Any]:
         ) from None
     except AttributeError as error:
         raise UsageError(f"--model {spec!r}: {error}") from None
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # an argparse at import, too
         raise UsageError(
             f"--model {spec!r}: cannot import module: {error_summary(error)}"
         ) from error
