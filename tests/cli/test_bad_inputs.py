@@ -311,3 +311,38 @@ def test_the_threads_message_is_the_documented_one(tmp_path, capsys, monkeypatch
         "torch down) (see 'gradaccum train --help')"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+EMPTY_PATH_CASES = {
+    "train --out": ["train", "--task", "digits", "--steps", "1", "--out", ""],
+    "train --resume": ["train", "--resume", ""],
+    "train --init-from": ["train", "--task", "digits", "--steps", "1", "--init-from", ""],
+    "compare --out": [
+        "compare",
+        "--task",
+        "digits",
+        "--configs",
+        "8x1",
+        "--steps",
+        "1",
+        "--out",
+        "",
+    ],
+    "compare --resume": ["compare", "--resume", " "],
+    "demo --out": ["demo", "--steps", "1", "--epochs", "1", "--out", ""],
+}
+
+
+@pytest.mark.parametrize("case", list(EMPTY_PATH_CASES))
+def test_an_empty_path_is_refused_not_taken_for_the_current_folder(
+    tmp_path, capsys, monkeypatch, case
+):
+    """`gradaccum train ... --out "$OUT"` with OUT unset wrote the run's five files into the
+    current folder: Path("") is ".". `--resume ""` resumed whatever run the current folder held."""
+    monkeypatch.chdir(tmp_path)
+    argv = EMPTY_PATH_CASES[case]
+    assert main(argv) == 2
+    line = _one_line_error(capsys, argv[0])
+    option = case.split()[1]
+    assert f"argument {option}: '{argv[-1]}' is empty; give a path (an unset variable?)" in line
+    assert list(tmp_path.iterdir()) == []

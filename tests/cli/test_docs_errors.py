@@ -146,6 +146,8 @@ SETUPS: dict[str, Setup] = {
     ),
     "`--warmup -1`": _options(*_DIGITS, "--warmup", "-1"),
     "`--lr nan`": _options(*_DIGITS, "--lr", "nan"),
+    "`--init-from ''` (likewise `--out ''` and `--resume ''`, which took the current folder; "
+    "`compare`, `demo` too)": _options(*_DIGITS, "--init-from", ""),
     "`--seed -1` (likewise `2**62`, which overflowed the data order mid-run; every command)": (
         _options(*_DIGITS, "--seed", "-1")
     ),

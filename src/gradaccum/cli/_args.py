@@ -18,6 +18,7 @@ import contextlib
 import math
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -32,6 +33,13 @@ def _int_at_least(text: str, minimum: int, requirement: str, below: float = math
     if not minimum <= value < below:
         raise argparse.ArgumentTypeError(f"{text!r} {requirement}")
     return value
+
+
+def path(text: str) -> Path:
+    """Argparse type of a path: "" is refused (an unset shell variable), not the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty; give a path (an unset variable?)")
+    return Path(text)
 
 
 def positive_int(text: str) -> int:

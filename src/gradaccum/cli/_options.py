@@ -29,6 +29,7 @@ from gradaccum.cli._args import (
     int_or_auto,
     non_negative_int,
     one_line,
+    path,
     positive_float,
     positive_int,
     seed,
@@ -125,7 +126,7 @@ OPTIONS = (
     ),
     Option(
         "init_from",
-        Path,
+        path,
         "start from the model weights of an earlier run's checkpoint.pt",
         metavar="CHECKPOINT",
     ),
@@ -153,7 +154,7 @@ def add_output_options(parser: argparse.ArgumentParser, command: str) -> None:
     """`--out`, `--threads`, `--checkpoint-every`, `--tensorboard` and `--resume`."""
     parser.add_argument(
         "--out",
-        type=Path,
+        type=path,
         metavar="DIR",
         help=f"results folder, new or empty (default: runs/{command}-<task>-<time>)",
     )
@@ -175,7 +176,7 @@ def add_output_options(parser: argparse.ArgumentParser, command: str) -> None:
     )
     parser.add_argument(
         "--resume",
-        type=Path,
+        type=path,
         metavar="DIR",
         help=f"continue the {command} in DIR with its settings"
         + (" (--epochs/--steps: extend it, even when finished)" if command == "train" else ""),

@@ -37,15 +37,8 @@ from gradaccum.cli._options import (
     require_packages,
 )
 from gradaccum.cli.train import CONFIG_NAME, train_session
+from gradaccum.experiments import folders
 from gradaccum.experiments.base import RunSummary, TrainConfig, parse_label
-from gradaccum.experiments.folders import (
-    check_not_resumable,
-    check_out_dir,
-    check_resume_dir,
-    default_out_dir,
-    run_folder,
-    stop_on_signals,
-)
 from gradaccum.experiments.runner import CHECKPOINT_NAME, TrainingRun
 from gradaccum.experiments.settings import RunSettings, check_unchanged
 
@@ -98,12 +91,12 @@ def run(args: argparse.Namespace) -> int:
             )
         batchnorm_notes(list(sessions.values()))
         print(f"  writing to {out}")
-        with stop_on_signals() as request, run_folder(out, keep_if=CHECKPOINT_NAME):
+        with folders.stop_on_signals() as request, folders.run_folder(out, keep_if=CHECKPOINT_NAME):
             every = args.checkpoint_every
             board = bool(args.tensorboard)
             RunSettings(base, every, args.threads, board, tuple(labels)).save(out / SETTINGS_NAME)
             for index, (label, session) in enumerate(sessions.items(), start=1):
-                with run_folder(out / label, keep_if=CHECKPOINT_NAME):
+                with folders.run_folder(out / label, keep_if=CHECKPOINT_NAME):
                     settings = RunSettings(session.plan.config, every, args.threads, board)
                     settings.save(out / label / CONFIG_NAME)
                     name = f"[{index}/{len(sessions)}] {label}"
@@ -128,9 +121,9 @@ def _new(args: argparse.Namespace) -> tuple[Path, TrainConfig, list[str]]:
     for label, text in zip(labels, args.configs, strict=True):
         if labels.count(label) > 1:
             raise UsageError(f"config {text!r} is given twice")
-    check_not_resumable(args.out, SETTINGS_NAME, "compare", "a compare")
-    out = args.out or default_out_dir("compare", args.task)
-    check_out_dir(out)
+    folders.check_not_resumable(args.out, SETTINGS_NAME, "compare", "a compare")
+    out = args.out or folders.default_out_dir("compare", args.task)
+    folders.check_out_dir(out)
     args.threads = args.threads or 1
     return out, config_from(args), labels
 
@@ -143,7 +136,7 @@ def _resumed(args: argparse.Namespace) -> tuple[Path, TrainConfig, list[str]]:
             f"{', '.join(given)} cannot be combined with --resume: the compare in {folder} keeps "
             f"its settings; drop {'them' if len(given) > 1 else 'it'}"
         )
-    check_resume_dir(folder)
+    folders.check_resume_dir(folder)
     if not (folder / SETTINGS_NAME).is_file():
         raise UsageError(f"--resume {folder}: holds no {SETTINGS_NAME} of `gradaccum compare`")
     try:

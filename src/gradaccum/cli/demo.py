@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gradaccum._install import install_hint
 from gradaccum.cli import UsageError
-from gradaccum.cli._args import positive_int, seed, thread_count, torch_threads
+from gradaccum.cli._args import path, positive_int, seed, thread_count, torch_threads
 from gradaccum.experiments.demo import OUT_NAMES
 from gradaccum.experiments.folders import check_out_dir, staged_out_dir, terminate_as_interrupt
 
@@ -46,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add("--seed", type=seed, default=0, help="data and weight seed, 0 to 2**32 - 1 (default: 0)")
     add("--threads", type=thread_count, default=1, metavar="N",
         help="torch CPU threads, restored afterwards (default: 1)")  # fmt: skip
-    add("--out", type=Path, default=Path("gradaccum-demo"), metavar="DIR",
+    add("--out", type=path, default=Path("gradaccum-demo"), metavar="DIR",
         help="results folder: new, empty, or a previous demo's, which is replaced "
         "(default: gradaccum-demo)")  # fmt: skip
     return parser
