@@ -332,3 +332,21 @@ def test_a_failed_replacement_puts_the_previous_result_back(tmp_path, monkeypatc
         (staging / "report.md").write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
     assert (out / "report.md").read_text() == "previous"
+
+
+def test_a_batch_of_many_micro_batches_keeps_the_negative_control_short(tmp_path, capsys):
+    """`gradaccum demo --batch-size 5000` printed the negative control's table with one row per
+    micro-batch: 625 rows, 690 lines of output. Now the first rows, an ellipsis and the last."""
+    argv = ["--steps", "1", "--batch-size", "60", "--micro-batch-size", "2", "--epochs", "1"]
+    assert main(["demo", *argv, "--out", str(tmp_path / "demo")]) == 0
+    printed = capsys.readouterr().out
+    section = printed.split("2. Negative control")[1].split("3. Memory saving")[0]
+    assert "Step 1 (30 micro-batches; the first 10 and the last):" in " ".join(section.split())
+    rows = [
+        line.split() for line in section.splitlines() if re.match(r"\s+(\d+|\.\.\.)(\s|$)", line)
+    ]
+    assert [row[0] for row in rows] == [*map(str, range(1, 11)), "...", "30"]
+    # Control: a split of few micro-batches is shown whole (the README's 4 rows).
+    assert main(["demo", *SMALL, "--out", str(tmp_path / "small")]) == 0
+    section = capsys.readouterr().out.split("2. Negative control")[1].split("3. Memory")[0]
+    assert "Step 1:" in section
