@@ -198,3 +198,14 @@ def one_argument_loss():
     """A `loss_fn(batch)`: the message names the `(model, batch)` signature."""
     model = nn.Linear(4, 2)
     return model, torch.zeros(6, 4), lambda batch: model(batch).sum()
+
+
+def frozen():
+    """Every parameter frozen: nothing to train, so nothing to plan for."""
+    model = token_model().requires_grad_(False)
+    return model, ragged_tokens(), token_sum_loss
+
+
+def exits():
+    """A factory that ends the process as a script would (`sys.exit(0)`): no check was made."""
+    raise SystemExit(0)

@@ -6,6 +6,7 @@ run.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import sys
 import pytest
 
 from gradaccum.cli import main
+from gradaccum.cli._args import thread_count
 
 # (argv after the command's --out, what the one line must say)
 BATCHNORM_CASES = {
@@ -248,4 +250,99 @@ def test_an_unknown_option_names_its_command_help_and_the_closest_option(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.strip().splitlines() == [expected]
+    assert list(tmp_path.iterdir()) == []
+
+
+# Every command that takes --seed, with what it needs besides (tiny settings).
+SEED_COMMANDS = {
+    "train": ["train", "--task", "charlm", "--steps", "1"],
+    "compare": ["compare", "--task", "digits", "--configs", "8x1", "--steps", "1"],
+    "check": ["check", "--task", "digits", "--batch-size", "8"],
+    "plan": ["plan", "--task", "digits", "--batch-size", "8", "--memory-budget", "1GiB"],
+    "demo": ["demo", "--steps", "1", "--epochs", "1"],
+}
+
+
+@pytest.mark.parametrize("command", list(SEED_COMMANDS))
+@pytest.mark.parametrize("value", [str(2**62), str(2**64), "-1"])
+def test_a_seed_out_of_range_is_one_line_and_writes_nothing(tmp_path, capsys, command, value):
+    """`--seed 4611686018427387904` overflowed torch's generator: `train` crashed after its first
+    lines with a traceback (the epoch order, `seed * 1_000_003 + epoch`), `check` at once, and
+    `train --seed 2**64` said only `Overflow when unpacking long long`."""
+    argv = [*SEED_COMMANDS[command], "--seed", value]
+    argv += ["--out", str(tmp_path / "out")] if command in ("train", "compare", "demo") else []
+    assert main(argv) == 2
+    line = _one_line_error(capsys, command)
+    assert f"argument --seed: '{value}' is not a seed: give an integer from 0 to 4294967295" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_largest_seed_trains_to_the_end(tmp_path, capsys):
+    """Negative control: 2**32 - 1 is accepted and its epoch order does not overflow."""
+    argv = [*SEED_COMMANDS["train"], "--seed", str(2**32 - 1), "--out", str(tmp_path / "o")]
+    assert main(argv) == 0
+    assert (tmp_path / "o" / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("command", ["train", "compare", "plan", "demo"])
+def test_threads_beyond_four_per_cpu_are_refused_before_any_work(tmp_path, capsys, command):
+    """`--threads 100000` crashed the process (exit 139, OpenBLAS could not start its threads),
+    `--threads 30000` aborted in libgomp (exit 1); 64 on 2 CPUs trained 100x slower."""
+    cap = 4 * (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    argv = [*SEED_COMMANDS[command], "--threads", str(cap + 1)]
+    argv += ["--out", str(tmp_path / "out")] if command != "plan" else []
+    assert main(argv) == 2
+    line = _one_line_error(capsys, command)
+    assert f"argument --threads: '{cap + 1}' is more than 4 threads per CPU" in line
+    assert f"give at most {cap}" in line
+    assert list(tmp_path.iterdir()) == []
+    # Negative control: the cap itself is accepted.
+    assert thread_count(str(cap)) == cap
+
+
+def test_the_threads_message_is_the_documented_one(tmp_path, capsys, monkeypatch):
+    """docs/reliability.md's row, on the 2 CPUs it names (the cap follows the machine)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    argv = [*SEED_COMMANDS["train"], "--threads", "100000", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert _one_line_error(capsys, "train") == (
+        "gradaccum train: error: argument --threads: '100000' is more than 4 threads per CPU: "
+        "this process may use 2 CPU(s); give at most 8, best 2 (threads beyond the CPUs only slow "
+        "torch down) (see 'gradaccum train --help')"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+EMPTY_PATH_CASES = {
+    "train --out": ["train", "--task", "digits", "--steps", "1", "--out", ""],
+    "train --resume": ["train", "--resume", ""],
+    "train --init-from": ["train", "--task", "digits", "--steps", "1", "--init-from", ""],
+    "compare --out": [
+        "compare",
+        "--task",
+        "digits",
+        "--configs",
+        "8x1",
+        "--steps",
+        "1",
+        "--out",
+        "",
+    ],
+    "compare --resume": ["compare", "--resume", " "],
+    "demo --out": ["demo", "--steps", "1", "--epochs", "1", "--out", ""],
+}
+
+
+@pytest.mark.parametrize("case", list(EMPTY_PATH_CASES))
+def test_an_empty_path_is_refused_not_taken_for_the_current_folder(
+    tmp_path, capsys, monkeypatch, case
+):
+    """`gradaccum train ... --out "$OUT"` with OUT unset wrote the run's five files into the
+    current folder: Path("") is ".". `--resume ""` resumed whatever run the current folder held."""
+    monkeypatch.chdir(tmp_path)
+    argv = EMPTY_PATH_CASES[case]
+    assert main(argv) == 2
+    line = _one_line_error(capsys, argv[0])
+    option = case.split()[1]
+    assert f"argument {option}: '{argv[-1]}' is empty; give a path (an unset variable?)" in line
     assert list(tmp_path.iterdir()) == []

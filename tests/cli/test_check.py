@@ -256,6 +256,7 @@ _F = "tests.cli.factories"
         (["--model", f"{_F}:returns_two"], "must return (model, batch, loss_fn)"),
         (["--model", f"{_F}:returns_no_module"], "must be a torch.nn.Module"),
         (["--model", f"{_F}:raises"], "RuntimeError: cannot build the model"),
+        (["--model", f"{_F}:exits"], "the factory raised SystemExit: 0"),  # was exit 0, silent
         (["--model", f"{_F}:ragged_batch"], "disagree on the leading dimension"),
         (["--model", f"{_F}:bad_loss"], "the check could not run"),
         (
@@ -275,3 +276,17 @@ def test_bad_input_exits_2_with_one_line(capsys, args, message):
     assert captured.out == ""  # nothing half-printed
     assert len(captured.err.splitlines()) == 1, captured.err
     assert message in captured.err
+
+
+def test_a_module_that_exits_at_import_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    """A script whose module parses its own arguments at import (`sys.exit(0)` for a missing
+    one) ended `gradaccum check --model script:make` with exit 0 and no output: a false pass."""
+    (tmp_path / "exiting_script.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["check", "--model", "exiting_script:make"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (
+        "gradaccum check: error: --model 'exiting_script:make': cannot import module: SystemExit: 0"
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -375,3 +376,42 @@ def test_a_config_the_task_cannot_run_names_the_config_not_an_option_compare_lac
     assert "--max-tokens" not in err
     assert len(err.splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_configs_given_twice_as_an_option_are_all_compared(tmp_path, capsys):
+    """`--configs 8x1 --configs 4x2` compared 4x2 alone: the first list was dropped, silently."""
+    out = tmp_path / "cmp"
+    argv = ["compare", "--task", "digits", "--configs", "8x1", "--configs", "4x2", "--steps", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "gradaccum compare: digits, 2 configs, seed 0" in printed
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["4x2", "8x1"]
+    assert "and one folder per config: 8x1, 4x2" in printed
+    # Control: one config is counted as one (it once read "1 configs").
+    assert main([*argv[:5], "--steps", "1", "--out", str(tmp_path / "one")]) == 0
+    assert "gradaccum compare: digits, 1 config, seed 0" in capsys.readouterr().out
+
+
+def test_a_config_extended_by_train_is_refused_on_resume_not_compared(tmp_path, capsys):
+    """`gradaccum train --resume OUT/8x1 --steps 3` on a finished 2-step compare, then `compare
+    --resume OUT`: the report compared a 3-step run with a 2-step one, called 4x2 'differs' and
+    blamed float32 rounding grown over a long run."""
+    out = tmp_path / "cmp"
+    argv = ["compare", "--task", "digits", "--configs", "8x1", "4x2", "--steps", "2"]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert main(["train", "--resume", str(out / "8x1"), "--steps", "3"]) == 0
+    capsys.readouterr()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(["compare", "--resume", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (
+        f"gradaccum compare: error: --resume {out}: config 8x1 no longer holds the compare's run "
+        "(its config.json differs in: steps; was it extended by `gradaccum train --resume`?); "
+        f"remove {out / '8x1'} to train it again"
+    )
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    # Control: as the message says, the removed config is trained again, equal to 4x2.
+    shutil.rmtree(out / "8x1")
+    assert main(["compare", "--resume", str(out)]) == 0
+    assert re.search(r"^4x2\s+8\s+\S+\s+equal", capsys.readouterr().out, re.MULTILINE)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gradaccum.cli import main
-from gradaccum.experiments import demo
+from gradaccum.experiments import demo, folders
 from gradaccum.experiments.report import CURVES_SIZE, MEMORY_SIZE, PEAK_MEMORY_NOTE
 from tests.cli._helpers import DIGITS_TABLE_COLUMNS, run_cli
 
@@ -264,3 +264,89 @@ def test_help_exits_0(capsys):
     help_text = capsys.readouterr().out
     for option in ("--micro-batch-size", "--out", "--threads", "--epochs"):
         assert option in help_text
+
+
+def test_a_folder_of_train_runs_is_not_taken_for_a_previous_demo(tmp_path, capsys):
+    """`gradaccum demo --out proj`, proj holding only the `runs/` that `gradaccum train` writes by
+    default: `runs` is a name the demo writes, so proj passed for a previous demo and the demo
+    replaced it whole, deleting the user's training runs."""
+    project = tmp_path / "proj"
+    (project / "runs" / "train-digits-1").mkdir(parents=True)
+    (project / "runs" / "train-digits-1" / "checkpoint.pt").write_text("a week of training")
+    assert main(["demo", *SMALL, "--out", str(project)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (
+        f"gradaccum demo: error: --out {project}: directory is not empty (runs); choose a new or "
+        "empty folder"
+    )
+    assert (
+        project / "runs" / "train-digits-1" / "checkpoint.pt"
+    ).read_text() == "a week of training"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["proj"]
+    # Negative control: a folder holding exactly what a demo writes is a previous demo.
+    for name in ("report.md", "curves.png", "memory.png"):
+        (project / name).write_text("")
+    folders.check_out_dir(project, replaceable=demo.OUT_NAMES)
+
+
+@pytest.mark.parametrize(("where", "out"), [("", "."), ("sub", ".."), ("", "prev")])
+def test_out_holding_the_current_directory_exits_2_before_any_work(
+    tmp_path, capsys, monkeypatch, where, out
+):
+    """`gradaccum demo --out .` ran the whole demo, then failed to rename "." with a traceback
+    (exit 1), leaving a `..old-*` folder in the parent when "." held a previous demo."""
+    base = tmp_path / "base"
+    (base / where).mkdir(parents=True)
+    if out == "prev":  # a previous demo the user stands in
+        for name in demo.OUT_NAMES:
+            (base / name).mkdir()
+        base, out, where = base, str(base), "runs"
+    monkeypatch.chdir(base / where)
+    assert main(["demo", *SMALL, "--out", out]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing ran
+    assert captured.err.strip().endswith(
+        "the results replace this folder whole, and it holds the current directory; choose a new "
+        "folder, e.g. a sub-folder"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]
+
+
+def test_a_failed_replacement_puts_the_previous_result_back(tmp_path, monkeypatch):
+    """The staged result could not take the place of the previous one: the previous demo is
+    put back, nothing is left beside it, and the error is a one-line FolderError."""
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "report.md").write_text("previous")
+    rename = folders.os.replace
+
+    def failing(source, target):
+        if ".partial-" in Path(source).name:  # the staged result, not the previous one
+            raise OSError(16, "Device or resource busy")
+        rename(source, target)
+
+    monkeypatch.setattr(folders.os, "replace", failing)
+    busy = pytest.raises(folders.FolderError, match="Device or resource busy")
+    with busy, folders.staged_out_dir(out) as staging:
+        (staging / "report.md").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+    assert (out / "report.md").read_text() == "previous"
+
+
+def test_a_batch_of_many_micro_batches_keeps_the_negative_control_short(tmp_path, capsys):
+    """`gradaccum demo --batch-size 5000` printed the negative control's table with one row per
+    micro-batch: 625 rows, 690 lines of output. Now the first rows, an ellipsis and the last."""
+    argv = ["--steps", "1", "--batch-size", "60", "--micro-batch-size", "2", "--epochs", "1"]
+    assert main(["demo", *argv, "--out", str(tmp_path / "demo")]) == 0
+    printed = capsys.readouterr().out
+    section = printed.split("2. Negative control")[1].split("3. Memory saving")[0]
+    assert "Step 1 (30 micro-batches; the first 10 and the last):" in " ".join(section.split())
+    rows = [
+        line.split() for line in section.splitlines() if re.match(r"\s+(\d+|\.\.\.)(\s|$)", line)
+    ]
+    assert [row[0] for row in rows] == [*map(str, range(1, 11)), "...", "30"]
+    # Control: a split of few micro-batches is shown whole (the README's 4 rows).
+    assert main(["demo", *SMALL, "--out", str(tmp_path / "small")]) == 0
+    section = capsys.readouterr().out.split("2. Negative control")[1].split("3. Memory")[0]
+    assert "Step 1:" in section

@@ -146,6 +146,11 @@ SETUPS: dict[str, Setup] = {
     ),
     "`--warmup -1`": _options(*_DIGITS, "--warmup", "-1"),
     "`--lr nan`": _options(*_DIGITS, "--lr", "nan"),
+    "`--init-from ''` (likewise `--out ''` and `--resume ''`, which took the current folder; "
+    "`compare`, `demo` too)": _options(*_DIGITS, "--init-from", ""),
+    "`--seed -1` (likewise `2**62`, which overflowed the data order mid-run; every command)": (
+        _options(*_DIGITS, "--seed", "-1")
+    ),
     "`--checkpoint-every 0` (likewise `5m`, `2.5`)": _options(*_DIGITS, "--checkpoint-every", "0"),
     "`--out DIR`, DIR not empty (it holds `x`)": _not_empty,
     "`--out DIR`, DIR holds a run": lambda tmp, run: [
@@ -191,6 +196,9 @@ SETUPS: dict[str, Setup] = {
 
 # Rows that need a run stopped at a crafted position: covered where that run is built.
 NOT_RUN = {
+    "`--threads 100000` on 2 CPUs (every command; thousands of threads crashed OpenBLAS or "
+    "libgomp)": "tests/cli/test_bad_inputs.py::"
+    "test_the_threads_message_is_the_documented_one (the CPUs vary by machine)",
     "`--resume DIR`, position disagrees with the Accumulator state": (
         "tests/cli/test_train_resume.py::test_unusable_resume_folder_exits_2_and_changes_nothing"
     ),

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from gradaccum.cli import main
+from gradaccum.cli import build_parser, main
 from gradaccum.cli._args import byte_count
 from gradaccum.memory import parse_bytes
 
@@ -116,6 +117,19 @@ def test_plan_bad_input_exits_2_with_one_line(capsys, args, message):
     assert message in captured.err
 
 
+def test_a_model_with_no_trainable_parameter_exits_2_with_one_line(capsys):
+    """A factory whose model is all frozen made AdamW([]) raise a traceback (exit 1)."""
+    argv = ["plan", "--model", "tests.cli.factories:frozen", "--memory-budget", "1GiB"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.splitlines()) == 1, captured.err
+    assert "no parameter requires grad" in captured.err
+    assert "unfreeze some to plan" in captured.err
+    # Negative control: the same model and batch, trainable, is planned.
+    assert main([*argv[:2], "tests.cli.factories:additive", *argv[3:]]) == 0
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -161,3 +175,16 @@ def test_the_train_command_is_the_setup_the_plan_measured(capsys, options, train
     else:
         assert len(lines) == 1
         assert train_with in lines[0]
+
+
+def test_the_printed_train_command_runs_as_printed_with_a_spaced_budget(capsys):
+    """`plan --memory-budget "2 GiB"` printed `... --memory-budget 2 GiB`: pasted into a shell,
+    `GiB` is a stray argument and train refuses the command."""
+    assert main(["plan", "--task", "digits", "--memory-budget", " 2 GiB "]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("train with: "))
+    command = shlex.split(line.split("(or ", 1)[0].removeprefix("train with: "))
+    auto = [*command[:6], *shlex.split(line.split("(or ", 1)[1].rstrip(")"))]  # up to the batch
+    for words in (command, auto):
+        args, unknown = build_parser().parse_known_args(words[1:])
+        assert unknown == [], words
+    assert args.memory_budget == "2GiB"

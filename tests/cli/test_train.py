@@ -306,6 +306,30 @@ def test_tensorboard_gets_the_metrics_rows_and_the_validation_metric(tmp_path):
     assert (validation.step, validation.value) == (3, pytest.approx(summary["final_metric"]))
 
 
+def test_a_resumed_run_goes_on_writing_tensorboard_events(tmp_path, capsys):
+    """`train --resume DIR` (the command printed at a stop) on a run started with --tensorboard
+    logged nothing more to TensorBoard: the choice was not saved, so the events silently ended
+    where the run was stopped."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def steps(folder: Path) -> list[int]:
+        events = EventAccumulator(str(folder / "tensorboard"))
+        events.Reload()
+        return sorted({event.step for event in events.Scalars("train/loss")})
+
+    out, plain = tmp_path / "run", tmp_path / "plain"
+    argv = ["train", "--task", "digits", "--batch-size", "64", "--steps"]
+    assert main([*argv, "2", "--out", str(out), "--tensorboard"]) == 0
+    assert main(["train", "--resume", str(out), "--steps", "4"]) == 0
+    assert steps(out) == [1, 2, 3, 4]
+    assert json.loads((out / "config.json").read_text())["tensorboard"] is True
+    # Control: a run started without --tensorboard writes no events when resumed.
+    assert main([*argv, "2", "--out", str(plain)]) == 0
+    assert main(["train", "--resume", str(plain), "--steps", "3"]) == 0
+    assert not (plain / "tensorboard").exists()
+
+
 def test_tensorboard_without_the_package_exits_2_and_writes_nothing(tmp_path, capsys, monkeypatch):
     import importlib.util
 

@@ -15,21 +15,31 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
 from gradaccum.memory import parse_bytes
 
 
-def _int_at_least(text: str, minimum: int, requirement: str) -> int:
+def _int_at_least(text: str, minimum: int, requirement: str, below: float = math.inf) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < minimum:
+    if not minimum <= value < below:
         raise argparse.ArgumentTypeError(f"{text!r} {requirement}")
     return value
+
+
+def path(text: str) -> Path:
+    """Argparse type of a path: "" is refused (an unset shell variable), not the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty; give a path (an unset variable?)")
+    return Path(text)
 
 
 def positive_int(text: str) -> int:
@@ -37,9 +47,27 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1, "must be a positive integer")
 
 
+def thread_count(text: str) -> int:
+    """Argparse type of `--threads`: at most 4 per CPU this process may use."""
+    # Thousands crashed OpenBLAS or libgomp; beyond the CPUs, threads only slow torch down.
+    value, affinity = positive_int(text), getattr(os, "sched_getaffinity", None)  # not on macOS
+    cpus = (len(affinity(0)) if affinity else os.cpu_count()) or 1
+    if value > 4 * cpus:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is more than 4 threads per CPU: this process may use {cpus} CPU(s); give "
+            f"at most {4 * cpus}, best {cpus} (threads beyond the CPUs only slow torch down)"
+        )
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """Argparse type: an int >= 0."""
     return _int_at_least(text, 0, "must be >= 0")
+
+
+def seed(text: str) -> int:
+    """Argparse type: 0 to 2**32 - 1 (more overflowed torch's generator, or the epoch order)."""
+    return _int_at_least(text, 0, "is not a seed: give an integer from 0 to 4294967295", 2**32)
 
 
 def positive_float(text: str) -> float:
@@ -75,7 +103,7 @@ def byte_count(text: str) -> str:
         parse_bytes(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-    return text.strip()
+    return "".join(text.split())  # "2 GiB" -> "2GiB": one shell word in a printed command
 
 
 @contextlib.contextmanager

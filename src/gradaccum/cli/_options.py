@@ -6,10 +6,6 @@ builds the `TrainConfig` (left-out options take the dataclass's defaults, the on
 live) and tells `--resume` which options were given. A run is then opened once
 (`experiments.runner.open_run`: data, model, optimizer, Accumulator), which checks everything
 before anything is written; that same run is trained.
-
-Example:
-    >>> parse_config("8x2"), parse_config("64@2048t")
-    ((16, 8, None), (64, None, 2048))
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.util
-import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -34,8 +29,11 @@ from gradaccum.cli._args import (
     int_or_auto,
     non_negative_int,
     one_line,
+    path,
     positive_float,
     positive_int,
+    seed,
+    thread_count,
 )
 from gradaccum.experiments.base import LrScaling, TrainConfig
 from gradaccum.experiments.runner import (
@@ -116,7 +114,7 @@ OPTIONS = (
     Option("warmup", non_negative_int, "linear lr warmup over N optimizer steps", metavar="N"),
     Option("epochs", positive_int, "passes over the training set", metavar="N"),
     Option("steps", positive_int, "optimizer steps, instead of --epochs", metavar="N"),
-    Option("seed", int, "data and weight seed"),
+    Option("seed", seed, "data and weight seed, 0 to 2**32 - 1"),
     Option("norm", None, "normalization layers of the shapes model", ("batch", "group")),
     Option("bn", None, _BN, ("micro", "pooled", "frozen", "group")),
     Option(
@@ -128,7 +126,7 @@ OPTIONS = (
     ),
     Option(
         "init_from",
-        Path,
+        path,
         "start from the model weights of an earlier run's checkpoint.pt",
         metavar="CHECKPOINT",
     ),
@@ -156,12 +154,12 @@ def add_output_options(parser: argparse.ArgumentParser, command: str) -> None:
     """`--out`, `--threads`, `--checkpoint-every`, `--tensorboard` and `--resume`."""
     parser.add_argument(
         "--out",
-        type=Path,
+        type=path,
         metavar="DIR",
         help=f"results folder, new or empty (default: runs/{command}-<task>-<time>)",
     )
     parser.add_argument(
-        "--threads", type=positive_int, metavar="N", help="torch threads (default: 1)"
+        "--threads", type=thread_count, metavar="N", help="torch threads (default: 1)"
     )
     parser.add_argument(
         "--checkpoint-every",
@@ -178,7 +176,7 @@ def add_output_options(parser: argparse.ArgumentParser, command: str) -> None:
     )
     parser.add_argument(
         "--resume",
-        type=Path,
+        type=path,
         metavar="DIR",
         help=f"continue the {command} in DIR with its settings"
         + (" (--epochs/--steps: extend it, even when finished)" if command == "train" else ""),
@@ -289,25 +287,3 @@ def plan_auto(config: TrainConfig) -> tuple[TrainConfig, str]:
         f"{config.memory_budget} (largest that fits: {choice.plan.micro_batch_size}; `gradaccum "
         f"plan` shows the table): {choice.reason}"
     )
-
-
-_HOW = (
-    "write MICROxSTEPS, e.g. 8x2 (micro-batch 8, 2 accumulation steps, effective batch 16), or "
-    "BATCH@TOKENSt, e.g. 64@2048t (batch 64 packed into micro-batches of at most 2048 tokens)"
-)
-
-
-def parse_config(text: str) -> tuple[int, int | None, int | None]:
-    """A compare config, `MxK` or `B@Nt`, as (batch size, micro-batch size, token budget).
-
-    Raises:
-        UsageError: If `text` is neither, or holds a zero; the message shows both forms.
-    """
-    split = re.fullmatch(r"(\d+)x(\d+)", text)
-    budget = re.fullmatch(r"(\d+)@(\d+)t", text)
-    numbers = [int(n) for n in (split or budget).groups()] if split or budget else [0]
-    if min(numbers) < 1:
-        raise UsageError(f"malformed config {text!r}: {_HOW}")
-    if split:
-        return numbers[0] * numbers[1], numbers[0], None
-    return numbers[0], None, numbers[1]

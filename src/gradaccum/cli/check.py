@@ -31,7 +31,7 @@ import torch
 from gradaccum._loss_call import hints
 from gradaccum.batching import batch_size, map_tensors
 from gradaccum.cli import UsageError
-from gradaccum.cli._args import error_summary, one_line, positive_int
+from gradaccum.cli._args import error_summary, one_line, positive_int, seed
 from gradaccum.verify import EquivalenceReport, check_equivalence
 
 __all__ = ["Target", "add_parser", "add_target_options", "build_target", "run"]
@@ -71,7 +71,7 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
         help="the first B items (default: the task's batch, or the factory's)",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="seed of data, weights and the factory (default: 0)"
+        "--seed", type=seed, default=0, help="seed of data, weights and the factory (default: 0)"
     )
     parser.add_argument(
         "--norm", choices=("batch", "group"), help="--task only: the model's normalization"
@@ -189,7 +189,7 @@ def build_target(args: argparse.Namespace) -> Target:
         result = load_factory(args.model)()
     except UsageError:
         raise
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # sys.exit() too: no silent exit 0
         raise UsageError(f"{spec}: the factory raised {error_summary(error)}") from error
     if not isinstance(result, (tuple, list)) or len(result) != 3:
         size = f" of {len(result)} items" if isinstance(result, (tuple, list)) else ""
@@ -235,7 +235,7 @@ def load_factory(spec: str) -> Callable[[], Any]:
         ) from None
     except AttributeError as error:
         raise UsageError(f"--model {spec!r}: {error}") from None
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # an argparse at import, too
         raise UsageError(
             f"--model {spec!r}: cannot import module: {error_summary(error)}"
         ) from error

@@ -34,24 +34,13 @@ from gradaccum.cli._options import (
     config_from,
     given_flags,
     open_checked,
-    parse_config,
     require_packages,
 )
 from gradaccum.cli.train import CONFIG_NAME, train_session
-from gradaccum.experiments.base import RunSummary, TrainConfig
-from gradaccum.experiments.folders import (
-    check_not_resumable,
-    check_out_dir,
-    check_resume_dir,
-    default_out_dir,
-    run_folder,
-    stop_on_signals,
-)
-from gradaccum.experiments.runner import (
-    CHECKPOINT_NAME,
-    TrainingRun,
-)
-from gradaccum.experiments.settings import RunSettings
+from gradaccum.experiments import folders
+from gradaccum.experiments.base import RunSummary, TrainConfig, parse_label
+from gradaccum.experiments.runner import CHECKPOINT_NAME, TrainingRun
+from gradaccum.experiments.settings import RunSettings, check_unchanged
 
 __all__ = ["SETTINGS_NAME", "add_parser", "run"]
 
@@ -70,7 +59,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "curves.png and memory.png to --out and print the table and the parameter gaps. Ctrl-C "
         "keeps finished configs; --resume DIR goes on. Exit 2 on bad usage, nothing written.",
     )
-    parser.add_argument("--configs", nargs="+", metavar="MxK|B@Nt", help="e.g. 8x1 8x2 64@2048t")
+    parser.add_argument(  # extend: `--configs 8x1 --configs 8x2` keeps both, as it reads
+        "--configs", nargs="+", action="extend", metavar="MxK|B@Nt", help="e.g. 8x1 8x2 64@2048t"
+    )
     add_options(parser, batch=False)
     add_output_options(parser, "compare")
     return parser
@@ -92,22 +83,23 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
         configs = {label: base.replace(**_split(label)) for label in labels}
         sessions = _open_pending(out, configs)
-        print(f"gradaccum compare: {base.task}, {len(labels)} configs, seed {base.seed}")
+        count = f"{len(labels)} config{'s' if len(labels) > 1 else ''}"
+        print(f"gradaccum compare: {base.task}, {count}, seed {base.seed}")
         for label in labels:
             print(
                 f"  {sessions[label].plan.describe()}" if label in sessions else f"  {label}: done"
             )
         batchnorm_notes(list(sessions.values()))
         print(f"  writing to {out}")
-        with stop_on_signals() as request, run_folder(out, keep_if=CHECKPOINT_NAME):
+        with folders.stop_on_signals() as request, folders.run_folder(out, keep_if=CHECKPOINT_NAME):
             every = args.checkpoint_every
-            RunSettings(base, every, args.threads, tuple(labels)).save(out / SETTINGS_NAME)
+            board = bool(args.tensorboard)
+            RunSettings(base, every, args.threads, board, tuple(labels)).save(out / SETTINGS_NAME)
             for index, (label, session) in enumerate(sessions.items(), start=1):
-                with run_folder(out / label, keep_if=CHECKPOINT_NAME):
-                    settings = RunSettings(session.plan.config, every, args.threads)
+                with folders.run_folder(out / label, keep_if=CHECKPOINT_NAME):
+                    settings = RunSettings(session.plan.config, every, args.threads, board)
                     settings.save(out / label / CONFIG_NAME)
                     name = f"[{index}/{len(sessions)}] {label}"
-                    board = args.tensorboard
                     if train_session(session, name, "compare", out, request, every, board) is None:
                         return 0
             _report(out, base, labels, args.threads)
@@ -129,9 +121,9 @@ def _new(args: argparse.Namespace) -> tuple[Path, TrainConfig, list[str]]:
     for label, text in zip(labels, args.configs, strict=True):
         if labels.count(label) > 1:
             raise UsageError(f"config {text!r} is given twice")
-    check_not_resumable(args.out, SETTINGS_NAME, "compare", "a compare")
-    out = args.out or default_out_dir("compare", args.task)
-    check_out_dir(out)
+    folders.check_not_resumable(args.out, SETTINGS_NAME, "compare", "a compare")
+    out = args.out or folders.default_out_dir("compare", args.task)
+    folders.check_out_dir(out)
     args.threads = args.threads or 1
     return out, config_from(args), labels
 
@@ -144,7 +136,7 @@ def _resumed(args: argparse.Namespace) -> tuple[Path, TrainConfig, list[str]]:
             f"{', '.join(given)} cannot be combined with --resume: the compare in {folder} keeps "
             f"its settings; drop {'them' if len(given) > 1 else 'it'}"
         )
-    check_resume_dir(folder)
+    folders.check_resume_dir(folder)
     if not (folder / SETTINGS_NAME).is_file():
         raise UsageError(f"--resume {folder}: holds no {SETTINGS_NAME} of `gradaccum compare`")
     try:
@@ -154,16 +146,20 @@ def _resumed(args: argparse.Namespace) -> tuple[Path, TrainConfig, list[str]]:
         raise UsageError(f"--resume {folder}: {error}") from None
     args.threads = args.threads or saved.threads
     args.checkpoint_every = args.checkpoint_every or saved.checkpoint_every
+    args.tensorboard = args.tensorboard or saved.tensorboard  # as the compare was started
     return folder, saved.config, labels
 
 
 def _canonical(text: str) -> str:
-    batch, micro, tokens = parse_config(text)
+    try:
+        batch, micro, tokens = parse_label(text)
+    except ValueError as error:  # a malformed config given
+        raise UsageError(str(error)) from None
     return f"{micro}x{batch // micro}" if micro else f"{batch}@{tokens}t"
 
 
 def _split(label: str) -> dict[str, int | None]:
-    batch, micro, tokens = parse_config(label)
+    batch, micro, tokens = parse_label(label)
     return {"batch_size": batch, "micro_batch_size": micro, "max_tokens": tokens}
 
 
@@ -173,6 +169,7 @@ def _open_pending(out: Path, configs: dict[str, TrainConfig]) -> dict[str, Train
     for label, config in configs.items():
         folder = out / label
         if (folder / "summary.json").is_file():
+            check_unchanged(folder, config, out)  # its row and gap would compare unlike runs
             continue
         resume = (folder / CHECKPOINT_NAME).is_file()
         if folder.exists() and not resume:  # killed before its first checkpoint: start it again
@@ -196,7 +193,7 @@ _CONFIG_TERMS = {  # a run's check naming an option compare lacks -> said of the
 
 def _in_config_terms(label: str, message: str) -> str:
     """`message`, if `_CONFIG_TERMS` knows it, said of the config `label`: the fix is a config."""
-    batch, _, tokens = parse_config(label)
+    batch, _, tokens = parse_label(label)
     for pattern, said in _CONFIG_TERMS.items():
         if found := re.match(pattern, message):
             return f"config {label!r}: " + said.format(*found.groups(), b=batch, t=tokens)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gradaccum._install import install_hint
 from gradaccum.cli import UsageError
-from gradaccum.cli._args import positive_int, torch_threads
+from gradaccum.cli._args import path, positive_int, seed, thread_count, torch_threads
 from gradaccum.experiments.demo import OUT_NAMES
 from gradaccum.experiments.folders import check_out_dir, staged_out_dir, terminate_as_interrupt
 
@@ -43,10 +43,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add("--micro-batch-size", type=positive_int, default=8,
         help="charlm lines per micro-batch, less than --batch-size (default: 8)")  # fmt: skip
     add("--epochs", type=positive_int, default=2, help="digits epochs per config (default: 2)")
-    add("--seed", type=int, default=0, help="data and weight seed (default: 0)")
-    add("--threads", type=positive_int, default=1, metavar="N",
+    add("--seed", type=seed, default=0, help="data and weight seed, 0 to 2**32 - 1 (default: 0)")
+    add("--threads", type=thread_count, default=1, metavar="N",
         help="torch CPU threads, restored afterwards (default: 1)")  # fmt: skip
-    add("--out", type=Path, default=Path("gradaccum-demo"), metavar="DIR",
+    add("--out", type=path, default=Path("gradaccum-demo"), metavar="DIR",
         help="results folder: new, empty, or a previous demo's, which is replaced "
         "(default: gradaccum-demo)")  # fmt: skip
     return parser

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from gradaccum.cli import PROG, UsageError
-from gradaccum.cli._args import byte_count, error_summary, positive_int, torch_threads
+from gradaccum.cli._args import byte_count, error_summary, thread_count, torch_threads
 from gradaccum.cli.check import add_target_options, build_target
 from gradaccum.memory import parse_bytes
 
@@ -51,7 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--margin", type=float, default=0.05, help="share of the budget kept free (default: 0.05)"
     )
-    parser.add_argument("--threads", type=positive_int, default=1, metavar="N")
+    parser.add_argument("--threads", type=thread_count, default=1, metavar="N")
     return parser
 
 
@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         torch.manual_seed(args.seed)
         target = build_target(args)
         params = [p for p in target.model.parameters() if p.requires_grad]
+        if not params:  # AdamW([]) raises
+            raise UsageError(f"{target.label}: no parameter requires grad; unfreeze some to plan")
         optimizer: torch.optim.Optimizer = (
             torch.optim.SGD(params, lr=0.1, momentum=0.9)
             if args.optimizer == "sgd"

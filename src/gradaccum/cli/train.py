@@ -32,16 +32,8 @@ from gradaccum.cli._options import (
     plan_auto,
     require_packages,
 )
+from gradaccum.experiments import folders
 from gradaccum.experiments.base import RunSummary
-from gradaccum.experiments.folders import (
-    StopRequest,
-    check_not_resumable,
-    check_out_dir,
-    check_resume_dir,
-    default_out_dir,
-    run_folder,
-    stop_on_signals,
-)
 from gradaccum.experiments.runner import CHECKPOINT_NAME, CheckpointEvery, RunStopped, TrainingRun
 from gradaccum.experiments.settings import RunSettings
 
@@ -82,8 +74,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             session, out, every = _open_new(args)
         batchnorm_notes([session])
-        with stop_on_signals() as request, run_folder(out, keep_if=CHECKPOINT_NAME):
-            RunSettings(session.plan.config, every, args.threads).save(out / CONFIG_NAME)
+        with folders.stop_on_signals() as request, folders.run_folder(out, keep_if=CHECKPOINT_NAME):
+            settings = RunSettings(session.plan.config, every, args.threads, bool(args.tensorboard))
+            settings.save(out / CONFIG_NAME)
             label = f"{session.plan.config.task} {session.plan.label}"
             summary = train_session(session, label, "train", out, request, every, args.tensorboard)
     if summary is None:
@@ -96,9 +89,9 @@ def _open_new(args: argparse.Namespace) -> tuple[TrainingRun, Path, CheckpointEv
     if args.task is None:
         raise UsageError("--task is required (or --resume DIR to continue a run)")
     config = config_from(args)
-    check_not_resumable(args.out, CONFIG_NAME, "train", "a run")
-    out = args.out or default_out_dir("train", args.task)
-    check_out_dir(out)
+    folders.check_not_resumable(args.out, CONFIG_NAME, "train", "a run")
+    out = args.out or folders.default_out_dir("train", args.task)
+    folders.check_out_dir(out)
     if config.micro_batch_size == "auto" and config.max_tokens is None:  # else refused below
         config, message = plan_auto(config)
         print(f"gradaccum train: {message}")
@@ -119,7 +112,7 @@ def _open_resumed(args: argparse.Namespace) -> tuple[TrainingRun, Path, Checkpoi
             f"settings in {folder / CONFIG_NAME}; drop {'them' if len(given) > 1 else 'it'} "
             "(only --epochs or --steps may extend it; to change settings, start a new run)"
         )
-    check_resume_dir(folder)
+    folders.check_resume_dir(folder)
     if not (folder / CONFIG_NAME).is_file():
         raise UsageError(
             f"--resume {folder}: holds no {CONFIG_NAME}, so it is not a run folder of `gradaccum "
@@ -135,6 +128,8 @@ def _open_resumed(args: argparse.Namespace) -> tuple[TrainingRun, Path, Checkpoi
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"--resume {folder}: directory is not writable")
     args.threads = args.threads or saved.threads
+    args.tensorboard = args.tensorboard or saved.tensorboard  # as the run was started
+    require_packages(args)
     torch.set_num_threads(args.threads)  # `run` restores them
     session = open_checked(config, folder, resume=True)
     here = session.position
@@ -148,7 +143,7 @@ def train_session(
     label: str,
     command: str,
     out: Path,
-    request: StopRequest,
+    request: folders.StopRequest,
     every: CheckpointEvery | None,
     tensorboard: bool | None,
 ) -> RunSummary | None:

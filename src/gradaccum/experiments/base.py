@@ -7,8 +7,8 @@ says how to train one configuration, a `ResolvedRun` is one with every default f
 
 Example:
     >>> config = TrainConfig(task="digits", batch_size=32, micro_batch_size=8)
-    >>> config.accumulation_label()
-    '8x4'
+    >>> config.accumulation_label(), parse_label("8x4"), parse_label("64@2048t")
+    ('8x4', (32, 8, None), (64, None, 2048))
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,7 +24,15 @@ import torch
 
 from gradaccum.loss import LossSum
 
-__all__ = ["LrScaling", "ResolvedRun", "RunSummary", "Task", "TaskData", "TrainConfig"]
+__all__ = [
+    "LrScaling",
+    "ResolvedRun",
+    "RunSummary",
+    "Task",
+    "TaskData",
+    "TrainConfig",
+    "parse_label",
+]
 
 
 class LrScaling(str, enum.Enum):
@@ -213,3 +222,27 @@ class RunSummary:
     max_tokens: int | None = None
     micro_batches_per_step: float | None = None
     noise_scale: float | None = None
+
+
+_HOW = (
+    "write MICROxSTEPS, e.g. 8x2 (micro-batch 8, 2 accumulation steps, effective batch 16), or "
+    "BATCH@TOKENSt, e.g. 64@2048t (batch 64 packed into micro-batches of at most 2048 tokens)"
+)
+
+
+def parse_label(text: str) -> tuple[int, int | None, int | None]:
+    """`MxK` or `B@Nt` as (batch size, micro-batch size, token budget).
+
+    The inverse of `TrainConfig.accumulation_label`; `gradaccum compare` reads its configs so.
+
+    Raises:
+        ValueError: If `text` is neither, or holds a zero; the message shows both forms.
+    """
+    split = re.fullmatch(r"(\d+)x(\d+)", text)
+    budget = re.fullmatch(r"(\d+)@(\d+)t", text)
+    numbers = [int(n) for n in (split or budget).groups()] if split or budget else [0]
+    if min(numbers) < 1:
+        raise ValueError(f"malformed config {text!r}: {_HOW}")
+    if split:
+        return numbers[0] * numbers[1], numbers[0], None
+    return numbers[0], None, numbers[1]

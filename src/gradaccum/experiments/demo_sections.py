@@ -162,6 +162,9 @@ def _exactness(result: CharlmResult, exact: bool) -> Section:
     )
 
 
+_MAX_ROWS = 12  # rows of the negative control's table; more are elided
+
+
 def _negative_control(result: CharlmResult, caught: bool) -> Section:
     n, total = result.micro_batches, sum(result.tokens)
     rows = [
@@ -170,6 +173,8 @@ def _negative_control(result: CharlmResult, caught: bool) -> Section:
             zip(result.micro_lines, result.tokens, strict=True), start=1
         )
     ]
+    if len(rows) > _MAX_ROWS:  # a batch of thousands of lines: the first rows and the last
+        rows = [*rows[: _MAX_ROWS - 2], ["..."] + [""] * 3, rows[-1]]
     naive_gap = result.gaps["naive"][0]
     times = naive_gap / max(result.gaps["accumulated"][0], 1e-300)
     if caught:
@@ -185,7 +190,12 @@ def _negative_control(result: CharlmResult, caught: bool) -> Section:
         before=[
             f"The naive loop gives each micro-batch the weight 1/{n}, whatever its token count; "
             f"the full-batch objective gives each of the {total:,} tokens of step 1 the weight "
-            f"1/{total:,}. Step 1:",
+            f"1/{total:,}. Step 1"
+            + (
+                f" ({n} micro-batches; the first {_MAX_ROWS - 2} and the last):"
+                if n > _MAX_ROWS
+                else ":"
+            ),
         ],
         headers=["micro-batch", "lines", "tokens counted", "naive weight / true weight"],
         rows=rows,

@@ -44,20 +44,31 @@ def check_out_dir(path: Path, *, replaceable: Collection[str] = ()) -> None:
     """Check that results can be written to `path`, creating nothing.
 
     Args:
-        path: The `--out` folder: new, empty, or holding only `replaceable` entries.
-        replaceable: Names the command writes; a folder of only these is a previous result.
+        path: The `--out` folder: new, empty, or holding a previous result.
+        replaceable: The names the command writes, when its result replaces the folder whole
+            (`staged_out_dir`): a folder of exactly these, all of them, is a previous result. A
+            folder holding some only (a `runs/` of `gradaccum train` runs) is someone else's.
 
     Raises:
-        FolderError: If `path` is not a folder, holds other entries, or cannot be written.
+        FolderError: If `path` is not a folder, holds other entries, cannot be written, or is to
+            be replaced whole while it holds the current directory.
     """
+    here = Path.cwd()
+    if replaceable and path.resolve() in (here, *here.parents):  # no rename of "." or above it
+        raise FolderError(
+            f"--out {path}: the results replace this folder whole, and it holds the current "
+            "directory; choose a new folder, e.g. a sub-folder"
+        )
     if os.path.lexists(path):
         if not path.is_dir():
             raise FolderError(f"--out {path}: exists and is not a directory")
-        foreign = sorted(entry.name for entry in path.iterdir() if entry.name not in replaceable)
-        if foreign:
+        entries = sorted(entry.name for entry in path.iterdir())
+        foreign = [name for name in entries if name not in replaceable]
+        if foreign or (entries and set(entries) != set(replaceable)):
+            shown = foreign or entries
             raise FolderError(
-                f"--out {path}: directory is not empty ({', '.join(foreign[:3])}"
-                f"{', ...' if len(foreign) > 3 else ''}); choose a new or empty folder"
+                f"--out {path}: directory is not empty ({', '.join(shown[:3])}"
+                f"{', ...' if len(shown) > 3 else ''}); choose a new or empty folder"
             )
         _probe(path, f"--out {path}: directory is not writable")
         if replaceable:
@@ -140,13 +151,24 @@ def staged_out_dir(path: Path, *, replaceable: Collection[str] = ()) -> Iterator
         os.umask(mask)
         staging.chmod(0o777 & ~mask)  # mkdtemp made it private; give it a folder's usual mode
         yield staging
-        if path.is_dir() and any(path.iterdir()):  # a previous result: check_out_dir allowed it
-            aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=staging.parent))
-            os.replace(path, aside / "previous")
-            os.replace(staging, path)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.replace(staging, path)
+        with _usage_error(path):  # a failed rename leaves `path` as it was, and nothing beside
+            if path.is_dir() and any(path.iterdir()):  # a previous result check_out_dir allowed
+                aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=staging.parent))
+                previous = aside / "previous"
+                try:
+                    os.replace(path, previous)
+                    try:
+                        os.replace(staging, path)
+                    except OSError:
+                        os.replace(previous, path)
+                        raise
+                except OSError:
+                    if not os.path.lexists(previous):  # else it could not be put back: kept
+                        aside.rmdir()
+                    raise
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(staging, path)
         staging = None
     finally:
         if staging is not None:

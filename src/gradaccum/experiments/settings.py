@@ -21,17 +21,22 @@ from gradaccum.experiments._every import CheckpointEvery
 from gradaccum.experiments._files import write_text_atomic
 from gradaccum.experiments._resume import plain_config
 from gradaccum.experiments.base import LrScaling, TrainConfig
+from gradaccum.experiments.folders import FolderError
 
-__all__ = ["RunSettings"]
+__all__ = ["RunSettings", "check_unchanged"]
 
 
 @dataclass(frozen=True)
 class RunSettings:
-    """A run's configuration, how often it checkpoints, its threads, and a compare's configs."""
+    """A run's configuration, checkpoint interval, threads, TensorBoard choice, compare configs.
+
+    All are read back by `--resume`: a run started with `--tensorboard` goes on writing events.
+    """
 
     config: TrainConfig
     checkpoint_every: CheckpointEvery | None = None
     threads: int = 1
+    tensorboard: bool = False
     configs: tuple[str, ...] = ()
 
     def save(self, path: Path) -> None:
@@ -42,6 +47,7 @@ class RunSettings:
             if self.checkpoint_every is None
             else str(self.checkpoint_every),
             "threads": self.threads,
+            "tensorboard": self.tensorboard,
             **({"configs": list(self.configs)} if self.configs else {}),
         }
         write_text_atomic(path, json.dumps(settings, indent=2) + "\n")
@@ -61,12 +67,42 @@ class RunSettings:
             threads = settings.get("threads", 1)
             if not isinstance(threads, int) or threads < 1:
                 raise ValueError(f"threads={threads!r} is not a positive int")
+            tensorboard = settings.get("tensorboard", False)  # absent from older files
+            if not isinstance(tensorboard, bool):
+                raise ValueError(f"tensorboard={tensorboard!r} is not true or false")
             return cls(
                 TrainConfig(**plain),
                 None if every is None else CheckpointEvery.parse(every),
                 threads,
+                tensorboard,
                 tuple(str(label) for label in settings.get("configs", ())),
             )
         except (ValueError, KeyError, TypeError) as error:
             reason = " ".join(str(error).split())
             raise ValueError(f"{path.name} is damaged ({type(error).__name__}: {reason})") from None
+
+
+def check_unchanged(folder: Path, config: TrainConfig, owner: Path) -> None:
+    """Refuse a finished config `folder` of the compare in `owner` that no longer runs `config`.
+
+    `gradaccum train --resume DIR/8x1 --steps N` extends a config of a compare in place; its row
+    and its parameter gap would then compare runs of different lengths as if they were alike.
+
+    Raises:
+        FolderError: Naming the settings that differ and how to train the config again.
+    """
+    why = ""
+    try:
+        saved = plain_config(RunSettings.load(folder / "config.json").config)
+    except OSError as error:
+        saved, why = {}, f"its config.json cannot be read: {error.strerror or error}"
+    except ValueError as error:  # "config.json is damaged (...)"
+        saved, why = {}, str(error)
+    expected = plain_config(config)
+    differing = sorted(k for k in set(saved) | set(expected) if saved.get(k) != expected.get(k))
+    if differing:
+        reason = why if not saved else f"its config.json differs in: {', '.join(differing)}"
+        raise FolderError(
+            f"--resume {owner}: config {folder.name} no longer holds the compare's run ({reason}; "
+            f"was it extended by `gradaccum train --resume`?); remove {folder} to train it again"
+        )
