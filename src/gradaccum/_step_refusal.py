@@ -97,7 +97,7 @@ def _refuse_running(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> N
     """The global step pre-hook: refuse a step of a running window's parameters."""
     if stepped in COMMITTING:  # another Accumulator's commit (its own hook names it)
         return
-    for window in _RUNNING:  # a tuple, replaced whole: safe to read from any thread
+    for window in tuple(_RUNNING):  # a copy: another thread's micro-batch may end meanwhile
         mine = set(map(id, window.params))
         if any(id(p) in mine for group in stepped.param_groups for p in group["params"]):
             raise RuntimeError(
@@ -111,7 +111,8 @@ def _refuse_running(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> N
             )
 
 
-_RUNNING: tuple[OpenWindow, ...] = ()  # the windows whose micro-batch runs, in any thread
+# The windows whose micro-batch runs, in any thread: list.append and list.remove are atomic.
+_RUNNING: list[OpenWindow] = []
 _LOCK = threading.Lock()
 _HOOKED: list[bool] = []  # the global hook is registered once, on first use
 
@@ -134,16 +135,14 @@ class steps_refused:  # noqa: N801  (a context manager used like a function)
         self.window = window
 
     def __enter__(self) -> None:
-        global _RUNNING
-        with _LOCK:
-            if not _HOOKED:
-                register_optimizer_step_pre_hook(_refuse_running)
-                _HOOKED.append(True)
-            _RUNNING = (*_RUNNING, self.window)
+        if not _HOOKED:  # once per process
+            with _LOCK:
+                if not _HOOKED:
+                    register_optimizer_step_pre_hook(_refuse_running)
+                    _HOOKED.append(True)
+        _RUNNING.append(self.window)
         self.window.running = True
 
     def __exit__(self, *exc: object) -> None:
-        global _RUNNING
         self.window.running = False
-        with _LOCK:
-            _RUNNING = tuple(w for w in _RUNNING if w is not self.window)
+        _RUNNING.remove(self.window)
