@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -501,3 +502,56 @@ def test_a_lazy_module_that_has_not_run_is_refused_naming_the_fix() -> None:
     optimizer = torch.optim.SGD(lazy.parameters())
     plan = plan_micro_batch(lazy, _batch(), _loss, optimizer, memory_budget="1GiB")
     assert plan.micro_batch_size == 1024
+
+
+class _TrustSGD(torch.optim.Optimizer):
+    """A hand-written momentum SGD whose step reads settings kept as attributes."""
+
+    def __init__(self, params, lr: float = 0.1, trust: float = 0.5) -> None:
+        super().__init__(params, {"lr": lr})
+        self.trust = trust  # not in `defaults`: a plain deep copy of an Optimizer drops it
+        self.calls: list[int] = []
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        self.calls.append(1)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "m" not in state:
+                    state["m"] = torch.zeros_like(p)
+                state["m"].mul_(0.9).add_(p.grad)
+                p.add_(state["m"], alpha=-group["lr"] * self.trust)
+
+
+def test_a_custom_optimizer_keeping_settings_as_attributes_plans_and_steps_exactly() -> None:
+    """Before, planning's replay lost `self.trust` (Optimizer.__getstate__ keeps three entries):
+    `plan_micro_batch` and `micro_batch_size="auto"` raised AttributeError before any step."""
+    model = _model()
+    optimizer = _TrustSGD(model.parameters())
+    plan = plan_micro_batch(model, _batch(), _loss, optimizer, memory_budget="4MiB")
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert plan.optimizer_bytes == weights  # one momentum buffer per parameter
+    assert optimizer.calls == []  # the replay left the real one alone
+    assert optimizer.state == {}
+    # The "auto" step is the plain full-batch step (float64, no dropout: exact).
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 10)).double()
+    twin = copy.deepcopy(net)
+    batch = (_batch(96)[0].double(), _batch(96)[1])
+    acc = Accumulator(
+        net, _TrustSGD(net.parameters()), micro_batch_size="auto", memory_budget="1GiB"
+    )
+    plain = _TrustSGD(twin.parameters())
+    for _ in range(3):
+        assert acc.step(batch, _loss).stepped
+        plain.zero_grad(set_to_none=True)
+        _loss(twin, batch).backward()
+        plain.step()
+    for mine, theirs in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
+    # NEGATIVE CONTROL: a plain deep copy, as the replay was, has lost the attribute.
+    with pytest.raises(AttributeError, match="trust"):
+        copy.deepcopy(optimizer).trust  # noqa: B018

@@ -226,6 +226,7 @@ def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
             if isinstance(value, torch.Tensor) and value.dim() > 0:  # not the step counts
                 memo[id(value)] = torch.empty_like(local_tensor(value), device="meta")
     replay = copy.deepcopy(optimizer, memo)
+    _copy_own_attributes(optimizer, replay, memo)
     for group, real in zip(replay.param_groups, optimizer.param_groups, strict=True):
         _same_implementation(group, real["params"])
     state_before = _state_bytes(replay)
@@ -233,6 +234,25 @@ def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
         replay.step()
     state_after = _state_bytes(replay)
     return state_after, max(0, tracker.peak - (state_after - state_before))
+
+
+def _copy_own_attributes(
+    optimizer: torch.optim.Optimizer, replay: torch.optim.Optimizer, memo: dict[int, Any]
+) -> None:
+    """Give the replay a custom optimizer's own attributes (`self.trust = trust` in `__init__`).
+
+    `Optimizer.__getstate__` keeps only `defaults`, `state` and `param_groups`, so the deep copy
+    drops them, and a step reading one raised `AttributeError` from planning (and from
+    `micro_batch_size="auto"`). One that cannot be copied is left out rather than shared: the
+    replay must not change the real optimizer.
+    """
+    for name, value in vars(optimizer).items():
+        if name in vars(replay):
+            continue
+        try:
+            setattr(replay, name, copy.deepcopy(value, memo))  # parameters map to the meta ones
+        except Exception:  # a lock, a process group: not what the step reads
+            continue
 
 
 def _same_implementation(group: dict[str, Any], real_params: list[torch.Tensor]) -> None:
