@@ -130,6 +130,52 @@ def test_accumulate_grad_restores_gradients_when_a_micro_batch_fails() -> None:
         assert torch.equal(p.grad, s)
 
 
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("where", ["loss", "backward"])
+def test_a_failing_accumulate_grad_puts_the_batchnorm_statistics_back(where: str, error) -> None:
+    """Before, only the gradients came back: the statistics kept the earlier micro-batches'
+    updates, while the note said they were as before the window."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.Tanh(), torch.nn.Linear(7, 2)
+    ).double()
+    held = [torch.randn_like(p) for p in model.parameters()]
+    for p, g in zip(model.parameters(), held, strict=True):
+        p.grad = g
+    before = copy.deepcopy(model.state_dict())
+    calls = []
+
+    def flaky(m, b):
+        calls.append(1)
+        out = m(b[0])
+        if len(calls) == 3 and where == "backward":
+            out.register_hook(_raise(error))  # raises inside the third backward
+        elif len(calls) == 3:
+            raise error()
+        return torch.nn.functional.mse_loss(out, b[1])
+
+    with pytest.raises(error) as info:
+        accumulate_grad(model, _data(12), flaky, 2)
+    assert len(calls) == 3  # two micro-batches updated the statistics before the failure
+    if hasattr(info.value, "__notes__"):
+        assert any("BatchNorm statistics" in note for note in info.value.__notes__)
+    after = model.state_dict()
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name
+    assert all(p.grad is g for p, g in zip(model.parameters(), held, strict=True))
+    # NEGATIVE CONTROL: the same micro-batches without the failure do move the statistics.
+    accumulate_grad(model, _data(12), _mse, 2)
+    assert not torch.equal(model[1].running_mean, before["1.running_mean"])
+    assert model[1].num_batches_tracked.item() == 6
+
+
+def _raise(error):
+    def hook(grad: torch.Tensor) -> None:
+        raise error()
+
+    return hook
+
+
 def test_accumulate_grad_refuses_an_optimizer_stepped_in_the_backward() -> None:
     """PyTorch's optimizer-in-backward recipe stepped each parameter once per micro-batch of
     `accumulate_grad`, silently; refused before any step, weights and gradients as before."""

@@ -23,6 +23,7 @@ import torch
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from gradaccum._dtensor import local_tensor
+from gradaccum._forward_state import ForwardState
 from gradaccum._loss_call import call_loss_fn
 from gradaccum._sync_base import is_fsdp
 from gradaccum.batching import batch_size, slice_batch, to_device
@@ -162,42 +163,6 @@ def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     grads = sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
     weights = sum(_nbytes(t) for t in (*model.parameters(), *model.buffers()))
     return weights + grads + _state_bytes(_local_optimizer(optimizer))
-
-
-class ForwardState:
-    """What a forward may change in place, copied to be put back after a probe.
-
-    Every buffer (BatchNorm statistics, spectral norm's power-iteration vectors, a VQ-VAE's EMA
-    codebook, a quantization observer's range; updated in place or by reassigning the attribute)
-    and the weight of each `nn.Embedding(max_norm=...)`, which renormalizes the rows it looks up.
-    Other parameters are not copied: that would double the memory being planned.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._saved = [
-            (module, key, buffer, buffer.detach().clone())
-            for module in model.modules()
-            for key, buffer in module._buffers.items()
-            if buffer is not None
-        ]
-        self._weights = [
-            (module.weight, module.weight.detach().clone())
-            for module in model.modules()
-            if isinstance(module, torch.nn.Embedding) and module.max_norm is not None
-        ]
-
-    def restore(self) -> None:
-        """Put every copied tensor back: the same objects, their values as when copied."""
-        with torch.no_grad():
-            for module, key, buffer, old in self._saved:
-                module._buffers[key] = buffer  # a forward may have reassigned the attribute
-                if buffer.shape != old.shape:  # resized in place (a per-channel observer's)
-                    buffer.resize_(old.shape)
-                if not torch.equal(buffer, old):  # unchanged ones keep their version counters
-                    buffer.copy_(old)
-            for weight, old in self._weights:
-                if not torch.equal(weight, old):
-                    weight.copy_(old)
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -30,6 +30,7 @@ import torch
 
 from gradaccum._copied_loop import gradients_changed_error
 from gradaccum._dtensor import like_param
+from gradaccum._forward_state import ForwardState
 from gradaccum._joined import JoinWatch
 from gradaccum._layout_watch import SequenceFirstCheck
 from gradaccum._loss_call import call_loss_fn
@@ -49,12 +50,7 @@ from gradaccum.loss import (
 )
 from gradaccum.options import Normalize, parse
 
-__all__ = [
-    "LossFn",
-    "Outcome",
-    "Window",
-    "accumulate_grad",
-]
+__all__ = ["LossFn", "Outcome", "Window", "accumulate_grad"]
 
 LossFn = Callable[[torch.nn.Module, Any], "torch.Tensor | LossSum"]
 
@@ -326,9 +322,9 @@ def accumulate_grad(
 ) -> LossSum:
     """Fill every `.grad` with the exact full-batch gradient, computed micro-batch by micro-batch.
 
-    Existing gradients are replaced. No optimizer step is taken. On error the previous
-    gradients are put back. The sums are taken in each parameter's dtype: bf16 or fp16 weights
-    round at every micro-batch (`Accumulator(..., accum_dtype=torch.float32)` sums in float32).
+    Existing gradients are replaced; no optimizer step. On error the previous gradients and the
+    buffers the forwards updated (BatchNorm statistics) are put back. Sums are in each parameter's
+    dtype: bf16/fp16 weights round per micro-batch (`Accumulator(accum_dtype=...)` sums in fp32).
 
     Args:
         model: The model.
@@ -359,6 +355,7 @@ def accumulate_grad(
     window = Window()
     window.open(params, len(params), loss_scale=1.0)
     token_mean, layout = TokenMeanCheck(), SequenceFirstCheck(model, batch_dim=0)
+    forward = ForwardState(model)  # put back on failure, as the note says (BatchNorm statistics)
     try:
         with steps_refused(window):  # an optimizer stepped in the backward
             for micro_batch in micro_batches:
@@ -374,8 +371,7 @@ def accumulate_grad(
                 value, weight, count = read_loss(result, items, needs_graph=True)
                 token_mean.check(result, micro_batch, items, len(micro_batches))  # misread losses
                 if window.denominator is None:
-                    # A count known up front (a plain mean's items, or one the loss counts ahead)
-                    # is folded into each backward.
+                    # A count known up front (a mean's items, or counted ahead): in each backward
                     folded = (total_items if weight > 1 else counted) or None
                     folded = folded if folds_counts(value.dtype) else None  # bf16: exact seeds
                     window.denominator = backward_denominator(
@@ -389,12 +385,12 @@ def accumulate_grad(
     except BaseException as error:
         window.note_discarded(error)
         window.restore()
+        forward.restore()
         raise
     if window.count > 0 or objective is Normalize.SUM:
         assert window.denominator is not None  # split_batch guarantees a micro-batch
         divisor = grad_divisor(window.count, objective, window.denominator)
         divide_([p.grad for p in params if p.grad is not None], divisor)
-    # The loss's dtype (at least float32) and device, as the window summed it.
-    dtype = torch.promote_types(value.dtype, torch.float32)
+    dtype = torch.promote_types(value.dtype, torch.float32)  # the loss's, as the window summed it
     total = torch.tensor(window.loss_total(), dtype=dtype, device=value.device)
     return LossSum(total, window.count)
