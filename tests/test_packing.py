@@ -114,6 +114,30 @@ def test_negative_control_the_mean_of_micro_batch_token_means_is_not_exact() -> 
     assert relative_gap(param_tensors(model), _reference(BATCHES)) > 1e-3
 
 
+def _numbered(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch with a packed row's mask: its documents numbered 1, 2, 3 (axolotl's multipack)."""
+    mask = batch["attention_mask"]
+    documents = 1 + torch.arange(mask.shape[1])[None, :] // 4  # a new document every 4 tokens
+    return dict(batch, attention_mask=mask * documents)
+
+
+def test_a_mask_that_numbers_its_documents_gives_lengths_and_the_full_batch_step() -> None:
+    """A right-padded mask numbering a packed row's documents (1, 1, 2, 2, 2, 0) was summed as
+    lengths: past the row's width, so every such batch was refused as "not right-padded"."""
+    batches = [_numbered(batch) for batch in BATCHES]
+    assert int(batches[0]["attention_mask"].max()) == 3
+    assert sequence_lengths(batches[0]) == LENGTHS
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model))
+    for batch in batches:
+        assert acc.step(batch, token_sum_loss, max_tokens=24).micro_batches > 1
+    assert relative_gap(param_tensors(model), _reference(batches)) < EXACT
+    # NEGATIVE CONTROL: a numbered mask padded on the left is still refused, naming the fix.
+    left = dict(batches[0], attention_mask=batches[0]["attention_mask"].flip(1))
+    with pytest.raises(ValueError, match="padding_side = 'right'"):
+        acc.step(left, token_sum_loss, max_tokens=24)
+
+
 def test_token_budget_refuses_what_it_cannot_pack_and_changes_nothing() -> None:
     model = make_model("token")
     acc = Accumulator(model, _optimizer(model), micro_batch_size=4, batch_dim=1)

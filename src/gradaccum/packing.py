@@ -7,14 +7,15 @@ decreasing: a run is as long as the budget allows). Each micro-batch is then tri
 longest row. Every row lands in exactly one micro-batch, so with sums and counts the step is
 still exactly the full-batch step; only the order of the rows changes.
 
-Lengths are read from the batch's `attention_mask` (rows must be right-padded, as
-Hugging Face pads for training), or, without one, taken as the full width. Trimming cuts only
-the tensors as wide as the mask (dim 1), and never a scored label: a row reaches at least to
-its last label that is not -100 in a tensor named `*labels` as wide as the mask. So labels on
-their own axis that are as wide by chance (a seq2seq target, multi-label targets) and scored
-padding (labels copied from the input ids) are kept whole, and counted in the budget. A row
-longer than the budget runs alone, with a warning (`TokenBudgetWarning`): refusing it would
-stop a run over one outlier, and splitting a sequence is not exact.
+Lengths are read from the nonzero entries of the batch's `attention_mask` (rows must be
+right-padded, as Hugging Face pads for training; a packed row's mask may number its documents),
+or, without one, taken as the full width. Trimming cuts only the tensors as wide as the mask
+(dim 1), and never a scored label: a row reaches at least to its last label that is not -100 in
+a tensor named `*labels` as wide as the mask. So labels on their own axis that are as wide by
+chance (a seq2seq target, multi-label targets) and scored padding (labels copied from the input
+ids) are kept whole, and counted in the budget. A row longer than the budget runs alone, with a
+warning (`TokenBudgetWarning`): refusing it would stop a run over one outlier, and splitting a
+sequence is not exact.
 
 Example:
     >>> import torch
@@ -51,20 +52,24 @@ class TokenBudgetWarning(UserWarning):
 def sequence_lengths(batch: Any) -> list[int]:
     """Each row's length, else the batch's widest 2-D tensor's width for every row.
 
-    A row's length is its `attention_mask` sum, or more: up to its last scored label (not -100)
-    in a tensor named `*labels` as wide as the mask, so that trimming never drops one.
+    A row's length is its `attention_mask`'s nonzero entries (a packed row's mask may number its
+    documents: 1, 1, 2, 2, 0), or more: up to its last scored label (not -100) in a tensor named
+    `*labels` as wide as the mask, so that trimming never drops one.
 
     Raises:
-        ValueError: If the attention mask is not right-padded (its ones are not a prefix).
+        ValueError: If the attention mask is not right-padded (its nonzeros are not a prefix).
     """
     mask = _mask(batch)
     if mask is not None:
-        lengths = mask.sum(dim=1)
+        # Nonzero is attended, as transformers reads a 2-D mask: a packed row's mask may number
+        # its documents (1, 1, 2, 2, 2, 0), and summing those numbers is no length.
+        attended = mask != 0
+        lengths = attended.sum(dim=1)
         positions = torch.arange(mask.shape[1], device=mask.device)
-        if not bool(((positions[None, :] < lengths[:, None]) == mask.bool()).all()):
+        if not bool(((positions[None, :] < lengths[:, None]) == attended).all()):
             raise ValueError(
-                "max_tokens needs right-padded rows: each attention_mask row must be ones then "
-                "zeros. Pad on the right (tokenizer.padding_side = 'right')."
+                "max_tokens needs right-padded rows: each attention_mask row must be nonzero "
+                "then zeros. Pad on the right (tokenizer.padding_side = 'right')."
             )
         for labels in _labels(batch, mask.shape):  # scored past the mask: kept, and counted
             scored = labels.ne(IGNORE_INDEX).reshape(*mask.shape, -1).any(dim=2)
