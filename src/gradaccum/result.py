@@ -256,9 +256,20 @@ class StepResult:
     def __hash__(self) -> int:
         return hash(self._values())
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle, `copy` and `deepcopy` by value: the lazy loss read, `terms` a plain dict."""
+        values = {name: getattr(self, name) for name in self._FIELDS}
+        values["terms"] = dict(self.terms)
+        return (_restore, (values,))
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._FIELDS)
         return f"StepResult({fields})"
+
+
+def _restore(values: dict[str, Any]) -> StepResult:
+    """A `StepResult` from `StepResult.__reduce__`'s values (unpickling, copies)."""
+    return StepResult(**values)
 
 
 def learning_rate(optimizer: Any) -> float | None:
