@@ -150,7 +150,8 @@ class StepResult:
 
     Attributes:
         loss: The window's objective so far (the value optimized when `stepped`).
-        count: Items counted in the window.
+        count: Items counted in the window (a plain scalar loss: rows; a `LossSum.terms`
+            window: its rows too, each term being divided by its own count).
         micro_batches: Micro-batches run in the window.
         micro_batch_size: Items per micro-batch (the largest seen when streaming).
         stepped: The optimizer stepped.
