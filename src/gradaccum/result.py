@@ -153,7 +153,7 @@ class StepResult:
         count: Items counted in the window (a plain scalar loss: rows; a `LossSum.terms`
             window: its rows too, each term being divided by its own count).
         micro_batches: Micro-batches run in the window.
-        micro_batch_size: Items per micro-batch (the largest seen when streaming).
+        micro_batch_size: Items per micro-batch (the largest when streaming or by `max_tokens`).
         stepped: The optimizer stepped.
         skipped: The window was non-finite or counted no item; no update was made.
         grad_norm: Gradient norm before clipping, at the boundary; None elsewhere.
