@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import gc
 import io
+import pickle
 import warnings
+import weakref
+from typing import Any
 
 import pytest
 import torch
 
-from gradaccum import Accumulator, StepResult
+from gradaccum import Accumulator, LossSum, StepResult
+from gradaccum.loss import Term
 
 
 def _fields(**overrides: object) -> dict[str, object]:
@@ -117,3 +123,114 @@ def test_the_streak_of_skipped_windows_survives_a_resume() -> None:
         acc.load_state_dict(clean)  # back to a state with no window skipped
         acc.step(x, lambda m, b: m(b).pow(2).mean() * float("nan"))
     assert [w for w in caught if "in a row were skipped" in str(w.message)] == []
+
+
+def _kept_run(terms: bool) -> tuple[list[StepResult], list[weakref.ref[Any]], list[float]]:
+    """Two streamed windows of 3 micro-batches, every result kept (a logging loop's list).
+
+    Returns the results, weak references to the model, optimizer, Accumulator and (for a
+    `LossSum.terms` loss whose two counts the window learns at its end, so its second term has a
+    gradient buffer) each window's term ledger, and each result's loss computed by hand.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = Accumulator(model, optimizer, accumulation_steps=3)
+    batches = [torch.randn(2 + k % 2, 4, dtype=torch.float64) for k in range(6)]
+
+    def loss_fn(m: torch.nn.Module, b: torch.Tensor) -> Any:
+        out = m(b)
+        if terms:
+            a, c = out.pow(2).sum(), out.abs().sum()
+            return LossSum.terms(sq=(a, out.numel()), ab=Term(c, count=b.shape[0], weight=0.5))
+        return LossSum(out.pow(2).sum(), out.numel())
+
+    kept, refs, expected = [], [weakref.ref(o) for o in (model, optimizer, acc)], []
+    for window in range(2):
+        seen: list[torch.Tensor] = []
+        for b in batches[3 * window : 3 * window + 3]:
+            with torch.no_grad():  # by hand, before the micro-batch (the window's weights)
+                seen.append(model(b))
+                out = torch.cat(seen)
+                value = out.pow(2).mean() + (0.5 * out.abs().sum() / len(out) if terms else 0)
+            expected.append(float(value))
+            kept.append(acc.micro_step(b, loss_fn))
+            if terms and acc._engine.window.terms is not None:
+                refs.append(weakref.ref(acc._engine.window.terms))
+    return kept, refs, expected
+
+
+@pytest.mark.parametrize("terms", [False, True], ids=["loss_sum", "terms"])
+def test_results_kept_for_logging_keep_no_model_optimizer_or_gradient_buffer_alive(
+    terms: bool,
+) -> None:
+    """A pending result's lazy loss holds copies of the window's totals, nothing else.
+
+    Before, a `micro_step()` result's loss reader closed over the Accumulator (so a list of
+    logged results kept every run's model, optimizer state and Accumulator alive, a sweep's
+    memory growing run after run), and a `LossSum.terms` one over the window's term ledger,
+    with its parameter-sized gradient buffers: 100 windows' results held 100 model gradients.
+    """
+    kept, refs, expected = _kept_run(terms)
+    assert kept[0].stepped is False
+    assert kept[2].stepped is True
+    if terms:
+        assert len(refs) == 3 + 2 + 2  # the ledger of each window, while open
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)  # nothing kept alive by the results
+    for result, value in zip(kept, expected, strict=True):  # the values are still there, exact
+        assert result.loss == pytest.approx(value, rel=1e-12, abs=0)
+
+
+def test_negative_control_a_reader_closing_over_the_accumulator_keeps_it_alive() -> None:
+    """The measure above catches the old closure: a lazy loss reading `acc` keeps it alive."""
+    model = torch.nn.Linear(2, 1)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    result = StepResult.pending(**_fields(loss=lambda a=acc: float(a.micro_batch_size or 0)))
+    ref = weakref.ref(acc)
+    del acc, model
+    gc.collect()
+    assert ref() is not None
+    assert result.loss == 0.0
+
+
+def test_results_pickle_and_deepcopy_by_value() -> None:
+    """Results go through `pickle`, `copy.deepcopy` and `torch.save` (a history of results).
+
+    Before, every result failed: its read-only `terms` (a `mappingproxy`) cannot be pickled, nor
+    a pending result's lazy loss (a local function). The lazy loss is read on the way.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    acc = Accumulator(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        micro_batch_size=2,
+        accumulation_steps=2,
+        telemetry=True,
+    )
+    x = torch.randn(4, 3)
+
+    def loss_fn(m: torch.nn.Module, b: torch.Tensor) -> Any:
+        out = m(b)
+        return LossSum.terms(sq=(out.pow(2).sum(), out.numel()), ab=(out.abs().sum(), len(b)))
+
+    results = [acc.step(x, loss_fn), acc.micro_step(x, lambda m, b: m(b).pow(2).mean())]
+    assert results[0].terms
+    assert results[0].telemetry is not None
+    for result in results:
+        for copied in (
+            pickle.loads(pickle.dumps(result)),
+            copy.deepcopy(result),
+            copy.copy(result),
+        ):
+            assert copied == result
+            assert copied is not result
+            assert type(copied.loss) is float
+            assert dict(copied.terms) == dict(result.terms)
+            with pytest.raises(AttributeError):
+                copied.count = 5  # type: ignore[misc]
+    buffer = io.BytesIO()
+    torch.save(results, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=False) == results

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -227,11 +228,14 @@ class TermLedger:
         """A reader of this rank's objective so far, each term over its own count so far.
 
         Later micro-batches do not change what it reads; it reads the device only when called.
+        It holds a copy of the ledger without its gradient buffers: a result kept for logging
+        must not keep them alive.
         """
-        counts = list(self.counts)
+        reader = copy.copy(self)  # names, weights and denominators: small and never changed
+        reader.buffers, reader._sums, counts = {}, [], list(self.counts)
         sums = [None if t is None else t.clone() for t in self._sums]
-        return lambda: self.objective(
-            self.means(counts, [0.0 if t is None else float(t) for t in sums])
+        return lambda: reader.objective(
+            reader.means(counts, [0.0 if t is None else float(t) for t in sums])
         )
 
     def summary(self) -> tuple[float, ...]:

@@ -285,8 +285,7 @@ class Accumulator(WindowSizes, OptimizerSetting):
             after discarding them; `"carry"`: the open window's progress, kept for later.
         """
         mode = parse(PartialWindow, partial_window or self.partial_window, "partial_window")
-        engine = self._engine
-        window, sync = engine.window, engine.sync
+        engine, window, sync = self._engine, self._engine.window, self._engine.sync
         step, carry = (mode is m for m in (PartialWindow.STEP, PartialWindow.CARRY))
         self._rates.forget()  # a carried window may span an epoch's scheduler step
         if carry or not (window.is_open or sync.joins_flush):
@@ -320,7 +319,7 @@ class Accumulator(WindowSizes, OptimizerSetting):
             telemetry = meter.close(outcome.stepped, outcome.count, norm, summed, micro_batch_size)
         objective = outcome.objective  # set for LossSum.terms windows
         if objective is None:
-            objective = self._objective(outcome.loss_sum, outcome.count)
+            objective = _objective(outcome.loss_sum, outcome.count, self.normalize is Normalize.SUM)
         result = build(
             loss=objective,
             count=outcome.count,
@@ -346,11 +345,12 @@ class Accumulator(WindowSizes, OptimizerSetting):
 
     def _pending(self) -> StepResult:
         """The open window's progress; its loss is read from the device only if asked for."""
-        window = self._engine.window
+        window, summed = self._engine.window, self.normalize is Normalize.SUM
         count, loss_sum, host = window.count, window.loss_sum, window.loss_host
         snapshot = None if loss_sum is None else loss_sum.detach().clone()  # later adds: in place
-        loss: Callable[[], float] = lambda: self._objective(  # noqa: E731
-            host + (0.0 if snapshot is None else float(snapshot)), count
+        # The reader closes over these copies, never `self`: a kept result keeps no model alive.
+        loss: Callable[[], float] = lambda: _objective(  # noqa: E731
+            host + (0.0 if snapshot is None else float(snapshot)), count, summed
         )
         return StepResult.pending(
             loss=loss if window.terms is None else window.terms.pending_objective(),
@@ -359,10 +359,6 @@ class Accumulator(WindowSizes, OptimizerSetting):
             micro_batch_size=window.largest_micro_batch,
             lr=learning_rate(self.optimizer),
         )
-
-    def _objective(self, loss_total: float, count: int) -> float:
-        summed = self.normalize is Normalize.SUM
-        return loss_total if summed else (loss_total / count if count else 0.0)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly, even mid-window: each component's own state.
@@ -397,3 +393,8 @@ class Accumulator(WindowSizes, OptimizerSetting):
         self.nonfinite_windows = int(state["nonfinite_windows"])
         self.empty_windows = int(state["empty_windows"])
         self._stalled.load_state_dict(state.get("nonfinite_in_a_row"))
+
+
+def _objective(loss_total: float, count: int, summed: bool) -> float:
+    """The window's objective: its loss sum, or its mean over `count` (0.0 over no item)."""
+    return loss_total if summed else (loss_total / count if count else 0.0)

@@ -150,9 +150,10 @@ class StepResult:
 
     Attributes:
         loss: The window's objective so far (the value optimized when `stepped`).
-        count: Items counted in the window.
+        count: Items counted in the window (a plain scalar loss: rows; a `LossSum.terms`
+            window: its rows too, each term being divided by its own count).
         micro_batches: Micro-batches run in the window.
-        micro_batch_size: Items per micro-batch (the largest seen when streaming).
+        micro_batch_size: Items per micro-batch (the largest when streaming or by `max_tokens`).
         stepped: The optimizer stepped.
         skipped: The window was non-finite or counted no item; no update was made.
         grad_norm: Gradient norm before clipping, at the boundary; None elsewhere.
@@ -256,9 +257,20 @@ class StepResult:
     def __hash__(self) -> int:
         return hash(self._values())
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle, `copy` and `deepcopy` by value: the lazy loss read, `terms` a plain dict."""
+        values = {name: getattr(self, name) for name in self._FIELDS}
+        values["terms"] = dict(self.terms)
+        return (_restore, (values,))
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._FIELDS)
         return f"StepResult({fields})"
+
+
+def _restore(values: dict[str, Any]) -> StepResult:
+    """A `StepResult` from `StepResult.__reduce__`'s values (unpickling, copies)."""
+    return StepResult(**values)
 
 
 def learning_rate(optimizer: Any) -> float | None:
