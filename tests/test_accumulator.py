@@ -389,11 +389,18 @@ def test_failure_mid_stream_forgets_the_whole_window() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_zero_count_window_is_skipped_without_any_step() -> None:
+@pytest.mark.parametrize("normalize", ["mean", "sum"])
+def test_zero_count_window_is_skipped_without_any_step(normalize: str) -> None:
+    """The contract: a window whose total count is 0 takes no step, whatever `normalize`.
+
+    (`normalize="sum"` stepped it: AdamW's weight decay and moments moved on a zero gradient.)
+    """
     model = _mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    acc = Accumulator(model, optimizer, micro_batch_size=4, scheduler=scheduler)
+    acc = Accumulator(
+        model, optimizer, micro_batch_size=4, scheduler=scheduler, normalize=normalize
+    )
     acc.step(_data(), _mse)  # optimizer state present
     before = _snapshot(model, optimizer, scheduler)
 
@@ -409,6 +416,10 @@ def test_zero_count_window_is_skipped_without_any_step() -> None:
     assert result.loss == 0.0
     _assert_unchanged(before, model, optimizer, scheduler)
     assert scheduler.last_epoch == 1
+    # NEGATIVE CONTROL: the same window counting one item steps, and the check sees it.
+    acc.step(_data(seed=4), lambda m, b: LossSum(_mse(m, b) * 0.0, 1))
+    with pytest.raises(AssertionError):
+        _assert_unchanged(before, model, optimizer, scheduler)
 
 
 # --------------------------------------------------------------------------------------------

@@ -277,7 +277,7 @@ class Engine:
                 raise agreement.failure()
             agreed = True
             count, loss_sum = agreement.count, agreement.loss_sum
-            empty = count == 0 and self.normalize is Normalize.MEAN
+            empty = count == 0  # the contract: a window counting nothing takes no step
             if empty or not math.isfinite(loss_sum):
                 return self._skip(agreement, None, finite=empty)
             self._settle()  # FSDP2: reduce-scatter what the last backward did not
