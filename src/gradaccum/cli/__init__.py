@@ -18,6 +18,8 @@ import difflib
 import importlib
 import os
 import sys
+import traceback
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn, TextIO
 
@@ -179,6 +181,11 @@ def _main(argv: Sequence[str] | None) -> int:
     except (UsageError, FolderError) as error:
         print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        # Stopped on purpose mid-window: the run's Accumulator goes with the traceback's frames,
+        # here, so its OpenWindowWarning (meant for a flush() left out) is not printed at exit.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="gradaccum: an Accumulator went away")
+            traceback.clear_frames(interrupt.__traceback__)
         return 130
