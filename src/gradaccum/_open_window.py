@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import traceback
 import warnings
 import weakref
 from typing import TYPE_CHECKING
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from gradaccum.window import Window
 
-__all__ = ["OpenWindowWarning", "warn_if_left_open"]
+__all__ = ["OpenWindowWarning", "release_interrupted", "warn_if_left_open"]
 
 _SKIPPED = (os.path.dirname(__file__), weakref.__file__)
 
@@ -38,6 +39,17 @@ def warn_if_left_open(owner: object, window: Window) -> None:
         window: Its window, read when the owner goes away.
     """
     weakref.finalize(owner, _warn_if_open, window)
+
+
+def release_interrupted(interrupt: BaseException) -> None:
+    """Free the frames a deliberate stop (Ctrl-C) unwound, without an `OpenWindowWarning`.
+
+    A program stopped on purpose mid-window (the command line's second Ctrl-C) leaves its
+    window open knowingly; its Accumulator, held by the traceback's frames, goes here.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=OpenWindowWarning)
+        traceback.clear_frames(interrupt.__traceback__)
 
 
 def _warn_if_open(window: Window) -> None:

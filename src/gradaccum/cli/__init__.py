@@ -18,8 +18,6 @@ import difflib
 import importlib
 import os
 import sys
-import traceback
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn, TextIO
 
@@ -174,6 +172,7 @@ def _main(argv: Sequence[str] | None) -> int:
             file=sys.stderr,
         )
         return 2
+    from gradaccum._open_window import release_interrupted
     from gradaccum.experiments.folders import FolderError
 
     try:
@@ -183,9 +182,5 @@ def _main(argv: Sequence[str] | None) -> int:
         return 2
     except KeyboardInterrupt as interrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
-        # Stopped on purpose mid-window: the run's Accumulator goes with the traceback's frames,
-        # here, so its OpenWindowWarning (meant for a flush() left out) is not printed at exit.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="gradaccum: an Accumulator went away")
-            traceback.clear_frames(interrupt.__traceback__)
+        release_interrupted(interrupt)  # its open window was left on purpose: no warning at exit
         return 130
