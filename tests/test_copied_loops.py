@@ -240,13 +240,15 @@ def _scheduled_run(when: str) -> tuple[nn.Module, list[warnings.WarningMessage]]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
-            for batch in _loader()[:-1] if when == "epoch" else _loader():
+            for batch in _loader()[:-1] if when.startswith("epoch") else _loader():
                 result = acc.micro_step(batch, _mean)
                 if when == "micro" or (when == "stepped" and result.stepped):
                     warmup.step()
-            if when == "epoch":
-                acc.flush()
+            if when.startswith("epoch"):
+                if when == "epoch":  # "epoch-unflushed": the epoch's flush() left out
+                    acc.flush()
                 warmup.step()
+        acc.flush("drop")
     return model, [w for w in caught if issubclass(w.category, CopiedLoopWarning)]
 
 
@@ -278,6 +280,16 @@ def test_a_scheduler_stepped_per_window_or_per_epoch_does_not_warn_and_is_exact(
     assert _gap(model, reference) < 1e-10
     _, caught = _scheduled_run("epoch")  # a carried window spans the epoch's step: no warning
     assert not caught
+
+
+def test_an_epoch_scheduler_stepped_with_the_epochs_last_window_open_warns_naming_flush() -> None:
+    """A per-epoch scheduler.step() with no acc.flush() at the epoch's end moves the lr inside
+    the epoch's last window, which goes on into the next epoch: the warning names the flush."""
+    _, caught = _scheduled_run("epoch-unflushed")
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "learning rate changed between two micro_step() calls" in message
+    assert "call acc.flush() before it" in message
 
 
 def _mean_as_sum(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossSum:

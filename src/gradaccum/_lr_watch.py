@@ -83,6 +83,8 @@ class LearningRateWatch:
                 "which steps it once per optimizer step. A one-off change (a "
                 "ReduceLROnPlateau.step(val_loss) after a validation that fell inside a window) "
                 "is the plain loop's step too; validate when result.stepped to keep it between "
-                "windows."
+                "windows. A per-epoch scheduler.step() after an epoch whose last, partial window "
+                "is still open (no acc.flush() at the epoch's end: the window runs on into the "
+                "next epoch) moved the rate inside it: call acc.flush() before it."
             )
         )

@@ -34,6 +34,7 @@ import torch
 from gradaccum._checks import check_fsdp_support, check_savable, check_saved_state, check_settings
 from gradaccum._engine import Engine
 from gradaccum._lr_watch import LearningRateWatch
+from gradaccum._open_window import warn_if_left_open
 from gradaccum._optimizer_setting import OptimizerSetting
 from gradaccum._parameters import trainable_parameters, window_parameters
 from gradaccum._window_sizes import WindowSizes
@@ -166,6 +167,7 @@ class Accumulator(WindowSizes, OptimizerSetting):
         self.nonfinite_windows = self.empty_windows = 0  # windows skipped so far: in the state
         self._stalled = SkippedInARow(20 if self.precision is Precision.FP16 else 3)
         self._rates = LearningRateWatch()  # a scheduler stepped per micro_step() call: warned
+        warn_if_left_open(self, self._engine.window)  # a flush() left out: warned at the end
 
     @property
     def plan(self) -> MemoryPlan | None:
@@ -222,9 +224,8 @@ class Accumulator(WindowSizes, OptimizerSetting):
         check_packable(self._auto is not None, self.batch_dim, self.micro_batch_size)
         micro_batches = pack_by_tokens(batch, max_tokens)
         sizes = [batch_size(micro_batch) for micro_batch in micro_batches]
-        window_items = sum(sizes)
         self._engine.run_window(
-            micro_batches, loss_fn, window_items=window_items, size=sizes, template=batch
+            micro_batches, loss_fn, window_items=sum(sizes), size=sizes, template=batch
         )
         return self._close(max(sizes, default=0))
 

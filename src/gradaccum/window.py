@@ -67,8 +67,8 @@ class Window:
 
     def _close(self) -> None:
         self.committing = False  # set by `_commit.step_optimizer` around the window's own step
-        self.count = 0
-        self.micro_batches = 0
+        self.count = self.micro_batches = 0
+        self.saved = False  # its state was saved since its last micro-batch (`_open_window`)
         # The summed loss: a Python float for CPU losses, where reading a scalar costs less than
         # a tensor add; a device tensor elsewhere, where a read would wait for the device.
         self.loss_host = 0.0
@@ -141,7 +141,7 @@ class Window:
                 self.loss_sum = torch.zeros((), dtype=dtype, device=value.device)
             self.loss_sum.add_(value.data, alpha=weight)  # `.data`: detached, not dispatched
         self.count += count
-        self.micro_batches += 1
+        self.micro_batches, self.saved = self.micro_batches + 1, False  # unsaved progress
         self.largest_micro_batch = max(self.largest_micro_batch, items)
 
     def loss_total(self) -> float:
@@ -238,7 +238,7 @@ class Window:
 
     def state_dict(self) -> dict[str, Any]:
         """Copies of the totals and partial gradients (plain data; a closed window saves none)."""
-        params = self.params if self.is_open else []
+        params, self.saved = (self.params if self.is_open else []), True  # kept for a resume
         return {
             "count": self.count,
             "micro_batches": self.micro_batches,
@@ -278,7 +278,7 @@ class Window:
         if self.is_open:  # its own window is forgotten: the gradients set aside come back
             self.restore()  # (and it closes), or a later forgotten window would bring its sums
         self._close()
-        self.params, self.held = params, held
+        self.params, self.held, self.saved = params, held, True  # a loaded window is in a file
         if not state["micro_batches"]:
             return
         self.count = int(state["count"])

@@ -172,6 +172,7 @@ def _main(argv: Sequence[str] | None) -> int:
             file=sys.stderr,
         )
         return 2
+    from gradaccum._open_window import release_interrupted
     from gradaccum.experiments.folders import FolderError
 
     try:
@@ -179,6 +180,7 @@ def _main(argv: Sequence[str] | None) -> int:
     except (UsageError, FolderError) as error:
         print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        release_interrupted(interrupt)  # its open window was left on purpose: no warning at exit
         return 130
