@@ -345,11 +345,10 @@ class Accumulator(WindowSizes, OptimizerSetting):
         return result
 
     def _pending(self) -> StepResult:
-        """The open window's progress; its loss is read from the device only if asked for."""
+        """The open window's progress; its loss read if asked, by a reader holding no `self`."""
         window, summed = self._engine.window, self.normalize is Normalize.SUM
         count, loss_sum, host = window.count, window.loss_sum, window.loss_host
         snapshot = None if loss_sum is None else loss_sum.detach().clone()  # later adds: in place
-        # The reader closes over these copies, never `self`: a kept result keeps no model alive.
         loss: Callable[[], float] = lambda: _objective(  # noqa: E731
             host + (0.0 if snapshot is None else float(snapshot)), count, summed
         )
