@@ -663,6 +663,39 @@ def test_a_failed_first_micro_step_changes_nothing(bad, error, pattern) -> None:
     assert acc.flush().micro_batches == 0  # no window was opened
 
 
+@pytest.mark.parametrize(
+    ("bad", "pattern"),
+    [
+        ({"note": "no tensor"}, "holds no tensor"),
+        ((torch.zeros(3, 4, dtype=torch.float64), torch.zeros(2, 2)), "disagree"),
+        ((torch.zeros(0, 4, dtype=torch.float64), torch.zeros(0, 2)), "is empty"),
+    ],
+    ids=["no-tensor", "sizes-disagree", "empty"],
+)
+def test_a_micro_batch_refused_for_its_shape_keeps_the_open_window(bad, pattern) -> None:
+    """Bad input changes nothing: the window's earlier micro-batches are kept, and the step
+    after the refusal is the full-batch step over every accepted micro-batch."""
+    model = _mlp()
+    x, y = _data(9)
+    reference, _, _ = _reference_step(model, (x, y))
+    optimizer = _sgd(model)
+    acc = Accumulator(model, optimizer, accumulation_steps=3)
+    acc.micro_step((x[:3], y[:3]), _mse)
+    acc.micro_step((x[3:6], y[3:6]), _mse)
+    held = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=pattern):
+        acc.micro_step(bad, _mse)
+    assert_bitwise(held, [p.grad for p in model.parameters()])
+    result = acc.micro_step((x[6:], y[6:]), _mse)
+    assert result.stepped
+    assert (result.micro_batches, result.count) == (3, 9)
+    _assert_params_close(model, reference)
+    # Control: had the refusal discarded the window, the step would cover only the last third.
+    dropped, _, _ = _reference_step(_mlp(), (x[6:], y[6:]))
+    with pytest.raises(AssertionError):
+        _assert_params_close(model, dropped)
+
+
 def test_missing_sizes_name_the_fix() -> None:
     model, optimizer, scheduler = _stateful_setup()
     before = _snapshot(model, optimizer, scheduler)

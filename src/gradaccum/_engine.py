@@ -68,8 +68,8 @@ class Engine:
         self._params = ModelParameters(model)  # read once: walking the modules costs a window
         self._names = self._params.names  # the same dict, refreshed in place after a resize
         self._agreement: WindowAgreement | None = None  # FSDP2 agrees before the last backward
-        self._exchanged = self._next_sum = False  # exchange started; others next sum (Tokens)
-        self._reduced = False  # the last backward reduced the gradients (FSDP2)
+        # exchange started; the others sum next (Tokens); the last backward reduced (FSDP2)
+        self._exchanged = self._next_sum = self._reduced = False
         self._last_input: tuple[Any, LossFn] | None = None  # for FSDP2's zero-item settle
         self._token_mean, self._seeds = TokenMeanCheck(), Seeds()
         self._layout = SequenceFirstCheck(model, batch_dim)  # a batch split along time
@@ -123,18 +123,16 @@ class Engine:
     def run_micro_batch(
         self, micro_batch: Any, loss_fn: LossFn, *, last: bool, expect: Expectation
     ) -> bool:
-        """Forward and backward one streamed micro-batch (`micro_step()`); True if it was last.
-
-        With `expect.until`, the micro-batch is the window's last once the items counted over
-        all ranks reach it: every rank learns the total between its forward and backward.
-        """
+        """One streamed micro-batch (`micro_step()`); True if last (`expect.until`: all ranks')."""
+        # One rank: a micro-batch refused for its shape changes nothing, its open window included
+        items = None if self.sync.world > 1 else batch_size(micro_batch, batch_dim=self.batch_dim)
         if self.window.is_open:
             self.check_gradients_untouched()
         else:
             self._open()
         self._next_sum = expect.until is not None  # the others sum this one's count first
         try:
-            last = self._micro_batch(micro_batch, loss_fn, last, expect)
+            last = self._micro_batch(micro_batch, loss_fn, last, expect, items)
         except BaseException as error:
             self._fail(error, rerun=False)  # DDP: the other ranks raise at their next collective
             raise
