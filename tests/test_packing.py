@@ -73,6 +73,24 @@ def test_lengths_need_right_padding_and_errors_name_the_fix() -> None:
     assert [len(mb["tokens"]) for mb in pack_by_tokens(no_mask, max_tokens=8)] == [2, 2, 2]
 
 
+def test_an_additive_float_mask_is_refused_naming_the_0_1_mask_and_nothing_changes() -> None:
+    """An additive mask (0 attended, -inf padded) read as "nonzero is attended" was backwards:
+    refused for its padding only by luck, and a batch of full rows got length 0 everywhere."""
+    batch = _batch(0)
+    additive = (1.0 - batch["attention_mask"].double()) * torch.finfo(torch.float64).min
+    model = make_model("token")
+    acc = Accumulator(model, _optimizer(model))
+    before = param_tensors(model)
+    for mask in (additive, torch.where(additive < 0, -torch.inf, 0.0)):
+        with pytest.raises(ValueError, match=r"0/1 attention_mask.*build the additive"):
+            acc.step(dict(batch, attention_mask=mask), token_sum_loss, max_tokens=24)
+    assert relative_gap(param_tensors(model), before) == 0.0
+    # Control: the same batch with its 0/1 mask as floats (no negative value) packs as before.
+    floats = dict(batch, attention_mask=batch["attention_mask"].double())
+    assert sequence_lengths(floats) == LENGTHS
+    assert acc.step(floats, token_sum_loss, max_tokens=24).stepped
+
+
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 

@@ -57,9 +57,17 @@ def sequence_lengths(batch: Any) -> list[int]:
     `*labels` as wide as the mask, so that trimming never drops one.
 
     Raises:
-        ValueError: If the attention mask is not right-padded (its nonzeros are not a prefix).
+        ValueError: If the attention mask is not right-padded (its nonzeros are not a prefix),
+            or is an additive float mask (negative values where padded).
     """
     mask = _mask(batch)
+    if mask is not None and mask.is_floating_point() and bool((mask < 0).any()):
+        raise ValueError(
+            "max_tokens reads each row's length from a 0/1 attention_mask, but this one holds "
+            "negative values: an additive mask (0 attended, -inf or a large negative padded) "
+            "would be read backwards. Pass the 0/1 mask as attention_mask and build the additive "
+            "one inside loss_fn, e.g. (1.0 - mask) * torch.finfo(torch.float32).min."
+        )
     if mask is not None:
         # Nonzero is attended, as transformers reads a 2-D mask: a packed row's mask may number
         # its documents (1, 1, 2, 2, 2, 0), and summing those numbers is no length.
