@@ -75,7 +75,7 @@ def test_lengths_need_right_padding_and_errors_name_the_fix() -> None:
 
 def test_an_additive_float_mask_is_refused_naming_the_0_1_mask_and_nothing_changes() -> None:
     """An additive mask (0 attended, -inf padded) read as "nonzero is attended" was backwards:
-    refused for its padding only by luck; a batch of full rows read lengths of 0 (but for labels)."""
+    refused for its padding by luck; a batch of full rows read lengths of 0 (but for labels)."""
     batch = _batch(0)
     additive = (1.0 - batch["attention_mask"].double()) * torch.finfo(torch.float64).min
     model = make_model("token")
