@@ -4,21 +4,25 @@ The copy's parameters require grad and its BatchNorm layers are in train mode (A
 deep-copies the module as it is), but it never runs in a training step. It used to be warned of
 as "trainable parameters nothing trains", named as a BatchNorm normalizing micro-batches (by the
 Accumulator's warning and by `check_equivalence`), and its weights counted as gradients in the
-memory plan (`plan_micro_batch`, `micro_batch_size="auto"`). Each test has a control: a plain
-copy of the network held the same way is still treated as trained.
+memory plan (`plan_micro_batch`, `micro_batch_size="auto"`), and its buffers were put back by a
+failed window as if a forward had updated them. Each test has a control: a plain copy of the
+network held the same way is still treated as trained.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from gradaccum import Accumulator, check_equivalence, plan_micro_batch
+from gradaccum._buffer_watch import ForwardStateWarning
 from gradaccum.batchnorm import BatchNormAccumulationWarning
 
 RTOL, ATOL = 1e-10, 1e-12
@@ -134,3 +138,49 @@ def test_the_memory_plan_counts_no_gradient_for_an_ema_held_by_the_model() -> No
         plans[averaged] = plan
     assert plans[True].gradients_bytes == alone.gradients_bytes
     assert plans[False].gradients_bytes == 2 * alone.gradients_bytes  # a plain copy: counted
+
+
+def test_an_ema_updated_after_every_micro_step_is_warned_of_and_never_put_back() -> None:
+    """The README's wrong way: the average takes accumulation_steps updates per step. It is
+    named (it used to read as "the model's forward updated the buffers ema.n_averaged"), and a
+    failed window leaves the user's updates alone: it used to put `n_averaged` back, but not
+    the averaged weights, leaving the two disagreeing."""
+    holder = _Holder(_net())
+    acc = Accumulator(
+        holder, torch.optim.SGD(holder.net.parameters(), lr=0.5), accumulation_steps=3
+    )
+    x, y = _data()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(0, 9, 3):
+            acc.micro_step((x[i : i + 3], y[i : i + 3]), _ce)
+            holder.ema.update_parameters(holder.net)
+    (warning,) = caught
+    assert warning.category is ForwardStateWarning
+    assert warning.filename == __file__
+    assert re.search(r"weight average ema .*result\.stepped", str(warning.message))
+    assert "forward updated" not in str(warning.message)
+    acc.micro_step((x[9:], y[9:]), _ce)
+    holder.ema.update_parameters(holder.net)
+    updated = [p.detach().clone() for p in holder.ema.parameters()]
+    with pytest.raises(ZeroDivisionError):
+        acc.micro_step((x[9:], y[9:]), lambda m, b: 1 / 0)  # the window is forgotten
+    assert int(holder.ema.n_averaged) == 4  # the four updates made, as the weights say
+    assert all(torch.equal(p, q) for p, q in zip(holder.ema.parameters(), updated, strict=True))
+
+
+def test_a_mid_window_state_naming_an_emas_buffer_still_loads() -> None:
+    """States saved before the EMA's buffers were left out of the window's copies named them."""
+    holder = _Holder(_net())
+    acc = Accumulator(
+        holder, torch.optim.SGD(holder.net.parameters(), lr=0.5), accumulation_steps=3
+    )
+    x, y = _data()
+    acc.micro_step((x[:3], y[:3]), _ce)
+    state = acc.state_dict()
+    state["engine"]["buffers"].append(["ema.n_averaged", holder.ema.n_averaged.clone()])
+    acc.load_state_dict(state)
+    # Control: a name that is no buffer of the model is still refused as damaged.
+    state["engine"]["buffers"].append(["ema.no_such_buffer", torch.zeros(())])
+    with pytest.raises(ValueError, match="damaged"):
+        acc.load_state_dict(state)

@@ -5,8 +5,11 @@ so that one `state_dict()` and one checkpoint hold both. The copy's parameters s
 (AveragedModel deep-copies the module as it is) and its BatchNorm layers are in train mode, but
 its forward never runs in a training step: `update_parameters` moves its weights after each step
 and `update_bn` sets its statistics at the end. So it is not "a parameter nothing trains", nor a
-BatchNorm normalizing micro-batches, nor gradients to plan memory for; the checks that read the
-model's modules statically leave it out.
+BatchNorm normalizing micro-batches, nor gradients to plan memory for, nor buffers a forward
+updates (a failed window must not put back an update the user made between micro-batches); the
+checks that read the model's modules statically leave it out. An average updated inside a
+window, after every `micro_step()` instead of when a step was taken, is warned of
+(`AverageWatch`).
 
 Example:
     >>> import torch
@@ -24,7 +27,7 @@ from collections.abc import Iterator
 import torch
 from torch.optim.swa_utils import AveragedModel
 
-__all__ = ["averaged_parameter_ids", "named_trained_modules"]
+__all__ = ["AverageWatch", "averaged_parameter_ids", "named_trained_modules"]
 
 
 def named_trained_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -59,3 +62,53 @@ def averaged_parameter_ids(model: torch.nn.Module) -> set[int]:
     modules = named_trained_modules(model)
     trained = {id(p) for _, module in modules for p in module.parameters(recurse=False)}
     return averaged - trained
+
+
+class AverageWatch:
+    """Notices a weight average inside the model updated between a window's micro-batches.
+
+    `update_parameters` adds one to the average's `n_averaged` buffer in place, so its version
+    counter (read on the host: no device sync) says whether the window saw an update.
+
+    Args:
+        model: The model (unwrapped).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._averages = [
+            (name, module)
+            for name, module in model.named_modules()
+            if name and isinstance(module, AveragedModel)
+        ]
+        self.buffer_names = {  # as the buffer watch names them (state_dict keys)
+            f"{name}.{key}" for name, module in self._averages for key, _ in module.named_buffers()
+        }
+        self._opened: list[tuple[str, torch.nn.Module, torch.Tensor, int]] = []
+        self._warned = False
+
+    def open(self) -> None:
+        """Note each average's update count as a window opens."""
+        self._opened = []
+        for name, module in self._averages:
+            count = getattr(module, "n_averaged", None)
+            if isinstance(count, torch.Tensor) and not count.is_inference():
+                self._opened.append((name, module, count, count._version))
+
+    def close(self, micro_batches: int) -> str | None:
+        """At a commit of `micro_batches`: the warning's text (once) if an average moved in it."""
+        opened, self._opened = self._opened, []
+        moved = [
+            name
+            for name, module, count, version in opened
+            if getattr(module, "n_averaged", None) is not count or count._version != version
+        ]
+        if micro_batches < 2 or not moved or self._warned:
+            return None
+        self._warned = True
+        return (
+            f"the weight average {', '.join(moved)} (AveragedModel) inside the model was "
+            f"updated within a window of {micro_batches} micro-batches: an EMA or SWA is "
+            "updated once per optimizer step, so call update_parameters() only when "
+            "result.stepped is True (README, 'Weight averaging: EMA and SWA'); after every "
+            "micro_step() it takes accumulation_steps updates per step."
+        )
