@@ -29,12 +29,12 @@ import math
 
 import torch
 
-__all__ = ["divided_sum_problem"]
+__all__ = ["divided_sum_problem", "summed_values"]
 
 _SUM = 2  # torch's Reduction::Sum, as a loss node saves it
 
 
-def _summed_values(node: object) -> int:
+def summed_values(node: object) -> int:
     """How many values the numerator node sums (0 if it is not a sum)."""
     if type(node).__name__ == "SumBackward0":  # `.sum()` of the whole tensor
         sizes = getattr(node, "_saved_self_sym_sizes", None)
@@ -67,7 +67,7 @@ def divided_sum_problem(loss: torch.Tensor, rows: int) -> str | None:
         or divisor.is_complex()
     ):
         return None
-    summed = _summed_values(node.next_functions[0][0])  # type: ignore[union-attr]
+    summed = summed_values(node.next_functions[0][0])  # type: ignore[union-attr]
     # A sum over a value per row; not, say, the mean of a few heads' losses (`stack(...).sum()`).
     if summed < rows or summed % rows:
         return None
