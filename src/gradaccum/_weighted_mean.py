@@ -83,6 +83,7 @@ def divided_sum_problem(loss: torch.Tensor, rows: int) -> str | None:
         "A plain scalar is read as a mean over the rows and weighted by them, so the step is "
         "not the full-batch one. Return gradaccum.LossSum.terms(loss=(summed_loss, divisor)) "
         "instead, e.g. LossSum.terms(loss=((w * loss).sum(), w.sum())) (a term's count may "
-        "be a sum of weights): the window then divides once by the whole batch's total "
-        "(docs/losses.md)."
+        "be a sum of weights): the window then divides once by the whole batch's total; for "
+        "a constant denominator C, LossSum.terms(loss=Term(summed_loss, denominator=C)) "
+        "(from gradaccum.loss import Term; docs/losses.md)."
     )
