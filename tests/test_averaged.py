@@ -184,3 +184,27 @@ def test_a_mid_window_state_naming_an_emas_buffer_still_loads() -> None:
     state["engine"]["buffers"].append(["ema.no_such_buffer", torch.zeros(())])
     with pytest.raises(ValueError, match="damaged"):
         acc.load_state_dict(state)
+
+
+def test_updates_in_windows_of_two_are_warned_of_but_a_per_epoch_swa_is_not() -> None:
+    """Windows of 2: one update inside each window, warned from the second. The control, a
+    per-epoch SWA under partial_window="carry" (7 micro-batches per epoch, windows of 3), is
+    updated inside the window straddling each epoch's end only: not warned of."""
+    x, y = _data(21)
+    loader = [(x[i : i + 3], y[i : i + 3]) for i in range(0, 21, 3)]
+    for steps, per_epoch in ((2, False), (3, True)):
+        holder = _Holder(_net())
+        optimizer = torch.optim.SGD(holder.net.parameters(), lr=0.5)
+        acc = Accumulator(holder, optimizer, accumulation_steps=steps, partial_window="carry")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):  # epochs
+                for micro_batch in loader[: 7 if per_epoch else 4]:
+                    acc.micro_step(micro_batch, _ce)
+                    if not per_epoch:
+                        holder.ema.update_parameters(holder.net)
+                if per_epoch:
+                    holder.ema.update_parameters(holder.net)
+            acc.flush("step")
+        averaged = [w for w in caught if "weight average ema" in str(w.message)]
+        assert len(averaged) == (0 if per_epoch else 1)

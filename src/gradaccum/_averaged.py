@@ -84,6 +84,7 @@ class AverageWatch:
             f"{name}.{key}" for name, module in self._averages for key, _ in module.named_buffers()
         }
         self._opened: list[tuple[str, torch.nn.Module, torch.Tensor, int]] = []
+        self._streak = 0  # consecutive split windows inside which an average was updated
         self._warned = False
 
     def open(self) -> None:
@@ -97,12 +98,18 @@ class AverageWatch:
     def close(self, micro_batches: int) -> str | None:
         """At a commit of `micro_batches`: the warning's text (once) if an average moved in it."""
         opened, self._opened = self._opened, []
-        moved = [
-            name
-            for name, module, count, version in opened
-            if getattr(module, "n_averaged", None) is not count or count._version != version
-        ]
-        if micro_batches < 2 or not moved or self._warned:
+        updates = {}  # each average's updates inside the window (version counter steps)
+        for name, module, count, version in opened:
+            now = getattr(module, "n_averaged", None)
+            updates[name] = count._version - version if now is count else 1  # 1: reassigned
+        moved = [name for name, n in updates.items() if n > 0]
+        if micro_batches < 2 or not moved:
+            self._streak = 0
+            return None
+        # One update inside one window may be a per-epoch SWA under partial_window="carry" (its
+        # window straddles the epoch's end); after every micro_step() it is in every window.
+        self._streak += 1
+        if self._warned or (self._streak < 2 and max(updates.values()) < 2):
             return None
         self._warned = True
         return (
