@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gradaccum import Accumulator, check_equivalence
+from gradaccum import Accumulator, LossSum, check_equivalence
 from gradaccum.batchnorm import (
     BatchNormAccumulationWarning,
     BatchNormControl,
@@ -59,6 +59,11 @@ def _data(items: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).pow(2).sum()
+
+
+def _loss_fn(model: nn.Module, x: torch.Tensor) -> LossSum:
+    """`_loss` as a loss_fn: a sum over the rows, with their count (a plain sum warns)."""
+    return LossSum(_loss(model, x), len(x))
 
 
 def _run_window(model, x, micro: int, control: BatchNormControl | None, end: bool = True):
@@ -609,12 +614,12 @@ def test_accumulator_pooled_step_gives_full_batch_running_stats(kind: str) -> No
     acc = _accumulator(model, "pooled", micro_batch_size=4)  # 4 + 4 + 4 + 2 items
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an explicit strategy does not warn
-        acc.step(x, _loss)
+        acc.step(x, _loss_fn)
     _assert_stats_close(model, full)
     # NEGATIVE CONTROL: "micro" updates four times from micro-batch statistics.
     micro_model, _ = _bn_model(kind)
     with pytest.warns(BatchNormAccumulationWarning):
-        _accumulator(micro_model, "micro", micro_batch_size=4).step(x, _loss)
+        _accumulator(micro_model, "micro", micro_batch_size=4).step(x, _loss_fn)
     assert _max_rel_gap(micro_model, full) > 1e-2
 
 
@@ -624,16 +629,16 @@ def test_accumulator_pooled_streaming_resume_mid_window_is_bitwise() -> None:
     straight = copy.deepcopy(model)
     acc = _accumulator(straight, "pooled", accumulation_steps=3)
     for part in x.split(4):
-        acc.micro_step(part, _loss)
+        acc.micro_step(part, _loss_fn)
     resumed = copy.deepcopy(model)
     first = _accumulator(resumed, "pooled", accumulation_steps=3)
-    first.micro_step(x[:4], _loss)
+    first.micro_step(x[:4], _loss_fn)
     state = copy.deepcopy(first.state_dict())
     second = _accumulator(resumed, "pooled", accumulation_steps=3)  # a fresh process, say
     second.optimizer.load_state_dict(first.optimizer.state_dict())
     second.load_state_dict(state)
-    second.micro_step(x[4:8], _loss)
-    assert second.micro_step(x[8:], _loss).stepped
+    second.micro_step(x[4:8], _loss_fn)
+    assert second.micro_step(x[8:], _loss_fn).stepped
     for a, b in zip(_stats(resumed), _stats(straight), strict=True):
         assert torch.equal(a, b)
 
@@ -651,7 +656,7 @@ def test_accumulator_frozen_keeps_running_stats_bitwise() -> None:
     before = [t.clone() for t in _stats(model)]
     acc = _accumulator(model, "frozen", micro_batch_size=3)
     for seed in range(3):
-        assert acc.step(_data(9, shape, seed), _loss).stepped
+        assert acc.step(_data(9, shape, seed), _loss_fn).stepped
     assert all(torch.equal(a, b) for a, b in zip(_stats(model), before, strict=True))
     assert model[1].training  # put back in train mode after each micro-batch
 
@@ -673,9 +678,9 @@ def test_accumulator_warns_once_and_not_when_the_micro_batch_is_the_window() -> 
     acc = _accumulator(model, "micro", micro_batch_size=8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        acc.step(_data(8, shape, seed=1), _loss)  # one micro-batch: exact, silent
-        acc.step(_data(16, shape, seed=2), _loss)  # two: warns
-        acc.step(_data(16, shape, seed=3), _loss)  # again: already warned
+        acc.step(_data(8, shape, seed=1), _loss_fn)  # one micro-batch: exact, silent
+        acc.step(_data(16, shape, seed=2), _loss_fn)  # two: warns
+        acc.step(_data(16, shape, seed=3), _loss_fn)  # again: already warned
     found = [w for w in caught if issubclass(w.category, BatchNormAccumulationWarning)]
     assert len(found) == 1
     assert "pooled" in str(found[0].message)
@@ -705,10 +710,10 @@ def test_a_last_micro_batch_of_one_row_says_why_it_fails_and_changes_nothing(mod
     acc = _accumulator(model, mode, micro_batch_size=3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BatchNormAccumulationWarning)
-        assert acc.step(_data(9, shape, seed=1), _loss).stepped
+        assert acc.step(_data(9, shape, seed=1), _loss_fn).stepped
     before = [p.detach().clone() for p in model.parameters()] + _stats(model)
     with pytest.raises(ValueError, match="more than 1 value per channel") as error:
-        acc.step(_data(10, shape, seed=2), _loss)
+        acc.step(_data(10, shape, seed=2), _loss_fn)
     notes = " ".join(getattr(error.value, "__notes__", []))
     assert "micro-batch of 1 row" in notes
     assert "batchnorm='frozen'" in notes
@@ -717,7 +722,7 @@ def test_a_last_micro_batch_of_one_row_says_why_it_fails_and_changes_nothing(mod
     # Control: the full batch of 10 rows runs, and "frozen" runs the 1-row micro-batch too.
     model(_data(10, shape, seed=2))
     frozen = _accumulator(copy.deepcopy(model), "frozen", micro_batch_size=3)
-    assert frozen.step(_data(10, shape, seed=2), _loss).stepped
+    assert frozen.step(_data(10, shape, seed=2), _loss_fn).stepped
 
 
 def test_frozen_holds_when_loss_fn_calls_model_train() -> None:
@@ -729,7 +734,7 @@ def test_frozen_holds_when_loss_fn_calls_model_train() -> None:
     def mean_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(x).pow(2).mean()  # a mean over items, as a plain scalar is read
 
-    def habit(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def habit(model: nn.Module, x: torch.Tensor) -> LossSum:
         model.train()
         return mean_loss(model, x)
 
@@ -765,12 +770,12 @@ def test_a_failed_window_restores_statistics_a_loss_fn_put_in_train_mode(mode: s
     acc = _accumulator(model, mode, micro_batch_size=3)
     calls: list[int] = []
 
-    def habit(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def habit(model: nn.Module, x: torch.Tensor) -> LossSum:
         model.train()
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("loss_fn failed at the third micro-batch")
-        return _loss(model, x)
+        return _loss_fn(model, x)
 
     before = _stats(model)
     with warnings.catch_warnings():
@@ -792,9 +797,9 @@ def test_pooled_pools_a_batchnorm_a_loss_fn_put_in_train_mode() -> None:
     with torch.no_grad():
         full(x)  # the one full-batch update "pooled" must reproduce
 
-    def habit(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def habit(model: nn.Module, x: torch.Tensor) -> LossSum:
         model.train()
-        return _loss(model, x)
+        return _loss_fn(model, x)
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # statistics only
     Accumulator(model, optimizer, micro_batch_size=3, batchnorm="pooled").step(x, habit)

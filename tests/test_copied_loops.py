@@ -48,6 +48,11 @@ def _summed(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return nn.CrossEntropyLoss(reduction="sum")(model(batch[0]), batch[1])
 
 
+def _summed_by_hand(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    per_row = nn.functional.cross_entropy(model(batch[0]), batch[1], reduction="none")
+    return per_row.sum()  # the per-sample-weights path, `(w * per_row).sum()` with w = 1
+
+
 def _loss_sum(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossSum:
     return LossSum(_summed(model, batch), count=len(batch[1]))  # the port of the sum loop
 
@@ -85,7 +90,11 @@ def test_the_correct_ports_equal_the_full_batch_step_and_do_not_warn(loss_fn) ->
 
 @pytest.mark.parametrize(
     ("loss_fn", "says"),
-    [(_divided, "divides its loss by 4"), (_summed, "reduction='sum'.*5 rows")],
+    [
+        (_divided, "divides its loss by 4"),
+        (_summed, "reduction='sum'.*5 rows"),
+        (_summed_by_hand, r"\.sum\(\) over the micro-batch's 5 rows"),
+    ],
 )
 def test_a_copied_line_warns_once_naming_the_fix_and_is_far_from_the_step(loss_fn, says) -> None:
     model, caught = _streamed(loss_fn)
@@ -407,4 +416,20 @@ def test_a_plateau_step_inside_a_window_is_named_harmless_and_is_the_plain_step(
     assert len(messages) == 1
     assert "ReduceLROnPlateau" in messages[0]
     assert optimizer.param_groups[0]["lr"] == plain.param_groups[0]["lr"] == 0.05
+    assert _gap(model, reference) < 1e-10
+
+
+def test_a_sum_of_a_few_heads_means_is_no_per_row_sum_and_does_not_warn() -> None:
+    """`torch.stack([ce_main, ce_aux]).sum()` sums two means, not a value per row: it is the
+    full-batch step (the control, the same stack of per-row losses summed, warns above)."""
+
+    def two_heads(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.stack([_mean(model, batch), 0.5 * _mean(model, batch)]).sum()
+
+    model, caught = _streamed(two_heads)
+    assert not caught
+    reference = _model()
+    x, y = (torch.cat(parts) for parts in zip(*_loader(), strict=True))
+    (1.5 * _mean(reference, (x, y))).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
     assert _gap(model, reference) < 1e-10

@@ -691,3 +691,95 @@ def test_a_detection_loss_dict_returned_whole_is_refused_naming_its_total() -> N
     assert not optimizer.state
     fixed = acc.step((images, targets), lambda m, b: sum(loss_dict(m, b).values()))
     assert fixed.stepped  # the fix
+
+
+# --------------------------------------------------------------------------------------------
+# A per-sample weighted mean, sum(w * loss) / sum(w), returned as a plain scalar
+# --------------------------------------------------------------------------------------------
+
+
+def _weighted_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(10, 6, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 4, (10,), generator=generator)
+    return x, y, torch.rand(10, generator=generator, dtype=torch.float64) * 3
+
+
+def _per_sample(model: torch.nn.Module, b: Any) -> torch.Tensor:
+    return b[2] * torch.nn.functional.cross_entropy(model(b[0]), b[1], reduction="none")
+
+
+def test_a_plain_weighted_mean_warns_naming_terms_which_are_the_full_batch_step() -> None:
+    """Per-sample weights: `sum(w * l) / sum(w)` read as a row mean is silently another
+    objective (the control: 10 = 3 + 3 + 3 + 1 is far off); the warning's fix is exact."""
+    import warnings
+
+    from gradaccum.loss import TokenMeanWarning
+
+    batch = _weighted_batch()
+    torch.manual_seed(0)
+    start = torch.nn.Linear(6, 4).double()
+    full = copy.deepcopy(start)
+    optimizer = torch.optim.SGD(full.parameters(), lr=1.0)
+    (_per_sample(full, batch).sum() / batch[2].sum()).backward()
+    optimizer.step()
+
+    def plain(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        return _per_sample(m, b).sum() / b[2].sum()
+
+    def terms(m: torch.nn.Module, b: Any) -> LossSum:
+        return LossSum.terms(loss=(_per_sample(m, b).sum(), b[2].sum()))
+
+    models = {}
+    for name, loss_fn in (("plain", plain), ("terms", terms)):
+        model = models[name] = copy.deepcopy(start)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            acc.step(batch, loss_fn)
+        messages = [str(w.message) for w in caught if w.category is TokenMeanWarning]
+        if name == "plain":
+            assert len(messages) == 1
+            assert caught[0].filename == __file__
+            assert "weighted or masked mean" in messages[0]
+            assert "LossSum.terms(loss=((w * loss).sum(), w.sum()))" in messages[0]
+        else:
+            assert messages == []
+    for exact, plain_step, reference in zip(
+        models["terms"].parameters(), models["plain"].parameters(), full.parameters(), strict=True
+    ):
+        torch.testing.assert_close(exact, reference, rtol=1e-10, atol=0)
+        assert float((plain_step - reference).detach().abs().max()) > 1e-3  # the control
+
+
+def test_row_means_written_as_a_divided_sum_do_not_warn_and_a_masked_mean_does() -> None:
+    """`sum / len(x)`, a sum over rows x features divided by their number, kl_div's
+    'batchmean' and the mean of two heads' losses are row means; a masked mean is not."""
+    import warnings
+
+    from gradaccum.loss import TokenMeanWarning
+
+    x, y, _ = _weighted_batch()
+    functional = torch.nn.functional
+    row_means = [
+        lambda m, b: functional.cross_entropy(m(b[0]), b[1], reduction="sum") / len(b[0]),
+        lambda m, b: m(b[0]).pow(2).sum() / m(b[0]).numel(),
+        lambda m, b: functional.kl_div(
+            m(b[0]).log_softmax(-1), torch.full((len(b[0]), 4), 0.25), reduction="batchmean"
+        ),
+        lambda m, b: torch.stack([functional.cross_entropy(m(b[0]), b[1])] * 2).sum() / 2,
+    ]
+    model = torch.nn.Linear(6, 4).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TokenMeanWarning)
+        for loss_fn in row_means:
+            gradaccum.accumulate_grad(model, (x, y), loss_fn, micro_batch_size=3)
+    kept = (y != 0).double()  # control: a mean over the kept rows only
+
+    def masked(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        per_row = functional.cross_entropy(m(b[0]), b[1], reduction="none")
+        return (b[2] * per_row).sum() / b[2].sum()
+
+    with pytest.warns(TokenMeanWarning, match="weighted or masked mean"):
+        gradaccum.accumulate_grad(model, (x, y, kept), masked, micro_batch_size=3)

@@ -1241,3 +1241,30 @@ def test_draws_outside_the_model_are_named_next_to_dropout() -> None:
 
     parts = check_equivalence(_dropout_mlp(), x, by_parts, 4)
     assert [m.kind for m in parts.non_additive] == ["Dropout"]
+
+
+def test_mixup_drawn_in_loss_fn_is_named_with_its_fix_and_mixing_the_whole_batch_is_exact() -> None:
+    """Mixup inside loss_fn mixes each micro-batch with its own permutation and lambda: named
+    with the fix. The control, mixed once on the whole batch with soft targets, is exact."""
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(10, 4, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (10,), generator=generator)
+    model = torch.nn.Linear(4, 3).double()
+    functional = torch.nn.functional
+
+    def mixed_in_loss(m: torch.nn.Module, b) -> torch.Tensor:
+        perm = torch.randperm(len(b[0]))
+        lam = float(torch.distributions.Beta(0.4, 0.4).sample())
+        out = m(lam * b[0] + (1 - lam) * b[0][perm])
+        return lam * functional.cross_entropy(out, b[1]) + (1 - lam) * functional.cross_entropy(
+            out, b[1][perm]
+        )
+
+    report = check_equivalence(model, (x, y), mixed_in_loss, 3)
+    assert not report.ok
+    assert "mixup/CutMix drawn in loss_fn mix only within each micro-batch" in report.explain()
+    perm, lam = torch.randperm(10, generator=generator), 0.7
+    soft = functional.one_hot(y, 3).double()
+    whole = (lam * x + (1 - lam) * x[perm], lam * soft + (1 - lam) * soft[perm])
+    soft_ce = lambda m, b: functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    assert check_equivalence(model, whole, soft_ce, 3).ok

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from gradaccum._averaged import AverageWatch, named_trained_modules
 from gradaccum._frozen_watch import FrozenWatch
 from gradaccum._warnings import warn_user
 from gradaccum._wrappers import known_name, unwrapped
@@ -41,9 +42,10 @@ class BufferWatch:
     ) -> None:
         skipped = {id(m) for m in skip}
         # Named inside a torch.compile / DDP wrapper: a state saved wrapped loads unwrapped.
+        # An EMA copy's buffers change between windows (update_parameters), never in a forward.
         self._slots = [
             (f"{name}.{key}" if name else key, module, key)
-            for name, module in unwrapped(model).named_modules()
+            for name, module in named_trained_modules(unwrapped(model))
             if id(module) not in skipped
             for key, buffer in module._buffers.items()
             if buffer is not None and active
@@ -54,10 +56,14 @@ class BufferWatch:
         self._warned = False
         self._tied = tied_max_norm(model)  # warned of at the first split window
         self._frozen = FrozenWatch(model, active=active)  # a target network's EMA in loss_fn
+        self._averages = AverageWatch(unwrapped(model))  # an EMA updated after each micro_step
+        # Copies an older version took of an EMA copy's buffers: left as they are when loaded.
+        self._unwatched = self._averages.buffer_names
 
     def open(self) -> None:
         """Copy what this window may change (all of it until one window has shown what does)."""
         self._frozen.open()
+        self._averages.open()
         if not self._slots:
             return
         current = [(i, m._buffers.get(k)) for i, (_, m, k) in enumerate(self._slots)]
@@ -100,6 +106,9 @@ class BufferWatch:
         frozen = self._frozen.close(micro_batches)
         if frozen is not None:
             warn_user(ForwardStateWarning(frozen))
+        averaged = self._averages.close(micro_batches)
+        if averaged is not None:
+            warn_user(ForwardStateWarning(averaged))
         if not self._slots:
             return
         changed = self._changed_slots()
@@ -164,6 +173,8 @@ class BufferWatch:
         resumed = []
         for entry in start if isinstance(start, list) else [start]:
             name, tensor = entry if isinstance(entry, list) and len(entry) == 2 else ("", None)
+            if isinstance(name, str) and known_name(name, self._unwatched) in self._unwatched:
+                continue
             i = slots.get(known_name(name, slots)) if isinstance(name, str) else None
             buffer = None if i is None else self._now(i)
             resizable = i is not None and is_observer(self._slots[i][1])  # see is_observer

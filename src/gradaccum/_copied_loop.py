@@ -5,8 +5,9 @@ Two lines of the copied loops survive a port to `loss_fn` and are silently wrong
 - `loss = loss / accumulation_steps`: the Accumulator divides once by the window's count itself,
   so every gradient ends `accumulation_steps` times too small (a smaller learning rate under SGD,
   a different clipping threshold, a different epsilon weight under Adam);
-- `criterion = nn.CrossEntropyLoss(reduction="sum")` returned as a plain scalar: a plain scalar
-  is read as a MEAN over the micro-batch's rows, so the sum is weighted by the rows again.
+- `criterion = nn.CrossEntropyLoss(reduction="sum")` returned as a plain scalar (or a `.sum()`
+  of `reduction="none"` losses, the per-sample weights' path): a plain scalar is read as a MEAN
+  over the micro-batch's rows, so the sum is weighted by the rows again.
 
 Both are read from the loss's autograd node (no device sync): a division by exactly the window's
 number of micro-batches (on two micro-batches), and a torch loss whose saved reduction is "sum"
@@ -40,6 +41,8 @@ import gc
 from collections.abc import Mapping
 
 import torch
+
+from gradaccum._weighted_mean import summed_values
 
 __all__ = [
     "CopiedLoopWarning",
@@ -114,10 +117,27 @@ def division_problem(result: object, micro_batches: int, items: int = 0) -> str 
 def sum_problem(result: object, items: int) -> str | None:
     """What is wrong if `result` is a plain scalar of a torch loss with reduction='sum'.
 
-    Over `items` > 1 rows only: one row's sum is that row's loss, a mean over one row.
+    Also a `.sum()` over a value per row (`F.cross_entropy(..., reduction='none').sum()`, the
+    per-sample weights' `(w * losses).sum()`). Over `items` > 1 rows only: one row's sum is
+    that row's loss, a mean over one row.
     """
     node = result.grad_fn if isinstance(result, torch.Tensor) else None
-    return _sum_message(node, items)
+    return _sum_message(node, items) or _per_row_sum_message(node, items)
+
+
+def _per_row_sum_message(node: object, items: int) -> str | None:
+    if items < 2 or type(node).__name__ != "SumBackward0":
+        return None
+    summed = summed_values(node)
+    if summed < items or summed % items:  # not a value per row: a sum of a few heads' losses
+        return None
+    return (
+        f"loss_fn returned a plain scalar that is a .sum() over the micro-batch's {items} rows "
+        "(SumBackward0, e.g. of reduction='none' losses); a plain scalar is read as a MEAN "
+        f"over the rows and weighted by them, so the sum counts {items} times. Return "
+        "gradaccum.LossSum(loss, count=number_of_items) (the items the sum covers), or .mean(); "
+        "for per-sample weights, LossSum.terms(loss=((w * losses).sum(), w.sum()))."
+    )
 
 
 def _sum_message(node: object, items: int) -> str | None:

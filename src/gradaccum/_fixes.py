@@ -21,7 +21,9 @@ _FIXES = {
     "other": "check with dropout off (eval mode, or p=0 and a stochastic depth probability of 0) "
     "to confirm the rest is exact, or with the noise drawn for the whole batch and passed in it "
     "(eps = torch.randn(B, ...) as a batch tensor); in training, other random draws per "
-    "micro-batch are expected noise, not a bug (docs/vision.md)",
+    "micro-batch are expected noise, not a bug (docs/vision.md); mixup/CutMix drawn in loss_fn "
+    "mix only within each micro-batch: mix the whole batch before step() (in the collate "
+    "function), its soft targets split with the images",
     "in place": "for nn.Embedding(max_norm=...), renormalize the whole batch's rows once "
     "before the window (with torch.no_grad(): torch.embedding_renorm_(emb.weight, "
     "ids.unique(), max_norm, 2.0)): each micro-batch's renormalization then changes nothing "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from gradaccum._averaged import averaged_parameter_ids
 from gradaccum._wrappers import unwrapped
 
 __all__ = ["FrozenWatch"]
@@ -57,6 +58,7 @@ class FrozenWatch:
             for m in model.modules()
             if isinstance(m, torch.nn.Embedding) and m.max_norm is not None
         }
+        averaged = averaged_parameter_ids(model)  # an EMA copy inside: `AverageWatch`'s
         self._params = [
             (name, p)
             for name, p in model.named_parameters()
@@ -64,6 +66,7 @@ class FrozenWatch:
             if active
             and not p.requires_grad
             and id(p) not in renormed
+            and id(p) not in averaged
             and type(p.detach()) is torch.Tensor
             and p.layout is torch.strided
         ]

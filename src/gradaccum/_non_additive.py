@@ -28,6 +28,7 @@ import torch
 from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm as _LegacySpectralNorm
 
+from gradaccum._averaged import named_trained_modules
 from gradaccum._buffer_watch import is_observer
 
 __all__ = [
@@ -82,7 +83,7 @@ def find_non_additive(model: torch.nn.Module) -> list[NonAdditiveModule]:
         ['0']
     """
     found = []
-    for name, module in model.named_modules():
+    for name, module in named_trained_modules(model):  # an EMA copy inside never runs in a step
         label, kind = name or "<model>", type(module).__name__
         # An eval-mode BatchNorm without running statistics still normalizes per batch.
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and (

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
+from gradaccum._averaged import averaged_parameter_ids
 from gradaccum._dtensor import local_tensor
 from gradaccum._forward_state import ForwardState
 from gradaccum._loss_call import call_loss_fn
@@ -83,8 +84,11 @@ class Probe:
         # FSDP2 under the window policy holds every parameter's unsharded gradient sum for the
         # window; otherwise gradients are as large as this rank's (shard of the) parameters.
         unsharded = self.sharded and policy is SyncPolicy.WINDOW
+        averaged = averaged_parameter_ids(model)  # an EMA copy inside gets no gradient
         self.gradients_bytes = sum(
-            p.numel() * p.element_size() if unsharded else _nbytes(p) for p in self.params
+            p.numel() * p.element_size() if unsharded else _nbytes(p)
+            for p in self.params
+            if id(p) not in averaged
         )
         self.buffers_bytes = 0
         if self.runtime.uses_buffers and accum_dtype is not None:

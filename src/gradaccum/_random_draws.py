@@ -48,8 +48,8 @@ RANDOM_DRAWS = NonAdditiveModule(
     "random draws",
     "the forward or loss_fn drew random numbers (torch.randn_like, torch.rand, F.dropout, "
     "np.random, random, a generator of the model's: a VAE's reparameterization, stochastic "
-    "depth, noise, a diffusion model's timesteps, augmentation), and micro-batches draw other "
-    "random numbers than the full batch",
+    "depth, noise, a diffusion model's timesteps, augmentation such as mixup/CutMix), and "
+    "micro-batches draw other random numbers than the full batch",
 )
 
 

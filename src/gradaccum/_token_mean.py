@@ -33,6 +33,7 @@ from gradaccum._copied_loop import (
 )
 from gradaccum._nll_mean import nll_mean_problem
 from gradaccum._warnings import warn_user
+from gradaccum._weighted_mean import divided_sum_problem
 
 __all__ = ["TokenMeanCheck", "TokenMeanWarning", "warn_if_token_mean"]
 
@@ -83,7 +84,8 @@ def warn_if_token_mean(micro_batch: object, loss: object = None, rows: int = 0) 
     holding -100 (unscored positions) mean the scalar is a mean over the scored targets, and
     weighting it by rows is not the full-batch mean. The `loss`'s graph is read too
     (`nll_mean_problem`): a `cross_entropy` / `nll_loss` mean whose targets hold its own
-    `ignore_index` (255 in segmentation), or that is class-weighted (`weight=`).
+    `ignore_index` (255 in segmentation), or that is class-weighted (`weight=`), or a sum
+    divided by something other than the rows (`sum(w * loss) / sum(w)`: `divided_sum_problem`).
 
     Returns:
         Whether it warned.
@@ -108,6 +110,10 @@ def warn_if_token_mean(micro_batch: object, loss: object = None, rows: int = 0) 
                 "count=number_of_scored_targets) instead."
             )
         )
+        return True
+    problem = divided_sum_problem(loss, rows) if isinstance(loss, torch.Tensor) else None
+    if problem is not None:  # per-sample weights, a mask: `sum(w * loss) / sum(w)`
+        warn_user(TokenMeanWarning(problem))
         return True
     return False
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from gradaccum._averaged import named_trained_modules
 from gradaccum._batchnorm_state import RUNNING, load_calls, load_start
 from gradaccum._frozen_batchnorm import frozen
 from gradaccum._groupnorm import batchnorm_modules, convert_to_groupnorm
@@ -72,7 +73,12 @@ def warn_if_inexact(model: nn.Module, micro_items: int, window_items: int) -> bo
     items per micro-batch, is at least `window_items`, the items per optimizer step.
     """
     # Batch statistics are used in train mode, and in eval mode too without running statistics.
-    batch_stats = [n for n, m in batchnorm_modules(model) if m.training or m.running_mean is None]
+    # An EMA copy the model holds (AveragedModel) is in train mode but never runs in a step.
+    batch_stats = [
+        n
+        for n, m in named_trained_modules(model)
+        if isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)
+    ]
     names = [name or "<model>" for name in batch_stats]
     if not names or micro_items >= window_items:
         return False

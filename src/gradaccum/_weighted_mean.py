@@ -1,0 +1,89 @@
+"""A plain-scalar loss that divides a per-item sum by something other than the rows.
+
+A scalar loss is read as a mean over the micro-batch's rows. The everyday per-sample weighted
+mean, `(w * F.cross_entropy(..., reduction="none")).sum() / w.sum()`, divides by the summed
+weights instead, and so does a masked mean (`(m * loss).sum() / m.sum()`) by its kept items:
+each micro-batch's denominator differs, and weighting each quotient by rows is not the
+full-batch mean. Nothing in the batch says so (the weights may not even be in it); the loss's
+last autograd node does: a `DivBackward0` whose numerator sums a tensor with a value per row
+(`.sum()`, or a loss with reduction='sum') and whose divisor, a constant tensor, is not a whole
+multiple of the rows (`sum / len(x)`, `sum / (rows * tokens)` and `kl_div(reduction=
+"batchmean")` are row means, read exactly).
+
+Reading the divisor syncs an accelerator, so the caller looks only at the first few
+micro-batches, as it does for the -100 labels.
+
+Example:
+    >>> import torch
+    >>> losses = torch.rand(4, requires_grad=True)
+    >>> weights = torch.tensor([0.5, 1.0, 2.0, 0.25])
+    >>> "weighted" in divided_sum_problem((weights * losses).sum() / weights.sum(), rows=4)
+    True
+    >>> divided_sum_problem(losses.sum() / 4, rows=4) is None
+    True
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["divided_sum_problem", "summed_values"]
+
+_SUM = 2  # torch's Reduction::Sum, as a loss node saves it
+
+
+def summed_values(node: object) -> int:
+    """How many values the numerator node sums (0 if it is not a sum)."""
+    if type(node).__name__ == "SumBackward0":  # `.sum()` of the whole tensor
+        sizes = getattr(node, "_saved_self_sym_sizes", None)
+        return math.prod(int(s) for s in sizes) if sizes is not None else 0
+    saved = getattr(node, "_saved_self", None)
+    if getattr(node, "_saved_reduction", None) == _SUM and isinstance(saved, torch.Tensor):
+        return saved.numel()  # a torch loss with reduction='sum': its input's values
+    return 0
+
+
+def divided_sum_problem(loss: torch.Tensor, rows: int) -> str | None:
+    """Why the plain scalar `loss` is not a mean over its `rows` rows (with the fix), or None.
+
+    Args:
+        loss: The scalar `loss_fn` returned, with its graph (before its backward).
+        rows: The micro-batch's rows (0 if not known: nothing is said).
+
+    Returns:
+        A message naming `LossSum.terms` when `loss` divides a sum with a value per row by a
+        constant that is not a whole multiple of `rows`; None otherwise.
+    """
+    node = loss.grad_fn
+    if rows < 1 or type(node).__name__ != "DivBackward0":
+        return None
+    divisor = getattr(node, "_saved_other", None)
+    if (
+        not isinstance(divisor, torch.Tensor)
+        or divisor.numel() != 1
+        or divisor.requires_grad
+        or divisor.is_complex()
+    ):
+        return None
+    summed = summed_values(node.next_functions[0][0])  # type: ignore[union-attr]
+    # A sum over a value per row; not, say, the mean of a few heads' losses (`stack(...).sum()`).
+    if summed < rows or summed % rows:
+        return None
+    value = float(divisor)
+    per_row = value / rows
+    whole = round(per_row) >= 1 and abs(per_row - round(per_row)) <= 1e-9 * per_row
+    if not math.isfinite(value) or value <= 0 or whole:
+        return None
+    return (
+        f"loss_fn returned a plain scalar that divides a sum over the micro-batch by {value:g}, "
+        f"which is not a whole multiple of its {rows} rows: a weighted or masked mean "
+        "(sum(w * loss) / sum(w): per-sample weights, a mask), or a mean over another count. "
+        "A plain scalar is read as a mean over the rows and weighted by them, so the step is "
+        "not the full-batch one. Return gradaccum.LossSum.terms(loss=(summed_loss, divisor)) "
+        "instead, e.g. LossSum.terms(loss=((w * loss).sum(), w.sum())) (a term's count may "
+        "be a sum of weights): the window then divides once by the whole batch's total; for "
+        "a constant denominator C, LossSum.terms(loss=Term(summed_loss, denominator=C)) "
+        "(from gradaccum.loss import Term; docs/losses.md)."
+    )
