@@ -59,11 +59,14 @@ def refuse_peft_loss_terms(model: torch.nn.Module) -> None:
     Shadow `auxiliary_loss_weight` times its shadow network's loss, to the loss of a
     task-typed PEFT model (`get_peft_model` given a `task_type`: `PeftModelForCausalLM`...)
     called with labels. A bare `PeftModel`'s forward skips the tuner's, so its own loss has no
-    such term and is not refused.
+    such term and is not refused; nor is a validation loss under `torch.no_grad()`, where the
+    token loss alone is what is measured.
 
     Raises:
         ValueError: Naming the term, its weight and both fixes.
     """
+    if not torch.is_grad_enabled():
+        return  # nothing trains: a validation loss, the token loss alone
     inner = _unwrapped(model)
     config = getattr(inner, "active_peft_config", None)
     kind = getattr(config, "peft_type", None)

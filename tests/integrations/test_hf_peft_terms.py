@@ -100,6 +100,10 @@ def test_a_peft_model_whose_own_loss_adds_a_term_is_refused_changing_nothing(
     assert_bitwise(param_tensors(model), before)
     assert all(p.grad is None for p in model.parameters())
     assert not optimizer.state
+    # A validation loss under no_grad trains nothing: the token loss alone, not refused.
+    with torch.no_grad():
+        scored = hf.causal_lm(model, batch)
+    assert float(scored.value) / int(scored.count) == pytest.approx(_logits_loss(model, batch))
 
 
 @pytest.mark.parametrize(
