@@ -55,8 +55,9 @@ _PEFT_LOSS_TERMS = {
 def refuse_peft_loss_terms(model: torch.nn.Module) -> None:
     """Raise, before any forward, for a PEFT model whose own loss adds a term to the logits'.
 
-    AdaLoRA adds `orth_reg_weight` times an orthogonal regularization of its adapters, and
-    Shadow `auxiliary_loss_weight` times its shadow network's loss, to the loss of a
+    CPT (context-aware prompt tuning) scores its own labels, with weights. AdaLoRA adds
+    `orth_reg_weight` times an orthogonal regularization of its adapters, and Shadow
+    `auxiliary_loss_weight` times its shadow network's loss, to the loss of a
     task-typed PEFT model (`get_peft_model` given a `task_type`: `PeftModelForCausalLM`...)
     called with labels. A bare `PeftModel`'s forward skips the tuner's, so its own loss has no
     such term and is not refused; nor is a validation loss under `torch.no_grad()`, where the
@@ -70,6 +71,14 @@ def refuse_peft_loss_terms(model: torch.nn.Module) -> None:
     inner = _unwrapped(model)
     config = getattr(inner, "active_peft_config", None)
     kind = getattr(config, "peft_type", None)
+    if str(getattr(kind, "value", kind)) == "CPT":
+        raise ValueError(
+            f"{type(inner).__name__} is a CPT PEFT model, whose own loss is its own: it also "
+            "scores the labelled tokens of its context (cpt_tokens_type_mask), only those of "
+            "the input its input_type_mask marks, weighted by opt_weighted_loss_type. "
+            "gradaccum.hf scores every label of the logits instead; write a loss_fn of your "
+            "own returning LossSum.terms(loss=(weighted token sum, summed weights))."
+        )
     found = _PEFT_LOSS_TERMS.get(str(getattr(kind, "value", kind)))
     if found is None or getattr(config, "task_type", None) is None:
         return

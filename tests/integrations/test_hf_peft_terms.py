@@ -1,4 +1,5 @@
-"""PEFT methods whose model adds a term of its own to the loss: AdaLoRA and Shadow.
+"""PEFT methods whose model adds a term of its own to the loss (AdaLoRA, Shadow) or has its own
+loss (CPT).
 
 A task-typed PEFT model (`get_peft_model` with a `task_type`) called with labels returns the
 token loss plus, for AdaLoRA, `orth_reg_weight` times an orthogonal regularization of its
@@ -104,6 +105,31 @@ def test_a_peft_model_whose_own_loss_adds_a_term_is_refused_changing_nothing(
     with torch.no_grad():
         scored = hf.causal_lm(model, batch)
     assert float(scored.value) / int(scored.count) == pytest.approx(_logits_loss(model, batch))
+
+
+def test_a_cpt_model_whose_own_loss_scores_its_own_labels_is_refused_changing_nothing() -> None:
+    """CPT scores the labelled tokens of its context and of the input its `input_type_mask`
+    marks, weighted: not the logits' every label, which the helper scored, silently."""
+    config = peft.CPTConfig(
+        task_type="CAUSAL_LM", cpt_token_ids=[5, 6, 7, 8], cpt_mask=[1, 1, 1, 1],
+        cpt_tokens_type_mask=[1, 2, 3, 4],
+    )  # fmt: skip
+    model = _wrapped(config)
+    batch = _lm_batch(torch.Generator().manual_seed(1), 0)
+    batch["input_type_mask"] = batch["attention_mask"] * 4  # every input token a label
+    with torch.no_grad():  # under no_grad (a validation loss) the helper scores the logits
+        own = float(model(**batch).loss)
+        scored = hf.causal_lm(model, batch)
+    assert abs(own - float(scored.value) / int(scored.count)) > 1e-3  # its own is another one
+
+    optimizer = _optimizer(model)
+    acc = Accumulator(model, optimizer, micro_batch_size=MICRO)
+    before = clone_state(param_tensors(model))
+    with pytest.raises(ValueError, match=r"CPT PEFT model.*loss_fn of your own"):
+        acc.step(batch, hf.causal_lm)
+    assert_bitwise(param_tensors(model), before)
+    assert all(p.grad is None for p in model.parameters())
+    assert not optimizer.state
 
 
 @pytest.mark.parametrize(
