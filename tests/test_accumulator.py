@@ -583,6 +583,21 @@ def test_optimizer_without_the_models_parameters_is_rejected() -> None:
     _assert_unchanged(before, model, optimizer, scheduler)
 
 
+def test_a_model_with_nothing_trainable_is_refused_naming_that_not_the_optimizer() -> None:
+    """A model frozen whole (PEFT's merge_and_unload() returns one) given a new optimizer
+    between windows: the message said the optimizer held none of its trainable parameters and
+    to build it from this model, which the user had done."""
+    model, optimizer, scheduler = _stateful_setup()
+    acc = Accumulator(model, optimizer, micro_batch_size=2)
+    model.requires_grad_(False)
+    before = _snapshot(model, optimizer, scheduler)
+    replacement = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"no parameter with requires_grad=True.*requires_grad_"):
+        acc.optimizer = replacement
+    assert acc.optimizer is optimizer
+    _assert_unchanged(before, model, optimizer, scheduler)
+
+
 STEP_CASES = [
     # (id, batch maker, loss_fn maker, error, pattern, calls expected)
     (

@@ -92,6 +92,13 @@ def check_optimizer(optimizer: object, model: torch.nn.Module) -> None:
         )
     model_ids = {id(p) for p in model.parameters() if p.requires_grad}
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not model_ids:  # not the optimizer's fault: nothing in the model trains
+        raise ValueError(
+            f"{type(model).__name__} has no parameter with requires_grad=True, so no optimizer "
+            "can train it. Unfreeze what should train (PEFT's merge_and_unload() returns the "
+            "merged model with every weight frozen: model.requires_grad_(True) to train it "
+            "whole), then build the optimizer over it."
+        )
     if not model_ids & held:
         raise ValueError(
             "the optimizer holds none of the model's trainable parameters; build it from this "

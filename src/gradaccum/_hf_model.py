@@ -13,6 +13,7 @@ import torch
 
 __all__ = [
     "accepts_keyword",
+    "refuse_peft_loss_terms",
     "refuse_router_losses",
     "logits_of",
     "problem_type_of",
@@ -27,20 +28,80 @@ def accepts_keyword(model: torch.nn.Module, name: str) -> bool:
     A `**kwargs` forward counts as taking it: transformers' models and PEFT's wrappers pass
     their keyword arguments on. A model of the user's own may take only its inputs.
     """
-    inner: Any = model
-    while isinstance(getattr(inner, "module", None), torch.nn.Module):  # DDP, DataParallel
-        inner = inner.module
-    inner = getattr(inner, "_orig_mod", inner)  # torch.compile
     try:
-        parameters = inspect.signature(inner.forward).parameters.values()
+        parameters = inspect.signature(_unwrapped(model).forward).parameters.values()
     except (TypeError, ValueError):  # no signature to read: pass it, as before
         return True
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
+def _unwrapped(model: torch.nn.Module) -> Any:
+    """The model inside DDP, DataParallel or torch.compile, whose attributes the helpers read."""
+    inner: Any = model
+    while isinstance(getattr(inner, "module", None), torch.nn.Module):  # DDP, DataParallel
+        inner = inner.module
+    return getattr(inner, "_orig_mod", inner)  # torch.compile
+
+
+# PEFT methods whose model, given labels, adds a term of its own to the loss it returns: the
+# config field weighing it, and what it is. The helpers call the model without labels (they
+# score its logits), so they would silently train without it.
+_PEFT_LOSS_TERMS = {
+    "ADALORA": ("orth_reg_weight", "the orthogonal regularization of its lora_A and lora_B"),
+    "SHADOW": ("auxiliary_loss_weight", "the shadow network's auxiliary task loss"),
+}
+
+
+def refuse_peft_loss_terms(model: torch.nn.Module) -> None:
+    """Raise, before any forward, for a PEFT model whose own loss adds a term to the logits'.
+
+    CPT (context-aware prompt tuning) scores its own labels, with weights. AdaLoRA adds
+    `orth_reg_weight` times an orthogonal regularization of its adapters, and Shadow
+    `auxiliary_loss_weight` times its shadow network's loss, to the loss of a
+    task-typed PEFT model (`get_peft_model` given a `task_type`: `PeftModelForCausalLM`...)
+    called with labels. A bare `PeftModel`'s forward skips the tuner's, so its own loss has no
+    such term and is not refused; nor is a validation loss under `torch.no_grad()`, where the
+    token loss alone is what is measured.
+
+    Raises:
+        ValueError: Naming the term, its weight and both fixes.
+    """
+    if not torch.is_grad_enabled():
+        return  # nothing trains: a validation loss, the token loss alone
+    inner = _unwrapped(model)
+    config = getattr(inner, "active_peft_config", None)
+    kind = getattr(config, "peft_type", None)
+    if str(getattr(kind, "value", kind)) == "CPT":
+        raise ValueError(
+            f"{type(inner).__name__} is a CPT PEFT model, whose own loss is its own: it also "
+            "scores the labelled tokens of its context (cpt_tokens_type_mask), only those of "
+            "the input its input_type_mask marks, weighted by opt_weighted_loss_type. "
+            "gradaccum.hf scores every label of the logits instead; write a loss_fn of your "
+            "own returning LossSum.terms(loss=(weighted token sum, summed weights))."
+        )
+    found = _PEFT_LOSS_TERMS.get(str(getattr(kind, "value", kind)))
+    if found is None or getattr(config, "task_type", None) is None:
+        return
+    field, term = found
+    weight = getattr(config, field, 0)
+    if not isinstance(weight, (int, float)) or weight <= 0:
+        return
+    name, adapter = getattr(kind, "value", kind), getattr(inner, "active_adapter", None)
+    adapter = repr(adapter) if isinstance(adapter, str) else "<adapter>"
+    raise ValueError(
+        f"{type(inner).__name__} is a {name} PEFT model: given labels, its own loss adds "
+        f"{field}={weight:g} times {term}, and gradaccum.hf scores the logits alone (it "
+        "calls the model without labels), so it would silently train without it. Set "
+        f"model.peft_config[{adapter}].{field} = 0: the helpers then score the token loss "
+        "alone, and a loss_fn of your own can add the term, LossSum.terms(ce=(ce.value, "
+        f"ce.count), reg=Term(term, count=..., weight={weight:g})) (Term from gradaccum.loss; "
+        "docs/losses.md, PEFT, has AdaLoRA's, exact)."
+    )
+
+
 def virtual_tokens(model: torch.nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> int:
     """The positions PEFT prompt learning (prompt tuning, P-tuning) adds before each row."""
-    config = getattr(model, "active_peft_config", None)
+    config = getattr(_unwrapped(model), "active_peft_config", None)
     if not getattr(config, "is_prompt_learning", False) or logits.dim() < 3:
         return 0
     extra = logits.shape[-2] - labels.shape[-1]
@@ -56,26 +117,27 @@ def with_decoder_inputs(
         ValueError: For a model whose config says it is no encoder-decoder: a decoder-only LM
             ignores `decoder_input_ids` and, scored without the shift, learns to copy its input.
     """
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", None) is False:
+    inner = _unwrapped(model)  # DDP and DataParallel hold the model's config and methods
+    if getattr(getattr(inner, "config", None), "is_encoder_decoder", None) is False:
         raise ValueError(
             f"gradaccum.hf.seq2seq scores the decoder of an encoder-decoder model, but "
-            f"{type(model).__name__} is none (config.is_encoder_decoder=False): for a "
+            f"{type(inner).__name__} is none (config.is_encoder_decoder=False): for a "
             "decoder-only language model use gradaccum.hf.causal_lm, which scores each "
             "position's next token."
         )
     if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
         return inputs
-    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    prepare = getattr(inner, "prepare_decoder_input_ids_from_labels", None)
     if prepare is not None:
         return {**inputs, "decoder_input_ids": prepare(labels=labels)}
     # Whisper, Speech2Text, M2M100/NLLB, Blenderbot, Moonshine have no such method: given
     # labels, their forward shifts them right itself, from the config's two token ids.
-    config = getattr(model, "config", None)
+    config = getattr(inner, "config", None)
     pad = getattr(config, "pad_token_id", None)
     start = getattr(config, "decoder_start_token_id", None)
     if not getattr(config, "is_encoder_decoder", False) or pad is None or start is None:
         raise ValueError(
-            f"{type(model).__name__} has no prepare_decoder_input_ids_from_labels and no "
+            f"{type(inner).__name__} has no prepare_decoder_input_ids_from_labels and no "
             "config.is_encoder_decoder with pad_token_id and decoder_start_token_id to make "
             "them from; put 'decoder_input_ids' (the labels shifted right) in the batch."
         )
@@ -91,7 +153,7 @@ def _shifted_right(labels: torch.Tensor, pad: int, start: int) -> torch.Tensor:
 
 def problem_type_of(model: torch.nn.Module) -> str | None:
     """`model.config.problem_type`, or None when unset (the loss then infers it)."""
-    value = getattr(getattr(model, "config", None), "problem_type", None)
+    value = getattr(getattr(_unwrapped(model), "config", None), "problem_type", None)
     return value if isinstance(value, str) else None
 
 
@@ -138,7 +200,7 @@ def refuse_router_losses(model: torch.nn.Module, outputs: object) -> None:
     if not names:
         return
     raise ValueError(
-        f"{type(model).__name__} returned router losses ({', '.join(names)}): with "
+        f"{type(_unwrapped(model)).__name__} returned router losses ({', '.join(names)}): with "
         "config.output_router_logits=True its own loss adds them, times "
         "config.router_aux_loss_coef, to the token loss, and gradaccum.hf scores the logits "
         "alone. Set model.config.output_router_logits = False to train on the token loss "

@@ -44,6 +44,7 @@ from gradaccum._hf_model import (
     accepts_keyword,
     logits_of,
     problem_type_of,
+    refuse_peft_loss_terms,
     refuse_router_losses,
     virtual_tokens,
     with_decoder_inputs,
@@ -100,8 +101,14 @@ class TaskLoss:
         return f"gradaccum.hf.{self.task.value}"
 
     def __call__(self, model: torch.nn.Module, batch: Mapping[str, Any]) -> LossSum:
-        """Run `model` on `batch` without its labels and score its logits."""
+        """Run `model` on `batch` without its labels and score its logits.
+
+        Raises:
+            ValueError: For a model whose own loss adds a term its logits lack (a PEFT AdaLoRA
+                or Shadow model, MoE router losses): the message names the setting to change.
+        """
         labels = _labels(batch, self.task)
+        refuse_peft_loss_terms(model)  # AdaLoRA: its own loss adds a term the logits lack
         inputs = {key: value for key, value in batch.items() if key not in _LABEL_KEYS}
         if self.task is Task.SEQ2SEQ:
             inputs = with_decoder_inputs(model, inputs, labels)

@@ -586,3 +586,60 @@ def test_the_models_own_mean_warns_with_one_row_per_micro_batch(name: str, drive
 
     assert warned(_model_mean) == 1
     assert warned(helper) == 0
+
+
+# --- a model inside DataParallel or DistributedDataParallel -------------------------------------
+
+
+def _bert_regression() -> torch.nn.Module:
+    config = _bert_config(num_labels=3, problem_type="regression")
+    return transformers.BertForSequenceClassification(config)
+
+
+def _regression_batch(generator: torch.Generator, step: int) -> dict[str, torch.Tensor]:
+    ids, mask = _padded(generator, _lengths(step))
+    targets = torch.randn(ROWS, 3, generator=generator, dtype=torch.float64)
+    return {"input_ids": ids, "attention_mask": mask, "labels": targets}
+
+
+def _reference_regression(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(model(**_inputs(batch)).logits, batch["labels"])
+
+
+WRAPPED: dict[str, Case] = {
+    "t5-seq2seq": CASES["t5-seq2seq"],
+    "bart-seq2seq": CASES["bart-seq2seq"],
+    "bert-regression": (_bert_regression, _regression_batch, hf.classification, None),
+}
+
+
+def _run_wrapped(name: str, loss_fn: Any) -> dict[str, torch.Tensor]:
+    make, make_batch, _, _ = WRAPPED[name]
+    model = _model(make)
+    wrapped = torch.nn.DataParallel(model)  # on CPU it runs the module: DDP's `.module` layout
+    acc = Accumulator(wrapped, _optimizer(model), micro_batch_size=MICRO, max_grad_norm=0.5)
+    for batch in _batches(make_batch):
+        assert acc.step(batch, loss_fn).stepped
+    return param_tensors(model)
+
+
+@pytest.mark.parametrize("name", list(WRAPPED))
+def test_a_model_inside_a_data_parallel_wrapper_equals_the_full_batch_steps(name: str) -> None:
+    """DDP and DataParallel hold the model as `.module`; its config and methods are not theirs.
+    Before, the helpers read them from the wrapper: a seq2seq model was refused ('DataParallel
+    has no prepare_decoder_input_ids_from_labels'), and a multi-output regression's
+    `problem_type` was missed, so its float targets were silently scored as multi-label BCE."""
+    make, make_batch, helper, reference_loss = WRAPPED[name]
+    reference = _run_reference((make, make_batch, helper, reference_loss or _reference_regression))
+    assert relative_gap(_run_wrapped(name, helper), reference) < EXACT
+
+    # Negative controls: what the wrapper hid. The regression scored as the model infers it
+    # without its problem_type (multi-label), the decoder fed the labels unshifted.
+    def hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
+        if name == "bert-regression":
+            logits = model(**_inputs(batch)).logits
+            return hf.loss_from_logits(logits, batch["labels"], "classification")
+        unshifted = batch["labels"].clamp(min=0)
+        return hf.seq2seq(model, {**batch, "decoder_input_ids": unshifted})
+
+    assert relative_gap(_run_wrapped(name, hidden), reference) > 1e-3

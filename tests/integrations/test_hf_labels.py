@@ -170,10 +170,11 @@ def _prompt_reference(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-def _prompt_steps(loss_fn: Any) -> dict[str, torch.Tensor]:
+def _prompt_steps(loss_fn: Any, wrapped: bool = False) -> dict[str, torch.Tensor]:
     model = _prompt_tuned(CASES["gpt2-causal_lm"][0])
     optimizer = _optimizer(model)
-    acc = Accumulator(model, optimizer, micro_batch_size=MICRO, max_grad_norm=0.5)
+    runs = torch.nn.DataParallel(model) if wrapped else model  # DDP's `.module` layout on CPU
+    acc = Accumulator(runs, optimizer, micro_batch_size=MICRO, max_grad_norm=0.5)
     for batch in _batches(_lm_batch):
         if loss_fn is None:  # the plain full-batch step
             optimizer.zero_grad(set_to_none=True)
@@ -199,6 +200,22 @@ def test_prompt_tuning_equals_the_full_batch_steps() -> None:
         return hf.loss_from_logits(logits, batch["labels"], "causal_lm")
 
     assert relative_gap(_prompt_steps(dropped), reference) > 1e-3
+
+
+def test_prompt_tuning_inside_a_data_parallel_wrapper_equals_the_full_batch_steps() -> None:
+    """DDP and DataParallel hold the PEFT model as `.module`. Before, the helper looked for its
+    prompt-learning config on the wrapper, found none, and refused the longer logits ('do not
+    fit labels')."""
+    reference = _prompt_steps(None)
+    assert relative_gap(_prompt_steps(hf.causal_lm, wrapped=True), reference) < EXACT
+
+    # Negative control: the virtual tokens' logits dropped, as a helper blind to them would.
+    def dropped(model: torch.nn.Module, batch: dict[str, Any]) -> Any:
+        inputs = {key: value for key, value in batch.items() if key != "labels"}
+        logits = model(**inputs).logits[:, VIRTUAL:]
+        return hf.loss_from_logits(logits, batch["labels"], "causal_lm")
+
+    assert relative_gap(_prompt_steps(dropped, wrapped=True), reference) > 1e-3
 
 
 # --- a causal LM of the user's own ---------------------------------------------------------------
