@@ -928,6 +928,96 @@ def test_a_gan_with_one_accumulator_per_model_equals_the_plain_loop() -> None:
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+class _Gan(torch.nn.Module):
+    """A generator and a discriminator in one module, as many GAN codebases hold them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.nn.Sequential(
+            torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)
+        )
+        self.discriminator = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+        )
+
+
+def _gan_losses() -> tuple[Callable[[Any, Any], torch.Tensor], Callable[[Any, Any], torch.Tensor]]:
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+
+    def d_loss(gan: Any, batch: Any) -> torch.Tensor:
+        real, z = batch
+        fake = gan.generator(z).detach()
+        ones, zeros = torch.ones(len(real), 1).double(), torch.zeros(len(real), 1).double()
+        return (bce(gan.discriminator(real), ones) + bce(gan.discriminator(fake), zeros)) / 2
+
+    def g_loss(gan: Any, batch: Any) -> torch.Tensor:
+        ones = torch.ones(len(batch[1]), 1).double()
+        return bce(gan.discriminator(gan.generator(batch[1])), ones)
+
+    return d_loss, g_loss
+
+
+def test_a_gan_in_one_module_with_two_accumulators_equals_plain_steps_and_names_the_parts() -> None:
+    """Both Accumulators built on the whole module: step() is exact (the discriminator's gradients
+    left over from the generator's window are set aside, as the plain loop's zero_grad() does),
+    the warning names the per-part fix, and interleaved streaming windows, which clear each
+    other's gradients, are refused naming it too."""
+    torch.manual_seed(0)
+    gan = _Gan().double()
+    plain, leaky = copy.deepcopy(gan), copy.deepcopy(gan)
+
+    def adams(model: _Gan) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        return tuple(  # type: ignore[return-value]
+            torch.optim.Adam(part.parameters(), lr=1e-2)
+            for part in (model.discriminator, model.generator)
+        )
+
+    (opt_d, opt_g), (plain_d, plain_g), (leaky_d, leaky_g) = adams(gan), adams(plain), adams(leaky)
+    part_fix = r"own part as the model.*gan\.discriminator"
+    with pytest.warns(UserWarning, match=part_fix):
+        acc_d = Accumulator(gan, opt_d, micro_batch_size=3)
+    with pytest.warns(UserWarning, match=part_fix):
+        acc_g = Accumulator(gan, opt_g, micro_batch_size=3)
+    d_loss, g_loss = _gan_losses()
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        batch = (torch.randn(10, 4, generator=generator).double(),)
+        batch += (torch.randn(10, 3, generator=generator).double(),)
+        acc_d.step(batch, d_loss)
+        acc_g.step(batch, g_loss)
+        plain.zero_grad()
+        d_loss(plain, batch).backward()
+        plain_d.step()
+        plain.zero_grad()
+        g_loss(plain, batch).backward()
+        plain_g.step()
+        # Control: a loop that does not clear the discriminator's gradients before its step
+        # adds the generator's backward through it (and the earlier steps) into that step.
+        d_loss(leaky, batch).backward()
+        leaky_d.step()
+        leaky_g.zero_grad()
+        g_loss(leaky, batch).backward()
+        leaky_g.step()
+    for got, want in zip(gan.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    pairs = zip(leaky.parameters(), plain.parameters(), strict=True)
+    assert max(float((a - b).detach().abs().max()) for a, b in pairs) > 1e-4
+
+    # Interleaved streaming windows over the whole module: refused, naming the per-part fix.
+    with pytest.warns(UserWarning, match=part_fix):
+        stream_d = Accumulator(gan, opt_d, accumulation_steps=2)
+    with pytest.warns(UserWarning, match=part_fix):
+        stream_g = Accumulator(gan, opt_g, accumulation_steps=2)
+    gan.discriminator.requires_grad_(False)
+    stream_g.micro_step(batch, g_loss)  # the generator's window is open
+    gan.discriminator.requires_grad_(True)
+    stream_d.micro_step(batch, d_loss)  # its window sets the generator's gradients aside
+    with pytest.raises(RuntimeError, match=r"own part as the model") as raised:
+        stream_g.micro_step(batch, g_loss)
+    assert "gan.generator" in str(raised.value)
+    stream_d.flush("drop")
+
+
 def test_a_scheduler_of_another_optimizer_is_refused_naming_the_fix() -> None:
     """A scheduler built on an earlier optimizer (a notebook cell run again) would step nothing."""
     model = _mlp()

@@ -58,12 +58,16 @@ def _data(items: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(x).pow(2).sum()
+    return model(x).pow(2).mean()  # a row mean: a plain `.sum()` is read as one and warns
+
+
+def _summed(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).sum()  # for hand-written loops that divide by the batch themselves
 
 
 def _loss_fn(model: nn.Module, x: torch.Tensor) -> LossSum:
-    """`_loss` as a loss_fn: a sum over the rows, with their count (a plain sum warns)."""
-    return LossSum(_loss(model, x), len(x))
+    """`_summed` as a loss_fn: a sum over the rows, with their count (a plain sum warns)."""
+    return LossSum(_summed(model, x), len(x))
 
 
 def _run_window(model, x, micro: int, control: BatchNormControl | None, end: bool = True):
@@ -333,20 +337,20 @@ def test_frozen_keeps_running_stats_bitwise_and_is_exact():
     for chunk in x.split(4):
         with control.micro_context():
             modes.append(frozen[1].training)
-            (_loss(frozen, chunk) / len(x)).backward()
+            (_summed(frozen, chunk) / len(x)).backward()
     control.end_window()
     assert modes == [False] * 3
     assert frozen[1].training
     assert frozen.training
     assert all(torch.equal(a, b) for a, b in zip(_stats(frozen), before, strict=True))
     reference[1].eval()  # the full batch with eval-mode BatchNorm
-    (_loss(reference, x) / len(x)).backward()
+    (_summed(reference, x) / len(x)).backward()
     for p, q in zip(frozen.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
     # Negative control: train-mode micro-batches do not give the train-mode full-batch gradient.
     for chunk in x.split(4):
-        (_loss(plain, chunk) / len(x)).backward()
-    (_loss(plain_reference, x) / len(x)).backward()
+        (_summed(plain, chunk) / len(x)).backward()
+    (_summed(plain_reference, x) / len(x)).backward()
     gap = (plain[0].weight.grad - plain_reference[0].weight.grad).abs().max()
     assert gap > 1e-2 * plain_reference[0].weight.grad.abs().max()
 
@@ -958,3 +962,67 @@ def test_pooled_under_torch_compile_traces_its_hooks_and_equals_eager() -> None:
         assert torch.equal(compiled_state[key], value), key
     # The statistics were pooled, not left to the BatchNorm: one update per window.
     assert int(compiled_state["bn.num_batches_tracked"]) == 2
+
+
+class _Distiller(nn.Module):
+    """A student and its frozen teacher (with BatchNorm) in one module, as KD code holds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+        self.student = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        self.teacher.requires_grad_(False)
+        with torch.no_grad():
+            self.teacher[1].running_mean.uniform_(-1, 1)
+            self.teacher[1].running_var.uniform_(0.5, 2)
+
+
+def _distill(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    with torch.no_grad():
+        target = model.teacher(x)
+    student = model.student(x)
+    soft = nn.functional.kl_div(
+        nn.functional.log_softmax(student / 2, -1),
+        nn.functional.log_softmax(target / 2, -1),
+        reduction="batchmean",
+        log_target=True,
+    )
+    return 4 * soft + nn.functional.cross_entropy(student, y)
+
+
+def _distilled(model: nn.Module, batch, micro: int | None) -> dict[str, torch.Tensor]:
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.student.parameters(), lr=0.1, momentum=0.9)
+    if micro is not None:
+        Accumulator(model, optimizer, micro_batch_size=micro).step(batch, _distill)
+    else:
+        _distill(model, batch).backward()
+        optimizer.step()
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def test_a_frozen_teachers_batchnorm_left_in_train_mode_is_named_with_eval_as_the_fix():
+    """model.train() puts a frozen teacher's BatchNorm in train mode: the warning named only
+    the student-wide fixes (batchnorm='frozen', GroupNorm); it now names the teacher's layer and
+    eval mode, which makes the distillation step the full-batch one."""
+    torch.manual_seed(0)
+    model = _Distiller().double().train()
+    batch = (torch.randn(12, 4, dtype=torch.float64), torch.randint(0, 3, (12,)))
+    with pytest.warns(BatchNormAccumulationWarning, match=r"Of these, teacher\.1 train no param"):
+        in_train = _distilled(model, batch, micro=5)
+    model.teacher.eval()  # the fix the warning names
+    reference = _distilled(model, batch, micro=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed = _distilled(model, batch, micro=5)
+    assert all(torch.allclose(fixed[k], reference[k], rtol=1e-10, atol=1e-12) for k in reference)
+    # Control: left in train mode, the teacher's targets come from micro-batch statistics.
+    gaps = [float((in_train[k] - reference[k]).abs().max()) for k in reference]
+    assert max(gaps) > 1e-3
+    # A trainable BatchNorm (the student's own) is not called a teacher's.
+    student = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).double()
+    acc = Accumulator(student, torch.optim.SGD(student.parameters(), lr=0.1), micro_batch_size=5)
+    with pytest.warns(BatchNormAccumulationWarning) as caught:
+        acc.step(batch, lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
+    assert "Of these" not in str(caught[0].message)

@@ -433,3 +433,98 @@ def test_a_sum_of_a_few_heads_means_is_no_per_row_sum_and_does_not_warn() -> Non
     (1.5 * _mean(reference, (x, y))).backward()
     torch.optim.SGD(reference.parameters(), lr=0.5).step()
     assert _gap(model, reference) < 1e-10
+
+
+_TEACHER = nn.Linear(5, 3).double().requires_grad_(False)
+_T = 2.0  # distillation temperature
+
+
+def _soft_targets(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        return nn.functional.softmax(_TEACHER(batch[0]) / _T, -1)
+
+
+def _kd(reduction: str):
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        student = nn.functional.log_softmax(model(batch[0]) / _T, -1)
+        kl = nn.functional.kl_div(student, _soft_targets(batch), reduction=reduction)
+        return kl * _T * _T  # Hinton's T^2
+
+    return loss
+
+
+def _half_ce_sum(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return 0.5 * _summed(model, batch)  # a loss weight on a reduction='sum' criterion
+
+
+def _ce_sum_over_rows(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return _summed(model, batch) * (1 / len(batch[1]))  # the row mean, written as a product
+
+
+def _plain_full_batch(loss_fn) -> nn.Module:
+    """The plain loop on the whole window: whatever `loss_fn` returns is the objective."""
+    model = _model()
+    x, y = (torch.cat(parts) for parts in zip(*_loader(), strict=True))
+    loss_fn(model, (x, y)).backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    return model
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "warns"),
+    [
+        (_kd("sum"), True),
+        (_half_ce_sum, True),
+        (_kd("batchmean"), False),
+        (_ce_sum_over_rows, False),
+    ],
+    ids=["kd-sum-times-T2", "weighted-ce-sum", "kd-batchmean-times-T2", "ce-sum-times-1/rows"],
+)
+def test_a_sum_seen_through_constant_factors_warns_and_a_row_mean_does_not(loss_fn, warns) -> None:
+    """A distillation's `kl_div(reduction='sum') * T * T` (a whole `.sum()` inside) and a
+    weighted `0.5 * ce_sum` returned plainly were silently another step: the check read only
+    the last node, a multiplication. They warn now; the row means (`batchmean`, a sum times
+    `1 / rows`) do not and equal the plain full-batch step."""
+    model, caught = _streamed(loss_fn)
+    if warns:
+        assert len(caught) == 1
+        assert re.search(r"\.sum\(\).*5 rows", str(caught[0].message))
+        # Control: read as row means, the sums are another step than the plain loop's.
+        assert _gap(model, _plain_full_batch(loss_fn)) > 1e-3
+    else:
+        assert not caught
+        assert _gap(model, _plain_full_batch(loss_fn)) < 1e-10
+
+
+def test_a_sum_over_outputs_of_means_over_rows_does_not_warn_when_outputs_equal_rows() -> None:
+    """`.mean(0).sum()`: 5 outputs' means over the rows, summed, is a row mean (exact, plain),
+    although its summed tensor has 5 entries like the 5-row micro-batches; summing the rows'
+    own means, `.mean(1).sum()`, is a sum over rows and warns (control: far from the step)."""
+    generator = torch.Generator().manual_seed(2)
+    x, y = (torch.randn(15, 5, generator=generator, dtype=torch.float64) for _ in "xy")
+
+    def run(loss_fn, micro: int | None) -> tuple[nn.Module, list[warnings.WarningMessage]]:
+        torch.manual_seed(0)
+        model = nn.Linear(5, 5).double()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if micro:
+                Accumulator(model, optimizer, micro_batch_size=micro).step((x, y), loss_fn)
+            else:
+                loss_fn(model, (x, y)).backward()
+                optimizer.step()
+        return model, [w for w in caught if issubclass(w.category, CopiedLoopWarning)]
+
+    def per_output(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return (m(b[0]) - b[1]).pow(2).mean(0).sum()
+
+    def per_row(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return (m(b[0]) - b[1]).pow(2).mean(1).sum()
+
+    model, caught = run(per_output, 5)
+    assert not caught
+    assert _gap(model, run(per_output, None)[0]) < 1e-10
+    model, caught = run(per_row, 5)
+    assert len(caught) == 1
+    assert _gap(model, run(per_row, None)[0]) > 1e-3

@@ -332,6 +332,28 @@ def test_a_sparse_gradient_at_the_boundary_is_refused_and_the_window_is_never_st
     assert acc.step(ids, dense).stepped  # not stuck
 
 
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_a_loss_whose_graph_reaches_no_parameter_is_refused_and_changes_nothing(drive: str) -> None:
+    """`torch.tensor(loss.item(), requires_grad=True)` (the usual answer to "does not require
+    grad") has a graph of its own but none to the weights: the window stepped on no gradient at
+    all (the scheduler moved, nothing trained). Refused at the boundary, naming the rebuilt
+    loss; nothing changed, and the next window is the full-batch step."""
+    model, optimizer, scheduler, acc = _setup(accumulation_steps=2)
+    _warm_up(acc)
+    before = _everything(model, optimizer, scheduler)
+
+    def rebuilt(m: nn.Module, b: Any) -> torch.Tensor:
+        return torch.tensor(mse_loss(m, b).item(), requires_grad=True, dtype=torch.float64)
+
+    batch = _batch()
+    if drive == "micro_step":
+        assert not acc.micro_step(batch, rebuilt).stepped  # the window's first micro-batch
+    with pytest.raises(ValueError, match=r"no parameter the optimizer holds received a gradient"):
+        _drive(acc, drive, batch, rebuilt) if drive == "step" else acc.micro_step(batch, rebuilt)
+    assert_bitwise(_everything(model, optimizer, scheduler), before)
+    _assert_still_exact(model, optimizer, scheduler, acc)  # control: the loss with its graph
+
+
 def _forward(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
@@ -733,7 +755,9 @@ def test_an_optimizer_stepped_in_the_backward_is_refused_changing_nothing(
     if stepping == "per-parameter optimizers":  # negative control: unrefused, a step per micro
         monkeypatch.setattr(gradaccum._engine, "steps_refused", lambda window: nullcontext())
         hooks = [p.register_post_accumulate_grad_hook(in_backward) for p in model.parameters()]
-        _drive(acc, drive, _batch(3))
+        # The hooks cleared every gradient: the boundary finds none (too late: they stepped).
+        with pytest.raises(ValueError, match="no parameter the optimizer holds received"):
+            _drive(acc, drive, _batch(3))
         reference_step(twin[0], twin[1], _batch(3), mse_loss, scheduler=twin[2])
         gap = max(
             float((p - q).detach().abs().max())
@@ -863,6 +887,62 @@ def test_a_graph_shared_by_every_micro_batch_is_refused_with_the_fix(drive: str)
     assert_bitwise(_everything(model, optimizer, scheduler), before)
     # Negative control: computed inside loss_fn, the same objective accumulates exactly.
     _assert_still_exact(model, optimizer, scheduler, acc)
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step", "accumulate_grad"])
+def test_a_gradient_penalty_freeing_its_graph_is_told_create_graph(drive: str) -> None:
+    """A gradient-norm penalty taken with torch.autograd.grad without create_graph frees the
+    loss's graph inside loss_fn: the first backward fails, and the note said the opposite of
+    the fix ("a graph computed outside loss_fn ... Not retain_graph=True"). It names
+    create_graph=True now; so written, the penalty steps as the plain full-batch loop does."""
+    model, optimizer, scheduler, acc = _setup(accumulation_steps=4)
+    _warm_up(acc)
+    before = _everything(model, optimizer, scheduler)
+
+    def penalized(create_graph: bool) -> Callable[[nn.Module, Any], torch.Tensor]:
+        def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+            loss = mse_loss(m, batch)
+            params = list(m.parameters())
+            grads = torch.autograd.grad(loss, params, create_graph=create_graph, retain_graph=True)
+            return loss + 0.1 * sum(g.pow(2).sum() for g in grads)  # type: ignore[return-value]
+
+        return loss_fn
+
+    def freeing(m: nn.Module, batch: Any) -> torch.Tensor:
+        loss = mse_loss(m, batch)
+        grads = torch.autograd.grad(loss, list(m.parameters()))  # frees the graph
+        return loss + 0.1 * sum(g.pow(2).sum() for g in grads)  # type: ignore[return-value]
+
+    def run() -> None:
+        if drive == "accumulate_grad":
+            gradaccum.accumulate_grad(model, _batch(), freeing, 3)
+        else:
+            _drive(acc, drive, _batch(), freeing)
+
+    with pytest.raises(RuntimeError, match="graph a second time") as raised:
+        run()
+    notes = " ".join(getattr(raised.value, "__notes__", []))
+    assert "create_graph=True" in notes
+    assert "Not retain_graph=True" not in notes
+    assert_bitwise(_everything(model, optimizer, scheduler), before)
+
+    # With create_graph=True, one micro-batch of all the items (the penalty is on the batch's
+    # gradient, not a sum over items) is the plain full-batch step.
+    def stepped(loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> nn.Module:
+        m, o, sch = copy.deepcopy((model, optimizer, scheduler))
+        Accumulator(m, o, scheduler=sch, micro_batch_size=11).step(_batch(), loss_fn)
+        return m
+
+    twin, twin_optimizer, twin_scheduler = copy.deepcopy((model, optimizer, scheduler))
+    twin_optimizer.zero_grad()
+    penalized(True)(twin, _batch()).backward()
+    twin_optimizer.step()
+    twin_scheduler.step()
+    for got, want in zip(stepped(penalized(True)).parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+    # Control: retain_graph=True alone runs, but the penalty's gradient is lost.
+    pairs = zip(stepped(penalized(False)).parameters(), twin.parameters(), strict=True)
+    assert max(float((a - b).detach().abs().max()) for a, b in pairs) > 1e-6
 
 
 @pytest.mark.parametrize("drive", ["step", "micro_step"])

@@ -5,7 +5,8 @@ temperature), CTC summed over target tokens, a packed GRU, attention with a key 
 early exit, `torch.func.functional_call` and a dict output: two SGD (momentum) steps of
 `Accumulator.step` in float64 equal two plain full-batch steps within 1e-10 (docs/losses.md,
 "Models that are not a plain classifier"). The negative control weights the token-level loss
-per micro-batch, as the copied loops do.
+per micro-batch, as the copied loops do. In-batch negatives (InfoNCE, CLIP, a batch-hard triplet)
+step exactly with gradient caching; their control is the loss on each micro-batch alone.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch.nn import functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from gradaccum import Accumulator, LossSum
-from gradaccum.loss import TokenMeanWarning
+from gradaccum.loss import Term, TokenMeanWarning
 from tests.reference import param_tensors, relative_gap
 
 _B = 11
@@ -254,3 +255,126 @@ def test_a_gan_with_gradient_penalty_and_two_accumulators_equals_the_plain_loop(
         acc_gen.step(batch, gen_loss(critic_b))
     assert relative_gap(param_tensors(critic_b), param_tensors(critic_a)) < 1e-10
     assert relative_gap(param_tensors(gen_b), param_tensors(gen_a)) < 1e-10
+
+
+# In-batch negatives with gradient caching (docs/losses.md, "In-batch negatives"): pass 1 embeds
+# the whole batch without a graph and takes the loss's gradient per embedding; each micro-batch
+# then backpropagates its embeddings' dot product with their cached gradient, a sum over items.
+# Each loss takes the embeddings of every view and the items' labels.
+
+
+def _info_nce(embeddings: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    left, right = (F.normalize(e, dim=1) for e in embeddings)
+    return F.cross_entropy(left @ right.T / 0.1, torch.arange(len(left)))
+
+
+def _clip(embeddings: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    return (_info_nce(embeddings, labels) + _info_nce(embeddings[::-1], labels)) / 2
+
+
+def _batch_hard_triplet(embeddings: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    distance = torch.cdist(embeddings[0], embeddings[0])
+    same = labels[:, None] == labels[None]
+    hardest_positive = (distance * same).amax(1)
+    hardest_negative = (distance + 1e3 * same).amin(1)
+    return F.relu(hardest_positive - hardest_negative + 0.5).mean()
+
+
+_IN_BATCH = {"info_nce": (_info_nce, 2), "clip": (_clip, 2), "triplet": (_batch_hard_triplet, 1)}
+
+
+def _cached_gradients(model: nn.Module, batch: dict[str, Any], loss_of: Any) -> dict[str, Any]:
+    """Pass 1, once per batch: the batch for `acc.step`, with each embedding's gradient."""
+    views = [batch[f"x{i}"] for i in range(len(batch) - 1)]
+    with torch.no_grad():
+        embeddings = [model(view).requires_grad_() for view in views]
+    loss = loss_of(embeddings, batch["labels"])
+    grads = torch.autograd.grad(loss, embeddings)
+    share = torch.full((len(views[0]),), loss.item() / len(views[0]), dtype=torch.float64)
+    return batch | {f"grad{i}": grad for i, grad in enumerate(grads)} | {"share": share}
+
+
+def _cached_loss(model: nn.Module, micro_batch: dict[str, Any]) -> LossSum:
+    """Pass 2, per micro-batch: the gradient is the full batch's; the value its loss's share."""
+    views = sum(1 for key in micro_batch if key.startswith("grad"))
+    dot = sum((model(micro_batch[f"x{i}"]) * micro_batch[f"grad{i}"]).sum() for i in range(views))
+    assert isinstance(dot, torch.Tensor)
+    return LossSum.terms(loss=Term(dot - dot.detach() + micro_batch["share"].sum(), denominator=1))
+
+
+def _sgd_steps(
+    model: nn.Module, batch: dict[str, Any], step: Callable[..., Any], micro: int | None
+) -> nn.Module:
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    acc = (
+        Accumulator(model, optimizer, micro_batch_size=micro, max_grad_norm=0.5) if micro else None
+    )
+    for _ in range(2):
+        if acc is not None:
+            step(acc, model)
+            continue
+        optimizer.zero_grad()
+        step(None, model).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+    return model
+
+
+@pytest.mark.parametrize("micro", [1, 4])
+@pytest.mark.parametrize("name", sorted(_IN_BATCH))
+def test_in_batch_negatives_with_cached_gradients_equal_the_full_batch_steps(
+    name: str, micro: int
+) -> None:
+    loss_of, views = _IN_BATCH[name]
+    torch.manual_seed(0)
+    model = _encoder().double()
+    batch = {f"x{i}": _randn(_B, 4) for i in range(views)} | {"labels": _ints(3, _B)}
+
+    def plain(m: nn.Module, b: dict[str, Any]) -> torch.Tensor:
+        return loss_of([m(b[f"x{i}"]) for i in range(views)], b["labels"])
+
+    losses: list[tuple[float, float]] = []
+
+    def cached(acc: Accumulator | None, m: nn.Module) -> Any:
+        if acc is None:
+            return plain(m, batch)
+        expected = plain(m, batch).item()
+        losses.append((acc.step(_cached_gradients(m, batch, loss_of), _cached_loss).loss, expected))
+        return None
+
+    full = _sgd_steps(model, batch, cached, None)
+    accumulated = _sgd_steps(model, batch, cached, micro)
+    assert relative_gap(param_tensors(accumulated), param_tensors(full)) < 1e-10
+    assert all(got == pytest.approx(want, rel=1e-12) for got, want in losses)  # result.loss
+
+    # Control: the loss on each micro-batch alone sees fewer negatives: another step.
+    naive = _sgd_steps(model, batch, lambda acc, m: acc.step(batch, plain), 4)
+    assert relative_gap(param_tensors(naive), param_tensors(full)) > 1e-3
+
+
+def test_the_gradient_caching_block_of_docs_losses_md_runs_and_is_exact() -> None:
+    """The block users copy (docs/losses.md, "In-batch negatives") is the tested recipe."""
+    import textwrap
+
+    from tests.test_docs_examples import python_block
+
+    torch.manual_seed(0)
+    model = _encoder().double()
+    batch = {"a": _randn(_B, 4), "b": _randn(_B, 4)}
+
+    def info_nce(za: torch.Tensor, zb: torch.Tensor) -> torch.Tensor:
+        return _info_nce([za, zb], torch.zeros(0))
+
+    full = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(full.parameters(), lr=0.1, momentum=0.9)
+    loss = info_nce(full(batch["a"]), full(batch["b"]))
+    loss.backward()
+    optimizer.step()
+    acc = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), micro_batch_size=4
+    )
+    scope = {"torch": torch, "info_nce": info_nce, "model": model, "batch": batch, "acc": acc}
+    exec(textwrap.dedent(python_block("losses.md", "def with_cached_gradients(")), scope)
+    assert scope["result"].loss == pytest.approx(loss.item(), rel=1e-12)
+    assert relative_gap(param_tensors(model), param_tensors(full)) < 1e-10

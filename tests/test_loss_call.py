@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from gradaccum import Accumulator, accumulate_grad, check_equivalence
+from tests.reference import param_tensors, relative_gap
 
 
 def _setup() -> tuple[nn.Module, torch.optim.Optimizer, tuple[torch.Tensor, torch.Tensor]]:
@@ -162,3 +163,79 @@ def test_a_model_a_criterion_or_a_name_as_loss_fn_is_refused_naming_the_wrapper(
     with pytest.raises(TypeError, match=expected):
         acc.step(batch, make_loss_fn(model))
     _assert_same(before, _state(model, optimizer))
+
+
+_NO_GRAD_BLOCKS = {
+    "no_grad": (torch.no_grad, r"inside torch\.no_grad\(\)"),
+    "inference_mode": (torch.inference_mode, r"inside torch\.inference_mode\(\)"),
+    "set_grad_enabled": (
+        functools.partial(torch.set_grad_enabled, False),
+        r"torch\.set_grad_enabled\(False\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("block", sorted(_NO_GRAD_BLOCKS))
+def test_a_step_called_with_gradients_disabled_is_refused_before_loss_fn_runs(block: str) -> None:
+    """acc.step()/micro_step() inside a validation loop's no_grad: refused naming the block,
+    before loss_fn runs (before: "the loss does not require grad", which points at loss_fn),
+    an open streaming window kept, so the window then ends as the full-batch step."""
+    disabled, where = _NO_GRAD_BLOCKS[block]
+    calls: list[int] = []
+
+    def counted(model: nn.Module, batch: Any) -> torch.Tensor:
+        calls.append(len(batch[0]))
+        return _loss(model, batch)
+
+    model, optimizer, batch = _setup()
+    reference = copy.deepcopy((model, optimizer))
+    stepper = Accumulator(model, optimizer, micro_batch_size=4)
+    streamer = Accumulator(model, optimizer, accumulation_steps=2)
+    auto = Accumulator(model, optimizer, micro_batch_size="auto", memory_budget="64MiB")
+    streamer.micro_step((batch[0][:8], batch[1][:8]), counted)
+    before = _state(model, optimizer)
+    attempts = [
+        lambda: stepper.step(batch, counted),
+        lambda: stepper.step(batch, counted, max_tokens=8),
+        lambda: streamer.micro_step((batch[0][8:], batch[1][8:]), counted),
+        lambda: auto.step(batch, counted),
+        lambda: accumulate_grad(model, batch, counted, 4),
+    ]
+    if block == "inference_mode":  # check_equivalence enables grad itself, which lifts the rest
+        attempts.append(lambda: check_equivalence(model, batch, counted, 4))
+    for call in attempts:
+        with disabled(), pytest.raises(ValueError, match=where) as raised:
+            call()
+        assert "Call it outside that block" in str(raised.value)
+    assert calls == [8]  # the streamed window's first micro-batch only: no loss_fn ran since
+    _assert_same(before, _state(model, optimizer))
+    assert streamer.micro_step((batch[0][8:], batch[1][8:]), counted).stepped
+    ref_model, ref_optimizer = reference
+    ref_optimizer.zero_grad()
+    _loss(ref_model, batch).backward()
+    ref_optimizer.step()
+    assert relative_gap(param_tensors(model), param_tensors(ref_model)) < 1e-10
+
+    # Control: the window's second half alone is another step, so the comparison can fail.
+    alone_model, alone_optimizer = copy.deepcopy(reference)
+    alone_optimizer.zero_grad()
+    _loss(alone_model, (batch[0][8:], batch[1][8:])).backward()
+    alone_optimizer.step()
+    assert relative_gap(param_tensors(alone_model), param_tensors(ref_model)) > 1e-3
+
+
+def test_enable_grad_does_not_lift_inference_mode_and_runs_a_step_under_no_grad() -> None:
+    model, optimizer, batch = _setup()
+    reference = copy.deepcopy((model, optimizer))
+    acc = Accumulator(model, optimizer, micro_batch_size=4)
+    before = _state(model, optimizer)
+    lifted = pytest.raises(ValueError, match=r"inference_mode\(False\)")
+    with torch.inference_mode(), torch.enable_grad(), lifted:  # grad mode on, yet no graph
+        acc.step(batch, _loss)
+    _assert_same(before, _state(model, optimizer))
+    with torch.no_grad(), torch.enable_grad():
+        assert acc.step(batch, _loss).stepped
+    ref_model, ref_optimizer = reference
+    _loss(ref_model, batch).backward()
+    ref_optimizer.step()
+    assert relative_gap(param_tensors(model), param_tensors(ref_model)) < 1e-10

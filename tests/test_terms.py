@@ -602,3 +602,62 @@ def test_moe_load_balancing_loss_is_exact_with_the_batchs_dispatch_fractions() -
         ]
         assert (max(gaps) < 1e-10) is within, gaps
     assert relative_gap(param_tensors(fixed), param_tensors(full)) < 1e-10
+
+
+def _critic_batch() -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(3)
+    real, fake = (torch.randn(11, 3, generator=generator, dtype=torch.float64) for _ in "rf")
+    mix = torch.rand(11, 1, generator=generator, dtype=torch.float64)
+    penalized = torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1, 0, 1], dtype=torch.bool)
+    return real, fake, mix, penalized
+
+
+def _gradient_penalty(critic: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """WGAN-GP's penalty per item, on the items `penalized` marks (0 to 3 per micro-batch)."""
+    real, fake, mix, penalized = batch
+    between = (mix * real + (1 - mix) * fake).requires_grad_(True)
+    (slope,) = torch.autograd.grad(critic(between).sum(), between, create_graph=True)
+    return ((slope.norm(dim=1) - 1) ** 2 * penalized).sum(), penalized.sum()
+
+
+def _critic_terms(critic: nn.Module, batch: Any) -> Any:
+    real, fake = batch[0], batch[1]
+    penalty, penalized = _gradient_penalty(critic, batch)
+    wasserstein = (critic(fake) - critic(real)).sum()
+    return LossSum.terms(w=(wasserstein, len(real)), gp=Term(penalty, count=penalized, weight=10))
+
+
+def test_a_gradient_penalty_term_with_its_own_count_equals_the_full_batch_step() -> None:
+    """A penalty through torch.autograd.grad(create_graph=True) as a term counted on its own
+    items: the ledger's extra pass (the window learns the penalty's count last) runs through the
+    double-backward graph; with clipping, two Adam steps equal the full-batch ones."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    batch = _critic_batch()
+
+    def run(loss_fn: Any, micro: int | None) -> dict[str, torch.Tensor]:
+        model = copy.deepcopy(critic)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.5, 0.9))
+        acc = Accumulator(model, optimizer, micro_batch_size=micro or 1, max_grad_norm=1.0)
+        for _ in range(2):
+            if micro is not None:
+                acc.step(batch, loss_fn)
+                continue
+            optimizer.zero_grad()
+            penalty, penalized = _gradient_penalty(model, batch)
+            wasserstein = (model(batch[1]) - model(batch[0])).mean()
+            (wasserstein + 10 * penalty / penalized).backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        return param_tensors(model)
+
+    full = run(None, None)
+    for micro in (1, 4):
+        assert relative_gap(run(_critic_terms, micro), full) < 1e-10
+
+    # Control: the penalty divided by all items (one LossSum) is another objective.
+    def one_count(critic: nn.Module, b: Any) -> LossSum:
+        penalty, _ = _gradient_penalty(critic, b)
+        return LossSum((critic(b[1]) - critic(b[0])).sum() + 10 * penalty, len(b[0]))
+
+    assert relative_gap(run(one_count, 4), full) > 1e-3

@@ -145,6 +145,8 @@ def reduced_gradients(
             "a parameter received a sparse gradient; gradaccum accumulates dense gradients "
             "only. Use nn.Embedding(..., sparse=False). The window was discarded."
         )
+    if not held and sync.world == 1 and window.params[: window.held]:  # one process: no rank waits
+        raise ValueError(_NO_GRADIENT.format(items=window.count))
     if unsharded:  # the optimizer's parameters FSDP2 does not reduce: averaged as it averages
         held += sync.average_unsharded(unsharded, runtime.zeros_for)
     if reduce and sync.world > 1:
@@ -153,6 +155,16 @@ def reduced_gradients(
             torch._foreach_mul_(held, mine / agreement.denominator)
         sync.reduce(held)
     return held
+
+
+_NO_GRADIENT = (
+    "the window counted {items} items but no parameter the optimizer holds received a "
+    "gradient: the loss's graph does not reach them, so the step would train nothing. A loss "
+    "rebuilt from a number (torch.tensor(loss.item(), requires_grad=True)) or from a detached "
+    "output made to require grad again has no path to the weights: return the loss computed "
+    "from the model's output, with its graph (or build the optimizer from the parameters the "
+    "loss uses). The window was discarded."
+)
 
 
 def held_gradients(window: Window, runtime: PrecisionRuntime) -> list[torch.Tensor]:

@@ -121,7 +121,11 @@ def check_optimizer(optimizer: object, model: torch.nn.Module) -> None:
                 "group of the optimizer: the Accumulator computes their gradients and clears "
                 "them after every step, so nothing trains them (a second optimizer stepped after "
                 "acc.step() would see no gradient). Add them to the optimizer (README, 'Two "
-                "optimizers on one model'), or freeze them with requires_grad_(False)."
+                "optimizers on one model'), or freeze them with requires_grad_(False). If "
+                "another Accumulator steps them (a GAN's generator and discriminator in one "
+                "module), give each Accumulator its own part as the model, "
+                "Accumulator(gan.discriminator, d_optimizer): over the whole module, each "
+                "window clears the other's gradients."
             )
         )
     if isinstance(optimizer, torch.optim.SparseAdam):

@@ -115,13 +115,21 @@ def division_problem(result: object, micro_batches: int, items: int = 0) -> str 
 
 
 def sum_problem(result: object, items: int) -> str | None:
-    """What is wrong if `result` is a plain scalar of a torch loss with reduction='sum'.
+    """What is wrong if `result` is a plain scalar summed over its rows.
 
-    Also a `.sum()` over a value per row (`F.cross_entropy(..., reduction='none').sum()`, the
-    per-sample weights' `(w * losses).sum()`). Over `items` > 1 rows only: one row's sum is
-    that row's loss, a mean over one row.
+    A torch loss with reduction='sum', or a whole `.sum()` of a tensor with one row per item
+    (`kl_div(reduction='sum')` is one), seen through constant factors: a distillation's `T * T`,
+    a loss weight. Also a `.sum()` over a value per row however laid out (per-token losses
+    flattened, the per-sample weights' `(w * losses).sum()`). Over `items` > 1 rows only: one
+    row's sum is that row's loss, a mean over one row; a factor of `1 / items` makes it the row
+    mean gradaccum reads.
     """
-    node = result.grad_fn if isinstance(result, torch.Tensor) else None
+    node: object = result.grad_fn if isinstance(result, torch.Tensor) else None
+    for _ in range(4):  # `loss * T * T * weight`: a few constant factors at most
+        factor = _constant_factor(node)
+        if factor is None or abs(factor[0] * items - 1) < 1e-9:
+            break
+        node = factor[1]
     return _sum_message(node, items) or _per_row_sum_message(node, items)
 
 
@@ -131,6 +139,12 @@ def _per_row_sum_message(node: object, items: int) -> str | None:
     summed = summed_values(node)
     if summed < items or summed % items:  # not a value per row: a sum of a few heads' losses
         return None
+    if _reduced_rows(node.next_functions[0][0]):  # type: ignore[attr-defined]
+        return None  # means over the rows, summed: outputs that happen to number the rows
+    return _per_row_sum_text(items)
+
+
+def _per_row_sum_text(items: int) -> str:
     return (
         f"loss_fn returned a plain scalar that is a .sum() over the micro-batch's {items} rows "
         "(SumBackward0, e.g. of reduction='none' losses); a plain scalar is read as a MEAN "
@@ -140,11 +154,53 @@ def _per_row_sum_message(node: object, items: int) -> str | None:
     )
 
 
-def _sum_message(node: object, items: int) -> str | None:
-    if items < 2 or getattr(node, "_saved_reduction", None) != _SUM:
+def _constant_factor(node: object) -> tuple[float, object] | None:
+    """`(c, inner)` if `node` multiplies `inner` by a number `c` on the CPU (no device read)."""
+    if type(node).__name__ != "MulBackward0":
         return None
+    (first, _), (second, _) = node.next_functions  # type: ignore[attr-defined]
+    if (first is None) == (second is None):  # two graphs, or two constants
+        return None
+    constant = getattr(node, "_saved_self" if first is None else "_saved_other", None)
+    if not isinstance(constant, torch.Tensor) or constant.dim() or constant.device.type != "cpu":
+        return None
+    return float(constant), second if first is None else first
+
+
+def _summed_rows(node: object, items: int) -> bool:
+    """Whether `node` is a torch loss with reduction='sum' or a `.sum()` over `items` rows."""
+    if getattr(node, "_saved_reduction", None) == _SUM:
+        return True
+    sizes: tuple[int, ...] = getattr(node, "_saved_self_sym_sizes", ())  # SumBackward0: all
+    if type(node).__name__ != "SumBackward0" or sizes[:1] != (items,):
+        return False
+    return not _reduced_rows(node.next_functions[0][0])  # type: ignore[attr-defined]
+
+
+def _reduced_rows(node: object) -> bool:
+    """Whether `node` reduced its input's first dimension (`.mean(0)`, `.amax(0)`).
+
+    The rows are then gone, so a leading dimension equal to the micro-batch's rows is a
+    coincidence (8 outputs' means over 8 rows).
+    """
+    dims = getattr(node, "_saved_dim", None)
+    if dims is None:
+        return False
+    saved = getattr(node, "_saved_self", None)
+    sizes = getattr(node, "_saved_self_sym_sizes", None) or getattr(saved, "shape", ())
+    if not sizes:
+        return True  # unknown: do not warn
+    dims = (dims,) if isinstance(dims, int) else dims
+    return any((d - 2**64 if d >= 2**63 else d) % len(sizes) == 0 for d in dims)
+
+
+def _sum_message(node: object, items: int) -> str | None:
+    if items < 2 or not _summed_rows(node, items):
+        return None
+    if type(node).__name__ == "SumBackward0":
+        return _per_row_sum_text(items)
     return (
-        f"loss_fn returned a plain scalar computed with reduction='sum' "
+        f"loss_fn returned a plain scalar computed with reduction='sum' or .sum() "
         f"({type(node).__name__}) over a micro-batch of {items} rows; a plain scalar is read "
         f"as a MEAN over the rows and weighted by them, so the sum counts {items} times. "
         "Return gradaccum.LossSum(loss, count=number_of_items) (the items the sum covers), "
@@ -268,7 +324,8 @@ def gradients_changed_error(touched: int, named: list[str]) -> RuntimeError:
 
     A copied loop's `zero_grad()` is the usual cause; a backward outside this Accumulator is the
     other: a second Accumulator's micro-batch (a GAN's generator loss flowing through the
-    discriminator, whose window is open) adds into the window's sums. Both are named.
+    discriminator, whose window is open) adds into the window's sums; a second Accumulator over
+    the whole module clears them with its windows. All are named.
     """
     return RuntimeError(
         f"the gradients of {touched} parameters ({', '.join(named)}, ...) changed between two "
@@ -278,6 +335,9 @@ def gradients_changed_error(touched: int, named: list[str]) -> RuntimeError:
         "clears gradients itself after each step. A backward of another Accumulator's "
         "micro_step() (a GAN's generator loss through the discriminator while the "
         "discriminator's window is open) is kept out by requires_grad_(False) on these "
-        "parameters around that call, or by running the two windows one after the other. The "
-        "window was discarded."
+        "parameters around that call, or by running the two windows one after the other. "
+        "Another Accumulator whose model holds these parameters outside its optimizer (both "
+        "built on a GAN's whole module) sets their gradients aside and clears them with each of "
+        "its windows: give each Accumulator its own part as the model, "
+        "Accumulator(gan.generator, g_optimizer). The window was discarded."
     )

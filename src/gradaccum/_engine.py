@@ -24,7 +24,7 @@ from gradaccum._commit import SchedulerSteps, refuse_steps_inside, steps_refused
 from gradaccum._commit_agreement import join_as_failed, step_on_every_rank
 from gradaccum._engine_state import component_states, restore_components
 from gradaccum._layout_watch import SequenceFirstCheck
-from gradaccum._loss_call import call_loss_fn
+from gradaccum._loss_call import call_loss_fn, refuse_grad_disabled
 from gradaccum._oom import after_step_guard
 from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
 from gradaccum._parameters import ModelParameters
@@ -61,14 +61,13 @@ class Engine:
     ) -> None:
         self.model, self.optimizer, self.normalize = model, optimizer, normalize
         self.runtime, self.sync, self.batchnorm = runtime, sync, batchnorm
-        self.batch_dim = batch_dim
-        self.window = Window(optimizer)
+        self.window, self.batch_dim = Window(optimizer), batch_dim
         refuse_steps_inside(optimizer, self.window)  # a user's optimizer.step() mid-window
         self._fsdp = isinstance(sync, FSDP2Sync)  # reduces on its last backward, settles else
         self._params = ModelParameters(model)  # read once: walking the modules costs a window
         self._names = self._params.names  # the same dict, refreshed in place after a resize
         self._agreement: WindowAgreement | None = None  # FSDP2 agrees before the last backward
-        # exchange started; the others sum next (Tokens); the last backward reduced (FSDP2)
+        # Exchange started; the others sum next (Tokens); the last backward reduced (FSDP2).
         self._exchanged = self._next_sum = self._reduced = False
         self._last_input: tuple[Any, LossFn] | None = None  # for FSDP2's zero-item settle
         self._token_mean, self._seeds = TokenMeanCheck(), Seeds()
@@ -94,6 +93,7 @@ class Engine:
         A rank without micro-batches slices FSDP2's zero-item ones from `template` (its batch).
         """
         count = len(micro_batches)
+        refuse_grad_disabled("step()", micro_batches=count)  # before anything runs or changes
         if isinstance(size, int):
             size = [min(size, window_items - i * size) for i in range(count)]
         sizes = list(size)
@@ -124,6 +124,7 @@ class Engine:
         self, micro_batch: Any, loss_fn: LossFn, *, last: bool, expect: Expectation
     ) -> bool:
         """One streamed micro-batch (`micro_step()`); True if last (`expect.until`: all ranks')."""
+        refuse_grad_disabled("micro_step()")  # before the open window is checked or touched
         # One rank: a micro-batch refused for its shape changes nothing, its open window included
         items = None if self.sync.world > 1 else batch_size(micro_batch, batch_dim=self.batch_dim)
         if self.window.is_open:
@@ -275,8 +276,7 @@ class Engine:
                 raise agreement.failure()
             agreed = True
             count, loss_sum = agreement.count, agreement.loss_sum
-            empty = count == 0  # the contract: a window counting nothing takes no step
-            if empty or not math.isfinite(loss_sum):
+            if (empty := count == 0) or not math.isfinite(loss_sum):  # counting 0: no step
                 return self._skip(agreement, None, finite=empty)
             self._settle()  # FSDP2: reduce-scatter what the last backward did not
             held = reduced_gradients(window, runtime, self.sync, agreement, reduce=not self._fsdp)

@@ -76,10 +76,13 @@ LOSS_CAUSES = [
     "InfoNCE, CLIP; triplet mining; batch statistics, such as an MoE load-balancing loss "
     "computed per forward; a penalty on the parameters' gradient over the batch; Dice, soft "
     "IoU, Lovasz or OHEM over the batch's pixels),",
-    "    -> no accumulation is exact there: the loss sees the micro-batch as its batch. Use the "
-    "largest micro_batch_size that fits, or gather the negatives over the window yourself "
-    "(docs/losses.md; a batch Dice or soft IoU, a ratio of window sums, has an exact two-pass "
-    "recipe there).",
+    "    -> given to loss_fn as it is, the loss sees the micro-batch as its batch. A loss of "
+    "per-item outputs (embeddings, logits) is exact with gradient caching: embed the whole batch "
+    "once under torch.no_grad(), take the loss's gradient per embedding with "
+    "torch.autograd.grad, put it in the batch, and let loss_fn return each micro-batch's "
+    "embeddings dotted with their cached gradient (docs/losses.md, 'In-batch negatives'; a "
+    "batch Dice or soft IoU, a ratio of window sums, has an exact two-pass recipe there); "
+    "otherwise use the largest micro_batch_size that fits.",
     "or it uses a statistic of the batch that needs no gradient (PPO's advantage "
     "normalization, a batch-mean baseline, MoE dispatch fractions),",
     "    -> exact: compute that statistic over the whole batch before splitting it and pass the "

@@ -26,7 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["call_loss_fn", "hints"]
+__all__ = [
+    "call_loss_fn",
+    "freed_graph_hint",
+    "grad_disabled_error",
+    "hints",
+    "refuse_grad_disabled",
+]
 
 _BATCH_NAMES = frozenset({"batch", "micro_batch", "microbatch", "mb", "inputs", "data", "x", "b"})
 _MODEL_NAMES = frozenset({"model", "net", "module", "network", "m"})
@@ -56,6 +62,71 @@ def call_loss_fn(loss_fn: Callable[..., Any], model: torch.nn.Module, micro_batc
             for note in _notes(micro_batch):
                 add_note(f"gradaccum: {note}")
         raise
+
+
+def grad_disabled_error(call: str) -> ValueError | None:
+    """The error for `call` made while gradients are disabled, or None if they are enabled.
+
+    A training step called inside a validation loop's `with torch.no_grad():`, or from a
+    function decorated `@torch.no_grad()`, would run every `loss_fn` without a graph, and the
+    loss's "does not require grad" would point at `loss_fn`, where nothing is wrong.
+    """
+    inference = torch.is_inference_mode_enabled()  # torch.enable_grad() does not lift it
+    if torch.is_grad_enabled() and not inference:
+        return None
+    where, lift = (
+        ("inside torch.inference_mode()", "with torch.inference_mode(False):")
+        if inference
+        else (
+            "inside torch.no_grad() or torch.set_grad_enabled(False)",
+            "with torch.enable_grad():",
+        )
+    )
+    return ValueError(
+        f"{call} was called with gradients disabled, {where}: loss_fn would build no graph and "
+        "there would be nothing to accumulate. Call it outside that block (a training step "
+        "inside a validation loop's `with torch.no_grad():`, or in a function decorated "
+        f"@torch.no_grad()), or under `{lift}`. No loss_fn ran; nothing changed."
+    )
+
+
+def refuse_grad_disabled(call: str, *, micro_batches: int = 1) -> None:
+    """Raise `grad_disabled_error(call)` if gradients are disabled and a micro-batch would run.
+
+    Checked before any `loss_fn` runs (two flag reads, no device work), so an open streaming
+    window is kept as it was.
+
+    Raises:
+        ValueError: Naming the block to leave; nothing has changed.
+    """
+    if micro_batches and (error := grad_disabled_error(call)) is not None:
+        raise error
+
+
+def freed_graph_hint(micro_batches: int) -> str:
+    """Why a micro-batch's backward found its graph freed, after `micro_batches` ran cleanly.
+
+    On a later micro-batch, a graph the micro-batches share (built once, outside `loss_fn`)
+    was freed by the first one's backward. On the first, nothing of gradaccum ran a backward
+    yet: `loss_fn` freed it itself, with a `torch.autograd.grad` (a gradient penalty) that kept
+    no graph.
+    """
+    if micro_batches == 0:
+        return (
+            "the window's first backward found the loss's graph already freed: a "
+            "torch.autograd.grad(...) inside loss_fn frees the graph it differentiates. For a "
+            "gradient penalty, pass create_graph=True (it keeps the graph, and the penalty's "
+            "own gradient flows through the gradient); for a value only needed as a number, "
+            "retain_graph=True. (A tensor whose graph a backward before the step consumed fails "
+            "here too: compute it inside loss_fn.)"
+        )
+    return (
+        "every micro-batch runs its own backward, so loss_fn must not use a tensor with a graph "
+        "computed outside it (once per batch, e.g. an encoder's output put in the batch, an "
+        "embedding table or a weight transform): compute it inside loss_fn; a recurrent state "
+        "carried from the previous micro-batch (truncated BPTT) is carried detached, "
+        "h.detach(). Not retain_graph=True."
+    )
 
 
 def hints(error: BaseException) -> str:

@@ -75,14 +75,26 @@ def warn_if_inexact(model: nn.Module, micro_items: int, window_items: int) -> bo
     # Batch statistics are used in train mode, and in eval mode too without running statistics.
     # An EMA copy the model holds (AveragedModel) is in train mode but never runs in a step.
     batch_stats = [
-        n
+        (n, m)
         for n, m in named_trained_modules(model)
         if isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)
     ]
-    names = [name or "<model>" for name in batch_stats]
+    names = [name or "<model>" for name, _ in batch_stats]
     if not names or micro_items >= window_items:
         return False
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    # A frozen teacher's or backbone's BatchNorm left in train mode by `model.train()`: it has
+    # weights, none trainable, so eval mode (exact) changes nothing the optimizer trains.
+    frozen = [
+        n or "<model>" for n, m in batch_stats if _all_frozen(m) and m.running_mean is not None
+    ]
+    teacher = (
+        f" Of these, {', '.join(frozen[:3])} train no parameter (a frozen teacher or backbone "
+        "left in train mode by model.train()): put them in eval mode after each model.train() "
+        "(teacher.eval()), where their running statistics make them exact."
+        if frozen
+        else ""
+    )
     warn_user(
         BatchNormAccumulationWarning(
             f"BatchNorm layers ({shown}) normalize micro-batches of {micro_items} items but the "
@@ -92,10 +104,16 @@ def warn_if_inexact(model: nn.Module, micro_items: int, window_items: int) -> bo
             "batchnorm='pooled' (running statistics from the whole window), batchnorm='frozen' "
             "(eval-mode BatchNorm, for fine-tuning), gradaccum.batchnorm.convert_to_groupnorm"
             "(model) (exact), gradaccum.batchnorm.recalibrate(model, loader, num_batches) after "
-            "training."
+            f"training.{teacher}"
         )
     )
     return True
+
+
+def _all_frozen(module: nn.Module) -> bool:
+    """Whether `module` has parameters and none of them requires grad."""
+    params = list(module.parameters(recurse=False))
+    return bool(params) and not any(p.requires_grad for p in params)
 
 
 def _check_freezable(modules: list[tuple[str, _BatchNorm]]) -> None:

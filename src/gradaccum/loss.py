@@ -249,6 +249,11 @@ def _loss_inside(result: object) -> str:
             "over its micro-batch's images, boxes or anchors: docs/vision.md), or their sums "
             "as gradaccum.LossSum(total_sum, count) / LossSum.terms(...)"
         )
+    elif isinstance(result, numbers.Number) or getattr(result, "ndim", None) == 0:  # numpy too
+        return (
+            ": a Python or numpy number has no graph; return the loss tensor itself, not "
+            "loss.item(), float(loss) or loss.detach().numpy()"
+        )
     else:
         return ""
     return (

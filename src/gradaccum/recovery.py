@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 import torch
 
 from gradaccum import _compat
+from gradaccum._loss_call import refuse_grad_disabled
 from gradaccum._oom import (
     MemoryBudgetError,
     is_out_of_memory,
@@ -140,6 +141,7 @@ class AutoSizer:
         A plan capped by its batch (every item fitted) is made again on a larger batch, so a
         small first batch does not cap the size for good; an out-of-memory shrink ends this.
         """
+        refuse_grad_disabled("step()")  # before the planner runs loss_fn
         replan = self.size is None
         if self.capped and not self.out_of_memory_events:
             assert self.planned is not None

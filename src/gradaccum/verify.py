@@ -38,7 +38,7 @@ from gradaccum._check_copies import (
 )
 from gradaccum._check_precision import PrecisionProbe, tolerance
 from gradaccum._fixes import LOSS_CAUSES, fix_for
-from gradaccum._loss_call import call_loss_fn
+from gradaccum._loss_call import call_loss_fn, refuse_grad_disabled
 from gradaccum._non_additive import (
     NonAdditiveModule,
     changed_by_hooks,
@@ -249,6 +249,7 @@ def check_equivalence(
     known = {m.name for m in find_non_additive(model)}
 
     with torch.enable_grad():
+        refuse_grad_disabled("check_equivalence()")  # inference mode, which enable_grad keeps
         with torch.random.fork_rng(devices=devices), host_rng_forked(), precision:
             generators = held_generators(full_model)  # its own, next to the global ones
             rng = rng_snapshot(devices, generators)

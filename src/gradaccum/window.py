@@ -33,7 +33,7 @@ from gradaccum._dtensor import like_param
 from gradaccum._forward_state import ForwardState
 from gradaccum._joined import JoinWatch
 from gradaccum._layout_watch import SequenceFirstCheck
-from gradaccum._loss_call import call_loss_fn
+from gradaccum._loss_call import call_loss_fn, freed_graph_hint, refuse_grad_disabled
 from gradaccum._parameters import trainable_parameters
 from gradaccum._state_layout import check_tensors_fit
 from gradaccum._step_refusal import steps_refused
@@ -210,13 +210,7 @@ class Window:
             "updated are as they were before it."
         )
         if isinstance(error, RuntimeError) and "graph a second time" in str(error):
-            add_note(
-                "gradaccum: every micro-batch runs its own backward, so loss_fn must not use a "
-                "tensor with a graph computed outside it (once per batch, e.g. an encoder's "
-                "output put in the batch, an embedding table or a weight transform): compute it "
-                "inside loss_fn; a recurrent state carried from the previous micro-batch "
-                "(truncated BPTT) is carried detached, h.detach(). Not retain_graph=True."
-            )
+            add_note(f"gradaccum: {freed_graph_hint(self.micro_batches)}")
 
     def budget(self, count: int, term: str | None) -> int:
         """What a `Tokens` window has counted, with a micro-batch of `count` (terms: `term`'s)."""
@@ -346,6 +340,7 @@ def accumulate_grad(
         (torch.Size([1, 2]), 5)
     """
     objective = parse(Normalize, normalize, "normalize")
+    refuse_grad_disabled("accumulate_grad()")  # before any loss_fn runs
     micro_batches = split_batch(batch, micro_batch_size)
     total_items = batch_size(batch)
     ahead = counted_ahead(loss_fn, micro_batches)
