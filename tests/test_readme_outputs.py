@@ -72,6 +72,10 @@ def test_normalize_ignores_noise_and_nothing_else() -> None:
     assert ro.normalize("done in 8.9 s, 812 samples/s") == ro.normalize("done in 10 s, 9 samples/s")
     assert ro.normalize(row) != ro.normalize(row.replace("0.9805", "0.9806"))
     assert ro.normalize(row) != ro.normalize(row.replace("744.5 KiB", "744.6 KiB"))
+    # float64 rounding differs with the CPU's kernels; a gap of 1e-9 or more is a real change
+    gaps = "max abs diff 2.082e-17  max rel diff 1.369e-15  -> OK"
+    assert ro.normalize(gaps) == ro.normalize(gaps.replace("1.369e-15", "5.432e-16"))
+    assert ro.normalize(gaps) != ro.normalize(gaps.replace("1.369e-15", "3.1e-09"))
 
 
 @pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])
