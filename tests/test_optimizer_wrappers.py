@@ -169,3 +169,74 @@ def test_an_accelerate_wrapper_is_still_refused_and_an_unknown_one_names_the_fix
     alone.optimizer = torch.optim.AdamW(_model().parameters(), lr=LR)  # shares no param groups
     with pytest.raises(TypeError, match=r"Call torch\.optim\.Optimizer\.__init__"):
         Accumulator(model, alone, micro_batch_size=3)
+
+
+class SAM(torch.optim.Optimizer):
+    """davda54/sam in substance: a two-pass optimizer around a base optimizer."""
+
+    def __init__(
+        self, params: Any, base: type[torch.optim.Optimizer], rho: float = 0.05, **kw: Any
+    ) -> None:
+        super().__init__(params, {"rho": rho, **kw})
+        self.base_optimizer = base(self.param_groups, **kw)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self, zero_grad: bool = False) -> None:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad.norm() for p in params]
+        norm = torch.stack(grads).norm()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["old_p"] = p.detach().clone()
+                    p.add_(p.grad * (group["rho"] / (norm + 1e-12)))
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad: bool = False) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.copy_(self.state[p]["old_p"])
+        self.base_optimizer.step()
+        if zero_grad:
+            self.zero_grad()
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is None:
+            raise AssertionError("Sharpness Aware Minimization requires closure")
+        self.first_step(zero_grad=True)
+        with torch.enable_grad():
+            closure()
+        self.second_step()
+
+
+def test_a_two_pass_optimizer_is_refused_at_construction_naming_accumulate_grad() -> None:
+    """Before, it was accepted and every window ran whole, then its step() raised an
+    AssertionError ("requires closure") at the boundary."""
+    model = _model()
+    optimizer = SAM(model.parameters(), torch.optim.SGD, lr=LR, momentum=0.9)
+    with pytest.raises(ValueError, match=r"SAM is a two-pass optimizer.*accumulate_grad"):
+        Accumulator(model, optimizer, micro_batch_size=3)
+
+
+def test_sam_with_accumulate_grad_is_the_full_batch_sam() -> None:
+    """The README's recipe: both passes' gradients from accumulate_grad, float64 rtol 1e-10."""
+    from gradaccum import accumulate_grad
+
+    model, reference = _model(), _model()
+    optimizer = SAM(model.parameters(), torch.optim.SGD, lr=LR, momentum=0.9)
+    plain = SAM(reference.parameters(), torch.optim.SGD, lr=LR, momentum=0.9)
+    for seed in range(3):
+        batch = _batch(seed)
+        accumulate_grad(model, batch, _loss, micro_batch_size=3)
+        optimizer.first_step(zero_grad=True)
+        accumulate_grad(model, batch, _loss, micro_batch_size=3)
+        optimizer.second_step(zero_grad=True)
+        _loss(reference, batch).backward()
+        plain.first_step(zero_grad=True)
+        _loss(reference, batch).backward()
+        plain.second_step(zero_grad=True)
+    _assert_same(model, reference)

@@ -121,6 +121,17 @@ def check_optimizer(optimizer: object, model: torch.nn.Module) -> None:
             "which an accumulation window cannot provide; use an optimizer whose step() takes "
             "no argument (SGD, Adam, AdamW, ...)."
         )
+    if callable(getattr(optimizer, "first_step", None)) and callable(
+        getattr(optimizer, "second_step", None)
+    ):  # SAM, ASAM, GSAM: step(closure) runs the second pass, which a window cannot give it
+        raise ValueError(
+            f"{type(optimizer).__name__} is a two-pass optimizer (first_step/second_step, as SAM): "
+            "its step() needs a closure re-evaluating the loss at the perturbed weights, which an "
+            "accumulation window cannot provide. Take both full-batch gradients with "
+            "gradaccum.accumulate_grad: accumulate_grad(model, batch, loss_fn, micro_batch_size); "
+            "optimizer.first_step(zero_grad=True); accumulate_grad(...) again; "
+            "optimizer.second_step(zero_grad=True) (README, 'SAM')."
+        )
     # An EMA/SWA copy the model holds (self.ema = AveragedModel(...)) is averaged, not trained.
     held |= averaged_parameter_ids(model)
     outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
