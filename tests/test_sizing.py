@@ -555,3 +555,37 @@ def test_a_custom_optimizer_keeping_settings_as_attributes_plans_and_steps_exact
     # NEGATIVE CONTROL: a plain deep copy, as the replay was, has lost the attribute.
     with pytest.raises(AttributeError, match="trust"):
         copy.deepcopy(optimizer).trust  # noqa: B018
+
+
+def test_planning_with_a_scheduler_replays_a_copy_not_the_real_optimizer() -> None:
+    """Every torch scheduler replaces `optimizer.step` by a wrapper stepping the real optimizer;
+    the replay was given it among the optimizer's own attributes: the plan counted no optimizer
+    state, and the gradients present took a real AdamW step (0.3 off), silently."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)  # built first, as usual
+    _loss(model, _batch(64)).backward()  # gradients present when planning
+    before = clone_state({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    plan = plan_micro_batch(model, _batch(), _loss, optimizer, memory_budget="4MiB")
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert plan.optimizer_bytes == 2 * weights + 4 * len(list(model.parameters()))  # was 0
+    after = clone_state({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    assert_bitwise(after, before)  # was stepped
+    # "auto" with a schedule equals the plain full-batch steps (float64, no dropout: exact).
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 10)).double()
+    twin = copy.deepcopy(net)
+    batch = (_batch(96)[0].double(), _batch(96)[1])
+    adamw, plain = torch.optim.AdamW(net.parameters()), torch.optim.AdamW(twin.parameters())
+    mine = torch.optim.lr_scheduler.LambdaLR(adamw, lambda step: 0.5**step)
+    theirs = torch.optim.lr_scheduler.LambdaLR(plain, lambda step: 0.5**step)
+    _loss(net, batch).backward()  # a gradient left over: the step discards it
+    acc = Accumulator(net, adamw, micro_batch_size="auto", memory_budget="1GiB", scheduler=mine)
+    for _ in range(3):
+        assert acc.step(batch, _loss).stepped
+        plain.zero_grad(set_to_none=True)
+        _loss(twin, batch).backward()
+        plain.step()
+        theirs.step()
+    for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -19,6 +19,7 @@ from gradaccum._averaged import averaged_parameter_ids
 from gradaccum._batch_sizes import check_micro_batch_size
 from gradaccum._parameters import trainable_parameters
 from gradaccum._state_layout import check_state_layout
+from gradaccum._step_refusal import hooked_optimizer
 from gradaccum._sync_base import is_fsdp
 from gradaccum._warnings import warn_user
 from gradaccum.options import SyncPolicy, Tokens
@@ -75,10 +76,20 @@ def check_optimizer(optimizer: object, model: torch.nn.Module) -> None:
             f"optimizer={_short(optimizer)} must be a torch.optim.Optimizer, e.g. "
             "torch.optim.AdamW(model.parameters(), lr=1e-3)."
         )
-    if not hasattr(optimizer, "_optimizer_step_pre_hooks"):
-        # A wrapper that never ran Optimizer.__init__ (accelerate's AcceleratedOptimizer): no
-        # hooks to watch its steps with, and it steps, scales and skips by its own rules.
+    # A wrapper that never ran Optimizer.__init__: accelerate's AcceleratedOptimizer steps,
+    # scales and skips by its own rules; a Lookahead (timm's, torch-optimizer's) adds to the step
+    # of the optimizer it wraps, whose hooks watch it (`hooked_optimizer`).
+    accelerate = type(optimizer).__module__.split(".")[0] == "accelerate"
+    if accelerate or hooked_optimizer(optimizer) is None:
         inner = getattr(optimizer, "optimizer", None)
+        if not accelerate:
+            raise TypeError(
+                f"optimizer is a {type(optimizer).__name__}, a wrapper that never ran "
+                "torch.optim.Optimizer.__init__ and holds no optimizer sharing its param_groups "
+                "(as .optimizer or .base_optimizer), so its steps cannot be watched. Call "
+                "torch.optim.Optimizer.__init__ in its constructor, or keep the optimizer it "
+                "wraps as .optimizer with param_groups = optimizer.param_groups (a Lookahead)."
+            )
         fix = (
             f"pass the {type(inner).__name__} it wraps (optimizer.optimizer; a prepared "
             "scheduler's .scheduler)"
@@ -109,6 +120,17 @@ def check_optimizer(optimizer: object, model: torch.nn.Module) -> None:
             f"{type(optimizer).__name__}.step() needs a closure that re-evaluates the loss, "
             "which an accumulation window cannot provide; use an optimizer whose step() takes "
             "no argument (SGD, Adam, AdamW, ...)."
+        )
+    if callable(getattr(optimizer, "first_step", None)) and callable(
+        getattr(optimizer, "second_step", None)
+    ):  # SAM, ASAM, GSAM: step(closure) runs the second pass, which a window cannot give it
+        raise ValueError(
+            f"{type(optimizer).__name__} is a two-pass optimizer (first_step/second_step, as SAM): "
+            "its step() needs a closure re-evaluating the loss at the perturbed weights, which an "
+            "accumulation window cannot provide. Take both full-batch gradients with "
+            "gradaccum.accumulate_grad: accumulate_grad(model, batch, loss_fn, micro_batch_size); "
+            "optimizer.first_step(zero_grad=True); accumulate_grad(...) again; "
+            "optimizer.second_step(zero_grad=True) (README, 'SAM')."
         )
     # An EMA/SWA copy the model holds (self.ema = AveragedModel(...)) is averaged, not trained.
     held |= averaged_parameter_ids(model)

@@ -48,7 +48,13 @@ from gradaccum._checks import check_scheduler, check_scheduler_optimizer
 from gradaccum._dtensor import local_tensor
 from gradaccum._joined import warn_joined
 from gradaccum._oom import optimizer_step_guard
-from gradaccum._step_refusal import COMMITTING, OpenWindow, refuse_steps_inside, steps_refused
+from gradaccum._step_refusal import (
+    COMMITTING,
+    OpenWindow,
+    hooked_optimizer,
+    refuse_steps_inside,
+    steps_refused,
+)
 from gradaccum._warnings import warn_user
 from gradaccum.result import PartialStepError
 
@@ -97,19 +103,24 @@ def step_optimizer(
     """
     versions = list(map(_VERSION, params))
     norms = _fingerprint(optimizer, params)
-    known = len(optimizer.state)  # a dict: state created by this step comes after `known`
+    # A wrapper (Lookahead) steps the optimizer it wraps, whose state and hooks are its own.
+    inner = hooked_optimizer(optimizer)
+    committing = {optimizer} if inner is None else {optimizer, inner}
+    states = list({id(o.state): o.state for o in committing}.values())
+    known = [len(s) for s in states]  # dicts: state created by this step comes after `known`
     if window is not None:
         warn_joined(window.joins.drop(), names)  # unfrozen mid-window: not in this step
         window.committing = True  # the step pre-hook lets this step through
-        COMMITTING.add(optimizer)
+        COMMITTING.update(committing)
     try:
         with optimizer_step_guard():  # out of memory here is not rerun smaller: it may have stepped
             optimizer.step()
     except BaseException as error:
         changed = _changed(params, versions, norms)
         if not changed:
-            for param in list(optimizer.state)[known:]:  # lazily created by this failed step
-                del optimizer.state[param]
+            for state, count in zip(states, known, strict=True):
+                for param in list(state)[count:]:  # lazily created by this failed step
+                    del state[param]
             raise
         message = _partial_message(optimizer, changed, len(params), names, error)
         if owner is not None:
@@ -122,7 +133,7 @@ def step_optimizer(
     finally:
         if window is not None:
             window.committing = False
-            COMMITTING.discard(optimizer)
+            COMMITTING.difference_update(committing)
 
 
 def run_each(*parts: Callable[[], object]) -> None:

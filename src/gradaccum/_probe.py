@@ -194,7 +194,7 @@ def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
         for value in state.values():
             if isinstance(value, torch.Tensor) and value.dim() > 0:  # not the step counts
                 memo[id(value)] = torch.empty_like(local_tensor(value), device="meta")
-    replay = copy.deepcopy(optimizer, memo)
+    replay = _deep_copy(optimizer, memo)
     _copy_own_attributes(optimizer, replay, memo)
     for group, real in zip(replay.param_groups, optimizer.param_groups, strict=True):
         _same_implementation(group, real["params"])
@@ -205,6 +205,25 @@ def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     return state_after, max(0, tracker.peak - (state_after - state_before))
 
 
+def _deep_copy(optimizer: torch.optim.Optimizer, memo: dict[int, Any]) -> torch.optim.Optimizer:
+    """`copy.deepcopy(optimizer)`, leaving its class's `step` as it was.
+
+    The copy runs `Optimizer.__setstate__`, which wraps the class's `step` in torch's hook
+    runner for good. A wrapper that never ran `Optimizer.__init__` (timm's Lookahead) has no
+    hooks to run: its own `step()` then raised `AttributeError` at every later window.
+    """
+    kind, missing = type(optimizer), object()
+    own = kind.__dict__.get("step", missing)
+    try:
+        return copy.deepcopy(optimizer, memo)
+    finally:
+        if kind.__dict__.get("step", missing) is not own:
+            if own is missing:
+                delattr(kind, "step")
+            else:
+                setattr(kind, "step", own)  # noqa: B010  (a class attribute, put back)
+
+
 def _copy_own_attributes(
     optimizer: torch.optim.Optimizer, replay: torch.optim.Optimizer, memo: dict[int, Any]
 ) -> None:
@@ -213,10 +232,15 @@ def _copy_own_attributes(
     `Optimizer.__getstate__` keeps only `defaults`, `state` and `param_groups`, so the deep copy
     drops them, and a step reading one raised `AttributeError` from planning (and from
     `micro_batch_size="auto"`). One that cannot be copied is left out rather than shared: the
-    replay must not change the real optimizer.
+    replay must not change the real optimizer. Nor is a method the instance overrides: every
+    torch scheduler replaces `optimizer.step` by a wrapper that steps the real optimizer (held
+    by a weak reference), so a replay given it stepped the real one, never its copy: the plan
+    counted no optimizer state, and gradients left on the parameters (or a param group's own
+    counter, Lookahead's) took a real step.
     """
+    kind = type(optimizer)
     for name, value in vars(optimizer).items():
-        if name in vars(replay):
+        if name in vars(replay) or callable(getattr(kind, name, None)):
             continue
         try:
             setattr(replay, name, copy.deepcopy(value, memo))  # parameters map to the meta ones

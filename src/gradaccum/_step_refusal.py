@@ -35,7 +35,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradaccum._joined import JoinWatch
 
-__all__ = ["COMMITTING", "OpenWindow", "refuse_steps_inside", "steps_refused"]
+__all__ = ["COMMITTING", "OpenWindow", "hooked_optimizer", "refuse_steps_inside", "steps_refused"]
+
+# Where a wrapper that never ran `Optimizer.__init__` keeps the optimizer it steps: Lookahead's
+# torch-optimizer (`optimizer`), timm (`_base_optimizer`), others (`base_optimizer`, `_optimizer`).
+_WRAPPED = ("optimizer", "_optimizer", "base_optimizer", "_base_optimizer")
 
 # The optimizers an Accumulator's own window step is running on: a second Accumulator's window
 # open over the same optimizer then names that Accumulator, not a stray optimizer.step().
@@ -55,6 +59,26 @@ class OpenWindow(Protocol):
     running: bool  # True while a micro-batch's loss_fn and backward run (`steps_refused`)
 
 
+def hooked_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer whose step hooks see `optimizer`'s steps: itself, or the one it wraps.
+
+    A wrapper that adds to the step (Lookahead) but never ran `torch.optim.Optimizer.__init__`
+    has no hooks of its own; its `step()` steps the optimizer it wraps, sharing its param
+    groups, whose hooks then stand for it. None if there is no such optimizer.
+    """
+    if hasattr(optimizer, "_optimizer_step_pre_hooks"):
+        return optimizer
+    for name in _WRAPPED:
+        inner = getattr(optimizer, name, None)
+        if (
+            isinstance(inner, torch.optim.Optimizer)
+            and inner is not optimizer
+            and getattr(inner, "param_groups", None) is optimizer.param_groups
+        ):
+            return hooked_optimizer(inner)
+    return None
+
+
 def refuse_steps_inside(optimizer: torch.optim.Optimizer, window: OpenWindow) -> None:
     """Make `optimizer.step()` raise, changing nothing, when called inside an open `window`.
 
@@ -64,7 +88,10 @@ def refuse_steps_inside(optimizer: torch.optim.Optimizer, window: OpenWindow) ->
     own step, and steps between windows, pass. The hook holds the optimizer and the window
     weakly and is removed with the window.
     """
-    owner, ref = weakref.ref(optimizer), weakref.ref(window)
+    hooked = hooked_optimizer(optimizer)
+    if hooked is None:  # refused at construction (`check_optimizer`)
+        return
+    owner, outer, ref = weakref.ref(hooked), weakref.ref(optimizer), weakref.ref(window)
 
     def hook(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         open_window = ref()
@@ -74,9 +101,10 @@ def refuse_steps_inside(optimizer: torch.optim.Optimizer, window: OpenWindow) ->
             return
         if stepped is not owner():  # a copy of the optimizer
             return
+        name = type(outer() or stepped).__name__  # the wrapper the user steps (Lookahead)
         if stepped in COMMITTING:  # another Accumulator's window step, not the user's
             raise RuntimeError(
-                f"another Accumulator steps this {type(stepped).__name__} while a window of an "
+                f"another Accumulator steps this {name} while a window of an "
                 f"Accumulator over it is open ({open_window.micro_batches} micro-batches so "
                 "far): the step would clear that window's partial gradients. Settle the open "
                 "window first (its acc.flush('step') or acc.flush('drop')), or drive both loops "
@@ -84,13 +112,13 @@ def refuse_steps_inside(optimizer: torch.optim.Optimizer, window: OpenWindow) ->
                 "stepping one was discarded."
             )
         raise RuntimeError(
-            f"{type(stepped).__name__}.step() was called inside an accumulation window "
+            f"{name}.step() was called inside an accumulation window "
             f"({open_window.micro_batches} micro-batches so far): it would step on a partial, "
             "undivided sum of the window's gradients. Remove it: the Accumulator steps the "
             "optimizer itself when the window is full. Nothing was stepped; the window is kept."
         )
 
-    weakref.finalize(window, optimizer.register_step_pre_hook(hook).remove)
+    weakref.finalize(window, hooked.register_step_pre_hook(hook).remove)
 
 
 def _refuse_running(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -3,13 +3,12 @@
 Two drives share one engine: `step(batch, loss_fn)` splits a batch and steps once; `micro_step`
 steps after every `accumulation_steps` calls, and `flush()` settles a partial window.
 
-The Accumulator owns small components and is the only one that calls them: the `Window`
-(totals, parameters, set-aside gradients), the `PrecisionRuntime` (autocast, loss scale, fp32
-buffers), a `GradSync` per backend, the `BatchNormControl` and, for `micro_batch_size="auto"`,
-an `AutoSizer`. The boundary is a transaction: until `optimizer.step()` returns, any exception
-(the loss, backward, a collective, clipping, the optimizer, Ctrl-C) forgets the window with
-`_forget_window()`, leaving parameters, optimizer, scheduler, BatchNorm buffers and gradients as
-they were before it.
+It owns small components and is the only one calling them: the `Window` (totals, parameters,
+set-aside gradients), the `PrecisionRuntime` (autocast, loss scale, fp32 buffers), a `GradSync`
+per backend, the `BatchNormControl` and, for `micro_batch_size="auto"`, an `AutoSizer`. The
+boundary is a transaction: until `optimizer.step()` returns, any exception (the loss, backward,
+a collective, clipping, the optimizer, Ctrl-C) forgets the window with `_forget_window()`,
+leaving parameters, optimizer, scheduler, BatchNorm buffers and gradients as they were.
 
 Example:
     >>> import torch
@@ -37,6 +36,7 @@ from gradaccum._lr_watch import LearningRateWatch
 from gradaccum._open_window import warn_if_left_open
 from gradaccum._optimizer_setting import OptimizerSetting
 from gradaccum._parameters import trainable_parameters, window_parameters
+from gradaccum._run_settings import RunSettings
 from gradaccum._window_sizes import WindowSizes
 from gradaccum.batching import batch_size, split_batch
 from gradaccum.batchnorm import BatchNormControl
@@ -66,7 +66,7 @@ __all__ = ["Accumulator", "NonFiniteError", "StepResult"]
 STATE_VERSION = 2
 
 
-class Accumulator(WindowSizes, OptimizerSetting):
+class Accumulator(WindowSizes, OptimizerSetting, RunSettings):
     """Gradient accumulation whose every step equals one full-batch step.
 
     Args:
