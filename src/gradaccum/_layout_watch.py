@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from gradaccum._carried_state import CarriedStateCheck
 from gradaccum._warnings import warn_user
 
 __all__ = ["SequenceFirstCheck", "SequenceFirstWarning"]
@@ -61,6 +62,11 @@ class SequenceFirstCheck:
             for m in model.modules()
         )
         self._left = _CHECKED if self.modules and batch_dim == 0 and not compiled else 0
+        self.carried = CarriedStateCheck(model, compiled)  # an RNN state given to other rows
+
+    def open_window(self) -> None:
+        """A new window: states its earlier micro-batches' RNNs returned are no longer watched."""
+        self.carried.open_window()
 
     def watch(
         self, items: int, window_items: int | None
@@ -71,10 +77,13 @@ class SequenceFirstCheck:
             items: The micro-batch's items along dim 0.
             window_items: The whole batch's items, or None when the caller split it (streaming).
         """
-        if self._left <= 0 or window_items is None or items >= window_items:
+        if window_items is None or items >= window_items:
             return contextlib.nullcontext()
+        carried = self.carried.watch(items) if self.carried.rnns else contextlib.nullcontext()
+        if self._left <= 0:
+            return carried
         self._left -= 1
-        return _Watch(self, items, window_items)
+        return _Watch(self, items, window_items, carried)
 
     def found(self, items: int, window_items: int, name: str, module: torch.nn.Module) -> None:
         """Warn once: `module` at `name` took this micro-batch's split dim 0 as its time axis."""
@@ -97,12 +106,20 @@ class SequenceFirstCheck:
 class _Watch:
     """Pre-hooks on the sequence-first modules for one micro-batch's forward."""
 
-    def __init__(self, check: SequenceFirstCheck, items: int, window_items: int) -> None:
+    def __init__(
+        self,
+        check: SequenceFirstCheck,
+        items: int,
+        window_items: int,
+        carried: contextlib.AbstractContextManager[None],
+    ) -> None:
         self.check, self.items, self.window_items = check, items, window_items
+        self.carried = carried
         self.seen: list[tuple[str, torch.nn.Module]] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> None:
+        self.carried.__enter__()
         for name, module in self.check.modules:
             self.handles.append(module.register_forward_pre_hook(self._record(name)))
 
@@ -110,6 +127,7 @@ class _Watch:
         # A plain __exit__, not a generator: warn_user then points at the user's line.
         for handle in self.handles:
             handle.remove()
+        self.carried.__exit__(*exc_info)  # type: ignore[arg-type]
         if self.seen and exc_info[0] is None:
             self.check.found(self.items, self.window_items, *self.seen[0])
 
