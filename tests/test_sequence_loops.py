@@ -658,3 +658,72 @@ def test_a_compiled_model_is_not_hooked_for_the_layout_check() -> None:
         check = SequenceFirstCheck(model, batch_dim=0)
         with check.watch(3, 10):  # a no-op context: no hook was added
             assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+class _RecurrentAgent(nn.Module):
+    """CleanRL's recurrent PPO agent: time-major flattened rows, reshaped to (-1, envs), and a
+    sequence-first LSTM stepped one time step at a time, its state reset where an episode ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.lstm, self.pi = nn.Linear(4, 8), nn.LSTM(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, state: tuple, done: torch.Tensor) -> torch.Tensor:
+        envs = state[0].shape[1]
+        hidden = self.net(x).reshape(-1, envs, 8)
+        out = []
+        for h, d in zip(hidden, done.reshape(-1, envs), strict=True):
+            keep = (1.0 - d).view(1, -1, 1)
+            y, state = self.lstm(h.unsqueeze(0), (keep * state[0], keep * state[1]))
+            out.append(y)
+        return self.pi(torch.cat(out).flatten(0, 1))
+
+
+def test_recurrent_ppo_rows_flattened_time_major_are_warned_and_batch_dim_1_is_exact() -> None:
+    """A minibatch of 4 envs x 8 steps flattened time-major (CleanRL's ppo_atari_lstm) split
+    into micro-batches of 8 rows: each ran 2 steps of every env from the rollout's initial
+    state, silently (control: 1e-3 off). Now a SequenceFirstWarning names the layout; kept as
+    (T, N) tensors with batch_dim=1 the step is the full minibatch's, with no warning."""
+    torch.manual_seed(0)
+    steps, envs = 8, 4
+    rollout = {
+        "obs": torch.randn(steps, envs, 4, dtype=torch.float64),
+        "dones": (torch.rand(steps, envs) < 0.2).double(),
+        "act": torch.randint(0, 3, (steps, envs)),
+        "adv": torch.randn(steps, envs, dtype=torch.float64),
+    }
+    initial = (
+        torch.randn(1, envs, 16, dtype=torch.float64),
+        torch.randn(1, envs, 16, dtype=torch.float64),
+    )
+    start = _RecurrentAgent().double()
+
+    def pg(m: nn.Module, obs, state, dones, act, adv) -> torch.Tensor:
+        logp = m(obs, state, dones).log_softmax(-1).gather(1, act[:, None]).squeeze(1)
+        return -(logp * adv).mean()
+
+    reference = copy.deepcopy(start)
+    flat = {k: v.flatten(0, 1) for k, v in rollout.items()}  # time-major rows
+    pg(reference, flat["obs"], initial, flat["dones"], flat["act"], flat["adv"]).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+
+    naive = copy.deepcopy(start)
+    acc = Accumulator(naive, torch.optim.SGD(naive.parameters(), lr=0.5), micro_batch_size=8)
+    with pytest.warns(SequenceFirstWarning, match="2 time steps of 4 sequences.*batch_dim=1"):
+        acc.step(flat, lambda m, b: pg(m, b["obs"], initial, b["dones"], b["act"], b["adv"]))
+    assert _gap(naive, reference) > 1e-3  # the control: cut in time
+
+    model = copy.deepcopy(start)
+    acc = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=1, batch_dim=1
+    )
+    batch = {**rollout, "h0": initial[0], "c0": initial[1]}
+
+    def per_env(m: nn.Module, b: dict) -> torch.Tensor:
+        f = {k: b[k].flatten(0, 1) for k in ("obs", "dones", "act", "adv")}
+        return pg(m, f["obs"], (b["h0"], b["c0"]), f["dones"], f["act"], f["adv"])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SequenceFirstWarning)
+        assert acc.step(batch, per_env).micro_batches == 4
+    assert _gap(model, reference) < RTOL

@@ -85,6 +85,13 @@ class SequenceFirstCheck:
         self._left -= 1
         return _Watch(self, items, window_items, carried)
 
+    def found_flattened(
+        self, items: int, name: str, module: torch.nn.Module, sequences: int, steps: int
+    ) -> None:
+        """Warn once: an RNN ran this micro-batch's rows as time steps of fewer sequences."""
+        self._left = 0
+        warn_user(SequenceFirstWarning(_flattened_message(items, name, module, sequences)))
+
     def found(self, items: int, window_items: int, name: str, module: torch.nn.Module) -> None:
         """Warn once: `module` at `name` took this micro-batch's split dim 0 as its time axis."""
         self._left = 0  # once per Accumulator (or call)
@@ -103,6 +110,22 @@ class SequenceFirstCheck:
         )
 
 
+def _flattened_message(items: int, name: str, module: torch.nn.Module, sequences: int) -> str:
+    kind = type(module).__name__
+    return (
+        f"the micro-batch's {items} rows reached the {kind} at {name!r} as {items // sequences} "
+        f"time steps of {sequences} sequences (its batch axis holds {sequences}, not the "
+        f"{items} rows): rows flattened from a (T, N) rollout time-major (a recurrent PPO's "
+        "minibatch, as CleanRL's) are cut in time by the split, each micro-batch running a "
+        "few steps from the sequences' initial state, which is not the full-batch step. Keep "
+        "the minibatch as (T, N, ...) tensors, its initial states (num_layers, N, hidden) and "
+        "dones (T, N), pass Accumulator(..., batch_dim=1) and flatten in loss_fn: each "
+        "micro-batch then holds whole sequences (docs/losses.md, 'Recurrent models'). If each "
+        "micro-batch already holds whole sequences (rows flattened sequence by sequence), "
+        "ignore this."
+    )
+
+
 class _Watch:
     """Pre-hooks on the sequence-first modules for one micro-batch's forward."""
 
@@ -116,6 +139,8 @@ class _Watch:
         self.check, self.items, self.window_items = check, items, window_items
         self.carried = carried
         self.seen: list[tuple[str, torch.nn.Module]] = []
+        # Per RNN: (name, module, its inputs' batch axis, the time steps x sequences it ran).
+        self.ran: dict[int, tuple[str, torch.nn.Module, int, int]] = {}
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> None:
@@ -130,6 +155,10 @@ class _Watch:
         self.carried.__exit__(*exc_info)  # type: ignore[arg-type]
         if self.seen and exc_info[0] is None:
             self.check.found(self.items, self.window_items, *self.seen[0])
+        elif exc_info[0] is None:
+            flattened = [ran for ran in self.ran.values() if ran[2] and ran[3] == self.items]
+            if flattened:
+                self.check.found_flattened(self.items, *flattened[0])
 
     def _record(self, name: str) -> Callable[[torch.nn.Module, tuple[Any, ...]], None]:
         def record(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
@@ -144,5 +173,19 @@ class _Watch:
                 and first.shape[1] > 1
             ):
                 self.seen.append((name, module))
+            if isinstance(module, torch.nn.RNNBase) and isinstance(first, torch.Tensor):
+                self._ran(name, module, first)
 
         return record
+
+    def _ran(self, name: str, module: torch.nn.Module, first: torch.Tensor) -> None:
+        """Add up the (S, b) steps an RNN ran, b its batch axis, if b is not the rows."""
+        sequences = int(first.shape[1]) if first.dim() == 3 else 0
+        _, _, before, steps = self.ran.get(id(module), (name, module, sequences, 0))
+        valid = 1 < sequences < self.items and before == sequences  # one batch axis, fewer
+        self.ran[id(module)] = (
+            name,
+            module,
+            sequences if valid else 0,
+            steps + first.numel() // max(first.shape[-1], 1),
+        )
