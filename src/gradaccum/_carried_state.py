@@ -15,7 +15,8 @@ of one returned in an earlier micro-batch of the window, when the state's batch 
 micro-batch's rows. A state carried along time (a sequence-first batch split in time on purpose,
 `(L, B, H)` with B not the micro-batch's items), an encoder's state given to a decoder in the same
 micro-batch, and a state kept per micro-batch across windows are not refused. A compiled model is
-not watched (hooks would cost recompilations).
+not watched (hooks would cost recompilations), nor `accumulate_grad` (`check_equivalence` runs it
+to report such a gap, naming a module that keeps its state in plain attributes).
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ STATE_PER_ROW = (
 class CarriedStateCheck:
     """Refuses an RNN state from an earlier micro-batch of the window given to later rows."""
 
-    def __init__(self, model: torch.nn.Module, compiled: bool) -> None:
-        """Find the model's RNNs (none watched on a compiled model)."""
+    def __init__(self, model: torch.nn.Module, off: bool) -> None:
+        """Find the model's RNNs (none watched if `off`: a compiled model, `accumulate_grad`)."""
         self.rnns = (
             []
-            if compiled
+            if off
             else [
                 (name or "<model>", module)
                 for name, module in model.named_modules()

@@ -47,8 +47,12 @@ class SequenceFirstWarning(UserWarning):
 class SequenceFirstCheck:
     """Warns once when a split along dim 0 reaches a sequence-first module as its time axis."""
 
-    def __init__(self, model: torch.nn.Module, batch_dim: int) -> None:
-        """Find the model's sequence-first modules (none to watch with `batch_dim=1`)."""
+    def __init__(self, model: torch.nn.Module, batch_dim: int, carried: bool = True) -> None:
+        """Find the model's sequence-first modules (none to watch with `batch_dim=1`).
+
+        `carried=False` (`accumulate_grad`, under `check_equivalence`, which reports the gap and
+        names a module keeping state in plain attributes) refuses no RNN state carried on.
+        """
         self.modules = [
             (name or "<model>", module)
             for name, module in model.named_modules()
@@ -62,7 +66,7 @@ class SequenceFirstCheck:
             for m in model.modules()
         )
         self._left = _CHECKED if self.modules and batch_dim == 0 and not compiled else 0
-        self.carried = CarriedStateCheck(model, compiled)  # an RNN state given to other rows
+        self.carried = CarriedStateCheck(model, compiled or not carried)  # a state to other rows
 
     def open_window(self) -> None:
         """A new window: states its earlier micro-batches' RNNs returned are no longer watched."""
