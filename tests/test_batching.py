@@ -1064,6 +1064,63 @@ def test_lists_of_numpy_waveforms_are_split_one_per_item(drive: str) -> None:
         split_batch(mismatched, 2)
 
 
+def _clip_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """An audio classifier over clips of varied lengths: each clip's channels pooled over time."""
+    clips = batch["audio"]
+    clips = [clip["audio"] for clip in clips] if isinstance(clips[0], dict) else clips
+    scores = model(torch.stack([clip.mean(dim=1) for clip in clips]))
+    return torch.nn.functional.cross_entropy(scores, batch["y"])
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_a_list_of_b_varied_clips_of_b_channels_each_is_refused_not_split_by_channel(
+    drive: str,
+) -> None:
+    """3 clips of 3 channels (2 stereo clips, 3 RGB images, 80 spectrograms of 80 mel bins),
+    each of its own length: the list read as a container of 3 tensors of 3 rows, and each
+    micro-batch got every clip's first channel, silently. Both readings agree with B, so it is
+    refused naming both fixes, changing nothing; as examples, the step is the full batch's."""
+    generator = torch.Generator().manual_seed(0)
+    clips = [torch.randn(3, n, generator=generator, dtype=torch.float64) for n in (5, 8, 6)]
+    batch = {"audio": clips, "y": torch.tensor([0, 1, 1])}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2).double()
+    reference = copy.deepcopy(model)
+    _clip_loss(reference, batch).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9).step()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    before = copy.deepcopy(model.state_dict())
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=1, accumulation_steps=3)
+    for bad in (batch, {"audio": tuple(clips), "y": batch["y"]}):
+        with pytest.raises(ValueError, match=r"reads as 3 items .* list of dicts .* in a dict"):
+            acc.step(bad, _clip_loss) if drive == "step" else acc.micro_step(bad, _clip_loss)
+    with pytest.raises(ValueError, match=r"reads as 3 items .* in a tuple or a dict"):
+        split_batch(clips, 1)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert not optimizer.state
+    examples = {"audio": [{"audio": clip} for clip in clips], "y": batch["y"]}
+    if drive == "step":
+        acc.step(examples, _clip_loss)
+    else:
+        assert [acc.micro_step(mb, _clip_loss).stepped for mb in split_batch(examples, 1)] == [
+            False,
+            False,
+            True,
+        ]
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    # Not ambiguous, read as before: fields of one shape (a siamese pair with B=2), a top-level
+    # tuple, a list whose length is not its tensors' rows.
+    assert [len(mb[0]) for mb in split_batch([torch.zeros(2, 5), torch.ones(2, 5)], 1)] == [1, 1]
+    assert [mb[1].shape for mb in split_batch((torch.zeros(2, 5), torch.ones(2, 7)), 1)] == [
+        (1, 7),
+        (1, 7),
+    ]
+    assert batch_size({"audio": clips[:2], "y": torch.zeros(2)}) == 2
+
+
 def test_torchvision_detection_collate_tuples_are_split_per_image() -> None:
     """torchvision's detection `collate_fn` is `tuple(zip(*batch))`: a tuple of B images and a
     tuple of B target dicts (with a 0-dim `image_id`). Once refused as a container whose

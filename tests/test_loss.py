@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import numpy as np
@@ -785,3 +786,67 @@ def test_row_means_written_as_a_divided_sum_do_not_warn_and_a_masked_mean_does()
 
     with pytest.warns(TokenMeanWarning, match="weighted or masked mean"):
         gradaccum.accumulate_grad(model, (x, y, kept), masked, micro_batch_size=3)
+
+
+class _CTCHead(torch.nn.Module):
+    """A Hugging Face `*ForCTC` loss by hand: labels padded with -100, targets concatenated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.ce_head = torch.nn.Linear(3, 6), torch.nn.Linear(3, 6)
+
+    def forward(self, batch: dict, hybrid: bool = False) -> torch.Tensor:
+        log_probs = self.proj(batch["x"]).log_softmax(-1).transpose(0, 1)  # (T, B, C)
+        labels = batch["labels"]
+        scored = labels >= 0
+        loss = torch.nn.functional.ctc_loss(
+            log_probs,
+            labels.masked_select(scored),
+            batch["frames"],
+            scored.sum(-1),
+            zero_infinity=True,
+        )
+        if hybrid:  # CTC plus an attention decoder's token mean (ESPnet's hybrid ASR)
+            logits = self.ce_head(batch["x"][:, : labels.shape[1]])
+            return 0.3 * loss + 0.7 * torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), labels.flatten()
+            )
+        return loss
+
+
+def test_a_ctc_mean_over_minus_100_padded_labels_is_a_row_mean_and_not_warned() -> None:
+    """`Wav2Vec2ForCTC(ctc_loss_reduction="mean")`'s loss returned as it is: CTC divides each
+    row by its own target length, then averages rows, so the plain scalar is exact. The -100
+    padding of its labels warned `TokenMeanWarning`, whose LossSum recipe would change the
+    objective; the loss's graph says CTC now. A CE token mean beside it still warns."""
+    generator = torch.Generator().manual_seed(0)
+    rows, lengths = 7, [3, 5, 2, 4, 1, 5, 3]
+    labels = torch.full((rows, 5), -100)
+    for row, length in enumerate(lengths):
+        labels[row, :length] = torch.randint(1, 6, (length,), generator=generator)
+    batch = {
+        "x": torch.randn(rows, 12, 3, generator=generator, dtype=torch.float64),
+        "frames": torch.tensor([12, 11, 9, 12, 7, 12, 10]),
+        "labels": labels,
+    }
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        start = _CTCHead().double()
+    reference = copy.deepcopy(start)
+    reference(batch).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    model = copy.deepcopy(start)
+    acc = gradaccum.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=3
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no TokenMeanWarning, nor any other
+        acc.step(batch, lambda m, b: m(b))
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    twin = copy.deepcopy(start)
+    hybrid = gradaccum.Accumulator(
+        twin, torch.optim.SGD(twin.parameters(), lr=0.5), micro_batch_size=3
+    )
+    with pytest.warns(gradaccum.loss.TokenMeanWarning, match="-100"):
+        hybrid.step(batch, lambda m, b: m(b, hybrid=True))

@@ -191,6 +191,111 @@ def test_tbptt_state_carried_across_micro_steps_and_windows_is_the_plain_loop(ce
         assert _gap(run(naive=True), reference) > 1e-6
 
 
+def _streams(cell: type[nn.RNNBase]) -> tuple[nn.Module, list[tuple[torch.Tensor, ...]]]:
+    """8 streams in 3 chunks of 5 steps, a model, and the plain loop's SGD step per chunk."""
+    torch.manual_seed(0)
+    data = torch.randint(0, 7, (8, 16))
+    chunks = [(data[:, t : t + 5], data[:, t + 1 : t + 6]) for t in range(0, 15, 5)]
+    return _CharRNN(cell).double(), chunks
+
+
+def _per_chunk_reference(start: nn.Module, chunks: list, naive_split: int = 0) -> nn.Module:
+    """One step per chunk of all the streams; `naive_split`: micro-batches of that many rows,
+    each run from the state the previous one left (what a state kept whole does)."""
+    model = copy.deepcopy(start)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    state = None
+    for x, y in chunks:
+        optimizer.zero_grad()
+        for rows in torch.arange(len(x)).split(naive_split or len(x)):
+            logits, state = model(x[rows], state)
+            state = _detached(state)
+            ce = F.cross_entropy(logits.flatten(0, 1), y[rows].flatten(), reduction="sum")
+            (ce / y.numel()).backward()
+        optimizer.step()
+    return model
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_a_state_carried_to_other_rows_of_a_split_chunk_is_refused_and_per_row_is_exact(
+    cell,
+) -> None:
+    """Truncated BPTT over 8 streams with step(): a state kept whole (`self.h = h.detach()`,
+    lazily created) ran micro-batch 2's rows from micro-batch 1's final state, silently (the
+    control, 1e-2 off); now refused, changing nothing. The state kept per row, in the batch with
+    the rows' indices, is the plain loop's step per chunk; a state kept per micro-batch across
+    windows (the same rows) is not refused."""
+    start, chunks = _streams(cell)
+    reference = _per_chunk_reference(start, chunks)
+    assert _gap(_per_chunk_reference(start, chunks, naive_split=4), reference) > 1e-3  # control
+
+    model = copy.deepcopy(start)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=4)
+    kept: dict[str, object] = {"state": None}
+
+    def whole(m: nn.Module, b: tuple) -> torch.Tensor:
+        logits, state = m(b[0], kept["state"])
+        kept["state"] = _detached(state)
+        return F.cross_entropy(logits.flatten(0, 1), b[1].flatten())
+
+    with pytest.raises(ValueError, match=r"earlier micro-batch of this window.*one state per row"):
+        acc.step(chunks[0], whole)
+    assert _gap(model, start) == 0
+    assert all(p.grad is None for p in model.parameters())
+
+    for size in (3, 4):
+        model = copy.deepcopy(start)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        acc = Accumulator(model, optimizer, micro_batch_size=size)
+        shape = (1, 8, 12)
+        h_all = [
+            torch.zeros(shape, dtype=torch.float64) for _ in range(2 if cell is nn.LSTM else 1)
+        ]
+
+        def per_row(m: nn.Module, b: dict, h_all: list = h_all) -> torch.Tensor:
+            h0 = tuple(h.transpose(0, 1).contiguous() for h in b["h"])
+            logits, state = m(b["x"], h0 if cell is nn.LSTM else h0[0])
+            for h, h_n in zip(h_all, state if cell is nn.LSTM else (state,), strict=True):
+                h[:, b["idx"]] = h_n.detach()
+            return F.cross_entropy(logits.flatten(0, 1), b["y"].flatten())
+
+        for x, y in chunks:
+            h = [h.transpose(0, 1).clone() for h in h_all]
+            acc.step({"x": x, "y": y, "h": h, "idx": torch.arange(8)}, per_row)
+        assert _gap(model, reference) < RTOL
+
+    model = copy.deepcopy(start)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    acc = Accumulator(model, optimizer, micro_batch_size=4)
+    by_position: dict[int, object] = {}
+
+    def per_micro_batch(m: nn.Module, b: dict) -> torch.Tensor:
+        first = int(b["idx"][0])
+        logits, state = m(b["x"], by_position.get(first))
+        by_position[first] = _detached(state)
+        return F.cross_entropy(logits.flatten(0, 1), b["y"].flatten())
+
+    for x, y in chunks:
+        acc.step({"x": x, "y": y, "idx": torch.arange(8)}, per_micro_batch)
+    assert _gap(model, reference) < RTOL  # the same rows in each window: exact, not refused
+    assert len(by_position) == 2
+
+
+def test_a_state_kept_for_the_whole_batch_fails_with_a_note_naming_the_per_row_state() -> None:
+    """An RNN given a state of the batch's 8 rows in a micro-batch of 3: torch's shape error
+    now carries the per-row recipe; the window changes nothing."""
+    model = nn.GRU(3, 5, batch_first=True).double()
+    before = copy.deepcopy(model.state_dict())
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=3)
+    state = torch.zeros(1, 8, 5, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="Expected hidden size") as caught:
+        acc.step(torch.randn(8, 4, 3, dtype=torch.float64), lambda m, b: m(b, state)[0].mean())
+    notes = " ".join(getattr(caught.value, "__notes__", []))
+    assert "initial state of 8 rows for an input of 3" in notes
+    assert "Carry one state per row" in notes
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 # ---------------------------------------------------------------- sequence-first modules
 
 
@@ -553,3 +658,72 @@ def test_a_compiled_model_is_not_hooked_for_the_layout_check() -> None:
         check = SequenceFirstCheck(model, batch_dim=0)
         with check.watch(3, 10):  # a no-op context: no hook was added
             assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+class _RecurrentAgent(nn.Module):
+    """CleanRL's recurrent PPO agent: time-major flattened rows, reshaped to (-1, envs), and a
+    sequence-first LSTM stepped one time step at a time, its state reset where an episode ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.lstm, self.pi = nn.Linear(4, 8), nn.LSTM(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, state: tuple, done: torch.Tensor) -> torch.Tensor:
+        envs = state[0].shape[1]
+        hidden = self.net(x).reshape(-1, envs, 8)
+        out = []
+        for h, d in zip(hidden, done.reshape(-1, envs), strict=True):
+            keep = (1.0 - d).view(1, -1, 1)
+            y, state = self.lstm(h.unsqueeze(0), (keep * state[0], keep * state[1]))
+            out.append(y)
+        return self.pi(torch.cat(out).flatten(0, 1))
+
+
+def test_recurrent_ppo_rows_flattened_time_major_are_warned_and_batch_dim_1_is_exact() -> None:
+    """A minibatch of 4 envs x 8 steps flattened time-major (CleanRL's ppo_atari_lstm) split
+    into micro-batches of 8 rows: each ran 2 steps of every env from the rollout's initial
+    state, silently (control: 1e-3 off). Now a SequenceFirstWarning names the layout; kept as
+    (T, N) tensors with batch_dim=1 the step is the full minibatch's, with no warning."""
+    torch.manual_seed(0)
+    steps, envs = 8, 4
+    rollout = {
+        "obs": torch.randn(steps, envs, 4, dtype=torch.float64),
+        "dones": (torch.rand(steps, envs) < 0.2).double(),
+        "act": torch.randint(0, 3, (steps, envs)),
+        "adv": torch.randn(steps, envs, dtype=torch.float64),
+    }
+    initial = (
+        torch.randn(1, envs, 16, dtype=torch.float64),
+        torch.randn(1, envs, 16, dtype=torch.float64),
+    )
+    start = _RecurrentAgent().double()
+
+    def pg(m: nn.Module, obs, state, dones, act, adv) -> torch.Tensor:
+        logp = m(obs, state, dones).log_softmax(-1).gather(1, act[:, None]).squeeze(1)
+        return -(logp * adv).mean()
+
+    reference = copy.deepcopy(start)
+    flat = {k: v.flatten(0, 1) for k, v in rollout.items()}  # time-major rows
+    pg(reference, flat["obs"], initial, flat["dones"], flat["act"], flat["adv"]).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+
+    naive = copy.deepcopy(start)
+    acc = Accumulator(naive, torch.optim.SGD(naive.parameters(), lr=0.5), micro_batch_size=8)
+    with pytest.warns(SequenceFirstWarning, match="2 time steps of 4 sequences.*batch_dim=1"):
+        acc.step(flat, lambda m, b: pg(m, b["obs"], initial, b["dones"], b["act"], b["adv"]))
+    assert _gap(naive, reference) > 1e-3  # the control: cut in time
+
+    model = copy.deepcopy(start)
+    acc = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=1, batch_dim=1
+    )
+    batch = {**rollout, "h0": initial[0], "c0": initial[1]}
+
+    def per_env(m: nn.Module, b: dict) -> torch.Tensor:
+        f = {k: b[k].flatten(0, 1) for k in ("obs", "dones", "act", "adv")}
+        return pg(m, f["obs"], (b["h0"], b["c0"]), f["dones"], f["act"], f["adv"])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SequenceFirstWarning)
+        assert acc.step(batch, per_env).micro_batches == 4
+    assert _gap(model, reference) < RTOL

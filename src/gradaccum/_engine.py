@@ -146,6 +146,7 @@ class Engine:
             raise PartialStepError(f"no window was run: the last step failed halfway. {broken}")
         params, held = self._params.for_window(self.optimizer)  # refuses a stale resize
         self.sync.begin_window()
+        self._layout.open_window()  # an RNN state from the last window's micro-batches may go on
         self.window.open(params, held, self.runtime.loss_scale())
         self.runtime.open_window(len(params), None if self.sync.defers else params)
         self.batchnorm.open_window()

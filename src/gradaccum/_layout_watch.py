@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from gradaccum._carried_state import CarriedStateCheck
 from gradaccum._warnings import warn_user
 
 __all__ = ["SequenceFirstCheck", "SequenceFirstWarning"]
@@ -46,8 +47,12 @@ class SequenceFirstWarning(UserWarning):
 class SequenceFirstCheck:
     """Warns once when a split along dim 0 reaches a sequence-first module as its time axis."""
 
-    def __init__(self, model: torch.nn.Module, batch_dim: int) -> None:
-        """Find the model's sequence-first modules (none to watch with `batch_dim=1`)."""
+    def __init__(self, model: torch.nn.Module, batch_dim: int, carried: bool = True) -> None:
+        """Find the model's sequence-first modules (none to watch with `batch_dim=1`).
+
+        `carried=False` (`accumulate_grad`, under `check_equivalence`, which reports the gap and
+        names a module keeping state in plain attributes) refuses no RNN state carried on.
+        """
         self.modules = [
             (name or "<model>", module)
             for name, module in model.named_modules()
@@ -61,6 +66,11 @@ class SequenceFirstCheck:
             for m in model.modules()
         )
         self._left = _CHECKED if self.modules and batch_dim == 0 and not compiled else 0
+        self.carried = CarriedStateCheck(model, compiled or not carried)  # a state to other rows
+
+    def open_window(self) -> None:
+        """A new window: states its earlier micro-batches' RNNs returned are no longer watched."""
+        self.carried.open_window()
 
     def watch(
         self, items: int, window_items: int | None
@@ -71,10 +81,20 @@ class SequenceFirstCheck:
             items: The micro-batch's items along dim 0.
             window_items: The whole batch's items, or None when the caller split it (streaming).
         """
-        if self._left <= 0 or window_items is None or items >= window_items:
+        if window_items is None or items >= window_items:
             return contextlib.nullcontext()
+        carried = self.carried.watch(items) if self.carried.rnns else contextlib.nullcontext()
+        if self._left <= 0:
+            return carried
         self._left -= 1
-        return _Watch(self, items, window_items)
+        return _Watch(self, items, window_items, carried)
+
+    def found_flattened(
+        self, items: int, name: str, module: torch.nn.Module, sequences: int, steps: int
+    ) -> None:
+        """Warn once: an RNN ran this micro-batch's rows as time steps of fewer sequences."""
+        self._left = 0
+        warn_user(SequenceFirstWarning(_flattened_message(items, name, module, sequences)))
 
     def found(self, items: int, window_items: int, name: str, module: torch.nn.Module) -> None:
         """Warn once: `module` at `name` took this micro-batch's split dim 0 as its time axis."""
@@ -94,15 +114,41 @@ class SequenceFirstCheck:
         )
 
 
+def _flattened_message(items: int, name: str, module: torch.nn.Module, sequences: int) -> str:
+    kind = type(module).__name__
+    return (
+        f"the micro-batch's {items} rows reached the {kind} at {name!r} as {items // sequences} "
+        f"time steps of {sequences} sequences (its batch axis holds {sequences}, not the "
+        f"{items} rows): rows flattened from a (T, N) rollout time-major (a recurrent PPO's "
+        "minibatch, as CleanRL's) are cut in time by the split, each micro-batch running a "
+        "few steps from the sequences' initial state, which is not the full-batch step. Keep "
+        "the minibatch as (T, N, ...) tensors, its initial states (num_layers, N, hidden) and "
+        "dones (T, N), pass Accumulator(..., batch_dim=1) and flatten in loss_fn: each "
+        "micro-batch then holds whole sequences (docs/losses.md, 'Recurrent models'). If each "
+        "micro-batch already holds whole sequences (rows flattened sequence by sequence), "
+        "ignore this."
+    )
+
+
 class _Watch:
     """Pre-hooks on the sequence-first modules for one micro-batch's forward."""
 
-    def __init__(self, check: SequenceFirstCheck, items: int, window_items: int) -> None:
+    def __init__(
+        self,
+        check: SequenceFirstCheck,
+        items: int,
+        window_items: int,
+        carried: contextlib.AbstractContextManager[None],
+    ) -> None:
         self.check, self.items, self.window_items = check, items, window_items
+        self.carried = carried
         self.seen: list[tuple[str, torch.nn.Module]] = []
+        # Per RNN: (name, module, its inputs' batch axis, the time steps x sequences it ran).
+        self.ran: dict[int, tuple[str, torch.nn.Module, int, int]] = {}
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> None:
+        self.carried.__enter__()
         for name, module in self.check.modules:
             self.handles.append(module.register_forward_pre_hook(self._record(name)))
 
@@ -110,8 +156,13 @@ class _Watch:
         # A plain __exit__, not a generator: warn_user then points at the user's line.
         for handle in self.handles:
             handle.remove()
+        self.carried.__exit__(*exc_info)  # type: ignore[arg-type]
         if self.seen and exc_info[0] is None:
             self.check.found(self.items, self.window_items, *self.seen[0])
+        elif exc_info[0] is None:
+            flattened = [ran for ran in self.ran.values() if ran[2] and ran[3] == self.items]
+            if flattened:
+                self.check.found_flattened(self.items, *flattened[0])
 
     def _record(self, name: str) -> Callable[[torch.nn.Module, tuple[Any, ...]], None]:
         def record(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
@@ -126,5 +177,19 @@ class _Watch:
                 and first.shape[1] > 1
             ):
                 self.seen.append((name, module))
+            if isinstance(module, torch.nn.RNNBase) and isinstance(first, torch.Tensor):
+                self._ran(name, module, first)
 
         return record
+
+    def _ran(self, name: str, module: torch.nn.Module, first: torch.Tensor) -> None:
+        """Add up the (S, b) steps an RNN ran, b its batch axis, if b is not the rows."""
+        sequences = int(first.shape[1]) if first.dim() == 3 else 0
+        _, _, before, steps = self.ran.get(id(module), (name, module, sequences, 0))
+        valid = 1 < sequences < self.items and before == sequences  # one batch axis, fewer
+        self.ran[id(module)] = (
+            name,
+            module,
+            sequences if valid else 0,
+            steps + first.numel() // max(first.shape[-1], 1),
+        )

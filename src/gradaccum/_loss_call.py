@@ -20,11 +20,14 @@ Example:
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
+
+from gradaccum._carried_state import STATE_PER_ROW
 
 __all__ = [
     "call_loss_fn",
@@ -34,6 +37,10 @@ __all__ = [
     "refuse_grad_disabled",
 ]
 
+# torch's RNNs: "Expected hidden size (1, 3, 5), got [1, 8, 5]" (LSTM: "hidden[0] size").
+_HIDDEN_SIZE = re.compile(
+    r"Expected hidden(?:\[\d\])? size \(\d+, (?P<rows>\d+), \d+\), got \[\d+, (?P<given>\d+), \d+\]"
+)
 _BATCH_NAMES = frozenset({"batch", "micro_batch", "microbatch", "mb", "inputs", "data", "x", "b"})
 _MODEL_NAMES = frozenset({"model", "net", "module", "network", "m"})
 # How the notes that name a fix begin (the first note, describing the micro-batch, names none).
@@ -59,7 +66,7 @@ def call_loss_fn(loss_fn: Callable[..., Any], model: torch.nn.Module, micro_batc
             raise TypeError(refusal) from error
         add_note = getattr(error, "add_note", None)
         if add_note is not None:  # Python >= 3.11
-            for note in _notes(micro_batch):
+            for note in _notes(micro_batch) + _state_notes(error):
                 add_note(f"gradaccum: {note}")
         raise
 
@@ -196,6 +203,19 @@ def _notes(micro_batch: Any) -> list[str]:
             "with Accumulator(..., accumulation_steps=N)."
         )
     return notes
+
+
+def _state_notes(error: Exception) -> list[str]:
+    """A note for an RNN given a state of more rows than its input: a state kept for the batch."""
+    found = _HIDDEN_SIZE.search(str(error)) if isinstance(error, RuntimeError) else None
+    if found is None or int(found["given"]) <= int(found["rows"]):
+        return []
+    return [
+        f"an RNN was given an initial state of {found['given']} rows for an input of "
+        f"{found['rows']}: a state kept for the whole batch (truncated BPTT over its streams, "
+        "self.h = h.detach()) cannot go whole to a micro-batch of some of its rows. "
+        + STATE_PER_ROW
+    ]
 
 
 def _leaves(obj: Any) -> Any:

@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-__all__ = ["nll_mean_problem"]
+__all__ = ["ctc_without_nll", "nll_mean_problem"]
 
 _NLL_NODES = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})
 _MEAN = 1  # torch's Reduction::Mean, as the nodes save it
@@ -48,6 +48,28 @@ def _nll_means(loss: torch.Tensor) -> Iterator[object]:
                 yield node
             continue  # below it is the model: its logits
         queue.extend(function for function, _ in node.next_functions)
+
+
+def ctc_without_nll(loss: torch.Tensor) -> bool:
+    """Whether `loss` is made of CTC losses and no NLL near its root (read as `_nll_means`).
+
+    CTC targets padded with -100 (Hugging Face's `*ForCTC` labels) are no token mean: CTC's
+    `"mean"` divides each row by its own target length, then averages the rows.
+    """
+    queue, seen, ctc = [loss.grad_fn], 0, False
+    while queue and seen < _NEAR:
+        node = queue.pop(0)
+        if node is None:
+            continue
+        seen += 1
+        name = node.name()
+        if name in _NLL_NODES:
+            return False
+        if name.startswith("CtcLossBackward"):
+            ctc = True
+            continue  # below it is the model
+        queue.extend(function for function, _ in node.next_functions)
+    return ctc
 
 
 def _where(micro_batch: object, target: torch.Tensor, ignore: int) -> str:

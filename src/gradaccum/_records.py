@@ -24,8 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradaccum._batch_sizes import path_name
+
 __all__ = [
     "SCALARS",
+    "AmbiguousListError",
+    "ambiguous_list",
+    "ambiguous_list_error",
     "any_array",
     "collated_columns",
     "dataclass_entries",
@@ -199,6 +204,44 @@ def per_item_list(node: Any, nested: bool = True) -> bool:
         return is_example_list(list(node))
     size = len(first) if type(first) is tuple else -1
     return all(type(entry) is tuple and len(entry) == size for entry in node)
+
+
+class AmbiguousListError(ValueError):
+    """A list that reads both as B items and as a container of B-row tensors: refused."""
+
+
+def ambiguous_list(node: Any, dim: int, nested: bool) -> bool:
+    """Whether `node`, B alike tensors of different shapes with B rows each, reads two ways.
+
+    Read as a container (the first reading), each is split along `dim`: right for fields of B
+    rows, wrong for B items whose own first dimension happens to be B (2 stereo clips, 3 RGB
+    images of varied sizes, 80 spectrograms of 80 mel bins): their channels went to the
+    micro-batches, silently. Different shapes are what makes B items a list at all.
+    """
+    size = len(node) if type(node) in (list, tuple) else 0
+    if size < 2 or not isinstance(node[0], (torch.Tensor, np.ndarray)):
+        return False
+    if not per_item_list(node, nested):  # alike: one type, ndim and dtype
+        return False
+    shapes = [tuple(entry.shape) for entry in node]
+    return len(shapes[0]) > dim and all(s[dim] == size for s in shapes) and len(set(shapes)) > 1
+
+
+def ambiguous_list_error(node: Any, path: Any, dim: int, nested: bool) -> AmbiguousListError:
+    """The error naming both readings of an `ambiguous_list` and how to say which one is meant."""
+    name = path_name(path)
+    size, shapes = len(node), ", ".join(str(tuple(entry.shape)) for entry in node[:3])
+    container = "a dict" if nested else "a tuple or a dict"
+    return AmbiguousListError(
+        f"{name} is a {type(node).__name__} of {size} tensors of different shapes ({shapes}"
+        f"{', ...' if size > 3 else ''}), each with {size} entries along dim {dim}: it reads as "
+        f"{size} items (clips or images of varied sizes, one per item) and as {size} tensors of "
+        f"{size} rows each, which split differently (read as rows, each item's channels or mel "
+        "bins would go to different micro-batches). gradaccum does not guess: if they are the "
+        "items, pass a list of dicts ([{'audio': t} for t in clips]) or pad them into one "
+        f"tensor with their lengths; if they are {size} tensors of {size} rows each, pass them "
+        f"in {container}."
+    )
 
 
 def _shared_keys(dicts: Sequence[Mapping[Any, Any]]) -> set[Any]:

@@ -31,7 +31,7 @@ from gradaccum._copied_loop import (
     sum_problem,
     window_count_problem,
 )
-from gradaccum._nll_mean import nll_mean_problem
+from gradaccum._nll_mean import ctc_without_nll, nll_mean_problem
 from gradaccum._warnings import warn_user
 from gradaccum._weighted_mean import divided_sum_problem
 
@@ -94,7 +94,9 @@ def warn_if_token_mean(micro_batch: object, loss: object = None, rows: int = 0) 
     if problem is not None:
         warn_user(TokenMeanWarning(problem))
         return True
-    for where, labels in _targets(micro_batch):
+    # CTC's -100-padded targets (a Hugging Face *ForCTC model): its mean is a mean of rows.
+    ctc = isinstance(loss, torch.Tensor) and ctc_without_nll(loss)
+    for where, labels in [] if ctc else _targets(micro_batch):
         ignored = labels == _IGNORE_INDEX
         # Targets are class indices and -100; signed PCM audio (int16) holds -100 among other
         # negative samples: it is an input, and warned of every clip that had that sample.

@@ -66,6 +66,9 @@ from gradaccum._batch_sizes import (
 from gradaccum._device import map_tensors, on_device, to_device
 from gradaccum._records import (
     SCALARS,
+    AmbiguousListError,
+    ambiguous_list,
+    ambiguous_list_error,
     any_array,
     collated_columns,
     dataclass_entries,
@@ -228,6 +231,8 @@ def _plan(
         try:
             return _general(batch, batch_dim, build, 0, hook)
         except ValueError as error:
+            if isinstance(error, AmbiguousListError):  # both readings agree with B: no fallback
+                raise
             for lists in (1, 2):
                 try:
                     return _general(batch, batch_dim, build, lists, hook)
@@ -267,6 +272,8 @@ def _flat_tensors(batch: Any, dim: int) -> list[torch.Tensor] | None:
     if not values or not all(type(v) is torch.Tensor and _plain(v, dim) for v in values):
         return None
     size = values[0].shape[dim]
+    if len(values) == size and kind is list and ambiguous_list(values, dim, False):
+        return None  # the general path refuses it
     return values if size and all(v.shape[dim] == size for v in values) else None
 
 
@@ -309,6 +316,8 @@ def _compile(
         node = _hooked(node, hook)
         return lambda start, stop: node[start:stop]
     elif is_record(node) or (isinstance(node, (list, tuple)) and any_array(node)):
+        if not tensor_lists and ambiguous_list(node, dim, path != "batch"):
+            raise ambiguous_list_error(node, path, dim, path != "batch")
         entries, template = enumerate(node), "[{}]"
     elif isinstance(node, (list, tuple)):  # per-item entries, however many (even none)
         sizes.append((path, len(node), type(node).__name__))

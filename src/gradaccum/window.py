@@ -349,7 +349,7 @@ def accumulate_grad(
     device = params[0].device
     window = Window()
     window.open(params, len(params), loss_scale=1.0)
-    token_mean, layout = TokenMeanCheck(), SequenceFirstCheck(model, batch_dim=0)
+    token_mean, layout = TokenMeanCheck(), SequenceFirstCheck(model, 0, carried=False)
     forward = ForwardState(model)  # put back on failure, as the note says (BatchNorm statistics)
     try:
         with steps_refused(window):  # an optimizer stepped in the backward
