@@ -720,7 +720,58 @@ def test_temporaries_of_killed_writers_are_cleaned_up(tmp_path: Path) -> None:
     assert alive.exists()
     assert elsewhere.exists()  # before, deleted: that writer's rename then failed
     assert (tmp_path / "ckpt.pt").exists()
-    assert not list(tmp_path.glob(f".ckpt.pt.tmp-{host}-{os.getpid()}"))  # its own: renamed
+    assert not list(tmp_path.glob(f".ckpt.pt.tmp-{host}-{os.getpid()}*"))  # its own: renamed
+
+
+def test_temporaries_are_told_apart_by_writer_and_save(tmp_path: Path) -> None:
+    """Each save has its own temporary; a dead writer's are removed, a live one's are kept."""
+    model, optimizer = _small()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    host = socket.gethostname()
+    stale = tmp_path / f".ckpt.pt.tmp-{host}-{dead.stdout.strip()}.0123abcd"
+    live = tmp_path / f".ckpt.pt.tmp-{host}-{os.getpid()}.89abcdef"  # another thread's, say
+    for leftover in (stale, live):
+        leftover.write_bytes(b"half a checkpoint")
+    save_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=optimizer)
+    assert not stale.exists()
+    assert live.read_bytes() == b"half a checkpoint"  # not written over, not removed
+
+
+def test_a_save_landing_inside_another_save_of_the_same_file_keeps_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal handler (or a background thread) saving the file the loop is saving.
+
+    Both saves used one temporary (named by host and pid): the inner one truncated and renamed
+    the outer's file, the outer's rename then raised `FileNotFoundError`, and its buffered bytes
+    went into the checkpoint under the target's name.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Linear(300, 200).double()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 300, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    target, real_save, inner = tmp_path / "ckpt.pt", torch.save, []
+
+    def save_interrupted(payload: Any, handle: Any) -> None:
+        real_save(payload, handle)  # the loop's bytes are written, not yet flushed...
+        if not inner:  # ...when a handler saves the same file, once
+            inner.append(True)
+            save_checkpoint(target, model=model, optimizer=optimizer, extra={"by": "handler"})
+
+    monkeypatch.setattr(torch, "save", save_interrupted)
+    save_checkpoint(target, model=model, optimizer=optimizer, extra={"by": "loop"})
+    monkeypatch.undo()
+    fresh = torch.nn.Linear(300, 200).double()
+    fresh_optimizer = torch.optim.Adam(fresh.parameters())
+    assert load_checkpoint(target, model=fresh, optimizer=fresh_optimizer) == {"by": "loop"}
+    assert torch.equal(fresh.weight, model.weight)
+    assert not list(tmp_path.glob(".ckpt.pt.tmp-*"))
 
 
 # ----- extra: only what a weights_only load reads back ------------------------------------------
