@@ -10,6 +10,7 @@ one test run concurrently to keep the file fast.
 
 from __future__ import annotations
 
+import enum
 import io
 import os
 import pathlib
@@ -33,6 +34,7 @@ import torch
 from gradaccum import (
     Accumulator,
     CheckpointError,
+    LossSum,
     _checkpoint_fit,
     load_checkpoint,
     save_checkpoint,
@@ -774,6 +776,92 @@ def test_a_save_landing_inside_another_save_of_the_same_file_keeps_it_whole(
     assert not list(tmp_path.glob(".ckpt.pt.tmp-*"))
 
 
+# ----- optimizer and scheduler states: what a weights_only load reads back ----------------------
+
+
+def _numpy_run(tmp_path: Path, save_after: int | None) -> tuple[torch.nn.Module, Any]:
+    """6 micro-steps of a run whose lr, weight decay and T_max were computed with NumPy."""
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, Accumulator]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        model = model.double()
+        lr = np.float64(1e-3) * np.sqrt(np.float64(256) / 64)  # a scaling rule, in NumPy
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=np.float64(0.05))
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=np.int64(10))
+        return (
+            model,
+            optimizer,
+            Accumulator(model, optimizer, accumulation_steps=2, scheduler=schedule),
+        )
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> Any:
+        x, y = batch
+        return LossSum(((model(x) - y) ** 2).sum(), x.shape[0])
+
+    generator = torch.Generator().manual_seed(1)
+    data = [
+        (
+            torch.randn(3, 4, generator=generator, dtype=torch.float64),
+            torch.randn(3, 1, dtype=torch.float64, generator=generator),
+        )
+        for _ in range(6)
+    ]
+    model, optimizer, acc = build()
+    for index, batch in enumerate(data):
+        if index == save_after:
+            save_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=optimizer, accumulator=acc)
+            model, optimizer, acc = build()
+            load_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=optimizer, accumulator=acc)
+        acc.micro_step(batch, loss_fn)
+    return model, optimizer
+
+
+def test_numpy_numbers_in_optimizer_and_scheduler_states_save_and_resume_exactly(
+    tmp_path: Path,
+) -> None:
+    """An lr from NumPy was a NumPy scalar in the file: saved silently, refused at every load."""
+    torch.manual_seed(0)
+    probe = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=np.float64(0.1))
+    torch.save(probe.state_dict(), tmp_path / "plain.pt")  # the cause: torch keeps NumPy's type
+    with pytest.raises(pickle.UnpicklingError, match="numpy"):
+        torch.load(tmp_path / "plain.pt", weights_only=True)
+    model, optimizer = _numpy_run(tmp_path, save_after=None)
+    for save_after in (1, 3):  # mid-window, and between windows
+        resumed, resumed_optimizer = _numpy_run(tmp_path, save_after=save_after)
+        assert_bitwise(clone_state(resumed.state_dict()), clone_state(model.state_dict()))
+        assert resumed_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+        assert_bitwise(resumed_optimizer.state_dict()["state"], optimizer.state_dict()["state"])
+
+
+class _Phase(enum.Enum):
+    WARMUP = 1
+
+
+def test_a_state_a_weights_only_load_refuses_is_refused_at_save_keeping_the_previous_file(
+    tmp_path: Path,
+) -> None:
+    """A scheduler keeping an object of its own: the save refuses it, naming where it is."""
+
+    class PhasedLR(torch.optim.lr_scheduler.LRScheduler):
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.phase = _Phase.WARMUP
+            super().__init__(optimizer)
+
+        def get_lr(self) -> list[float]:
+            return [group["lr"] for group in self.optimizer.param_groups]
+
+    model, optimizer = _small()
+    target = tmp_path / "ckpt.pt"
+    save_checkpoint(target, model=model, optimizer=optimizer, extra={"step": 1})
+    previous = target.read_bytes()
+    with pytest.raises(ValueError, match=r"scheduler\['phase'\] is a .*Phase.*previous checkpoint"):
+        save_checkpoint(target, model=model, optimizer=optimizer, scheduler=PhasedLR(optimizer))
+    assert target.read_bytes() == previous  # before: replaced by a file no load could read
+    assert load_checkpoint(target, model=model, optimizer=optimizer) == {"step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
 # ----- extra: only what a weights_only load reads back ------------------------------------------
 
 
@@ -927,7 +1015,7 @@ def test_file_holding_an_object_loading_refuses_gets_one_plain_line(tmp_path: Pa
     assert "\x1b" not in message
     assert "\n" not in message
     assert re.search(r"numpy\.pt: it holds a numpy\.[\w.]+ object, which weights_only", message)
-    assert "save extra as tensors or lists" in message
+    assert "in extra, or a NumPy number in an optimizer or scheduler state" in message
     assert_bitwise([model.state_dict(), optimizer.state_dict()], before)
     # Negative control: torch's own message carries ANSI escape codes and line breaks.
     with pytest.raises(Exception, match="\x1b") as raw:

@@ -25,6 +25,7 @@ import os
 import re
 import secrets
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,16 @@ _HOST = socket.gethostname()
 _WRITER = re.compile(r"(?:(?P<host>.*)-)?(?P<pid>[0-9]+)(?:\.[0-9a-f]{8})?")
 
 
-def write_atomically(target: Path, payload: Any) -> None:
+def write_atomically(
+    target: Path, payload: Any, check: Callable[[Path], None] | None = None
+) -> None:
     """`torch.save(payload)` to `target` through a fsynced temporary renamed over it.
+
+    Args:
+        target: The file to write.
+        payload: What `torch.save` writes.
+        check: Called with the written temporary before the rename; what it raises leaves
+            `target` as it was.
 
     Raises:
         OSError: If writing fails (a full disk...); the previous `target` is left intact and
@@ -56,6 +65,8 @@ def write_atomically(target: Path, payload: Any) -> None:
             torch.save(payload, handle)
             handle.flush()
             os.fsync(handle.fileno())
+        if check is not None:
+            check(temporary)
         os.replace(temporary, target)
     finally:
         temporary.unlink(missing_ok=True)
