@@ -862,6 +862,53 @@ def test_a_state_a_weights_only_load_refuses_is_refused_at_save_keeping_the_prev
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
 
 
+class _Warmup:
+    """A schedule of your own: the Accumulator steps anything with `step()`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer, self.steps = optimizer, 0
+
+    def step(self) -> None:
+        self.steps += 1
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.1 * min(1.0, self.steps / 10)
+
+
+class _SavableWarmup(_Warmup):
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.steps = state["steps"]
+
+
+def test_a_scheduler_without_state_dict_is_refused_at_save_naming_the_fix(tmp_path: Path) -> None:
+    """Saved as the README shows (accumulator=acc): a bare AttributeError, and no way around it."""
+    target = tmp_path / "ckpt.pt"
+
+    def run(kind: type[_Warmup]) -> tuple[torch.nn.Module, torch.optim.Optimizer, Accumulator]:
+        model, optimizer = _small()
+        acc = Accumulator(model, optimizer, accumulation_steps=2, scheduler=kind(optimizer))
+        for _ in range(6):
+            acc.micro_step(torch.randn(4, 3, dtype=torch.float64), lambda m, x: m(x).pow(2).mean())
+        return model, optimizer, acc
+
+    model, optimizer, acc = run(_Warmup)
+    save_checkpoint(target, model=model, optimizer=optimizer, extra={"step": 0})
+    previous = target.read_bytes()
+    with pytest.raises(ValueError, match=r"_Warmup has no state_dict\(\).*LambdaLR.*Nothing was"):
+        save_checkpoint(target, model=model, optimizer=optimizer, accumulator=acc)
+    assert target.read_bytes() == previous
+    # Control: with state_dict() and load_state_dict(), the schedule's position resumes.
+    model, optimizer, acc = run(_SavableWarmup)
+    save_checkpoint(target, model=model, optimizer=optimizer, accumulator=acc)
+    fresh_model, fresh_optimizer = _small()
+    schedule = _SavableWarmup(fresh_optimizer)
+    fresh = Accumulator(fresh_model, fresh_optimizer, accumulation_steps=2, scheduler=schedule)
+    load_checkpoint(target, model=fresh_model, optimizer=fresh_optimizer, accumulator=fresh)
+    assert schedule.steps == 3
+
+
 # ----- extra: only what a weights_only load reads back ------------------------------------------
 
 

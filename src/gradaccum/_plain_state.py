@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["plain_numbers", "refuse_unreadable"]
+__all__ = ["check_stateful", "plain_numbers", "refuse_unreadable"]
 
 _PLAIN = (str, bytes, int, float, complex, type(None), torch.Tensor, torch.dtype, torch.device)
 _NUMBERS = "biuf"  # NumPy kinds with a Python number of the same value: bool, ints, floats
@@ -54,6 +54,27 @@ def plain_numbers(state: Any) -> Any:
             return items
         return type(state)(*items) if hasattr(state, "_fields") else type(state)(items)
     return state
+
+
+def check_stateful(scheduler: object) -> None:
+    """Refuse to save a scheduler that cannot give its state (a class of your own with `step()`).
+
+    The Accumulator steps any object with `step()`, and `save_checkpoint(accumulator=acc)` saves
+    its scheduler: one without `state_dict()` raised a bare `AttributeError` at the first save,
+    and no call could leave it out (`scheduler=None` means the Accumulator's).
+
+    Raises:
+        ValueError: Naming the missing methods and the fix; nothing is written.
+    """
+    missing = [f"{n}()" for n in ("state_dict", "load_state_dict") if not hasattr(scheduler, n)]
+    if scheduler is not None and missing:
+        raise ValueError(
+            f"cannot save the scheduler: {type(scheduler).__name__} has no "
+            f"{' or '.join(missing)}, so a checkpoint cannot hold where its schedule is and a "
+            "resumed run would start it over. Give it state_dict() and load_state_dict() (or "
+            "build the schedule as torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)). "
+            "Nothing was written."
+        )
 
 
 def refuse_unreadable(written: Path, payload: dict[str, Any], target: Path) -> None:

@@ -56,7 +56,7 @@ from gradaccum._checkpoint_fit import (
     strip_wrapper_prefixes,
     unwrapped,
 )
-from gradaccum._plain_state import plain_numbers, refuse_unreadable
+from gradaccum._plain_state import check_stateful, plain_numbers, refuse_unreadable
 from gradaccum._rng_state import RngStates, capture_rng, checked_rng
 from gradaccum._sharded_checkpoint import load_sharded, save_sharded
 from gradaccum._sync_base import is_fsdp
@@ -101,6 +101,7 @@ def save_checkpoint(
     check_extra(extra)
     check_accumulator_targets(optimizer, accumulator, scheduler, "save")
     scheduler = default_scheduler(accumulator) if scheduler is None else scheduler
+    check_stateful(scheduler)
     target = Path(path)
     if not target.parent.is_dir():
         raise ValueError(
