@@ -340,6 +340,7 @@ _OPTIONAL = {
     "engine.window.terms",
     "auto",
     "auto.capped",
+    "auto.regrow_after",  # absent from states saved before it was recorded
     "auto.tuner",
     "auto.tuner.decisions",
     "engine.batchnorm.start",
