@@ -858,6 +858,11 @@ def test_a_state_a_weights_only_load_refuses_is_refused_at_save_keeping_the_prev
     with pytest.raises(ValueError, match=r"scheduler\['phase'\] is a .*Phase.*previous checkpoint"):
         save_checkpoint(target, model=model, optimizer=optimizer, scheduler=PhasedLR(optimizer))
     assert target.read_bytes() == previous  # before: replaced by a file no load could read
+    # A NumPy float32 lr: its schedule runs in float32, which no Python number resumes bitwise.
+    optimizer.param_groups[0]["lr"] = np.float32(0.1)
+    with pytest.raises(ValueError, match=r"optimizer\['param_groups'\]\[0\]\['lr'\] is a numpy"):
+        save_checkpoint(target, model=model, optimizer=optimizer)
+    assert target.read_bytes() == previous
     assert load_checkpoint(target, model=model, optimizer=optimizer) == {"step": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
 

@@ -4,15 +4,17 @@ An optimizer or scheduler state keeps the numbers it was given as they were give
 rate computed with NumPy (`lr = 3e-4 * np.sqrt(batch / 256)`, a value of `np.logspace`) or a
 `T_max` from `np.ceil` is a NumPy scalar, which `torch.save` pickles as a NumPy object and a
 weights_only load refuses. Such a checkpoint was written without a word and could not be loaded
-at resume, the error blaming `extra`. NumPy numbers are now written as the Python numbers of the
-same value (torch's optimizers compute with them as Python numbers anyway), and a written file
-whose pickle still names anything a weights_only load refuses (an object of your own in a
-scheduler's or a module's extra state) is refused before it replaces the previous checkpoint.
+at resume, the error blaming `extra`. NumPy float64s, ints and bools are now written as the
+Python numbers of the same value, with which Python computes the same schedule; a written file
+whose pickle still names anything a weights_only load refuses is refused before it replaces the
+previous checkpoint, naming where it is: an object of your own in a scheduler's or a module's
+extra state, or a NumPy float32 (its schedule is computed in float32, so a Python number would
+resume it 1e-9 away from the uninterrupted run, not bitwise: `float(lr)` where it is set).
 
 Example:
     >>> import numpy as np
-    >>> plain_numbers({"param_groups": [{"lr": np.float64(0.5), "betas": (0.9, np.float32(0.5))}]})
-    {'param_groups': [{'lr': 0.5, 'betas': (0.9, 0.5)}]}
+    >>> plain_numbers({"param_groups": [{"lr": np.float64(0.5), "betas": (0.9, np.int64(1))}]})
+    {'param_groups': [{'lr': 0.5, 'betas': (0.9, 1)}]}
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 __all__ = ["check_stateful", "plain_numbers", "refuse_unreadable"]
 
 _PLAIN = (str, bytes, int, float, complex, type(None), torch.Tensor, torch.dtype, torch.device)
-_NUMBERS = "biuf"  # NumPy kinds with a Python number of the same value: bool, ints, floats
+_EXACT = "biu"  # NumPy kinds that compute as their Python numbers do (float64 too, not float32)
 
 
 def plain_numbers(state: Any) -> Any:
@@ -36,7 +38,7 @@ def plain_numbers(state: Any) -> Any:
     Containers are rebuilt only where something changed, keeping their type (a model's
     `OrderedDict` keeps its `_metadata`, the module versions); anything else is kept as it is.
     """
-    if isinstance(state, np.generic) and state.dtype.kind in _NUMBERS:
+    if isinstance(state, np.generic) and (state.dtype.kind in _EXACT or state.dtype == np.float64):
         return state.item()
     if isinstance(state, dict):
         pairs = [(plain_numbers(k), plain_numbers(v)) for k, v in state.items()]
@@ -96,8 +98,8 @@ def refuse_unreadable(written: Path, payload: dict[str, Any], target: Path) -> N
         f"cannot write checkpoint {target}: "
         + (f"{where[0]} is a {where[1]}" if where else "it holds an object")
         + f" ({', '.join(refused)}), which the weights_only load of load_checkpoint refuses; "
-        "make that state plain data (numbers, strings, lists, dicts, tensors). Nothing was "
-        "written: the previous checkpoint is kept."
+        "make that state plain data (numbers, strings, lists, dicts, tensors; a NumPy float32: "
+        "float(value) where it is set). Nothing was written: the previous checkpoint is kept."
     )
 
 
