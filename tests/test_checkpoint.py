@@ -10,6 +10,7 @@ one test run concurrently to keep the file fast.
 
 from __future__ import annotations
 
+import enum
 import io
 import os
 import pathlib
@@ -33,6 +34,7 @@ import torch
 from gradaccum import (
     Accumulator,
     CheckpointError,
+    LossSum,
     _checkpoint_fit,
     load_checkpoint,
     save_checkpoint,
@@ -720,7 +722,196 @@ def test_temporaries_of_killed_writers_are_cleaned_up(tmp_path: Path) -> None:
     assert alive.exists()
     assert elsewhere.exists()  # before, deleted: that writer's rename then failed
     assert (tmp_path / "ckpt.pt").exists()
-    assert not list(tmp_path.glob(f".ckpt.pt.tmp-{host}-{os.getpid()}"))  # its own: renamed
+    assert not list(tmp_path.glob(f".ckpt.pt.tmp-{host}-{os.getpid()}*"))  # its own: renamed
+
+
+def test_temporaries_are_told_apart_by_writer_and_save(tmp_path: Path) -> None:
+    """Each save has its own temporary; a dead writer's are removed, a live one's are kept."""
+    model, optimizer = _small()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    host = socket.gethostname()
+    stale = tmp_path / f".ckpt.pt.tmp-{host}-{dead.stdout.strip()}.0123abcd"
+    live = tmp_path / f".ckpt.pt.tmp-{host}-{os.getpid()}.89abcdef"  # another thread's, say
+    for leftover in (stale, live):
+        leftover.write_bytes(b"half a checkpoint")
+    save_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=optimizer)
+    assert not stale.exists()
+    assert live.read_bytes() == b"half a checkpoint"  # not written over, not removed
+
+
+def test_a_save_landing_inside_another_save_of_the_same_file_keeps_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal handler (or a background thread) saving the file the loop is saving.
+
+    Both saves used one temporary (named by host and pid): the inner one truncated and renamed
+    the outer's file, the outer's rename then raised `FileNotFoundError`, and its buffered bytes
+    went into the checkpoint under the target's name.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Linear(300, 200).double()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 300, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    target, real_save, inner = tmp_path / "ckpt.pt", torch.save, []
+
+    def save_interrupted(payload: Any, handle: Any) -> None:
+        real_save(payload, handle)  # the loop's bytes are written, not yet flushed...
+        if not inner:  # ...when a handler saves the same file, once
+            inner.append(True)
+            save_checkpoint(target, model=model, optimizer=optimizer, extra={"by": "handler"})
+
+    monkeypatch.setattr(torch, "save", save_interrupted)
+    save_checkpoint(target, model=model, optimizer=optimizer, extra={"by": "loop"})
+    monkeypatch.undo()
+    fresh = torch.nn.Linear(300, 200).double()
+    fresh_optimizer = torch.optim.Adam(fresh.parameters())
+    assert load_checkpoint(target, model=fresh, optimizer=fresh_optimizer) == {"by": "loop"}
+    assert torch.equal(fresh.weight, model.weight)
+    assert not list(tmp_path.glob(".ckpt.pt.tmp-*"))
+
+
+# ----- optimizer and scheduler states: what a weights_only load reads back ----------------------
+
+
+def _numpy_run(tmp_path: Path, save_after: int | None) -> tuple[torch.nn.Module, Any]:
+    """6 micro-steps of a run whose lr, weight decay and T_max were computed with NumPy."""
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, Accumulator]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        model = model.double()
+        lr = np.float64(1e-3) * np.sqrt(np.float64(256) / 64)  # a scaling rule, in NumPy
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=np.float64(0.05))
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=np.int64(10))
+        return (
+            model,
+            optimizer,
+            Accumulator(model, optimizer, accumulation_steps=2, scheduler=schedule),
+        )
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> Any:
+        x, y = batch
+        return LossSum(((model(x) - y) ** 2).sum(), x.shape[0])
+
+    generator = torch.Generator().manual_seed(1)
+    data = [
+        (
+            torch.randn(3, 4, generator=generator, dtype=torch.float64),
+            torch.randn(3, 1, dtype=torch.float64, generator=generator),
+        )
+        for _ in range(6)
+    ]
+    model, optimizer, acc = build()
+    for index, batch in enumerate(data):
+        if index == save_after:
+            save_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=optimizer, accumulator=acc)
+            model, optimizer, acc = build()
+            load_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=optimizer, accumulator=acc)
+        acc.micro_step(batch, loss_fn)
+    return model, optimizer
+
+
+def test_numpy_numbers_in_optimizer_and_scheduler_states_save_and_resume_exactly(
+    tmp_path: Path,
+) -> None:
+    """An lr from NumPy was a NumPy scalar in the file: saved silently, refused at every load."""
+    torch.manual_seed(0)
+    probe = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=np.float64(0.1))
+    torch.save(probe.state_dict(), tmp_path / "plain.pt")  # the cause: torch keeps NumPy's type
+    with pytest.raises(pickle.UnpicklingError, match="numpy"):
+        torch.load(tmp_path / "plain.pt", weights_only=True)
+    model, optimizer = _numpy_run(tmp_path, save_after=None)
+    for save_after in (1, 3):  # mid-window, and between windows
+        resumed, resumed_optimizer = _numpy_run(tmp_path, save_after=save_after)
+        assert_bitwise(clone_state(resumed.state_dict()), clone_state(model.state_dict()))
+        assert resumed_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+        assert_bitwise(resumed_optimizer.state_dict()["state"], optimizer.state_dict()["state"])
+
+
+class _Phase(enum.Enum):
+    WARMUP = 1
+
+
+def test_a_state_a_weights_only_load_refuses_is_refused_at_save_keeping_the_previous_file(
+    tmp_path: Path,
+) -> None:
+    """A scheduler keeping an object of its own: the save refuses it, naming where it is."""
+
+    class PhasedLR(torch.optim.lr_scheduler.LRScheduler):
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.phase = _Phase.WARMUP
+            super().__init__(optimizer)
+
+        def get_lr(self) -> list[float]:
+            return [group["lr"] for group in self.optimizer.param_groups]
+
+    model, optimizer = _small()
+    target = tmp_path / "ckpt.pt"
+    save_checkpoint(target, model=model, optimizer=optimizer, extra={"step": 1})
+    previous = target.read_bytes()
+    with pytest.raises(ValueError, match=r"scheduler\['phase'\] is a .*Phase.*previous checkpoint"):
+        save_checkpoint(target, model=model, optimizer=optimizer, scheduler=PhasedLR(optimizer))
+    assert target.read_bytes() == previous  # before: replaced by a file no load could read
+    # A NumPy float32 lr: its schedule runs in float32, which no Python number resumes bitwise.
+    optimizer.param_groups[0]["lr"] = np.float32(0.1)
+    with pytest.raises(ValueError, match=r"optimizer\['param_groups'\]\[0\]\['lr'\] is a numpy"):
+        save_checkpoint(target, model=model, optimizer=optimizer)
+    assert target.read_bytes() == previous
+    assert load_checkpoint(target, model=model, optimizer=optimizer) == {"step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+class _Warmup:
+    """A schedule of your own: the Accumulator steps anything with `step()`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer, self.steps = optimizer, 0
+
+    def step(self) -> None:
+        self.steps += 1
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.1 * min(1.0, self.steps / 10)
+
+
+class _SavableWarmup(_Warmup):
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.steps = state["steps"]
+
+
+def test_a_scheduler_without_state_dict_is_refused_at_save_naming_the_fix(tmp_path: Path) -> None:
+    """Saved as the README shows (accumulator=acc): a bare AttributeError, and no way around it."""
+    target = tmp_path / "ckpt.pt"
+
+    def run(kind: type[_Warmup]) -> tuple[torch.nn.Module, torch.optim.Optimizer, Accumulator]:
+        model, optimizer = _small()
+        acc = Accumulator(model, optimizer, accumulation_steps=2, scheduler=kind(optimizer))
+        for _ in range(6):
+            acc.micro_step(torch.randn(4, 3, dtype=torch.float64), lambda m, x: m(x).pow(2).mean())
+        return model, optimizer, acc
+
+    model, optimizer, acc = run(_Warmup)
+    save_checkpoint(target, model=model, optimizer=optimizer, extra={"step": 0})
+    previous = target.read_bytes()
+    with pytest.raises(ValueError, match=r"_Warmup has no state_dict\(\).*LambdaLR.*Nothing was"):
+        save_checkpoint(target, model=model, optimizer=optimizer, accumulator=acc)
+    assert target.read_bytes() == previous
+    # Control: with state_dict() and load_state_dict(), the schedule's position resumes.
+    model, optimizer, acc = run(_SavableWarmup)
+    save_checkpoint(target, model=model, optimizer=optimizer, accumulator=acc)
+    fresh_model, fresh_optimizer = _small()
+    schedule = _SavableWarmup(fresh_optimizer)
+    fresh = Accumulator(fresh_model, fresh_optimizer, accumulation_steps=2, scheduler=schedule)
+    load_checkpoint(target, model=fresh_model, optimizer=fresh_optimizer, accumulator=fresh)
+    assert schedule.steps == 3
 
 
 # ----- extra: only what a weights_only load reads back ------------------------------------------
@@ -876,7 +1067,7 @@ def test_file_holding_an_object_loading_refuses_gets_one_plain_line(tmp_path: Pa
     assert "\x1b" not in message
     assert "\n" not in message
     assert re.search(r"numpy\.pt: it holds a numpy\.[\w.]+ object, which weights_only", message)
-    assert "save extra as tensors or lists" in message
+    assert "in extra, or a NumPy number in an optimizer or scheduler state" in message
     assert_bitwise([model.state_dict(), optimizer.state_dict()], before)
     # Negative control: torch's own message carries ANSI escape codes and line breaks.
     with pytest.raises(Exception, match="\x1b") as raw:

@@ -268,6 +268,35 @@ def test_state_dict_keeps_the_chosen_size_and_the_plan() -> None:
 
 
 @pytest.mark.parametrize(
+    ("saved", "resumed", "expected"),
+    [
+        (2, None, [24] * 7),  # before: regrown to 32 after the saved wait, regrowth off
+        (None, 2, [24, 24] + [32] * 5),  # before: 24 forever
+        (2, 4, [24] * 3 + [32] * 4),  # the window that shrank counts; before: [24] + [32] * 6
+    ],
+)
+def test_a_run_resumed_with_another_regrow_after_follows_it(
+    saved: int | None, resumed: int | None, expected: list[int]
+) -> None:
+    """The saved wait held: regrowth went on under `regrow_after=None`, or never came back."""
+    batches = _batches(8)
+    model = OomAbove(_inner())
+    acc = _accumulator(model, "largest", regrow_after=saved)
+    _scarce_after_planning(acc, model, batches[0], threshold=30)
+    acc.step(batches[0], _loss)  # 32 fails -> 24
+    assert acc.state_dict()["auto"]["size"] == 24
+    memory_freed = OomAbove(_inner(), threshold=math.inf)
+    twin = _accumulator(memory_freed, "largest", regrow_after=resumed)
+    twin.load_state_dict(acc.state_dict())
+    assert [twin.step(batch, _loss).micro_batch_size for batch in batches[1:]] == expected
+    # Control: resumed with the same setting, the saved wait holds.
+    same = _accumulator(OomAbove(_inner(), threshold=math.inf), "largest", regrow_after=saved)
+    same.load_state_dict(acc.state_dict())
+    grown = [same.step(batch, _loss).micro_batch_size for batch in batches[1:4]]
+    assert grown == ([24, 32, 32] if saved == 2 else [24, 24, 24])
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"micro_batch_size": "auto"}, "memory_budget is required on cpu"),

@@ -13,6 +13,7 @@ import math
 import pickle
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -255,6 +256,23 @@ def test_compatible_state_loads() -> None:
     assert target.state_dict()["engine"]["window"]["micro_batches"] == 1
 
 
+def test_the_state_has_the_documented_keys() -> None:
+    """The layout docs/architecture.md gives; it listed 6 of the 9 top keys, 4 of the engine's 6."""
+    _, _, acc = _setup()
+    acc.micro_step(_data(1, torch.float64)[0], _mse)
+    state = acc.state_dict()
+    top = ["version", "settings", "engine", "auto", "telemetry", "nonfinite_windows"]
+    top += ["empty_windows", "nonfinite_in_a_row"]
+    engine = ["buffers", "window", "precision", "batchnorm_mode", "batchnorm", "origin"]
+    assert sorted(state) == sorted(top)
+    assert sorted(state["engine"]) == sorted(engine)
+    docs = Path(__file__).parents[1] / "docs" / "architecture.md"
+    text = " ".join(docs.read_text().split())
+    written = '", "'.join(engine)
+    assert f'"engine": {{"{written}"}}' in text
+    assert all(f'"{key}"' in text for key in top)
+
+
 @pytest.mark.parametrize("bad", [{}, {"version": 99}, "not a dict"])
 def test_not_a_state_or_wrong_version_raises(bad: Any) -> None:
     _, _, acc = _setup()
@@ -340,6 +358,7 @@ _OPTIONAL = {
     "engine.window.terms",
     "auto",
     "auto.capped",
+    "auto.regrow_after",  # absent from states saved before it was recorded
     "auto.tuner",
     "auto.tuner.decisions",
     "engine.batchnorm.start",

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from gradaccum._checkpoint_fit import default_scheduler, scheduler_kind
 from gradaccum._dtensor import local_shards
+from gradaccum._plain_state import plain_numbers
 from gradaccum._rng_state import capture_rng, checked_rng
 
 __all__ = ["fsync_folder", "load_sharded", "save_sharded"]
@@ -71,7 +72,7 @@ def save_sharded(
             accumulator_state and accumulator_state["engine"]["window"].get("micro_batches")
         ),
         "optimizer_class": type(optimizer).__name__,
-        "scheduler": None if scheduler is None else scheduler.state_dict(),
+        "scheduler": None if scheduler is None else plain_numbers(scheduler.state_dict()),
         "scheduler_class": None if scheduler is None else scheduler_kind(scheduler),
         "extra": extra,
         "rng": capture_rng(),

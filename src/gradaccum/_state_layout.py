@@ -131,7 +131,7 @@ _AUTO = {
     "out_of_memory_events": INT,
     "plan": _optional(DICT),
 }
-_AUTO_OPTIONAL = {"capped": BOOL, "tuner": _optional(DICT)}
+_AUTO_OPTIONAL = {"capped": BOOL, "tuner": _optional(DICT), "regrow_after": _optional(INT)}
 _TUNER = {
     "fits": INT,
     "window_items": INT,

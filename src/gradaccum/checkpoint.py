@@ -56,6 +56,7 @@ from gradaccum._checkpoint_fit import (
     strip_wrapper_prefixes,
     unwrapped,
 )
+from gradaccum._plain_state import check_stateful, plain_numbers, refuse_unreadable
 from gradaccum._rng_state import RngStates, capture_rng, checked_rng
 from gradaccum._sharded_checkpoint import load_sharded, save_sharded
 from gradaccum._sync_base import is_fsdp
@@ -100,6 +101,7 @@ def save_checkpoint(
     check_extra(extra)
     check_accumulator_targets(optimizer, accumulator, scheduler, "save")
     scheduler = default_scheduler(accumulator) if scheduler is None else scheduler
+    check_stateful(scheduler)
     target = Path(path)
     if not target.parent.is_dir():
         raise ValueError(
@@ -124,16 +126,16 @@ def save_checkpoint(
     payload = {
         "format": _FORMAT,
         "version": _VERSION,
-        "model": unwrapped(model).state_dict(),  # loads into the model wrapped or not
-        "optimizer": optimizer.state_dict(),
+        "model": plain_numbers(unwrapped(model).state_dict()),  # wrapped or not, it loads
+        "optimizer": plain_numbers(optimizer.state_dict()),  # an lr computed with NumPy...
         "optimizer_class": type(optimizer).__name__,
-        "scheduler": None if scheduler is None else scheduler.state_dict(),
+        "scheduler": None if scheduler is None else plain_numbers(scheduler.state_dict()),
         "scheduler_class": None if scheduler is None else scheduler_kind(scheduler),
         "accumulator": None if accumulator is None else accumulator.state_dict(),
         "extra": extra,
         "rng": capture_rng(),
     }
-    write_atomically(target, payload)
+    write_atomically(target, payload, lambda written: refuse_unreadable(written, payload, target))
 
 
 def load_checkpoint(
@@ -279,9 +281,10 @@ def _read_payload(source: Path, map_location: Any = "cpu") -> dict[str, Any]:
         if refused:
             raise CheckpointError(
                 f"cannot read checkpoint {source}: it holds a {refused.group(1)} object, which "
-                "weights_only loading refuses (unpickling it could run code); save extra as "
-                "tensors or lists (save_checkpoint refuses anything else), or load the file with "
-                "torch.load(weights_only=False) only if you trust its source."
+                "weights_only loading refuses (unpickling it could run code): in extra, or a "
+                "NumPy number in an optimizer or scheduler state, which older versions wrote as "
+                "is (save_checkpoint now writes them as numbers and refuses anything else); "
+                "load the file with torch.load(weights_only=False) only if you trust its source."
             ) from error
         raise CheckpointError(
             f"cannot read checkpoint {source}: it is truncated, corrupted or holds objects that "

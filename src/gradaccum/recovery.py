@@ -281,6 +281,7 @@ class AutoSizer:
             "size": self.size,
             "clean_windows": self.clean_windows,
             "wait": self.wait,
+            "regrow_after": self.regrow_after,  # a resume with another setting starts from it
             "growing": self.growing,
             "out_of_memory_events": self.out_of_memory_events,
             "capped": self.capped,
@@ -300,6 +301,9 @@ class AutoSizer:
             return
         self.planned, self.size = state["planned"], state["size"]
         self.clean_windows, self.wait = int(state["clean_windows"]), state["wait"]
+        saved = state.get("regrow_after", self.regrow_after if self.wait is not None else None)
+        if saved != self.regrow_after:  # resumed with another regrow_after: it holds from now
+            self.wait = self.regrow_after
         self.growing = bool(state["growing"])
         self.out_of_memory_events = int(state["out_of_memory_events"])
         self.capped = bool(state.get("capped", False))
