@@ -785,3 +785,56 @@ def test_row_means_written_as_a_divided_sum_do_not_warn_and_a_masked_mean_does()
 
     with pytest.warns(TokenMeanWarning, match="weighted or masked mean"):
         gradaccum.accumulate_grad(model, (x, y, kept), masked, micro_batch_size=3)
+
+
+def test_a_negated_weighted_mean_warns_naming_terms_which_are_the_full_batch_step() -> None:
+    """A class-weighted NLL by hand, `-(w[y] * log_p).sum() / w[y].sum()`, and the same under
+    a constant factor: the negation on the numerator (or over the quotient) hid the division
+    from the check, silently 0.4 off. Both warn now, and the term they name is exact."""
+    import warnings
+
+    from gradaccum.loss import TokenMeanWarning
+
+    x, y, _ = _weighted_batch()
+    classes = torch.tensor([1.0, 2.0, 5.0, 0.5], dtype=torch.float64)
+    functional = torch.nn.functional
+
+    def log_p(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        return functional.log_softmax(m(b[0]), -1).gather(1, b[1][:, None]).squeeze(1)
+
+    torch.manual_seed(0)
+    start = torch.nn.Linear(6, 4).double()
+    full = copy.deepcopy(start)
+    (-(classes[y] * log_p(full, (x, y))).sum() / classes[y].sum()).backward()
+    torch.optim.SGD(full.parameters(), lr=1.0).step()
+    plains = [
+        lambda m, b: -(classes[b[1]] * log_p(m, b)).sum() / classes[b[1]].sum(),
+        lambda m, b: -((classes[b[1]] * log_p(m, b)).sum() / classes[b[1]].sum()),
+        lambda m, b: 0.5 * (classes[b[1]] * log_p(m, b)).sum() / -classes[b[1]].sum() * 2.0,
+    ]
+    steps = []
+    for loss_fn in plains:
+        model = copy.deepcopy(start)
+        acc = gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=1.0), micro_batch_size=3
+        )
+        with pytest.warns(TokenMeanWarning, match="weighted or masked mean"):
+            acc.step((x, y), loss_fn)
+        steps.append(model)
+    model = copy.deepcopy(start)
+    acc = gradaccum.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=1.0), micro_batch_size=3
+    )
+
+    def terms(m: torch.nn.Module, b: Any) -> LossSum:
+        return LossSum.terms(nll=(-(classes[b[1]] * log_p(m, b)).sum(), classes[b[1]].sum()))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acc.step((x, y), terms)
+    for exact, reference, *plain in zip(
+        model.parameters(), full.parameters(), *(s.parameters() for s in steps), strict=True
+    ):
+        torch.testing.assert_close(exact, reference, rtol=1e-10, atol=0)
+        for other in plain:  # the controls: each plain form read as a row mean
+            assert float((other - reference).detach().abs().max()) > 1e-3

@@ -29,9 +29,43 @@ import math
 
 import torch
 
-__all__ = ["divided_sum_problem", "summed_values"]
+__all__ = ["constant_factor", "divided_sum_problem", "summed_values", "through_factors"]
 
 _SUM = 2  # torch's Reduction::Sum, as a loss node saves it
+
+
+def constant_factor(node: object) -> tuple[float, object] | None:
+    """`(c, inner)` if `node` multiplies `inner` by a number `c` on the CPU (no device read).
+
+    A negation is a factor of -1: hand-written log-likelihoods are negated sums
+    (`-(w * log_p).sum() / w.sum()`, BPR's `-F.logsigmoid(diff).sum()`), and a detector that
+    stopped at the `NegBackward0` node missed them, silently.
+    """
+    name = type(node).__name__
+    if name == "NegBackward0":
+        return -1.0, node.next_functions[0][0]  # type: ignore[attr-defined]
+    if name != "MulBackward0":
+        return None
+    (first, _), (second, _) = node.next_functions  # type: ignore[attr-defined]
+    if (first is None) == (second is None):  # two graphs, or two constants
+        return None
+    constant = getattr(node, "_saved_self" if first is None else "_saved_other", None)
+    if not isinstance(constant, torch.Tensor) or constant.dim() or constant.device.type != "cpu":
+        return None
+    return float(constant), second if first is None else first
+
+
+def through_factors(node: object, limit: int = 4, *, signs_only: bool = False) -> object:
+    """`node` past up to `limit` constant factors and negations (`-0.5 * loss`).
+
+    With `signs_only`, past negations only: `LossSum(mean * count, count)` is a sum.
+    """
+    for _ in range(limit):
+        factor = constant_factor(node)
+        if factor is None or (signs_only and factor[0] != -1.0):
+            break
+        node = factor[1]
+    return node
 
 
 def summed_values(node: object) -> int:
@@ -56,7 +90,7 @@ def divided_sum_problem(loss: torch.Tensor, rows: int) -> str | None:
         A message naming `LossSum.terms` when `loss` divides a sum with a value per row by a
         constant that is not a whole multiple of `rows`; None otherwise.
     """
-    node = loss.grad_fn
+    node = through_factors(loss.grad_fn)  # `-(sum / W)`, `0.5 * sum / W`
     if rows < 1 or type(node).__name__ != "DivBackward0":
         return None
     divisor = getattr(node, "_saved_other", None)
@@ -67,11 +101,11 @@ def divided_sum_problem(loss: torch.Tensor, rows: int) -> str | None:
         or divisor.is_complex()
     ):
         return None
-    summed = summed_values(node.next_functions[0][0])  # type: ignore[union-attr]
+    summed = summed_values(through_factors(node.next_functions[0][0]))  # type: ignore[attr-defined]
     # A sum over a value per row; not, say, the mean of a few heads' losses (`stack(...).sum()`).
     if summed < rows or summed % rows:
         return None
-    value = float(divisor)
+    value = abs(float(divisor))  # `sum(w * log_p) / -sum(w)` is a weighted mean too
     per_row = value / rows
     whole = round(per_row) >= 1 and abs(per_row - round(per_row)) <= 1e-9 * per_row
     if not math.isfinite(value) or value <= 0 or whole:
