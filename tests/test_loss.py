@@ -838,3 +838,75 @@ def test_a_negated_weighted_mean_warns_naming_terms_which_are_the_full_batch_ste
         torch.testing.assert_close(exact, reference, rtol=1e-10, atol=0)
         for other in plain:  # the controls: each plain form read as a row mean
             assert float((other - reference).detach().abs().max()) > 1e-3
+
+
+def _multi_task_batch() -> dict[str, torch.Tensor]:
+    """Tabular rows with two regression targets, each missing for some rows (NaN-free: masked)."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(11, 6, generator=generator, dtype=torch.float64)
+    y = torch.randn(11, 2, generator=generator, dtype=torch.float64)
+    known = torch.rand(11, 2, generator=generator) > 0.4
+    known[0] = True
+    return {"x": x, "y": y, "known": known}
+
+
+def test_a_masked_mean_returned_plainly_warns_and_its_loss_sum_is_the_full_batch_step() -> None:
+    """Labels missing for some rows or outputs: `F.mse_loss(pred[known], y[known])` (and a sum
+    of such means, one per task) divides by the known labels of each micro-batch, silently 0.1
+    off the full-batch step before. It warns now naming `LossSum`, which is exact; row means
+    picked by an index (`out[idx]`, the last step of each row) and a LossSum stay quiet."""
+    import warnings
+
+    from gradaccum.loss import TokenMeanWarning
+
+    batch = _multi_task_batch()
+    functional = torch.nn.functional
+    torch.manual_seed(0)
+    start = torch.nn.Linear(6, 2).double()
+
+    def masked(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        return functional.mse_loss(m(b["x"])[b["known"]], b["y"][b["known"]])
+
+    def tasks(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        out, known = m(b["x"]), b["known"]
+        first = functional.mse_loss(out[:, 0][known[:, 0]], b["y"][:, 0][known[:, 0]])
+        return first + 0.5 * (out[:, 1] - b["y"][:, 1])[known[:, 1]].abs().mean()
+
+    def counted(m: torch.nn.Module, b: Any) -> LossSum:
+        squared = functional.mse_loss(m(b["x"])[b["known"]], b["y"][b["known"]], reduction="sum")
+        return LossSum(squared, count=b["known"].sum())
+
+    full = copy.deepcopy(start)
+    masked(full, batch).backward()
+    torch.optim.SGD(full.parameters(), lr=1.0).step()
+    models = {}
+    for name, loss_fn in (("masked", masked), ("tasks", tasks), ("counted", counted)):
+        model = models[name] = copy.deepcopy(start)
+        acc = gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=1.0), micro_batch_size=3
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            acc.step(batch, loss_fn)
+        told = [str(w.message) for w in caught if w.category is TokenMeanWarning]
+        assert len(told) == (name != "counted"), told
+        assert all("mean over" in text and "LossSum(" in text for text in told)
+    for exact, plain, reference in zip(
+        models["counted"].parameters(),
+        models["masked"].parameters(),
+        full.parameters(),
+        strict=True,
+    ):
+        torch.testing.assert_close(exact, reference, rtol=1e-10, atol=0)
+        assert float((plain - reference).detach().abs().max()) > 1e-3  # the control
+    quiet = [
+        lambda m, b: functional.mse_loss(m(b["x"])[torch.arange(len(b["x"])), 1], b["y"][:, 1]),
+        lambda m, b: functional.mse_loss(m(b["x"])[:, [1]], b["y"][:, [1]]),
+        lambda m, b: functional.cross_entropy(m(b["x"]), b["known"][:, 0].long()),
+        counted,
+    ]
+    model = copy.deepcopy(start)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for loss_fn in quiet:
+            gradaccum.accumulate_grad(model, batch, loss_fn, micro_batch_size=3)

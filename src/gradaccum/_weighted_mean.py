@@ -10,6 +10,10 @@ last autograd node does: a `DivBackward0` whose numerator sums a tensor with a v
 multiple of the rows (`sum / len(x)`, `sum / (rows * tokens)` and `kl_div(reduction=
 "batchmean")` are row means, read exactly).
 
+A mean of values picked by a mask (`F.mse_loss(pred[mask], y[mask])`) divides by the kept
+values likewise: `masked_mean_problem` tells it when their number is not a whole multiple of the
+rows. Both read through constant factors and negations (`-(w * log_p).sum() / w.sum()`).
+
 Reading the divisor syncs an accelerator, so the caller looks only at the first few
 micro-batches, as it does for the -100 labels.
 
@@ -29,9 +33,15 @@ import math
 
 import torch
 
-__all__ = ["constant_factor", "divided_sum_problem", "summed_values", "through_factors"]
+__all__ = [
+    "constant_factor",
+    "divided_sum_problem",
+    "masked_mean_problem",
+    "summed_values",
+    "through_factors",
+]
 
-_SUM = 2  # torch's Reduction::Sum, as a loss node saves it
+_MEAN, _SUM = 1, 2  # torch's Reduction::Mean and ::Sum, as a loss node saves them
 
 
 def constant_factor(node: object) -> tuple[float, object] | None:
@@ -121,3 +131,76 @@ def divided_sum_problem(loss: torch.Tensor, rows: int) -> str | None:
         "a constant denominator C, LossSum.terms(loss=Term(summed_loss, denominator=C)) "
         "(from gradaccum.loss import Term; docs/losses.md)."
     )
+
+
+_SELECTS = frozenset({"IndexBackward0", "MaskedSelectBackward0"})
+_ADDS = frozenset({"AddBackward0", "SubBackward0"})
+_BELOW = 4  # nodes under a mean searched for the selection: `(p[m] - y[m]).abs().mean()`
+
+
+def _mean_terms(loss: torch.Tensor, limit: int = 8) -> list[object]:
+    """The terms a loss adds up (`a + 0.5 * b - c`), each past its constant factors."""
+    queue: list[object] = [loss.grad_fn]
+    terms: list[object] = []
+    while queue and len(terms) + len(queue) <= limit:
+        node = through_factors(queue.pop(0))
+        if type(node).__name__ in _ADDS:
+            queue.extend(f for f, _ in node.next_functions if f is not None)  # type: ignore[attr-defined]
+        else:
+            terms.append(node)
+    return terms
+
+
+def _averaged(node: object) -> int:
+    """How many values the mean node `node` divides by (0 if it is no mean)."""
+    if type(node).__name__ == "MeanBackward0":
+        sizes = getattr(node, "_saved_self_sym_sizes", None)
+        return math.prod(int(s) for s in sizes) if sizes is not None else 0
+    if getattr(node, "_saved_reduction", None) != _MEAN:
+        return 0
+    name = type(node).__name__
+    saved = getattr(node, "_saved_target" if name.startswith("NllLoss") else "_saved_self", None)
+    return saved.numel() if isinstance(saved, torch.Tensor) else 0
+
+
+def _selected(node: object) -> bool:
+    """Whether `node` averages values picked by a mask or an index (`p[mask]`) near it."""
+    queue = [(f, 1) for f, _ in getattr(node, "next_functions", ())]
+    while queue:
+        below, depth = queue.pop(0)
+        if below is None:
+            continue
+        if type(below).__name__ in _SELECTS:
+            return True
+        if depth < _BELOW:
+            queue.extend((f, depth + 1) for f, _ in below.next_functions)
+    return False
+
+
+def masked_mean_problem(loss: torch.Tensor, rows: int) -> str | None:
+    """Why the plain scalar `loss` is a mean over masked values, not rows (with the fix), or None.
+
+    A mean (`.mean()`, a torch loss with reduction='mean') of values picked by a mask or an
+    index (`F.mse_loss(pred[mask], y[mask])`: labels missing for some rows or outputs) divides
+    by how many the mask keeps, which differs between micro-batches. Told when that count is
+    not a whole multiple of the micro-batch's `rows` (a multiple may be a row mean); the means
+    a loss adds up (several tasks) are each looked at.
+    """
+    if rows < 2 or loss.grad_fn is None:
+        return None
+    for node in _mean_terms(loss):
+        values = _averaged(node)
+        if values < 1 or values % rows == 0 or not _selected(node):
+            continue
+        return (
+            f"loss_fn returned a plain scalar holding a mean over {values} values picked by a "
+            f"mask or an index ({type(node).__name__}), which is not a whole multiple of the "
+            f"micro-batch's {rows} rows: a masked mean (`F.mse_loss(pred[mask], y[mask])`, "
+            "`loss[mask].mean()`: labels missing for some rows or outputs) divides by a count "
+            "that differs between micro-batches, and a plain scalar is read as a mean over the "
+            "rows and weighted by them, so the step is not the full-batch one. Return "
+            "gradaccum.LossSum(summed_loss, count=mask.sum()) (reduction='sum'); for several "
+            "masked tasks, LossSum.terms(task=(summed_loss, mask.sum()), ...), each divided "
+            "once by the whole batch's count (docs/losses.md)."
+        )
+    return None
