@@ -1304,3 +1304,42 @@ def test_a_flat_embedding_bag_batch_is_refused_naming_the_list_recipe_which_is_e
     gradaccum.accumulate_grad(model, {"bags": bags, "y": y}, loss_fn, micro_batch_size=3)
     for mine, reference in zip(model.parameters(), full.parameters(), strict=True):
         torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-10, atol=0)
+
+
+def test_scipy_sparse_features_and_targets_are_split_by_rows_and_exact() -> None:
+    """scikit-learn's sparse features and multi-label targets (`scipy.sparse`) were constants:
+    every micro-batch got all B rows, and the forward failed with a shape error far from the
+    cause (or, with every leaf sparse, ran the whole batch per micro-batch). They are split by
+    rows in their own format (columns with batch_dim=1, reordered by take_batch), and the step
+    is the full batch's."""
+    sparse = pytest.importorskip("scipy.sparse")
+    x = sparse.random(11, 6, density=0.4, format="csr", random_state=0)
+    y = sparse.random(11, 3, density=0.4, format="coo", random_state=1)
+    y.data[:] = 1.0
+    ids = list(range(11))
+    parts = split_batch({"x": x, "y": y, "ids": ids}, 4)
+    assert [(p["x"].shape, p["y"].shape, p["y"].format) for p in parts] == [
+        ((4, 6), (4, 3), "coo"),
+        ((4, 6), (4, 3), "coo"),
+        ((3, 6), (3, 3), "coo"),
+    ]
+    assert (sparse.vstack([p["x"] for p in parts]) != x).nnz == 0
+    columns = split_batch(x.T.tocsc(), 4, batch_dim=1)
+    assert [c.shape for c in columns] == [(6, 4), (6, 4), (6, 3)]
+    assert (gradaccum.batching.take_batch(x, [2, 0, 1, *range(3, 11)])[0] != x[2]).nnz == 0
+    with pytest.raises(ValueError, match=r"batch\['y'\]: 5"):
+        split_batch({"x": x, "y": y.tocsr()[:5]}, 4)
+
+    def dense(matrix: Any) -> torch.Tensor:
+        return torch.from_numpy(matrix.toarray())
+
+    def loss_fn(m: torch.nn.Module, b: dict) -> torch.Tensor:
+        return torch.nn.functional.binary_cross_entropy_with_logits(m(dense(b["x"])), dense(b["y"]))
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3).double()
+    full = copy.deepcopy(model)
+    loss_fn(full, {"x": x, "y": y}).backward()
+    gradaccum.accumulate_grad(model, {"x": x, "y": y}, loss_fn, micro_batch_size=4)
+    for mine, reference in zip(model.parameters(), full.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-10, atol=0)

@@ -6,7 +6,8 @@ leaf follows one rule, so nothing is broadcast by accident:
 ===============================================  ==============================================
 leaf                                             in the micro-batch of items [start, stop)
 ===============================================  ==============================================
-tensor, numpy array or sparse COO tensor         its slice along ``batch_dim`` (COO: a copy)
+tensor, numpy array, sparse COO tensor or        its slice along ``batch_dim`` (COO, SciPy: a
+``scipy.sparse`` matrix                          copy, in its own format)
 list or plain tuple holding no tensor or array   ``x[start:stop]``, one entry per item, so its
 (strings, ints, dicts of them, token lists...)   length must be B (an empty one counts as 0)
 list of dicts with the same keys, or of one      ``x[start:stop]``: uncollated examples, one per
@@ -78,6 +79,7 @@ from gradaccum._records import (
     rebuild_mapping,
     rebuild_tuple,
 )
+from gradaccum._sparse_rows import is_scipy_sparse, sparse_slicer, sparse_take
 
 __all__ = [
     "batch_size",
@@ -178,6 +180,8 @@ def take_batch(batch: Any, order: list[int], *, batch_dim: int = 0) -> Any:
             if isinstance(leaf, np.ndarray):
                 return np.take(leaf, order, axis=batch_dim)
             return leaf.index_select(batch_dim, torch.tensor(order, device=leaf.device))
+        if is_scipy_sparse(leaf):
+            return sparse_take(leaf, order, batch_dim)
         return type(leaf)([leaf[i] for i in order]) if len(leaf) == len(order) else leaf
 
     return map_leaves(batch, reorder, batch_dim=batch_dim)
@@ -290,6 +294,9 @@ def _compile(
     if isinstance(node, torch.Tensor):
         sizes.append((path, array_items(node, path, dim, "tensor"), "tensor"))
         return _tensor_slicer(_hooked(node, hook), dim) if build else _measured
+    if is_scipy_sparse(node):  # split by rows, in its format; it was passed whole
+        sizes.append((path, array_items(node, path, dim, "array"), "array"))
+        return sparse_slicer(_hooked(node, hook), dim) if build else _measured
     if isinstance(node, np.ndarray):
         sizes.append((path, array_items(node, path, dim, "array"), "array"))
         if not build:
