@@ -910,3 +910,60 @@ def test_a_masked_mean_returned_plainly_warns_and_its_loss_sum_is_the_full_batch
         warnings.simplefilter("error")
         for loss_fn in quiet:
             gradaccum.accumulate_grad(model, batch, loss_fn, micro_batch_size=3)
+
+
+def test_a_node_mean_over_a_list_of_graphs_warns_and_its_loss_sum_is_the_full_batch_step() -> None:
+    """Graphs as items (a list of per-graph dicts, collated in loss_fn) with a label per node:
+    a plain `cross_entropy` mean over the micro-batch's nodes divides by their number, which
+    varies per graph: silently 0.09 off the full-batch step. It warns naming LossSum (a mean
+    over 13 targets is no mean over 3 rows), and LossSum over the nodes is exact."""
+    import warnings
+
+    from gradaccum.loss import TokenMeanWarning
+
+    generator = torch.Generator().manual_seed(0)
+    graphs = [
+        {
+            "x": torch.randn(n, 3, generator=generator, dtype=torch.float64),
+            "edges": torch.randint(0, n, (2, 2 * n), generator=generator),
+            "y": torch.randint(0, 4, (n,), generator=generator),
+        }
+        for n in (3, 5, 5, 2, 6, 7, 3)
+    ]
+
+    def nodes(m: torch.nn.Module, b: list) -> tuple[torch.Tensor, torch.Tensor]:
+        outputs = []
+        for g in b:  # one message-passing step per graph, on its own nodes
+            h = m(g["x"])
+            outputs.append(h + torch.zeros_like(h).index_add_(0, g["edges"][1], h[g["edges"][0]]))
+        return torch.cat(outputs), torch.cat([g["y"] for g in b])
+
+    def plain(m: torch.nn.Module, b: list) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(*nodes(m, b))
+
+    def counted(m: torch.nn.Module, b: list) -> LossSum:
+        logits, y = nodes(m, b)
+        return LossSum(torch.nn.functional.cross_entropy(logits, y, reduction="sum"), len(y))
+
+    torch.manual_seed(0)
+    start = torch.nn.Linear(3, 4).double()
+    full = copy.deepcopy(start)
+    plain(full, graphs).backward()
+    torch.optim.SGD(full.parameters(), lr=1.0).step()
+    steps = {}
+    for name, loss_fn in (("plain", plain), ("counted", counted)):
+        model = steps[name] = copy.deepcopy(start)
+        acc = gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=1.0), micro_batch_size=3
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            acc.step(graphs, loss_fn)
+        told = [str(w.message) for w in caught if w.category is TokenMeanWarning]
+        assert len(told) == (name == "plain"), told
+        assert all("mean over 13 values" in text and "the nodes" in text for text in told)
+    for exact, plain_step, reference in zip(
+        steps["counted"].parameters(), steps["plain"].parameters(), full.parameters(), strict=True
+    ):
+        torch.testing.assert_close(exact, reference, rtol=1e-10, atol=0)
+        assert float((plain_step - reference).detach().abs().max()) > 1e-3  # the control

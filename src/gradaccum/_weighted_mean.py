@@ -135,6 +135,7 @@ def divided_sum_problem(loss: torch.Tensor, rows: int) -> str | None:
 
 _SELECTS = frozenset({"IndexBackward0", "MaskedSelectBackward0"})
 _ADDS = frozenset({"AddBackward0", "SubBackward0"})
+_NLL = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})
 _BELOW = 4  # nodes under a mean searched for the selection: `(p[m] - y[m]).abs().mean()`
 
 
@@ -190,16 +191,24 @@ def masked_mean_problem(loss: torch.Tensor, rows: int) -> str | None:
         return None
     for node in _mean_terms(loss):
         values = _averaged(node)
-        if values < 1 or values % rows == 0 or not _selected(node):
+        if values < 1 or values % rows == 0:
+            continue
+        # Class-index targets are data; another mean may be a regularizer's, over weights.
+        # (Fewer than the rows: a loss of the micro-batch as a whole, not a mean over items.)
+        if not ((type(node).__name__ in _NLL and values > rows) or _selected(node)):
             continue
         return (
-            f"loss_fn returned a plain scalar holding a mean over {values} values picked by a "
-            f"mask or an index ({type(node).__name__}), which is not a whole multiple of the "
-            f"micro-batch's {rows} rows: a masked mean (`F.mse_loss(pred[mask], y[mask])`, "
-            "`loss[mask].mean()`: labels missing for some rows or outputs) divides by a count "
+            f"loss_fn returned a plain scalar holding a mean over {values} value"
+            f"{'s' if values > 1 else ''} "
+            f"({type(node).__name__}), which is not a whole multiple of the micro-batch's "
+            f"{rows} rows: a masked mean (`F.mse_loss(pred[mask], y[mask])`, "
+            "`loss[mask].mean()`: labels missing for some rows or outputs), or a mean over "
+            "targets whose number varies per item (the nodes of a list of graphs, the boxes "
+            "of images, sequences concatenated end to end), divides by a count "
             "that differs between micro-batches, and a plain scalar is read as a mean over the "
             "rows and weighted by them, so the step is not the full-batch one. Return "
-            "gradaccum.LossSum(summed_loss, count=mask.sum()) (reduction='sum'); for several "
+            "gradaccum.LossSum(summed_loss, count=mask.sum()) (reduction='sum'; the count: the "
+            "values averaged); for several "
             "masked tasks, LossSum.terms(task=(summed_loss, mask.sum()), ...), each divided "
             "once by the whole batch's count (docs/losses.md)."
         )
