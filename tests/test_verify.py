@@ -1317,16 +1317,26 @@ def test_negative_sampling_from_a_generator_the_loss_fn_holds_is_forked_and_name
     model = _TwoTower()
     batch = (torch.randint(0, 8, (11,)), torch.randint(0, 12, (11,)))
     python = random.Random(5)
+    sampler = _Sampler()
     for loss_fn, held in (
         (torch_negatives, generator),
         (numpy_negatives, _SAMPLER),
         (functools.partial(python_negatives, rng=python), python),
+        (sampler.loss, sampler.rng),  # a bound method's `self.rng`
     ):
         before = _state_bytes(held)
         report = check_equivalence(model, batch, loss_fn, micro_batch_size=4)
         assert report.ok, report.explain()
         assert any(m.kind == "random draws" for m in report.non_additive)
         assert _state_bytes(held) == before  # left as found
+
+
+class _Sampler:
+    def __init__(self) -> None:
+        self.rng = torch.Generator().manual_seed(9)
+
+    def loss(self, model: torch.nn.Module, b: Any) -> torch.Tensor:
+        return _sampled_loss(model, b, torch.randint(0, 12, (len(b[0]), 4), generator=self.rng))
 
 
 def _state_bytes(generator: Any) -> bytes:

@@ -166,7 +166,7 @@ def loss_generators(loss_fn: object, depth: int = 2) -> list[Any]:
 
     Read from its closure, its default arguments, the globals its code names (and, `depth`
     deep, those of the functions it names there), a `functools.partial`'s arguments and a
-    callable object's attributes:
+    callable object's (or a bound method's object's) attributes:
     torch, NumPy (`default_rng()`, `RandomState`) and Python (`random.Random`) generators. The
     global ones are forked by `check_equivalence` anyway; these were not, so its second pass drew
     other numbers than its first and the gap was blamed on the loss.
@@ -187,6 +187,8 @@ def loss_generators(loss_fn: object, depth: int = 2) -> list[Any]:
                     continue
             values += [*(getattr(fn, "__defaults__", None) or ())]  # `def f(m, b, rng=rng)`
             values += [*(getattr(fn, "__kwdefaults__", None) or {}).values()]
+            owner = getattr(fn, "__self__", None)  # a bound method: its object's `self.rng`
+            values += list(getattr(owner, "__dict__", {}).values()) if owner is not None else []
             names = getattr(fn, "__globals__", {})
             values += [names[name] for name in code.co_names if name in names]
         elif not isinstance(fn, type):  # a callable object: what it holds
