@@ -1332,3 +1332,71 @@ def test_a_list_of_images_alone_is_a_container_and_as_examples_is_per_image() ->
     assert examples[2][0]["image"] is images[4]
     paired = split_batch((images, targets), 2)
     assert [len(micro[0]) for micro in paired] == [2, 2, 1]
+
+
+def test_a_flat_embedding_bag_batch_is_refused_naming_the_list_recipe_which_is_exact() -> None:
+    """nn.EmbeddingBag's 1-D input with offsets (and a PyG-style graph batch) holds the items end
+    to end: the refusal named CTC only. It names offsets and graphs now, and the list of B
+    tensors it names, concatenated in loss_fn, is the full-batch step."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = [3, 1, 4, 2, 5, 3, 2]
+    bags = [torch.randint(0, 20, (n,), generator=generator) for n in lengths]
+    y = torch.randn(7, generator=generator, dtype=torch.float64)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()])
+    with pytest.raises(ValueError, match=r"nn.EmbeddingBag's 1-D input with offsets") as raised:
+        split_batch({"input": torch.cat(bags), "offsets": offsets, "y": y}, 3)
+    assert "a graph mini-batch's nodes" in str(raised.value)
+    torch.manual_seed(0)
+    bag, head = torch.nn.EmbeddingBag(20, 4).double(), torch.nn.Linear(4, 1).double()
+    model = torch.nn.ModuleDict({"bag": bag, "head": head})
+
+    def loss_fn(m: torch.nn.Module, b: dict) -> torch.Tensor:
+        sizes = torch.tensor([len(t) for t in b["bags"]])
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)[:-1]])
+        pooled = m["bag"](torch.cat(b["bags"]), starts)
+        return torch.nn.functional.mse_loss(m["head"](pooled).squeeze(-1), b["y"])
+
+    full = copy.deepcopy(model)
+    loss_fn(full, {"bags": bags, "y": y}).backward()
+    gradaccum.accumulate_grad(model, {"bags": bags, "y": y}, loss_fn, micro_batch_size=3)
+    for mine, reference in zip(model.parameters(), full.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-10, atol=0)
+
+
+def test_scipy_sparse_features_and_targets_are_split_by_rows_and_exact() -> None:
+    """scikit-learn's sparse features and multi-label targets (`scipy.sparse`) were constants:
+    every micro-batch got all B rows, and the forward failed with a shape error far from the
+    cause (or, with every leaf sparse, ran the whole batch per micro-batch). They are split by
+    rows in their own format (columns with batch_dim=1, reordered by take_batch), and the step
+    is the full batch's."""
+    sparse = pytest.importorskip("scipy.sparse")
+    x = sparse.random(11, 6, density=0.4, format="csr", random_state=0)
+    y = sparse.random(11, 3, density=0.4, format="coo", random_state=1)
+    y.data[:] = 1.0
+    ids = list(range(11))
+    parts = split_batch({"x": x, "y": y, "ids": ids}, 4)
+    assert [(p["x"].shape, p["y"].shape, p["y"].format) for p in parts] == [
+        ((4, 6), (4, 3), "coo"),
+        ((4, 6), (4, 3), "coo"),
+        ((3, 6), (3, 3), "coo"),
+    ]
+    assert (sparse.vstack([p["x"] for p in parts]) != x).nnz == 0
+    columns = split_batch(x.T.tocsc(), 4, batch_dim=1)
+    assert [c.shape for c in columns] == [(6, 4), (6, 4), (6, 3)]
+    assert (gradaccum.batching.take_batch(x, [2, 0, 1, *range(3, 11)])[0] != x[2]).nnz == 0
+    with pytest.raises(ValueError, match=r"batch\['y'\]: 5"):
+        split_batch({"x": x, "y": y.tocsr()[:5]}, 4)
+
+    def dense(matrix: Any) -> torch.Tensor:
+        return torch.from_numpy(matrix.toarray())
+
+    def loss_fn(m: torch.nn.Module, b: dict) -> torch.Tensor:
+        return torch.nn.functional.binary_cross_entropy_with_logits(m(dense(b["x"])), dense(b["y"]))
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3).double()
+    full = copy.deepcopy(model)
+    loss_fn(full, {"x": x, "y": y}).backward()
+    gradaccum.accumulate_grad(model, {"x": x, "y": y}, loss_fn, micro_batch_size=4)
+    for mine, reference in zip(model.parameters(), full.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-10, atol=0)

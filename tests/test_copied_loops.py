@@ -528,3 +528,55 @@ def test_a_sum_over_outputs_of_means_over_rows_does_not_warn_when_outputs_equal_
     model, caught = run(per_row, 5)
     assert len(caught) == 1
     assert _gap(model, run(per_row, None)[0]) > 1e-3
+
+
+def _bpr(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """BPR on given (positive, negative) pairs, per row: the score of class 0 over class 1."""
+    scores = model(batch[0])
+    return nn.functional.logsigmoid(scores[:, 0] - scores[:, 1])
+
+
+def test_a_negated_sum_returned_plainly_warns_and_its_loss_sum_is_the_full_batch_step() -> None:
+    """Log-likelihoods are negated sums: BPR's `-F.logsigmoid(diff).sum()` returned plainly is
+    read as a mean over the rows and weighted by them again (4 rows: 4 times too large). The
+    `NegBackward0` node on top hid the sum from the check, which warned of `(-l).sum()` only:
+    silently 0.6 off. The LossSum it names is the full-batch step; negated means do not warn."""
+    x, y = (torch.cat(parts) for parts in zip(*_loader(), strict=True))
+    reference = _model()
+    (-_bpr(reference, (x, y)).mean()).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    steps = {}
+    for name, loss_fn in (
+        ("plain", lambda m, b: -_bpr(m, b).sum()),
+        ("counted", lambda m, b: LossSum(-_bpr(m, b).sum(), count=len(b[0]))),
+    ):
+        model = steps[name] = _model()
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            acc.step((x, y), loss_fn)
+        copied = [str(w.message) for w in caught if w.category is CopiedLoopWarning]
+        assert len(copied) == (name == "plain"), [str(w.message) for w in caught]
+        assert all("a .sum() over the micro-batch's 4 rows" in text for text in copied)
+    for exact, plain, full in zip(
+        steps["counted"].parameters(),
+        steps["plain"].parameters(),
+        reference.parameters(),
+        strict=True,
+    ):
+        torch.testing.assert_close(exact, full, rtol=1e-10, atol=0)
+        assert float((plain - full).abs().max()) > 1e-2  # the control: the rows counted twice
+    quiet = [
+        lambda m, b: -_bpr(m, b).mean(),
+        lambda m, b: -(_bpr(m, b).sum() / len(b[0])),
+        lambda m, b: -_bpr(m, b).sum() / len(b[0]),  # 4 rows, 4 micro-batches: not a copied line
+        lambda m, b: LossSum(-_bpr(m, b).mean() * len(b[0]), count=len(b[0])),
+        lambda m, b: LossSum(-_bpr(m, b).sum(), count=len(b[0])),
+    ]
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for loss_fn in quiet:
+            accumulate_grad(model, (x[:16], y[:16]), loss_fn, micro_batch_size=4)
+    with pytest.warns(CopiedLoopWarning, match="whose value is a MEAN"):  # negated too
+        accumulate_grad(model, (x, y), lambda m, b: LossSum(-_bpr(m, b).mean(), count=len(b[0])), 4)

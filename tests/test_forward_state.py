@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 
+import gradaccum
 from gradaccum import Accumulator
 from gradaccum._buffer_watch import ForwardStateWarning
 
@@ -398,3 +399,73 @@ def test_a_failing_first_window_of_a_qat_model_puts_its_observers_back(tmp_path)
     # NEGATIVE CONTROL: the window's forwards did move the observers.
     with pytest.raises(AssertionError):
         assert_bitwise(clone_state(model.state_dict()), start)
+
+
+class _Ratings(torch.nn.Module):
+    """Mean-pooled item embeddings to a rating; `inv`: each lookup's gradient scale, given."""
+
+    def __init__(self, by_freq: bool, bag: bool = False) -> None:
+        super().__init__()
+        kind = torch.nn.EmbeddingBag if bag else torch.nn.Embedding
+        self.emb = kind(6, 4, scale_grad_by_freq=by_freq)
+        self.bag = bag
+        self.out = torch.nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor, inv: torch.Tensor | None = None) -> torch.Tensor:
+        if self.bag:
+            return self.out(self.emb(ids)).squeeze(-1)
+        e = self.emb(ids)
+        if inv is not None:  # the recipe: the full batch's 1 / count, on the gradient only
+            e = e.detach() + (e - e.detach()) * inv[..., None]
+        return self.out(e.mean(1)).squeeze(-1)
+
+
+def test_an_embedding_scaling_gradients_by_frequency_is_warned_with_an_exact_recipe() -> None:
+    """`nn.Embedding(scale_grad_by_freq=True)` divides a row's gradient by its id's count in
+    each micro-batch's backward, not the batch's: silently 1.6 off the full-batch update (a
+    row seen in k micro-batches gets about k times its gradient). The first split window warns
+    (EmbeddingBag too); the recipe in the warning (1 / the batch's counts on the gradient) is
+    the full-batch step; a single micro-batch, or the default, says nothing."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 6, (11, 5), generator=generator)
+    y = torch.randn(11, generator=generator, dtype=torch.float64)
+    torch.manual_seed(0)
+    start = _Ratings(by_freq=True).double()
+    full = copy.deepcopy(start)
+    torch.nn.functional.mse_loss(full(ids), y).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+
+    def plain(m: torch.nn.Module, b) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(m(b[0]), b[-1])
+
+    model = copy.deepcopy(start)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=4)
+    with pytest.warns(UserWarning, match=r"emb \(Embedding\) scales each row") as caught:
+        acc.step((ids, y), plain)
+    assert "scale_grad_by_freq=False" in str(caught[0].message)
+    pairs = zip(model.parameters(), full.parameters(), strict=True)
+    gap = max(float((a - b).detach().abs().max()) for a, b in pairs)
+    assert gap > 1e-3  # the control: the micro-batches' own counts
+    recipe = _Ratings(by_freq=False).double()
+    recipe.load_state_dict(start.state_dict())
+    inv = 1.0 / torch.bincount(ids.flatten(), minlength=6)[ids].double()
+    acc = Accumulator(recipe, torch.optim.SGD(recipe.parameters(), lr=0.5), micro_batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acc.step((ids, inv, y), lambda m, b: torch.nn.functional.mse_loss(m(b[0], b[1]), b[2]))
+        whole = copy.deepcopy(start)  # one micro-batch: exact, and not warned
+        opt = torch.optim.SGD(whole.parameters(), lr=0.5)
+        Accumulator(whole, opt, micro_batch_size=11).step((ids, y), plain)
+    for exact, one, reference in zip(
+        recipe.parameters(), whole.parameters(), full.parameters(), strict=True
+    ):
+        torch.testing.assert_close(exact, reference, rtol=1e-10, atol=0)
+        torch.testing.assert_close(one, reference, rtol=1e-10, atol=0)
+    bag = _Ratings(by_freq=True, bag=True)
+    acc = Accumulator(bag, torch.optim.SGD(bag.parameters(), lr=0.5), micro_batch_size=4)
+    with pytest.warns(UserWarning, match=r"emb \(EmbeddingBag\) scales each row"):
+        acc.step((ids, y.float()), plain)
+    report = gradaccum.check_equivalence(start, (ids, y), plain, 4)
+    assert not report.ok
+    assert [m.name for m in report.non_additive] == ["emb"]
+    assert "scale_grad_by_freq=False" in report.explain()

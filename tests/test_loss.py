@@ -850,3 +850,185 @@ def test_a_ctc_mean_over_minus_100_padded_labels_is_a_row_mean_and_not_warned() 
     )
     with pytest.warns(gradaccum.loss.TokenMeanWarning, match="-100"):
         hybrid.step(batch, lambda m, b: m(b, hybrid=True))
+
+
+def test_a_negated_weighted_mean_warns_naming_terms_which_are_the_full_batch_step() -> None:
+    """A class-weighted NLL by hand, `-(w[y] * log_p).sum() / w[y].sum()`, and the same under
+    a constant factor: the negation on the numerator (or over the quotient) hid the division
+    from the check, silently 0.4 off. Both warn now, and the term they name is exact."""
+    import warnings
+
+    from gradaccum.loss import TokenMeanWarning
+
+    x, y, _ = _weighted_batch()
+    classes = torch.tensor([1.0, 2.0, 5.0, 0.5], dtype=torch.float64)
+    functional = torch.nn.functional
+
+    def log_p(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        return functional.log_softmax(m(b[0]), -1).gather(1, b[1][:, None]).squeeze(1)
+
+    torch.manual_seed(0)
+    start = torch.nn.Linear(6, 4).double()
+    full = copy.deepcopy(start)
+    (-(classes[y] * log_p(full, (x, y))).sum() / classes[y].sum()).backward()
+    torch.optim.SGD(full.parameters(), lr=1.0).step()
+    plains = [
+        lambda m, b: -(classes[b[1]] * log_p(m, b)).sum() / classes[b[1]].sum(),
+        lambda m, b: -((classes[b[1]] * log_p(m, b)).sum() / classes[b[1]].sum()),
+        lambda m, b: 0.5 * (classes[b[1]] * log_p(m, b)).sum() / -classes[b[1]].sum() * 2.0,
+    ]
+    steps = []
+    for loss_fn in plains:
+        model = copy.deepcopy(start)
+        acc = gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=1.0), micro_batch_size=3
+        )
+        with pytest.warns(TokenMeanWarning, match="weighted or masked mean"):
+            acc.step((x, y), loss_fn)
+        steps.append(model)
+    model = copy.deepcopy(start)
+    acc = gradaccum.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=1.0), micro_batch_size=3
+    )
+
+    def terms(m: torch.nn.Module, b: Any) -> LossSum:
+        return LossSum.terms(nll=(-(classes[b[1]] * log_p(m, b)).sum(), classes[b[1]].sum()))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acc.step((x, y), terms)
+    for exact, reference, *plain in zip(
+        model.parameters(), full.parameters(), *(s.parameters() for s in steps), strict=True
+    ):
+        torch.testing.assert_close(exact, reference, rtol=1e-10, atol=0)
+        for other in plain:  # the controls: each plain form read as a row mean
+            assert float((other - reference).detach().abs().max()) > 1e-3
+
+
+def _multi_task_batch() -> dict[str, torch.Tensor]:
+    """Tabular rows with two regression targets, each missing for some rows (NaN-free: masked)."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(11, 6, generator=generator, dtype=torch.float64)
+    y = torch.randn(11, 2, generator=generator, dtype=torch.float64)
+    known = torch.rand(11, 2, generator=generator) > 0.4
+    known[0] = True
+    return {"x": x, "y": y, "known": known}
+
+
+def test_a_masked_mean_returned_plainly_warns_and_its_loss_sum_is_the_full_batch_step() -> None:
+    """Labels missing for some rows or outputs: `F.mse_loss(pred[known], y[known])` (and a sum
+    of such means, one per task) divides by the known labels of each micro-batch, silently 0.1
+    off the full-batch step before. It warns now naming `LossSum`, which is exact; row means
+    picked by an index (`out[idx]`, the last step of each row) and a LossSum stay quiet."""
+    import warnings
+
+    from gradaccum.loss import TokenMeanWarning
+
+    batch = _multi_task_batch()
+    functional = torch.nn.functional
+    torch.manual_seed(0)
+    start = torch.nn.Linear(6, 2).double()
+
+    def masked(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        return functional.mse_loss(m(b["x"])[b["known"]], b["y"][b["known"]])
+
+    def tasks(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        out, known = m(b["x"]), b["known"]
+        first = functional.mse_loss(out[:, 0][known[:, 0]], b["y"][:, 0][known[:, 0]])
+        return first + 0.5 * (out[:, 1] - b["y"][:, 1])[known[:, 1]].abs().mean()
+
+    def counted(m: torch.nn.Module, b: Any) -> LossSum:
+        squared = functional.mse_loss(m(b["x"])[b["known"]], b["y"][b["known"]], reduction="sum")
+        return LossSum(squared, count=b["known"].sum())
+
+    full = copy.deepcopy(start)
+    masked(full, batch).backward()
+    torch.optim.SGD(full.parameters(), lr=1.0).step()
+    models = {}
+    for name, loss_fn in (("masked", masked), ("tasks", tasks), ("counted", counted)):
+        model = models[name] = copy.deepcopy(start)
+        acc = gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=1.0), micro_batch_size=3
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            acc.step(batch, loss_fn)
+        told = [str(w.message) for w in caught if w.category is TokenMeanWarning]
+        assert len(told) == (name != "counted"), told
+        assert all("mean over" in text and "LossSum(" in text for text in told)
+    for exact, plain, reference in zip(
+        models["counted"].parameters(),
+        models["masked"].parameters(),
+        full.parameters(),
+        strict=True,
+    ):
+        torch.testing.assert_close(exact, reference, rtol=1e-10, atol=0)
+        assert float((plain - reference).detach().abs().max()) > 1e-3  # the control
+    quiet = [
+        lambda m, b: functional.mse_loss(m(b["x"])[torch.arange(len(b["x"])), 1], b["y"][:, 1]),
+        lambda m, b: functional.mse_loss(m(b["x"])[:, [1]], b["y"][:, [1]]),
+        lambda m, b: functional.cross_entropy(m(b["x"]), b["known"][:, 0].long()),
+        counted,
+    ]
+    model = copy.deepcopy(start)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for loss_fn in quiet:
+            gradaccum.accumulate_grad(model, batch, loss_fn, micro_batch_size=3)
+
+
+def test_a_node_mean_over_a_list_of_graphs_warns_and_its_loss_sum_is_the_full_batch_step() -> None:
+    """Graphs as items (a list of per-graph dicts, collated in loss_fn) with a label per node:
+    a plain `cross_entropy` mean over the micro-batch's nodes divides by their number, which
+    varies per graph: silently 0.09 off the full-batch step. It warns naming LossSum (a mean
+    over 13 targets is no mean over 3 rows), and LossSum over the nodes is exact."""
+    import warnings
+
+    from gradaccum.loss import TokenMeanWarning
+
+    generator = torch.Generator().manual_seed(0)
+    graphs = [
+        {
+            "x": torch.randn(n, 3, generator=generator, dtype=torch.float64),
+            "edges": torch.randint(0, n, (2, 2 * n), generator=generator),
+            "y": torch.randint(0, 4, (n,), generator=generator),
+        }
+        for n in (3, 5, 5, 2, 6, 7, 3)
+    ]
+
+    def nodes(m: torch.nn.Module, b: list) -> tuple[torch.Tensor, torch.Tensor]:
+        outputs = []
+        for g in b:  # one message-passing step per graph, on its own nodes
+            h = m(g["x"])
+            outputs.append(h + torch.zeros_like(h).index_add_(0, g["edges"][1], h[g["edges"][0]]))
+        return torch.cat(outputs), torch.cat([g["y"] for g in b])
+
+    def plain(m: torch.nn.Module, b: list) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(*nodes(m, b))
+
+    def counted(m: torch.nn.Module, b: list) -> LossSum:
+        logits, y = nodes(m, b)
+        return LossSum(torch.nn.functional.cross_entropy(logits, y, reduction="sum"), len(y))
+
+    torch.manual_seed(0)
+    start = torch.nn.Linear(3, 4).double()
+    full = copy.deepcopy(start)
+    plain(full, graphs).backward()
+    torch.optim.SGD(full.parameters(), lr=1.0).step()
+    steps = {}
+    for name, loss_fn in (("plain", plain), ("counted", counted)):
+        model = steps[name] = copy.deepcopy(start)
+        acc = gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=1.0), micro_batch_size=3
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            acc.step(graphs, loss_fn)
+        told = [str(w.message) for w in caught if w.category is TokenMeanWarning]
+        assert len(told) == (name == "plain"), told
+        assert all("mean over 13 values" in text and "the nodes" in text for text in told)
+    for exact, plain_step, reference in zip(
+        steps["counted"].parameters(), steps["plain"].parameters(), full.parameters(), strict=True
+    ):
+        torch.testing.assert_close(exact, reference, rtol=1e-10, atol=0)
+        assert float((plain_step - reference).detach().abs().max()) > 1e-3  # the control

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import pickle
 import random
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1271,3 +1273,75 @@ def test_mixup_drawn_in_loss_fn_is_named_with_its_fix_and_mixing_the_whole_batch
     whole = (lam * x + (1 - lam) * x[perm], lam * soft + (1 - lam) * soft[perm])
     soft_ce = lambda m, b: functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
     assert check_equivalence(model, whole, soft_ce, 3).ok
+
+
+_SAMPLER = np.random.default_rng(7)  # a module's negative sampler, named by loss_fn's code
+
+
+class _TwoTower(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.users, self.items = torch.nn.Embedding(8, 3), torch.nn.Embedding(12, 3)
+
+    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        return (self.users(users)[:, None] * self.items(items)).sum(-1)
+
+
+def _sampled_loss(model: torch.nn.Module, b: Any, negatives: torch.Tensor) -> torch.Tensor:
+    scores = model(b[0], torch.cat([b[1][:, None], negatives], 1))  # positive first
+    return torch.nn.functional.cross_entropy(scores, torch.zeros(len(scores), dtype=torch.long))
+
+
+def test_negative_sampling_from_a_generator_the_loss_fn_holds_is_forked_and_named() -> None:
+    """Negatives drawn in loss_fn from its own generator (a closure's torch.Generator, a module's
+    NumPy default_rng, a partial's random.Random): check_equivalence forked the global
+    generators only, so its second pass drew other negatives than its first and the gap (1.4)
+    was blamed on the loss. Both passes now draw the same ones (exact), the draws are named,
+    and each generator is left as found."""
+    import functools
+
+    generator = torch.Generator().manual_seed(3)
+
+    def torch_negatives(model: torch.nn.Module, b: Any) -> torch.Tensor:
+        drawn = torch.randint(0, 12, (len(b[0]), 4), generator=generator)
+        return _sampled_loss(model, b, drawn)
+
+    def numpy_negatives(model: torch.nn.Module, b: Any) -> torch.Tensor:
+        return _sampled_loss(model, b, torch.from_numpy(_SAMPLER.integers(0, 12, (len(b[0]), 4))))
+
+    def python_negatives(model: torch.nn.Module, b: Any, rng: random.Random) -> torch.Tensor:
+        drawn = [[rng.randrange(12) for _ in range(4)] for _ in range(len(b[0]))]
+        return _sampled_loss(model, b, torch.tensor(drawn))
+
+    torch.manual_seed(0)
+    model = _TwoTower()
+    batch = (torch.randint(0, 8, (11,)), torch.randint(0, 12, (11,)))
+    python = random.Random(5)
+    sampler = _Sampler()
+    for loss_fn, held in (
+        (torch_negatives, generator),
+        (numpy_negatives, _SAMPLER),
+        (functools.partial(python_negatives, rng=python), python),
+        (sampler.loss, sampler.rng),  # a bound method's `self.rng`
+    ):
+        before = _state_bytes(held)
+        report = check_equivalence(model, batch, loss_fn, micro_batch_size=4)
+        assert report.ok, report.explain()
+        assert any(m.kind == "random draws" for m in report.non_additive)
+        assert _state_bytes(held) == before  # left as found
+
+
+class _Sampler:
+    def __init__(self) -> None:
+        self.rng = torch.Generator().manual_seed(9)
+
+    def loss(self, model: torch.nn.Module, b: Any) -> torch.Tensor:
+        return _sampled_loss(model, b, torch.randint(0, 12, (len(b[0]), 4), generator=self.rng))
+
+
+def _state_bytes(generator: Any) -> bytes:
+    if isinstance(generator, torch.Generator):
+        return generator.get_state().numpy().tobytes()
+    if isinstance(generator, np.random.Generator):
+        return pickle.dumps(generator.bit_generator.state)
+    return pickle.dumps(generator.getstate())

@@ -128,8 +128,11 @@ def agreed_size(sizes: Sizes, dim: int) -> int:
 _BIND = "bind it to loss_fn (a closure or functools.partial)"
 _RAGGED_HINT = (  # binding those to loss_fn would give every micro-batch the whole batch's
     " If one holds the items' sequences end to end (CTC's 1-D targets of "
-    "sum(target_lengths) entries), it cannot be cut by item: pad it to (B, max_len), which "
-    "ctc_loss takes, or pass a list of B tensors."
+    "sum(target_lengths) entries, nn.EmbeddingBag's 1-D input with offsets, a graph "
+    "mini-batch's nodes, edge_index and batch vector), it cannot be cut by item: pad it to "
+    "(B, max_len), which ctc_loss and nn.EmbeddingBag (padding_idx) take, or pass a list of B "
+    "tensors (of per-graph dicts) and concatenate them in loss_fn (offsets: the cumulative sum "
+    "of their lengths)."
 )
 _CONSTANT = (  # a dict or named tuple holding the list would still split it: not a fix
     "If it is the same for every item (class names, a shape), take it out of the batch and "

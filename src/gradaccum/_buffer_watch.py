@@ -18,7 +18,13 @@ from gradaccum._frozen_watch import FrozenWatch
 from gradaccum._warnings import warn_user
 from gradaccum._wrappers import known_name, unwrapped
 
-__all__ = ["BufferWatch", "ForwardStateWarning", "is_observer", "observer_buffers"]
+__all__ = [
+    "BufferWatch",
+    "ForwardStateWarning",
+    "frequency_scaled",
+    "is_observer",
+    "observer_buffers",
+]
 
 
 class ForwardStateWarning(UserWarning):
@@ -55,6 +61,7 @@ class BufferWatch:
         self._versions: list[tuple[int, torch.Tensor, int | None]] = []  # slot, tensor, version
         self._warned = False
         self._tied = tied_max_norm(model)  # warned of at the first split window
+        self._by_frequency = frequency_scaled(model)  # likewise
         self._frozen = FrozenWatch(model, active=active)  # a target network's EMA in loss_fn
         self._averages = AverageWatch(unwrapped(model))  # an EMA updated after each micro_step
         # Copies an older version took of an EMA copy's buffers: left as they are when loaded.
@@ -103,6 +110,9 @@ class BufferWatch:
                     "torch.embedding_renorm_(emb.weight, ids.unique(), max_norm, 2.0)."
                 )
             )
+        if self._by_frequency and micro_batches > 1:
+            scaled, self._by_frequency = ", ".join(self._by_frequency), []
+            warn_user(UserWarning(FREQUENCY_TEXT.format(scaled)))
         frozen = self._frozen.close(micro_batches)
         if frozen is not None:
             warn_user(ForwardStateWarning(frozen))
@@ -246,6 +256,29 @@ def _equal(now: torch.Tensor, old: torch.Tensor) -> bool:
     if now.shape != old.shape or not (now.is_floating_point() or now.is_complex()):
         return False
     return bool(((now == old) | (now.isnan() & old.isnan())).all())
+
+
+FREQUENCY_TEXT = (
+    "{} scales each row's gradient by 1 / how often its id occurs (scale_grad_by_freq=True), "
+    "counted in each micro-batch's backward, not in the batch: a row looked up in k "
+    "micro-batches gets its scaled gradient k times (about k times its full-batch one), so the "
+    "step is not the full-batch one. Build it with scale_grad_by_freq=False, or count each id "
+    "over the whole batch before acc.step() and scale each lookup's gradient by 1 / its count, "
+    "passed in the "
+    "batch (e = emb(ids); e = e.detach() + (e - e.detach()) * inv_count[..., None]; "
+    "docs/losses.md, 'Embeddings')."
+)
+
+
+def frequency_scaled(model: torch.nn.Module) -> list[str]:
+    """Each trainable `nn.Embedding` / `nn.EmbeddingBag` with `scale_grad_by_freq=True`."""
+    return [
+        f"{name or '<model>'} ({type(module).__name__})"
+        for name, module in model.named_modules()
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+        and module.scale_grad_by_freq
+        and module.weight.requires_grad
+    ]
 
 
 def tied_max_norm(model: torch.nn.Module) -> list[str]:

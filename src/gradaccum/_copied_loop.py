@@ -42,7 +42,7 @@ from collections.abc import Mapping
 
 import torch
 
-from gradaccum._weighted_mean import summed_values
+from gradaccum._weighted_mean import constant_factor, summed_values, through_factors
 
 __all__ = [
     "CopiedLoopWarning",
@@ -84,7 +84,7 @@ def _sum_over(node: object, *, read_device: bool = False) -> float | None:
         return None
     if other.device.type != "cpu" and not read_device:
         return None
-    numerator = node.next_functions[0][0]  # type: ignore[attr-defined]
+    numerator = through_factors(node.next_functions[0][0])  # type: ignore[attr-defined]
     summed = getattr(numerator, "_saved_reduction", None) == _SUM
     if not summed and type(numerator).__name__ != "SumBackward0":
         return None
@@ -101,7 +101,7 @@ def division_problem(result: object, micro_batches: int, items: int = 0) -> str 
     whatever the number of micro-batches (16 rows split in 4 micro-batches of 4).
     """
     value = result if isinstance(result, torch.Tensor) else getattr(result, "value", None)
-    node = value.grad_fn if isinstance(value, torch.Tensor) else None
+    node = through_factors(value.grad_fn) if isinstance(value, torch.Tensor) else None
     if micro_batches < 2 or node is None or _divisor(node) != micro_batches:
         return None
     if isinstance(result, torch.Tensor) and items == micro_batches and _sum_over(node) == items:
@@ -126,8 +126,8 @@ def sum_problem(result: object, items: int) -> str | None:
     """
     node: object = result.grad_fn if isinstance(result, torch.Tensor) else None
     for _ in range(4):  # `loss * T * T * weight`: a few constant factors at most
-        factor = _constant_factor(node)
-        if factor is None or abs(factor[0] * items - 1) < 1e-9:
+        factor = constant_factor(node)  # a negation too: `-log_p.sum()`
+        if factor is None or abs(abs(factor[0]) * items - 1) < 1e-9:
             break
         node = factor[1]
     return _sum_message(node, items) or _per_row_sum_message(node, items)
@@ -152,19 +152,6 @@ def _per_row_sum_text(items: int) -> str:
         "gradaccum.LossSum(loss, count=number_of_items) (the items the sum covers), or .mean(); "
         "for per-sample weights, LossSum.terms(loss=((w * losses).sum(), w.sum()))."
     )
-
-
-def _constant_factor(node: object) -> tuple[float, object] | None:
-    """`(c, inner)` if `node` multiplies `inner` by a number `c` on the CPU (no device read)."""
-    if type(node).__name__ != "MulBackward0":
-        return None
-    (first, _), (second, _) = node.next_functions  # type: ignore[attr-defined]
-    if (first is None) == (second is None):  # two graphs, or two constants
-        return None
-    constant = getattr(node, "_saved_self" if first is None else "_saved_other", None)
-    if not isinstance(constant, torch.Tensor) or constant.dim() or constant.device.type != "cpu":
-        return None
-    return float(constant), second if first is None else first
 
 
 def _summed_rows(node: object, items: int) -> bool:
@@ -223,7 +210,8 @@ def mean_problem(result: object) -> str | None:
         value, count = getattr(result, "value", None), getattr(result, "count", None)
         parts = [("LossSum(value, count)", value, count)]
     for where, value, count in parts:
-        node = value.grad_fn if isinstance(value, torch.Tensor) else None
+        grad_fn = value.grad_fn if isinstance(value, torch.Tensor) else None
+        node = through_factors(grad_fn, signs_only=True)  # `-log_p.mean()`; not `mean * count`
         mean = getattr(node, "_saved_reduction", None) == _MEAN
         if not (mean or type(node).__name__ == "MeanBackward0") or count is None:
             continue
@@ -247,13 +235,13 @@ def window_count_problem(result: object, labels: torch.Tensor | None, items: int
     `labels` are the micro-batch's integer targets (None: nothing to compare with). Reading their
     count, and a divisor on an accelerator, syncs the device: only for a `sum / n` scalar.
     """
-    node = result.grad_fn if isinstance(result, torch.Tensor) else None
+    node = through_factors(result.grad_fn) if isinstance(result, torch.Tensor) else None
     divisor = _sum_over(node, read_device=True) if labels is not None else None
     if divisor is None or labels is None:
         return None
     scored = int((labels != _IGNORE_INDEX).sum())
     if divisor == 1.0 and scored > 1:  # `num_items_in_batch=1`: the sum itself, not a mean
-        return _sum_message(node.next_functions[0][0], items)  # type: ignore[union-attr]
+        return _sum_message(through_factors(node.next_functions[0][0]), items)  # type: ignore[attr-defined]
     if divisor <= scored:
         return None
     return (

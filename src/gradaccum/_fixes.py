@@ -40,6 +40,11 @@ _FIXES = {
     "confirm the rest is exact; keep such state in a buffer (register_buffer), which gradaccum "
     "warns of and puts back when a window fails, planning included (a plain attribute it "
     "cannot see); if the forward only records it (a logged value), it is not the cause",
+    "frequency": "build it with scale_grad_by_freq=False (the default) to confirm the rest is "
+    "exact; to keep the scaling exactly, count each id over the whole batch before splitting it "
+    "and scale each lookup's gradient by 1 / its count, passed in the batch "
+    "(e = emb(ids); e = e.detach() + (e - e.detach()) * inv_count[..., None]; docs/losses.md, "
+    "'Embeddings')",
     "observer": "check with the observers frozen: "
     "model.apply(torch.ao.quantization.disable_observer) (model.eval() does not stop them); in "
     "quantization-aware training the ranges then stay fixed and the step is the full-batch "
@@ -52,6 +57,8 @@ def fix_for(kind: str, reason: str) -> str:
     """The fix a non-additive module of `kind` (found for `reason`) calls for."""
     if "BatchNorm" in kind:
         return _FIXES["BatchNorm"]
+    if "scale_grad_by_freq" in reason:
+        return _FIXES["frequency"]
     if "in place" in reason:
         return _FIXES["in place"]
     if "plain Python state" in reason:

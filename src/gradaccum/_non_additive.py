@@ -48,6 +48,12 @@ _SPECTRAL_REASON = (
     "(exact in eval mode)"
 )
 
+_FREQUENCY_REASON = (
+    "scale_grad_by_freq=True: each backward divides a row's gradient by how often its id occurs "
+    "in that micro-batch, not in the batch, so rows looked up in several micro-batches get "
+    "larger gradients"
+)
+
 
 @dataclass(frozen=True)
 class NonAdditiveModule:
@@ -102,6 +108,12 @@ def find_non_additive(model: torch.nn.Module) -> list[NonAdditiveModule]:
             or (isinstance(module, torch.nn.MultiheadAttention) and module.dropout > 0)
         ):
             found.append(NonAdditiveModule(label, kind, "draws random masks per micro-batch call"))
+        if (
+            isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+            and module.scale_grad_by_freq
+            and module.weight.requires_grad
+        ):
+            found.append(NonAdditiveModule(label, kind, _FREQUENCY_REASON))
         for hook in module._forward_pre_hooks.values():
             if isinstance(hook, _LegacySpectralNorm) and module.training:
                 buffers = f"{hook.name}_u, {hook.name}_v"

@@ -19,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+import copy
+import pickle
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -34,7 +36,9 @@ from gradaccum._rng_state import held_generators
 __all__ = [
     "RANDOM_DRAWS",
     "RngSnapshot",
+    "generators_forked",
     "host_rng_forked",
+    "loss_generators",
     "random_draws",
     "rng_advanced",
     "rng_snapshot",
@@ -47,9 +51,10 @@ RANDOM_DRAWS = NonAdditiveModule(
     "<forward>",
     "random draws",
     "the forward or loss_fn drew random numbers (torch.randn_like, torch.rand, F.dropout, "
-    "np.random, random, a generator of the model's: a VAE's reparameterization, stochastic "
-    "depth, noise, a diffusion model's timesteps, augmentation such as mixup/CutMix), and "
-    "micro-batches draw other random numbers than the full batch",
+    "np.random, random, a generator of the model's or one loss_fn holds: negative sampling, "
+    "a VAE's reparameterization, stochastic depth, noise, a diffusion model's timesteps, "
+    "augmentation such as mixup/CutMix), and micro-batches draw other random numbers than the "
+    "full batch",
 )
 
 
@@ -151,3 +156,89 @@ def random_draws(
             )
     if last is None or rng_advanced(last, devices, generators):
         found.append(RANDOM_DRAWS)
+
+
+_GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+
+
+def loss_generators(loss_fn: object, depth: int = 2) -> list[Any]:
+    """The generators `loss_fn` draws from by name: negative sampling with its own generator.
+
+    Read from its closure, its default arguments, the globals its code names (and, `depth`
+    deep, those of the functions it names there), a `functools.partial`'s arguments and a
+    callable object's (or a bound method's object's) attributes:
+    torch, NumPy (`default_rng()`, `RandomState`) and Python (`random.Random`) generators. The
+    global ones are forked by `check_equivalence` anyway; these were not, so its second pass drew
+    other numbers than its first and the gap was blamed on the loss.
+    """
+    found: dict[int, Any] = {}
+
+    def visit(fn: object, left: int) -> None:
+        values: list[object] = []
+        while isinstance(fn, partial):
+            values += [*fn.args, *fn.keywords.values()]
+            fn = fn.func
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            for cell in getattr(fn, "__closure__", None) or ():
+                try:
+                    values.append(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    continue
+            values += [*(getattr(fn, "__defaults__", None) or ())]  # `def f(m, b, rng=rng)`
+            values += [*(getattr(fn, "__kwdefaults__", None) or {}).values()]
+            owner = getattr(fn, "__self__", None)  # a bound method: its object's `self.rng`
+            values += list(getattr(owner, "__dict__", {}).values()) if owner is not None else []
+            names = getattr(fn, "__globals__", {})
+            values += [names[name] for name in code.co_names if name in names]
+        elif not isinstance(fn, type):  # a callable object: what it holds
+            values += list(getattr(fn, "__dict__", {}).values())
+        for value in values:
+            if isinstance(value, _GENERATORS):
+                found.setdefault(id(value), value)
+            elif left > 1 and callable(value) and hasattr(value, "__code__"):
+                visit(value, left - 1)
+
+    visit(loss_fn, depth)
+    return list(found.values())
+
+
+def _state(generator: Any) -> Any:
+    if isinstance(generator, torch.Generator):
+        return generator.get_state()
+    if isinstance(generator, np.random.Generator):
+        return copy.deepcopy(generator.bit_generator.state)
+    if isinstance(generator, np.random.RandomState):
+        return generator.get_state()
+    return generator.getstate()
+
+
+def _differ(now: Any, then: Any) -> bool:
+    if isinstance(now, torch.Tensor):  # pickling a tensor is not byte-stable
+        return not torch.equal(now, then)
+    return pickle.dumps(now) != pickle.dumps(then)  # NumPy states hold arrays
+
+
+def _set_state(generator: Any, state: Any) -> None:
+    if isinstance(generator, torch.Generator):
+        generator.set_state(state)
+    elif isinstance(generator, np.random.Generator):
+        generator.bit_generator.state = state
+    elif isinstance(generator, np.random.RandomState):
+        generator.set_state(state)
+    else:
+        generator.setstate(state)
+
+
+@contextmanager
+def generators_forked(generators: Sequence[Any], drew: list[bool] | None = None) -> Iterator[None]:
+    """`generators` put back as they were when the block exits; `drew` told if any advanced."""
+    states = [_state(generator) for generator in generators]
+    try:
+        yield
+    finally:
+        if drew is not None:
+            now = [_state(generator) for generator in generators]
+            drew.append(any(map(_differ, now, states)))
+        for generator, state in zip(generators, states, strict=True):
+            _set_state(generator, state)

@@ -33,7 +33,7 @@ from gradaccum._copied_loop import (
 )
 from gradaccum._nll_mean import ctc_without_nll, nll_mean_problem
 from gradaccum._warnings import warn_user
-from gradaccum._weighted_mean import divided_sum_problem
+from gradaccum._weighted_mean import divided_sum_problem, masked_mean_problem
 
 __all__ = ["TokenMeanCheck", "TokenMeanWarning", "warn_if_token_mean"]
 
@@ -114,6 +114,8 @@ def warn_if_token_mean(micro_batch: object, loss: object = None, rows: int = 0) 
         )
         return True
     problem = divided_sum_problem(loss, rows) if isinstance(loss, torch.Tensor) else None
+    if problem is None and isinstance(loss, torch.Tensor):  # `F.mse_loss(p[mask], y[mask])`
+        problem = masked_mean_problem(loss, rows)
     if problem is not None:  # per-sample weights, a mask: `sum(w * loss) / sum(w)`
         warn_user(TokenMeanWarning(problem))
         return True

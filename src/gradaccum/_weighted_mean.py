@@ -10,6 +10,10 @@ last autograd node does: a `DivBackward0` whose numerator sums a tensor with a v
 multiple of the rows (`sum / len(x)`, `sum / (rows * tokens)` and `kl_div(reduction=
 "batchmean")` are row means, read exactly).
 
+A mean of values picked by a mask (`F.mse_loss(pred[mask], y[mask])`) divides by the kept
+values likewise: `masked_mean_problem` tells it when their number is not a whole multiple of the
+rows. Both read through constant factors and negations (`-(w * log_p).sum() / w.sum()`).
+
 Reading the divisor syncs an accelerator, so the caller looks only at the first few
 micro-batches, as it does for the -100 labels.
 
@@ -29,9 +33,49 @@ import math
 
 import torch
 
-__all__ = ["divided_sum_problem", "summed_values"]
+__all__ = [
+    "constant_factor",
+    "divided_sum_problem",
+    "masked_mean_problem",
+    "summed_values",
+    "through_factors",
+]
 
-_SUM = 2  # torch's Reduction::Sum, as a loss node saves it
+_MEAN, _SUM = 1, 2  # torch's Reduction::Mean and ::Sum, as a loss node saves them
+
+
+def constant_factor(node: object) -> tuple[float, object] | None:
+    """`(c, inner)` if `node` multiplies `inner` by a number `c` on the CPU (no device read).
+
+    A negation is a factor of -1: hand-written log-likelihoods are negated sums
+    (`-(w * log_p).sum() / w.sum()`, BPR's `-F.logsigmoid(diff).sum()`), and a detector that
+    stopped at the `NegBackward0` node missed them, silently.
+    """
+    name = type(node).__name__
+    if name == "NegBackward0":
+        return -1.0, node.next_functions[0][0]  # type: ignore[attr-defined]
+    if name != "MulBackward0":
+        return None
+    (first, _), (second, _) = node.next_functions  # type: ignore[attr-defined]
+    if (first is None) == (second is None):  # two graphs, or two constants
+        return None
+    constant = getattr(node, "_saved_self" if first is None else "_saved_other", None)
+    if not isinstance(constant, torch.Tensor) or constant.dim() or constant.device.type != "cpu":
+        return None
+    return float(constant), second if first is None else first
+
+
+def through_factors(node: object, limit: int = 4, *, signs_only: bool = False) -> object:
+    """`node` past up to `limit` constant factors and negations (`-0.5 * loss`).
+
+    With `signs_only`, past negations only: `LossSum(mean * count, count)` is a sum.
+    """
+    for _ in range(limit):
+        factor = constant_factor(node)
+        if factor is None or (signs_only and factor[0] != -1.0):
+            break
+        node = factor[1]
+    return node
 
 
 def summed_values(node: object) -> int:
@@ -56,7 +100,7 @@ def divided_sum_problem(loss: torch.Tensor, rows: int) -> str | None:
         A message naming `LossSum.terms` when `loss` divides a sum with a value per row by a
         constant that is not a whole multiple of `rows`; None otherwise.
     """
-    node = loss.grad_fn
+    node = through_factors(loss.grad_fn)  # `-(sum / W)`, `0.5 * sum / W`
     if rows < 1 or type(node).__name__ != "DivBackward0":
         return None
     divisor = getattr(node, "_saved_other", None)
@@ -67,11 +111,11 @@ def divided_sum_problem(loss: torch.Tensor, rows: int) -> str | None:
         or divisor.is_complex()
     ):
         return None
-    summed = summed_values(node.next_functions[0][0])  # type: ignore[union-attr]
+    summed = summed_values(through_factors(node.next_functions[0][0]))  # type: ignore[attr-defined]
     # A sum over a value per row; not, say, the mean of a few heads' losses (`stack(...).sum()`).
     if summed < rows or summed % rows:
         return None
-    value = float(divisor)
+    value = abs(float(divisor))  # `sum(w * log_p) / -sum(w)` is a weighted mean too
     per_row = value / rows
     whole = round(per_row) >= 1 and abs(per_row - round(per_row)) <= 1e-9 * per_row
     if not math.isfinite(value) or value <= 0 or whole:
@@ -87,3 +131,85 @@ def divided_sum_problem(loss: torch.Tensor, rows: int) -> str | None:
         "a constant denominator C, LossSum.terms(loss=Term(summed_loss, denominator=C)) "
         "(from gradaccum.loss import Term; docs/losses.md)."
     )
+
+
+_SELECTS = frozenset({"IndexBackward0", "MaskedSelectBackward0"})
+_ADDS = frozenset({"AddBackward0", "SubBackward0"})
+_NLL = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})
+_BELOW = 4  # nodes under a mean searched for the selection: `(p[m] - y[m]).abs().mean()`
+
+
+def _mean_terms(loss: torch.Tensor, limit: int = 8) -> list[object]:
+    """The terms a loss adds up (`a + 0.5 * b - c`), each past its constant factors."""
+    queue: list[object] = [loss.grad_fn]
+    terms: list[object] = []
+    while queue and len(terms) + len(queue) <= limit:
+        node = through_factors(queue.pop(0))
+        if type(node).__name__ in _ADDS:
+            queue.extend(f for f, _ in node.next_functions if f is not None)  # type: ignore[attr-defined]
+        else:
+            terms.append(node)
+    return terms
+
+
+def _averaged(node: object) -> int:
+    """How many values the mean node `node` divides by (0 if it is no mean)."""
+    if type(node).__name__ == "MeanBackward0":
+        sizes = getattr(node, "_saved_self_sym_sizes", None)
+        return math.prod(int(s) for s in sizes) if sizes is not None else 0
+    if getattr(node, "_saved_reduction", None) != _MEAN:
+        return 0
+    name = type(node).__name__
+    saved = getattr(node, "_saved_target" if name.startswith("NllLoss") else "_saved_self", None)
+    return saved.numel() if isinstance(saved, torch.Tensor) else 0
+
+
+def _selected(node: object) -> bool:
+    """Whether `node` averages values picked by a mask or an index (`p[mask]`) near it."""
+    queue = [(f, 1) for f, _ in getattr(node, "next_functions", ())]
+    while queue:
+        below, depth = queue.pop(0)
+        if below is None:
+            continue
+        if type(below).__name__ in _SELECTS:
+            return True
+        if depth < _BELOW:
+            queue.extend((f, depth + 1) for f, _ in below.next_functions)
+    return False
+
+
+def masked_mean_problem(loss: torch.Tensor, rows: int) -> str | None:
+    """Why the plain scalar `loss` is a mean over masked values, not rows (with the fix), or None.
+
+    A mean (`.mean()`, a torch loss with reduction='mean') of values picked by a mask or an
+    index (`F.mse_loss(pred[mask], y[mask])`: labels missing for some rows or outputs) divides
+    by how many the mask keeps, which differs between micro-batches. Told when that count is
+    not a whole multiple of the micro-batch's `rows` (a multiple may be a row mean); the means
+    a loss adds up (several tasks) are each looked at.
+    """
+    if rows < 2 or loss.grad_fn is None:
+        return None
+    for node in _mean_terms(loss):
+        values = _averaged(node)
+        if values < 1 or values % rows == 0:
+            continue
+        # Class-index targets are data; another mean may be a regularizer's, over weights.
+        # (Fewer than the rows: a loss of the micro-batch as a whole, not a mean over items.)
+        if not ((type(node).__name__ in _NLL and values > rows) or _selected(node)):
+            continue
+        return (
+            f"loss_fn returned a plain scalar holding a mean over {values} value"
+            f"{'s' if values > 1 else ''} "
+            f"({type(node).__name__}), which is not a whole multiple of the micro-batch's "
+            f"{rows} rows: a masked mean (`F.mse_loss(pred[mask], y[mask])`, "
+            "`loss[mask].mean()`: labels missing for some rows or outputs), or a mean over "
+            "targets whose number varies per item (the nodes of a list of graphs, the boxes "
+            "of images, sequences concatenated end to end), divides by a count "
+            "that differs between micro-batches, and a plain scalar is read as a mean over the "
+            "rows and weighted by them, so the step is not the full-batch one. Return "
+            "gradaccum.LossSum(summed_loss, count=mask.sum()) (reduction='sum'; the count: the "
+            "values averaged); for several "
+            "masked tasks, LossSum.terms(task=(summed_loss, mask.sum()), ...), each divided "
+            "once by the whole batch's count (docs/losses.md)."
+        )
+    return None

@@ -6,7 +6,8 @@ leaf follows one rule, so nothing is broadcast by accident:
 ===============================================  ==============================================
 leaf                                             in the micro-batch of items [start, stop)
 ===============================================  ==============================================
-tensor, numpy array or sparse COO tensor         its slice along ``batch_dim`` (COO: a copy)
+tensor, numpy array, sparse COO tensor or        its slice along ``batch_dim`` (COO, SciPy: a
+``scipy.sparse`` matrix                          copy, in its own format)
 list or plain tuple holding no tensor or array   ``x[start:stop]``, one entry per item, so its
 (strings, ints, dicts of them, token lists...)   length must be B (an empty one counts as 0)
 list of dicts with the same keys, or of one      ``x[start:stop]``: uncollated examples, one per
@@ -81,6 +82,7 @@ from gradaccum._records import (
     rebuild_mapping,
     rebuild_tuple,
 )
+from gradaccum._sparse_rows import is_scipy_sparse, sparse_slicer, sparse_take, tensor_slicer
 
 __all__ = [
     "batch_size",
@@ -181,6 +183,8 @@ def take_batch(batch: Any, order: list[int], *, batch_dim: int = 0) -> Any:
             if isinstance(leaf, np.ndarray):
                 return np.take(leaf, order, axis=batch_dim)
             return leaf.index_select(batch_dim, torch.tensor(order, device=leaf.device))
+        if is_scipy_sparse(leaf):
+            return sparse_take(leaf, order, batch_dim)
         return type(leaf)([leaf[i] for i in order]) if len(leaf) == len(order) else leaf
 
     return map_leaves(batch, reorder, batch_dim=batch_dim)
@@ -225,7 +229,7 @@ def _plan(
     check_batch_dim(batch_dim)
     plain = hook is None and type(batch) is torch.Tensor and _plain(batch, batch_dim)
     if plain and batch.shape[batch_dim]:
-        return (_tensor_slicer(batch, batch_dim) if build else _measured), batch.shape[batch_dim]
+        return (tensor_slicer(batch, batch_dim) if build else _measured), batch.shape[batch_dim]
     flat = None if hook is not None else _flat_tensors(batch, batch_dim)
     if flat is None:  # the general path: as it reads, else by the fallbacks of `_compile`
         try:
@@ -242,7 +246,7 @@ def _plan(
     size: int = flat[0].shape[batch_dim]
     if not build:
         return _measured, size
-    return _container_slicer(batch, [_tensor_slicer(t, batch_dim) for t in flat]), size
+    return _container_slicer(batch, [tensor_slicer(t, batch_dim) for t in flat]), size
 
 
 def _general(
@@ -296,7 +300,10 @@ def _compile(
         return None
     if isinstance(node, torch.Tensor):
         sizes.append((path, array_items(node, path, dim, "tensor"), "tensor"))
-        return _tensor_slicer(_hooked(node, hook), dim) if build else _measured
+        return tensor_slicer(_hooked(node, hook), dim) if build else _measured
+    if is_scipy_sparse(node):  # split by rows, in its format; it was passed whole
+        sizes.append((path, array_items(node, path, dim, "array"), "array"))
+        return sparse_slicer(_hooked(node, hook), dim) if build else _measured
     if isinstance(node, np.ndarray):
         sizes.append((path, array_items(node, path, dim, "array"), "array"))
         if not build:
@@ -373,14 +380,6 @@ def _entries_slicer(values: Any, children: list[_Slicer | None]) -> _Slicer:
         return lambda start, stop: [child(start, stop) for child in live]
     pairs = list(zip(children, values, strict=True))
     return lambda start, stop: [v if child is None else child(start, stop) for child, v in pairs]
-
-
-def _tensor_slicer(tensor: torch.Tensor, dim: int) -> _Slicer:
-    if tensor.layout is torch.sparse_coo:  # a sparse tensor has no views: a copy of its rows
-        return lambda start, stop: tensor.narrow_copy(dim, start, stop - start)
-    if dim == 0:
-        return lambda start, stop: tensor[start:stop]
-    return lambda start, stop: tensor.narrow(dim, start, stop - start)
 
 
 def _plain(tensor: torch.Tensor, dim: int) -> bool:

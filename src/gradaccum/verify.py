@@ -51,7 +51,9 @@ from gradaccum._non_additive import (
 )
 from gradaccum._random_draws import (
     RANDOM_DRAWS,
+    generators_forked,
     host_rng_forked,
+    loss_generators,
     random_draws,
     rng_advanced,
     rng_snapshot,
@@ -250,12 +252,14 @@ def check_equivalence(
 
     with torch.enable_grad():
         refuse_grad_disabled("check_equivalence()")  # inference mode, which enable_grad keeps
+        own, own_drew = loss_generators(loss_fn), list[bool]()  # negative sampling's own
         with torch.random.fork_rng(devices=devices), host_rng_forked(), precision:
             generators = held_generators(full_model)  # its own, next to the global ones
             rng = rng_snapshot(devices, generators)
             with random_draws(full_model, devices, known) as drawing:
                 try:
-                    result = call_loss_fn(loss_fn, full_model, batch)
+                    with generators_forked(own, own_drew):
+                        result = call_loss_fn(loss_fn, full_model, batch)
                 except Exception as error:
                     fused = float32_only(model)
                     if fused and dtype != torch.float32 and hasattr(error, "add_note"):
@@ -274,8 +278,8 @@ def check_equivalence(
             value, weight, count = read_loss(result, batch_size(batch), needs_graph=True)
             if count > 0:  # the plain full-batch loss itself: no op a user would not write
                 torch.autograd.backward(value if weight == count else value / count)
-            drew = rng_advanced(rng, devices, generators)
-        with torch.random.fork_rng(devices=devices), host_rng_forked():
+            drew = rng_advanced(rng, devices, generators) or any(own_drew)
+        with torch.random.fork_rng(devices=devices), host_rng_forked(), generators_forked(own):
             try:
                 accumulate_grad(accumulated_model, batch, loss_fn, micro_batch_size)
             except Exception as error:
