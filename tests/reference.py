@@ -78,7 +78,7 @@ def reference_grads(
     return float(loss.detach()), count
 
 
-def _finish(
+def finish_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
@@ -111,7 +111,7 @@ def reference_step(
     """One plain optimizer step on the whole batch at once (the ground truth)."""
     optimizer.zero_grad(set_to_none=True)
     loss, count = reference_grads(model, batch, loss_fn, normalize)
-    norm, lr = _finish(model, optimizer, scheduler, max_grad_norm)
+    norm, lr = finish_step(model, optimizer, scheduler, max_grad_norm)
     return ReferenceResult(loss, count, norm, lr)
 
 
@@ -184,7 +184,7 @@ def buggy_step(
     """One optimizer step of the hand-written accumulation loop `bug` (a key of BUGGY_GRADS)."""
     optimizer.zero_grad(set_to_none=True)
     BUGGY_GRADS[bug](model, batch, mean_loss_fn, micro_batch_size)
-    _finish(model, optimizer, scheduler, max_grad_norm)
+    finish_step(model, optimizer, scheduler, max_grad_norm)
 
 
 def param_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ from tests.integrations.test_hf import (  # noqa: E402
     _reference,
     _sequence_batch,
 )
-from tests.reference import param_tensors, relative_gap  # noqa: E402
+from tests.reference import finish_step, param_tensors, relative_gap  # noqa: E402
 from tests.state import assert_bitwise, clone_state  # noqa: E402
 
 
@@ -179,9 +179,7 @@ def _prompt_steps(loss_fn: Any, wrapped: bool = False) -> dict[str, torch.Tensor
         if loss_fn is None:  # the plain full-batch step
             optimizer.zero_grad(set_to_none=True)
             _prompt_reference(model, batch).backward()
-            trainable = [p for p in model.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(trainable, 0.5)
-            optimizer.step()
+            finish_step(model, optimizer, None, max_grad_norm=0.5)
         else:
             assert acc.step(batch, loss_fn).stepped
     return param_tensors(model)

@@ -34,7 +34,7 @@ from tests.integrations.test_hf import (  # noqa: E402
     _naive_causal,
     _reference_causal,
 )
-from tests.reference import param_tensors, relative_gap  # noqa: E402
+from tests.reference import finish_step, param_tensors, relative_gap  # noqa: E402
 from tests.state import assert_bitwise, clone_state  # noqa: E402
 from tests.test_docs_examples import python_block  # noqa: E402
 
@@ -153,9 +153,7 @@ def test_without_the_term_the_helper_equals_the_full_batch_steps(make: Any) -> N
             if loss_fn is None:  # the plain full-batch step
                 optimizer.zero_grad(set_to_none=True)
                 _reference_causal(model, batch).backward()
-                trainable = [p for p in model.parameters() if p.grad is not None]
-                torch.nn.utils.clip_grad_norm_(trainable, 0.5)
-                optimizer.step()
+                finish_step(model, optimizer, None, max_grad_norm=0.5)
             else:
                 assert acc.step(batch, loss_fn).stepped
         return param_tensors(model)
