@@ -31,7 +31,8 @@ demo: $(STAMP)
 	$(BIN)/gradaccum demo
 
 # README's sample outputs: rerun each command marked `<!-- output: ... -->` and rewrite its block
-# (about a minute); docs-check only compares, ignoring timings, and lists the blocks that differ.
+# (about a minute); docs-check only compares, ignoring timings and CPU-dependent float noise,
+# and lists the blocks that differ.
 docs: $(STAMP)
 	$(BIN)/python scripts/readme_outputs.py
 
