@@ -310,6 +310,30 @@ def test_a_target_networks_update_inside_loss_fn_warns_and_once_per_window_is_ex
     assert gap(model) < 1e-10
 
 
+def test_frozen_parameters_changed_two_ways_in_one_window_are_all_named() -> None:
+    """One frozen tensor reassigned (`p.data = ...`: a new address), another changed through
+    `.data` (no version bump, same address): both are named. The address check alone found the
+    first, and the samples were then not compared, so the second went unnamed; a reassigned
+    tensor that happens to reuse its old address was missed the same way (a flaky count)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)).double()
+    model[0].requires_grad_(False)
+    kept: list[torch.Tensor] = []  # the old tensors stay alive: the new address is another
+
+    def loss_fn(m: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            kept.append(m[0].weight.data)
+            m[0].weight.data = m[0].weight.data * 0.9  # reassigned
+            m[0].bias.data.mul_(0.9)  # through .data: version and address unchanged
+        return m(batch).pow(2).mean()
+
+    acc = Accumulator(model, torch.optim.SGD(model[1].parameters(), lr=0.1), micro_batch_size=2)
+    with pytest.warns(ForwardStateWarning) as caught:
+        acc.step(torch.randn(6, 3, dtype=torch.float64), loss_fn)
+    (message,) = [str(w.message) for w in caught if w.category is ForwardStateWarning]
+    assert "2 parameters that do not require grad (0.weight, 0.bias)" in message, message
+
+
 class _QatNet(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -97,10 +97,14 @@ class FrozenWatch:
             for name, p, version, pointer in marks
             if not p.requires_grad and (_version(p) != version or p.data_ptr() != pointer)
         ]
-        if not moved and samples is not None:
-            now = _samples([p for _, p, _, _ in marks])
+        if samples is not None:  # every one: a reassigned tensor may reuse the old address
+            by_mark, now = set(moved), _samples([p for _, p, _, _ in marks])
             pairs = zip(marks, samples, now, strict=True)
-            moved = [m[0] for m, old, new in pairs if not (m[1].requires_grad or old.equal(new))]
+            moved = [
+                m[0]
+                for m, old, new in pairs
+                if not m[1].requires_grad and (m[0] in by_mark or not old.equal(new))
+            ]
         if not moved or micro_batches < 2:
             return None
         self.warned = True
