@@ -1345,3 +1345,28 @@ def _state_bytes(generator: Any) -> bytes:
     if isinstance(generator, np.random.Generator):
         return pickle.dumps(generator.bit_generator.state)
     return pickle.dumps(generator.getstate())
+
+
+# --- batch_dim: sequence-first (S, B, ...) batches -------------------------------------------
+
+
+def test_check_equivalence_takes_batch_dim_for_sequence_first_batches() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"rnn": torch.nn.GRU(3, 4), "head": torch.nn.Linear(4, 1)})
+
+    def loss_fn(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        out, _ = m["rnn"](b["x"])  # (S, B, H)
+        return torch.nn.functional.mse_loss(m["head"](out[-1]).squeeze(-1), b["y"][0])
+
+    x, y = torch.randn(5, 9, 3), torch.randn(1, 9)
+    report = check_equivalence(model, {"x": x, "y": y}, loss_fn, 4, batch_dim=1)
+    assert report.ok
+    assert report.max_rel_diff < 1e-10
+    # Control: along dim 0 (the only split before) the sequences are cut in time.
+    with pytest.warns(UserWarning, match="batch_dim=1"):
+        cut = check_equivalence(model, {"x": x, "y": y.expand(5, 9)}, loss_fn, 2)
+    assert not cut.ok
+    with pytest.raises(ValueError, match=r"batch_dim=-1 must be a non-negative int"):
+        check_equivalence(model, {"x": x, "y": y}, loss_fn, 4, batch_dim=-1)
+    with pytest.raises(ValueError, match=r"needs the batch dimension \(batch_dim=1\)"):
+        check_equivalence(model, {"x": x, "y": y[0]}, loss_fn, 4, batch_dim=1)

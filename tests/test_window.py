@@ -369,3 +369,62 @@ def test_accumulate_grad_warns_on_a_token_mean_weighted_by_rows(micro_batch_size
     with warnings.catch_warnings():  # negative control: the sum and count never warn
         warnings.simplefilter("error", TokenMeanWarning)
         accumulate_grad(model, batch, token_sum, micro_batch_size=micro_batch_size)
+
+
+# --- batch_dim: sequence-first (S, B, ...) batches -------------------------------------------
+
+
+class _SequenceFirstTagger(torch.nn.Module):
+    """A sequence-first GRU tagger: `x` is (S, B, F), the loss a mean over the B items."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = torch.nn.GRU(3, 5)  # batch_first=False
+        self.head = torch.nn.Linear(5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x)
+        return self.head(out[-1]).squeeze(-1)  # (B,)
+
+
+def _seq_first_batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 10, 3, generator=g, dtype=torch.float64)  # 6 steps, 10 sequences
+    return {"x": x, "y": torch.randn(1, 10, generator=g, dtype=torch.float64)}  # (1, B)
+
+
+def _seq_mse(model: torch.nn.Module, batch) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"][0])
+
+
+def test_accumulate_grad_splits_sequence_first_batches_along_batch_dim_1() -> None:
+    model, batch = _SequenceFirstTagger().double(), _seq_first_batch()
+    expected = _reference_grads(model, batch, _seq_mse)
+    result = accumulate_grad(model, batch, _seq_mse, micro_batch_size=3, batch_dim=1)
+    assert result.count == 10  # the B items along dim 1, not the 6 time steps
+    for param, ref in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(param.grad, ref, rtol=1e-10, atol=1e-12)
+    # Control: split along dim 0 (before, the only split), the steps are cut: warned and off.
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match="batch_dim=1"):
+        accumulate_grad(model, {"x": batch["x"], "y": batch["y"].expand(6, 10)}, _seq_mse, 3)
+    pairs = zip(model.parameters(), expected, strict=True)
+    gap = max(float((p.grad - r).abs().max()) for p, r in pairs)
+    assert gap > 1e-3
+
+
+@pytest.mark.parametrize("bad", [-1, 1.0, True, "1"])
+def test_accumulate_grad_refuses_a_bad_batch_dim_as_the_accumulator_does(bad: object) -> None:
+    model, batch = _mlp(), _data()
+    accumulate_grad(model, batch, _mse, micro_batch_size=4)
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="must be a non-negative int") as refused:
+        accumulate_grad(model, batch, _mse, 4, batch_dim=bad)  # type: ignore[arg-type]
+    sgd = torch.optim.SGD(model.parameters())
+    with pytest.raises(ValueError, match="must be a non-negative int") as by_accumulator:
+        gradaccum.Accumulator(model, sgd, batch_dim=bad)  # type: ignore[arg-type]
+    assert str(refused.value) == str(by_accumulator.value)
+    assert "batch_dim=1 for sequence-first" in str(refused.value)
+    for param, grad in zip(model.parameters(), before, strict=True):
+        assert torch.equal(param.grad, grad)  # nothing changed

@@ -3,7 +3,7 @@
 `nn.LSTM`, `nn.GRU`, `nn.RNN` and `nn.MultiheadAttention` (so `nn.Transformer*` too) are
 sequence-first by default (`batch_first=False`): they read `(S, B, ...)`. A batch of such tensors
 split along dim 0 (`Accumulator.step`, `accumulate_grad` and `check_equivalence` split there unless
-told `batch_dim=1`) is cut in time, not into items: each micro-batch runs a few time steps of
+given `batch_dim=1`) is cut in time, not into items: each micro-batch runs a few time steps of
 every sequence from a fresh hidden state, a silently different objective from the full batch.
 
 `SequenceFirstCheck` watches the first few split micro-batches: a sequence-first module whose
@@ -107,8 +107,8 @@ class SequenceFirstCheck:
                 f"(batch_first=False) and its input's dim 0 holds those {items}: the split cut "
                 "every sequence in time (or the module runs across the batch's items), which is "
                 "not the full-batch step. For (S, B, ...) batches pass "
-                "Accumulator(..., batch_dim=1) (accumulate_grad and check_equivalence split dim "
-                "0 only: give them (B, S, ...) tensors); for (B, S, ...) batches build the "
+                "Accumulator(..., batch_dim=1) (accumulate_grad and check_equivalence take "
+                "batch_dim=1 too); for (B, S, ...) batches build the "
                 f"{kind} with batch_first=True, or transpose before it."
             )
         )

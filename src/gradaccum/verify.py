@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from gradaccum._batch_sizes import check_batch_dim
 from gradaccum._check_copies import (
     cast,
     cast_array,
@@ -217,6 +218,7 @@ def check_equivalence(
     micro_batch_size: int,
     *,
     dtype: torch.dtype = torch.float64,
+    batch_dim: int = 0,
 ) -> EquivalenceReport:
     """Compare the accumulated gradient with the full-batch gradient on copies of `model`.
 
@@ -233,6 +235,8 @@ def check_equivalence(
         dtype: Compute dtype of both runs (float64 makes rounding negligible). In bfloat16
             or float16 (or a model computing in them inside) each micro-batch's gradient is
             rounded to that dtype, and the tolerance grows with the square root of their number.
+        batch_dim: The items' dimension of every tensor in the batch, as for
+            `Accumulator(batch_dim=...)`: 0, or 1 for sequence-first `(S, B, ...)` batches.
 
     Returns:
         An `EquivalenceReport`; `str()` of it is a readable table.
@@ -241,8 +245,10 @@ def check_equivalence(
         ValueError: If a parameter, buffer or batch tensor has no values (meta device, lazy
             module), the batch or `micro_batch_size` is invalid, or only the accumulated run fails.
     """
+    batch_dim = check_batch_dim(batch_dim)  # the Accumulator's check and message
     refuse_unmaterialized(model, batch)
-    micro_batches = len(split_batch(batch, micro_batch_size))  # validates before any work
+    # Validates before any work
+    micro_batches = len(split_batch(batch, micro_batch_size, batch_dim=batch_dim))
     full_model, accumulated_model = cast_copy(model, dtype), cast_copy(model, dtype)
     batch = map_tensors(batch, lambda t: cast(t, dtype), lambda a: cast_array(a, dtype))
     devices = cuda_devices([*model.parameters(), *model.buffers(), *tensors_of(batch)])
@@ -275,13 +281,16 @@ def check_equivalence(
                     "check_equivalence takes a loss with one denominator; compare a "
                     "LossSum.terms loss by stepping Accumulator.step against a full-batch step."
                 )
-            value, weight, count = read_loss(result, batch_size(batch), needs_graph=True)
+            items = batch_size(batch, batch_dim=batch_dim)
+            value, weight, count = read_loss(result, items, needs_graph=True)
             if count > 0:  # the plain full-batch loss itself: no op a user would not write
                 torch.autograd.backward(value if weight == count else value / count)
             drew = rng_advanced(rng, devices, generators) or any(own_drew)
         with torch.random.fork_rng(devices=devices), host_rng_forked(), generators_forked(own):
             try:
-                accumulate_grad(accumulated_model, batch, loss_fn, micro_batch_size)
+                accumulate_grad(
+                    accumulated_model, batch, loss_fn, micro_batch_size, batch_dim=batch_dim
+                )
             except Exception as error:
                 # State kept between calls (an RNN's hidden state held as an attribute) that the
                 # full batch set for its B items: the micro-batches then fail on its shape.

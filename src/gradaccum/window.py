@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from gradaccum._batch_sizes import check_batch_dim
 from gradaccum._copied_loop import gradients_changed_error
 from gradaccum._dtensor import like_param
 from gradaccum._forward_state import ForwardState
@@ -313,6 +314,8 @@ def accumulate_grad(
     loss_fn: LossFn,
     micro_batch_size: int,
     normalize: Normalize | str = "mean",
+    *,
+    batch_dim: int = 0,
 ) -> LossSum:
     """Fill every `.grad` with the exact full-batch gradient, computed micro-batch by micro-batch.
 
@@ -326,6 +329,8 @@ def accumulate_grad(
         loss_fn: `loss_fn(model, micro_batch) -> Tensor | LossSum`.
         micro_batch_size: Items per micro-batch.
         normalize: `"mean"` for `sum(value) / sum(count)`, `"sum"` for `sum(value)`.
+        batch_dim: The items' dimension of every tensor in the batch, as for
+            `Accumulator(batch_dim=...)`: 0, or 1 for sequence-first `(S, B, ...)` batches.
 
     Returns:
         `LossSum(value, count)`: the detached summed loss and the total count. With `"mean"`,
@@ -341,20 +346,21 @@ def accumulate_grad(
     """
     objective = parse(Normalize, normalize, "normalize")
     refuse_grad_disabled("accumulate_grad()")  # before any loss_fn runs
-    micro_batches = split_batch(batch, micro_batch_size)
-    total_items = batch_size(batch)
+    batch_dim = check_batch_dim(batch_dim)  # the Accumulator's check and message
+    micro_batches = split_batch(batch, micro_batch_size, batch_dim=batch_dim)
+    total_items = batch_size(batch, batch_dim=batch_dim)
     ahead = counted_ahead(loss_fn, micro_batches)
     counted = ahead if isinstance(ahead, int) else None
     params = trainable_parameters(model)
     device = params[0].device
     window = Window()
     window.open(params, len(params), loss_scale=1.0)
-    token_mean, layout = TokenMeanCheck(), SequenceFirstCheck(model, 0, carried=False)
+    token_mean, layout = TokenMeanCheck(), SequenceFirstCheck(model, batch_dim, carried=False)
     forward = ForwardState(model)  # put back on failure, as the note says (BatchNorm statistics)
     try:
         with steps_refused(window):  # an optimizer stepped in the backward
             for micro_batch in micro_batches:
-                items = batch_size(micro_batch)
+                items = batch_size(micro_batch, batch_dim=batch_dim)
                 with layout.watch(items, total_items):  # a sequence-first RNN cut in time: warns
                     result = call_loss_fn(loss_fn, model, to_device(micro_batch, device))
                 window.check_no_backward_inside()
