@@ -153,3 +153,46 @@ def test_a_first_micro_batch_that_counts_nothing_does_not_lose_the_estimate() ->
     # NEGATIVE CONTROL: micro-batches 2 and 3 together (b=8 = B) would give no estimate at all,
     # and the full batch's gradient is not the small one.
     assert abs(small_sq - big_sq) > 1e-6 * big_sq
+
+
+def test_items_per_second_after_a_mid_window_resume_counts_only_this_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A window loaded half done: its items per second are the items run since the load."""
+    clock = [100.0]
+    monkeypatch.setattr("gradaccum.telemetry.time.perf_counter", lambda: clock[0])
+
+    def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        clock[0] += 1.0  # each micro-batch of 10 items takes one second
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    def build() -> Accumulator:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return Accumulator(model, opt, accumulation_steps=4, telemetry=True)
+
+    batches = [(torch.randn(10, 3), torch.randn(10, 1)) for _ in range(4)]
+    whole = build()
+    for batch in batches:
+        result = whole.micro_step(batch, loss_fn)
+    assert result.telemetry is not None
+    assert result.telemetry.items_per_second == pytest.approx(10.0)  # 40 items in 4 s
+    first = build()
+    for batch in batches[:2]:
+        first.micro_step(batch, loss_fn)
+    state = first.state_dict()
+    clock[0] += 1000.0  # the process restarts later
+    resumed = build()
+    resumed.load_state_dict(state)
+    for batch in batches[2:]:
+        result = resumed.micro_step(batch, loss_fn)
+    assert result.stepped
+    assert result.count == 40  # the window's count is still the whole window's
+    assert result.telemetry is not None
+    # 20 items ran in the 2 s since the load (before: 40 / 2 s = 20, twice the real rate).
+    assert result.telemetry.items_per_second == pytest.approx(10.0)
+    for batch in batches:  # the next window counts all of its items again
+        result = resumed.micro_step(batch, loss_fn)
+    assert result.telemetry is not None
+    assert result.telemetry.items_per_second == pytest.approx(10.0)

@@ -310,14 +310,15 @@ class Accumulator(WindowSizes, OptimizerSetting, RunSettings):
     def _close(self, micro_batch_size: int, sizing: str | None = None) -> StepResult:
         """The window boundary, through the engine's transaction; counts what it skipped."""
         engine = self._engine
-        micro_batches = engine.window.micro_batches
+        micro_batches, counted = engine.window.micro_batches, engine.window.count
         outcome = engine.close_window(max_grad_norm=self.max_grad_norm, scheduler=self.scheduler)
         build = StepResult.stepped if outcome.stepped else StepResult.skipped
-        meter = self._engine.telemetry
-        telemetry = None
-        if meter is not None:
+        meter, telemetry = self._engine.telemetry, None
+        if meter is not None:  # `counted`: this rank's items, for a window resumed mid-way
             summed, norm = self.normalize is Normalize.SUM, outcome.grad_norm
-            telemetry = meter.close(outcome.stepped, outcome.count, norm, summed, micro_batch_size)
+            telemetry = meter.close(
+                outcome.stepped, outcome.count, norm, summed, micro_batch_size, counted
+            )
         objective = outcome.objective  # set for LossSum.terms windows
         if objective is None:
             objective = _objective(outcome.loss_sum, outcome.count, self.normalize is Normalize.SUM)
@@ -386,9 +387,8 @@ class Accumulator(WindowSizes, OptimizerSetting, RunSettings):
         if self._auto is not None and same_split and state.get("auto") is not None:
             self._auto.load_state_dict(state["auto"])  # kept only by the same auto mode
         if self._engine.telemetry is not None:  # saved without telemetry: it starts afresh
-            self._engine.telemetry.load_state_dict(
-                state.get("telemetry") or TelemetryMeter().state_dict()
-            )
+            saved = state.get("telemetry") or TelemetryMeter().state_dict()
+            self._engine.telemetry.load_state_dict(saved, self._engine.window.count)
         self._rates.forget()
         self.nonfinite_windows = int(state["nonfinite_windows"])
         self.empty_windows = int(state["empty_windows"])

@@ -95,6 +95,7 @@ class TelemetryMeter:
         self.step_grad_sq: float | None = None
         self._small: tuple[torch.Tensor, int, float] | None = None  # |raw|², items, scale
         self._started: float | None = None
+        self._resumed = 0  # items a loaded window counted before this process's clock started
 
     @property
     def trace(self) -> float | None:
@@ -114,7 +115,7 @@ class TelemetryMeter:
     def open_window(self) -> None:
         """A window starts: its clock starts, and its first micro-batch is still to come."""
         self._started = time.perf_counter()
-        self._small = None
+        self._small, self._resumed = None, 0
 
     def forget_window(self) -> None:
         """The window was forgotten (failed, skipped, dropped): its first measurement goes too."""
@@ -130,16 +131,28 @@ class TelemetryMeter:
             self._small = (total_norm(list(grads)).double().square(), items, scale)
 
     def close(
-        self, stepped: bool, count: int, grad_norm: float | None, summed: bool, micro_batch: int
+        self,
+        stepped: bool,
+        count: int,
+        grad_norm: float | None,
+        summed: bool,
+        micro_batch: int,
+        local_count: int | None = None,
     ) -> Telemetry:
         """The boundary of a window of `count` items, whose gradient's norm was `grad_norm`.
 
         `summed`: the gradient was the sum over items (`normalize="sum"`), not their mean;
-        `micro_batch`: the items of the window's largest micro-batch.
+        `micro_batch`: the items of the window's largest micro-batch; `local_count`: the items
+        this rank counted (of `count`, over all ranks), for a window resumed mid-way, whose
+        items counted before the load are not this process's throughput.
         """
         seconds = time.perf_counter() - (self._started or time.perf_counter())
         self.step_trace = self.step_grad_sq = None
         small, self._small, self._started = self._small, None, None
+        processed = float(count)
+        if self._resumed and local_count:  # a resumed window: only what ran since the load
+            processed = count * max(local_count - self._resumed, 0) / local_count
+        self._resumed = 0
         if stepped and small is not None and grad_norm is not None and count > 0:
             mean_norm = grad_norm / count if summed else grad_norm
             raw_sq, items, scale = small
@@ -150,7 +163,7 @@ class TelemetryMeter:
             grad_sq=self.grad_sq,
             step_trace=self.step_trace,
             step_grad_sq=self.step_grad_sq,
-            items_per_second=count / seconds if seconds > 0 else 0.0,
+            items_per_second=processed / seconds if seconds > 0 else 0.0,
             micro_batch_size=micro_batch,
             peak_memory_bytes=self._peak(),
         )
@@ -185,8 +198,12 @@ class TelemetryMeter:
             small = [float(raw_sq), items, scale]
         return {"steps": self.steps, "trace": self._trace, "grad_sq": self._grad_sq, "small": small}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()` output (the resumed window's clock starts again)."""
+    def load_state_dict(self, state: dict[str, Any], resumed_items: int = 0) -> None:
+        """Restore `state_dict()` output (the resumed window's clock starts again).
+
+        `resumed_items`: the items the loaded window had counted on this rank; its items per
+        second count only the items processed after the load.
+        """
         self.steps = int(state["steps"])
         self._trace, self._grad_sq = float(state["trace"]), float(state["grad_sq"])
         small = state.get("small")
@@ -197,7 +214,7 @@ class TelemetryMeter:
                 int(small[1]),
                 float(small[2]),
             )
-        self._started = time.perf_counter()
+        self._started, self._resumed = time.perf_counter(), int(resumed_items)
 
 
 def _peak_allocated(device: torch.device) -> int | None:
