@@ -212,3 +212,81 @@ def test_updates_in_windows_of_two_are_warned_of_but_a_per_epoch_swa_is_not(froz
             acc.flush("step")
         assert len(caught) == (0 if per_epoch else 1)
         assert per_epoch or "weight average ema" in str(caught[0].message)
+
+
+# --- A user's own EMA class (structure, not class names) --------------------------------------
+
+
+class _OwnEma(nn.Module):
+    """A hand-written EMA: a deep copy kept as `self.shadow`, in train mode, weights trainable."""
+
+    def __init__(self, net: nn.Module, decay: float = 0.9) -> None:
+        super().__init__()
+        self.shadow, self.decay = copy.deepcopy(net), decay
+
+    @torch.no_grad()
+    def update(self, net: nn.Module) -> None:
+        for mine, theirs in zip(self.shadow.parameters(), net.parameters(), strict=True):
+            mine.lerp_(theirs, 1 - self.decay)
+
+
+class _TimmStyleEma(nn.Module):
+    """timm's ModelEmaV2 shape: the copy as `self.module`, put in eval mode."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.module = copy.deepcopy(net).eval()
+
+
+class _Tower(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.encoder = net
+
+
+@pytest.mark.parametrize("kind", ["own", "timm", "whole_model"])
+def test_a_users_own_ema_class_inside_the_model_is_not_warned_of_and_steps_exactly(
+    kind: str,
+) -> None:
+    holder = nn.Module()
+    holder.net = _net()
+    if kind == "whole_model":  # `self.ema = Ema(self)` at the end of the model's __init__
+        holder.ema = _OwnEma(holder)
+    else:
+        holder.ema = _OwnEma(holder.net) if kind == "own" else _TimmStyleEma(holder.net)
+    reference = copy.deepcopy(holder.net)
+    optimizer = torch.optim.SGD(holder.net.parameters(), lr=0.5, momentum=0.9)
+    x, y = _data()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc = Accumulator(holder, optimizer, micro_batch_size=3)
+        acc.step((x, y), lambda m, b: _ce(m.net, b))
+    # Before: "12 trainable parameters of the model (ema.shadow.0.weight, ...) are in no param
+    # group of the optimizer".
+    assert [str(w.message) for w in caught] == []
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    _ce(reference, (x, y)).backward()
+    ref_optimizer.step()
+    assert _close(holder.net, reference)
+    assert all(p.grad is None for p in holder.ema.parameters())
+
+
+def test_structural_twins_the_optimizer_misses_are_still_warned_of() -> None:
+    """Controls: two towers of one architecture, and a copy held bare, are not weight averages."""
+    towers = nn.Module()
+    towers.query, towers.doc = _Tower(_net()), _Tower(_net())  # the doc tower forgotten
+    bare = nn.Module()
+    bare.net = _net()
+    bare.ema = copy.deepcopy(bare.net)  # bare: indistinguishable from a forgotten twin
+    other = nn.Module()
+    # A wrapper whose copy has no trained original: a forgotten head, not an average.
+    other.net, other.head = _net(), _OwnEma(nn.Sequential(nn.Linear(5, 2), nn.Linear(2, 2)))
+    for model, owner, missed in (
+        (towers, towers.query, "doc.encoder.0.weight"),
+        (bare, bare.net, "ema.0.weight"),
+        (other, other.net, "head.shadow.0.weight"),
+    ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            Accumulator(model, torch.optim.SGD(owner.parameters(), lr=0.1), micro_batch_size=3)
+        assert any(missed in str(w.message) for w in caught), missed

@@ -27,7 +27,12 @@ from collections.abc import Iterator
 import torch
 from torch.optim.swa_utils import AveragedModel
 
-__all__ = ["AverageWatch", "averaged_parameter_ids", "named_trained_modules"]
+__all__ = [
+    "AverageWatch",
+    "averaged_parameter_ids",
+    "copied_parameter_ids",
+    "named_trained_modules",
+]
 
 
 def named_trained_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -62,6 +67,57 @@ def averaged_parameter_ids(model: torch.nn.Module) -> set[int]:
     modules = named_trained_modules(model)
     trained = {id(p) for _, module in modules for p in module.parameters(recurse=False)}
     return averaged - trained
+
+
+def _signature(module: torch.nn.Module, leave: set[int]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The names and shapes of `module`'s parameters, without those whose id is in `leave`."""
+    return tuple(
+        (name, tuple(p.shape)) for name, p in module.named_parameters() if id(p) not in leave
+    )
+
+
+def copied_parameter_ids(model: torch.nn.Module, held: set[int]) -> set[int]:
+    """The parameters of a user's own weight average inside `model`, told by structure.
+
+    An EMA class of one's own (`self.shadow = copy.deepcopy(net)`, timm's `ModelEmaV2` holding
+    `self.module`; eval mode or not) is a wrapper whose parameters all lie in one child, a copy
+    of a module the optimizer trains: the same parameter names and shapes, none of them shared,
+    and none of the copy's in the optimizer (`held`, parameter ids) while all of the original's
+    are. Two towers of one architecture are not taken (the wrapper must have no twin), nor a
+    one-layer copy (a wrapped `nn.Linear(d, d)` looks like any other); `AveragedModel` is
+    `averaged_parameter_ids`'.
+    """
+    named = [(n, m) for n, m in model.named_modules() if not isinstance(m, AveragedModel)]
+    counts: dict[tuple[tuple[str, tuple[int, ...]], ...], int] = {}
+    for _, module in named:
+        key = _signature(module, set())
+        counts[key] = counts.get(key, 0) + 1
+    found: set[int] = set()
+    for name, wrapper in named:
+        own = {id(p) for p in wrapper.parameters()}
+        children = [c for c in wrapper.children() if any(True for _ in c.parameters())]
+        if not name or len(children) != 1 or not own or own & held or own & found:
+            continue
+        (copy,) = children
+        layers = sum(1 for m in copy.modules() if any(True for _ in m.parameters(recurse=False)))
+        if layers < 2 or own != {id(p) for p in copy.parameters()}:
+            continue
+        if counts[_signature(wrapper, set())] > 1:
+            continue  # the wrapper has a twin: two towers of one architecture
+        target = _signature(copy, set())
+        for other_name, other in named:
+            if other_name == name or other_name.startswith(name + "."):
+                continue
+            ancestor = not other_name or name.startswith(other_name + ".")
+            originals = [p for p in other.parameters() if id(p) not in own]
+            if (
+                originals
+                and all(id(p) in held for p in originals)
+                and _signature(other, own if ancestor else set()) == target
+            ):
+                found |= own
+                break
+    return found
 
 
 class AverageWatch:

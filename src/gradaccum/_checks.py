@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gradaccum._averaged import averaged_parameter_ids
+from gradaccum._averaged import averaged_parameter_ids, copied_parameter_ids
 from gradaccum._batch_sizes import check_micro_batch_size
 from gradaccum._parameters import trainable_parameters
 from gradaccum._state_layout import check_state_layout
@@ -135,6 +135,9 @@ def check_optimizer(optimizer: object, model: torch.nn.Module) -> None:
     # An EMA/SWA copy the model holds (self.ema = AveragedModel(...)) is averaged, not trained.
     held |= averaged_parameter_ids(model)
     outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if outside:  # a user's own EMA class (`self.shadow = copy.deepcopy(net)`), by its structure
+        held |= copied_parameter_ids(model, held)
+        outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
     if outside:
         shown = ", ".join(outside[:3]) + (", ..." if len(outside) > 3 else "")
         warn_user(
