@@ -1032,3 +1032,75 @@ def test_a_node_mean_over_a_list_of_graphs_warns_and_its_loss_sum_is_the_full_ba
     ):
         torch.testing.assert_close(exact, reference, rtol=1e-10, atol=0)
         assert float((plain_step - reference).detach().abs().max()) > 1e-3  # the control
+
+
+def _per_row_masked_batch(valid_per_row: list[int]) -> tuple[torch.Tensor, ...]:
+    """Rows of 6 steps whose first `valid_per_row[i]` are valid (a token mask)."""
+    generator = torch.Generator().manual_seed(5)
+    rows = len(valid_per_row)
+    x = torch.randn(rows, 6, 4, generator=generator, dtype=torch.float64)
+    y = torch.randn(rows, 6, generator=generator, dtype=torch.float64)
+    valid = torch.zeros(rows, 6, dtype=torch.bool)
+    for row, kept in enumerate(valid_per_row):
+        valid[row, :kept] = True
+    return x, y, valid
+
+
+def _masked_token_mean(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    out = model(batch[0]).squeeze(-1)
+    return ((out - batch[1]) ** 2)[batch[2]].mean()
+
+
+def _counted_tokens(model: torch.nn.Module, batch: Any) -> LossSum:
+    out = model(batch[0]).squeeze(-1)
+    return LossSum(((out - batch[1]) ** 2)[batch[2]].sum(), count=batch[2].sum())
+
+
+def test_a_masked_mean_whose_count_is_a_multiple_of_the_rows_warns_when_it_changes() -> None:
+    """`loss[mask].mean()` with 3 valid tokens in every row of one micro-batch and 5 in every row
+    of the next divides by 4 x 3 and 4 x 5: whole multiples of the rows, taken for row means,
+    silently 0.1 off the full-batch step. It warns now (TokenMeanWarning naming LossSum), and
+    LossSum is exact; the same count per row everywhere (exact) stays quiet, also when it
+    differs between windows."""
+    import warnings
+
+    from gradaccum.loss import TokenMeanWarning
+
+    batch = _per_row_masked_batch([3] * 4 + [5] * 4)
+    torch.manual_seed(0)
+    start = torch.nn.Linear(4, 1).double()
+    full = copy.deepcopy(start)
+    _masked_token_mean(full, batch).backward()
+    reference = [p.grad for p in full.parameters()]
+    for loss_fn, warned in ((_masked_token_mean, True), (_counted_tokens, False)):
+        model = copy.deepcopy(start)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gradaccum.accumulate_grad(model, batch, loss_fn, micro_batch_size=4)
+        told = [str(w.message) for w in caught if w.category is TokenMeanWarning]
+        assert len(told) == warned, told
+        assert all("3 per row" in t and "5 per row" in t and "LossSum(" in t for t in told)
+        pairs = zip(model.parameters(), reference, strict=True)
+        gaps = [float((p.grad - r).abs().max()) for p, r in pairs]
+        if warned:
+            assert max(gaps) > 1e-3  # the control: the plain scalar is off
+        else:
+            for p, r in zip(model.parameters(), reference, strict=True):
+                torch.testing.assert_close(p.grad, r, rtol=1e-10, atol=0)
+    # The same Accumulator.step warns too.
+    model = copy.deepcopy(start)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters()), micro_batch_size=4)
+    with pytest.warns(TokenMeanWarning, match="per row"):
+        acc.step(batch, _masked_token_mean)
+    # Quiet: the same valid tokens per row in every micro-batch (exact), and windows of
+    # different counts per row, each the same inside (window 1: 3 per row, window 2: 5).
+    even = _per_row_masked_batch([4] * 8)
+    streamed = [_per_row_masked_batch([3] * 4), _per_row_masked_batch([3] * 4)]
+    streamed += [_per_row_masked_batch([5] * 4), _per_row_masked_batch([5] * 4)]
+    model = copy.deepcopy(start)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters()), accumulation_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradaccum.accumulate_grad(copy.deepcopy(start), even, _masked_token_mean, 4)
+        for micro_batch in streamed:
+            acc.micro_step(micro_batch, _masked_token_mean)

@@ -147,6 +147,7 @@ class Engine:
         params, held = self._params.for_window(self.optimizer)  # refuses a stale resize
         self.sync.begin_window()
         self._layout.open_window()  # an RNN state from the last window's micro-batches may go on
+        self._token_mean.open_window()  # masked means compared within a window
         self.window.open(params, held, self.runtime.loss_scale())
         self.runtime.open_window(len(params), None if self.sync.defers else params)
         self.batchnorm.open_window()

@@ -33,7 +33,12 @@ from gradaccum._copied_loop import (
 )
 from gradaccum._nll_mean import ctc_without_nll, nll_mean_problem
 from gradaccum._warnings import warn_user
-from gradaccum._weighted_mean import divided_sum_problem, masked_mean_problem
+from gradaccum._weighted_mean import (
+    divided_sum_problem,
+    masked_mean_problem,
+    masked_means_per_row,
+    per_row_change_problem,
+)
 
 __all__ = ["TokenMeanCheck", "TokenMeanWarning", "warn_if_token_mean"]
 
@@ -138,6 +143,7 @@ class TokenMeanCheck:
         self.left = checks
         self.copied_left = checks  # `_copied_loop`'s checks, of any loss (no device sync)
         self.divisions = 0  # micro-batches divided by their window's micro-batches
+        self.per_row: tuple[int, ...] | None = None  # the window's masked means' values per row
 
     def check(
         self, result: object, micro_batch: object, items: int = 0, micro_batches: int = 0
@@ -168,6 +174,24 @@ class TokenMeanCheck:
                 self.copied_left = 0
         if self.left and isinstance(result, torch.Tensor):
             self.left = 0 if warn_if_token_mean(micro_batch, result, items) else self.left - 1
+            if self.left or self.per_row is not None:  # not warned: a masked mean per row?
+                self._compare_per_row(masked_means_per_row(result, items))
+
+    def open_window(self) -> None:
+        """A new window: its masked means' values per row may differ from the last window's."""
+        self.per_row = None
+
+    def _compare_per_row(self, per_row: tuple[int, ...] | None) -> None:
+        """Warn once if a masked mean's values per row differ from the window's first one's."""
+        if per_row is None:
+            return
+        before = self.per_row
+        if before is None or len(before) != len(per_row):
+            self.per_row = per_row
+        elif before != per_row:
+            changed = next((b, n) for b, n in zip(before, per_row, strict=True) if b != n)
+            warn_user(TokenMeanWarning(per_row_change_problem((changed[0],), (changed[1],))))
+            self.left, self.per_row = 0, None
 
     @property
     def pending(self) -> bool:

@@ -37,6 +37,8 @@ __all__ = [
     "constant_factor",
     "divided_sum_problem",
     "masked_mean_problem",
+    "masked_means_per_row",
+    "per_row_change_problem",
     "summed_values",
     "through_factors",
 ]
@@ -213,3 +215,38 @@ def masked_mean_problem(loss: torch.Tensor, rows: int) -> str | None:
             "once by the whole batch's count (docs/losses.md)."
         )
     return None
+
+
+def masked_means_per_row(loss: torch.Tensor, rows: int) -> tuple[int, ...] | None:
+    """The values per row each masked mean of `loss` averages, when all are whole multiples.
+
+    `loss[mask].mean()` with the same number of kept values in each row of a micro-batch (a
+    fixed number of valid tokens per row, the same in all its rows) divides by a whole multiple
+    of the rows, which `masked_mean_problem` takes for a row mean. It is one only if that number
+    per row stays the same in every micro-batch of the window: the caller compares them.
+    None when `loss` has no such mean (or one that is no multiple: already told).
+    """
+    if rows < 1 or loss.grad_fn is None:
+        return None
+    counts = []
+    for node in _mean_terms(loss):
+        values = _averaged(node)
+        if values < 1 or not _selected(node):
+            continue
+        if values % rows:
+            return None
+        counts.append(values // rows)
+    return tuple(counts) or None
+
+
+def per_row_change_problem(before: tuple[int, ...], now: tuple[int, ...]) -> str:
+    """The message for masked means whose values per row changed between two micro-batches."""
+    return (
+        f"loss_fn returned a plain scalar holding a mean over values picked by a mask or an "
+        f"index (`loss[mask].mean()`, `F.mse_loss(pred[mask], y[mask])`) that kept {before[0]} "
+        f"per row in one micro-batch and {now[0]} per row in another: a mean over the kept "
+        "values (valid tokens, known labels), not over the rows, so weighting each micro-batch "
+        "by its rows is not the full-batch mean. Return gradaccum.LossSum(summed_loss, "
+        "count=mask.sum()) (reduction='sum'; the count: the values averaged); for several "
+        "masked tasks, LossSum.terms(task=(summed_loss, mask.sum()), ...) (docs/losses.md)."
+    )
