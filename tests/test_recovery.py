@@ -11,6 +11,7 @@ window's start. The negative control keeps the failed attempt's gradients and mu
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 
@@ -842,3 +843,50 @@ def test_a_rerun_window_draws_numpy_and_python_numbers_as_a_fixed_size_run() -> 
     # old behaviour) end elsewhere.
     with pytest.raises(AssertionError):
         assert_bitwise(_state(rerun), _state(run([8, 6, 6], burned=3)))
+
+
+def test_a_failed_window_leaves_the_rng_advanced_by_its_draws_as_a_plain_loop() -> None:
+    """RNG is not part of "a failed window changes nothing" (docs/reliability.md): a window that
+    raised (not out of memory) leaves torch's generator where its forwards' draws left it, as a
+    plain loop would; only an out-of-memory rerun rewinds it. Streamed, a rewind would repeat
+    the loop's own draws between micro_step() calls (data augmentation)."""
+
+    def build(**kwargs: int) -> tuple[torch.nn.Module, Accumulator]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5))
+        model.append(torch.nn.Linear(8, 1))
+        return model, Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    calls = [0]
+
+    def failing(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        out = model(batch[0])
+        calls[0] += 1
+        if calls[0] == 2:  # after the second micro-batch's forward drew its dropout mask
+            raise RuntimeError("a bad micro-batch")
+        return torch.nn.functional.mse_loss(out, batch[1])
+
+    for kwargs, stream in (({"micro_batch_size": 4}, False), ({"accumulation_steps": 4}, True)):
+        model, acc = build(**kwargs)
+        twin = copy.deepcopy(model)
+        calls[0] = 0
+        torch.manual_seed(7)
+        before = torch.get_rng_state()
+
+        def run(acc: Accumulator = acc, stream: bool = stream) -> None:
+            if stream:
+                for i in range(0, 16, 4):
+                    acc.micro_step((x[i : i + 4], y[i : i + 4]), failing)
+            else:
+                acc.step((x, y), failing)
+
+        with pytest.raises(RuntimeError, match="a bad micro-batch"):
+            run()
+        after = torch.get_rng_state()
+        torch.set_rng_state(before)  # the same two forwards in a plain loop
+        with torch.no_grad():
+            twin(x[:4])
+            twin(x[4:8])
+        assert torch.equal(after, torch.get_rng_state())
+        assert not torch.equal(after, before)  # the control: not rewound
