@@ -5,11 +5,16 @@ Kept apart from `gradaccum.window` (which re-exports both) so that the window st
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Iterable
 
 import torch
 
 __all__ = ["ModelParameters", "trainable_parameters", "window_parameters"]
+
+_SHAPE = operator.attrgetter("shape")
+_PARAMS, _REQUIRES_GRAD = operator.itemgetter("params"), operator.attrgetter("requires_grad")
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -39,13 +44,18 @@ def window_parameters(
         model_params: The model's parameters (`model.parameters()`, or a list of them).
         optimizer: The optimizer, whose parameters come first, in its order.
     """
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    every = list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
+    params = list(itertools.compress(every, map(_REQUIRES_GRAD, every)))  # C-level passes
     seen = set(map(id, params))
     if len(seen) < len(params):  # a parameter in two groups: keep its first place
         params = list({id(p): p for p in params}.values())
     held = len(params)
-    for param in model_params:
-        if param.requires_grad and id(param) not in seen:
+    model_params = list(model_params)
+    trainable = list(itertools.compress(model_params, map(_REQUIRES_GRAD, model_params)))
+    if seen.issuperset(map(id, trainable)):  # the usual case: the optimizer holds them all
+        return params, held
+    for param in trainable:
+        if id(param) not in seen:
             seen.add(id(param))
             params.append(param)
     return params, held
@@ -78,6 +88,8 @@ class ModelParameters:
         self._shapes = [p.shape for p in self.params]
 
     def _resized(self) -> list[tuple[torch.nn.Parameter, torch.Size]]:
+        if list(map(_SHAPE, self.params)) == self._shapes:  # the usual case, in C-level passes
+            return []
         return [(p, s) for p, s in zip(self.params, self._shapes, strict=True) if p.shape != s]
 
     def resize_error(self) -> ValueError | None:

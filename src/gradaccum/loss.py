@@ -367,6 +367,9 @@ def _read_count(count: object) -> int:
     return int(number)
 
 
+_PLAIN_NUMBERS = (int, float)
+
+
 def _count_number(count: object, what: str) -> float:
     """`count` as a finite number >= 0 (a Python or numpy number, or a one-element tensor)."""
     if isinstance(count, torch.Tensor):
@@ -384,10 +387,11 @@ def _count_number(count: object, what: str) -> float:
                 "Count in integers, e.g. (labels != ignore_index).sum() or mask.bool().sum(), "
                 "not mask.to(logits.dtype).sum()."
             )
-    if isinstance(count, numbers.Integral) and not isinstance(count, bool):
-        count = int(count)  # numpy integers too
-    elif isinstance(count, numbers.Real) and not isinstance(count, bool):
-        count = float(count)  # numpy floats too
+    if type(count) not in _PLAIN_NUMBERS:  # a tensor's item is one: no ABC checks then
+        if isinstance(count, numbers.Integral) and not isinstance(count, bool):
+            count = int(count)  # numpy integers too
+        elif isinstance(count, numbers.Real) and not isinstance(count, bool):
+            count = float(count)  # numpy floats too
     if isinstance(count, bool) or not isinstance(count, (int, float)):
         raise TypeError(f"{what}={count!r} must be an int or a 0-dim tensor.")
     if not math.isfinite(count):

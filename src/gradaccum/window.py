@@ -4,9 +4,8 @@ A `Window` is bookkeeping only; it runs nothing. It holds the running totals (it
 micro-batches, the detached loss sum, the largest micro-batch, and the divisor contract's
 `denominator` and `loss_scale` every backward used: `gradaccum.divisor`); the parameters it
 accumulates into, fixed when it opens (the optimizer's, in its order, then the model's other
-trainable ones); the gradients they held before it, set aside so that a failed window can put
-them back; and a mark of every gradient after each backward, so that a `zero_grad()` between two
-micro-batches is caught instead of silently dropping part of the window.
+trainable ones); the gradients they held before it, set aside for a failed window to put back;
+and a mark of every gradient after each backward, to catch a `zero_grad()` between micro-batches.
 
 `accumulate_grad` is the functional form of the engine: the exact full-batch gradient, no step.
 
@@ -22,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,8 @@ from gradaccum.loss import (
 from gradaccum.options import Normalize, parse
 
 __all__ = ["LossFn", "Outcome", "Window", "accumulate_grad"]
+
+_GRAD, _NONES = operator.attrgetter("grad"), itertools.repeat(None)
 
 LossFn = Callable[[torch.nn.Module, Any], "torch.Tensor | LossSum"]
 
@@ -127,8 +130,8 @@ class Window:
         """Start a window: set the parameters' current gradients aside."""
         self.params, self.held, self.loss_scale = params, held, loss_scale
         self.joins.open(params[:held])
-        self._stashed = [p.grad for p in params]
-        for param in params:
+        self._stashed = list(map(_GRAD, params))  # most hold none: no Python step for those
+        for param in itertools.compress(params, map(operator.is_not, self._stashed, _NONES)):
             param.grad = None
 
     def add(self, value: torch.Tensor, weight: int, count: int, items: int) -> None:
