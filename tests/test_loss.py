@@ -12,7 +12,7 @@ import torch
 
 import gradaccum
 from gradaccum import LossSum
-from gradaccum.loss import counted_ahead, read_loss
+from gradaccum.loss import Term, counted_ahead, read_loss
 
 IGNORE = -100
 
@@ -1104,3 +1104,93 @@ def test_a_masked_mean_whose_count_is_a_multiple_of_the_rows_warns_when_it_chang
         gradaccum.accumulate_grad(copy.deepcopy(start), even, _masked_token_mean, 4)
         for micro_batch in streamed:
             acc.micro_step(micro_batch, _masked_token_mean)
+
+
+# --------------------------------------------------------------------------------------------
+# A multi-task model's losses returned together (a dict or a tuple of scalars)
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Linear(5, 8)
+        self.cls, self.reg = torch.nn.Linear(8, 3), torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = torch.tanh(self.trunk(x))
+        return {"cls": self.cls(hidden), "reg": self.reg(hidden)}
+
+
+def _two_tasks() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    torch.manual_seed(0)
+    rows = 11
+    has_cls = torch.rand(rows, generator=generator) < 0.5
+    batch = {
+        "x": torch.randn(rows, 5, generator=generator, dtype=torch.float64),
+        "y": torch.randint(0, 3, (rows,), generator=generator),
+        "target": torch.randn(rows, 2, generator=generator, dtype=torch.float64),
+        "has_cls": has_cls,  # each row labelled for one task or both
+        "has_reg": ~has_cls | (torch.rand(rows, generator=generator) < 0.3),
+    }
+    return _TwoHeads().double(), batch
+
+
+def _task_sums(m: torch.nn.Module, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    out = m(b["x"])
+    cls = torch.nn.functional.cross_entropy(
+        out["cls"][b["has_cls"]], b["y"][b["has_cls"]], reduction="sum"
+    )
+    reg = torch.nn.functional.mse_loss(
+        out["reg"][b["has_reg"]], b["target"][b["has_reg"]], reduction="sum"
+    )
+    return cls, reg
+
+
+@pytest.mark.parametrize("container", ["dict", "tuple"])
+def test_several_task_losses_returned_together_are_refused_naming_terms_and_terms_are_exact(
+    container: str,
+) -> None:
+    """A multi-task model's losses returned as `{"cls": ..., "reg": ...}` got no hint, and as a
+    tuple the message said to return `result[0]` alone: following it trains one task and drops
+    the other, silently. Both name the total and `LossSum.terms`, changing nothing; the terms
+    recipe (a task missing from some micro-batches counts 0 there) is the full-batch step."""
+    model, batch = _two_tasks()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = copy.deepcopy(model.state_dict())
+
+    def together(m: torch.nn.Module, b: Any) -> Any:
+        cls, reg = _task_sums(m, b)
+        means = cls / b["has_cls"].sum(), reg / (2 * b["has_reg"].sum())
+        return dict(zip(("cls", "reg"), means, strict=True)) if container == "dict" else means
+
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=1)
+    with pytest.raises(TypeError, match=r"LossSum\.terms") as refused:
+        acc.step(batch, together)
+    assert "drops the others" in str(refused.value)
+    assert "result[0]" not in str(refused.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert not optimizer.state
+
+    def terms(m: torch.nn.Module, b: Any) -> gradaccum.LossSum:  # the fix the message names
+        cls, reg = _task_sums(m, b)
+        return gradaccum.LossSum.terms(
+            cls=(cls, b["has_cls"].sum()), reg=Term(reg, count=2 * b["has_reg"].sum(), weight=0.5)
+        )
+
+    reference = copy.deepcopy(model)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        ref_optimizer.zero_grad()
+        cls, reg = _task_sums(reference, batch)
+        (cls / batch["has_cls"].sum() + 0.5 * reg / (2 * batch["has_reg"].sum())).backward()
+        ref_optimizer.step()
+    for micro_batch_size in (1, 3):
+        trained = copy.deepcopy(model)
+        opt = torch.optim.SGD(trained.parameters(), lr=0.1, momentum=0.9)
+        acc = gradaccum.Accumulator(trained, opt, micro_batch_size=micro_batch_size)
+        for _ in range(2):
+            assert acc.step(batch, terms).stepped
+        for got, want in zip(trained.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=0)

@@ -282,3 +282,89 @@ def test_a_pixel_mean_per_image_averaged_over_images_is_exact_and_not_warned() -
     with warnings.catch_warnings():
         warnings.simplefilter("error", TokenMeanWarning)
         assert relative_gap(_accumulated(model, batch, per_image), full) < 1e-10
+
+
+def _varied_sizes() -> tuple[nn.Module, tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """7 images of varied sizes and their masks, each ignoring its own share of pixels."""
+    model, _ = _setup()
+    generator = torch.Generator().manual_seed(11)
+    images = [
+        torch.randn(3, 6 + 2 * i, 8 + i % 3 * 2, generator=generator, dtype=torch.float64)
+        for i in range(7)
+    ]
+    masks = []
+    for i, image in enumerate(images):
+        mask = torch.randint(0, 4, image.shape[1:], generator=generator)
+        mask[: i % 4] = _VOID
+        masks.append(mask)
+    return model, (images, masks)
+
+
+def _per_image_means(model: nn.Module, batch: Any) -> torch.Tensor:
+    means = [
+        F.cross_entropy(model(image[None])["out"], mask[None], ignore_index=_VOID)
+        for image, mask in zip(*batch, strict=True)
+    ]
+    return torch.stack(means).mean()
+
+
+def _per_image_loop(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The same mean, summed by Python and divided by the micro-batch's images."""
+    images, masks = batch
+    losses = (
+        F.cross_entropy(model(image[None])["out"], mask[None], ignore_index=_VOID)
+        for image, mask in zip(images, masks, strict=True)
+    )
+    return sum(losses) / len(images)  # type: ignore[return-value]
+
+
+def _per_image_records(model: nn.Module, batch: Any) -> torch.Tensor:
+    return _per_image_means(model, ([r["image"] for r in batch], [r["mask"] for r in batch]))
+
+
+def _pixel_mean_of_the_list(model: nn.Module, batch: Any) -> torch.Tensor:
+    logits = [model(image[None])["out"].permute(0, 2, 3, 1).reshape(-1, 4) for image in batch[0]]
+    targets = torch.cat([mask.reshape(-1) for mask in batch[1]])
+    return F.cross_entropy(torch.cat(logits), targets, ignore_index=_VOID)
+
+
+def _accumulated_by(
+    model: nn.Module, batch: Any, loss_fn: LossFn, micro_batch_size: int
+) -> dict[str, torch.Tensor]:
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    acc = Accumulator(model, optimizer, micro_batch_size=micro_batch_size, batchnorm="frozen")
+    for _ in range(2):
+        assert acc.step(batch, loss_fn).stepped
+    return param_tensors(model)
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 3])
+@pytest.mark.parametrize("loss_fn", [_per_image_means, _per_image_loop, _per_image_records])
+def test_per_image_means_over_a_list_of_masks_of_varied_sizes_are_exact_and_not_warned(
+    loss_fn: LossFn, micro_batch_size: int
+) -> None:
+    """Images of varied sizes come as a list with a list of masks (or as examples): each
+    image's `ignore_index=255` pixel mean, averaged over the images, is a per-row loss and
+    exact plain. It warned `TokenMeanWarning` (the mask was not found as one row of a batch
+    tensor), and a Python `sum(...) / len(images)` warned `CopiedLoopWarning` as a division by
+    the window's micro-batches when the images equal them (3 + 3 + 1): both false alarms."""
+    model, batch = _varied_sizes()
+    if loss_fn is _per_image_records:
+        batch = [{"image": i, "mask": m} for i, m in zip(*batch, strict=True)]  # type: ignore[assignment]
+    full = _full_batch(model, batch, loss_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _accumulated_by(model, batch, loss_fn, micro_batch_size)
+    assert relative_gap(got, full) < 1e-10
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 3])
+def test_a_pixel_mean_over_a_list_of_masks_still_warns_and_is_off(micro_batch_size: int) -> None:
+    """Control: the masks concatenated into one pixel mean (also of a one-image micro-batch,
+    a copy of its only mask) divides by each micro-batch's counted pixels: warned, and off."""
+    model, batch = _varied_sizes()
+    full = _full_batch(model, batch, _pixel_mean_of_the_list)
+    with pytest.warns(TokenMeanWarning, match="ignore_index=255"):
+        got = _accumulated_by(model, batch, _pixel_mean_of_the_list, micro_batch_size)
+    assert relative_gap(got, full) > 1e-4

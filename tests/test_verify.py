@@ -1370,3 +1370,32 @@ def test_check_equivalence_takes_batch_dim_for_sequence_first_batches() -> None:
         check_equivalence(model, {"x": x, "y": y}, loss_fn, 4, batch_dim=-1)
     with pytest.raises(ValueError, match=r"needs the batch dimension \(batch_dim=1\)"):
         check_equivalence(model, {"x": x, "y": y[0]}, loss_fn, 4, batch_dim=1)
+
+
+class RegionProposalNetwork(torch.nn.Module):
+    """torchvision's class name: samples a share of its inputs' values at random per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.score(x)
+        keep = torch.randperm(scores.shape[1])[:2]  # the sampled anchors
+        return scores[:, keep].mean(1, keepdim=True)
+
+
+def test_a_detectors_sampling_heads_are_explained_without_the_eval_mode_advice() -> None:
+    """A torchvision detector's `RegionProposalNetwork` and `RoIHeads` sample boxes per image;
+    `explain()` told the user to "check with dropout off (eval mode, ...)", where a detector
+    returns detections and no loss. They are explained as sampling, naming the sizes per image
+    that keep each loss a mean per image; other modules keep the generic advice."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(RegionProposalNetwork())
+    report = check_equivalence(model, _batch(), _mse, micro_batch_size=3)
+    assert not report.ok
+    assert [m.kind for m in report.non_additive] == ["RegionProposalNetwork"]
+    explained = report.explain()
+    assert "samples anchors and proposals" in explained
+    assert "box_batch_size_per_image" in explained
+    assert "eval mode, or p=0" not in explained

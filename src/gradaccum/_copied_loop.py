@@ -91,6 +91,33 @@ def _sum_over(node: object, *, read_device: bool = False) -> float | None:
     return float(other)
 
 
+def _addends(node: object, limit: int = 256) -> int:
+    """How many terms an addition chain adds (`sum(per_item_losses)`: 0 + l_0 + l_1 + ...)."""
+    queue, count = [node], 0
+    while queue and count <= limit:
+        current = queue.pop()
+        if type(current).__name__ == "AddBackward0":
+            queue.extend(f for f, _ in current.next_functions if f is not None)  # type: ignore[attr-defined]
+        else:
+            count += 1
+    return count
+
+
+def _row_sum(node: object, items: int) -> bool:
+    """Whether `node` divides a sum over the micro-batch's `items` rows by `items`: a row mean.
+
+    The sum is a `.sum()` or a reduction='sum' loss, or Python's `sum()` of one loss per item
+    (`sum(ce(model(x[None]), y[None]) for x, y in zip(images, masks)) / len(images)`: a list
+    of images of varied sizes, looped over).
+    """
+    if _sum_over(node) == items:
+        return True
+    if _divisor(node) != items:
+        return False
+    numerator = through_factors(node.next_functions[0][0])  # type: ignore[attr-defined]
+    return type(numerator).__name__ == "AddBackward0" and _addends(numerator) == items
+
+
 def division_problem(result: object, micro_batches: int, items: int = 0) -> str | None:
     """What is wrong if `result` (a plain scalar, a `LossSum`'s value) divides by `micro_batches`.
 
@@ -104,7 +131,7 @@ def division_problem(result: object, micro_batches: int, items: int = 0) -> str 
     node = through_factors(value.grad_fn) if isinstance(value, torch.Tensor) else None
     if micro_batches < 2 or node is None or _divisor(node) != micro_batches:
         return None
-    if isinstance(result, torch.Tensor) and items == micro_batches and _sum_over(node) == items:
+    if isinstance(result, torch.Tensor) and items == micro_batches and _row_sum(node, items):
         return None
     return (
         f"loss_fn divides its loss by {micro_batches}, the window's number of micro-batches "

@@ -53,8 +53,33 @@ _FIXES = {
 }
 
 
+# torchvision's detectors (matched by class name: gradaccum does not import torchvision). The
+# generic advice, "check with dropout off (eval mode)", does not apply: in eval mode a detector
+# returns detections, not losses.
+_SAMPLED = (
+    "a detector samples anchors and proposals at random per image and averages its losses over "
+    "the micro-batch's sampled boxes: the full batch's draws cannot be replayed, so no check of "
+    "a detector in training is exact (in eval mode it returns detections, not losses). In "
+    "training other draws are expected noise while every image gives as many samples as "
+    "rpn_batch_size_per_image and box_batch_size_per_image ask (then each loss is a mean per "
+    "image); with fewer anchors or proposals than that (small images, a small "
+    "rpn_post_nms_top_n_train) the means divide by counts that vary per image, which "
+    "TokenMeanWarning names: lower those two sizes to what every image offers (docs/vision.md)"
+)
+_DETECTION = {
+    "GeneralizedRCNNTransform": "it resizes each image to a size drawn per call when min_size "
+    "holds several, and pads each micro-batch to its own largest image: give one min_size and "
+    "images of one size (resize or pad them before step()), so every micro-batch is padded as "
+    "the full batch is (docs/vision.md)",
+    "RegionProposalNetwork": _SAMPLED,
+    "RoIHeads": _SAMPLED,
+}
+
+
 def fix_for(kind: str, reason: str) -> str:
     """The fix a non-additive module of `kind` (found for `reason`) calls for."""
+    if kind in _DETECTION:
+        return _DETECTION[kind]
     if "BatchNorm" in kind:
         return _FIXES["BatchNorm"]
     if "scale_grad_by_freq" in reason:

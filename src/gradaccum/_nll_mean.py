@@ -94,8 +94,52 @@ def _where(micro_batch: object, target: torch.Tensor, ignore: int) -> str:
     return "the target"
 
 
+def _item_tensors(micro_batch: object, rows: int) -> Iterator[torch.Tensor]:
+    """The tensors of one item each: a per-item list's elements, a record's values.
+
+    A batch entry that is a list (or tuple) of `rows` tensors (segmentation masks of varied
+    sizes: `(images, masks)`), or a micro-batch that is a list of `rows` dicts (examples,
+    `[{"image": ..., "mask": ...}, ...]`). The top level of a tuple is the batch's layout
+    (`(x, y)`), never its items.
+    """
+    entries: list[object] = []
+    if isinstance(micro_batch, Mapping):
+        entries = list(micro_batch.values())
+    elif isinstance(micro_batch, (tuple, list)):
+        entries = list(micro_batch)
+        records = [entry for entry in entries if isinstance(entry, Mapping)]
+        if len(records) == len(entries) == rows:
+            for record in records:
+                yield from (v for v in record.values() if isinstance(v, torch.Tensor))
+            return
+    for entry in entries:
+        if isinstance(entry, (tuple, list)) and len(entry) == rows:
+            yield from (item for item in entry if isinstance(item, torch.Tensor))
+
+
+def _one_item(target: torch.Tensor, micro_batch: object, rows: int) -> bool:
+    """Whether `target` is one item's targets, of a per-item list: a per-item mean, exact.
+
+    A loss_fn given a list of masks computes each image's loss on its own mask (`t[None]`, a
+    view of it, or a copy such as `t.long()`): the full batch runs the same code, so each
+    NLL mean covers one item (a view of it also in a micro-batch of one image).
+    """
+    for item in _item_tensors(micro_batch, rows):
+        if item.numel() != target.numel() or item.device != target.device:
+            continue
+        if item.data_ptr() == target.data_ptr():
+            return True
+        # A copy of one item's targets; of a micro-batch of one, it may be `torch.cat` of its
+        # only mask: a pixel mean over the micro-batch, which is warned of.
+        if rows > 1 and torch.equal(item.reshape(-1).to(target.dtype), target.reshape(-1)):
+            return True
+    return False
+
+
 def _one_row(target: torch.Tensor, micro_batch: object, rows: int) -> bool:
     """Whether `target` is one row's targets of a batch entry: a per-row mean, read exactly."""
+    if _one_item(target, micro_batch, rows):
+        return True
     if rows < 2:
         return False  # one row's token mean, weighted by 1, is not the window's (warned)
     entries: list[object] = []

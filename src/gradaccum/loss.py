@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from gradaccum._copied_loop import CopiedLoopWarning
+from gradaccum._returned import loss_inside
 from gradaccum._token_mean import TokenMeanCheck, TokenMeanWarning, warn_if_token_mean
 
 __all__ = [
@@ -231,44 +232,7 @@ def read_loss(result: object, batch_items: int, *, needs_graph: bool = False) ->
     raise TypeError(
         f"loss_fn returned {type(result).__name__}; return a scalar tensor (the mean over the "
         "micro-batch) or gradaccum.LossSum(value=sum_of_losses, count=items_counted)"
-        f"{_loss_inside(result)}."
-    )
-
-
-def _loss_inside(result: object) -> str:
-    """Where the loss is in a model's output that `loss_fn` returned whole, for the message."""
-    if isinstance(result, Mapping) and isinstance(result.get("loss"), torch.Tensor):
-        where = "result['loss']"
-    elif isinstance(getattr(result, "loss", None), torch.Tensor):
-        where = "result.loss"
-    elif isinstance(result, (tuple, list)) and result and isinstance(result[0], torch.Tensor):
-        where = "result[0] (if it is the loss)"
-    elif _loss_dict(result):  # a detection model's losses (torchvision's convention)
-        return (
-            ": it is a dict of losses; return their total, sum(result.values()) (each a mean "
-            "over its micro-batch's images, boxes or anchors: docs/vision.md), or their sums "
-            "as gradaccum.LossSum(total_sum, count) / LossSum.terms(...)"
-        )
-    elif isinstance(result, numbers.Number) or getattr(result, "ndim", None) == 0:  # numpy too
-        return (
-            ": a Python or numpy number has no graph; return the loss tensor itself, not "
-            "loss.item(), float(loss) or loss.detach().numpy()"
-        )
-    else:
-        return ""
-    return (
-        f": return {where} alone (a Hugging Face model's loss is a token mean, weighted by rows "
-        "here: gradaccum.hf.causal_lm and its siblings count tokens exactly)"
-    )
-
-
-def _loss_dict(result: object) -> bool:
-    """Whether `result` is a non-empty dict of scalar tensors keyed `loss...`."""
-    return (
-        isinstance(result, Mapping)
-        and bool(result)
-        and all(str(key).startswith("loss") for key in result)
-        and all(isinstance(v, torch.Tensor) and v.numel() == 1 for v in result.values())
+        f"{loss_inside(result)}."
     )
 
 
