@@ -25,8 +25,14 @@ from gradaccum._agreement import (
     check_terms_alike,
 )
 from gradaccum._allreduce import all_reduce_sum, broadcast_from_first
-from gradaccum._sync_base import FAILED_COUNT, GradSync, Plan, device_for, process_group
-from gradaccum._warnings import warn_user
+from gradaccum._sync_base import (
+    FAILED_COUNT,
+    GradSync,
+    Plan,
+    check_comm_hook,
+    device_for,
+    process_group,
+)
 from gradaccum.loss import MAX_TERMS
 from gradaccum.options import SyncPolicy
 
@@ -250,24 +256,7 @@ class DDPSync(_DistributedSync):
                 "micro_step() outside no_sync(): the Accumulator itself keeps DDP from reducing "
                 "before the window's end. Nothing was changed."
             )
-        hooked = bool(getattr(self.model, "_comm_hooks", None))  # DDP.register_comm_hook()
-        if self._native and hooked:  # DDP reduces this window itself, through the hook
-            raise ValueError(
-                "the DDP communication hook registered on this static_graph=True model would "
-                "reduce its first window (DDP synchronizes it; a compression hook such as "
-                "fp16_compress_hook rounds that step's gradients) and never a later one, which "
-                "gradaccum reduces itself, exactly. Remove register_comm_hook(), or wrap with "
-                "static_graph=False. Nothing was changed."
-            )
-        if hooked and not self._hook_warned:
-            self._hook_warned = True  # DDP.register_comm_hook(): its reducer never runs here
-            warn_user(
-                UserWarning(
-                    "the DDP communication hook registered on this model is not used: gradaccum "
-                    "reduces each window's gradients itself, once, in their own dtype (exact); "
-                    "remove register_comm_hook() to silence this."
-                )
-            )
+        self._hook_warned |= check_comm_hook(self.model, self._native, self._hook_warned)
         self.averaged_over = self.world if self._native else 1
 
     def end_window(self) -> None:

@@ -13,7 +13,9 @@
 - a `static_graph=True` model's first window (which DDP must reduce) inside the user's
   `model.no_sync()` raises a `ValueError` naming the fix, nothing changed (before: an internal
   assert of DDP's reducer); so does it with a communication hook registered (before, DDP reduced
-  that window through `fp16_compress_hook`, 1e-4 off, while a warning said the hook was unused).
+  that window through `fp16_compress_hook`, 1e-4 off, while a warning said the hook was unused),
+  a built-in one (`_register_builtin_comm_hook`) included, which was not seen at all; on a
+  dynamic graph a built-in hook is named unused, as a Python one is, and the steps stay exact.
 
 The single-process references are computed in the test process with plain PyTorch.
 """
@@ -21,10 +23,12 @@ The single-process references are computed in the test process with plain PyTorc
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -37,6 +41,7 @@ from tests.reference import relative_gap
 
 EXACT = 1e-10
 ITEMS, MICRO, WINDOWS = 7, 3, 3
+HOOKS = ("python", "builtin")  # register_comm_hook(), _register_builtin_comm_hook()
 
 
 class Net(nn.Module):
@@ -233,9 +238,16 @@ def sync_batchnorm_reference() -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _static_graph_with_comm_hook(rank: int) -> dict[str, Any]:
+def _register_fp16_hook(ddp: DistributedDataParallel, how: str) -> None:
+    if how == "python":
+        ddp.register_comm_hook(None, fp16_compress_hook)
+    else:  # the C++ kind, which DDP keeps out of `_comm_hooks` (it was not seen)
+        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+
+
+def _static_graph_with_comm_hook(rank: int, how: str) -> dict[str, Any]:
     ddp = DistributedDataParallel(make_net(), static_graph=True)
-    ddp.register_comm_hook(None, fp16_compress_hook)
+    _register_fp16_hook(ddp, how)
     optimizer = sgd(ddp.parameters())
     before = _params(ddp)
     acc = Accumulator(ddp, optimizer, micro_batch_size=MICRO)
@@ -249,6 +261,19 @@ def _static_graph_with_comm_hook(rank: int) -> dict[str, Any]:
     return {"error": error, "unchanged": unchanged, "untouched": untouched}
 
 
+def _builtin_comm_hook_unused(rank: int) -> dict[str, Any]:
+    """A built-in fp16 hook on a dynamic graph: never run (the library reduces), so warned."""
+    ddp = DistributedDataParallel(make_net())
+    _register_fp16_hook(ddp, "builtin")
+    acc = Accumulator(ddp, sgd(ddp.parameters()), micro_batch_size=MICRO)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for window in range(WINDOWS):
+            acc.step(rank_batch(window, rank, (0,)), loss_fn)
+    hooks = [str(w.message) for w in caught if "communication hook" in str(w.message)]
+    return {"warnings": hooks, "params": _params(ddp)}
+
+
 def configs_worker(rank: int, world_size: int) -> dict[str, Any]:
     configs = ("unused", "bucket_view", "tiny_buckets", "static_checkpoint", "zero", "zero_auto")
     return {
@@ -256,7 +281,8 @@ def configs_worker(rank: int, world_size: int) -> dict[str, Any]:
         "zero_overlap": _zero_overlap_refused(),
         "no_sync": _static_graph_inside_no_sync(rank),
         "sync_batchnorm": _sync_batchnorm(rank),
-        "comm_hook": _static_graph_with_comm_hook(rank),
+        "comm_hook": {how: _static_graph_with_comm_hook(rank, how) for how in HOOKS},
+        "builtin_hook": _builtin_comm_hook_unused(rank),
     }
 
 
@@ -327,10 +353,30 @@ def test_sync_batchnorm_refuses_uneven_plans_before_any_forward(
 def test_a_static_graphs_first_window_with_a_comm_hook_is_refused_changing_nothing(
     runs: list[dict[str, Any]],
 ) -> None:
-    """DDP reduces that window itself, through the hook: fp16 compression rounded the step."""
+    """DDP reduces that window itself, through the hook: fp16 compression rounded the step.
+
+    A built-in hook (`_register_builtin_comm_hook`) is not in DDP's `_comm_hooks`: before, it was
+    not seen, and that first window was reduced through fp16 compression, 1e-4 off, silently."""
     for rank, run in enumerate(runs):
-        result = run["comm_hook"]
-        assert "communication hook" in result["error"], (rank, result["error"])
-        assert "static_graph=False" in result["error"]
-        assert result["unchanged"], rank
-        assert result["untouched"], rank
+        for how in HOOKS:
+            result = run["comm_hook"][how]
+            assert "communication hook" in result["error"], (rank, how, result["error"])
+            assert "static_graph=False" in result["error"]
+            assert result["unchanged"], (rank, how)
+            assert result["untouched"], (rank, how)
+        assert "FP16_COMPRESS" in run["comm_hook"]["builtin"]["error"]
+        assert "fp16_compress_hook registered" in run["comm_hook"]["python"]["error"]
+
+
+def test_a_builtin_comm_hook_is_named_unused_and_the_steps_stay_exact(
+    runs: list[dict[str, Any]],
+) -> None:
+    """Before, the built-in hook went unnamed: no warning that it never runs."""
+    expected = reference((0,))
+    for rank, run in enumerate(runs):
+        result = run["builtin_hook"]
+        assert len(result["warnings"]) == 1, (rank, result["warnings"])
+        assert "BuiltinCommHookType.FP16_COMPRESS registered" in result["warnings"][0]
+        assert "is not used" in result["warnings"][0]
+        gap = relative_gap(result["params"], expected)
+        assert gap < EXACT, f"rank {rank}: {gap:.1e} from the full-batch reference"
