@@ -254,6 +254,13 @@ class GradSync:
     def sync_buffers(self) -> None:
         """A step was taken on every rank: make the module's buffers equal over ranks."""
 
+    def keeps_local(self, param: torch.nn.Parameter) -> bool:
+        """Whether `param`'s gradient stays this rank's own, never reduced over ranks.
+
+        A DDP model's ignored parameters (`_set_params_and_buffers_to_ignore_for_model`).
+        """
+        return False
+
 
 class Plan(NamedTuple):
     """What a rank runs in a window given whole (`step()`).

@@ -17,6 +17,10 @@
   a built-in one (`_register_builtin_comm_hook`) included, which was not seen at all; on a
   dynamic graph a built-in hook is named unused, as a Python one is, and the steps stay exact.
 
+- a forward that reassigns its buffers (a running normalizer): rank 0's are broadcast after each
+  step, read afresh (a list kept from construction was broadcast into dropped tensors); a
+  parameter DDP ignores stays rank-local (it was summed over ranks).
+
 The single-process references are computed in the test process with plain PyTorch.
 """
 
@@ -274,6 +278,83 @@ def _builtin_comm_hook_unused(rank: int) -> dict[str, Any]:
     return {"warnings": hooks, "params": _params(ddp)}
 
 
+class Normalized(nn.Module):
+    """An RL-style running input normalizer whose forward REASSIGNS its buffers (not in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("mean", torch.zeros(4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, side: bool = False) -> torch.Tensor:
+        if self.training:
+            total = self.count + x.shape[0]
+            self.mean = self.mean + (x.sum(0) - x.shape[0] * self.mean) / total
+            self.count = total
+        return self.net(x - self.mean, side)
+
+
+def _reassigned_buffers(rank: int) -> dict[str, torch.Tensor]:
+    ddp = DistributedDataParallel(Normalized())
+    acc = Accumulator(ddp, sgd(ddp.parameters()), micro_batch_size=MICRO)
+    for window in range(WINDOWS):
+        acc.step(rank_batch(window, rank, ()), loss_fn)
+    return {k: v.clone() for k, v in ddp.module.state_dict().items()}
+
+
+def reassigned_buffers_reference() -> dict[str, torch.Tensor]:
+    """Each window: every rank starts from rank 0's buffers (the broadcast) and updates them
+    micro-batch by micro-batch; one full-batch step; rank 0's buffers carry on."""
+    model = Normalized()
+    optimizer = sgd(model.parameters())
+    for window in range(WINDOWS):
+        start, total, count = (model.count, model.mean), 0.0, 0
+        for rank in (0, 1):
+            model.count, model.mean = start
+            batch = rank_batch(window, rank, ())
+            for begin in range(0, ITEMS, MICRO):
+                part = {key: batch[key][begin : begin + MICRO] for key in ("x", "y")}
+                loss = loss_fn(model, {**part, "side": False})
+                total, count = total + loss.value, count + int(loss.count)
+            if rank == 0:
+                kept = (model.count, model.mean)
+        optimizer.zero_grad(set_to_none=True)
+        (total / count).backward()
+        optimizer.step()
+        model.count, model.mean = kept
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+IGNORED = "head.bias"  # a rank-local parameter: DDP never reduces it
+
+
+def _ignored_parameter(rank: int, static: bool) -> dict[str, torch.Tensor]:
+    net = make_net()
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, [IGNORED])
+    ddp = DistributedDataParallel(net, static_graph=static)
+    acc = Accumulator(ddp, sgd(ddp.parameters()), micro_batch_size=MICRO)
+    for window in range(WINDOWS):
+        acc.step(rank_batch(window, rank, () if static else (0,)), loss_fn)
+    return _params(ddp)
+
+
+def ignored_parameter_reference(static: bool) -> list[dict[str, torch.Tensor]]:
+    """Two replicas sharing every parameter but `head.bias`: one full-batch step per window on
+    the objective over both ranks' items, each rank's items through its own bias."""
+    side_ranks = () if static else (0,)
+    models = [make_net(), make_net()]
+    models[1].body, models[1].side = models[0].body, models[0].side
+    models[1].head.weight = models[0].head.weight
+    optimizer = sgd([*models[0].parameters(), models[1].head.bias])
+    for window in range(WINDOWS):
+        optimizer.zero_grad(set_to_none=True)
+        losses = [loss_fn(models[r], rank_batch(window, r, side_ranks)) for r in (0, 1)]
+        (sum(loss.value for loss in losses) / sum(loss.count for loss in losses)).backward()
+        optimizer.step()
+    return [{n: p.detach().clone() for n, p in model.named_parameters()} for model in models]
+
+
 def configs_worker(rank: int, world_size: int) -> dict[str, Any]:
     configs = ("unused", "bucket_view", "tiny_buckets", "static_checkpoint", "zero", "zero_auto")
     return {
@@ -283,6 +364,8 @@ def configs_worker(rank: int, world_size: int) -> dict[str, Any]:
         "sync_batchnorm": _sync_batchnorm(rank),
         "comm_hook": {how: _static_graph_with_comm_hook(rank, how) for how in HOOKS},
         "builtin_hook": _builtin_comm_hook_unused(rank),
+        "reassigned_buffers": _reassigned_buffers(rank),
+        "ignored": {static: _ignored_parameter(rank, static) for static in (False, True)},
     }
 
 
@@ -380,3 +463,33 @@ def test_a_builtin_comm_hook_is_named_unused_and_the_steps_stay_exact(
         assert "is not used" in result["warnings"][0]
         gap = relative_gap(result["params"], expected)
         assert gap < EXACT, f"rank {rank}: {gap:.1e} from the full-batch reference"
+
+
+def test_buffers_a_forward_reassigns_are_broadcast_from_rank_0(
+    runs: list[dict[str, Any]],
+) -> None:
+    """`self.mean = self.mean + ...` replaces the buffer: DDP reads its buffers afresh before each
+    broadcast. The library kept the list from construction and broadcast into tensors the module
+    no longer held: each rank kept its own running statistics (count 21 against 15)."""
+    expected = reassigned_buffers_reference()
+    for rank, run in enumerate(runs):
+        state = run["reassigned_buffers"]
+        assert torch.equal(state["count"], runs[0]["reassigned_buffers"]["count"]), rank
+        assert torch.equal(state["mean"], runs[0]["reassigned_buffers"]["mean"]), rank
+        gap = relative_gap(state, expected)
+        assert gap < EXACT, f"rank {rank}: {gap:.1e} from the full-batch reference"
+    assert float(expected["count"]) == WINDOWS * ITEMS  # rank 0's items alone
+
+
+def test_a_parameter_ddp_ignores_stays_rank_local(runs: list[dict[str, Any]]) -> None:
+    """DDP never reduces a parameter named in `_set_params_and_buffers_to_ignore_for_model`;
+    the library summed its gradients over ranks (the ranks' biases ended equal). A static graph's
+    first window, which DDP averages itself, leaves it unaveraged too."""
+    for static in (False, True):
+        expected = ignored_parameter_reference(static)
+        for rank, run in enumerate(runs):
+            gap = relative_gap(run["ignored"][static], expected[rank])
+            assert gap < EXACT, f"static={static}, rank {rank}: {gap:.1e} from the reference"
+        biases = [run["ignored"][static][IGNORED] for run in runs]
+        assert not torch.equal(biases[0], biases[1])
+        assert relative_gap(expected[0], expected[1]) > 1e-3  # control: the biases differ
