@@ -5,6 +5,9 @@
   `ZeroRedundancyOptimizer` (with `micro_batch_size="auto"` too, whose plan replays this rank's
   local optimizer: ZeRO itself cannot be deep-copied): three windows equal three full-batch
   steps, ranks bitwise equal;
+- torch's post-local SGD recipe (`post_localSGD_hook` and `PostLocalSGDOptimizer`, whose
+  averaging step is a collective), with `micro_batch_size="auto"` too: the same exact steps (it
+  was refused as a wrapper that never ran `Optimizer.__init__`, and planning could not copy it);
 - `ZeroRedundancyOptimizer(overlap_with_ddp=True)`, whose step runs only inside a DDP hook that
   gradaccum never runs (its `step()` does nothing), is refused at construction;
 - a model with `SyncBatchNorm` (its train-mode forward and backward are collectives) refuses
@@ -35,7 +38,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
-from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+    PostLocalSGDState,
+    post_localSGD_hook,
+)
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
@@ -122,14 +130,19 @@ def _train(rank: int, config: str) -> dict[str, torch.Tensor]:
         side_ranks = ()
     else:
         ddp = DistributedDataParallel(make_net(), **options)
-    if config.startswith("zero"):
-        optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+    if config.startswith("post_local"):  # torch's recipe: its hook (unused here) and optimizer
+        state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=1)
+        ddp.register_comm_hook(state, post_localSGD_hook)
+        averager = PeriodicModelAverager(period=1, warmup_steps=1)  # averages from the 2nd step
+        optimizer: torch.optim.Optimizer = PostLocalSGDOptimizer(sgd(ddp.parameters()), averager)
+    elif config.startswith("zero"):
+        optimizer = ZeroRedundancyOptimizer(
             ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9,
             weight_decay=0.01,
         )  # fmt: skip
     else:
         optimizer = sgd(ddp.parameters())
-    if config == "zero_auto":
+    if config.endswith("auto"):
         acc = Accumulator(ddp, optimizer, micro_batch_size="auto", memory_budget="256MiB")
     else:
         acc = Accumulator(ddp, optimizer, micro_batch_size=MICRO)
@@ -356,7 +369,10 @@ def ignored_parameter_reference(static: bool) -> list[dict[str, torch.Tensor]]:
 
 
 def configs_worker(rank: int, world_size: int) -> dict[str, Any]:
-    configs = ("unused", "bucket_view", "tiny_buckets", "static_checkpoint", "zero", "zero_auto")
+    configs = (
+        *("unused", "bucket_view", "tiny_buckets", "static_checkpoint", "zero", "zero_auto"),
+        *("post_local", "post_local_auto"),
+    )
     return {
         "trained": {config: _train(rank, config) for config in configs},
         "zero_overlap": _zero_overlap_refused(),
