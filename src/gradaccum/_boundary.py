@@ -120,6 +120,7 @@ def reduced_gradients(
     """
     held: list[torch.Tensor] = []
     unsharded: list[tuple[int, torch.nn.Parameter, torch.Tensor | None]] = []  # FSDP2: reduce
+    local: list[torch.Tensor] = []  # DDP's ignored parameters: not reduced
     ledger = window.terms
     counts = ledger.global_counts(agreement) if ledger else []  # checks counts given ahead
     params = window.params[: window.held]
@@ -136,11 +137,15 @@ def reduced_gradients(
         if not reduce and sync.world > 1 and not is_dtensor(param):  # not sharded by FSDP2
             unsharded.append((index, param, grad))
             continue
+        if sync.keeps_local(param):  # DDP ignores it: this rank's own, never reduced
+            if grad is not None:
+                local.append(grad)
+            continue
         if grad is None and sync.world > 1 and agreement.has_grad[index]:
             grad = runtime.zeros_for(index, param)  # another rank used it: reduce alike
         if grad is not None:
             held.append(grad)
-    if any(map(_IS_SPARSE, held + [grad for *_, grad in unsharded if grad is not None])):
+    if any(map(_IS_SPARSE, held + local + [grad for *_, grad in unsharded if grad is not None])):
         raise ValueError(
             "a parameter received a sparse gradient; gradaccum accumulates dense gradients "
             "only. Use nn.Embedding(..., sparse=False). The window was discarded."
@@ -151,10 +156,12 @@ def reduced_gradients(
         held += sync.average_unsharded(unsharded, runtime.zeros_for)
     if reduce and sync.world > 1:
         mine = window.denominator or 1.0
-        if mine != agreement.denominator and held:  # uneven windows: a power-of-two ratio
-            torch._foreach_mul_(held, mine / agreement.denominator)
+        if mine != agreement.denominator and held + local:  # uneven: a power-of-two ratio
+            torch._foreach_mul_(held + local, mine / agreement.denominator)
         sync.reduce(held)
-    return held
+    if local and sync.averaged_over > 1:  # a static graph's first window: DDP averaged the
+        torch._foreach_div_(local, float(sync.averaged_over))  # rest, which the divisor undoes
+    return held + local
 
 
 _NO_GRADIENT = (

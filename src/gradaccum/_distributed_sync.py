@@ -25,8 +25,14 @@ from gradaccum._agreement import (
     check_terms_alike,
 )
 from gradaccum._allreduce import all_reduce_sum, broadcast_from_first
-from gradaccum._sync_base import FAILED_COUNT, GradSync, Plan, device_for, process_group
-from gradaccum._warnings import warn_user
+from gradaccum._sync_base import (
+    FAILED_COUNT,
+    GradSync,
+    Plan,
+    check_comm_hook,
+    device_for,
+    process_group,
+)
 from gradaccum.loss import MAX_TERMS
 from gradaccum.options import SyncPolicy
 
@@ -194,8 +200,10 @@ class DDPSync(_DistributedSync):
         # DDP(broadcast_buffers=True) broadcasts rank 0's buffers in a forward that may sync:
         # a collective that a rank with fewer (or no) micro-batches would miss. The library
         # broadcasts them itself, once per window, when every rank is at the boundary.
-        broadcast = bool(getattr(model, "broadcast_buffers", True))
-        self._buffers = list(getattr(model, "modules_buffers", [])) if broadcast else []
+        self._ignored = frozenset(getattr(model, "parameters_to_ignore", ()))  # DDP syncs none
+        self._inner: torch.nn.Module = getattr(model, "module", model)
+        named = self._inner.named_parameters() if self._ignored else ()
+        self._local = frozenset(id(p) for name, p in named if name in self._ignored)
         # SyncBatchNorm's train-mode forward and backward are collectives (GPU only: DDP refuses
         # it on CPU): ranks running different numbers of micro-batches would wait for each other.
         self._sync_bns = [m for m in model.modules() if isinstance(m, torch.nn.SyncBatchNorm)]
@@ -250,24 +258,7 @@ class DDPSync(_DistributedSync):
                 "micro_step() outside no_sync(): the Accumulator itself keeps DDP from reducing "
                 "before the window's end. Nothing was changed."
             )
-        hooked = bool(getattr(self.model, "_comm_hooks", None))  # DDP.register_comm_hook()
-        if self._native and hooked:  # DDP reduces this window itself, through the hook
-            raise ValueError(
-                "the DDP communication hook registered on this static_graph=True model would "
-                "reduce its first window (DDP synchronizes it; a compression hook such as "
-                "fp16_compress_hook rounds that step's gradients) and never a later one, which "
-                "gradaccum reduces itself, exactly. Remove register_comm_hook(), or wrap with "
-                "static_graph=False. Nothing was changed."
-            )
-        if hooked and not self._hook_warned:
-            self._hook_warned = True  # DDP.register_comm_hook(): its reducer never runs here
-            warn_user(
-                UserWarning(
-                    "the DDP communication hook registered on this model is not used: gradaccum "
-                    "reduces each window's gradients itself, once, in their own dtype (exact); "
-                    "remove register_comm_hook() to silence this."
-                )
-            )
+        self._hook_warned |= check_comm_hook(self.model, self._native, self._hook_warned)
         self.averaged_over = self.world if self._native else 1
 
     def end_window(self) -> None:
@@ -296,9 +287,22 @@ class DDPSync(_DistributedSync):
         return no_sync
 
     def sync_buffers(self) -> None:
-        """Rank 0's buffers (BatchNorm statistics) to every rank, as DDP's forward would."""
-        if self._buffers:
-            broadcast_from_first(self._buffers, self.group)
+        """Rank 0's buffers (BatchNorm statistics) to every rank, as DDP's forward would.
+
+        Read afresh every time, as DDP does: a forward may reassign a buffer (a running
+        normalizer's `self.mean = self.mean + ...`), and a list kept from construction would
+        broadcast into tensors the module no longer holds (the ranks' buffers drifted apart).
+        """
+        if not getattr(self.model, "broadcast_buffers", True):
+            return
+        named = self._inner.named_buffers()
+        buffers = [b for name, b in named if name not in self._ignored]
+        if buffers:
+            broadcast_from_first(buffers, self.group)
+
+    def keeps_local(self, param: torch.nn.Parameter) -> bool:
+        """DDP's ignored parameters are rank-local: never reduced, as DDP never reduces them."""
+        return id(param) in self._local
 
     def reduce(self, grads: Sequence[torch.Tensor]) -> None:
         """Sum `grads` over ranks in place: async, in bounded flat buckets (`_allreduce`)."""

@@ -174,10 +174,15 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
     ZeRO cannot be replayed itself (it does not survive `deepcopy`, and its step broadcasts);
     its local optimizer holds this rank's part of the state, which is what the plan counts.
+    Likewise a `PostLocalSGDOptimizer`'s (no `defaults` to copy; its step averages the model
+    over ranks, a collective, and adds no state).
     """
     local = getattr(optimizer, "optim", None)
-    zero = type(optimizer).__name__ == "ZeroRedundancyOptimizer"  # a torch without distributed
-    return local if zero and isinstance(local, torch.optim.Optimizer) else optimizer
+    wrapper = type(optimizer).__name__ in _DISTRIBUTED_WRAPPERS  # a torch without distributed
+    return local if wrapper and isinstance(local, torch.optim.Optimizer) else optimizer
+
+
+_DISTRIBUTED_WRAPPERS = ("ZeroRedundancyOptimizer", "PostLocalSGDOptimizer")
 
 
 def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:

@@ -38,8 +38,9 @@ from gradaccum._joined import JoinWatch
 __all__ = ["COMMITTING", "OpenWindow", "hooked_optimizer", "refuse_steps_inside", "steps_refused"]
 
 # Where a wrapper that never ran `Optimizer.__init__` keeps the optimizer it steps: Lookahead's
-# torch-optimizer (`optimizer`), timm (`_base_optimizer`), others (`base_optimizer`, `_optimizer`).
-_WRAPPED = ("optimizer", "_optimizer", "base_optimizer", "_base_optimizer")
+# torch-optimizer (`optimizer`), timm (`_base_optimizer`), others (`base_optimizer`, `_optimizer`);
+# torch.distributed.optim.PostLocalSGDOptimizer (`optim`), which averages the model after it.
+_WRAPPED = ("optimizer", "_optimizer", "base_optimizer", "_base_optimizer", "optim")
 
 # The optimizers an Accumulator's own window step is running on: a second Accumulator's window
 # open over the same optimizer then names that Accumulator, not a stray optimizer.step().

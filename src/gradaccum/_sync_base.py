@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from gradaccum import _compat
 from gradaccum._agreement import OUT_OF_MEMORY, RankSummary, WindowAgreement
+from gradaccum._warnings import warn_user
 
 __all__ = [
     "FAILED_COUNT",
@@ -27,6 +28,8 @@ __all__ = [
     "GradSync",
     "LocalSync",
     "Plan",
+    "check_comm_hook",
+    "comm_hook_name",
     "device_for",
     "is_fsdp",
     "process_group",
@@ -90,6 +93,58 @@ def _fsdp_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
             world: dist.ProcessGroup | None = dist.group.WORLD
             return world
     return None
+
+
+def comm_hook_name(model: torch.nn.Module) -> str | None:
+    """The communication hook registered on a DDP model, by name; None if there is none.
+
+    `register_comm_hook()` records a Python hook in `_comm_hooks`; a built-in one
+    (`_register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)`) lives only in the C++
+    reducer, whose logging data names either kind.
+    """
+    hooks = getattr(model, "_comm_hooks", None)
+    if hooks:
+        return str(getattr(hooks[0][0], "__qualname__", hooks[0][0]))
+    logging_data = getattr(model, "_get_ddp_logging_data", None)
+    if logging_data is None:
+        return None
+    try:
+        name = logging_data().get("comm_hook")
+    except RuntimeError:  # no logger (a DDP built without one): nothing recorded
+        return None
+    return str(name) if name else None
+
+
+def check_comm_hook(model: torch.nn.Module, first_window: bool, warned: bool) -> bool:
+    """Refuse a hook on a static graph's first window (DDP reduces it), else warn it is unused.
+
+    Returns:
+        Whether this call warned (once per `Accumulator`: `warned` says it already did).
+
+    Raises:
+        ValueError: In a `static_graph=True` model's first window, with a hook registered.
+    """
+    hook = comm_hook_name(model)  # register_comm_hook() or a built-in hook
+    if first_window and hook:  # DDP reduces this window itself, through the hook
+        raise ValueError(
+            f"the DDP communication hook {hook} registered on this static_graph=True model "
+            "would reduce its first window (DDP synchronizes it; a compression hook such as "
+            "fp16_compress_hook rounds that step's gradients) and never a later one, which "
+            "gradaccum reduces itself, exactly. Remove register_comm_hook() (or "
+            "_register_builtin_comm_hook()), or wrap with static_graph=False. Nothing was "
+            "changed."
+        )
+    if not hook or warned:
+        return False
+    warn_user(  # DDP's reducer, and so the hook, never runs here
+        UserWarning(
+            f"the DDP communication hook {hook} registered on this model is not used: "
+            "gradaccum reduces each window's gradients itself, once, in their own dtype "
+            "(exact); remove register_comm_hook() (or _register_builtin_comm_hook()) to "
+            "silence this."
+        )
+    )
+    return True
 
 
 def world_size(model: torch.nn.Module) -> int:
@@ -198,6 +253,13 @@ class GradSync:
 
     def sync_buffers(self) -> None:
         """A step was taken on every rank: make the module's buffers equal over ranks."""
+
+    def keeps_local(self, param: torch.nn.Parameter) -> bool:
+        """Whether `param`'s gradient stays this rank's own, never reduced over ranks.
+
+        A DDP model's ignored parameters (`_set_params_and_buffers_to_ignore_for_model`).
+        """
+        return False
 
 
 class Plan(NamedTuple):

@@ -5,6 +5,9 @@
   `ZeroRedundancyOptimizer` (with `micro_batch_size="auto"` too, whose plan replays this rank's
   local optimizer: ZeRO itself cannot be deep-copied): three windows equal three full-batch
   steps, ranks bitwise equal;
+- torch's post-local SGD recipe (`post_localSGD_hook` and `PostLocalSGDOptimizer`, whose
+  averaging step is a collective), with `micro_batch_size="auto"` too: the same exact steps (it
+  was refused as a wrapper that never ran `Optimizer.__init__`, and planning could not copy it);
 - `ZeroRedundancyOptimizer(overlap_with_ddp=True)`, whose step runs only inside a DDP hook that
   gradaccum never runs (its `step()` does nothing), is refused at construction;
 - a model with `SyncBatchNorm` (its train-mode forward and backward are collectives) refuses
@@ -13,7 +16,13 @@
 - a `static_graph=True` model's first window (which DDP must reduce) inside the user's
   `model.no_sync()` raises a `ValueError` naming the fix, nothing changed (before: an internal
   assert of DDP's reducer); so does it with a communication hook registered (before, DDP reduced
-  that window through `fp16_compress_hook`, 1e-4 off, while a warning said the hook was unused).
+  that window through `fp16_compress_hook`, 1e-4 off, while a warning said the hook was unused),
+  a built-in one (`_register_builtin_comm_hook`) included, which was not seen at all; on a
+  dynamic graph a built-in hook is named unused, as a Python one is, and the steps stay exact.
+
+- a forward that reassigns its buffers (a running normalizer): rank 0's are broadcast after each
+  step, read afresh (a list kept from construction was broadcast into dropped tensors); a
+  parameter DDP ignores stays rank-local (it was summed over ranks).
 
 The single-process references are computed in the test process with plain PyTorch.
 """
@@ -21,13 +30,20 @@ The single-process references are computed in the test process with plain PyTorc
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
-from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+    PostLocalSGDState,
+    post_localSGD_hook,
+)
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
@@ -37,6 +53,7 @@ from tests.reference import relative_gap
 
 EXACT = 1e-10
 ITEMS, MICRO, WINDOWS = 7, 3, 3
+HOOKS = ("python", "builtin")  # register_comm_hook(), _register_builtin_comm_hook()
 
 
 class Net(nn.Module):
@@ -113,14 +130,19 @@ def _train(rank: int, config: str) -> dict[str, torch.Tensor]:
         side_ranks = ()
     else:
         ddp = DistributedDataParallel(make_net(), **options)
-    if config.startswith("zero"):
-        optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+    if config.startswith("post_local"):  # torch's recipe: its hook (unused here) and optimizer
+        state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=1)
+        ddp.register_comm_hook(state, post_localSGD_hook)
+        averager = PeriodicModelAverager(period=1, warmup_steps=1)  # averages from the 2nd step
+        optimizer: torch.optim.Optimizer = PostLocalSGDOptimizer(sgd(ddp.parameters()), averager)
+    elif config.startswith("zero"):
+        optimizer = ZeroRedundancyOptimizer(
             ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9,
             weight_decay=0.01,
         )  # fmt: skip
     else:
         optimizer = sgd(ddp.parameters())
-    if config == "zero_auto":
+    if config.endswith("auto"):
         acc = Accumulator(ddp, optimizer, micro_batch_size="auto", memory_budget="256MiB")
     else:
         acc = Accumulator(ddp, optimizer, micro_batch_size=MICRO)
@@ -233,9 +255,16 @@ def sync_batchnorm_reference() -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _static_graph_with_comm_hook(rank: int) -> dict[str, Any]:
+def _register_fp16_hook(ddp: DistributedDataParallel, how: str) -> None:
+    if how == "python":
+        ddp.register_comm_hook(None, fp16_compress_hook)
+    else:  # the C++ kind, which DDP keeps out of `_comm_hooks` (it was not seen)
+        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+
+
+def _static_graph_with_comm_hook(rank: int, how: str) -> dict[str, Any]:
     ddp = DistributedDataParallel(make_net(), static_graph=True)
-    ddp.register_comm_hook(None, fp16_compress_hook)
+    _register_fp16_hook(ddp, how)
     optimizer = sgd(ddp.parameters())
     before = _params(ddp)
     acc = Accumulator(ddp, optimizer, micro_batch_size=MICRO)
@@ -249,14 +278,110 @@ def _static_graph_with_comm_hook(rank: int) -> dict[str, Any]:
     return {"error": error, "unchanged": unchanged, "untouched": untouched}
 
 
+def _builtin_comm_hook_unused(rank: int) -> dict[str, Any]:
+    """A built-in fp16 hook on a dynamic graph: never run (the library reduces), so warned."""
+    ddp = DistributedDataParallel(make_net())
+    _register_fp16_hook(ddp, "builtin")
+    acc = Accumulator(ddp, sgd(ddp.parameters()), micro_batch_size=MICRO)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for window in range(WINDOWS):
+            acc.step(rank_batch(window, rank, (0,)), loss_fn)
+    hooks = [str(w.message) for w in caught if "communication hook" in str(w.message)]
+    return {"warnings": hooks, "params": _params(ddp)}
+
+
+class Normalized(nn.Module):
+    """An RL-style running input normalizer whose forward REASSIGNS its buffers (not in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("mean", torch.zeros(4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, side: bool = False) -> torch.Tensor:
+        if self.training:
+            total = self.count + x.shape[0]
+            self.mean = self.mean + (x.sum(0) - x.shape[0] * self.mean) / total
+            self.count = total
+        return self.net(x - self.mean, side)
+
+
+def _reassigned_buffers(rank: int) -> dict[str, torch.Tensor]:
+    ddp = DistributedDataParallel(Normalized())
+    acc = Accumulator(ddp, sgd(ddp.parameters()), micro_batch_size=MICRO)
+    for window in range(WINDOWS):
+        acc.step(rank_batch(window, rank, ()), loss_fn)
+    return {k: v.clone() for k, v in ddp.module.state_dict().items()}
+
+
+def reassigned_buffers_reference() -> dict[str, torch.Tensor]:
+    """Each window: every rank starts from rank 0's buffers (the broadcast) and updates them
+    micro-batch by micro-batch; one full-batch step; rank 0's buffers carry on."""
+    model = Normalized()
+    optimizer = sgd(model.parameters())
+    for window in range(WINDOWS):
+        start, total, count = (model.count, model.mean), 0.0, 0
+        for rank in (0, 1):
+            model.count, model.mean = start
+            batch = rank_batch(window, rank, ())
+            for begin in range(0, ITEMS, MICRO):
+                part = {key: batch[key][begin : begin + MICRO] for key in ("x", "y")}
+                loss = loss_fn(model, {**part, "side": False})
+                total, count = total + loss.value, count + int(loss.count)
+            if rank == 0:
+                kept = (model.count, model.mean)
+        optimizer.zero_grad(set_to_none=True)
+        (total / count).backward()
+        optimizer.step()
+        model.count, model.mean = kept
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+IGNORED = "head.bias"  # a rank-local parameter: DDP never reduces it
+
+
+def _ignored_parameter(rank: int, static: bool) -> dict[str, torch.Tensor]:
+    net = make_net()
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, [IGNORED])
+    ddp = DistributedDataParallel(net, static_graph=static)
+    acc = Accumulator(ddp, sgd(ddp.parameters()), micro_batch_size=MICRO)
+    for window in range(WINDOWS):
+        acc.step(rank_batch(window, rank, () if static else (0,)), loss_fn)
+    return _params(ddp)
+
+
+def ignored_parameter_reference(static: bool) -> list[dict[str, torch.Tensor]]:
+    """Two replicas sharing every parameter but `head.bias`: one full-batch step per window on
+    the objective over both ranks' items, each rank's items through its own bias."""
+    side_ranks = () if static else (0,)
+    models = [make_net(), make_net()]
+    models[1].body, models[1].side = models[0].body, models[0].side
+    models[1].head.weight = models[0].head.weight
+    optimizer = sgd([*models[0].parameters(), models[1].head.bias])
+    for window in range(WINDOWS):
+        optimizer.zero_grad(set_to_none=True)
+        losses = [loss_fn(models[r], rank_batch(window, r, side_ranks)) for r in (0, 1)]
+        (sum(loss.value for loss in losses) / sum(loss.count for loss in losses)).backward()
+        optimizer.step()
+    return [{n: p.detach().clone() for n, p in model.named_parameters()} for model in models]
+
+
 def configs_worker(rank: int, world_size: int) -> dict[str, Any]:
-    configs = ("unused", "bucket_view", "tiny_buckets", "static_checkpoint", "zero", "zero_auto")
+    configs = (
+        *("unused", "bucket_view", "tiny_buckets", "static_checkpoint", "zero", "zero_auto"),
+        *("post_local", "post_local_auto"),
+    )
     return {
         "trained": {config: _train(rank, config) for config in configs},
         "zero_overlap": _zero_overlap_refused(),
         "no_sync": _static_graph_inside_no_sync(rank),
         "sync_batchnorm": _sync_batchnorm(rank),
-        "comm_hook": _static_graph_with_comm_hook(rank),
+        "comm_hook": {how: _static_graph_with_comm_hook(rank, how) for how in HOOKS},
+        "builtin_hook": _builtin_comm_hook_unused(rank),
+        "reassigned_buffers": _reassigned_buffers(rank),
+        "ignored": {static: _ignored_parameter(rank, static) for static in (False, True)},
     }
 
 
@@ -327,10 +452,60 @@ def test_sync_batchnorm_refuses_uneven_plans_before_any_forward(
 def test_a_static_graphs_first_window_with_a_comm_hook_is_refused_changing_nothing(
     runs: list[dict[str, Any]],
 ) -> None:
-    """DDP reduces that window itself, through the hook: fp16 compression rounded the step."""
+    """DDP reduces that window itself, through the hook: fp16 compression rounded the step.
+
+    A built-in hook (`_register_builtin_comm_hook`) is not in DDP's `_comm_hooks`: before, it was
+    not seen, and that first window was reduced through fp16 compression, 1e-4 off, silently."""
     for rank, run in enumerate(runs):
-        result = run["comm_hook"]
-        assert "communication hook" in result["error"], (rank, result["error"])
-        assert "static_graph=False" in result["error"]
-        assert result["unchanged"], rank
-        assert result["untouched"], rank
+        for how in HOOKS:
+            result = run["comm_hook"][how]
+            assert "communication hook" in result["error"], (rank, how, result["error"])
+            assert "static_graph=False" in result["error"]
+            assert result["unchanged"], (rank, how)
+            assert result["untouched"], (rank, how)
+        assert "FP16_COMPRESS" in run["comm_hook"]["builtin"]["error"]
+        assert "fp16_compress_hook registered" in run["comm_hook"]["python"]["error"]
+
+
+def test_a_builtin_comm_hook_is_named_unused_and_the_steps_stay_exact(
+    runs: list[dict[str, Any]],
+) -> None:
+    """Before, the built-in hook went unnamed: no warning that it never runs."""
+    expected = reference((0,))
+    for rank, run in enumerate(runs):
+        result = run["builtin_hook"]
+        assert len(result["warnings"]) == 1, (rank, result["warnings"])
+        assert "BuiltinCommHookType.FP16_COMPRESS registered" in result["warnings"][0]
+        assert "is not used" in result["warnings"][0]
+        gap = relative_gap(result["params"], expected)
+        assert gap < EXACT, f"rank {rank}: {gap:.1e} from the full-batch reference"
+
+
+def test_buffers_a_forward_reassigns_are_broadcast_from_rank_0(
+    runs: list[dict[str, Any]],
+) -> None:
+    """`self.mean = self.mean + ...` replaces the buffer: DDP reads its buffers afresh before each
+    broadcast. The library kept the list from construction and broadcast into tensors the module
+    no longer held: each rank kept its own running statistics (count 21 against 15)."""
+    expected = reassigned_buffers_reference()
+    for rank, run in enumerate(runs):
+        state = run["reassigned_buffers"]
+        assert torch.equal(state["count"], runs[0]["reassigned_buffers"]["count"]), rank
+        assert torch.equal(state["mean"], runs[0]["reassigned_buffers"]["mean"]), rank
+        gap = relative_gap(state, expected)
+        assert gap < EXACT, f"rank {rank}: {gap:.1e} from the full-batch reference"
+    assert float(expected["count"]) == WINDOWS * ITEMS  # rank 0's items alone
+
+
+def test_a_parameter_ddp_ignores_stays_rank_local(runs: list[dict[str, Any]]) -> None:
+    """DDP never reduces a parameter named in `_set_params_and_buffers_to_ignore_for_model`;
+    the library summed its gradients over ranks (the ranks' biases ended equal). A static graph's
+    first window, which DDP averages itself, leaves it unaveraged too."""
+    for static in (False, True):
+        expected = ignored_parameter_reference(static)
+        for rank, run in enumerate(runs):
+            gap = relative_gap(run["ignored"][static], expected[rank])
+            assert gap < EXACT, f"static={static}, rank {rank}: {gap:.1e} from the reference"
+        biases = [run["ignored"][static][IGNORED] for run in runs]
+        assert not torch.equal(biases[0], biases[1])
+        assert relative_gap(expected[0], expected[1]) > 1e-3  # control: the biases differ
