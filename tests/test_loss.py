@@ -1104,3 +1104,167 @@ def test_a_masked_mean_whose_count_is_a_multiple_of_the_rows_warns_when_it_chang
         gradaccum.accumulate_grad(copy.deepcopy(start), even, _masked_token_mean, 4)
         for micro_batch in streamed:
             acc.micro_step(micro_batch, _masked_token_mean)
+
+
+# --------------------------------------------------------------------------------------------
+# Hand-written LM token means (eleventh round): chunked CE, `l[mask].sum()`, nanmean, RPO
+# --------------------------------------------------------------------------------------------
+
+
+class _TinyLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def _packed_lm_batch() -> dict[str, torch.Tensor]:
+    """7 rows of 9 tokens; the targets kept: not across a document start, not padding."""
+    generator = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 11, (7, 9), generator=generator)
+    keep = torch.rand(7, 8, generator=generator) > 0.3
+    keep[0] = True  # rows of very different counts
+    keep[1, 1:] = False
+    return {"ids": ids, "keep": keep}
+
+
+def _token_losses(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    logits = m(b["ids"])[:, :-1]
+    return torch.nn.functional.cross_entropy(
+        logits.transpose(1, 2), b["ids"][:, 1:], reduction="none"
+    )
+
+
+def _chunked(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    """A cross-entropy computed in chunks over the sequence (to save memory), then divided."""
+    logits, targets = m(b["ids"])[:, :-1], b["ids"][:, 1:].masked_fill(~b["keep"], -100)
+    total = 0
+    for chunk, target in zip(logits.split(3, dim=1), targets.split(3, dim=1), strict=True):
+        total = total + torch.nn.functional.cross_entropy(
+            chunk.flatten(0, 1), target.flatten(), reduction="sum"
+        )
+    return total / b["keep"].sum()
+
+
+def _picked(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    return _token_losses(m, b)[b["keep"]].sum() / b["keep"].sum()
+
+
+def _nanmean(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    return _token_losses(m, b).masked_fill(~b["keep"], float("nan")).nanmean()
+
+
+def _rpo(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    """A per-row mean plus a token-mean NLL term (RPO's SFT term, `-log_p.sum() / tokens`)."""
+    per_row = (_token_losses(m, b) * b["keep"]).sum(1)
+    return (0.1 * per_row).sigmoid().mean() + per_row.sum() / b["keep"].sum()
+
+
+def _rpo_terms(m: torch.nn.Module, b: dict) -> LossSum:
+    per_row = (_token_losses(m, b) * b["keep"]).sum(1)
+    return LossSum.terms(
+        pref=((0.1 * per_row).sigmoid().sum(), len(per_row)), sft=(per_row.sum(), b["keep"].sum())
+    )
+
+
+def _lm_token_sum(m: torch.nn.Module, b: dict) -> LossSum:
+    return LossSum(_token_losses(m, b)[b["keep"]].sum(), b["keep"].sum())
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 3])
+@pytest.mark.parametrize(
+    ("plain", "exact"),
+    [
+        (_chunked, _lm_token_sum),
+        (_picked, _lm_token_sum),
+        (_nanmean, _lm_token_sum),
+        (_rpo, _rpo_terms),
+    ],
+)
+def test_hand_written_lm_token_means_warn_and_their_loss_sums_are_the_full_batch_step(
+    plain: Any, exact: Any, micro_batch_size: int
+) -> None:
+    """A token mean written by hand as a sum divided by the tokens, with its numerator in a
+    form the check did not read (chunks added up, `l[mask].sum()`, `nanmean`), or as one term
+    beside a row mean (RPO), or over micro-batches of one row (any count is a multiple of 1),
+    was read as a row mean, 0.1-1.6 off silently. Each warns now (TokenMeanWarning naming
+    LossSum), and the LossSum it names is the full-batch step within 1e-10."""
+    from gradaccum.loss import TokenMeanWarning
+
+    batch = _packed_lm_batch()
+    torch.manual_seed(0)
+    start = _TinyLM().double()
+    full = copy.deepcopy(start)
+    plain(full, batch).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    for loss_fn in (plain, exact):
+        model = copy.deepcopy(start)
+        acc = gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=micro_batch_size
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            acc.step(batch, loss_fn)
+        told = [str(w.message) for w in caught]
+        gaps = [
+            float((a - b).detach().abs().max())
+            for a, b in zip(model.parameters(), full.parameters(), strict=True)
+        ]
+        if loss_fn is plain:
+            assert len(told) == 1, told
+            assert caught[0].category is TokenMeanWarning
+            assert "LossSum" in told[0]
+            assert max(gaps) > 1e-3  # the control: read as a row mean
+        else:
+            assert told == []
+            for got, want in zip(model.parameters(), full.parameters(), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+def test_lm_row_means_written_by_hand_stay_quiet() -> None:
+    """No false alarm: `sum / numel`, chunks summed over all positions divided by their number,
+    a token mean plus an L2 penalty over the weights, and a per-row mean of token means."""
+    batch = _packed_lm_batch()
+    model = _TinyLM().double()
+    quiet = [
+        lambda m, b: _token_losses(m, b).sum() / _token_losses(m, b).numel(),
+        lambda m, b: _chunked(m, {**b, "keep": torch.ones_like(b["keep"])}) * 1.0,
+        lambda m, b: (
+            _token_losses(m, b).mean() + 1e-3 * sum(p.pow(2).sum() for p in m.parameters()) / 2
+        ),
+        lambda m, b: (
+            (_token_losses(m, b) * b["keep"]).sum(1) / b["keep"].sum(1).clamp(min=1)
+        ).mean(),
+    ]
+    for micro_batch_size in (1, 3):
+        for loss_fn in quiet:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                gradaccum.accumulate_grad(model, batch, loss_fn, micro_batch_size=micro_batch_size)
+
+
+def test_a_token_count_equal_to_the_number_of_micro_batches_is_not_told_to_be_removed() -> None:
+    """Rows of one token mean each (micro-batches of one row) dividing by their token count:
+    when two rows happened to count as many tokens as the window has micro-batches (7), the
+    check took it for `loss / accumulation_steps` and said to remove the division (a
+    CopiedLoopWarning whose advice is wrong). Only a division by that number from the first
+    micro-batch on is such a line; the real one still warns."""
+    from gradaccum.loss import CopiedLoopWarning, TokenMeanWarning
+
+    batch = _packed_lm_batch()
+    batch["keep"][:] = False
+    for row, count in enumerate([5, 7, 7, 3, 6, 2, 8]):
+        batch["keep"][row, :count] = True
+    model = _TinyLM().double()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=1
+        ).step(batch, _picked)
+    assert [w.category for w in caught] == [TokenMeanWarning], [str(w.message) for w in caught]
+    with pytest.warns(CopiedLoopWarning, match="accumulation_steps"):
+        gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=1
+        ).step(batch, lambda m, b: _token_losses(m, b).mean() / 7)

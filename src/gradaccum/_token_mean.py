@@ -142,7 +142,9 @@ class TokenMeanCheck:
     def __init__(self, checks: int = 8) -> None:
         self.left = checks
         self.copied_left = checks  # `_copied_loop`'s checks, of any loss (no device sync)
-        self.divisions = 0  # micro-batches divided by their window's micro-batches
+        # Micro-batches divided by their window's micro-batches, all of them from the first
+        # (-1 once one was not: a count from the data, `sum / n_tokens`, equal to it by chance).
+        self.divisions = 0
         self.per_row: tuple[int, ...] | None = None  # the window's masked means' values per row
 
     def check(
@@ -163,7 +165,8 @@ class TokenMeanCheck:
                 raise ValueError(scaled)
             self.copied_left -= 1
             divided = division_problem(result, micro_batches, items)
-            self.divisions += divided is not None
+            if self.divisions >= 0:
+                self.divisions = self.divisions + 1 if divided is not None else -1
             problem = sum_problem(result, items) or mean_problem(result)
             problem = problem or (divided if self.divisions > 1 else None)
             if problem is None and _labelled(micro_batch):  # transformers' num_items_in_batch
