@@ -1268,3 +1268,85 @@ def test_a_token_count_equal_to_the_number_of_micro_batches_is_not_told_to_be_re
         gradaccum.Accumulator(
             model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=1
         ).step(batch, lambda m, b: _token_losses(m, b).mean() / 7)
+
+
+# --------------------------------------------------------------------------------------------
+# Preference pairs laid out as rows (eleventh round): interleaved or halves, cut by the split
+# --------------------------------------------------------------------------------------------
+
+
+def _pair_scores(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A sequence's summed log-probability of its own next tokens."""
+    log_p = m(ids)[:, :-1].log_softmax(-1)
+    return log_p.gather(-1, ids[:, 1:, None]).squeeze(-1).sum(1)
+
+
+def _pairs() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(12)
+    return torch.randint(0, 11, (7, 6), generator=generator), torch.randint(
+        0, 11, (7, 6), generator=generator
+    )
+
+
+def _interleaved(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    scores = _pair_scores(m, b["ids"])
+    return -torch.nn.functional.logsigmoid(0.1 * (scores[0::2] - scores[1::2])).mean()
+
+
+def _halves(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    scores = _pair_scores(m, b["ids"])
+    chosen, rejected = scores.chunk(2)
+    return -torch.nn.functional.logsigmoid(0.1 * (chosen - rejected)).mean()
+
+
+def _per_row_pairs(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    margin = _pair_scores(m, b["chosen"]) - _pair_scores(m, b["rejected"])
+    return -torch.nn.functional.logsigmoid(0.1 * margin).mean()
+
+
+def test_preference_pairs_cut_by_the_split_warn_and_pairs_in_one_row_are_exact() -> None:
+    """DPO-style pairs as rows: interleaved (chosen, rejected, chosen, ...) in micro-batches of 3
+    rows broadcast a cut pair's halves (1.8 off silently), and chosen rows then rejected rows
+    (`chunk(2)`) are compared with each other's chosen rows under any split; both warn now,
+    naming the layout whose step is exact: each pair in one row, under its own keys. Interleaved
+    in micro-batches of an even size is exact and quiet; an odd size that fails on the halves'
+    sizes carries a note naming the fix, and changes nothing."""
+    chosen, rejected = _pairs()
+    interleaved = {"ids": torch.stack([chosen, rejected], 1).flatten(0, 1)[:12]}  # 6 pairs
+    halves = {"ids": torch.cat([chosen[:6], rejected[:6]])}
+    per_row = {"chosen": chosen[:6], "rejected": rejected[:6]}
+    torch.manual_seed(0)
+    start = _TinyLM().double()
+    full = copy.deepcopy(start)
+    _per_row_pairs(full, per_row).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+
+    def stepped(batch: dict, loss_fn: Any, size: int) -> tuple[list[str], float]:
+        model = copy.deepcopy(start)
+        acc = gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=size
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            acc.step(batch, loss_fn)
+        pairs = zip(model.parameters(), full.parameters(), strict=True)
+        gap = max(float((a - b).detach().abs().max() / b.detach().abs().max()) for a, b in pairs)
+        return [str(w.message) for w in caught], gap
+
+    for batch, loss_fn, size in ((interleaved, _interleaved, 3), (halves, _halves, 4)):
+        told, gap = stepped(batch, loss_fn, size)
+        assert len(told) == 1, told
+        assert "Keep each pair in one row" in told[0]
+        assert gap > 1e-3  # the control
+    for batch, loss_fn, size in ((per_row, _per_row_pairs, 4), (interleaved, _interleaved, 4)):
+        told, gap = stepped(batch, loss_fn, size)
+        assert told == []
+        assert gap < 1e-12
+    model = copy.deepcopy(start)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters()), micro_batch_size=5)
+    with pytest.raises(RuntimeError, match="must match") as raised:
+        acc.step(interleaved, _interleaved)
+    assert any("Keep each pair in one row" in note for note in raised.value.__notes__)
+    for got, want in zip(model.parameters(), start.parameters(), strict=True):
+        assert torch.equal(got, want)
+        assert got.grad is None
