@@ -1350,3 +1350,67 @@ def test_preference_pairs_cut_by_the_split_warn_and_pairs_in_one_row_are_exact()
     for got, want in zip(model.parameters(), start.parameters(), strict=True):
         assert torch.equal(got, want)
         assert got.grad is None
+
+
+def test_a_causal_lm_count_taken_before_the_shift_warns_and_the_shifted_count_is_exact() -> None:
+    """Pretraining rows (no -100 at position 0) scored as `labels[:, 1:]` against
+    `logits[:, :-1]` but counted `(labels != -100).sum()`: one more per row, silently 0.15 off
+    the full-batch token-mean update. It warns now (TokenMeanWarning naming the shifted
+    count); the shifted count is exact and quiet; a classifier's LossSum counting rows whose
+    targets hold -100 is no shift and stays quiet."""
+    from gradaccum.loss import TokenMeanWarning
+
+    generator = torch.Generator().manual_seed(13)
+    labels = torch.randint(0, 11, (7, 9), generator=generator)
+    for row, pad in enumerate([0, 2, 1, 3, 0, 4, 1]):
+        labels[row, 9 - pad :] = -100
+    batch = {"ids": labels.clamp(min=0), "labels": labels}
+
+    def scored(m: torch.nn.Module, b: dict, count: Any) -> LossSum:
+        logits = m(b["ids"])[:, :-1]
+        ce = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), b["labels"][:, 1:].flatten(), reduction="sum"
+        )
+        return LossSum(ce, count(b["labels"]))
+
+    torch.manual_seed(0)
+    start = _TinyLM().double()
+    full = copy.deepcopy(start)
+    out = full(batch["ids"])[:, :-1]
+    torch.nn.functional.cross_entropy(out.flatten(0, 1), labels[:, 1:].flatten()).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    counts = {
+        "unshifted": lambda y: (y != -100).sum(),
+        "shifted": lambda y: (y[:, 1:] != -100).sum(),
+    }
+    for name, count in counts.items():
+        model = copy.deepcopy(start)
+        acc = gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=3
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            acc.step(batch, lambda m, b, count=count: scored(m, b, count))
+        told = [str(w.message) for w in caught if w.category is TokenMeanWarning]
+        pairs = zip(model.parameters(), full.parameters(), strict=True)
+        gap = max(float((a - b).detach().abs().max()) for a, b in pairs)
+        if name == "unshifted":
+            assert len(told) == 1, told
+            assert "labels[:, 1:] != -100" in told[0]
+            assert gap > 1e-3  # the control
+        else:
+            assert [str(w.message) for w in caught] == []
+            for got, want in zip(model.parameters(), full.parameters(), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.tensor([0, 1, -100, 2, -100, 1])
+    linear = torch.nn.Linear(4, 3).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradaccum.accumulate_grad(
+            linear,
+            (x, y),
+            lambda m, b: LossSum(
+                torch.nn.functional.cross_entropy(m(b[0]), b[1], reduction="sum"), len(b[1])
+            ),
+            micro_batch_size=3,
+        )
