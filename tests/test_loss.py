@@ -1194,3 +1194,313 @@ def test_several_task_losses_returned_together_are_refused_naming_terms_and_term
             assert acc.step(batch, terms).stepped
         for got, want in zip(trained.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Hand-written LM token means (eleventh round): chunked CE, `l[mask].sum()`, nanmean, RPO
+# --------------------------------------------------------------------------------------------
+
+
+class _TinyLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def _packed_lm_batch() -> dict[str, torch.Tensor]:
+    """7 rows of 9 tokens; the targets kept: not across a document start, not padding."""
+    generator = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 11, (7, 9), generator=generator)
+    keep = torch.rand(7, 8, generator=generator) > 0.3
+    keep[0] = True  # rows of very different counts
+    keep[1, 1:] = False
+    return {"ids": ids, "keep": keep}
+
+
+def _token_losses(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    logits = m(b["ids"])[:, :-1]
+    return torch.nn.functional.cross_entropy(
+        logits.transpose(1, 2), b["ids"][:, 1:], reduction="none"
+    )
+
+
+def _chunked(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    """A cross-entropy computed in chunks over the sequence (to save memory), then divided."""
+    logits, targets = m(b["ids"])[:, :-1], b["ids"][:, 1:].masked_fill(~b["keep"], -100)
+    total = 0
+    for chunk, target in zip(logits.split(3, dim=1), targets.split(3, dim=1), strict=True):
+        total = total + torch.nn.functional.cross_entropy(
+            chunk.flatten(0, 1), target.flatten(), reduction="sum"
+        )
+    return total / b["keep"].sum()
+
+
+def _picked(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    return _token_losses(m, b)[b["keep"]].sum() / b["keep"].sum()
+
+
+def _nanmean(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    return _token_losses(m, b).masked_fill(~b["keep"], float("nan")).nanmean()
+
+
+def _rpo(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    """A per-row mean plus a token-mean NLL term (RPO's SFT term, `-log_p.sum() / tokens`)."""
+    per_row = (_token_losses(m, b) * b["keep"]).sum(1)
+    return (0.1 * per_row).sigmoid().mean() + per_row.sum() / b["keep"].sum()
+
+
+def _rpo_terms(m: torch.nn.Module, b: dict) -> LossSum:
+    per_row = (_token_losses(m, b) * b["keep"]).sum(1)
+    return LossSum.terms(
+        pref=((0.1 * per_row).sigmoid().sum(), len(per_row)), sft=(per_row.sum(), b["keep"].sum())
+    )
+
+
+def _lm_token_sum(m: torch.nn.Module, b: dict) -> LossSum:
+    return LossSum(_token_losses(m, b)[b["keep"]].sum(), b["keep"].sum())
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 3])
+@pytest.mark.parametrize(
+    ("plain", "exact"),
+    [
+        (_chunked, _lm_token_sum),
+        (_picked, _lm_token_sum),
+        (_nanmean, _lm_token_sum),
+        (_rpo, _rpo_terms),
+    ],
+)
+def test_hand_written_lm_token_means_warn_and_their_loss_sums_are_the_full_batch_step(
+    plain: Any, exact: Any, micro_batch_size: int
+) -> None:
+    """A token mean written by hand as a sum divided by the tokens, with its numerator in a
+    form the check did not read (chunks added up, `l[mask].sum()`, `nanmean`), or as one term
+    beside a row mean (RPO), or over micro-batches of one row (any count is a multiple of 1),
+    was read as a row mean, 0.1-1.6 off silently. Each warns now (TokenMeanWarning naming
+    LossSum), and the LossSum it names is the full-batch step within 1e-10."""
+    from gradaccum.loss import TokenMeanWarning
+
+    batch = _packed_lm_batch()
+    torch.manual_seed(0)
+    start = _TinyLM().double()
+    full = copy.deepcopy(start)
+    plain(full, batch).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    for loss_fn in (plain, exact):
+        model = copy.deepcopy(start)
+        acc = gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=micro_batch_size
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            acc.step(batch, loss_fn)
+        told = [str(w.message) for w in caught]
+        gaps = [
+            float((a - b).detach().abs().max())
+            for a, b in zip(model.parameters(), full.parameters(), strict=True)
+        ]
+        if loss_fn is plain:
+            assert len(told) == 1, told
+            assert caught[0].category is TokenMeanWarning
+            assert "LossSum" in told[0]
+            assert max(gaps) > 1e-3  # the control: read as a row mean
+        else:
+            assert told == []
+            for got, want in zip(model.parameters(), full.parameters(), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+def test_lm_row_means_written_by_hand_stay_quiet() -> None:
+    """No false alarm: `sum / numel`, chunks summed over all positions divided by their number,
+    a token mean plus an L2 penalty over the weights, and a per-row mean of token means."""
+    batch = _packed_lm_batch()
+    model = _TinyLM().double()
+    quiet = [
+        lambda m, b: _token_losses(m, b).sum() / _token_losses(m, b).numel(),
+        lambda m, b: _chunked(m, {**b, "keep": torch.ones_like(b["keep"])}) * 1.0,
+        lambda m, b: (
+            _token_losses(m, b).mean() + 1e-3 * sum(p.pow(2).sum() for p in m.parameters()) / 2
+        ),
+        lambda m, b: (
+            (_token_losses(m, b) * b["keep"]).sum(1) / b["keep"].sum(1).clamp(min=1)
+        ).mean(),
+    ]
+    for micro_batch_size in (1, 3):
+        for loss_fn in quiet:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                gradaccum.accumulate_grad(model, batch, loss_fn, micro_batch_size=micro_batch_size)
+
+
+def test_a_token_count_equal_to_the_number_of_micro_batches_is_not_told_to_be_removed() -> None:
+    """Rows of one token mean each (micro-batches of one row) dividing by their token count:
+    when two rows happened to count as many tokens as the window has micro-batches (7), the
+    check took it for `loss / accumulation_steps` and said to remove the division (a
+    CopiedLoopWarning whose advice is wrong). Only a division by that number from the first
+    micro-batch on is such a line; the real one still warns."""
+    from gradaccum.loss import CopiedLoopWarning, TokenMeanWarning
+
+    batch = _packed_lm_batch()
+    batch["keep"][:] = False
+    for row, count in enumerate([5, 7, 7, 3, 6, 2, 8]):
+        batch["keep"][row, :count] = True
+    model = _TinyLM().double()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=1
+        ).step(batch, _picked)
+    assert [w.category for w in caught] == [TokenMeanWarning], [str(w.message) for w in caught]
+    with pytest.warns(CopiedLoopWarning, match="accumulation_steps"):
+        gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=1
+        ).step(batch, lambda m, b: _token_losses(m, b).mean() / 7)
+
+
+# --------------------------------------------------------------------------------------------
+# Preference pairs laid out as rows (eleventh round): interleaved or halves, cut by the split
+# --------------------------------------------------------------------------------------------
+
+
+def _pair_scores(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A sequence's summed log-probability of its own next tokens."""
+    log_p = m(ids)[:, :-1].log_softmax(-1)
+    return log_p.gather(-1, ids[:, 1:, None]).squeeze(-1).sum(1)
+
+
+def _pairs() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(12)
+    return torch.randint(0, 11, (7, 6), generator=generator), torch.randint(
+        0, 11, (7, 6), generator=generator
+    )
+
+
+def _interleaved(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    scores = _pair_scores(m, b["ids"])
+    return -torch.nn.functional.logsigmoid(0.1 * (scores[0::2] - scores[1::2])).mean()
+
+
+def _halves(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    scores = _pair_scores(m, b["ids"])
+    chosen, rejected = scores.chunk(2)
+    return -torch.nn.functional.logsigmoid(0.1 * (chosen - rejected)).mean()
+
+
+def _per_row_pairs(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    margin = _pair_scores(m, b["chosen"]) - _pair_scores(m, b["rejected"])
+    return -torch.nn.functional.logsigmoid(0.1 * margin).mean()
+
+
+def test_preference_pairs_cut_by_the_split_warn_and_pairs_in_one_row_are_exact() -> None:
+    """DPO-style pairs as rows: interleaved (chosen, rejected, chosen, ...) in micro-batches of 3
+    rows broadcast a cut pair's halves (1.8 off silently), and chosen rows then rejected rows
+    (`chunk(2)`) are compared with each other's chosen rows under any split; both warn now,
+    naming the layout whose step is exact: each pair in one row, under its own keys. Interleaved
+    in micro-batches of an even size is exact and quiet; an odd size that fails on the halves'
+    sizes carries a note naming the fix, and changes nothing."""
+    chosen, rejected = _pairs()
+    interleaved = {"ids": torch.stack([chosen, rejected], 1).flatten(0, 1)[:12]}  # 6 pairs
+    halves = {"ids": torch.cat([chosen[:6], rejected[:6]])}
+    per_row = {"chosen": chosen[:6], "rejected": rejected[:6]}
+    torch.manual_seed(0)
+    start = _TinyLM().double()
+    full = copy.deepcopy(start)
+    _per_row_pairs(full, per_row).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+
+    def stepped(batch: dict, loss_fn: Any, size: int) -> tuple[list[str], float]:
+        model = copy.deepcopy(start)
+        acc = gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=size
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            acc.step(batch, loss_fn)
+        pairs = zip(model.parameters(), full.parameters(), strict=True)
+        gap = max(float((a - b).detach().abs().max() / b.detach().abs().max()) for a, b in pairs)
+        return [str(w.message) for w in caught], gap
+
+    for batch, loss_fn, size in ((interleaved, _interleaved, 3), (halves, _halves, 4)):
+        told, gap = stepped(batch, loss_fn, size)
+        assert len(told) == 1, told
+        assert "Keep each pair in one row" in told[0]
+        assert gap > 1e-3  # the control
+    for batch, loss_fn, size in ((per_row, _per_row_pairs, 4), (interleaved, _interleaved, 4)):
+        told, gap = stepped(batch, loss_fn, size)
+        assert told == []
+        assert gap < 1e-12
+    model = copy.deepcopy(start)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters()), micro_batch_size=5)
+    with pytest.raises(RuntimeError, match="must match") as raised:
+        acc.step(interleaved, _interleaved)
+    assert any("Keep each pair in one row" in note for note in raised.value.__notes__)
+    for got, want in zip(model.parameters(), start.parameters(), strict=True):
+        assert torch.equal(got, want)
+        assert got.grad is None
+
+
+def test_a_causal_lm_count_taken_before_the_shift_warns_and_the_shifted_count_is_exact() -> None:
+    """Pretraining rows (no -100 at position 0) scored as `labels[:, 1:]` against
+    `logits[:, :-1]` but counted `(labels != -100).sum()`: one more per row, silently 0.15 off
+    the full-batch token-mean update. It warns now (TokenMeanWarning naming the shifted
+    count); the shifted count is exact and quiet; a classifier's LossSum counting rows whose
+    targets hold -100 is no shift and stays quiet."""
+    from gradaccum.loss import TokenMeanWarning
+
+    generator = torch.Generator().manual_seed(13)
+    labels = torch.randint(0, 11, (7, 9), generator=generator)
+    for row, pad in enumerate([0, 2, 1, 3, 0, 4, 1]):
+        labels[row, 9 - pad :] = -100
+    batch = {"ids": labels.clamp(min=0), "labels": labels}
+
+    def scored(m: torch.nn.Module, b: dict, count: Any) -> LossSum:
+        logits = m(b["ids"])[:, :-1]
+        ce = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), b["labels"][:, 1:].flatten(), reduction="sum"
+        )
+        return LossSum(ce, count(b["labels"]))
+
+    torch.manual_seed(0)
+    start = _TinyLM().double()
+    full = copy.deepcopy(start)
+    out = full(batch["ids"])[:, :-1]
+    torch.nn.functional.cross_entropy(out.flatten(0, 1), labels[:, 1:].flatten()).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    counts = {
+        "unshifted": lambda y: (y != -100).sum(),
+        "shifted": lambda y: (y[:, 1:] != -100).sum(),
+    }
+    for name, count in counts.items():
+        model = copy.deepcopy(start)
+        acc = gradaccum.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=3
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            acc.step(batch, lambda m, b, count=count: scored(m, b, count))
+        told = [str(w.message) for w in caught if w.category is TokenMeanWarning]
+        pairs = zip(model.parameters(), full.parameters(), strict=True)
+        gap = max(float((a - b).detach().abs().max()) for a, b in pairs)
+        if name == "unshifted":
+            assert len(told) == 1, told
+            assert "labels[:, 1:] != -100" in told[0]
+            assert gap > 1e-3  # the control
+        else:
+            assert [str(w.message) for w in caught] == []
+            for got, want in zip(model.parameters(), full.parameters(), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.tensor([0, 1, -100, 2, -100, 1])
+    linear = torch.nn.Linear(4, 3).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradaccum.accumulate_grad(
+            linear,
+            (x, y),
+            lambda m, b: LossSum(
+                torch.nn.functional.cross_entropy(m(b[0]), b[1], reduction="sum"), len(b[1])
+            ),
+            micro_batch_size=3,
+        )

@@ -122,10 +122,11 @@ def division_problem(result: object, micro_batches: int, items: int = 0) -> str 
     """What is wrong if `result` (a plain scalar, a `LossSum`'s value) divides by `micro_batches`.
 
     `micro_batches` is the window's number of micro-batches when known up front (else 0). A
-    count from the data (`loss_sum / n_tokens`) may equal it once by chance: the caller warns
-    only when it holds on two micro-batches. A sum divided by the micro-batch's own `items`
-    rows (`.sum() / len(x)`, `kl_div(reduction='batchmean')`) is the row mean gradaccum reads,
-    whatever the number of micro-batches (16 rows split in 4 micro-batches of 4).
+    count from the data (`loss_sum / n_tokens`) may equal it by chance: the caller warns only
+    when it holds on the first two micro-batches (and every one looked at since). A sum
+    divided by the micro-batch's own `items` rows (`.sum() / len(x)`,
+    `kl_div(reduction='batchmean')`) is the row mean gradaccum reads, whatever the number of
+    micro-batches (16 rows split in 4 micro-batches of 4).
     """
     value = result if isinstance(result, torch.Tensor) else getattr(result, "value", None)
     node = through_factors(value.grad_fn) if isinstance(value, torch.Tensor) else None

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from gradaccum._carried_state import STATE_PER_ROW
+from gradaccum._pairs import split_pairs_note
 
 __all__ = [
     "call_loss_fn",
@@ -66,7 +67,8 @@ def call_loss_fn(loss_fn: Callable[..., Any], model: torch.nn.Module, micro_batc
             raise TypeError(refusal) from error
         add_note = getattr(error, "add_note", None)
         if add_note is not None:  # Python >= 3.11
-            for note in _notes(micro_batch) + _state_notes(error):
+            rows = next((t.shape[0] for t in _leaves(micro_batch) if _rows_of(t)), 0)
+            for note in _notes(micro_batch) + _state_notes(error) + split_pairs_note(error, rows):
                 add_note(f"gradaccum: {note}")
         raise
 
@@ -216,6 +218,10 @@ def _state_notes(error: Exception) -> list[str]:
         "self.h = h.detach()) cannot go whole to a micro-batch of some of its rows. "
         + STATE_PER_ROW
     ]
+
+
+def _rows_of(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.dim() > 0
 
 
 def _leaves(obj: Any) -> Any:

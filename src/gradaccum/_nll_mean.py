@@ -28,10 +28,12 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-__all__ = ["ctc_without_nll", "nll_mean_problem"]
+from gradaccum._weighted_mean import through_factors
+
+__all__ = ["ctc_without_nll", "nll_mean_problem", "unshifted_count_problem"]
 
 _NLL_NODES = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})
-_MEAN = 1  # torch's Reduction::Mean, as the nodes save it
+_MEAN, _SUM = 1, 2  # torch's Reduction::Mean and ::Sum, as the nodes save them
 _NEAR = 48  # graph nodes read at most: the loss's own arithmetic, never the model's graph
 
 
@@ -202,3 +204,38 @@ def nll_mean_problem(loss: torch.Tensor, micro_batch: object, rows: int = 0) -> 
                 f"reduction='sum'), count=(y != {ignore}).sum()) instead."
             )
     return None
+
+
+def unshifted_count_problem(result: object, rows: int) -> str | None:
+    """Why a `LossSum` counts more items than its cross-entropy sum scored (with the fix), or None.
+
+    A causal LM's loss scores the labels shifted by one (`labels[:, 1:]` against
+    `logits[:, :-1]`), one fewer per row; its count taken before the shift,
+    `(labels != -100).sum()`, counts up to one more per row (rows whose first label is not
+    -100: pretraining, packed rows), silently another normalization. Told when the value is
+    (past constant factors) a cross_entropy / nll_loss with reduction='sum' and its count
+    exceeds the targets it scored by 1 to `rows`.
+    """
+    value, count = getattr(result, "value", None), getattr(result, "count", None)
+    if rows < 1 or not isinstance(value, torch.Tensor) or value.grad_fn is None:
+        return None
+    node = through_factors(value.grad_fn)
+    target = getattr(node, "_saved_target", None)
+    if type(node).__name__ not in _NLL_NODES or getattr(node, "_saved_reduction", 0) != _SUM:
+        return None
+    if not isinstance(target, torch.Tensor) or getattr(node, "_saved_weight", None) is not None:
+        return None
+    if target.numel() <= rows:  # one target per row: a classifier, whose -100 rows are no shift
+        return None
+    scored = int((target != int(getattr(node, "_saved_ignore_index", -100))).sum())
+    counted = int(count.item()) if isinstance(count, torch.Tensor) else count
+    if not isinstance(counted, int) or not 0 < counted - scored <= rows:
+        return None
+    return (
+        f"loss_fn returned LossSum(cross_entropy(..., reduction='sum'), count={counted}), but "
+        f"that cross-entropy scored {scored} targets (not ignore_index): {counted - scored} "
+        f"more over {rows} row{'s' if rows > 1 else ''}, at most one per row, as a causal LM's "
+        "count taken before its "
+        "labels were shifted ((labels != -100).sum(), not (labels[:, 1:] != -100).sum()). "
+        "Count the targets the loss scores: the shifted labels that are not -100."
+    )

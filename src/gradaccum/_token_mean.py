@@ -31,7 +31,8 @@ from gradaccum._copied_loop import (
     sum_problem,
     window_count_problem,
 )
-from gradaccum._nll_mean import ctc_without_nll, nll_mean_problem
+from gradaccum._nll_mean import ctc_without_nll, nll_mean_problem, unshifted_count_problem
+from gradaccum._pairs import split_pairs_problem
 from gradaccum._warnings import warn_user
 from gradaccum._weighted_mean import (
     divided_sum_problem,
@@ -142,7 +143,10 @@ class TokenMeanCheck:
     def __init__(self, checks: int = 8) -> None:
         self.left = checks
         self.copied_left = checks  # `_copied_loop`'s checks, of any loss (no device sync)
-        self.divisions = 0  # micro-batches divided by their window's micro-batches
+        # Micro-batches divided by their window's micro-batches, all of them from the first
+        # (-1 once one was not: a count from the data, `sum / n_tokens`, equal to it by chance).
+        self.divisions = 0
+        self.pairs = True  # neither pairs cut by the split nor an unshifted count told yet
         self.per_row: tuple[int, ...] | None = None  # the window's masked means' values per row
 
     def check(
@@ -163,12 +167,20 @@ class TokenMeanCheck:
                 raise ValueError(scaled)
             self.copied_left -= 1
             divided = division_problem(result, micro_batches, items)
-            self.divisions += divided is not None
+            if self.divisions >= 0:
+                self.divisions = self.divisions + 1 if divided is not None else -1
             problem = sum_problem(result, items) or mean_problem(result)
             problem = problem or (divided if self.divisions > 1 else None)
             if problem is None and _labelled(micro_batch):  # transformers' num_items_in_batch
                 labels = next((value for _, value in _targets(micro_batch)), None)
                 problem = window_count_problem(result, labels, items)
+            unshifted = self.pairs and unshifted_count_problem(result, items)
+            if unshifted:  # a causal LM's count taken before its labels' shift
+                warn_user(TokenMeanWarning(unshifted))
+            pairs = self.pairs and split_pairs_problem(result, items, micro_batches)
+            if pairs:  # chosen and rejected rows a split cut apart
+                warn_user(UserWarning(pairs))
+            self.pairs = self.pairs and not (unshifted or pairs)  # one of these, once
             if problem is not None:
                 warn_user(CopiedLoopWarning(problem))
                 self.copied_left = 0

@@ -85,6 +85,9 @@ def summed_values(node: object) -> int:
     if type(node).__name__ == "SumBackward0":  # `.sum()` of the whole tensor
         sizes = getattr(node, "_saved_self_sym_sizes", None)
         return math.prod(int(s) for s in sizes) if sizes is not None else 0
+    if type(node).__name__ == "NansumBackward0" and not getattr(node, "_saved_dim", None):
+        saved = getattr(node, "_saved_self", None)  # `nanmean()`: nansum / the values not NaN
+        return saved.numel() if isinstance(saved, torch.Tensor) else 0
     saved = getattr(node, "_saved_self", None)
     if getattr(node, "_saved_reduction", None) == _SUM and isinstance(saved, torch.Tensor):
         return saved.numel()  # a torch loss with reduction='sum': its input's values
@@ -102,25 +105,11 @@ def divided_sum_problem(loss: torch.Tensor, rows: int) -> str | None:
         A message naming `LossSum.terms` when `loss` divides a sum with a value per row by a
         constant that is not a whole multiple of `rows`; None otherwise.
     """
-    node = through_factors(loss.grad_fn)  # `-(sum / W)`, `0.5 * sum / W`
-    if rows < 1 or type(node).__name__ != "DivBackward0":
+    if rows < 1 or loss.grad_fn is None:
         return None
-    divisor = getattr(node, "_saved_other", None)
-    if (
-        not isinstance(divisor, torch.Tensor)
-        or divisor.numel() != 1
-        or divisor.requires_grad
-        or divisor.is_complex()
-    ):
-        return None
-    summed = summed_values(through_factors(node.next_functions[0][0]))  # type: ignore[attr-defined]
-    # A sum over a value per row; not, say, the mean of a few heads' losses (`stack(...).sum()`).
-    if summed < rows or summed % rows:
-        return None
-    value = abs(float(divisor))  # `sum(w * log_p) / -sum(w)` is a weighted mean too
-    per_row = value / rows
-    whole = round(per_row) >= 1 and abs(per_row - round(per_row)) <= 1e-9 * per_row
-    if not math.isfinite(value) or value <= 0 or whole:
+    divisions = _divisions(loss, rows)
+    value = next((value for value, _ in divisions if not _whole(value, rows)), None)
+    if value is None:
         return None
     return (
         f"loss_fn returned a plain scalar that divides a sum over the micro-batch by {value:g}, "
@@ -135,8 +124,90 @@ def divided_sum_problem(loss: torch.Tensor, rows: int) -> str | None:
     )
 
 
+def _divided(node: object, rows: int, per_row: bool) -> tuple[float, int] | None:
+    """`(divisor, values summed)` if `node` divides a sum over the items by a constant.
+
+    The values summed are negative when a mask picked them (`loss[mask].sum() / mask.sum()`).
+    """
+    if type(node).__name__ != "DivBackward0":
+        return None
+    divisor = getattr(node, "_saved_other", None)
+    if (
+        not isinstance(divisor, torch.Tensor)
+        or divisor.numel() != 1
+        or divisor.requires_grad
+        or divisor.is_complex()
+    ):
+        return None
+    numerator = node.next_functions[0][0]  # type: ignore[attr-defined]
+    summed = _sum_over_items(numerator, rows, per_row=per_row)
+    value = abs(float(divisor))  # `sum(w * log_p) / -sum(w)` is a weighted mean too
+    return None if not summed or not math.isfinite(value) or value <= 0 else (value, summed)
+
+
+def _whole(value: float, rows: int) -> int:
+    """`value / rows` if it is a whole number >= 1, else 0."""
+    share = value / rows
+    return round(share) if round(share) >= 1 and abs(share - round(share)) <= 1e-9 * share else 0
+
+
+def _divisions(loss: torch.Tensor, rows: int) -> list[tuple[float, int]]:
+    """The hand-divided sums over the items `loss` is (or adds up), past constant factors."""
+    top = through_factors(loss.grad_fn)  # `-(sum / W)`, `0.5 * sum / W`
+    # Each term of a sum too (`dpo.mean() - log_p.sum() / tokens`: a token mean beside a row
+    # mean), if it sums a tensor of a value per row: a regularizer summing weights is no mean.
+    nodes = [top] if type(top).__name__ == "DivBackward0" else _mean_terms(loss)
+    return [d for node in nodes if (d := _divided(node, rows, node is not top))]
+
+
 _SELECTS = frozenset({"IndexBackward0", "MaskedSelectBackward0"})
 _ADDS = frozenset({"AddBackward0", "SubBackward0"})
+
+
+def _leading(node: object) -> int:
+    """The first dimension of the tensor a sum node sums (0 if not known)."""
+    sizes: tuple[int, ...] = tuple(getattr(node, "_saved_self_sym_sizes", None) or ())
+    saved = getattr(node, "_saved_self", None)
+    if not sizes and isinstance(saved, torch.Tensor):
+        sizes = tuple(saved.shape)
+    return int(sizes[0]) if sizes else 0
+
+
+def _sum_over_items(numerator: object, rows: int, limit: int = 64, *, per_row: bool = False) -> int:
+    """How many values `numerator` sums if it sums the items (a hand-divided mean's), else 0.
+
+    Negative when a mask or an index picked them (`loss[mask].sum()`).
+
+    A `.sum()` (`nansum`, a loss with reduction='sum') over a value per row; over values a mask
+    or an index picked (`loss[mask].sum()`: their number is the mask's, no multiple of the
+    rows); or several such sums added up (a cross-entropy computed in chunks over the sequence
+    to save memory, `sum(ce(chunk, reduction='sum') for chunk in ...)`). Not a sum of a few
+    heads' losses (`stack(...).sum()`: fewer values than rows, no mask). With `per_row`, a
+    sum not over a mask's picks must sum a tensor of the micro-batch's rows first.
+    """
+    parts, queue, selected, summed = 0, [through_factors(numerator)], False, 0
+    while queue:
+        node = queue.pop()
+        if type(node).__name__ in _ADDS or type(node).__name__ == "AddBackward1":
+            below = [through_factors(f) for f, _ in node.next_functions if f is not None]  # type: ignore[attr-defined]
+            queue.extend(below)
+            parts += len(below) - 1
+            if parts > limit:
+                return 0
+            continue
+        values = summed_values(node)
+        if values < 1:
+            return 0
+        picked = _selected(node)
+        if per_row and not picked and _leading(node) != rows:
+            return 0
+        summed += values
+        selected = selected or picked
+    if selected:
+        return -summed  # negative: values a mask picked
+    return summed if summed >= rows and summed % rows == 0 else 0
+
+
 _NLL = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})
 _BELOW = 4  # nodes under a mean searched for the selection: `(p[m] - y[m]).abs().mean()`
 
@@ -228,7 +299,12 @@ def masked_means_per_row(loss: torch.Tensor, rows: int) -> tuple[int, ...] | Non
     """
     if rows < 1 or loss.grad_fn is None:
         return None
-    counts = []
+    # A hand-divided mean too (`log_p.sum() / tokens` over one row: a whole multiple of it),
+    # unless it divides by the values it sums (`l.sum() / l.numel()`: `l.mean()` by hand).
+    counts = [_whole(v, rows) for v, summed in _divisions(loss, rows) if v != summed]
+    # (`summed` is negative for a mask's picks: `l[mask].sum() / mask.sum()` is compared.)
+    if not all(counts):
+        return None  # no multiple: already told
     for node in _mean_terms(loss):
         values = _averaged(node)
         if values < 1 or not _selected(node):
@@ -243,7 +319,8 @@ def per_row_change_problem(before: tuple[int, ...], now: tuple[int, ...]) -> str
     """The message for masked means whose values per row changed between two micro-batches."""
     return (
         f"loss_fn returned a plain scalar holding a mean over values picked by a mask or an "
-        f"index (`loss[mask].mean()`, `F.mse_loss(pred[mask], y[mask])`) that kept {before[0]} "
+        f"index (`loss[mask].mean()`, `F.mse_loss(pred[mask], y[mask])`), or a sum divided by "
+        f"their count (`log_p.sum() / n_tokens`), that kept {before[0]} "
         f"per row in one micro-batch and {now[0]} per row in another: a mean over the kept "
         "values (valid tokens, known labels), not over the rows, so weighting each micro-batch "
         "by its rows is not the full-batch mean. Return gradaccum.LossSum(summed_loss, "
