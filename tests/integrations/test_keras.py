@@ -251,6 +251,20 @@ def test_multi_output_losses_that_count_differently_are_refused(keras_results, b
     assert found["unmasked_state"] == {"steps": 2, "skipped": 0, "pending": 0}, found
 
 
+def test_ignore_class_next_to_another_loss_is_refused(keras_results, backend):
+    found = result(keras_results, backend, "ignore_class_next_to_another_loss_is_refused")
+    messages = found["messages"]
+    for label in ("dict", "list", "function"):
+        assert "count different items" in (messages[label] or ""), messages
+        assert "ignore_class" in messages[label], messages
+        assert "count=" in messages[label], messages
+    assert "'seq'" in messages["dict"], messages
+    assert "'loss[1]'" in messages["list"], messages
+    assert all(found["unchanged"].values()), found
+    assert_exact(found, backend, steps=2)  # one ignore_class loss alone: exact
+    assert found["gap_one_count"] > CAUGHT, "one count for both heads must be caught"
+
+
 def test_steps_per_execution_and_jit_compile(keras_results, backend):
     found = result(keras_results, backend, "steps_per_execution_and_jit")
     if found.get("skipped"):
@@ -324,6 +338,23 @@ def test_bad_input_names_the_fix_and_changes_nothing(keras_results, backend):
         assert "must be a positive int" in messages[label], messages
     assert found["fit_unchanged"], "a refused fit must not train"
     assert found["fit_state"] == {"steps": 0, "skipped": 0, "pending": 0}, found
+
+
+def test_frozen_batchnorm_is_exact_and_not_warned(keras_results, backend):
+    found = result(keras_results, backend, "frozen_batchnorm_is_exact_and_not_warned")
+    assert found["frozen_warned"] == 0, "a frozen BatchNormalization is exact: no warning"
+    assert_exact(found, backend, steps=4)
+    assert len(found["unfrozen"]) == 1, found  # unfrozen after wrapping: warned at compile()
+    assert "batch_normalization" in found["unfrozen"][0], found
+
+
+def test_a_batch_dice_is_warned_about_and_a_per_sample_dice_is_exact(keras_results, backend):
+    found = result(keras_results, backend, "batch_dice_warns")
+    assert len(found["batch"]["warned"]) == 1, found
+    assert "axis=" in found["batch"]["warned"][0], found
+    assert found["batch"]["gap"] > 1e-3, "the batch Dice is not additive: the warning is due"
+    assert found["per_sample"]["warned"] == [], found
+    assert_exact(found["per_sample"], backend, steps=2)
 
 
 def test_gradient_window_refuses_mismatched_gradients_and_counts(keras_results, backend):

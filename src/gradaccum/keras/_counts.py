@@ -19,16 +19,22 @@ from keras.src.trainers.compile_utils import get_loss
 
 __all__ = [
     "MEAN_REDUCTIONS",
+    "LABEL_COUNTED",
     "check_count",
+    "ignoring_losses",
     "loss_count",
     "loss_sum",
     "masked_outputs",
     "resolve_loss",
     "varying_count",
+    "whole_batch_losses",
 ]
 
 #: Reductions whose batch value is a mean, so a window can divide once by its total count.
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+#: `varying_count`'s reason for a loss that drops entries by their label: each such loss counts
+#: its own labels' entries, so two of them count different items too.
+LABEL_COUNTED = "ignore_class (it counts the entries its labels keep)"
 
 
 def check_count(count: Any, what: str) -> None:
@@ -190,12 +196,41 @@ def loss_sum(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -> 
     return total, count
 
 
-def varying_count(loss: Any, y_pred: Any, sample_weight: Any = None) -> str | None:
+def _ignore_class(loss: Any) -> Any:
+    """The class a Keras loss drops by label (`SparseCategoricalCrossentropy(ignore_class=0)`)."""
+    found = getattr(loss, "ignore_class", None)
+    if found is None:
+        found = (getattr(loss, "_fn_kwargs", None) or {}).get("ignore_class")
+    return found
+
+
+def ignoring_losses(loss: Any) -> list[str]:
+    """The losses, among several compiled ones, that drop entries by label (`ignore_class`).
+
+    Each counts the entries its own labels keep, which no other loss counts alike, so one
+    window count cannot divide them all: found at `compile()` from the loss structure alone.
+    """
+    if isinstance(loss, dict):
+        items = [(str(key), item) for key, item in loss.items() if item is not None]
+    elif isinstance(loss, list | tuple):
+        items = [(f"loss[{i}]", item) for i, item in enumerate(loss) if item is not None]
+    else:
+        return []
+    if len(items) < 2:
+        return []
+    return [name for name, item in items if _ignore_class(item) is not None]
+
+
+def varying_count(
+    loss: Any, y_pred: Any, sample_weight: Any = None, y_true: Any = None
+) -> str | None:
     """Why `loss`'s count may not be its batch's rows times a fixed size, or None if it is.
 
-    Read when a step is traced: a Keras mask on `y_pred` (unmasked entries) or the
-    `"mean_with_sample_weight"` reduction (summed weights) make the count vary from batch to
-    batch apart from the rows; several such losses cannot share one window count.
+    Read when a step is traced: a Keras mask on `y_pred` (unmasked entries), a loss that drops
+    entries by label (`ignore_class`, or a mask the loss puts on its values, read when `y_true`
+    is given: `LABEL_COUNTED`) or the `"mean_with_sample_weight"` reduction (summed weights)
+    make the count vary from batch to batch apart from the rows; several such losses cannot
+    share one window count.
 
     Example:
         >>> import numpy as np
@@ -203,6 +238,12 @@ def varying_count(loss: Any, y_pred: Any, sample_weight: Any = None) -> str | No
         True
     """
     resolved = resolve_loss(loss)
+    if _ignore_class(resolved) is not None:
+        return LABEL_COUNTED
+    if y_true is not None:
+        values, _ = _values_and_mask(resolved, y_true, y_pred)
+        if get_keras_mask(values) is not None:  # a loss function that masks by label itself
+            return LABEL_COUNTED
     if get_keras_mask(y_pred) is not None:
         return "a masked output (it counts unmasked entries)"
     if resolved.reduction == "mean_with_sample_weight" and sample_weight is not None:
@@ -236,3 +277,30 @@ def masked_outputs(model: Any, loss: Any) -> list[str]:
         scored = list(named) if loss is not None else []
     masked = [key for key in scored if get_keras_mask(named[key]) is not None]
     return masked if 0 < len(masked) < len(scored) else []  # all masked: alike
+
+
+def whole_batch_losses(loss: Any) -> list[str]:
+    """Keras's Dice and Tversky losses left at `axis=None`, in a compile `loss=` structure.
+
+    With `axis=None` (their default) they return one ratio of sums over the whole batch, which
+    does not add up over micro-batches: a window weighs each micro-batch's ratio by its rows.
+
+    Example:
+        >>> import keras
+        >>> whole_batch_losses({"mask": keras.losses.Dice(), "cls": "mse"})
+        ['dice']
+        >>> whole_batch_losses(keras.losses.Dice(axis=(1, 2)))
+        []
+    """
+    found = []
+    for item in keras.tree.flatten(loss):
+        if isinstance(item, str):
+            try:
+                item = keras.losses.get(item)
+            except ValueError:  # Keras's compile reports an unknown name
+                continue
+        fn = getattr(item, "fn", item)
+        axis = (getattr(item, "_fn_kwargs", None) or {}).get("axis")
+        if fn in (keras.losses.dice, keras.losses.tversky) and axis is None:
+            found.append(str(getattr(item, "name", None) or fn.__name__))
+    return found

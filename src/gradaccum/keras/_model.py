@@ -24,11 +24,14 @@ from keras import ops
 
 from gradaccum._warnings import warn_user
 from gradaccum.keras._counts import (
+    LABEL_COUNTED,
     MEAN_REDUCTIONS,
     check_count,
+    ignoring_losses,
     loss_count,
     masked_outputs,
     varying_count,
+    whole_batch_losses,
 )
 from gradaccum.keras._optimizer import WindowOptimizer
 from gradaccum.keras._options import (
@@ -96,7 +99,7 @@ class AccumulatingModel(keras.Model):
         if hasattr(model, "output_names"):
             self.output_names = model.output_names
         self._settle = SettleWindows(self)
-        warn_batchnorm(model, steps)
+        self._norms_warned = warn_batchnorm(model, steps)
         self.built = model.built  # the probe exists already: built as the model is
 
     def call(self, inputs: Any, training: Any = None) -> Any:
@@ -108,6 +111,7 @@ class AccumulatingModel(keras.Model):
     ) -> None:
         """Compile as `keras.Model.compile`; the optimizer is then wrapped to step per window."""
         check_single_replica()
+        self._norms_warned = warn_batchnorm(self.model, self.steps, self._norms_warned)
         for item in keras.tree.flatten(loss):
             if isinstance(item, keras.losses.Loss) and item.reduction not in MEAN_REDUCTIONS:
                 raise ValueError(
@@ -121,6 +125,24 @@ class AccumulatingModel(keras.Model):
                 "count unmasked entries), the others count rows; one window count cannot "
                 "divide each loss by its own. Compile one loss, or pass count=... to "
                 "AccumulatingModel if you know the counts stay proportional"
+            )
+        ignoring = [] if self._count_fn is not None else ignoring_losses(loss)
+        if ignoring:
+            raise ValueError(
+                f"the compiled losses count different items: the losses of {ignoring} have "
+                "ignore_class set, so each counts the entries its own labels keep; one window "
+                "count cannot divide each loss by its own. Compile one loss, or pass count=... "
+                "to AccumulatingModel if you know the counts stay proportional"
+            )
+        for name in whole_batch_losses(loss) if self.steps > 1 else []:
+            warn_user(
+                UserWarning(
+                    f"loss {name!r} with axis=None is one ratio of sums over the whole batch (a "
+                    "batch Dice), which does not add up over micro-batches: each window weighs "
+                    "its micro-batches' ratios by their rows, not the full batch's ratio. Pass "
+                    "axis= the per-sample axes (keras.losses.Dice(axis=(1, 2, 3)) for images) "
+                    "for a per-sample loss that accumulates exactly"
+                )
             )
         inner = keras.optimizers.get(optimizer)
         if isinstance(inner, WindowOptimizer):
@@ -174,13 +196,14 @@ class AccumulatingModel(keras.Model):
         )]  # fmt: skip
         if len(outputs) > 1:  # one count serves every loss only if they count alike
             kinds = {
-                "/".join(map(str, entry.path)) or "output": varying_count(loss, pred, weight)
-                for entry, (loss, _, pred, weight) in zip(
+                "/".join(map(str, entry.path)) or "output": varying_count(loss, pred, weight, true)
+                for entry, (loss, true, pred, weight) in zip(
                     compiled._flat_losses, outputs, strict=True
                 )
             }
             varying = {name: kind or "rows" for name, kind in kinds.items()}
-            if len(set(kinds.values())) > 1:
+            by_label = [kind for kind in kinds.values() if kind == LABEL_COUNTED]
+            if len(set(kinds.values())) > 1 or len(by_label) > 1:
                 raise ValueError(
                     f"the compiled losses count different items: {varying}; one window count "
                     "cannot divide each loss by its own, so accumulation would not be exact. "

@@ -136,20 +136,31 @@ def check_single_replica() -> None:
         )
 
 
-def warn_batchnorm(model: Any, steps: int) -> None:
-    """Warn that BatchNormalization normalizes each micro-batch alone (not additive)."""
+def warn_batchnorm(model: Any, steps: int, warned: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Warn that BatchNormalization normalizes each micro-batch alone (not additive).
+
+    Only trainable layers: a frozen one (`trainable=False`, as in transfer learning) runs in
+    inference mode, on its moving statistics, and accumulates exactly. Called when wrapping and
+    again at `compile()` (a layer unfrozen in between); layers in `warned` are not named again.
+
+    Returns:
+        The names of the trainable BatchNormalization layers (warned now or before).
+    """
     norms = [
         layer.name
         for layer in model._flatten_layers(include_self=False)
-        if isinstance(layer, keras.layers.BatchNormalization)
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
     ]
-    if norms and steps > 1:
-        shown = ", ".join(norms[:3]) + (", ..." if len(norms) > 3 else "")
+    new = [name for name in norms if name not in warned]
+    if new and steps > 1:
+        shown = ", ".join(new[:3]) + (", ..." if len(new) > 3 else "")
         warn_user(
             BatchNormAccumulationWarning(
                 f"BatchNormalization layers ({shown}) normalize each micro-batch with its own "
                 f"statistics while the optimizer step covers {steps} micro-batches: accumulation "
                 "is not exact, and their moving statistics update once per micro-batch. Use "
-                "GroupNormalization or LayerNormalization for exact accumulation."
+                "GroupNormalization or LayerNormalization for exact accumulation (frozen layers, "
+                "trainable=False, run on their moving statistics and are exact)."
             )
         )
+    return tuple(warned) + tuple(new)
