@@ -55,6 +55,16 @@ def two_terms(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
     )
 
 
+def dict_terms(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+    """`two_terms` built as one dict, as a model's dict of losses is."""
+    p = _parts(model, batch)
+    named = {
+        "ce": (p["ce"], p["tokens"]),
+        "aux": Term(p["aux"], count=p["rows"], weight=AUX_WEIGHT),
+    }
+    return LossSum.terms(named)
+
+
 class TwoTermsCountedAhead:
     """`two_terms` with its counts given ahead: one backward per micro-batch."""
 
@@ -114,7 +124,9 @@ def _reference(
 BATCHES = [_batch(seed) for seed in range(3)]
 
 
-@pytest.mark.parametrize("loss_fn", [two_terms, TwoTermsCountedAhead()], ids=["later", "ahead"])
+@pytest.mark.parametrize(
+    "loss_fn", [two_terms, TwoTermsCountedAhead(), dict_terms], ids=["later", "ahead", "dict"]
+)
 @pytest.mark.parametrize("micro", [1, 3, 7])
 def test_terms_step_equals_the_full_batch_objective(loss_fn: Any, micro: int) -> None:
     model = make_model("token")
@@ -661,3 +673,18 @@ def test_a_gradient_penalty_term_with_its_own_count_equals_the_full_batch_step()
         return LossSum((critic(b[1]) - critic(b[0])).sum() + 10 * penalty, len(b[0]))
 
     assert relative_gap(run(one_count, 4), full) > 1e-3
+
+
+def test_terms_given_as_one_dict_are_checked_like_named_ones() -> None:
+    value = torch.tensor(3.0, requires_grad=True)
+    by_name = LossSum.terms(ce=(value, 4), aux=Term(value, count=2, weight=0.5))
+    as_dict = LossSum.terms({"ce": (value, 4)}, aux=Term(value, count=2, weight=0.5))
+    assert as_dict.terms == by_name.terms
+    with pytest.raises(TypeError, match=r"by name \(ce=\(ce_sum, tokens\)\) or as one dict"):
+        LossSum.terms([("ce", (value, 4))])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="as one dict of them keyed by str"):
+        LossSum.terms({0: (value, 4)})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"got the terms \['ce'\] twice"):
+        LossSum.terms({"ce": (value, 4)}, ce=(value, 4))
+    with pytest.raises(ValueError, match="needs at least one term"):
+        LossSum.terms({})

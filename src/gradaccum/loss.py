@@ -22,7 +22,7 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 
@@ -46,6 +46,9 @@ __all__ = [
 ]
 
 
+_TermLike: TypeAlias = "Term | tuple[torch.Tensor, int | torch.Tensor]"
+
+
 @dataclass(frozen=True)
 class LossSum:
     """A loss given as a sum over items together with how many items it counts.
@@ -64,12 +67,13 @@ class LossSum:
     count: int | torch.Tensor
 
     @staticmethod
-    def terms(**terms: Term | tuple[torch.Tensor, int | torch.Tensor]) -> LossTerms:
+    def terms(named: Mapping[str, _TermLike] | None = None, /, **terms: _TermLike) -> LossTerms:
         """A loss of several named terms, each divided by its own window count.
 
         The window's objective is `sum_t weight_t * (sum of value_t) / D_t`, where `D_t` is the
         term's count summed over every micro-batch and rank (or its constant `denominator`).
-        A `(value, count)` pair is a `Term` of weight 1.
+        A `(value, count)` pair is a `Term` of weight 1. The terms may also come as one dict
+        (`LossSum.terms({"ce": (ce_sum, tokens)})`, as a model's dict of losses is built).
 
         Example:
             >>> import torch
@@ -78,6 +82,17 @@ class LossSum:
             >>> sorted(loss.terms)
             ['aux', 'ce']
         """
+        if named is not None:
+            if not isinstance(named, Mapping) or not all(isinstance(k, str) for k in named):
+                raise TypeError(
+                    f"LossSum.terms() takes its terms by name (ce=(ce_sum, tokens)) or as one "
+                    f"dict of them keyed by str; got a {type(named).__name__}."
+                )
+            if both := sorted(set(named) & set(terms)):
+                raise ValueError(
+                    f"LossSum.terms() got the terms {both} twice: in the dict and by name."
+                )
+            terms = {**named, **terms}
         if not terms:
             raise ValueError("LossSum.terms() needs at least one term, e.g. ce=(ce_sum, tokens).")
         if len(terms) > MAX_TERMS:
