@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -182,12 +183,18 @@ def held_gradients(window: Window, runtime: PrecisionRuntime) -> list[torch.Tens
 
 
 def nonfinite_names(
-    window: Window, runtime: PrecisionRuntime, names: dict[int, str]
+    window: Window, runtime: PrecisionRuntime, names: dict[int, str], world: int = 1
 ) -> tuple[str, ...]:
-    """The optimizer's parameters whose gradient holds an inf or NaN, by name."""
+    """The optimizer's parameters whose gradient holds an inf or NaN, by name.
+
+    None here under several ranks, with this rank's loss finite: another rank's was not (the
+    ranks skip together, before the gradients are reduced), which the placeholder says.
+    """
     found = []
     for index, param in enumerate(window.params[: window.held]):
         grad = runtime.gradient(index, param)
         if grad is not None and not bool(torch.isfinite(grad).all()):
             found.append(names.get(id(param), f"<optimizer param {index}>"))
+    if not found and world > 1 and math.isfinite(window.loss_total()):
+        return ("<none on this rank: another rank's loss or gradients are non-finite>",)
     return tuple(found) or ("<none: the loss itself is non-finite>",)

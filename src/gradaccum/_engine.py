@@ -338,8 +338,8 @@ class Engine:
             self._forget_window()
 
     def _skip(self, agreement: WindowAgreement, norm: float | None, *, finite: bool) -> Outcome:
-        count, loss_sum = agreement.count, agreement.loss_sum
-        names = () if finite else nonfinite_names(self.window, self.runtime, self._names)
+        count, loss_sum, world = agreement.count, agreement.loss_sum, self.sync.world
+        names = () if finite else nonfinite_names(self.window, self.runtime, self._names, world)
         ledger = self.window.terms
         terms, objective = ledger.report(agreement) if ledger else (None, None)
         self._settle()
