@@ -311,3 +311,44 @@ def test_readme_schedule_sizes_count_the_windows(partial_window: str, windows: A
     acc.micro_step(loader[0], mse)
     with pytest.raises(ValueError, match="Tried to step"):  # one window more: past its end
         acc.flush("step")
+
+
+def _as_pattern(example: str) -> re.Pattern[str]:
+    """A sizing message quoted in the docs as a pattern: its numbers and `...` stand for any."""
+    parts = re.split(r"(\.\.\.|\d+(?:\.\d+)?)", example)
+    return re.compile(
+        "".join(
+            ".*" if part == "..." else r"\d+(?:\.\d+)?" if part[:1].isdigit() else re.escape(part)
+            for part in parts
+        )
+    )
+
+
+def test_memory_md_auto_block_quotes_the_sizing_messages_a_run_prints() -> None:
+    """docs/memory.md's `"auto"` block and its "Seen" list quote `StepResult.sizing` in the order a
+    run prints them. Both once skipped the first window's warm-up message: the block's comment
+    put the timed choice on the first call's result, which says `warm-up before timing`."""
+    text = (DOCS / "memory.md").read_text(encoding="utf-8")
+    block = python_block("memory.md", 'micro_batch_size="auto", memory_budget="2GiB"')
+    commented = re.findall(r"'(auto [^']*)'", block)
+    seen = " ".join(text.split("*Seen.*", 1)[1].split("A window that ran out", 1)[0].split())
+    listed = re.findall(r"`(auto [^`]*)`", seen)
+    assert commented, block
+    assert len(listed) >= 3, listed
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    batch = (torch.randn(64, 6, dtype=torch.float64), torch.randn(64, 3, dtype=torch.float64))
+    scope: dict[str, Any] = {
+        "Accumulator": Accumulator, "model": model, "batch": batch, "loss_fn": _clip_loss,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.01),
+    }  # fmt: skip
+    exec(compile(block, "docs/memory.md: auto", "exec"), scope)
+    first = scope["result"].sizing
+    acc = scope["acc"]
+    later = [acc.step(batch, _clip_loss).sizing for _ in range(9)]
+    assert _as_pattern(commented[0]).fullmatch(first), (commented[0], first)
+    assert _as_pattern(listed[0]).fullmatch(first), (listed[0], first)
+    assert _as_pattern(listed[1]).fullmatch(later[0]), (listed[1], later[0])
+    decided = [_as_pattern(example) for example in (*commented[1:], *listed[2:])]
+    assert any(pattern.fullmatch(later[-1]) for pattern in decided), later[-1]
