@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import html
 import re
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradaccum import Accumulator
+from gradaccum import Accumulator, LossSum
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -352,3 +353,89 @@ def test_memory_md_auto_block_quotes_the_sizing_messages_a_run_prints() -> None:
     assert _as_pattern(listed[1]).fullmatch(later[0]), (listed[1], later[0])
     decided = [_as_pattern(example) for example in (*commented[1:], *listed[2:])]
     assert any(pattern.fullmatch(later[-1]) for pattern in decided), later[-1]
+
+
+def _reliability_table(heading: str) -> dict[str, str]:
+    """docs/reliability.md's table under `heading`: input cell -> message cell."""
+    text = (DOCS / "reliability.md").read_text(encoding="utf-8")
+    rows: dict[str, str] = {}
+    for line in text.split(heading, 1)[1].split("\n###", 1)[0].splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+        if line.startswith("| ") and cells[0] not in ("input", "---"):
+            rows[cells[0]] = html.unescape(cells[1])
+    return rows
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+
+
+def _mse(model: nn.Module, batch: Any) -> torch.Tensor:
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def _build(**settings: Any) -> Accumulator:
+    model = _mlp()
+    return Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), **settings)
+
+
+def _load(saved: dict[str, Any], settings: dict[str, Any]) -> None:
+    _build(**settings).load_state_dict(_build(**saved).state_dict())
+
+
+def _step(batch: Any, loss_fn: Any = _mse) -> None:
+    _build(micro_batch_size=2).step(batch, loss_fn)
+
+
+_PAIR = (torch.randn(4, 3), torch.randn(4, 1))
+_RAISED_AS_TABLED = {
+    "### `Accumulator(model, optimizer, ...)`": {
+        "`micro_batch_size=0`": lambda: _build(micro_batch_size=0),
+        '`micro_batch_size="8"`': lambda: _build(micro_batch_size="8"),
+        '`micro_batch_size="auto"` on CPU without `memory_budget`': lambda: _build(
+            micro_batch_size="auto"
+        ),
+        '`micro_batch_size=8, memory_budget="1GiB"`': lambda: _build(
+            micro_batch_size=8, memory_budget="1GiB"
+        ),
+        "`accumulation_steps=0`": lambda: _build(accumulation_steps=0),
+        '`precision="fp8"`': lambda: _build(micro_batch_size=2, precision="fp8"),
+        "`batch_dim=-1`": lambda: _build(micro_batch_size=2, batch_dim=-1),
+        "`step()` without `micro_batch_size`": lambda: _build(accumulation_steps=2).step(
+            _PAIR, _mse
+        ),
+    },
+    "### Accumulator state (`acc.load_state_dict`)": {
+        "other `accumulation_steps`": lambda: _load(
+            {"accumulation_steps": 3}, {"accumulation_steps": 4}
+        ),
+        "other `batch_dim`": lambda: _load(
+            {"micro_batch_size": 2}, {"micro_batch_size": 2, "batch_dim": 1}
+        ),
+    },
+    "### Batches and losses": {
+        "an empty batch": lambda: _step((torch.randn(0, 3), torch.randn(0, 1))),
+        "`LossSum(value, 2.5)`": lambda: _step(_PAIR, lambda m, b: LossSum(_mse(m, b), 2.5)),
+        "a detached loss": lambda: _step(_PAIR, lambda m, b: _mse(m, b).detach()),
+        "the model, a torch criterion (`nn.CrossEntropyLoss()`) or a string as `loss_fn`": (
+            lambda: _step(_PAIR, nn.CrossEntropyLoss())
+        ),
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("heading", "row"), [(h, row) for h, rows in _RAISED_AS_TABLED.items() for row in rows]
+)
+def test_reliability_md_error_tables_quote_the_messages_raised_now(heading: str, row: str) -> None:
+    """docs/reliability.md's tables of refused inputs give each exception's message; rows run
+    here raise it verbatim (a cell may add a note in parentheses after it). Five of them had
+    drifted (and the checkpoint table's twin of the state row): `'largest'` missing from two, the
+    state mismatch's `acc.accumulation_steps` fix, `LossSum(value, 2.5)`'s weighted-mean recipe
+    and the detached loss's activation-checkpointing note."""
+    tabled = _reliability_table(heading)[row]
+    with pytest.raises(Exception) as raised:  # noqa: PT011 - the table names the type
+        _RAISED_AS_TABLED[heading][row]()
+    message = f"{type(raised.value).__name__}: {raised.value}"
+    assert message == tabled or tabled.startswith(f"{message} ("), (message, tabled)
