@@ -389,6 +389,14 @@ def _step(batch: Any, loss_fn: Any = _mse) -> None:
 
 
 _PAIR = (torch.randn(4, 3), torch.randn(4, 1))
+
+
+def _other_terms_later() -> None:
+    acc = _build(accumulation_steps=3)
+    acc.micro_step(_PAIR, lambda m, b: LossSum.terms(ce=(4 * _mse(m, b), 4)))
+    acc.micro_step(_PAIR, lambda m, b: LossSum.terms(other=(4 * _mse(m, b), 4)))
+
+
 _RAISED_AS_TABLED = {
     "### `Accumulator(model, optimizer, ...)`": {
         "`micro_batch_size=0`": lambda: _build(micro_batch_size=0),
@@ -421,6 +429,7 @@ _RAISED_AS_TABLED = {
         "the model, a torch criterion (`nn.CrossEntropyLoss()`) or a string as `loss_fn`": (
             lambda: _step(_PAIR, nn.CrossEntropyLoss())
         ),
+        "a later micro-batch returning other terms": lambda: _other_terms_later(),
     },
 }
 
@@ -430,10 +439,10 @@ _RAISED_AS_TABLED = {
 )
 def test_reliability_md_error_tables_quote_the_messages_raised_now(heading: str, row: str) -> None:
     """docs/reliability.md's tables of refused inputs give each exception's message; rows run
-    here raise it verbatim (a cell may add a note in parentheses after it). Five of them had
+    here raise it verbatim (a cell may add a note in parentheses after it). Six of them had
     drifted (and the checkpoint table's twin of the state row): `'largest'` missing from two, the
     state mismatch's `acc.accumulation_steps` fix, `LossSum(value, 2.5)`'s weighted-mean recipe
-    and the detached loss's activation-checkpointing note."""
+    the detached loss's activation-checkpointing note and other terms' count-0 recipe."""
     tabled = _reliability_table(heading)[row]
     with pytest.raises(Exception) as raised:  # noqa: PT011 - the table names the type
         _RAISED_AS_TABLED[heading][row]()
