@@ -441,7 +441,7 @@ def test_reliability_md_error_tables_quote_the_messages_raised_now(heading: str,
     """docs/reliability.md's tables of refused inputs give each exception's message; rows run
     here raise it verbatim (a cell may add a note in parentheses after it). Six of them had
     drifted (and the checkpoint table's twin of the state row): `'largest'` missing from two, the
-    state mismatch's `acc.accumulation_steps` fix, `LossSum(value, 2.5)`'s weighted-mean recipe
+    state mismatch's `acc.accumulation_steps` fix, `LossSum(value, 2.5)`'s weighted-mean recipe,
     the detached loss's activation-checkpointing note and other terms' count-0 recipe."""
     tabled = _reliability_table(heading)[row]
     with pytest.raises(Exception) as raised:  # noqa: PT011 - the table names the type
