@@ -1222,3 +1222,45 @@ def test_negative_control_buffers_by_the_present_dtype_drop_the_later_micro_batc
     model = _cast_mid_window(accumulator=True)
     pairs = zip(model.parameters(), reference.parameters(), strict=True)
     assert max(float((a - b).detach().abs().max()) for a, b in pairs) > 1e-2
+
+
+@pytest.fixture
+def swapped_conversion() -> Any:
+    """`module.to(device)` keeping each Parameter object, as a CPU-to-CUDA move does."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def test_a_model_moved_after_construction_is_refused_naming_the_fix(
+    swapped_conversion: Any,
+) -> None:
+    """Built on one device, moved to another (`model.to('cuda')` after building; 'meta' here):
+    refused when the next window opens, before any micro-batch runs, naming the fix. Before,
+    micro-batches were moved to the old device and the forward failed with torch's own
+    "Tensor on device meta is not on the expected device cpu!" (autocast ran there too)."""
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    acc = Accumulator(model, optimizer, micro_batch_size=4)
+    acc.step(_batch(0, 8), _mse)
+    held = clone_state(optimizer.state_dict())
+    model.to("meta")
+    assert next(model.parameters()) is optimizer.param_groups[0]["params"][0]
+    with pytest.raises(ValueError, match=r"moved to meta after the Accumulator was built \(on cpu"):
+        acc.step(_batch(1, 8), _mse)
+    assert_bitwise(optimizer.state_dict(), held)
+    assert all(p.grad is None for p in model.parameters())
+    assert not acc._engine.window.is_open
+
+
+def test_negative_control_a_moved_model_failed_inside_its_forward(
+    swapped_conversion: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _mlp()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4)
+    model.to("meta")
+    monkeypatch.setattr(acc._engine.runtime, "_anchor", torch.zeros(1))  # never moved
+    with pytest.raises(RuntimeError, match=r"not on the expected device") as raised:
+        acc.step(_batch(1, 8), _mse)
+    assert "Accumulator after model.to" not in str(raised.value)

@@ -97,7 +97,7 @@ class PrecisionRuntime:
                 f"accum_dtype={accum_dtype!r} must be a floating torch.dtype such as "
                 "torch.float32, or None."
             )
-        self.device = params[0].device
+        self.device, self._anchor = params[0].device, params[0]  # moved since? (check_dtypes)
         self.precision = precision
         self.accum_dtype = accum_dtype
         self._buffered_dtypes: dict[torch.dtype, bool] = {}
@@ -162,7 +162,7 @@ class PrecisionRuntime:
             self.uses_buffers = any(self.buffered(p) for p in params)
 
     def check_dtypes(self, params: Sequence[torch.nn.Parameter], *, built: bool) -> None:
-        """Refuse parameters whose dtype this precision and `accum_dtype` cannot serve.
+        """Refuse parameters whose dtype this precision and `accum_dtype` cannot serve, or moved.
 
         Checked at construction and again when each window opens (and a state loads): a model
         cast after the Accumulator was built (`model.half()`, `model.to(torch.bfloat16)`) is
@@ -171,6 +171,14 @@ class PrecisionRuntime:
         narrower than the parameters were silently not used.
         """
         since = " (the model was cast after the Accumulator was built)" if built else ""
+        if self._anchor.device != self.device:  # batches, autocast, loss scale: built's device
+            raise ValueError(
+                f"the model moved to {self._anchor.device} after the Accumulator was built (on "
+                f"{self.device}): micro-batches would be moved to {self.device} and autocast "
+                f"run there. Build the Accumulator after model.to(device) (a new "
+                f"Accumulator(model, optimizer, ...) now), or move the model back. Nothing was "
+                "changed."
+            )
         if self.precision is Precision.FP16 and any(p.dtype == torch.float16 for p in params):
             raise ValueError(
                 f"precision='fp16' needs float32 parameters{since}: a loss scale cannot be kept "
