@@ -1045,6 +1045,36 @@ def test_a_scheduler_of_another_optimizer_is_refused_naming_the_fix() -> None:
     Accumulator(model, _Both(muon, adamw), micro_batch_size=3, scheduler=_step_lr(adamw))
 
 
+def test_a_schedule_of_another_optimizer_over_the_same_model_names_acc_optimizer() -> None:
+    """Replaced optimizers: the refusal names `acc.optimizer =` and `acc.scheduler =`.
+
+    Before, a schedule left on the SGD after `acc.optimizer = AdamW(...)`, or one built on a new
+    AdamW the Accumulator was not given, was told "build it on the optimizer you pass".
+    """
+    model = _mlp()
+    sgd = _sgd(model)
+    acc = Accumulator(model, sgd, micro_batch_size=3, scheduler=_step_lr(sgd))
+    acc.step(_data(seed=0), _mse)
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.01)
+    acc.optimizer = adamw  # the old schedule is still set
+    before = _snapshot(model, adamw)
+    with pytest.raises(ValueError, match=r"acc\.scheduler = StepLR\(acc\.optimizer, \.\.\.\)"):
+        acc.step(_data(seed=1), _mse)
+    _assert_unchanged(before, model, adamw)
+    # A new optimizer built but not given: its schedule names `acc.optimizer = it`.
+    acc = Accumulator(model, sgd, micro_batch_size=3)
+    acc.scheduler = _step_lr(adamw)
+    before = _snapshot(model, sgd)
+    with pytest.raises(ValueError, match=r"its AdamW trains .*set acc\.optimizer = it"):
+        acc.step(_data(seed=1), _mse)
+    _assert_unchanged(before, model, sgd)
+    # Control: a schedule of an optimizer over other parameters keeps the plain advice.
+    other = torch.optim.SGD(_mlp().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"none of the param groups") as raised:
+        Accumulator(model, sgd, micro_batch_size=3, scheduler=_step_lr(other))
+    assert "acc.optimizer" not in str(raised.value)
+
+
 def _step_lr(optimizer: torch.optim.Optimizer) -> Any:
     return torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
 

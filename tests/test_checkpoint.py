@@ -1333,3 +1333,87 @@ def test_a_run_resumed_with_another_scheduler_class_starts_it_afresh(tmp_path: P
     assert_bitwise(scheduler.state_dict(), fresh)
     with pytest.raises(CheckpointError, match="LambdaLR"):
         load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)
+
+
+# ----- loading weights under an open window ------------------------------------------------
+
+
+def _open_window_run() -> tuple[torch.nn.Module, torch.optim.Optimizer, Accumulator, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    ).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    acc = Accumulator(model, optimizer, accumulation_steps=3)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(12, 4, generator=generator, dtype=torch.float64)
+    y = torch.randn(12, 1, generator=generator, dtype=torch.float64)
+    return model, optimizer, acc, (x, y)
+
+
+def _mse(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def _full_batch_step() -> torch.nn.Module:
+    """The plain full-batch step from the saved (initial) weights."""
+    reference, optimizer, _, batch = _open_window_run()
+    _mse(reference, batch).backward()
+    optimizer.step()
+    return reference
+
+
+def _rollback(
+    tmp_path: Path, *, drop: bool, accumulator: bool
+) -> tuple[torch.nn.Module, Any, Accumulator]:
+    """Saved between windows, a window opened, then the loop rolls back to the file."""
+    model, optimizer, acc, (x, y) = _open_window_run()
+    save_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=optimizer, accumulator=acc)
+    acc.micro_step((x[:4], y[:4]), _mse)
+    if drop:
+        acc.flush("drop")
+    load_checkpoint(
+        tmp_path / "ckpt.pt",
+        model=model,
+        optimizer=optimizer,
+        accumulator=acc if accumulator else None,
+    )
+    for start in (0, 4, 8):
+        result = acc.micro_step((x[start : start + 4], y[start : start + 4]), _mse)
+    return model, result, acc
+
+
+def test_loading_weights_under_an_open_window_is_refused_changing_nothing(
+    tmp_path: Path,
+) -> None:
+    model, optimizer, acc, (x, y) = _open_window_run()
+    save_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=optimizer, accumulator=acc)
+    acc.micro_step((x[:4], y[:4]), _mse)
+    before = clone_state((model.state_dict(), optimizer.state_dict(), acc.state_dict()))
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    with pytest.raises(ValueError, match=r"open window of 1 micro-batches.*accumulator=acc"):
+        load_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=optimizer)
+    assert_bitwise((model.state_dict(), optimizer.state_dict(), acc.state_dict()), before)
+    assert len(grads) == 4
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    # The fixes it names: the accumulator given (the saved window replaces the open one), or the
+    # open window dropped first: the next window is the full-batch step either way.
+    reference = _full_batch_step()
+    for drop, accumulator in ((False, True), (True, False)):
+        resumed, result, _ = _rollback(tmp_path, drop=drop, accumulator=accumulator)
+        assert result.stepped
+        for mine, theirs in zip(resumed.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=0)
+
+
+def test_negative_control_a_load_under_an_open_window_mixes_stale_gradients(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("gradaccum.checkpoint.refuse_loading_under_open_window", lambda *a: None)
+    model, result, acc = _rollback(tmp_path, drop=False, accumulator=False)
+    assert not result.stepped  # the stale micro-batch closed the window one call early
+    acc.flush("drop")
+    reference = _full_batch_step()
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    gaps = [(a - b).abs().max().item() for a, b in pairs]
+    assert max(gaps) > 1e-3

@@ -1112,3 +1112,155 @@ def test_an_outer_fp16_autocast_around_a_float64_model_does_not_warn() -> None:
         warnings.simplefilter("error")
         with torch.autocast("cpu", dtype=torch.float16):
             assert acc.step((x, y), _mse_float64).stepped
+
+
+# --------------------------------------------------------------------------------------------
+# A model cast after the Accumulator was built
+# --------------------------------------------------------------------------------------------
+
+
+def _mse_in_model_dtype(model: torch.nn.Module, batch) -> torch.Tensor:
+    dtype = next(model.parameters()).dtype
+    return torch.nn.functional.mse_loss(model(batch[0].to(dtype)).float(), batch[1])
+
+
+_CASTS = [({"precision": "fp16"}, torch.float16), ({"accum_dtype": torch.float16}, torch.bfloat16)]
+
+
+def _cast_run(settings: dict[str, Any], cast: torch.dtype) -> tuple[Any, ...]:
+    """One float32 window, then the model cast to `cast` as a loop would after building."""
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    acc = Accumulator(model, optimizer, micro_batch_size=4, accumulation_steps=2, **settings)
+    assert acc.step(_batch(0, 8), _mse_in_model_dtype).stepped
+    model.to(cast)
+    return model, optimizer, acc
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+@pytest.mark.parametrize(("settings", "cast"), _CASTS, ids=["fp16-half", "fp16-buffers-bf16"])
+def test_a_model_cast_after_construction_is_refused_as_at_construction(
+    drive: str, settings: dict[str, Any], cast: torch.dtype
+) -> None:
+    """`model.half()` after `Accumulator(..., precision='fp16')` (or bf16 weights under float16
+    buffers) is refused when the next window opens, as the constructor refuses it, changing
+    nothing; cast back, the run goes on bitwise as a twin that never tried."""
+    model, optimizer, acc = _cast_run(settings, cast)
+    batch = _batch(1, 8)
+    before = clone_state(
+        ([p.detach() for p in model.parameters()], optimizer.state_dict(), acc.state_dict())
+    )
+    run = acc.step if drive == "step" else acc.micro_step
+    first = batch if drive == "step" else (batch[0][:4], batch[1][:4])
+    with pytest.raises(ValueError, match=r"\(the model was cast after the Accumulator was built\)"):
+        run(first, _mse_in_model_dtype)
+    after = ([p.detach() for p in model.parameters()], optimizer.state_dict(), acc.state_dict())
+    assert_bitwise(after, before)
+    assert all(p.grad is None for p in model.parameters())
+    twin, twin_optimizer, twin_acc = _cast_run(settings, cast)
+    for run_model, run_acc in ((model, acc), (twin, twin_acc)):
+        run_model.float()
+        assert run_acc.step(batch, _mse_in_model_dtype).stepped
+    assert_bitwise(list(model.parameters()), list(twin.parameters()))
+    assert_bitwise(optimizer.state_dict(), twin_optimizer.state_dict())
+
+
+def test_negative_control_fp16_loss_scaling_on_a_model_cast_to_half_skips_its_windows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    check = PrecisionRuntime.check_dtypes
+    monkeypatch.setattr(
+        PrecisionRuntime,
+        "check_dtypes",
+        lambda self, params, *, built: None if built else check(self, params, built=built),
+    )
+    _, _, acc = _cast_run({"precision": "fp16"}, torch.float16)
+    x, y = _batch(1, 8)
+    results = [acc.step((x * 10, y * 100), _mse_in_model_dtype) for _ in range(3)]
+    assert all(result.skipped and not result.stepped for result in results)
+
+
+def _cast_mid_window(*, accumulator: bool) -> torch.nn.Module:
+    """bf16 weights, float32 buffers, `model.float()` after the first of three micro-batches."""
+    model = _mlp().bfloat16()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _batch(2, 12)
+    parts = [(x[i : i + 4], y[i : i + 4]) for i in (0, 4, 8)]
+    if accumulator:
+        acc = Accumulator(model, optimizer, accumulation_steps=3, accum_dtype=torch.float32)
+        for index, part in enumerate(parts):
+            if index == 1:
+                model.float()
+            result = acc.micro_step(part, _mse_in_model_dtype)
+        assert result.stepped
+        return model
+    for index, part in enumerate(parts):  # the plain loop: torch casts `.grad` with the model
+        if index == 1:
+            model.float()
+        (_mse_in_model_dtype(model, part) * 4 / 12).backward()
+    optimizer.step()
+    return model
+
+
+def test_a_model_cast_mid_window_keeps_the_buffered_micro_batches() -> None:
+    """The buffer held since the first micro-batch stays the holder after `model.float()`.
+
+    Before, the later micro-batches' float32 `.grad` were kept apart from it and overwritten by
+    it at the boundary: the first micro-batch alone was stepped, silently (0.36 off)."""
+    reference = _cast_mid_window(accumulator=False)
+    model = _cast_mid_window(accumulator=True)
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert mine.dtype == torch.float32
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=2e-4)  # bf16: the first part
+
+
+def test_negative_control_buffers_by_the_present_dtype_drop_the_later_micro_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(PrecisionRuntime, "_keeps", lambda self, index, param: self.buffered(param))
+    reference = _cast_mid_window(accumulator=False)
+    model = _cast_mid_window(accumulator=True)
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    assert max(float((a - b).detach().abs().max()) for a, b in pairs) > 1e-2
+
+
+@pytest.fixture
+def swapped_conversion() -> Any:
+    """`module.to(device)` keeping each Parameter object, as a CPU-to-CUDA move does."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def test_a_model_moved_after_construction_is_refused_naming_the_fix(
+    swapped_conversion: Any,
+) -> None:
+    """Built on one device, moved to another (`model.to('cuda')` after building; 'meta' here):
+    refused when the next window opens, before any micro-batch runs, naming the fix. Before,
+    micro-batches were moved to the old device and the forward failed with torch's own
+    "Tensor on device meta is not on the expected device cpu!" (autocast ran there too)."""
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    acc = Accumulator(model, optimizer, micro_batch_size=4)
+    acc.step(_batch(0, 8), _mse)
+    held = clone_state(optimizer.state_dict())
+    model.to("meta")
+    assert next(model.parameters()) is optimizer.param_groups[0]["params"][0]
+    with pytest.raises(ValueError, match=r"moved to meta after the Accumulator was built \(on cpu"):
+        acc.step(_batch(1, 8), _mse)
+    assert_bitwise(optimizer.state_dict(), held)
+    assert all(p.grad is None for p in model.parameters())
+    assert not acc._engine.window.is_open
+
+
+def test_negative_control_a_moved_model_failed_inside_its_forward(
+    swapped_conversion: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _mlp()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4)
+    model.to("meta")
+    monkeypatch.setattr(acc._engine.runtime, "_anchor", torch.zeros(1))  # never moved
+    with pytest.raises(RuntimeError, match=r"not on the expected device") as raised:
+        acc.step(_batch(1, 8), _mse)
+    assert "Accumulator after model.to" not in str(raised.value)

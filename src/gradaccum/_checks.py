@@ -17,6 +17,7 @@ import torch
 
 from gradaccum._averaged import averaged_parameter_ids, copied_parameter_ids
 from gradaccum._batch_sizes import check_micro_batch_size
+from gradaccum._other_optimizer import other_optimizer_message
 from gradaccum._parameters import trainable_parameters
 from gradaccum._state_layout import check_state_layout
 from gradaccum._step_refusal import hooked_optimizer
@@ -206,13 +207,7 @@ def check_scheduler_optimizer(scheduler: Any, optimizer: torch.optim.Optimizer) 
         return
     mine = {id(group) for group in optimizer.param_groups}
     if not any(id(group) in mine for group in scheduled.param_groups):
-        raise ValueError(
-            f"scheduler={type(scheduler).__name__} sets the learning rate of another optimizer: "
-            f"none of the param groups of its {type(scheduled).__name__} is one of the "
-            f"Accumulator's {type(optimizer).__name__}, so it would change nothing this one "
-            f"steps. Build it on the optimizer you pass: {type(scheduler).__name__}(optimizer, "
-            "...)."
-        )
+        raise ValueError(other_optimizer_message(scheduler, scheduled, optimizer))
 
 
 def check_materialized(model: torch.nn.Module) -> None:

@@ -34,6 +34,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradaccum._joined import JoinWatch
+from gradaccum._window_registry import REGISTERED
 
 __all__ = ["COMMITTING", "OpenWindow", "hooked_optimizer", "refuse_steps_inside", "steps_refused"]
 
@@ -89,6 +90,7 @@ def refuse_steps_inside(optimizer: torch.optim.Optimizer, window: OpenWindow) ->
     own step, and steps between windows, pass. The hook holds the optimizer and the window
     weakly and is removed with the window.
     """
+    REGISTERED.add(window)  # `load_checkpoint` refuses weights loaded under it while open
     hooked = hooked_optimizer(optimizer)
     if hooked is None:  # refused at construction (`check_optimizer`)
         return

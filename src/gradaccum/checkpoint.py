@@ -60,6 +60,7 @@ from gradaccum._plain_state import check_stateful, plain_numbers, refuse_unreada
 from gradaccum._rng_state import RngStates, capture_rng, checked_rng
 from gradaccum._sharded_checkpoint import load_sharded, save_sharded
 from gradaccum._sync_base import is_fsdp
+from gradaccum._window_registry import refuse_loading_under_open_window
 from gradaccum.accumulator import Accumulator
 
 __all__ = ["CheckpointError", "load_checkpoint", "load_model_weights", "save_checkpoint"]
@@ -181,7 +182,8 @@ def load_checkpoint(
         The `extra` dict given to `save_checkpoint`.
 
     Raises:
-        ValueError: If `optimizer` or `scheduler` is not the one `accumulator` steps.
+        ValueError: If `optimizer` or `scheduler` is not the one `accumulator` steps, or
+            another Accumulator over `model` has an open window (pass it as `accumulator`).
         FileNotFoundError: If there is no file at `path`.
         CheckpointError: If the file is truncated, corrupted, not a gradaccum checkpoint, of an
             unknown version, holds pickled code or damaged RNG states, lacks a requested state,
@@ -190,6 +192,7 @@ def load_checkpoint(
     source = Path(path)
     check_accumulator_targets(optimizer, accumulator, scheduler, "load")
     if is_fsdp(model):
+        refuse_loading_under_open_window(model, optimizer, accumulator)
         return load_sharded(
             source,
             model=model,
@@ -215,6 +218,7 @@ def load_checkpoint(
     if scheduler is not None:
         _check_scheduler_fits(source, payload, scheduler, optimizer)
     rng = _checked_rng(source, payload["rng"]) if restore_rng else None
+    refuse_loading_under_open_window(model, optimizer, accumulator)  # stale window gradients
     # Every other check is done; the accumulator checks its own state and changes nothing if it
     # refuses it, so it goes first of the changes.
     if accumulator is not None:

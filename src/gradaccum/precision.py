@@ -97,24 +97,11 @@ class PrecisionRuntime:
                 f"accum_dtype={accum_dtype!r} must be a floating torch.dtype such as "
                 "torch.float32, or None."
             )
-        if precision is Precision.FP16 and any(p.dtype == torch.float16 for p in params):
-            raise ValueError(
-                "precision='fp16' needs float32 parameters: a loss scale cannot be kept in "
-                "float16 gradients. Keep the model in float32 (autocast runs the forward in "
-                "fp16), or use precision='bf16' with accum_dtype=torch.float32 for low-precision "
-                "weights."
-            )
-        self.device = params[0].device
+        self.device, self._anchor = params[0].device, params[0]  # moved since? (check_dtypes)
         self.precision = precision
         self.accum_dtype = accum_dtype
         self._buffered_dtypes: dict[torch.dtype, bool] = {}
-        narrower = [p.dtype for p in params if self._more_precise(p) and not self._wide_enough(p)]
-        if narrower and accum_dtype is not None:
-            raise ValueError(
-                f"accum_dtype={accum_dtype} cannot hold {narrower[0]} gradients: its range is "
-                f"narrower (largest {torch.finfo(accum_dtype).max:.0f}), so large sums overflow "
-                "and small gradients flush to 0. Use accum_dtype=torch.float32."
-            )
+        self.check_dtypes(params, built=False)
         self.scaler = (
             torch.amp.GradScaler(self.device.type) if precision is Precision.FP16 else None
         )
@@ -167,10 +154,46 @@ class PrecisionRuntime:
         Without, the decision stands (FSDP2 deferring its sums to the window's last backward
         cannot feed buffers: `check_fsdp_support` refused them at construction).
         """
+        if params is not None:  # cast since the last window (model.half()): refused, unchanged
+            self.check_dtypes(params, built=True)
         self.buffers = [None] * param_count
         self._check_outer_autocast()
         if params is not None and self.accum_dtype is not None:
             self.uses_buffers = any(self.buffered(p) for p in params)
+
+    def check_dtypes(self, params: Sequence[torch.nn.Parameter], *, built: bool) -> None:
+        """Refuse parameters whose dtype this precision and `accum_dtype` cannot serve, or moved.
+
+        Checked at construction and again when each window opens (and a state loads): a model
+        cast after the Accumulator was built (`model.half()`, `model.to(torch.bfloat16)`) is
+        refused as it would have been at construction, before anything changes. Before, an fp16
+        loss scale on float16 gradients skipped window after window, and `accum_dtype` buffers
+        narrower than the parameters were silently not used.
+        """
+        since = " (the model was cast after the Accumulator was built)" if built else ""
+        if self._anchor.device != self.device:  # batches, autocast, loss scale: built's device
+            raise ValueError(
+                f"the model moved to {self._anchor.device} after the Accumulator was built (on "
+                f"{self.device}): micro-batches would be moved to {self.device} and autocast "
+                f"run there. Build the Accumulator after model.to(device) (a new "
+                f"Accumulator(model, optimizer, ...) now), or move the model back. Nothing was "
+                "changed."
+            )
+        if self.precision is Precision.FP16 and any(p.dtype == torch.float16 for p in params):
+            raise ValueError(
+                f"precision='fp16' needs float32 parameters{since}: a loss scale cannot be kept "
+                "in float16 gradients. Keep the model in float32 (autocast runs the forward in "
+                "fp16), or use precision='bf16' with accum_dtype=torch.float32 for low-precision "
+                "weights."
+            )
+        accum_dtype = self.accum_dtype
+        narrower = [p.dtype for p in params if self._more_precise(p) and not self._wide_enough(p)]
+        if narrower and accum_dtype is not None:
+            raise ValueError(
+                f"accum_dtype={accum_dtype} cannot hold {narrower[0]} gradients{since}: its range "
+                f"is narrower (largest {torch.finfo(accum_dtype).max:.0f}), so large sums "
+                "overflow and small gradients flush to 0. Use accum_dtype=torch.float32."
+            )
 
     def _check_outer_autocast(self) -> None:
         """Warn once if the caller's own fp16 autocast wraps a window that no loss scale guards.
@@ -198,7 +221,7 @@ class PrecisionRuntime:
         if not self.uses_buffers:
             return
         for index, param in enumerate(params):
-            if param.grad is None or not self.buffered(param):
+            if param.grad is None or not self._keeps(index, param):
                 continue
             buffer = self.buffers[index]
             if buffer is None:
@@ -206,6 +229,18 @@ class PrecisionRuntime:
             else:
                 buffer.add_(param.grad)
             param.grad = None
+
+    def _keeps(self, index: int, param: torch.nn.Parameter) -> bool:
+        """Whether `param`'s window gradient lives in a buffer: one of its dtype, or held.
+
+        A buffer already held stays the holder when the model is cast mid-window (bf16 weights
+        made float32 by `model.float()` between two `micro_step()` calls): the later
+        micro-batches' `.grad` were kept apart from it and overwritten by it at the boundary
+        (the earlier micro-batches alone were stepped, 0.36 off, silently).
+        """
+        return self.buffered(param) or (
+            index < len(self.buffers) and self.buffers[index] is not None
+        )
 
     def gradient(self, index: int, param: torch.nn.Parameter) -> torch.Tensor | None:
         """The tensor holding `param`'s accumulated gradient: its buffer, else its `.grad`."""
@@ -221,7 +256,7 @@ class PrecisionRuntime:
 
     def hold(self, index: int, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """Make `grad` (in the accumulation dtype where buffered) `param`'s gradient holder."""
-        if self.buffered(param):
+        if self._keeps(index, param):
             self.buffers[index] = grad
         else:
             param.grad = grad
@@ -312,6 +347,7 @@ class PrecisionRuntime:
 
     def check_state(self, state: dict[str, Any], params: Sequence[torch.nn.Parameter]) -> None:
         """Raise ValueError if `state` does not fit this runtime and `params`; change nothing."""
+        self.check_dtypes(params, built=True)
         mine = None if self.accum_dtype is None else str(self.accum_dtype)
         if state.get("accum_dtype") != mine:
             raise ValueError(
