@@ -187,8 +187,10 @@ class PrecisionRuntime:
                 "weights."
             )
         accum_dtype = self.accum_dtype
+        if accum_dtype is None:  # the usual case: no Python step per parameter
+            return
         narrower = [p.dtype for p in params if self._more_precise(p) and not self._wide_enough(p)]
-        if narrower and accum_dtype is not None:
+        if narrower:
             raise ValueError(
                 f"accum_dtype={accum_dtype} cannot hold {narrower[0]} gradients{since}: its range "
                 f"is narrower (largest {torch.finfo(accum_dtype).max:.0f}), so large sums "
