@@ -16,23 +16,72 @@ Instructions are not time: a cache miss costs more than an add. But the library 
 a few small tensor operations, not memory traffic, so the instruction ratio bounds its cost well.
 
 Usage:
-    .venv/bin/python benchmarks/instructions.py [--steps N] [--cases cnn,lm]   # ~10 minutes
+    .venv/bin/python benchmarks/instructions.py [--steps N] [--cases cnn,lm,linears]   # ~10 minutes
+    (`linears`: a cheap 28-tensor model where the library's own work is a large share, ~5 minutes)
     (internal) benchmarks/instructions.py --child CASE CONTENDER STEPS
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 HERE = Path(__file__).resolve().parent
 CONTENDERS = ("ours", "hand", "hand, checked")
+
+
+def linears_case() -> Any:
+    """A case whose compute costs little, so that the library's own work is a large share.
+
+    14 `nn.Linear(8, 8)` (28 parameter tensors, as many as `overhead.py`'s LM), batch 32 in
+    micro-batches of 8, a `LossSum` of summed cross-entropy and a counted `(y != -100).sum()`;
+    the hand loop divides each micro-batch's sum by the batch's count (SGD: see `child`).
+    """
+    import torch.nn.functional as F
+
+    from gradaccum import LossSum
+    from overhead import Case
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 8, generator=gen), torch.randint(0, 8, (32,), generator=gen)
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> LossSum:
+        inputs, labels = batch
+        summed = F.cross_entropy(model(inputs), labels, reduction="sum")
+        return LossSum(summed, (labels != -100).sum())
+
+    def hand_step(
+        model: torch.nn.Module, opt: Any, batch: Any, micro: int, checked: bool = False
+    ) -> None:
+        inputs, labels = batch
+        tokens = (labels != -100).sum()
+        opt.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros(())
+        for start in range(0, inputs.shape[0], micro):
+            xb, yb = inputs[start : start + micro], labels[start : start + micro]
+            summed = F.cross_entropy(model(xb), yb, reduction="sum")
+            (summed / tokens).backward()
+            if checked:
+                loss_sum += summed.detach()
+        if checked:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            if not (math.isfinite(float(loss_sum)) and math.isfinite(float(norm))):
+                return
+        opt.step()
+
+    def make_model() -> torch.nn.Module:
+        return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(14)])
+
+    return Case("linears", "14 x Linear(8, 8)", make_model, (x, y), 32, 8, loss_fn, hand_step)
 
 
 def child(case_name: str, contender: str, steps: int) -> None:
@@ -42,10 +91,13 @@ def child(case_name: str, contender: str, steps: int) -> None:
     from overhead import make_cases, new_optimizer
 
     torch.set_num_threads(1)
-    case = next(c for c in make_cases() if c.name == case_name)
+    cases = [*make_cases(), linears_case()]
+    case = next(c for c in cases if c.name == case_name)
     torch.manual_seed(2)
     model = case.make_model()
-    opt = new_optimizer(model)
+    # The cheap case steps SGD: AdamW's per-parameter Python would dwarf what is measured.
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3) if case.name == "linears" else None
+    opt = opt or new_optimizer(model)
     acc = Accumulator(model, opt, micro_batch_size=case.micro)
     steps_by_name = {
         "ours": lambda: acc.step(case.batch, case.loss_fn),
