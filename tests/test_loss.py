@@ -1263,6 +1263,21 @@ def _lm_token_sum(m: torch.nn.Module, b: dict) -> LossSum:
     return LossSum(_token_losses(m, b)[b["keep"]].sum(), b["keep"].sum())
 
 
+def _sgd_step_caught(
+    start: torch.nn.Module, batch: Any, loss_fn: Any, size: int
+) -> tuple[torch.nn.Module, list[warnings.WarningMessage]]:
+    """A copy of `start` after one `Accumulator.step` (SGD, lr 0.5) of `loss_fn` on `batch` in
+    micro-batches of `size`, and the warnings the step raised."""
+    model = copy.deepcopy(start)
+    acc = gradaccum.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=size
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.step(batch, loss_fn)
+    return model, caught
+
+
 @pytest.mark.parametrize("micro_batch_size", [1, 3])
 @pytest.mark.parametrize(
     ("plain", "exact"),
@@ -1290,13 +1305,7 @@ def test_hand_written_lm_token_means_warn_and_their_loss_sums_are_the_full_batch
     plain(full, batch).backward()
     torch.optim.SGD(full.parameters(), lr=0.5).step()
     for loss_fn in (plain, exact):
-        model = copy.deepcopy(start)
-        acc = gradaccum.Accumulator(
-            model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=micro_batch_size
-        )
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            acc.step(batch, loss_fn)
+        model, caught = _sgd_step_caught(start, batch, loss_fn, micro_batch_size)
         told = [str(w.message) for w in caught]
         gaps = [
             float((a - b).detach().abs().max())
@@ -1412,13 +1421,7 @@ def test_preference_pairs_cut_by_the_split_warn_and_pairs_in_one_row_are_exact()
     torch.optim.SGD(full.parameters(), lr=0.5).step()
 
     def stepped(batch: dict, loss_fn: Any, size: int) -> tuple[list[str], float]:
-        model = copy.deepcopy(start)
-        acc = gradaccum.Accumulator(
-            model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=size
-        )
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            acc.step(batch, loss_fn)
+        model, caught = _sgd_step_caught(start, batch, loss_fn, size)
         pairs = zip(model.parameters(), full.parameters(), strict=True)
         gap = max(float((a - b).detach().abs().max() / b.detach().abs().max()) for a, b in pairs)
         return [str(w.message) for w in caught], gap
