@@ -172,9 +172,9 @@ class Window:
         Raises:
             ValueError: Naming the fix (remove the `.backward()` from `loss_fn`).
         """
-        watched = self._watched
-        if watched is None:
-            touched = self.micro_batches == 0 and any(p.grad is not None for p in self.params)
+        if (watched := self._watched) is None:
+            held = map(operator.is_not, map(_GRAD, self.params), _NONES)  # C-level: no frames
+            touched = self.micro_batches == 0 and any(held)
         else:
             param, grad, version = watched
             touched = param.grad is not grad or (grad is not None and grad._version != version)
