@@ -15,8 +15,16 @@ and a finite-gradient check, what our boundary does). One thread.
 Instructions are not time: a cache miss costs more than an add. But the library adds Python and
 a few small tensor operations, not memory traffic, so the instruction ratio bounds its cost well.
 
+Two things made counts of identical code differ by up to 6% between runs, and are pinned in each
+child: Python's string hashes, which are salted per process and decide which attribute names
+collide in the interpreter's type-attribute cache (a collision turns a cached lookup into a walk
+of the class dicts: 0.06 M vs 0.58 M instructions per step in `unicodekeys_lookup_unicode` between
+two runs of the same step), so `PYTHONHASHSEED` is set (`--hash-seeds`, one figure per seed); and
+OpenBLAS's idle worker threads (NumPy's), which spin a varying amount, so `OPENBLAS_NUM_THREADS=1`.
+
 Usage:
     .venv/bin/python benchmarks/instructions.py [--steps N] [--cases cnn,lm,linears]   # ~10 minutes
+        [--hash-seeds 0,1,2] [--contenders ours,hand]
     (`linears`: a cheap 28-tensor model where the library's own work is a large share, ~5 minutes)
     (internal) benchmarks/instructions.py --child CASE CONTENDER STEPS
 """
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import subprocess
 import sys
@@ -111,8 +120,9 @@ def child(case_name: str, contender: str, steps: int) -> None:
         step()
 
 
-def count(case_name: str, contender: str, steps: int) -> int:
-    """Instructions of one child process under callgrind."""
+def count(case_name: str, contender: str, steps: int, hash_seed: int) -> int:
+    """Instructions of one child process under callgrind, its string hashes seeded `hash_seed`."""
+    env = {**os.environ, "PYTHONHASHSEED": str(hash_seed), "OPENBLAS_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "callgrind.out"
         done = subprocess.run(
@@ -130,6 +140,7 @@ def count(case_name: str, contender: str, steps: int) -> int:
             capture_output=True,
             text=True,
             check=True,
+            env=env,
         )
     match = re.search(r"Collected : (\d+)", done.stderr)
     if match is None:
@@ -141,27 +152,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--cases", default="cnn,lm")
+    parser.add_argument("--hash-seeds", default="0", help="PYTHONHASHSEED values, one row each")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--child", nargs=3, metavar=("CASE", "CONTENDER", "STEPS"))
     args = parser.parse_args()
     if args.child:
         child(args.child[0], args.child[1], int(args.child[2]))
         return
+    contenders = args.contenders.split(",")
+    if "hand" not in contenders or not set(contenders) <= set(CONTENDERS):
+        parser.error(f"--contenders must include 'hand', from {','.join(CONTENDERS)}")
     print(f"$ {' '.join(['python', *sys.argv])}")
     print(f"torch {torch.__version__}, 1 thread; per step = (count({2 * args.steps} steps) - "
           f"count({args.steps} steps)) / {args.steps}\n")  # fmt: skip
-    print("| model | contender | instructions / step | vs hand |")
-    print("|---|---|---:|---:|")
+    print("| model | PYTHONHASHSEED | contender | instructions / step | vs hand |")
+    print("|---|---:|---|---:|---:|")
     for case_name in args.cases.split(","):
-        per_step = {}
-        for contender in CONTENDERS:
-            short = count(case_name, contender, args.steps)
-            long = count(case_name, contender, 2 * args.steps)
-            per_step[contender] = (long - short) / args.steps
-        for contender in CONTENDERS:
-            ratio = per_step[contender] / per_step["hand"]
-            print(f"| {case_name} | {contender} | {per_step[contender]:,.0f} | {ratio:.4f} |")
-        extra = per_step["ours"] - per_step["hand"]
-        print(f"| {case_name} | ours - hand | {extra:,.0f} | |")
+        for seed in map(int, args.hash_seeds.split(",")):
+            per_step = {}
+            for contender in contenders:
+                short = count(case_name, contender, args.steps, seed)
+                long = count(case_name, contender, 2 * args.steps, seed)
+                per_step[contender] = (long - short) / args.steps
+            for contender in contenders:
+                ratio = per_step[contender] / per_step["hand"]
+                cells = f"{case_name} | {seed} | {contender} | {per_step[contender]:,.0f}"
+                print(f"| {cells} | {ratio:.4f} |", flush=True)
+            if "ours" in per_step:
+                extra = per_step["ours"] - per_step["hand"]
+                print(f"| {case_name} | {seed} | ours - hand | {extra:,.0f} | |", flush=True)
 
 
 if __name__ == "__main__":
