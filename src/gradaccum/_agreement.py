@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ __all__ = [
     "WindowAgreement",
     "check_flushing_alike",
     "check_terms_alike",
+    "check_windows_alike",
     "terms_signature",
 ]
 
@@ -108,6 +110,29 @@ def check_terms_alike(
         "terms, in the same order and with the same weights, on every rank; a term a rank has "
         "nothing for this window goes in with count 0 (e.g. aux=Term(loss.new_zeros(()), "
         "count=0)). The window was discarded on every rank, and nothing was stepped."
+    )
+
+
+def check_windows_alike(table: torch.Tensor, *, uneven: bool, rescales: bool) -> None:
+    """Raise unless ranks ran windows this backend can reconcile.
+
+    Micro-batch counts may differ where `uneven_windows()`. Backward denominators must be
+    equal, except that DDP rescales powers of two to the largest before it reduces; FSDP2
+    reduces inside the backward, so its ranks must have scaled alike.
+    """
+    counts, denominators = set(table[:, 2].tolist()), set(table[:, 3].tolist())
+    if len(denominators) == 1 and (uneven or len(counts) == 1):
+        return
+    if uneven and rescales and all(math.frexp(d)[0] == 0.5 for d in denominators):
+        return
+    listing = "; ".join(
+        f"rank {rank}: {int(row[2])} micro-batches, gradient denominator {row[3].item():g}"
+        for rank, row in enumerate(table)
+    )
+    raise RankMismatchError(
+        f"ranks ran accumulation windows this backend cannot reconcile ({listing}). Give "
+        "every rank first micro-batches of the same size in micro_step() (step() agrees "
+        "by itself), or drop the uneven remainder (e.g. DistributedSampler(drop_last=True))."
     )
 
 

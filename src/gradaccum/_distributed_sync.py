@@ -9,7 +9,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -23,6 +22,7 @@ from gradaccum._agreement import (
     WindowAgreement,
     check_flushing_alike,
     check_terms_alike,
+    check_windows_alike,
 )
 from gradaccum._allreduce import all_reduce_sum, broadcast_from_first
 from gradaccum._sync_base import (
@@ -33,6 +33,7 @@ from gradaccum._sync_base import (
     device_for,
     process_group,
 )
+from gradaccum._tensor_parallel import data_parallel, one_row_per_batch
 from gradaccum.loss import MAX_TERMS
 from gradaccum.options import SyncPolicy
 
@@ -40,7 +41,7 @@ __all__ = ["DDPSync", "FSDP2Sync"]
 
 _NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every `with`
 
-_HEAD = 8  # the exchange row: head, the terms' (count, sum) pairs, flags
+_HEAD = 9  # the exchange row: head, the terms' (count, sum) pairs, flags
 _FLAGS = _HEAD + 2 * MAX_TERMS
 
 
@@ -50,6 +51,7 @@ class _DistributedSync(GradSync):
         self.group = process_group(model)
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        self.batch_index = self.rank  # ranks of one index see one batch (tensor parallel)
 
     def exchange(self, mine: RankSummary) -> WindowAgreement:
         """One all-gather of every rank's summary; raise on windows that cannot be reconciled.
@@ -69,6 +71,7 @@ class _DistributedSync(GradSync):
             mine.graph,
             self.flushing,
             mine.signature,  # the terms' names: their pairs are summed by position
+            self.batch_index,
         ]
         terms = list(mine.terms) or [0.0] * (2 * MAX_TERMS)  # fixed width: rows must match
         row = torch.tensor(
@@ -82,18 +85,19 @@ class _DistributedSync(GradSync):
         failures = table[:, 4]
         failed = tuple(int(r) for r in torch.nonzero(failures).flatten().tolist())
         if not failed:
-            self._check_alike(table)
+            check_windows_alike(table, uneven=self.uneven_windows(), rescales=self.rescales)
             check_flushing_alike(table[:, 6])
             check_terms_alike(table[:, 2].tolist(), table[:, 7].tolist(), mine.term_names)
+        data = one_row_per_batch(table, _HEAD - 1) if self.replicas > 1 and not failed else table
         return WindowAgreement(
             denominator=float(table[:, 3].max().item()),
-            count=int(table[:, 0].sum().item()),
-            loss_sum=float(table[:, 1].sum().item()),
+            count=int(data[:, 0].sum().item()),
+            loss_sum=float(data[:, 1].sum().item()),
             failed_ranks=failed,
             all_out_of_memory=bool(failed) and all(failures[list(failed)] == OUT_OF_MEMORY),
             has_grad=tuple(bool(flag) for flag in table[:, _FLAGS:].amax(dim=0).tolist()),
             all_graphs=bool(table[:, 5].all()),
-            terms=tuple(table[:, _HEAD:_FLAGS].sum(dim=0).tolist()) if mine.terms else (),
+            terms=tuple(data[:, _HEAD:_FLAGS].sum(dim=0).tolist()) if mine.terms else (),
         )
 
     rescales = False  # whether power-of-two denominators are rescaled to one before reducing
@@ -139,29 +143,6 @@ class _DistributedSync(GradSync):
         rows = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(rows, mine, group=self.group)
         return [(int(row[0].item()), int(row[1].item())) for row in rows]
-
-    def _check_alike(self, table: torch.Tensor) -> None:
-        """Raise unless ranks ran windows this backend can reconcile.
-
-        Micro-batch counts may differ where `uneven_windows()`. Backward denominators must be
-        equal, except that DDP rescales powers of two to the largest before it reduces; FSDP2
-        reduces inside the backward, so its ranks must have scaled alike.
-        """
-        counts, denominators = set(table[:, 2].tolist()), set(table[:, 3].tolist())
-        uneven = self.uneven_windows()
-        if len(denominators) == 1 and (uneven or len(counts) == 1):
-            return
-        if uneven and self.rescales and all(math.frexp(d)[0] == 0.5 for d in denominators):
-            return
-        listing = "; ".join(
-            f"rank {rank}: {int(row[2])} micro-batches, gradient denominator {row[3].item():g}"
-            for rank, row in enumerate(table)
-        )
-        raise RankMismatchError(
-            f"ranks ran accumulation windows this backend cannot reconcile ({listing}). Give "
-            "every rank first micro-batches of the same size in micro_step() (step() agrees "
-            "by itself), or drop the uneven remainder (e.g. DistributedSampler(drop_last=True))."
-        )
 
 
 _STATIC_FIX = (
@@ -322,7 +303,10 @@ class FSDP2Sync(_DistributedSync):
         super().__init__(model)
         self.policy = policy
         self.defers = self.syncs_last_backward = policy is SyncPolicy.WINDOW
-        self.averaged_over = self.world
+        # FSDP2 averages over its data-parallel ranks; a tensor-parallel group shares a batch
+        dp = data_parallel(model) or (self.world, self.rank)
+        self.averaged_over, self.batch_index = dp
+        self.replicas = self.world // self.averaged_over
         fsdp_module = _compat.fsdp_module_type()
         self._sharded = [m for m in model.modules() if fsdp_module and isinstance(m, fsdp_module)]
 
@@ -371,7 +355,7 @@ class FSDP2Sync(_DistributedSync):
                 grads.append(grad)
         if grads:
             all_reduce_sum(grads, self.group)
-            torch._foreach_div_(grads, float(self.averaged_over))
+            torch._foreach_div_(grads, float(self.world))  # TP replicas: summed once each
         return grads
 
     def uneven_windows(self) -> bool:

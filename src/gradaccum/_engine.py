@@ -190,7 +190,7 @@ class Engine:
             if self._token_mean.pending:  # -100 labels, a copied loop's line: warns (first few)
                 self._token_mean.check(result, micro_batch, items, expect.planned)
             if expect.until is not None:
-                last = sync.sum_over_ranks(window.budget(count, expect.until_term)) >= expect.until
+                last = sync.sum_of_counts(window.budget(count, expect.until_term)) >= expect.until
                 self._next_sum = not last  # the other ranks' next collective: a sum or exchange
             if window.denominator is None:  # FSDP2 ranks agree on it (they reduce in the backward)
                 dtype = value.dtype  # a bf16 loss takes no folded count: its seeds stay exact

@@ -166,6 +166,7 @@ class GradSync:
     world = 1
     rank = 0
     averaged_over = 1  # what the backend's own reduction divides the summed gradient by
+    replicas = 1  # ranks that see each batch (FSDP2 with tensor parallel: the TP degree)
     syncs_last_backward = False  # whether the last backward itself reduces gradients
     defers = False  # whether the backend holds unreduced sums until a synchronized backward
     joins_flush = False  # whether a rank with no open window joins `flush()`'s exchange (DDP)
@@ -217,6 +218,10 @@ class GradSync:
     def sum_over_ranks(self, value: int) -> int:
         """`value` summed over ranks: one all-reduce of one number when distributed."""
         return value
+
+    def sum_of_counts(self, value: int) -> int:
+        """Items counted over ranks (`sum_over_ranks`), each batch once, not once per replica."""
+        return self.sum_over_ranks(value) // self.replicas
 
     def common_denominator(self, denominator: float) -> float:
         """The backward denominator every rank uses, from this rank's choice (see FSDP2)."""

@@ -52,6 +52,7 @@ from gradaccum._sync_base import (
     uncompiled,
     world_size,
 )
+from gradaccum._tensor_parallel import composable_replicate_error, dtensor_ranks
 from gradaccum._warnings import warn_user
 from gradaccum.options import SyncPolicy
 
@@ -88,7 +89,8 @@ def grad_sync_for(
             several ranks run but `model` reduces nothing over them.
 
     Raises:
-        ValueError: For `SyncPolicy.MICRO` on a DDP model (it holds full gradients anyway).
+        ValueError: For `SyncPolicy.MICRO` on a DDP model (it holds full gradients anyway),
+            and for `torch.distributed._composable.replicate`, which averages every backward.
     """
     group, model = process_group(model), uncompiled(model)  # torch.compile(DDP(...)): the DDP
     if group is None and trains and _shards_inside(model):
@@ -99,17 +101,21 @@ def grad_sync_for(
             "(after its blocks), as FSDP2's recipe does, then build the optimizer and the "
             "Accumulator. Nothing was changed."
         )
+    if trains and (error := composable_replicate_error(model)) is not None:
+        raise error
     if group is None and trains and dist.is_available() and dist.is_initialized():
         ranks = dist.get_world_size()
-        if ranks > 1:  # e.g. ddp.module handed over instead of ddp: silently drifting replicas
+        # tensor parallel over every rank: each sees the same batch, nothing to reduce
+        if ranks > 1 and dtensor_ranks(model) < ranks:  # e.g. ddp.module handed over
             warn_user(
                 UserWarning(
                     f"torch.distributed runs {ranks} ranks, but the model given to the "
                     "Accumulator is not wrapped in DistributedDataParallel or fully_shard, so "
                     "no gradient is reduced over ranks: each rank steps on its own data alone "
                     "and the replicas drift apart. Pass the DistributedDataParallel wrapper "
-                    "itself (not ddp.module); if every rank trains its own model on purpose, "
-                    "ignore this warning."
+                    "itself (not ddp.module), or with tensor parallel fully_shard(model, "
+                    'mesh=mesh["dp"]); if every rank trains its own model on purpose, ignore '
+                    "this warning."
                 )
             )
     if group is None or dist.get_world_size(group) == 1:
