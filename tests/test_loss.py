@@ -1507,3 +1507,44 @@ def test_a_causal_lm_count_taken_before_the_shift_warns_and_the_shifted_count_is
             ),
             micro_batch_size=3,
         )
+
+
+def _unshifted_lm_sum(m: torch.nn.Module, b: dict) -> LossSum:
+    """A causal LM's token sum counted before the shift: one more per row."""
+    logits = m(b["ids"])[:, :-1]
+    ce = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), b["ids"][:, 1:].flatten(), reduction="sum"
+    )
+    return LossSum(ce, b["ids"].numel())
+
+
+@pytest.mark.parametrize("first", ["unshifted", "pairs", "copied"])
+def test_each_loss_warning_kind_is_told_once_on_its_own(first: str) -> None:
+    """The preference-pair check and the causal-shift check shared one 'told once' flag (and a
+    copied loop's line stopped both): whichever warned first silenced the other for the rest of
+    the run, so a later window's pairs cut by the split (or its unshifted count) stepped off
+    silently. Each kind now has its own flag: in either order both warn, each once."""
+    from gradaccum.loss import CopiedLoopWarning, TokenMeanWarning
+
+    chosen, rejected = _pairs()
+    halves = {"ids": torch.cat([chosen[:4], rejected[:4]])}  # 4 pairs, 2 micro-batches of 4
+    lm = {"ids": chosen[:6]}
+    kinds = {
+        "unshifted": (lm, _unshifted_lm_sum, 3, TokenMeanWarning, "labels[:, 1:] != -100"),
+        "pairs": (halves, _halves, 4, UserWarning, "Keep each pair in one row"),
+        "copied": (lm, lambda m, b: -_pair_scores(m, b["ids"]).sum(), 3, CopiedLoopWarning, "sum"),
+    }
+    order = [first] + [kind for kind in kinds if kind != first]
+    model = _TinyLM().double()
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for kind in order + order:  # each kind twice: told once
+            batch, loss_fn, size, _, _ = kinds[kind]
+            acc.micro_batch_size = size
+            acc.step(batch, loss_fn)
+    told = [(w.category, str(w.message)) for w in caught]
+    assert len(told) == 3, told
+    for (category, message), kind in zip(told, order, strict=True):
+        assert category is kinds[kind][3], (kind, message)
+        assert kinds[kind][4] in message, (kind, message)

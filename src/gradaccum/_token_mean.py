@@ -142,11 +142,13 @@ class TokenMeanCheck:
 
     def __init__(self, checks: int = 8) -> None:
         self.left = checks
-        self.copied_left = checks  # `_copied_loop`'s checks, of any loss (no device sync)
+        self.copied_left = checks  # `_copied_loop`'s and the pairs' checks, of any loss
+        self.copied = True  # no copied loop's line told yet
         # Micro-batches divided by their window's micro-batches, all of them from the first
         # (-1 once one was not: a count from the data, `sum / n_tokens`, equal to it by chance).
         self.divisions = 0
-        self.pairs = True  # neither pairs cut by the split nor an unshifted count told yet
+        # Each kind told once, on its own: one told must not silence the other.
+        self.unshifted, self.pairs = True, True  # an unshifted count; pairs cut by the split
         self.per_row: tuple[int, ...] | None = None  # the window's masked means' values per row
 
     def check(
@@ -169,21 +171,22 @@ class TokenMeanCheck:
             divided = division_problem(result, micro_batches, items)
             if self.divisions >= 0:
                 self.divisions = self.divisions + 1 if divided is not None else -1
-            problem = sum_problem(result, items) or mean_problem(result)
-            problem = problem or (divided if self.divisions > 1 else None)
-            if problem is None and _labelled(micro_batch):  # transformers' num_items_in_batch
+            problem = self.copied and (sum_problem(result, items) or mean_problem(result))
+            problem = problem or (divided if self.copied and self.divisions > 1 else None)
+            if self.copied and not problem and _labelled(micro_batch):  # num_items_in_batch
                 labels = next((value for _, value in _targets(micro_batch)), None)
                 problem = window_count_problem(result, labels, items)
-            unshifted = self.pairs and unshifted_count_problem(result, items)
+            unshifted = self.unshifted and unshifted_count_problem(result, items)
             if unshifted:  # a causal LM's count taken before its labels' shift
                 warn_user(TokenMeanWarning(unshifted))
+                self.unshifted = False
             pairs = self.pairs and split_pairs_problem(result, items, micro_batches)
             if pairs:  # chosen and rejected rows a split cut apart
                 warn_user(UserWarning(pairs))
-            self.pairs = self.pairs and not (unshifted or pairs)  # one of these, once
-            if problem is not None:
+                self.pairs = False
+            if problem:
                 warn_user(CopiedLoopWarning(problem))
-                self.copied_left = 0
+                self.copied = False
         if self.left and isinstance(result, torch.Tensor):
             self.left = 0 if warn_if_token_mean(micro_batch, result, items) else self.left - 1
             if self.left or self.per_row is not None:  # not warned: a masked mean per row?
