@@ -1548,3 +1548,79 @@ def test_each_loss_warning_kind_is_told_once_on_its_own(first: str) -> None:
     for (category, message), kind in zip(told, order, strict=True):
         assert category is kinds[kind][3], (kind, message)
         assert kinds[kind][4] in message, (kind, message)
+
+
+_DIVISIONS = {
+    "a / d": lambda s, d: s / d,
+    "a * (1 / d)": lambda s, d: s * (1 / d),
+    "(1 / d) * a": lambda s, d: (1 / d) * s,
+    "a * torch.reciprocal(d)": lambda s, d: s * torch.reciprocal(d.double()),
+    "a * d.reciprocal() * 0.5": lambda s, d: s * d.reciprocal() * 0.5,
+    "a.div(d)": lambda s, d: s.div(d),
+    "torch.true_divide(a, d)": lambda s, d: torch.true_divide(s, d),
+}
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 3])
+@pytest.mark.parametrize("form", list(_DIVISIONS))
+def test_a_token_mean_written_with_a_reciprocal_warns_as_its_division_does(
+    form: str, micro_batch_size: int
+) -> None:
+    """`(l * k).sum() * (1 / k.sum())` (a token mean as a product with a reciprocal, also
+    `torch.reciprocal`) was read as a constant factor on a sum: over one-row micro-batches it
+    was silent (4.6e-2 off the full-batch step), over three rows it warned CopiedLoopWarning
+    that the sum counted 3 times. It is the division it is: TokenMeanWarning naming LossSum,
+    in every form (`/`, `.div`, `torch.true_divide`), and the LossSum is exact."""
+    from gradaccum.loss import TokenMeanWarning
+
+    batch = _packed_lm_batch()
+    divide = _DIVISIONS[form]
+
+    def plain(m: torch.nn.Module, b: dict) -> torch.Tensor:
+        return divide((_token_losses(m, b) * b["keep"]).sum(), b["keep"].sum())
+
+    torch.manual_seed(0)
+    start = _TinyLM().double()
+    full = copy.deepcopy(start)
+    (_token_losses(full, batch)[batch["keep"]].mean() * (0.5 if "0.5" in form else 1)).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    model, caught = _sgd_step_caught(start, batch, plain, micro_batch_size)
+    assert [w.category for w in caught] == [TokenMeanWarning], [str(w.message) for w in caught]
+    assert "LossSum" in str(caught[0].message)
+    pairs = zip(model.parameters(), full.parameters(), strict=True)
+    assert max(float((a - b).detach().abs().max()) for a, b in pairs) > 1e-3  # the control
+    model, caught = _sgd_step_caught(start, batch, _lm_token_sum, micro_batch_size)
+    assert caught == [] or "0.5" in form
+    if "0.5" not in form:
+        for got, want in zip(model.parameters(), full.parameters(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+def test_row_means_written_with_a_reciprocal_stay_quiet() -> None:
+    """No false alarm: `l.sum() * (1 / l.numel())` (warned CopiedLoopWarning over 3 rows),
+    `l.mean(1).sum() * (1 / len(x))` (a float32 reciprocal too), a loss weight on a mean
+    (`0.1 * l.mean()`) and a per-row mean by reciprocal, each exact."""
+    batch = _packed_lm_batch()
+    quiet = [
+        lambda m, b: _token_losses(m, b).sum() * (1 / _token_losses(m, b).numel()),
+        lambda m, b: (
+            _token_losses(m, b).mean(1).sum() * torch.tensor(1 / len(b["ids"]), dtype=torch.float64)
+        ),
+        lambda m, b: _token_losses(m, b).mean(1).sum() * torch.tensor(1 / len(b["ids"])),
+        lambda m, b: 0.1 * _token_losses(m, b).mean(),
+        lambda m, b: (
+            (_token_losses(m, b) * b["keep"]).sum(1) * (1 / b["keep"].sum(1).clamp(min=1))
+        ).mean(),
+    ]
+    torch.manual_seed(0)
+    start = _TinyLM().double()
+    for loss_fn in quiet:
+        full = copy.deepcopy(start)
+        loss_fn(full, batch).backward()
+        torch.optim.SGD(full.parameters(), lr=0.5).step()
+        for micro_batch_size in (1, 3):
+            model, caught = _sgd_step_caught(start, batch, loss_fn, micro_batch_size)
+            assert [str(w.message) for w in caught] == []
+            rtol = 1e-5 if loss_fn is quiet[2] else 1e-10  # a float32 factor: rounded
+            for got, want in zip(model.parameters(), full.parameters(), strict=True):
+                torch.testing.assert_close(got, want, rtol=rtol, atol=0)
