@@ -1624,3 +1624,141 @@ def test_row_means_written_with_a_reciprocal_stay_quiet() -> None:
             rtol = 1e-5 if loss_fn is quiet[2] else 1e-10  # a float32 factor: rounded
             for got, want in zip(model.parameters(), full.parameters(), strict=True):
                 torch.testing.assert_close(got, want, rtol=rtol, atol=0)
+
+
+def _rollout() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return {
+        "obs": torch.randn(16, 4, generator=generator, dtype=torch.float64),
+        "act": torch.randint(0, 3, (16,), generator=generator),
+        "old_logp": -torch.rand(16, generator=generator, dtype=torch.float64) - 0.5,
+        "adv": torch.randn(16, generator=generator, dtype=torch.float64) * 3 + 1,
+    }
+
+
+def _ppo(m: torch.nn.Module, b: dict, normalize: bool = True) -> torch.Tensor:
+    logp = m(b["obs"]).log_softmax(-1).gather(1, b["act"][:, None]).squeeze(1)
+    adv = (b["adv"] - b["adv"].mean()) / (b["adv"].std() + 1e-8) if normalize else b["adv"]
+    ratio = (logp - b["old_logp"]).exp()
+    return -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv).mean()
+
+
+def _policy() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
+    ).double()
+
+
+def test_advantages_normalized_in_loss_fn_warn_and_normalized_before_the_step_are_exact() -> None:
+    """PPO's `adv = (adv - adv.mean()) / (adv.std() + 1e-8)` inside loss_fn normalizes each
+    micro-batch with its own statistics: the step depends on the split (1.2 rel off the
+    full-batch gradient), silently. It warns once now (a tensor without gradient the loss
+    multiplies by, mean 0 over the micro-batch; a batch-mean baseline too), in
+    Accumulator.step, as a LossSum.terms term, and in check_equivalence's run (which reports the
+    gap); normalized over the whole batch before the step it is exact and quiet, and raw
+    advantages and a margin loss's balanced +-1 labels stay quiet."""
+    rollout, start = _rollout(), _policy()
+    full = copy.deepcopy(start)
+    _ppo(full, rollout).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    model, caught = _sgd_step_caught(start, rollout, _ppo, 4)
+    told = [str(w.message) for w in caught]
+    assert len(told) == 1, told
+    assert "Normalize over the whole batch before acc.step()" in told[0]
+    pairs = zip(model.parameters(), full.parameters(), strict=True)
+    assert max(float((a - b).detach().abs().max()) for a, b in pairs) > 1e-3  # the control
+
+    def as_terms(m: torch.nn.Module, b: dict) -> LossSum:
+        return LossSum.terms(pg=(_ppo(m, b) * len(b["act"]), len(b["act"])))
+
+    _, caught = _sgd_step_caught(start, rollout, as_terms, 4)
+    assert ["adv.std()" in str(w.message) for w in caught] == [True]
+    with pytest.warns(UserWarning, match="mean 0 over"):
+        report = gradaccum.check_equivalence(start, rollout, _ppo, 4)
+    assert not report.ok
+    assert "advantage normalization" in report.explain()
+    ahead = {**rollout, "adv": (rollout["adv"] - rollout["adv"].mean()) / rollout["adv"].std()}
+    full = copy.deepcopy(start)
+    _ppo(full, ahead, normalize=False).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+
+    def baseline(m: torch.nn.Module, b: dict) -> torch.Tensor:  # REINFORCE, batch-mean baseline
+        logp = m(b["obs"]).log_softmax(-1).gather(1, b["act"][:, None]).squeeze(1)
+        return -(logp * (b["adv"] - b["adv"].mean())).mean()
+
+    _, caught = _sgd_step_caught(start, rollout, baseline, 4)
+    assert ["R - R.mean()" in str(w.message) for w in caught] == [True]
+
+    def margin(m: torch.nn.Module, b: dict) -> torch.Tensor:  # +-1 labels, 2 of each per 4
+        signs = torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=torch.float64).repeat(len(b["act"]) // 4)
+        return torch.nn.functional.softplus(-signs * m(b["obs"])[:, 0]).mean()
+
+    for batch, loss_fn in ((ahead, lambda m, b: _ppo(m, b, False)), (rollout, margin)):
+        model, caught = _sgd_step_caught(start, batch, loss_fn, 4)
+        assert [str(w.message) for w in caught] == []
+        if batch is ahead:
+            for got, want in zip(model.parameters(), full.parameters(), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+def _mixup_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(4)
+    return torch.randn(12, 6, generator=generator, dtype=torch.float64), torch.tensor(
+        [1, 2, 3, 4, 1, 3, 3, 1, 1, 2, 0, 4]  # the second micro-batch of 4: a palindrome
+    )
+
+
+def _mix_in_loss(m: torch.nn.Module, b: Any) -> torch.Tensor:
+    """timm's pairing (the batch flipped), drawn in loss_fn: mixes within the micro-batch."""
+    x, y = b
+    out = m(0.7 * x + 0.3 * x.flip(0))
+    ce = torch.nn.functional.cross_entropy
+    return 0.7 * ce(out, y) + 0.3 * ce(out, y.flip(0))
+
+
+def _mixed_ahead(b: Any) -> dict[str, torch.Tensor]:
+    x, y = b
+    return {"x": 0.7 * x + 0.3 * x.flip(0), "ya": y, "yb": y.flip(0)}
+
+
+def _score_mix(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    out, ce = m(b["x"]), torch.nn.functional.cross_entropy
+    return 0.7 * ce(out, b["ya"]) + 0.3 * ce(out, b["yb"])
+
+
+@pytest.mark.parametrize("draw", ["flip", "randperm"])
+def test_mixup_drawn_in_loss_fn_warns_and_mixed_before_the_step_is_exact(draw: str) -> None:
+    """Mixup drawn in loss_fn (`lam * ce(out, y) + (1 - lam) * ce(out, y[perm])`) mixes each
+    item within its micro-batch only: 0.6-0.9 rel off the full-batch gradient, silently. It
+    warns once now (two cross-entropies whose targets are the same labels reordered, on two
+    micro-batches; one whose reordering kept them, a palindrome, is no evidence either way),
+    check_equivalence's explain() names it; mixed before the step (the collate function) it is
+    exact and quiet, although its micro-batches' two targets may hold the same labels."""
+    batch = _mixup_batch()
+    net = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5)
+    ).double()
+
+    def randperm(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        x, y = b
+        perm = torch.randperm(len(x))
+        out, ce = m(0.7 * x + 0.3 * x[perm]), torch.nn.functional.cross_entropy
+        return 0.7 * ce(out, y) + 0.3 * ce(out, y[perm])
+
+    loss_fn = _mix_in_loss if draw == "flip" else randperm
+    model, caught = _sgd_step_caught(net, batch, loss_fn, 4)
+    told = [str(w.message) for w in caught]
+    assert len(told) == 1, told
+    assert "Mix the whole batch before acc.step()" in told[0]
+    with pytest.warns(UserWarning, match="Mix the whole batch"):
+        report = gradaccum.check_equivalence(net, batch, loss_fn, 4)
+    assert not report.ok  # the control
+    assert "mixup" in report.explain()
+    full = copy.deepcopy(net)
+    _score_mix(full, _mixed_ahead(batch)).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    model, caught = _sgd_step_caught(net, _mixed_ahead(batch), _score_mix, 4)
+    assert [str(w.message) for w in caught] == []
+    for got, want in zip(model.parameters(), full.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)

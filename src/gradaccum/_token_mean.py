@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from gradaccum._batch_stats import batch_statistic_problem
 from gradaccum._copied_loop import (
     CopiedLoopWarning,
     division_problem,
@@ -149,6 +150,9 @@ class TokenMeanCheck:
         self.divisions = 0
         # Each kind told once, on its own: one told must not silence the other.
         self.unshifted, self.pairs = True, True  # an unshifted count; pairs cut by the split
+        # A statistic of the micro-batch (advantages centered, mixup): told once each; a
+        # mixup on its second micro-batch (-1 once targets held other labels: mixed before).
+        self.centered, self.mixed = True, 0
         self.per_row: tuple[int, ...] | None = None  # the window's masked means' values per row
 
     def check(
@@ -184,6 +188,7 @@ class TokenMeanCheck:
             if pairs:  # chosen and rejected rows a split cut apart
                 warn_user(UserWarning(pairs))
                 self.pairs = False
+            self._check_statistics(result, items, micro_batches)
             if problem:
                 warn_user(CopiedLoopWarning(problem))
                 self.copied = False
@@ -191,6 +196,21 @@ class TokenMeanCheck:
             self.left = 0 if warn_if_token_mean(micro_batch, result, items) else self.left - 1
             if self.left or self.per_row is not None:  # not warned: a masked mean per row?
                 self._compare_per_row(masked_means_per_row(result, items))
+
+    def _check_statistics(self, result: object, items: int, micro_batches: int) -> None:
+        """Warn once each of advantages centered and labels mixed within a micro-batch."""
+        if not self.centered and self.mixed < 0:
+            return
+        found = batch_statistic_problem(result, items, micro_batches)
+        kind, problem = found or ("", "")
+        if kind == "centered" and self.centered:
+            warn_user(UserWarning(problem))
+            self.centered = False
+        if self.mixed >= 0:
+            self.mixed = -1 if kind == "not mixed" else self.mixed + (kind == "mixed")
+            if self.mixed == 2 and kind == "mixed":
+                warn_user(UserWarning(problem))
+                self.mixed = -1
 
     def open_window(self) -> None:
         """A new window: its masked means' values per row may differ from the last window's."""
