@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 from typing import Any
 
@@ -1762,3 +1763,73 @@ def test_mixup_drawn_in_loss_fn_warns_and_mixed_before_the_step_is_exact(draw: s
     assert [str(w.message) for w in caught] == []
     for got, want in zip(model.parameters(), full.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+class _Distiller:
+    """A training object holding the teacher, its loss a bound method (`self.teacher`)."""
+
+    def __init__(self, teacher: torch.nn.Module) -> None:
+        self.teacher = teacher
+
+    def loss(self, m: torch.nn.Module, b: Any) -> torch.Tensor:
+        with torch.no_grad():
+            target = self.teacher(b[0]).softmax(-1)
+        out = m(b[0])
+        kl = torch.nn.functional.kl_div(out.log_softmax(-1), target, reduction="batchmean")
+        return kl + torch.nn.functional.cross_entropy(out, b[1])
+
+
+def _teacher_net(batchnorm: bool = True) -> torch.nn.Module:
+    torch.manual_seed(1)
+    norm = [torch.nn.BatchNorm1d(16)] if batchnorm else []
+    layers = [torch.nn.Linear(6, 16), *norm, torch.nn.ReLU(), torch.nn.Linear(16, 5)]
+    return torch.nn.Sequential(*layers).double().requires_grad_(False)
+
+
+@pytest.mark.parametrize("held", ["closure", "bound method"])
+def test_a_teacher_outside_the_model_in_train_mode_warns_naming_eval_and_in_eval_is_exact(
+    held: str,
+) -> None:
+    """A distillation teacher held outside the model (a closure's `teacher`, a training object's
+    `self.teacher`), left in train mode and run in loss_fn: its BatchNorm normalizes each
+    micro-batch on its own, so its targets depend on the split (8e-2 rel off the full-batch
+    step), and nothing said so (the model's checks see only the model). It warns once now,
+    naming `teacher.eval()`; in eval mode, or without BatchNorm, it is quiet and exact."""
+    generator = torch.Generator().manual_seed(5)
+    batch = (
+        torch.randn(12, 6, generator=generator, dtype=torch.float64),
+        torch.randint(0, 5, (12,), generator=generator),
+    )
+    torch.manual_seed(0)
+    start = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5)
+    ).double()
+
+    def loss_of(teacher: torch.nn.Module) -> Any:
+        if held == "bound method":
+            return _Distiller(teacher).loss
+
+        def loss_fn(m: torch.nn.Module, b: Any) -> torch.Tensor:
+            return _Distiller.loss(types.SimpleNamespace(teacher=teacher), m, b)
+
+        return loss_fn
+
+    for teacher in (_teacher_net(), _teacher_net().eval(), _teacher_net(batchnorm=False)):
+        full, reference = copy.deepcopy(start), copy.deepcopy(teacher)
+        loss_of(reference)(full, batch).backward()
+        torch.optim.SGD(full.parameters(), lr=0.5).step()
+        model, caught = _sgd_step_caught(start, batch, loss_of(teacher), 4)
+        told = [str(w.message) for w in caught]
+        gap = max(
+            float((a - b).detach().abs().max() / b.detach().abs().max())
+            for a, b in zip(model.parameters(), full.parameters(), strict=True)
+        )
+        if teacher.training and len(list(teacher.modules())) == 5:  # train-mode BatchNorm
+            name = "self.teacher" if held == "bound method" else "teacher"
+            assert len(told) == 1, told
+            assert f"{name}.eval()" in told[0]
+            assert gap > 1e-3  # the control
+        else:
+            assert told == []
+            for got, want in zip(model.parameters(), full.parameters(), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=0)

@@ -34,6 +34,7 @@ from gradaccum._copied_loop import (
 )
 from gradaccum._nll_mean import ctc_without_nll, nll_mean_problem, unshifted_count_problem
 from gradaccum._pairs import split_pairs_problem
+from gradaccum._teacher import teacher_problem
 from gradaccum._warnings import warn_user
 from gradaccum._weighted_mean import (
     divided_sum_problem,
@@ -141,7 +142,8 @@ class TokenMeanCheck:
         checks: Plain-scalar micro-batches to inspect at most.
     """
 
-    def __init__(self, checks: int = 8) -> None:
+    def __init__(self, model: torch.nn.Module | None = None, checks: int = 8) -> None:
+        self.model = model  # a module loss_fn runs outside it: a teacher in train mode
         self.left = checks
         self.copied_left = checks  # `_copied_loop`'s and the pairs' checks, of any loss
         self.copied = True  # no copied loop's line told yet
@@ -156,12 +158,18 @@ class TokenMeanCheck:
         self.per_row: tuple[int, ...] | None = None  # the window's masked means' values per row
 
     def check(
-        self, result: object, micro_batch: object, items: int = 0, micro_batches: int = 0
+        self,
+        result: object,
+        micro_batch: object,
+        items: int = 0,
+        micro_batches: int = 0,
+        loss_fn: object = None,
     ) -> None:
         """Inspect `micro_batch` if `loss_fn` returned a plain scalar for it.
 
         Any loss is looked at for a copied loop's line (`_copied_loop`): `items` rows, one of
-        `micro_batches` in the window (0 when not known up front).
+        `micro_batches` in the window (0 when not known up front); `loss_fn` for a module it
+        runs outside the model in train mode (`_teacher`).
 
         Raises:
             ValueError: If the loss was multiplied by a GradScaler's scale (before any backward,
@@ -189,6 +197,11 @@ class TokenMeanCheck:
                 warn_user(UserWarning(pairs))
                 self.pairs = False
             self._check_statistics(result, items, micro_batches)
+            if self.model is not None and loss_fn is not None and micro_batches > 1:
+                teacher = teacher_problem(loss_fn, self.model)  # outside the model, train mode
+                if teacher:
+                    warn_user(UserWarning(teacher))
+                    self.model = None
             if problem:
                 warn_user(CopiedLoopWarning(problem))
                 self.copied = False
