@@ -121,7 +121,8 @@ def test_an_emas_batchnorm_is_not_named_as_normalizing_micro_batches() -> None:
     assert "(net.1)" in named[True][0]
     assert named[True][1] == ["net.1"]
     assert "(net.1, ema.1)" in named[False][0]
-    assert named[False][1] == ["net.1", "ema.1"]
+    # check_equivalence lists only modules that ran: the copy never does (it listed ema.1).
+    assert named[False][1] == ["net.1"]
 
 
 def test_the_memory_plan_counts_no_gradient_for_an_ema_held_by_the_model() -> None:
@@ -290,3 +291,33 @@ def test_structural_twins_the_optimizer_misses_are_still_warned_of() -> None:
             warnings.simplefilter("always")
             Accumulator(model, torch.optim.SGD(owner.parameters(), lr=0.1), micro_batch_size=3)
         assert any(missed in str(w.message) for w in caught), missed
+
+
+def test_check_equivalence_lists_only_modules_that_ran_not_an_ema_copys_batchnorm() -> None:
+    """A user's own EMA class kept inside the model (`self.shadow = copy.deepcopy(net)`, left
+    in train mode by `model.train()`) never runs in the window, yet check_equivalence listed its
+    BatchNorm and dropout among `.non_additive` (a false alarm on an exact check, and a wrong
+    cause when another gap shows). Only modules that ran count now; a mean teacher whose loss
+    runs the EMA copy (in train mode) still has it listed."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 3)
+    )
+    holder = nn.Module()
+    holder.net, holder.ema = net, _OwnEma(net)
+    holder.double().train()
+    net.eval()  # the trained network's BatchNorm frozen (fine-tuning): exact
+    x = torch.randn(12, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (12,))
+    report = check_equivalence(holder, (x, y), lambda m, b: _ce(m.net, b), 4)
+    assert report.ok
+    assert [m.name for m in report.non_additive] == []
+
+    def mean_teacher(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            target = m.ema.shadow(b[0]).softmax(-1)
+        out = m.net(b[0])
+        return _ce(m.net, b) + ((out.softmax(-1) - target) ** 2).sum(-1).mean()
+
+    report = check_equivalence(holder, (x, y), mean_teacher, 4)
+    assert {"ema.shadow.1", "ema.shadow.3"} <= {m.name for m in report.non_additive}

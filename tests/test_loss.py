@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 from typing import Any
 
@@ -1507,3 +1508,328 @@ def test_a_causal_lm_count_taken_before_the_shift_warns_and_the_shifted_count_is
             ),
             micro_batch_size=3,
         )
+
+
+def _unshifted_lm_sum(m: torch.nn.Module, b: dict) -> LossSum:
+    """A causal LM's token sum counted before the shift: one more per row."""
+    logits = m(b["ids"])[:, :-1]
+    ce = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), b["ids"][:, 1:].flatten(), reduction="sum"
+    )
+    return LossSum(ce, b["ids"].numel())
+
+
+@pytest.mark.parametrize("first", ["unshifted", "pairs", "copied"])
+def test_each_loss_warning_kind_is_told_once_on_its_own(first: str) -> None:
+    """The preference-pair check and the causal-shift check shared one 'told once' flag (and a
+    copied loop's line stopped both): whichever warned first silenced the other for the rest of
+    the run, so a later window's pairs cut by the split (or its unshifted count) stepped off
+    silently. Each kind now has its own flag: in either order both warn, each once."""
+    from gradaccum.loss import CopiedLoopWarning, TokenMeanWarning
+
+    chosen, rejected = _pairs()
+    halves = {"ids": torch.cat([chosen[:4], rejected[:4]])}  # 4 pairs, 2 micro-batches of 4
+    lm = {"ids": chosen[:6]}
+    kinds = {
+        "unshifted": (lm, _unshifted_lm_sum, 3, TokenMeanWarning, "labels[:, 1:] != -100"),
+        "pairs": (halves, _halves, 4, UserWarning, "Keep each pair in one row"),
+        "copied": (lm, lambda m, b: -_pair_scores(m, b["ids"]).sum(), 3, CopiedLoopWarning, "sum"),
+    }
+    order = [first] + [kind for kind in kinds if kind != first]
+    model = _TinyLM().double()
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for kind in order + order:  # each kind twice: told once
+            batch, loss_fn, size, _, _ = kinds[kind]
+            acc.micro_batch_size = size
+            acc.step(batch, loss_fn)
+    told = [(w.category, str(w.message)) for w in caught]
+    assert len(told) == 3, told
+    for (category, message), kind in zip(told, order, strict=True):
+        assert category is kinds[kind][3], (kind, message)
+        assert kinds[kind][4] in message, (kind, message)
+
+
+_DIVISIONS = {
+    "a / d": lambda s, d: s / d,
+    "a * (1 / d)": lambda s, d: s * (1 / d),
+    "(1 / d) * a": lambda s, d: (1 / d) * s,
+    "a * torch.reciprocal(d)": lambda s, d: s * torch.reciprocal(d.double()),
+    "a * d.reciprocal() * 0.5": lambda s, d: s * d.reciprocal() * 0.5,
+    "a.div(d)": lambda s, d: s.div(d),
+    "torch.true_divide(a, d)": lambda s, d: torch.true_divide(s, d),
+}
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 3])
+@pytest.mark.parametrize("form", list(_DIVISIONS))
+def test_a_token_mean_written_with_a_reciprocal_warns_as_its_division_does(
+    form: str, micro_batch_size: int
+) -> None:
+    """`(l * k).sum() * (1 / k.sum())` (a token mean as a product with a reciprocal, also
+    `torch.reciprocal`) was read as a constant factor on a sum: over one-row micro-batches it
+    was silent (4.6e-2 off the full-batch step), over three rows it warned CopiedLoopWarning
+    that the sum counted 3 times. It is the division it is: TokenMeanWarning naming LossSum,
+    in every form (`/`, `.div`, `torch.true_divide`), and the LossSum is exact."""
+    from gradaccum.loss import TokenMeanWarning
+
+    batch = _packed_lm_batch()
+    divide = _DIVISIONS[form]
+
+    def plain(m: torch.nn.Module, b: dict) -> torch.Tensor:
+        return divide((_token_losses(m, b) * b["keep"]).sum(), b["keep"].sum())
+
+    torch.manual_seed(0)
+    start = _TinyLM().double()
+    full = copy.deepcopy(start)
+    (_token_losses(full, batch)[batch["keep"]].mean() * (0.5 if "0.5" in form else 1)).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    model, caught = _sgd_step_caught(start, batch, plain, micro_batch_size)
+    assert [w.category for w in caught] == [TokenMeanWarning], [str(w.message) for w in caught]
+    assert "LossSum" in str(caught[0].message)
+    pairs = zip(model.parameters(), full.parameters(), strict=True)
+    assert max(float((a - b).detach().abs().max()) for a, b in pairs) > 1e-3  # the control
+    model, caught = _sgd_step_caught(start, batch, _lm_token_sum, micro_batch_size)
+    assert caught == [] or "0.5" in form
+    if "0.5" not in form:
+        for got, want in zip(model.parameters(), full.parameters(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+def test_row_means_written_with_a_reciprocal_stay_quiet() -> None:
+    """No false alarm: `l.sum() * (1 / l.numel())` (warned CopiedLoopWarning over 3 rows),
+    `l.mean(1).sum() * (1 / len(x))` (a float32 reciprocal too), a loss weight on a mean
+    (`0.1 * l.mean()`) and a per-row mean by reciprocal, each exact."""
+    batch = _packed_lm_batch()
+    quiet = [
+        lambda m, b: _token_losses(m, b).sum() * (1 / _token_losses(m, b).numel()),
+        lambda m, b: (
+            _token_losses(m, b).mean(1).sum() * torch.tensor(1 / len(b["ids"]), dtype=torch.float64)
+        ),
+        lambda m, b: _token_losses(m, b).mean(1).sum() * torch.tensor(1 / len(b["ids"])),
+        lambda m, b: 0.1 * _token_losses(m, b).mean(),
+        lambda m, b: (
+            (_token_losses(m, b) * b["keep"]).sum(1) * (1 / b["keep"].sum(1).clamp(min=1))
+        ).mean(),
+    ]
+    torch.manual_seed(0)
+    start = _TinyLM().double()
+    for loss_fn in quiet:
+        full = copy.deepcopy(start)
+        loss_fn(full, batch).backward()
+        torch.optim.SGD(full.parameters(), lr=0.5).step()
+        for micro_batch_size in (1, 3):
+            model, caught = _sgd_step_caught(start, batch, loss_fn, micro_batch_size)
+            assert [str(w.message) for w in caught] == []
+            rtol = 1e-5 if loss_fn is quiet[2] else 1e-10  # a float32 factor: rounded
+            for got, want in zip(model.parameters(), full.parameters(), strict=True):
+                torch.testing.assert_close(got, want, rtol=rtol, atol=0)
+
+
+def _rollout() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return {
+        "obs": torch.randn(16, 4, generator=generator, dtype=torch.float64),
+        "act": torch.randint(0, 3, (16,), generator=generator),
+        "old_logp": -torch.rand(16, generator=generator, dtype=torch.float64) - 0.5,
+        "adv": torch.randn(16, generator=generator, dtype=torch.float64) * 3 + 1,
+    }
+
+
+def _ppo(m: torch.nn.Module, b: dict, normalize: bool = True) -> torch.Tensor:
+    logp = m(b["obs"]).log_softmax(-1).gather(1, b["act"][:, None]).squeeze(1)
+    adv = (b["adv"] - b["adv"].mean()) / (b["adv"].std() + 1e-8) if normalize else b["adv"]
+    ratio = (logp - b["old_logp"]).exp()
+    return -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv).mean()
+
+
+def _policy() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
+    ).double()
+
+
+def test_advantages_normalized_in_loss_fn_warn_and_normalized_before_the_step_are_exact() -> None:
+    """PPO's `adv = (adv - adv.mean()) / (adv.std() + 1e-8)` inside loss_fn normalizes each
+    micro-batch with its own statistics: the step depends on the split (1.2 rel off the
+    full-batch gradient), silently. It warns once now (a tensor without gradient the loss
+    multiplies by, mean 0 over the micro-batch; a batch-mean baseline too), in
+    Accumulator.step, as a LossSum.terms term, and in check_equivalence's run (which reports the
+    gap); normalized over the whole batch before the step it is exact and quiet, and raw
+    advantages and a margin loss's balanced +-1 labels stay quiet."""
+    rollout, start = _rollout(), _policy()
+    full = copy.deepcopy(start)
+    _ppo(full, rollout).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    model, caught = _sgd_step_caught(start, rollout, _ppo, 4)
+    told = [str(w.message) for w in caught]
+    assert len(told) == 1, told
+    assert "Normalize over the whole batch before acc.step()" in told[0]
+    pairs = zip(model.parameters(), full.parameters(), strict=True)
+    assert max(float((a - b).detach().abs().max()) for a, b in pairs) > 1e-3  # the control
+
+    def as_terms(m: torch.nn.Module, b: dict) -> LossSum:
+        return LossSum.terms(pg=(_ppo(m, b) * len(b["act"]), len(b["act"])))
+
+    _, caught = _sgd_step_caught(start, rollout, as_terms, 4)
+    assert ["adv.std()" in str(w.message) for w in caught] == [True]
+    with pytest.warns(UserWarning, match="mean 0 over"):
+        report = gradaccum.check_equivalence(start, rollout, _ppo, 4)
+    assert not report.ok
+    assert "advantage normalization" in report.explain()
+    ahead = {**rollout, "adv": (rollout["adv"] - rollout["adv"].mean()) / rollout["adv"].std()}
+    full = copy.deepcopy(start)
+    _ppo(full, ahead, normalize=False).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+
+    def baseline(m: torch.nn.Module, b: dict) -> torch.Tensor:  # REINFORCE, batch-mean baseline
+        logp = m(b["obs"]).log_softmax(-1).gather(1, b["act"][:, None]).squeeze(1)
+        return -(logp * (b["adv"] - b["adv"].mean())).mean()
+
+    _, caught = _sgd_step_caught(start, rollout, baseline, 4)
+    assert ["R - R.mean()" in str(w.message) for w in caught] == [True]
+
+    def margin(m: torch.nn.Module, b: dict) -> torch.Tensor:  # +-1 labels, 2 of each per 4
+        signs = torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=torch.float64).repeat(len(b["act"]) // 4)
+        return torch.nn.functional.softplus(-signs * m(b["obs"])[:, 0]).mean()
+
+    for batch, loss_fn in ((ahead, lambda m, b: _ppo(m, b, False)), (rollout, margin)):
+        model, caught = _sgd_step_caught(start, batch, loss_fn, 4)
+        assert [str(w.message) for w in caught] == []
+        if batch is ahead:
+            for got, want in zip(model.parameters(), full.parameters(), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+def _mixup_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(4)
+    return torch.randn(12, 6, generator=generator, dtype=torch.float64), torch.tensor(
+        [1, 2, 3, 4, 1, 3, 3, 1, 1, 2, 0, 4]  # the second micro-batch of 4: a palindrome
+    )
+
+
+def _mix_in_loss(m: torch.nn.Module, b: Any) -> torch.Tensor:
+    """timm's pairing (the batch flipped), drawn in loss_fn: mixes within the micro-batch."""
+    x, y = b
+    out = m(0.7 * x + 0.3 * x.flip(0))
+    ce = torch.nn.functional.cross_entropy
+    return 0.7 * ce(out, y) + 0.3 * ce(out, y.flip(0))
+
+
+def _mixed_ahead(b: Any) -> dict[str, torch.Tensor]:
+    x, y = b
+    return {"x": 0.7 * x + 0.3 * x.flip(0), "ya": y, "yb": y.flip(0)}
+
+
+def _score_mix(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    out, ce = m(b["x"]), torch.nn.functional.cross_entropy
+    return 0.7 * ce(out, b["ya"]) + 0.3 * ce(out, b["yb"])
+
+
+@pytest.mark.parametrize("draw", ["flip", "randperm"])
+def test_mixup_drawn_in_loss_fn_warns_and_mixed_before_the_step_is_exact(draw: str) -> None:
+    """Mixup drawn in loss_fn (`lam * ce(out, y) + (1 - lam) * ce(out, y[perm])`) mixes each
+    item within its micro-batch only: 0.6-0.9 rel off the full-batch gradient, silently. It
+    warns once now (two cross-entropies whose targets are the same labels reordered, on two
+    micro-batches; one whose reordering kept them, a palindrome, is no evidence either way),
+    check_equivalence's explain() names it; mixed before the step (the collate function) it is
+    exact and quiet, although its micro-batches' two targets may hold the same labels."""
+    batch = _mixup_batch()
+    net = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5)
+    ).double()
+
+    def randperm(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        x, y = b
+        perm = torch.randperm(len(x))
+        out, ce = m(0.7 * x + 0.3 * x[perm]), torch.nn.functional.cross_entropy
+        return 0.7 * ce(out, y) + 0.3 * ce(out, y[perm])
+
+    loss_fn = _mix_in_loss if draw == "flip" else randperm
+    model, caught = _sgd_step_caught(net, batch, loss_fn, 4)
+    told = [str(w.message) for w in caught]
+    assert len(told) == 1, told
+    assert "Mix the whole batch before acc.step()" in told[0]
+    with pytest.warns(UserWarning, match="Mix the whole batch"):
+        report = gradaccum.check_equivalence(net, batch, loss_fn, 4)
+    assert not report.ok  # the control
+    assert "mixup" in report.explain()
+    full = copy.deepcopy(net)
+    _score_mix(full, _mixed_ahead(batch)).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    model, caught = _sgd_step_caught(net, _mixed_ahead(batch), _score_mix, 4)
+    assert [str(w.message) for w in caught] == []
+    for got, want in zip(model.parameters(), full.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+class _Distiller:
+    """A training object holding the teacher, its loss a bound method (`self.teacher`)."""
+
+    def __init__(self, teacher: torch.nn.Module) -> None:
+        self.teacher = teacher
+
+    def loss(self, m: torch.nn.Module, b: Any) -> torch.Tensor:
+        with torch.no_grad():
+            target = self.teacher(b[0]).softmax(-1)
+        out = m(b[0])
+        kl = torch.nn.functional.kl_div(out.log_softmax(-1), target, reduction="batchmean")
+        return kl + torch.nn.functional.cross_entropy(out, b[1])
+
+
+def _teacher_net(batchnorm: bool = True) -> torch.nn.Module:
+    torch.manual_seed(1)
+    norm = [torch.nn.BatchNorm1d(16)] if batchnorm else []
+    layers = [torch.nn.Linear(6, 16), *norm, torch.nn.ReLU(), torch.nn.Linear(16, 5)]
+    return torch.nn.Sequential(*layers).double().requires_grad_(False)
+
+
+@pytest.mark.parametrize("held", ["closure", "bound method"])
+def test_a_teacher_outside_the_model_in_train_mode_warns_naming_eval_and_in_eval_is_exact(
+    held: str,
+) -> None:
+    """A distillation teacher held outside the model (a closure's `teacher`, a training object's
+    `self.teacher`), left in train mode and run in loss_fn: its BatchNorm normalizes each
+    micro-batch on its own, so its targets depend on the split (8e-2 rel off the full-batch
+    step), and nothing said so (the model's checks see only the model). It warns once now,
+    naming `teacher.eval()`; in eval mode, or without BatchNorm, it is quiet and exact."""
+    generator = torch.Generator().manual_seed(5)
+    batch = (
+        torch.randn(12, 6, generator=generator, dtype=torch.float64),
+        torch.randint(0, 5, (12,), generator=generator),
+    )
+    torch.manual_seed(0)
+    start = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5)
+    ).double()
+
+    def loss_of(teacher: torch.nn.Module) -> Any:
+        if held == "bound method":
+            return _Distiller(teacher).loss
+
+        def loss_fn(m: torch.nn.Module, b: Any) -> torch.Tensor:
+            return _Distiller.loss(types.SimpleNamespace(teacher=teacher), m, b)
+
+        return loss_fn
+
+    for teacher in (_teacher_net(), _teacher_net().eval(), _teacher_net(batchnorm=False)):
+        full, reference = copy.deepcopy(start), copy.deepcopy(teacher)
+        loss_of(reference)(full, batch).backward()
+        torch.optim.SGD(full.parameters(), lr=0.5).step()
+        model, caught = _sgd_step_caught(start, batch, loss_of(teacher), 4)
+        told = [str(w.message) for w in caught]
+        gap = max(
+            float((a - b).detach().abs().max() / b.detach().abs().max())
+            for a, b in zip(model.parameters(), full.parameters(), strict=True)
+        )
+        if teacher.training and len(list(teacher.modules())) == 5:  # train-mode BatchNorm
+            name = "self.teacher" if held == "bound method" else "teacher"
+            assert len(told) == 1, told
+            assert f"{name}.eval()" in told[0]
+            assert gap > 1e-3  # the control
+        else:
+            assert told == []
+            for got, want in zip(model.parameters(), full.parameters(), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=0)

@@ -42,7 +42,12 @@ from collections.abc import Mapping
 
 import torch
 
-from gradaccum._weighted_mean import constant_factor, summed_values, through_factors
+from gradaccum._weighted_mean import (
+    constant_factor,
+    reciprocal_divisor,
+    summed_values,
+    through_factors,
+)
 
 __all__ = [
     "CopiedLoopWarning",
@@ -153,6 +158,8 @@ def sum_problem(result: object, items: int) -> str | None:
     mean gradaccum reads.
     """
     node: object = result.grad_fn if isinstance(result, torch.Tensor) else None
+    if reciprocal_divisor(node, max(items, 1)):  # `sum * (1 / n)`: a division, `_weighted_mean`
+        return None
     for _ in range(4):  # `loss * T * T * weight`: a few constant factors at most
         factor = constant_factor(node)  # a negation too: `-log_p.sum()`
         if factor is None or abs(abs(factor[0]) * items - 1) < 1e-9:

@@ -116,7 +116,9 @@ LOSS_CAUSES = [
     "batch Dice or soft IoU, a ratio of window sums, has an exact two-pass recipe there); "
     "otherwise use the largest micro_batch_size that fits.",
     "or it uses a statistic of the batch that needs no gradient (PPO's advantage "
-    "normalization, a batch-mean baseline, MoE dispatch fractions),",
+    "normalization, a batch-mean baseline, MoE dispatch fractions, mixup or CutMix partners "
+    "drawn in loss_fn),",
     "    -> exact: compute that statistic over the whole batch before splitting it and pass the "
-    "result in the batch (advantages normalized up front; docs/losses.md).",
+    "result in the batch (advantages normalized up front; the batch mixed in the collate "
+    "function, both targets and lam in it; docs/losses.md).",
 ]

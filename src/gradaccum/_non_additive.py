@@ -40,6 +40,7 @@ __all__ = [
     "diverged_buffers",
     "find_non_additive",
     "hooked_buffers",
+    "ModulesRun",
 ]
 
 _SPECTRAL_REASON = (
@@ -308,3 +309,41 @@ def changed_parameters(
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
     """Every CUDA device when any of `tensors` is on one (their RNGs are forked too), else none."""
     return list(range(torch.cuda.device_count())) if any(t.is_cuda for t in tensors) else []
+
+
+class ModulesRun:
+    """Which of `model`'s modules are called inside `with`: only those can make a step inexact.
+
+    A module the model holds that never runs in a step (a user's EMA copy in train mode, a
+    head used only at evaluation) changes nothing the step computes: its BatchNorm or dropout
+    is not a cause. Every module counts as run (nothing is known) for a compiled model, whose
+    inlined modules may not call the hook, or when no module was called.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._names = {id(m): name or "<model>" for name, m in model.named_modules()}
+        self._compiled = any(type(m).__name__ == "OptimizedModule" for m in model.modules())
+        self._ran: set[str] = set()
+        self._handle: torch.utils.hooks.RemovableHandle | None = None
+
+    def __enter__(self) -> ModulesRun:
+        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._seen)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+
+    def _seen(self, module: torch.nn.Module, args: object) -> None:
+        name = self._names.get(id(module))
+        if name is not None:
+            self._ran.add(name)
+
+    def ran(self, name: str) -> bool:
+        """Whether the module `name` ran, or its parent (which may use it without calling it).
+
+        A parent may call `F.batch_norm(x, self.bn.running_mean, ...)`. True when nothing is
+        known.
+        """
+        parent = (name.rpartition(".")[0] or "<model>") if name != "<model>" else name
+        return self._compiled or not self._ran or name in self._ran or parent in self._ran

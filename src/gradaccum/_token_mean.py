@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from gradaccum._batch_stats import batch_statistic_problem
 from gradaccum._copied_loop import (
     CopiedLoopWarning,
     division_problem,
@@ -33,6 +34,7 @@ from gradaccum._copied_loop import (
 )
 from gradaccum._nll_mean import ctc_without_nll, nll_mean_problem, unshifted_count_problem
 from gradaccum._pairs import split_pairs_problem
+from gradaccum._teacher import teacher_problem
 from gradaccum._warnings import warn_user
 from gradaccum._weighted_mean import (
     divided_sum_problem,
@@ -140,22 +142,34 @@ class TokenMeanCheck:
         checks: Plain-scalar micro-batches to inspect at most.
     """
 
-    def __init__(self, checks: int = 8) -> None:
+    def __init__(self, model: torch.nn.Module | None = None, checks: int = 8) -> None:
+        self.model = model  # a module loss_fn runs outside it: a teacher in train mode
         self.left = checks
-        self.copied_left = checks  # `_copied_loop`'s checks, of any loss (no device sync)
+        self.copied_left = checks  # `_copied_loop`'s and the pairs' checks, of any loss
+        self.copied = True  # no copied loop's line told yet
         # Micro-batches divided by their window's micro-batches, all of them from the first
         # (-1 once one was not: a count from the data, `sum / n_tokens`, equal to it by chance).
         self.divisions = 0
-        self.pairs = True  # neither pairs cut by the split nor an unshifted count told yet
+        # Each kind told once, on its own: one told must not silence the other.
+        self.unshifted, self.pairs = True, True  # an unshifted count; pairs cut by the split
+        # A statistic of the micro-batch (advantages centered, mixup): told once each; a
+        # mixup on its second micro-batch (-1 once targets held other labels: mixed before).
+        self.centered, self.mixed = True, 0
         self.per_row: tuple[int, ...] | None = None  # the window's masked means' values per row
 
     def check(
-        self, result: object, micro_batch: object, items: int = 0, micro_batches: int = 0
+        self,
+        result: object,
+        micro_batch: object,
+        items: int = 0,
+        micro_batches: int = 0,
+        loss_fn: object = None,
     ) -> None:
         """Inspect `micro_batch` if `loss_fn` returned a plain scalar for it.
 
         Any loss is looked at for a copied loop's line (`_copied_loop`): `items` rows, one of
-        `micro_batches` in the window (0 when not known up front).
+        `micro_batches` in the window (0 when not known up front); `loss_fn` for a module it
+        runs outside the model in train mode (`_teacher`).
 
         Raises:
             ValueError: If the loss was multiplied by a GradScaler's scale (before any backward,
@@ -169,25 +183,47 @@ class TokenMeanCheck:
             divided = division_problem(result, micro_batches, items)
             if self.divisions >= 0:
                 self.divisions = self.divisions + 1 if divided is not None else -1
-            problem = sum_problem(result, items) or mean_problem(result)
-            problem = problem or (divided if self.divisions > 1 else None)
-            if problem is None and _labelled(micro_batch):  # transformers' num_items_in_batch
+            problem = self.copied and (sum_problem(result, items) or mean_problem(result))
+            problem = problem or (divided if self.copied and self.divisions > 1 else None)
+            if self.copied and not problem and _labelled(micro_batch):  # num_items_in_batch
                 labels = next((value for _, value in _targets(micro_batch)), None)
                 problem = window_count_problem(result, labels, items)
-            unshifted = self.pairs and unshifted_count_problem(result, items)
+            unshifted = self.unshifted and unshifted_count_problem(result, items)
             if unshifted:  # a causal LM's count taken before its labels' shift
                 warn_user(TokenMeanWarning(unshifted))
+                self.unshifted = False
             pairs = self.pairs and split_pairs_problem(result, items, micro_batches)
             if pairs:  # chosen and rejected rows a split cut apart
                 warn_user(UserWarning(pairs))
-            self.pairs = self.pairs and not (unshifted or pairs)  # one of these, once
-            if problem is not None:
+                self.pairs = False
+            self._check_statistics(result, items, micro_batches)
+            if self.model is not None and loss_fn is not None and micro_batches > 1:
+                teacher = teacher_problem(loss_fn, self.model)  # outside the model, train mode
+                if teacher:
+                    warn_user(UserWarning(teacher))
+                    self.model = None
+            if problem:
                 warn_user(CopiedLoopWarning(problem))
-                self.copied_left = 0
+                self.copied = False
         if self.left and isinstance(result, torch.Tensor):
             self.left = 0 if warn_if_token_mean(micro_batch, result, items) else self.left - 1
             if self.left or self.per_row is not None:  # not warned: a masked mean per row?
                 self._compare_per_row(masked_means_per_row(result, items))
+
+    def _check_statistics(self, result: object, items: int, micro_batches: int) -> None:
+        """Warn once each of advantages centered and labels mixed within a micro-batch."""
+        if not self.centered and self.mixed < 0:
+            return
+        found = batch_statistic_problem(result, items, micro_batches)
+        kind, problem = found or ("", "")
+        if kind == "centered" and self.centered:
+            warn_user(UserWarning(problem))
+            self.centered = False
+        if self.mixed >= 0:
+            self.mixed = -1 if kind == "not mixed" else self.mixed + (kind == "mixed")
+            if self.mixed == 2 and kind == "mixed":
+                warn_user(UserWarning(problem))
+                self.mixed = -1
 
     def open_window(self) -> None:
         """A new window: its masked means' values per row may differ from the last window's."""

@@ -39,6 +39,7 @@ __all__ = [
     "masked_mean_problem",
     "masked_means_per_row",
     "per_row_change_problem",
+    "reciprocal_divisor",
     "summed_values",
     "through_factors",
 ]
@@ -46,12 +47,13 @@ __all__ = [
 _MEAN, _SUM = 1, 2  # torch's Reduction::Mean and ::Sum, as a loss node saves them
 
 
-def constant_factor(node: object) -> tuple[float, object] | None:
+def constant_factor(node: object, *, any_device: bool = False) -> tuple[float, object] | None:
     """`(c, inner)` if `node` multiplies `inner` by a number `c` on the CPU (no device read).
 
     A negation is a factor of -1: hand-written log-likelihoods are negated sums
     (`-(w * log_p).sum() / w.sum()`, BPR's `-F.logsigmoid(diff).sum()`), and a detector that
-    stopped at the `NegBackward0` node missed them, silently.
+    stopped at the `NegBackward0` node missed them, silently. With `any_device`, a factor on
+    an accelerator is read too (a device sync: `sum * (1 / mask.sum())` is a division).
     """
     name = type(node).__name__
     if name == "NegBackward0":
@@ -62,7 +64,9 @@ def constant_factor(node: object) -> tuple[float, object] | None:
     if (first is None) == (second is None):  # two graphs, or two constants
         return None
     constant = getattr(node, "_saved_self" if first is None else "_saved_other", None)
-    if not isinstance(constant, torch.Tensor) or constant.dim() or constant.device.type != "cpu":
+    if not isinstance(constant, torch.Tensor) or constant.dim() or constant.is_complex():
+        return None
+    if constant.device.type != "cpu" and not any_device:
         return None
     return float(constant), second if first is None else first
 
@@ -124,14 +128,38 @@ def divided_sum_problem(loss: torch.Tensor, rows: int) -> str | None:
     )
 
 
-def _divided(node: object, rows: int, per_row: bool) -> tuple[float, int] | None:
-    """`(divisor, values summed)` if `node` divides a sum over the items by a constant.
+def reciprocal_divisor(node: object, rows: int) -> tuple[float, object] | None:
+    """`(d, inner)` if `node` multiplies `inner` by `1 / d`, a division by `d >= rows`.
 
-    The values summed are negative when a mask picked them (`loss[mask].sum() / mask.sum()`).
+    A token mean written as a product, `(l * k).sum() * (1 / k.sum())` or
+    `* torch.reciprocal(k.sum())`, is the division `sum / k.sum()`; the factors below 1 in a
+    chain (`0.5 * sum * (1 / n)`) make `d`, larger ones are weights (`T * T`). Below `rows`
+    (a weight such as `0.5 * ce_sum` over 5 rows) it is a sum weighted, not a mean.
     """
-    if type(node).__name__ != "DivBackward0":
+    fraction, inner = 1.0, node
+    for _ in range(4):
+        factor = constant_factor(inner, any_device=True)
+        if factor is None:
+            break
+        fraction *= abs(factor[0]) if 0 < abs(factor[0]) < 1 else 1.0
+        inner = factor[1]
+    divisor = 1 / fraction if fraction > 0 else math.inf
+    if abs(divisor - round(divisor)) <= 1e-6 * divisor:  # a count's float32 reciprocal
+        divisor = round(divisor)
+    if fraction == 1.0 or not math.isfinite(divisor) or divisor < rows:
         return None
-    divisor = getattr(node, "_saved_other", None)
+    return divisor, inner
+
+
+def _quotient(node: object, rows: int) -> tuple[float, object] | None:
+    """`(divisor, numerator)` of `node` written as a division by a constant.
+
+    As `a / d`, `a.div(d)`, `torch.true_divide(a, d)`, or `a * (1 / d)` (`reciprocal_divisor`).
+    """
+    top = through_factors(node)
+    if type(top).__name__ != "DivBackward0":
+        return reciprocal_divisor(node, rows)
+    divisor = getattr(top, "_saved_other", None)
     if (
         not isinstance(divisor, torch.Tensor)
         or divisor.numel() != 1
@@ -139,9 +167,20 @@ def _divided(node: object, rows: int, per_row: bool) -> tuple[float, int] | None
         or divisor.is_complex()
     ):
         return None
-    numerator = node.next_functions[0][0]  # type: ignore[attr-defined]
+    return abs(float(divisor)), top.next_functions[0][0]  # type: ignore[attr-defined]
+
+
+def _divided(node: object, rows: int, per_row: bool) -> tuple[float, int] | None:
+    """`(divisor, values summed)` if `node` divides a sum over the items by a constant.
+
+    The values summed are negative when a mask picked them (`loss[mask].sum() / mask.sum()`).
+    `sum(w * log_p) / -sum(w)` is a weighted mean too: the divisor's sign is dropped.
+    """
+    quotient = _quotient(node, rows)
+    if quotient is None:
+        return None
+    value, numerator = quotient
     summed = _sum_over_items(numerator, rows, per_row=per_row)
-    value = abs(float(divisor))  # `sum(w * log_p) / -sum(w)` is a weighted mean too
     return None if not summed or not math.isfinite(value) or value <= 0 else (value, summed)
 
 
@@ -153,10 +192,10 @@ def _whole(value: float, rows: int) -> int:
 
 def _divisions(loss: torch.Tensor, rows: int) -> list[tuple[float, int]]:
     """The hand-divided sums over the items `loss` is (or adds up), past constant factors."""
-    top = through_factors(loss.grad_fn)  # `-(sum / W)`, `0.5 * sum / W`
+    top = loss.grad_fn  # `-(sum / W)`, `0.5 * sum / W`, `sum * (1 / W)`
     # Each term of a sum too (`dpo.mean() - log_p.sum() / tokens`: a token mean beside a row
     # mean), if it sums a tensor of a value per row: a regularizer summing weights is no mean.
-    nodes = [top] if type(top).__name__ == "DivBackward0" else _mean_terms(loss)
+    nodes = [top] if _quotient(top, rows) else _mean_terms(loss, factors=True)
     return [d for node in nodes if (d := _divided(node, rows, node is not top))]
 
 
@@ -212,16 +251,20 @@ _NLL = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})
 _BELOW = 4  # nodes under a mean searched for the selection: `(p[m] - y[m]).abs().mean()`
 
 
-def _mean_terms(loss: torch.Tensor, limit: int = 8) -> list[object]:
-    """The terms a loss adds up (`a + 0.5 * b - c`), each past its constant factors."""
+def _mean_terms(loss: torch.Tensor, limit: int = 8, *, factors: bool = False) -> list[object]:
+    """The terms a loss adds up (`a + 0.5 * b - c`), each past its constant factors.
+
+    With `factors`, each term keeps them: `s * (1 / n)` is a division.
+    """
     queue: list[object] = [loss.grad_fn]
     terms: list[object] = []
     while queue and len(terms) + len(queue) <= limit:
-        node = through_factors(queue.pop(0))
+        raw = queue.pop(0)
+        node = through_factors(raw)
         if type(node).__name__ in _ADDS:
             queue.extend(f for f, _ in node.next_functions if f is not None)  # type: ignore[attr-defined]
         else:
-            terms.append(node)
+            terms.append(raw if factors else node)
     return terms
 
 

@@ -41,6 +41,7 @@ from gradaccum._check_precision import PrecisionProbe, tolerance
 from gradaccum._fixes import LOSS_CAUSES, fix_for
 from gradaccum._loss_call import call_loss_fn, refuse_grad_disabled
 from gradaccum._non_additive import (
+    ModulesRun,
     NonAdditiveModule,
     changed_by_hooks,
     changed_parameters,
@@ -264,7 +265,7 @@ def check_equivalence(
             rng = rng_snapshot(devices, generators)
             with random_draws(full_model, devices, known) as drawing:
                 try:
-                    with generators_forked(own, own_drew):
+                    with generators_forked(own, own_drew), ModulesRun(full_model) as run:
                         result = call_loss_fn(loss_fn, full_model, batch)
                 except Exception as error:
                     fused = float32_only(model)
@@ -319,7 +320,8 @@ def check_equivalence(
                     f"mode).{hint}"
                 ) from error
 
-    non_additive = find_non_additive(model) + drawing
+    # Only modules that ran: a train-mode EMA copy the model holds never runs in a step.
+    non_additive = [m for m in find_non_additive(model) if run.ran(m.name)] + drawing
     non_additive += changed_by_hooks(full_model, hooked, {m.name for m in non_additive})
     non_additive += diverged_buffers(full_model, accumulated_model, {m.name for m in non_additive})
     non_additive += diverged_attributes(

@@ -358,7 +358,7 @@ def accumulate_grad(
     device = params[0].device
     window = Window()
     window.open(params, len(params), loss_scale=1.0)
-    token_mean, layout = TokenMeanCheck(), SequenceFirstCheck(model, batch_dim, carried=False)
+    token_mean, layout = TokenMeanCheck(model), SequenceFirstCheck(model, batch_dim, carried=False)
     forward = ForwardState(model)  # put back on failure, as the note says (BatchNorm statistics)
     try:
         with steps_refused(window):  # an optimizer stepped in the backward
@@ -373,7 +373,7 @@ def accumulate_grad(
                         "divides each term by its own window count: use Accumulator.step."
                     )
                 value, weight, count = read_loss(result, items, needs_graph=True)
-                token_mean.check(result, micro_batch, items, len(micro_batches))  # misread losses
+                token_mean.check(result, micro_batch, items, len(micro_batches), loss_fn)
                 if window.denominator is None:
                     # A count known up front (a mean's items, or counted ahead): in each backward
                     folded = (total_items if weight > 1 else counted) or None

@@ -1,0 +1,116 @@
+"""A module outside the model that `loss_fn` runs in train mode: a distillation teacher.
+
+A teacher (or any frozen network) held outside the model, in a closure, a global the loss
+names, a `functools.partial` or the object a bound method belongs to, is not the model: none
+of the model's checks see it. Left in train mode (a fresh `torchvision` model, or a loop's
+`teacher.train()`), its BatchNorm normalizes each micro-batch with that micro-batch's
+statistics and updates its running statistics once per micro-batch, so the targets it gives
+depend on the split. In eval mode each item's output is its own, and the step is the
+full-batch one.
+
+Example:
+    >>> import torch
+    >>> teacher = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    >>> def loss_fn(model, batch):
+    ...     return (model(batch) - teacher(batch)).pow(2).mean()
+    >>> "teacher.eval()" in teacher_problem(loss_fn, torch.nn.Linear(3, 3))
+    True
+    >>> _ = teacher.eval()
+    >>> teacher_problem(loss_fn, torch.nn.Linear(3, 3)) is None
+    True
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = ["teacher_problem"]
+
+
+def _held_modules(loss_fn: object, depth: int = 2) -> list[tuple[str, torch.nn.Module]]:
+    """The modules `loss_fn` holds by name, as `_random_draws.loss_generators` finds generators.
+
+    Its closure, default arguments, the globals its code names (and, `depth` deep, those of the
+    functions it names there), a partial's arguments, a bound method's object's attributes
+    (and an `nn.Module` object's submodules) and a callable object's attributes.
+    """
+    found: dict[int, tuple[str, torch.nn.Module]] = {}
+
+    def attributes(owner: object, prefix: str) -> list[tuple[str, object]]:
+        values = list(getattr(owner, "__dict__", {}).items())
+        if isinstance(owner, torch.nn.Module):
+            values += list(owner._modules.items())
+        return [(f"{prefix}{key}", value) for key, value in values]
+
+    def visit(fn: object, left: int) -> None:
+        values: list[tuple[str, object]] = []
+        while isinstance(fn, partial):
+            values += [("a partial's argument", v) for v in (*fn.args, *fn.keywords.values())]
+            fn = fn.func
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            cells = getattr(fn, "__closure__", None) or ()
+            for name, cell in zip(code.co_freevars, cells, strict=False):
+                try:
+                    values.append((name, cell.cell_contents))
+                except ValueError:  # an empty cell
+                    continue
+            defaults = [*(getattr(fn, "__defaults__", None) or ())]
+            defaults += [*(getattr(fn, "__kwdefaults__", None) or {}).values()]
+            values += [("a default argument", v) for v in defaults]
+            owner = getattr(fn, "__self__", None)  # a bound method: its object's `self.teacher`
+            values += attributes(owner, "self.") if owner is not None else []
+            names = getattr(fn, "__globals__", {})
+            values += [(name, names[name]) for name in code.co_names if name in names]
+        elif not isinstance(fn, type):  # a callable object: what it holds
+            values += attributes(fn, "")
+        for name, value in values:
+            if isinstance(value, torch.nn.Module):
+                found.setdefault(id(value), (name, value))
+            elif left > 1 and callable(value) and hasattr(value, "__code__"):
+                visit(value, left - 1)
+
+    visit(loss_fn, depth)
+    return list(found.values())
+
+
+def teacher_problem(loss_fn: object, model: torch.nn.Module) -> str | None:
+    """Why a module `loss_fn` holds outside `model` makes the step split-dependent, or None.
+
+    Told for a train-mode BatchNorm (or one without running statistics) in it. (Dropout alone
+    is not: random draws per micro-batch are noise, as the model's own are.) Only modules that
+    share nothing with the model: the model itself, a wrapper of it or a part of it held by
+    the loss as well are the model's checks' concern.
+    """
+    inside = {id(m) for m in model.modules()}
+    for name, held in _held_modules(loss_fn):
+        modules = list(held.modules())
+        if any(id(m) in inside for m in modules):
+            continue
+        norms = [
+            f"{_call(name)}.{n}" if n else _call(name)
+            for n, m in held.named_modules()
+            if isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)
+        ]
+        if not norms:
+            continue
+        shown = ", ".join(norms[:3]) + (f" and {len(norms) - 3} more" if len(norms) > 3 else "")
+        return (
+            f"loss_fn runs {name}, a module outside the model, whose BatchNorm layers ({shown}) "
+            "are in train mode: each micro-batch is normalized with its own statistics, and "
+            "the running statistics are updated once per micro-batch, so its outputs depend on "
+            "the split and the step is not the full-batch one. If it is a frozen teacher, put "
+            f"it in eval mode: {_call(name)}.eval() (after each model.train(), e.g. "
+            "teacher.eval()); its running statistics then make each item's output its own "
+            "(and its dropout, if any, is off). If it is trained too (a GAN's discriminator), "
+            "its BatchNorm needs the same care as the model's (docs/batchnorm.md)."
+        )
+    return None
+
+
+def _call(name: str) -> str:
+    """How the user would write the module's name in code (`teacher`, `self.teacher`)."""
+    return name if name.isidentifier() or name.startswith("self.") else "teacher"
