@@ -44,6 +44,7 @@ from gradaccum._hf_model import (
     accepts_keyword,
     logits_of,
     problem_type_of,
+    refuse_own_loss_function,
     refuse_peft_loss_terms,
     refuse_router_losses,
     virtual_tokens,
@@ -109,6 +110,7 @@ class TaskLoss:
         """
         labels = _labels(batch, self.task)
         refuse_peft_loss_terms(model)  # AdaLoRA: its own loss adds a term the logits lack
+        refuse_own_loss_function(model)  # model.loss_function = ...: not what is scored
         inputs = {key: value for key, value in batch.items() if key not in _LABEL_KEYS}
         if self.task is Task.SEQ2SEQ:
             inputs = with_decoder_inputs(model, inputs, labels)
@@ -264,8 +266,15 @@ def _document_starts(
             starts = starts & after_token[..., :-1]
         return starts
     if cu_seq_lens is not None:
+        bounds = cu_seq_lens.flatten().long()
         flat = torch.zeros(labels.numel(), dtype=torch.bool, device=labels.device)
-        flat[cu_seq_lens[:-1].to(device=labels.device, dtype=torch.long)] = True
+        if len(bounds) < 2 or bounds[0] or bounds[-1] != len(flat) or (bounds.diff() < 0).any():
+            raise ValueError(
+                f"cu_seq_lens={bounds.tolist()} are no document offsets of these {len(flat)} "
+                f"tokens (0 first, ascending, {len(flat)} last): pass this micro-batch's own, or "
+                "position_ids (0 where a document starts), which split with their rows."
+            )
+        flat[bounds[:-1].to(labels.device)] = True
         return flat.view_as(labels)
     return None
 
