@@ -131,10 +131,10 @@ def refuse_own_loss_function(model: torch.nn.Module) -> None:
             "the model's own loss is yours, and gradaccum.hf scores the logits with plain "
             "cross-entropy (it calls the model without labels), so it would silently train on "
             "another loss. Keep yours in a loss_fn of your own: return LossSum(model(**mb, "
-            "num_items_in_batch=1).loss, hf.causal_lm.items_counted(mb)), your loss summed "
-            "(if it divides by num_items_in_batch, as transformers' losses do) over the tokens "
-            "it scores, which must be the ones counted; or remove the replacement (del "
-            "model._loss_function) to train on the plain token loss."
+            "num_items_in_batch=1).loss, count), your loss's sum if it divides by "
+            "num_items_in_batch as transformers' losses do, and count the items it sums over "
+            "(a causal LM's: (mb['labels'][..., 1:] != -100).sum()); or remove the replacement "
+            "(del model._loss_function) to train on the plain token loss."
         )
 
 
