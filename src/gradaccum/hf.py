@@ -50,6 +50,7 @@ from gradaccum._hf_model import (
     virtual_tokens,
     with_decoder_inputs,
 )
+from gradaccum._hf_packing import document_starts, packing_of, shifted
 from gradaccum.loss import LossSum
 from gradaccum.options import parse
 
@@ -131,13 +132,13 @@ class TaskLoss:
             packing = {}
         if self.task is Task.CAUSAL_LM and "shift_labels" in batch:
             return _token_cross_entropy(logits, labels)  # shifted by the data pipeline
+        if self.task is Task.CAUSAL_LM:  # input_ids tell a separator from a document's start
+            starts = document_starts(labels, **packing_of(packing))
+            return _token_cross_entropy(logits, shifted(labels, starts))
         return loss_from_logits(
             logits,
             labels,
             self.task,
-            position_ids=packing.get("position_ids"),
-            cu_seq_lens=packing.get("cu_seq_lens_q"),
-            attention_mask=packing.get("attention_mask"),
             problem_type=problem_type_of(model),
         )
 
@@ -145,13 +146,7 @@ class TaskLoss:
         """The items `self(model, batch)` will count, from the batch alone."""
         labels = _labels(batch, self.task)
         if self.task is Task.CAUSAL_LM and "shift_labels" not in batch:
-            starts = _document_starts(
-                labels,
-                batch.get("position_ids"),
-                batch.get("cu_seq_lens_q"),
-                batch.get("attention_mask"),
-            )
-            labels = _shifted(labels, starts)
+            labels = shifted(labels, document_starts(labels, **packing_of(batch)))
         elif self.task is Task.CLASSIFICATION and labels.is_floating_point():
             return torch.tensor(labels.numel())  # regression or multi-label: every output
         count: torch.Tensor = (labels != IGNORE_INDEX).sum()
@@ -231,52 +226,11 @@ def loss_from_logits(
     kind = parse(Task, task, "task")
     labels = _as_long(labels)
     if kind is Task.CAUSAL_LM:
-        starts = _document_starts(labels, position_ids, cu_seq_lens, attention_mask)
-        return _token_cross_entropy(logits, _shifted(labels, starts))
+        starts = document_starts(labels, position_ids, cu_seq_lens, attention_mask)
+        return _token_cross_entropy(logits, shifted(labels, starts))
     if kind is Task.CLASSIFICATION:
         return _classification_loss(logits, labels, problem_type)
     return _token_cross_entropy(logits, labels)
-
-
-def _shifted(labels: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
-    """The target of each position: the next label, -100 past a row's end or a document's."""
-    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    if starts is None:
-        return shifted
-    # Position j predicts token j + 1: not when j + 1 opens the next document.
-    crosses = F.pad(starts[..., 1:], (0, 1), value=False)
-    return shifted.masked_fill(crosses, IGNORE_INDEX)
-
-
-def _document_starts(
-    labels: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    cu_seq_lens: torch.Tensor | None,
-    attention_mask: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """A bool mask shaped like `labels`: True where a packed row starts a new document.
-
-    A position 0 whose previous position is padding (`attention_mask` 0) starts no new
-    document: it is a left-padded row's first token, which the model predicts and scores.
-    """
-    if position_ids is not None:
-        starts = (position_ids.to(labels.device) == 0).expand_as(labels)
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.shape == labels.shape:
-            after_token = F.pad(attention_mask.to(labels.device) != 0, (1, 0), value=True)
-            starts = starts & after_token[..., :-1]
-        return starts
-    if cu_seq_lens is not None:
-        bounds = cu_seq_lens.flatten().long()
-        flat = torch.zeros(labels.numel(), dtype=torch.bool, device=labels.device)
-        if len(bounds) < 2 or bounds[0] or bounds[-1] != len(flat) or (bounds.diff() < 0).any():
-            raise ValueError(
-                f"cu_seq_lens={bounds.tolist()} are no document offsets of these {len(flat)} "
-                f"tokens (0 first, ascending, {len(flat)} last): pass this micro-batch's own, or "
-                "position_ids (0 where a document starts), which split with their rows."
-            )
-        flat[bounds[:-1].to(labels.device)] = True
-        return flat.view_as(labels)
-    return None
 
 
 def _as_long(labels: torch.Tensor) -> torch.Tensor:
