@@ -254,6 +254,36 @@ def mean_problem(result: object) -> str | None:
             "Face model's outputs.loss, call it with num_items_in_batch=1, or use a "
             "gradaccum.hf loss (hf.causal_lm, ...)."
         )
+    return _mean_counted_once(parts) if isinstance(terms, Mapping) else None
+
+
+def _mean_counted_once(parts: list[tuple[str, object, object]]) -> str | None:
+    """A term that is a mean over as many values as another term counts, itself counted once.
+
+    A z-loss beside the token loss, `z=Term(1e-4 * (lse[scored] ** 2).mean(), count=1)`: per
+    micro-batch a mean over its tokens, so the window's term is a mean of the micro-batches'
+    means, not the full-batch mean over tokens (2.7e-3 off on a tiny GPT-2, silently). A term
+    of the weights alone counted once (AdaLoRA's orthogonality) averages no tokens: not told.
+    """
+    means = []  # (where, values averaged) of the terms that are a mean: no device sync yet
+    for where, value, count in parts:
+        node = through_factors(value.grad_fn if isinstance(value, torch.Tensor) else None)
+        if type(node).__name__ == "MeanBackward0" and count is not None:
+            means.append((where, count, int(getattr(node, "_saved_self_sym_numel", 0))))
+    for where, count, averaged in means:
+        if averaged < 2 or float(count) != 1:  # type: ignore[arg-type]
+            continue
+        for other, _, counts in parts:
+            if other == where or counts is None or float(counts) != averaged:  # type: ignore[arg-type]
+                continue
+            return (
+                f"loss_fn returned {where} whose value is a MEAN over {averaged:g} values with a "
+                f"count of 1, as many values as {other} counts: the window would average the "
+                "micro-batches' means, not the values, which is not the full-batch mean when "
+                "micro-batches hold different numbers of them. Return their SUM with their "
+                "number as the count, e.g. Term((lse[scored] ** 2).sum(), count=scored.sum(), "
+                "weight=1e-4) for a z-loss (docs/losses.md)."
+            )
     return None
 
 
