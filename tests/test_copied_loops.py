@@ -628,3 +628,38 @@ def test_a_z_loss_mean_counted_once_beside_the_tokens_warns_and_its_sum_is_exact
     assert len(said) == 1
     assert "MEAN over" in said[0]
     assert "Term((lse[scored] ** 2).sum(), count=scored.sum()" in said[0]
+
+
+def test_a_loss_sum_value_divided_by_its_count_warns_and_a_scaled_sum_does_not() -> None:
+    """`LossSum(ce_sum / n, n)` divides twice (the window divides by its count): it warns. A
+    sum scaled by a convention's constant (`sq.sum() / 2`) is no mean over the counted items."""
+    batch = token_batch(torch.Generator().manual_seed(3), 7)
+
+    def run(loss_fn: object) -> list[str]:
+        model = make_model("token")
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert acc.step(batch, loss_fn).stepped
+        return [str(w.message) for w in caught if issubclass(w.category, CopiedLoopWarning)]
+
+    def summed(model: nn.Module, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(mb["tokens"]).flatten(0, 1)
+        labels = mb["labels"].flatten()
+        loss = nn.functional.cross_entropy(
+            logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return loss, (labels != IGNORE_INDEX).sum()
+
+    def twice(model: nn.Module, mb: dict[str, torch.Tensor]) -> LossSum:
+        loss, tokens = summed(model, mb)
+        return LossSum(loss / tokens, tokens)
+
+    def halved(model: nn.Module, mb: dict[str, torch.Tensor]) -> LossSum:
+        loss, tokens = summed(model, mb)
+        return LossSum(loss / 2, tokens)
+
+    said = run(twice)
+    assert len(said) == 1
+    assert "SUM divided by" in said[0]
+    assert not run(halved)

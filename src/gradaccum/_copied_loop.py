@@ -241,11 +241,20 @@ def mean_problem(result: object) -> str | None:
         grad_fn = value.grad_fn if isinstance(value, torch.Tensor) else None
         node = through_factors(grad_fn, signs_only=True)  # `-log_p.mean()`; not `mean * count`
         mean = getattr(node, "_saved_reduction", None) == _MEAN
-        if not (mean or type(node).__name__ == "MeanBackward0") or count is None:
+        divided = None if mean or count is None else _sum_over(node, read_device=True)
+        if not (mean or divided or type(node).__name__ == "MeanBackward0") or count is None:
             continue
         items = float(count)
-        if items <= 1:
-            continue
+        if items <= 1 or (divided is not None and not (divided.is_integer() and divided >= items)):
+            continue  # `sum / 2` (a convention's scaling) is no mean over the counted items
+        if divided is not None:
+            return (
+                f"loss_fn returned {where} whose value is a SUM divided by {divided:g} (a "
+                "model called with num_items_in_batch=n, or sum / count) with a count of "
+                f"{items:g}: the window divides by its count again, so every micro-batch is "
+                "divided twice, silently. Give the sum itself: num_items_in_batch=1 for a Hugging "
+                "Face model's outputs.loss, or drop the division (or use a gradaccum.hf loss)."
+            )
         return (
             f"loss_fn returned {where} whose value is a MEAN ({type(node).__name__}) with a "
             f"count of {items:g}, but the value is the SUM of the losses the count covers: the "
@@ -309,7 +318,8 @@ def window_count_problem(result: object, labels: torch.Tensor | None, items: int
         f" A plain scalar is read as a mean over the micro-batch's {items} rows and weighted by "
         "them, so the step is not the full-batch one. gradaccum divides by the window's count "
         "itself: use a gradaccum.hf loss (hf.causal_lm, ...), or return gradaccum.LossSum("
-        "model(**batch, num_items_in_batch=1).loss, count=hf.causal_lm.items_counted(batch)); "
+        "model(**batch, num_items_in_batch=1).loss, count=(batch['labels'][..., 1:] != -100)"
+        ".sum()); "
         "for a constant denominator C, LossSum.terms(loss=Term(summed, denominator=C))."
     )
 

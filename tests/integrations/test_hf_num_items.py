@@ -155,3 +155,32 @@ def test_the_models_sum_on_packed_rows_is_the_step_with_the_count_it_scores() ->
         model(**mb, num_items_in_batch=1).loss, hf.causal_lm.items_counted(mb)
     )
     assert relative_gap(run(before), reference) > 1e-2
+
+
+def _own_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (batch["labels"][..., 1:] != -100).sum()
+
+
+@pytest.mark.parametrize(
+    "divisor",
+    [_own_count, lambda batch: int(_own_count(batch)), lambda batch: WINDOW_TOKENS],
+    ids=["own-count", "own-count-int", "window-count"],
+)
+def test_the_models_loss_divided_by_num_items_and_counted_again_warns(
+    divisor: Callable[..., Any],
+) -> None:
+    """`LossSum(model(**mb, num_items_in_batch=n).loss, count)`: a sum divided by n, divided
+    by the window's count again (0.96 off the step, silently): a mean that no graph node
+    calls a mean, so the check for means did not see it."""
+
+    def twice(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
+        return LossSum(model(**batch, num_items_in_batch=divisor(batch)).loss, _own_count(batch))
+
+    params, said = _ours(twice)
+    assert len(said) == 1, said
+    assert "SUM divided by" in said[0]
+    assert "num_items_in_batch=1" in said[0]
+    assert relative_gap(params, _reference()) > 1e-2
+    params, said = _ours(_models_sum_and_count)  # control: num_items_in_batch=1, quiet
+    assert not said
+    assert relative_gap(params, _reference()) < 1e-6
