@@ -9,7 +9,8 @@ loss counts them:
 
 - `causal_lm`: next-token prediction; the labels are shifted as the model shifts them, and a
   token that starts a new document of a packed row (`position_ids` back at 0, or
-  `cu_seq_lens_q`) is not predicted from the previous document's last token;
+  `cu_seq_lens_q`) is not predicted from the previous document's last token (a separator
+  label there, not the token at that position, is, as the model's own loss scores it);
 - `seq2seq`: encoder-decoder models (T5, BART); the decoder's inputs are made from the labels
   as the model makes them;
 - `masked_lm`: masked language models (BERT); every label that is not -100 is scored;
@@ -159,7 +160,9 @@ causal_lm = TaskLoss(Task.CAUSAL_LM)
 The batch holds the model's inputs and `labels` (or `shift_labels`, already shifted). Packed
 rows are read from `position_ids` (a 0 starts a document) or `cu_seq_lens_q`. The model is called
 with `use_cache=False` unless the batch says otherwise: with a cache, transformers lets the
-documents of a packed row attend to each other.
+documents of a packed row attend to each other (as it does given an `attention_mask`: leave it
+out of packed batches). A model whose `loss_function` was replaced is refused: its own loss is
+not the cross-entropy scored here.
 """
 
 seq2seq = TaskLoss(Task.SEQ2SEQ)
