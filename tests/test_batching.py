@@ -387,6 +387,37 @@ def test_numpy_and_tensor_mismatch_names_both() -> None:
         split_batch({"x": torch.zeros(4, 2), "w": np.array(1.0)}, 2)
 
 
+def _offsets_batch(kind: Any, key: str = "cu_seq_lens_q") -> Any:
+    """3 packed rows of 8 tokens holding 2 documents: their n + 1 = 3 offsets are as long as B."""
+    ids = torch.arange(24).view(3, 8)
+    return kind(input_ids=ids, labels=ids, **{key: torch.tensor([0, 10, 24], dtype=torch.int32)})
+
+
+@pytest.mark.parametrize("kind", [dict, OrderedDict], ids=["dict", "mapping"])
+def test_document_offsets_as_long_as_the_batch_are_refused_not_split_by_rows(kind: Any) -> None:
+    """Before, `cu_seq_lens_q` of n + 1 = B entries was split with the rows, silently: a
+    micro-batch of rows 0-1 got the offsets [0, 10] of 16 tokens, the next [24] alone."""
+    for key in ("cu_seq_lens_q", "cu_seqlens"):
+        with pytest.raises(ValueError, match="document offsets into the batch's flattened"):
+            split_batch(_offsets_batch(kind, key), 2)
+        with pytest.raises(ValueError, match="return_flash_attn_kwargs=False"):
+            batch_size(_offsets_batch(kind, key))
+    # Control: the same tensor under another name is read as one entry per row, and cut.
+    assert split_batch(_offsets_batch(kind, "offsets"), 2)[1]["offsets"].tolist() == [24]
+    model = torch.nn.Embedding(24, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    for acc in (
+        gradaccum.Accumulator(model, optimizer, micro_batch_size=2),
+        gradaccum.Accumulator(model, optimizer, accumulation_steps=2),
+    ):
+        run = acc.step if acc.micro_batch_size else acc.micro_step
+        with pytest.raises(ValueError, match="document offsets"):
+            run(_offsets_batch(kind), lambda m, b: m(b["input_ids"]).sum())
+        assert torch.equal(model.weight, before)
+        assert model.weight.grad is None
+
+
 # --- batch_dim: sequence-first layouts --------------------------------------------------------
 
 

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from gradaccum import Accumulator, LossSum, accumulate_grad
-from gradaccum.loss import CopiedLoopWarning, LossTerms
+from gradaccum.loss import CopiedLoopWarning, LossTerms, Term
+from tests.models import IGNORE_INDEX, make_model, token_batch
+from tests.reference import param_tensors, relative_gap
 
 STEPS = 4
 SIZES = (5, 5, 5, 3)  # a loader's last batch is smaller: the window is ragged
@@ -580,3 +582,84 @@ def test_a_negated_sum_returned_plainly_warns_and_its_loss_sum_is_the_full_batch
             accumulate_grad(model, (x[:16], y[:16]), loss_fn, micro_batch_size=4)
     with pytest.warns(CopiedLoopWarning, match="whose value is a MEAN"):  # negated too
         accumulate_grad(model, (x, y), lambda m, b: LossSum(-_bpr(m, b).mean(), count=len(b[0])), 4)
+
+
+def test_a_z_loss_mean_counted_once_beside_the_tokens_warns_and_its_sum_is_exact() -> None:
+    """A PaLM z-loss written as a mean over the scored tokens, `Term(z.mean(), count=1)`, beside
+    the token loss: the window averaged the micro-batches' means, 2.7e-3 off the full-batch
+    step on GPT-2, silently. It warns naming the sum; the sum with the tokens' count is exact."""
+    batch = token_batch(torch.Generator().manual_seed(2), 7)
+
+    def parts(model: nn.Module, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        logits = model(mb["tokens"])
+        scored = mb["labels"] != IGNORE_INDEX
+        ce = nn.functional.cross_entropy(
+            logits.flatten(0, 1), mb["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return ce, torch.logsumexp(logits, -1)[scored] ** 2, scored.sum()
+
+    def as_mean(model: nn.Module, mb: dict[str, torch.Tensor]) -> LossSum:
+        ce, z, tokens = parts(model, mb)
+        return LossSum.terms(ce=(ce, tokens), z=Term(z.mean(), count=1, weight=0.1))
+
+    def as_sum(model: nn.Module, mb: dict[str, torch.Tensor]) -> LossSum:
+        ce, z, tokens = parts(model, mb)
+        return LossSum.terms(ce=(ce, tokens), z=Term(z.sum(), count=tokens, weight=0.1))
+
+    def run(loss_fn: object) -> tuple[dict[str, torch.Tensor], list[str]]:
+        model = make_model("token")
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert acc.step(batch, loss_fn).stepped
+        said = [str(w.message) for w in caught if issubclass(w.category, CopiedLoopWarning)]
+        return param_tensors(model), said
+
+    model = make_model("token")
+    ce, z, tokens = parts(model, batch)
+    (ce / tokens + 0.1 * z.mean()).backward()  # the full batch: both means over its tokens
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    reference = param_tensors(model)
+    exact, quiet = run(as_sum)
+    assert relative_gap(exact, reference) < 1e-10
+    assert not quiet
+    off, said = run(as_mean)
+    assert relative_gap(off, reference) > 1e-5  # negative control: silently off before
+    assert len(said) == 1
+    assert "MEAN over" in said[0]
+    assert "Term((lse[scored] ** 2).sum(), count=scored.sum()" in said[0]
+
+
+def test_a_loss_sum_value_divided_by_its_count_warns_and_a_scaled_sum_does_not() -> None:
+    """`LossSum(ce_sum / n, n)` divides twice (the window divides by its count): it warns. A
+    sum scaled by a convention's constant (`sq.sum() / 2`) is no mean over the counted items."""
+    batch = token_batch(torch.Generator().manual_seed(3), 7)
+
+    def run(loss_fn: object) -> list[str]:
+        model = make_model("token")
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert acc.step(batch, loss_fn).stepped
+        return [str(w.message) for w in caught if issubclass(w.category, CopiedLoopWarning)]
+
+    def summed(model: nn.Module, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(mb["tokens"]).flatten(0, 1)
+        labels = mb["labels"].flatten()
+        loss = nn.functional.cross_entropy(
+            logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return loss, (labels != IGNORE_INDEX).sum()
+
+    def twice(model: nn.Module, mb: dict[str, torch.Tensor]) -> LossSum:
+        loss, tokens = summed(model, mb)
+        return LossSum(loss / tokens, tokens)
+
+    def halved(model: nn.Module, mb: dict[str, torch.Tensor]) -> LossSum:
+        loss, tokens = summed(model, mb)
+        return LossSum(loss / 2, tokens)
+
+    said = run(twice)
+    assert len(said) == 1
+    assert "SUM divided by" in said[0]
+    assert not run(halved)

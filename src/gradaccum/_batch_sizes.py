@@ -22,6 +22,7 @@ __all__ = [
     "check_batch_dim",
     "check_micro_batch_size",
     "check_not_empty",
+    "is_offsets",
     "no_tensor_hint",
     "path_name",
     "refuse_objects",
@@ -87,6 +88,7 @@ def agreed_size(sizes: Sizes, dim: int) -> int:
     if held:
         sizes = [entry for entry in sizes if not entry[2].startswith(OBJECT)]
     size = sizes[0][1]
+    refuse_offsets(sizes)
     if all(n == size for _, n, _ in sizes):
         refuse_objects(held, size)
         return size
@@ -123,6 +125,27 @@ def agreed_size(sizes: Sizes, dim: int) -> int:
         f"{wrong} must hold one entry per item, B={size} ({listing}): a list or tuple holding no "
         f"tensor is split item by item. Make it a tensor or give it {size} entries. {_CONSTANT}"
     )
+
+
+def is_offsets(key: object) -> bool:
+    """Whether a batch key names flash-attention document offsets (cu_seq_lens_q, cu_seqlens)."""
+    return isinstance(key, str) and "cu_seq" in key
+
+
+def refuse_offsets(sizes: Sizes) -> None:
+    """Raise for document offsets at the batch's top level, even as long as its B by chance.
+
+    `cu_seq_lens_q` holds n + 1 offsets into the batch's flattened tokens: no entry per item, so
+    no split of it is right, and the whole of it describes no micro-batch but the whole batch.
+    """
+    found = [p for p, _, _ in sizes if type(p) is tuple and p[0] == "batch" and is_offsets(p[2])]
+    if found:
+        listing = ", ".join(f"{path_name(p)}: {n}" for p, n, _ in sizes)
+        raise ValueError(
+            f"{path_name(found[0])} holds document offsets into the batch's flattened tokens "
+            f"({listing}), not one entry per item: a micro-batch of rows would get offsets cut "
+            f"by rows, or the whole batch's.{_FLATTENED_HINT}"
+        )
 
 
 _BIND = "bind it to loss_fn (a closure or functools.partial)"

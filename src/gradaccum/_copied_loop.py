@@ -248,11 +248,20 @@ def mean_problem(result: object) -> str | None:
         grad_fn = value.grad_fn if isinstance(value, torch.Tensor) else None
         node = through_factors(grad_fn, signs_only=True)  # `-log_p.mean()`; not `mean * count`
         mean = getattr(node, "_saved_reduction", None) == _MEAN
-        if not (mean or type(node).__name__ == "MeanBackward0") or count is None:
+        divided = None if mean or count is None else _sum_over(node, read_device=True)
+        if not (mean or divided or type(node).__name__ == "MeanBackward0") or count is None:
             continue
         items = float(count)
-        if items <= 1:
-            continue
+        if items <= 1 or (divided is not None and not (divided.is_integer() and divided >= items)):
+            continue  # `sum / 2` (a convention's scaling) is no mean over the counted items
+        if divided is not None:
+            return (
+                f"loss_fn returned {where} whose value is a SUM divided by {divided:g} (a "
+                "model called with num_items_in_batch=n, or sum / count) with a count of "
+                f"{items:g}: the window divides by its count again, so every micro-batch is "
+                "divided twice, silently. Give the sum itself: num_items_in_batch=1 for a Hugging "
+                "Face model's outputs.loss, or drop the division (or use a gradaccum.hf loss)."
+            )
         return (
             f"loss_fn returned {where} whose value is a MEAN ({type(node).__name__}) with a "
             f"count of {items:g}, but the value is the SUM of the losses the count covers: the "
@@ -261,6 +270,36 @@ def mean_problem(result: object) -> str | None:
             "Face model's outputs.loss, call it with num_items_in_batch=1, or use a "
             "gradaccum.hf loss (hf.causal_lm, ...)."
         )
+    return _mean_counted_once(parts) if isinstance(terms, Mapping) else None
+
+
+def _mean_counted_once(parts: list[tuple[str, object, object]]) -> str | None:
+    """A term that is a mean over as many values as another term counts, itself counted once.
+
+    A z-loss beside the token loss, `z=Term(1e-4 * (lse[scored] ** 2).mean(), count=1)`: per
+    micro-batch a mean over its tokens, so the window's term is a mean of the micro-batches'
+    means, not the full-batch mean over tokens (2.7e-3 off on a tiny GPT-2, silently). A term
+    of the weights alone counted once (AdaLoRA's orthogonality) averages no tokens: not told.
+    """
+    means = []  # (where, values averaged) of the terms that are a mean: no device sync yet
+    for where, value, count in parts:
+        node = through_factors(value.grad_fn if isinstance(value, torch.Tensor) else None)
+        if type(node).__name__ == "MeanBackward0" and count is not None:
+            means.append((where, count, int(getattr(node, "_saved_self_sym_numel", 0))))
+    for where, count, averaged in means:
+        if averaged < 2 or float(count) != 1:  # type: ignore[arg-type]
+            continue
+        for other, _, counts in parts:
+            if other == where or counts is None or float(counts) != averaged:  # type: ignore[arg-type]
+                continue
+            return (
+                f"loss_fn returned {where} whose value is a MEAN over {averaged:g} values with a "
+                f"count of 1, as many values as {other} counts: the window would average the "
+                "micro-batches' means, not the values, which is not the full-batch mean when "
+                "micro-batches hold different numbers of them. Return their SUM with their "
+                "number as the count, e.g. Term((lse[scored] ** 2).sum(), count=scored.sum(), "
+                "weight=1e-4) for a z-loss (docs/losses.md)."
+            )
     return None
 
 
@@ -286,7 +325,8 @@ def window_count_problem(result: object, labels: torch.Tensor | None, items: int
         f" A plain scalar is read as a mean over the micro-batch's {items} rows and weighted by "
         "them, so the step is not the full-batch one. gradaccum divides by the window's count "
         "itself: use a gradaccum.hf loss (hf.causal_lm, ...), or return gradaccum.LossSum("
-        "model(**batch, num_items_in_batch=1).loss, count=hf.causal_lm.items_counted(batch)); "
+        "model(**batch, num_items_in_batch=1).loss, count=(batch['labels'][..., 1:] != -100)"
+        ".sum()); "
         "for a constant denominator C, LossSum.terms(loss=Term(summed, denominator=C))."
     )
 

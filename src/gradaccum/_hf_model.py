@@ -13,6 +13,7 @@ import torch
 
 __all__ = [
     "accepts_keyword",
+    "refuse_own_loss_function",
     "refuse_peft_loss_terms",
     "refuse_router_losses",
     "logits_of",
@@ -97,6 +98,44 @@ def refuse_peft_loss_terms(model: torch.nn.Module) -> None:
         f"ce.count), reg=Term(term, count=..., weight={weight:g})) (Term from gradaccum.loss; "
         "docs/losses.md, PEFT, has AdaLoRA's, exact)."
     )
+
+
+def refuse_own_loss_function(model: torch.nn.Module) -> None:
+    """Raise, before any forward, for a transformers model whose `loss_function` was replaced.
+
+    Given labels, a transformers model computes its loss with `self.loss_function`, which a
+    user may set (`model.loss_function = my_loss`: label smoothing, a z-loss) or override in a
+    subclass. The helpers call the model without labels and score its logits with plain
+    cross-entropy, so they would silently train on another loss. Not refused under
+    `torch.no_grad()` (a validation loss), as for PEFT's terms.
+
+    Raises:
+        ValueError: Naming the replaced function and the loss_fn that keeps it.
+    """
+    if not torch.is_grad_enabled():
+        return
+    inner = _unwrapped(model)
+    base = getattr(inner, "get_base_model", None)  # PEFT: the transformers model it wraps
+    for candidate in (inner, base() if callable(base) else None):
+        if not isinstance(candidate, torch.nn.Module) or not hasattr(candidate, "loss_type"):
+            continue  # loss_type: set by transformers' PreTrainedModel, which owns loss_function
+        owner = next((c for c in type(candidate).__mro__ if "loss_function" in vars(c)), None)
+        replaced = getattr(candidate, "_loss_function", None)
+        if replaced is None and (owner is None or owner.__module__.startswith("transformers.")):
+            continue
+        what = getattr(replaced, "__name__", type(replaced).__name__)
+        if replaced is None:
+            what = f"{owner.__name__}.loss_function" if owner is not None else "loss_function"
+        raise ValueError(
+            f"{type(candidate).__name__}'s loss_function is replaced ({what}): given labels, "
+            "the model's own loss is yours, and gradaccum.hf scores the logits with plain "
+            "cross-entropy (it calls the model without labels), so it would silently train on "
+            "another loss. Keep yours in a loss_fn of your own: return LossSum(model(**mb, "
+            "num_items_in_batch=1).loss, count), your loss's sum if it divides by "
+            "num_items_in_batch as transformers' losses do, and count the items it sums over "
+            "(a causal LM's: (mb['labels'][..., 1:] != -100).sum()); or remove the replacement "
+            "(del model._loss_function) to train on the plain token loss."
+        )
 
 
 def virtual_tokens(model: torch.nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> int:

@@ -61,6 +61,7 @@ from gradaccum._batch_sizes import (
     check_batch_dim,
     check_micro_batch_size,
     check_not_empty,
+    is_offsets,
     no_tensor_hint,
     refuse_objects,
 )
@@ -268,7 +269,7 @@ def _flat_tensors(batch: Any, dim: int) -> list[torch.Tensor] | None:
     """The fast path: the entries of a tuple, list or dict of tensors that agree on B > 0."""
     kind = type(batch)
     if kind is dict:
-        values = list(batch.values())
+        values = [] if any(map(is_offsets, batch)) else list(batch.values())  # refused
     elif kind is tuple or kind is list:
         values = batch
     else:

@@ -9,7 +9,8 @@ loss counts them:
 
 - `causal_lm`: next-token prediction; the labels are shifted as the model shifts them, and a
   token that starts a new document of a packed row (`position_ids` back at 0, or
-  `cu_seq_lens_q`) is not predicted from the previous document's last token;
+  `cu_seq_lens_q`) is not predicted from the previous document's last token (a separator
+  label there, not the token at that position, is, as the model's own loss scores it);
 - `seq2seq`: encoder-decoder models (T5, BART); the decoder's inputs are made from the labels
   as the model makes them;
 - `masked_lm`: masked language models (BERT); every label that is not -100 is scored;
@@ -44,11 +45,13 @@ from gradaccum._hf_model import (
     accepts_keyword,
     logits_of,
     problem_type_of,
+    refuse_own_loss_function,
     refuse_peft_loss_terms,
     refuse_router_losses,
     virtual_tokens,
     with_decoder_inputs,
 )
+from gradaccum._hf_packing import document_starts, packing_of, shifted
 from gradaccum.loss import LossSum
 from gradaccum.options import parse
 
@@ -109,6 +112,7 @@ class TaskLoss:
         """
         labels = _labels(batch, self.task)
         refuse_peft_loss_terms(model)  # AdaLoRA: its own loss adds a term the logits lack
+        refuse_own_loss_function(model)  # model.loss_function = ...: not what is scored
         inputs = {key: value for key, value in batch.items() if key not in _LABEL_KEYS}
         if self.task is Task.SEQ2SEQ:
             inputs = with_decoder_inputs(model, inputs, labels)
@@ -129,13 +133,13 @@ class TaskLoss:
             packing = {}
         if self.task is Task.CAUSAL_LM and "shift_labels" in batch:
             return _token_cross_entropy(logits, labels)  # shifted by the data pipeline
+        if self.task is Task.CAUSAL_LM:  # input_ids tell a separator from a document's start
+            starts = document_starts(labels, **packing_of(packing))
+            return _token_cross_entropy(logits, shifted(labels, starts))
         return loss_from_logits(
             logits,
             labels,
             self.task,
-            position_ids=packing.get("position_ids"),
-            cu_seq_lens=packing.get("cu_seq_lens_q"),
-            attention_mask=packing.get("attention_mask"),
             problem_type=problem_type_of(model),
         )
 
@@ -143,13 +147,7 @@ class TaskLoss:
         """The items `self(model, batch)` will count, from the batch alone."""
         labels = _labels(batch, self.task)
         if self.task is Task.CAUSAL_LM and "shift_labels" not in batch:
-            starts = _document_starts(
-                labels,
-                batch.get("position_ids"),
-                batch.get("cu_seq_lens_q"),
-                batch.get("attention_mask"),
-            )
-            labels = _shifted(labels, starts)
+            labels = shifted(labels, document_starts(labels, **packing_of(batch)))
         elif self.task is Task.CLASSIFICATION and labels.is_floating_point():
             return torch.tensor(labels.numel())  # regression or multi-label: every output
         count: torch.Tensor = (labels != IGNORE_INDEX).sum()
@@ -162,7 +160,9 @@ causal_lm = TaskLoss(Task.CAUSAL_LM)
 The batch holds the model's inputs and `labels` (or `shift_labels`, already shifted). Packed
 rows are read from `position_ids` (a 0 starts a document) or `cu_seq_lens_q`. The model is called
 with `use_cache=False` unless the batch says otherwise: with a cache, transformers lets the
-documents of a packed row attend to each other.
+documents of a packed row attend to each other (as it does given an `attention_mask`: leave it
+out of packed batches). A model whose `loss_function` was replaced is refused: its own loss is
+not the cross-entropy scored here.
 """
 
 seq2seq = TaskLoss(Task.SEQ2SEQ)
@@ -229,45 +229,11 @@ def loss_from_logits(
     kind = parse(Task, task, "task")
     labels = _as_long(labels)
     if kind is Task.CAUSAL_LM:
-        starts = _document_starts(labels, position_ids, cu_seq_lens, attention_mask)
-        return _token_cross_entropy(logits, _shifted(labels, starts))
+        starts = document_starts(labels, position_ids, cu_seq_lens, attention_mask)
+        return _token_cross_entropy(logits, shifted(labels, starts))
     if kind is Task.CLASSIFICATION:
         return _classification_loss(logits, labels, problem_type)
     return _token_cross_entropy(logits, labels)
-
-
-def _shifted(labels: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
-    """The target of each position: the next label, -100 past a row's end or a document's."""
-    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    if starts is None:
-        return shifted
-    # Position j predicts token j + 1: not when j + 1 opens the next document.
-    crosses = F.pad(starts[..., 1:], (0, 1), value=False)
-    return shifted.masked_fill(crosses, IGNORE_INDEX)
-
-
-def _document_starts(
-    labels: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    cu_seq_lens: torch.Tensor | None,
-    attention_mask: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """A bool mask shaped like `labels`: True where a packed row starts a new document.
-
-    A position 0 whose previous position is padding (`attention_mask` 0) starts no new
-    document: it is a left-padded row's first token, which the model predicts and scores.
-    """
-    if position_ids is not None:
-        starts = (position_ids.to(labels.device) == 0).expand_as(labels)
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.shape == labels.shape:
-            after_token = F.pad(attention_mask.to(labels.device) != 0, (1, 0), value=True)
-            starts = starts & after_token[..., :-1]
-        return starts
-    if cu_seq_lens is not None:
-        flat = torch.zeros(labels.numel(), dtype=torch.bool, device=labels.device)
-        flat[cu_seq_lens[:-1].to(device=labels.device, dtype=torch.long)] = True
-        return flat.view_as(labels)
-    return None
 
 
 def _as_long(labels: torch.Tensor) -> torch.Tensor:

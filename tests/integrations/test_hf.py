@@ -490,6 +490,21 @@ def test_flattened_rows_with_cu_seq_lens_count_each_document_alone() -> None:
     torch.testing.assert_close(ours.value, expected, rtol=1e-12, atol=0)
 
 
+def test_cu_seq_lens_that_are_not_the_tokens_offsets_are_refused() -> None:
+    """Offsets of other tokens (the whole batch's beside a micro-batch's logits, offsets cut
+    by rows) were read as they were: [0, 3] on 6 tokens counted 5 targets, silently."""
+    logits = torch.randn(1, 6, VOCAB, dtype=torch.float64)
+    labels = torch.randint(2, VOCAB, (1, 6))
+    ours = hf.loss_from_logits(logits, labels, "causal_lm", cu_seq_lens=torch.tensor([0, 3, 6]))
+    assert int(ours.count) == 2 + 2  # control: the offsets of these 6 tokens
+    for bounds in ([0, 3], [0, 3, 9], [1, 3, 6], [0, 4, 3, 6], [6]):
+        with pytest.raises(ValueError, match="no document offsets of these 6 tokens"):
+            hf.loss_from_logits(logits, labels, "causal_lm", cu_seq_lens=torch.tensor(bounds))
+    batch = {"input_ids": labels, "labels": labels, "cu_seq_lens_q": torch.tensor([0, 3])}
+    with pytest.raises(ValueError, match="no document offsets"):
+        hf.causal_lm.items_counted(batch)
+
+
 # --- errors ----------------------------------------------------------------------------------
 
 

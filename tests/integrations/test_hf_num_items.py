@@ -99,7 +99,9 @@ def test_the_models_num_items_loss_returned_plainly_warns_and_is_not_the_step(
 
 
 def _models_sum_and_count(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
-    return LossSum(model(**batch, num_items_in_batch=1).loss, hf.causal_lm.items_counted(batch))
+    """docs/losses.md's recipe: the model's sum, and the shifted labels it scores."""
+    scored = (batch["labels"][..., 1:] != -100).sum()
+    return LossSum(model(**batch, num_items_in_batch=1).loss, scored)
 
 
 def _micro_batch_token_mean(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -122,3 +124,63 @@ def test_the_fixes_and_a_micro_batch_mean_do_not_warn_and_equal_the_step(
     params, said = _ours(loss_fn)
     assert not said
     assert relative_gap(params, _reference()) < tolerance
+
+
+def _packed(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The rows as packed ones: two documents each, position_ids back at 0 where one starts."""
+    cuts = torch.randint(3, SEQ - 2, (ROWS,), generator=torch.Generator().manual_seed(4))
+    columns = torch.arange(SEQ)
+    positions = torch.where(columns < cuts[:, None], columns, columns - cuts[:, None])
+    return {**batch, "position_ids": positions}
+
+
+def test_the_models_sum_on_packed_rows_is_the_step_with_the_count_it_scores() -> None:
+    """The model's own loss scores every shifted label, the target crossing into a packed
+    document too (its label is not -100 there); `hf.causal_lm.items_counted`, which the recipe
+    named before, leaves those out: one fewer per document start, 0.1 off the step, silently."""
+    model = _model(_gpt2)
+    model(**_packed(_batch())).loss.backward()  # the model's own loss, over the whole batch
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    reference = param_tensors(model)
+
+    def run(loss_fn: Callable[..., Any]) -> dict[str, torch.Tensor]:
+        model = _model(_gpt2)
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=3)
+        assert acc.step(_packed(_batch()), loss_fn).stepped
+        return param_tensors(model)
+
+    assert relative_gap(run(_models_sum_and_count), reference) < 1e-6  # float32 logits
+    # Negative control: the count of the helpers, which drop the targets crossing documents.
+    before = lambda model, mb: LossSum(  # noqa: E731
+        model(**mb, num_items_in_batch=1).loss, hf.causal_lm.items_counted(mb)
+    )
+    assert relative_gap(run(before), reference) > 1e-2
+
+
+def _own_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (batch["labels"][..., 1:] != -100).sum()
+
+
+@pytest.mark.parametrize(
+    "divisor",
+    [_own_count, lambda batch: int(_own_count(batch)), lambda batch: WINDOW_TOKENS],
+    ids=["own-count", "own-count-int", "window-count"],
+)
+def test_the_models_loss_divided_by_num_items_and_counted_again_warns(
+    divisor: Callable[..., Any],
+) -> None:
+    """`LossSum(model(**mb, num_items_in_batch=n).loss, count)`: a sum divided by n, divided
+    by the window's count again (0.96 off the step, silently): a mean that no graph node
+    calls a mean, so the check for means did not see it."""
+
+    def twice(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
+        return LossSum(model(**batch, num_items_in_batch=divisor(batch)).loss, _own_count(batch))
+
+    params, said = _ours(twice)
+    assert len(said) == 1, said
+    assert "SUM divided by" in said[0]
+    assert "num_items_in_batch=1" in said[0]
+    assert relative_gap(params, _reference()) > 1e-2
+    params, said = _ours(_models_sum_and_count)  # control: num_items_in_batch=1, quiet
+    assert not said
+    assert relative_gap(params, _reference()) < 1e-6
