@@ -43,6 +43,7 @@ from collections.abc import Mapping
 import torch
 
 from gradaccum._weighted_mean import constant_factor, summed_values, through_factors
+from gradaccum._window_registry import open_windows_over
 
 __all__ = [
     "CopiedLoopWarning",
@@ -335,16 +336,36 @@ def scaler_problem(result: object) -> str | None:
     )
 
 
-def gradients_changed_error(touched: int, named: list[str]) -> RuntimeError:
+def gradients_changed_error(
+    touched: list[torch.nn.Parameter], names: dict[int, str], window: object
+) -> RuntimeError:
     """The error for gradients of an open streaming window changed between two micro-batches.
 
     A copied loop's `zero_grad()` is the usual cause; a backward outside this Accumulator is the
     other: a second Accumulator's micro-batch (a GAN's generator loss flowing through the
     discriminator, whose window is open) adds into the window's sums; a second Accumulator over
-    the whole module clears them with its windows. All are named.
+    the whole module clears them with its windows. All are named; another Accumulator's
+    window open over `touched` (not `window`, this one's), when there is one, is named alone.
     """
+    named = [names.get(id(p), "<unnamed>") for p in touched[:3]]
+    others = open_windows_over(touched, exclude=window)
+    if others:  # two Accumulators' micro_step() calls interleaved
+        return RuntimeError(
+            f"the gradients of {len(touched)} parameters ({', '.join(named)}, ...) changed "
+            "between two micro-batches of one window, and another Accumulator has a window open "
+            f"over them ({others[0].micro_batches} micro-batches so far): two windows "
+            "interleaved over shared parameters (two optimizers over one encoder, micro_step() "
+            "calls alternating) set each other's partial gradients aside, so neither step can "
+            "be the full-batch one. "
+            "Run one window to its step before the other's first micro_step(), or train both "
+            "losses with one Accumulator (one optimizer with a param group per part, the two "
+            "losses returned as LossSum.terms). Two Accumulators over one module whose parts "
+            "their optimizers hold (a GAN's generator and discriminator): give each its own "
+            "part as the model, Accumulator(gan.generator, g_optimizer). This window was "
+            "discarded; the other one is refused at its next micro_step()."
+        )
     return RuntimeError(
-        f"the gradients of {touched} parameters ({', '.join(named)}, ...) changed between two "
+        f"the gradients of {len(touched)} parameters ({', '.join(named)}, ...) changed between two "
         "micro-batches of one window: an optimizer.zero_grad() (or another change to .grad) "
         "inside the accumulation loop would silently drop part of the window, and a backward "
         "outside this Accumulator would add to it. Remove the zero_grad(): the Accumulator "

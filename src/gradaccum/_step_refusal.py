@@ -56,6 +56,7 @@ class OpenWindow(Protocol):
 
     micro_batches: int
     params: list[torch.nn.Parameter]
+    held: int  # the first `held` of `params` are the optimizer's
     joins: JoinWatch  # the optimizer's parameters that started to require grad mid-window
     committing: bool  # True while the Accumulator's own `optimizer.step()` runs
     running: bool  # True while a micro-batch's loss_fn and backward run (`steps_refused`)
