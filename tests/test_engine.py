@@ -1742,7 +1742,8 @@ def test_a_second_accumulator_stepping_over_an_open_window_is_named() -> None:
     """Two Accumulators on one optimizer: the step of one inside the other's window is refused.
 
     It would clear the open window's partial sums. Before, the message told the user to remove
-    an `optimizer.step()` they never wrote; now it names the other Accumulator and the fix.
+    an `optimizer.step()` they never wrote; now it names the other Accumulator and the fix, and
+    the second window is refused when it opens, before its micro-batches run (`busy_error`).
     """
     model, optimizer, scheduler, streaming = _setup(**_DRIVES["micro_step"])
     whole = Accumulator(model, optimizer, micro_batch_size=4)
@@ -1750,9 +1751,9 @@ def test_a_second_accumulator_stepping_over_an_open_window_is_named() -> None:
     twin = copy.deepcopy((model, optimizer, scheduler))
     streaming.micro_step(stream[0], mse_loss)
     before = _everything(model, optimizer, scheduler)
-    with pytest.raises(RuntimeError, match=r"another Accumulator steps this SGD .*flush") as raised:
+    with pytest.raises(RuntimeError, match=r"another Accumulator has a window open .*flush") as err:
         whole.step(_batch(9), mse_loss)
-    assert "Remove it" not in str(raised.value)
+    assert "Remove it" not in str(err.value)
     assert_bitwise(_everything(model, optimizer, scheduler), before)
     for batch in stream[1:]:  # the open window goes on: its one step is the full-batch step
         streaming.micro_step(batch, mse_loss)

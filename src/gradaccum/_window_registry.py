@@ -24,7 +24,12 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["REGISTERED", "open_windows_over", "refuse_loading_under_open_window"]
+__all__ = [
+    "REGISTERED",
+    "busy_error",
+    "open_windows_over",
+    "refuse_loading_under_open_window",
+]
 
 
 class _Window(Protocol):
@@ -73,3 +78,38 @@ def refuse_loading_under_open_window(
         "state replaces the open one), or discard the open window first with "
         "acc.flush('drop') (acc.flush('step') to keep its update). Nothing was loaded."
     )
+
+
+def busy_error(params: list[torch.nn.Parameter], names: dict[int, str]) -> RuntimeError | None:
+    """The refusal of a window about to open over `params` while another holds their gradients.
+
+    Opening sets the gradients its parameters hold aside (to put them back if it fails): those
+    of another Accumulator's open window over shared parameters (two optimizers over one
+    encoder, or two Accumulators built on one module, their `micro_step()` calls alternating)
+    would be taken from it, so neither step could be the full-batch one. Refused before
+    anything runs, the other window kept whole. Shared parameters it holds no gradient of
+    (its loss does not reach them) are no obstacle.
+    """
+    for window in open_windows_over(params, exclude=None):
+        wanted = set(map(id, params))
+        shared = [p for p in window.params if p.grad is not None and id(p) in wanted]
+        if not shared:
+            continue
+        shown = [names.get(id(p), f"<parameter of shape {tuple(p.shape)}>") for p in shared]
+        listed = ", ".join(shown[:3]) + (", ..." if len(shown) > 3 else "")
+        return RuntimeError(
+            f"another Accumulator has a window open ({window.micro_batches} micro-batches so "
+            f"far) holding the partial gradients of {len(shared)} of this window's parameters "
+            f"({listed}): opening this window would set them aside, so neither step could be "
+            "the full-batch one (two windows interleaved over shared parameters: two optimizers "
+            "over one encoder, or two Accumulators built on one module, their micro_step() "
+            "calls alternating). Run the other window to its step (or its acc.flush('step') or "
+            "flush('drop')) before this one's first micro-batch, or train both losses with one "
+            "Accumulator (one optimizer with a param group per part, LossSum.terms). Two "
+            "Accumulators over one module whose parts their optimizers hold (a GAN's generator "
+            "and discriminator): give each its own part as the model, "
+            "Accumulator(gan.generator, g_optimizer). (An Accumulator left by a loop that raised "
+            "between two micro_step() calls keeps its window until it is garbage-collected.) "
+            "Nothing ran; the other window is kept."
+        )
+    return None
