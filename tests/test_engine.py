@@ -505,7 +505,82 @@ def test_negative_control_unwarned_the_new_optimizer_never_trains_the_backbone(
     assert not caught
     backbone = model.net[0].weight
     assert torch.equal(backbone, make_model("mlp").net[0].weight)  # never moved
-    assert float((backbone - _unfrozen_reference().net[0].weight).abs().max()) > 1e-3
+    assert float((backbone - _unfrozen_reference().net[0].weight).detach().abs().max()) > 1e-3
+
+
+def _new_optimizer_stepped_by_the_loop(
+    given: bool,
+) -> tuple[nn.Module, list[warnings.WarningMessage]]:
+    """A stage change to AdamW; the loop keeps its `opt.step()` after `acc.step()` (`given`:
+    the fix, `acc.optimizer = opt` and no step of its own)."""
+    model = make_model("mlp")
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4)
+    acc.step(_batch(0, 12), mse_loss)
+    new = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if given:
+            acc.optimizer = new
+        for seed in (1, 2, 3):
+            assert acc.step(_batch(seed, 12), mse_loss).stepped
+            if not given:
+                new.step()
+                new.zero_grad()
+    return model, [w for w in caught if issubclass(w.category, UserWarning)]
+
+
+def test_a_new_optimizer_stepped_after_acc_step_is_warned_once_naming_the_fix() -> None:
+    """Its step saw no gradient (the Accumulator cleared them) and changed nothing, while the old
+    SGD trained on, silently. Warned once, naming `acc.optimizer = it`; fixed, the run is the
+    hand-written SGD-then-AdamW full-batch run."""
+    model, caught = _new_optimizer_stepped_by_the_loop(given=False)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert "AdamW.step() was called over parameters an Accumulator trains" in messages[0]
+    assert "acc.optimizer = it" in messages[0]
+    model, caught = _new_optimizer_stepped_by_the_loop(given=True)
+    assert not caught
+    reference = make_model("mlp")
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference_step(reference, sgd, _batch(0, 12), mse_loss)
+    adamw = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for seed in (1, 2, 3):
+        reference_step(reference, adamw, _batch(seed, 12), mse_loss)
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=0)
+
+
+def test_negative_control_unwarned_the_new_optimizers_step_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("gradaccum._step_refusal.warn_idle_step", lambda stepped: None)
+    model, caught = _new_optimizer_stepped_by_the_loop(given=False)
+    assert not caught
+    sgd_only = make_model("mlp")  # what trained: the old SGD alone
+    sgd = torch.optim.SGD(sgd_only.parameters(), lr=0.1)
+    for seed in range(4):
+        reference_step(sgd_only, sgd, _batch(seed, 12), mse_loss)
+    for mine, theirs in zip(model.parameters(), sgd_only.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=0)
+
+
+def test_no_idle_step_warning_for_optimizers_stepping_gradients_or_other_models() -> None:
+    """An optimizer of another model, and one over this model's parameters stepping gradients
+    the loop computed itself between windows (a probe of its own), are not warned of."""
+    model = make_model("mlp")
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4)
+    other = make_model("mlp", seed=1)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    own = torch.optim.SGD(model.parameters(), lr=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in range(2):
+            acc.step(_batch(seed, 12), mse_loss)
+            mse_loss(other, _batch(seed, 12)).backward()
+            other_opt.step()
+            mse_loss(model, _batch(seed, 12)).backward()
+            own.step()
+            model.zero_grad()
 
 
 def test_no_left_out_warning_for_frozen_parameters_or_ones_left_out_when_building() -> None:
