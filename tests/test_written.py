@@ -157,3 +157,17 @@ def test_a_deep_copy_mid_window_and_writes_inside_a_forward_are_not_refused() ->
         return _mse(model, batch)
 
     assert acc.micro_step((x[4:], y[4:]), clamped).stepped
+
+
+def test_a_written_window_dropped_with_flush_is_discarded_without_an_error() -> None:
+    """`flush('drop')` after the write discards the window as asked (it raised the refusal of a
+    window it was discarding anyway); the next window is the full-batch step from the weights
+    written."""
+    model, other, acc, (x, y) = _window_with_a_write(_load)
+    dropped = acc.flush("drop")
+    assert not dropped.stepped
+    assert all(p.grad is None for p in model.parameters())
+    assert acc.micro_step((x[:4], y[:4]), _mse).micro_batches == 1
+    assert acc.micro_step((x[4:], y[4:]), _mse).stepped
+    for mine, theirs in zip(model.parameters(), _full_batch_step(other), strict=True):
+        torch.testing.assert_close(mine.detach(), theirs, rtol=1e-10, atol=0)
