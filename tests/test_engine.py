@@ -688,6 +688,45 @@ def test_a_save_in_a_window_a_parameter_group_joined_is_refused_naming_the_fix(
         torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=0)
 
 
+def _frozen_mid_window() -> tuple[nn.Module, torch.optim.Optimizer, Accumulator]:
+    model = make_model("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulator(model, optimizer, accumulation_steps=3)
+    x, y = _batch(0, 12)
+    acc.micro_step((x[:4], y[:4]), mse_loss)
+    model.net[0].requires_grad_(False)  # a stage's backbone freeze, one micro-batch late
+    acc.micro_step((x[4:8], y[4:8]), mse_loss)
+    return model, optimizer, acc
+
+
+def test_a_save_in_a_window_a_parameter_was_frozen_in_is_refused_naming_the_fix() -> None:
+    """Frozen inside the window, the backbone is stepped with its earlier micro-batches'
+    gradient; a saved window cannot say so, and the resume (backbone frozen) refused the state
+    as another model's. The save is refused naming the parameters and the fix."""
+    model, optimizer, acc = _frozen_mid_window()
+    before = clone_state((model.state_dict(), optimizer.state_dict()))
+    with pytest.raises(
+        ValueError, match=r"2 parameters \(net\.0\.weight, net\.0\.bias\) were frozen"
+    ):
+        acc.state_dict()
+    assert_bitwise((model.state_dict(), optimizer.state_dict()), before)
+    assert acc.flush("step").stepped
+    acc.state_dict()  # settled: saved
+
+
+def test_negative_control_a_window_saved_after_a_freeze_does_not_resume(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(gradaccum._joined.JoinWatch, "save_refusal", lambda self, count: None)
+    _, _, acc = _frozen_mid_window()
+    saved = clone_state(acc.state_dict())
+    model = make_model("mlp")
+    model.net[0].requires_grad_(False)  # as the model stood at the save
+    again = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=3)
+    with pytest.raises(ValueError, match="the parameters that require grad and the param groups"):
+        again.load_state_dict(saved)
+
+
 @pytest.mark.parametrize("frozen", [True, False])
 def test_negative_control_a_window_saved_after_a_join_resumes_wrong(
     frozen: bool, monkeypatch: pytest.MonkeyPatch
@@ -697,7 +736,7 @@ def test_negative_control_a_window_saved_after_a_join_resumes_wrong(
     assert saved is not None
     uninterrupted = _joining_run(frozen, save_at=0)[0]
     if frozen:
-        with pytest.raises(ValueError, match="load it into the same model and optimizer"):
+        with pytest.raises(ValueError, match="load it into the same model and optimizer, with"):
             _resume_joined(saved, frozen)
         return
     resumed = _resume_joined(saved, frozen)

@@ -103,12 +103,13 @@ class JoinWatch:
         return joined
 
     def save_refusal(self, micro_batches: int) -> ValueError | None:
-        """The refusal of a save of the open window after parameters joined it, if any joined.
+        """The refusal of a save of the open window after its trainable set changed, if it did.
 
-        They sit the window out (`drop` at its step); the saved window does not record that, so
-        a resume into an optimizer holding them from the start would refuse the state (their
-        shapes are more) or step them with the window (its gradient, when they were in it as
-        the model's others): not the step of the run saved.
+        Parameters that joined sit the window out (`drop` at its step), ones frozen inside it
+        are stepped with the gradient of its earlier micro-batches; a saved window records
+        neither, so a resume (its parameters read as the model now stands) refuses the state
+        (another count of shapes) or steps the joined ones with the window (its gradient, when
+        they were in it as the model's others): not the step of the run saved.
         """
         if not self._armed or self._optimizer is None:
             return None
@@ -116,19 +117,27 @@ class JoinWatch:
         inside = set(map(id, self._held))
         joined = [p for p in itertools.compress(every, map(_REQUIRES_GRAD, every))]
         joined = [p for p in joined if id(p) not in inside]
-        if not joined:
+        frozen = list(itertools.filterfalse(_REQUIRES_GRAD, self._held))
+        if not joined and not frozen:
             return None
         names = {id(p): n for n, p in self._model.named_parameters()} if self._model else {}
-        shown = [names.get(id(p), f"<optimizer param of shape {tuple(p.shape)}>") for p in joined]
-        listed = ", ".join(shown[:3]) + (", ..." if len(shown) > 3 else "")
+        parts = []
+        for changed, how in (
+            (joined, "joined it (add_param_group, or unfrozen)"),
+            (frozen, "were frozen"),
+        ):
+            if changed:
+                shown = [names.get(id(p), f"<param of shape {tuple(p.shape)}>") for p in changed]
+                listed = ", ".join(shown[:3]) + (", ..." if len(shown) > 3 else "")
+                parts.append(f"{len(changed)} parameters ({listed}) {how}")
         return ValueError(
-            f"acc.state_dict() inside a window ({micro_batches} micro-batches so far) that "
-            f"{len(joined)} parameters ({listed}) joined after it opened (add_param_group, or "
-            "unfrozen): they sit this window out, which a saved window cannot record, so a "
-            "resume into an optimizer holding them from the start would refuse the state or "
-            "step them with this window. Save at a window boundary (after a result with "
-            "stepped=True), or settle this window first with acc.flush('step') (or "
-            "acc.flush('drop')) and save then; add_param_group between windows. Nothing was saved."
+            f"acc.state_dict() inside a window ({micro_batches} micro-batches so far) whose "
+            f"trainable parameters changed after it opened: {'; '.join(parts)}. A saved window "
+            "cannot record that (the joined sit it out, the frozen are stepped with its earlier "
+            "micro-batches), so a resume would refuse the state or step another update. Save "
+            "at a window boundary (after a result with stepped=True), or settle this window "
+            "first with acc.flush('step') (or acc.flush('drop')) and save then; freeze, unfreeze "
+            "and add_param_group between windows. Nothing was saved."
         )
 
     def left_out(self, others: Sequence[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

@@ -270,7 +270,8 @@ class Window:
             raise ValueError(
                 f"the saved Accumulator window holds gradients of {len(saved or [])} parameters "
                 f"with shapes {saved}, this model and optimizer have {len(shapes)} with shapes "
-                f"{shapes}; load it into the same model and optimizer."
+                f"{shapes}; load it into the same model and optimizer, with the parameters "
+                "that require grad and the param groups as at the save."
             )
         if state.get("micro_batches"):
             check_tensors_fit(state["grads"], params, "window's gradients")
