@@ -1011,11 +1011,14 @@ def test_a_gan_in_one_module_with_two_accumulators_equals_plain_steps_and_names_
     gan.discriminator.requires_grad_(False)
     stream_g.micro_step(batch, g_loss)  # the generator's window is open
     gan.discriminator.requires_grad_(True)
-    stream_d.micro_step(batch, d_loss)  # its window sets the generator's gradients aside
+    held = [None if p.grad is None else p.grad.clone() for p in gan.parameters()]
+    # Its window would set the generator's gradients aside: refused before it runs.
     with pytest.raises(RuntimeError, match=r"own part as the model") as raised:
-        stream_g.micro_step(batch, g_loss)
+        stream_d.micro_step(batch, d_loss)
     assert "gan.generator" in str(raised.value)
-    stream_d.flush("drop")
+    for param, grad in zip(gan.parameters(), held, strict=True):  # the open window kept whole
+        assert (param.grad is None and grad is None) or torch.equal(param.grad, grad)
+    stream_g.flush("drop")
 
 
 def test_a_scheduler_of_another_optimizer_is_refused_naming_the_fix() -> None:

@@ -663,3 +663,116 @@ def test_a_loss_sum_value_divided_by_its_count_warns_and_a_scaled_sum_does_not()
     assert len(said) == 1
     assert "SUM divided by" in said[0]
     assert not run(halved)
+
+
+class _TwoHeads(nn.Module):
+    """A shared encoder and two heads, one optimizer (and Accumulator) per task."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.ha, self.hb = nn.Linear(4, 8), nn.Linear(8, 1), nn.Linear(8, 1)
+        self.double()
+
+
+def _task(head: str):  # type: ignore[no-untyped-def]
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        out = getattr(model, head)(torch.tanh(model.enc(batch[0])))
+        return nn.functional.mse_loss(out, batch[1])
+
+    return loss
+
+
+def _two_task_setup() -> tuple[nn.Module, list[torch.optim.Optimizer], list[Accumulator]]:
+    model = _TwoHeads()
+    opts = [
+        torch.optim.SGD([*model.enc.parameters(), *getattr(model, head).parameters()], lr=0.1)
+        for head in ("ha", "hb")
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the other head: in no param group
+        accs = [Accumulator(model, opt, accumulation_steps=2) for opt in opts]
+    return model, opts, accs
+
+
+def _two_task_data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 4, generator=generator, dtype=torch.float64)
+    return x, torch.randn(8, 1, generator=generator, dtype=torch.float64)
+
+
+def test_two_accumulators_interleaved_over_a_shared_encoder_are_refused_naming_the_other() -> None:
+    """Two optimizers over one encoder, `acc_a.micro_step` and `acc_b.micro_step` alternating:
+    the second window's opening set the first's partial gradients aside; both were refused
+    later (as a `zero_grad()`), leaving the first's stale partial sums in `.grad`. Now the second
+    window is refused before it runs, naming the other Accumulator and the fix; the first window
+    is kept whole and, run one window after the other, both steps are the plain full-batch steps
+    in that order."""
+    model, _, (acc_a, acc_b) = _two_task_setup()
+    x, y = _two_task_data()
+    acc_a.micro_step((x[:4], y[:4]), _task("ha"))
+    held = copy.deepcopy((model.state_dict(), [p.grad for p in model.parameters()]))
+    with pytest.raises(RuntimeError, match=r"another Accumulator has a window open") as error:
+        acc_b.micro_step((x[:4], y[:4]), _task("hb"))
+    assert "Run the other window to its step" in str(error.value)
+    weights, grads = held  # nothing changed, the open window included
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[name])
+    for param, grad in zip(model.parameters(), grads, strict=True):
+        assert (param.grad is None and grad is None) or torch.equal(param.grad, grad)
+    assert not acc_b._engine.window.is_open
+    # The fix: the open window to its step, then the other's.
+    assert acc_a.micro_step((x[4:], y[4:]), _task("ha")).stepped
+    acc_b.micro_step((x[:4], y[:4]), _task("hb"))
+    assert acc_b.micro_step((x[4:], y[4:]), _task("hb")).stepped
+    reference = _TwoHeads()
+    for head in ("ha", "hb"):
+        params = [*reference.enc.parameters(), *getattr(reference, head).parameters()]
+        grads = torch.autograd.grad(_task(head)(reference, (x, y)), params)
+        with torch.no_grad():
+            for param, grad in zip(params, grads, strict=True):
+                param -= 0.1 * grad
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=0)
+
+
+def test_negative_control_interleaved_plain_windows_over_a_shared_encoder_leak() -> None:
+    """The same interleaving in a plain loop: each step takes the other task's gradient too."""
+    model, reference = _TwoHeads(), _TwoHeads()
+    x, y = _two_task_data()
+    opts = [
+        torch.optim.SGD([*model.enc.parameters(), *getattr(model, head).parameters()], lr=0.1)
+        for head in ("ha", "hb")
+    ]
+    for half in (slice(0, 4), slice(4, 8)):
+        for head in ("ha", "hb"):
+            (_task(head)(model, (x[half], y[half])) / 2).backward()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    for head in ("ha", "hb"):
+        params = [*reference.enc.parameters(), *getattr(reference, head).parameters()]
+        grads = torch.autograd.grad(_task(head)(reference, (x, y)), params)
+        with torch.no_grad():
+            for param, grad in zip(params, grads, strict=True):
+                param -= 0.1 * grad
+    gap = max(
+        float((a - b).detach().abs().max())
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+    assert gap > 1e-3
+
+
+def test_negative_control_the_second_window_opened_leaves_stale_partial_sums(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("gradaccum._parameters.busy_error", lambda *args: None)
+    model, _, (acc_a, acc_b) = _two_task_setup()
+    x, y = _two_task_data()
+    acc_a.micro_step((x[:4], y[:4]), _task("ha"))
+    acc_b.micro_step((x[:4], y[:4]), _task("hb"))  # sets acc_a's sums aside
+    with pytest.raises(RuntimeError, match="changed between two micro-batches"):
+        acc_a.micro_step((x[4:], y[4:]), _task("ha"))
+    with pytest.raises(RuntimeError, match="changed between two micro-batches"):
+        acc_b.micro_step((x[4:], y[4:]), _task("hb"))
+    assert model.enc.weight.grad is not None  # acc_a's discarded partial sum, put back by acc_b

@@ -46,7 +46,7 @@ import torch
 
 from gradaccum._checks import check_scheduler, check_scheduler_optimizer
 from gradaccum._dtensor import local_tensor
-from gradaccum._joined import warn_joined
+from gradaccum._joined import warn_joined, warn_left_out
 from gradaccum._oom import optimizer_step_guard
 from gradaccum._step_refusal import (
     COMMITTING,
@@ -110,6 +110,8 @@ def step_optimizer(
     known = [len(s) for s in states]  # dicts: state created by this step comes after `known`
     if window is not None:
         warn_joined(window.joins.drop(), names)  # unfrozen mid-window: not in this step
+        outside = window.params[window.held :]  # the model's others: unfrozen and left out?
+        warn_left_out(window.joins.left_out(outside), names, optimizer)
         window.committing = True  # the step pre-hook lets this step through
         COMMITTING.update(committing)
     try:

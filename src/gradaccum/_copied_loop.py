@@ -53,7 +53,6 @@ __all__ = [
     "CopiedLoopWarning",
     "division_problem",
     "scaler_problem",
-    "gradients_changed_error",
     "mean_problem",
     "sum_problem",
     "window_count_problem",
@@ -379,28 +378,4 @@ def scaler_problem(result: object) -> str | None:
         "itself: precision='fp16' keeps its own loss scale in acc.scaler (carry a loop's scaler "
         "over with acc.scaler.load_state_dict(scaler.state_dict())); call no scaler.scale(), "
         "scaler.step() or scaler.update() of your own."
-    )
-
-
-def gradients_changed_error(touched: int, named: list[str]) -> RuntimeError:
-    """The error for gradients of an open streaming window changed between two micro-batches.
-
-    A copied loop's `zero_grad()` is the usual cause; a backward outside this Accumulator is the
-    other: a second Accumulator's micro-batch (a GAN's generator loss flowing through the
-    discriminator, whose window is open) adds into the window's sums; a second Accumulator over
-    the whole module clears them with its windows. All are named.
-    """
-    return RuntimeError(
-        f"the gradients of {touched} parameters ({', '.join(named)}, ...) changed between two "
-        "micro-batches of one window: an optimizer.zero_grad() (or another change to .grad) "
-        "inside the accumulation loop would silently drop part of the window, and a backward "
-        "outside this Accumulator would add to it. Remove the zero_grad(): the Accumulator "
-        "clears gradients itself after each step. A backward of another Accumulator's "
-        "micro_step() (a GAN's generator loss through the discriminator while the "
-        "discriminator's window is open) is kept out by requires_grad_(False) on these "
-        "parameters around that call, or by running the two windows one after the other. "
-        "Another Accumulator whose model holds these parameters outside its optimizer (both "
-        "built on a GAN's whole module) sets their gradients aside and clears them with each of "
-        "its windows: give each Accumulator its own part as the model, "
-        "Accumulator(gan.generator, g_optimizer). The window was discarded."
     )

@@ -61,7 +61,7 @@ class Engine:
     ) -> None:
         self.model, self.optimizer, self.normalize = model, optimizer, normalize
         self.runtime, self.sync, self.batchnorm = runtime, sync, batchnorm
-        self.window, self.batch_dim = Window(optimizer), batch_dim
+        self.window, self.batch_dim = Window(optimizer, model), batch_dim
         refuse_steps_inside(optimizer, self.window)  # a user's optimizer.step() mid-window
         self._fsdp = isinstance(sync, FSDP2Sync)  # reduces on its last backward, settles else
         self._params = ModelParameters(model)  # read once: walking the modules costs a window

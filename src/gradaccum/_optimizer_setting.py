@@ -58,7 +58,7 @@ class OptimizerSetting:
                 "was changed."
             )
         engine.optimizer = value
-        engine.window.joins = JoinWatch(value)  # the parameters unfrozen mid-window: its own
+        engine.window.joins = JoinWatch(value, self.model)  # unfrozen mid-window: its own
         refuse_steps_inside(value, engine.window)  # its step inside an open window: refused
         engine.schedule = SchedulerSteps()  # acc.scheduler is checked against it at next use
         self._optimizer = value

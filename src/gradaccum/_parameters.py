@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 import torch
 
+from gradaccum._window_registry import busy_error
+
 __all__ = ["ModelParameters", "trainable_parameters", "window_parameters"]
 
 _SHAPE = operator.attrgetter("shape")
@@ -118,6 +120,8 @@ class ModelParameters:
             ValueError: If a parameter changed shape and the optimizer holds state of its old
                 shape, or new parameters replaced it that the optimizer does not hold; nothing
                 has changed.
+            RuntimeError: If another Accumulator's open window holds gradients of the
+                parameters (`busy_error`); nothing has changed.
         """
         resized = self._resized()
         if resized:
@@ -140,7 +144,10 @@ class ModelParameters:
                     f"that the optimizer does not hold: they would not train. {_FIX}"
                 )
             self._read()
-        return window_parameters(self.params, optimizer)
+        params, optimizers = window_parameters(self.params, optimizer)
+        if not loading and (busy := busy_error(params, self.names)) is not None:
+            raise busy  # another Accumulator's open window holds gradients of these
+        return params, optimizers
 
 
 _FIX = (

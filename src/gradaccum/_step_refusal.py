@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from gradaccum._idle_step import warn_idle_step
 from gradaccum._joined import JoinWatch
 from gradaccum._window_registry import REGISTERED
 
@@ -56,6 +57,7 @@ class OpenWindow(Protocol):
 
     micro_batches: int
     params: list[torch.nn.Parameter]
+    held: int  # the first `held` of `params` are the optimizer's
     joins: JoinWatch  # the optimizer's parameters that started to require grad mid-window
     committing: bool  # True while the Accumulator's own `optimizer.step()` runs
     running: bool  # True while a micro-batch's loss_fn and backward run (`steps_refused`)
@@ -125,8 +127,15 @@ def refuse_steps_inside(optimizer: torch.optim.Optimizer, window: OpenWindow) ->
 
 
 def _refuse_running(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """The global step pre-hook: refuse a step of a running window's parameters."""
+    """The global step pre-hook: refuse a step of a running window's parameters.
+
+    Outside micro-batches, a step with no gradient over a window's parameters is warned of
+    (`_idle_step`: a new optimizer never given to the Accumulator).
+    """
     if stepped in COMMITTING:  # another Accumulator's commit (its own hook names it)
+        return
+    if not _RUNNING:
+        warn_idle_step(stepped)
         return
     for window in tuple(_RUNNING):  # a copy: another thread's micro-batch may end meanwhile
         mine = set(map(id, window.params))

@@ -6,7 +6,8 @@ summed gradients of micro-batches run at the OLD weights. The next `micro_step()
 to that window and stepped on it (a rollback after an error in the loop: 6e-2 off the
 full-batch step, silently, and every later window cut at another place). Such a load is now
 refused before anything changes, naming `accumulator=acc` (the saved window replaces the open
-one) and `acc.flush('drop')`.
+one) and `acc.flush('drop')`. The error for gradients changed between two micro-batches of a
+window (`gradients_changed_error`) names another Accumulator's window open over them, if any.
 
 Example:
     >>> import torch
@@ -24,7 +25,13 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["REGISTERED", "open_windows_over", "refuse_loading_under_open_window"]
+__all__ = [
+    "REGISTERED",
+    "busy_error",
+    "gradients_changed_error",
+    "open_windows_over",
+    "refuse_loading_under_open_window",
+]
 
 
 class _Window(Protocol):
@@ -72,4 +79,85 @@ def refuse_loading_under_open_window(
         "them into the next step. Pass accumulator=acc to load_checkpoint (the saved window "
         "state replaces the open one), or discard the open window first with "
         "acc.flush('drop') (acc.flush('step') to keep its update). Nothing was loaded."
+    )
+
+
+def busy_error(params: list[torch.nn.Parameter], names: dict[int, str]) -> RuntimeError | None:
+    """The refusal of a window about to open over `params` while another holds their gradients.
+
+    Opening sets the gradients its parameters hold aside (to put them back if it fails): those
+    of another Accumulator's open window over shared parameters (two optimizers over one
+    encoder, or two Accumulators built on one module, their `micro_step()` calls alternating)
+    would be taken from it, so neither step could be the full-batch one. Refused before
+    anything runs, the other window kept whole. Shared parameters it holds no gradient of
+    (its loss does not reach them) are no obstacle.
+    """
+    if not any(window.is_open for window in tuple(REGISTERED)):  # the usual case: no set built
+        return None
+    for window in open_windows_over(params, exclude=None):
+        wanted = set(map(id, params))
+        shared = [p for p in window.params if p.grad is not None and id(p) in wanted]
+        if not shared:
+            continue
+        shown = [names.get(id(p), f"<parameter of shape {tuple(p.shape)}>") for p in shared]
+        listed = ", ".join(shown[:3]) + (", ..." if len(shown) > 3 else "")
+        return RuntimeError(
+            f"another Accumulator has a window open ({window.micro_batches} micro-batches so "
+            f"far) holding the partial gradients of {len(shared)} of this window's parameters "
+            f"({listed}): opening this window would set them aside, so neither step could be "
+            "the full-batch one (two windows interleaved over shared parameters: two optimizers "
+            "over one encoder, or two Accumulators built on one module, their micro_step() "
+            "calls alternating). Run the other window to its step (or its acc.flush('step') or "
+            "flush('drop')) before this one's first micro-batch, or train both losses with one "
+            "Accumulator (one optimizer with a param group per part, LossSum.terms). Two "
+            "Accumulators over one module whose parts their optimizers hold (a GAN's generator "
+            "and discriminator): give each its own part as the model, "
+            "Accumulator(gan.generator, g_optimizer). (An Accumulator left by a loop that raised "
+            "between two micro_step() calls keeps its window until it is garbage-collected.) "
+            "Nothing ran; the other window is kept."
+        )
+    return None
+
+
+def gradients_changed_error(
+    touched: list[torch.nn.Parameter], names: dict[int, str], window: object
+) -> RuntimeError:
+    """The error for gradients of an open streaming window changed between two micro-batches.
+
+    A copied loop's `zero_grad()` is the usual cause; a backward outside this Accumulator is the
+    other: a second Accumulator's micro-batch (a GAN's generator loss flowing through the
+    discriminator, whose window is open) adds into the window's sums; a second Accumulator over
+    the whole module clears them with its windows. All are named; another Accumulator's
+    window open over `touched` (not `window`, this one's), when there is one, is named alone.
+    """
+    named = [names.get(id(p), "<unnamed>") for p in touched[:3]]
+    others = open_windows_over(touched, exclude=window)
+    if others:  # two Accumulators' micro_step() calls interleaved
+        return RuntimeError(
+            f"the gradients of {len(touched)} parameters ({', '.join(named)}, ...) changed "
+            "between two micro-batches of one window, and another Accumulator has a window open "
+            f"over them ({others[0].micro_batches} micro-batches so far): two windows "
+            "interleaved over shared parameters (two optimizers over one encoder, micro_step() "
+            "calls alternating) set each other's partial gradients aside, so neither step can "
+            "be the full-batch one. "
+            "Run one window to its step before the other's first micro_step(), or train both "
+            "losses with one Accumulator (one optimizer with a param group per part, the two "
+            "losses returned as LossSum.terms). Two Accumulators over one module whose parts "
+            "their optimizers hold (a GAN's generator and discriminator): give each its own "
+            "part as the model, Accumulator(gan.generator, g_optimizer). This window was "
+            "discarded; the other one is refused at its next micro_step()."
+        )
+    return RuntimeError(
+        f"the gradients of {len(touched)} parameters ({', '.join(named)}, ...) changed between two "
+        "micro-batches of one window: an optimizer.zero_grad() (or another change to .grad) "
+        "inside the accumulation loop would silently drop part of the window, and a backward "
+        "outside this Accumulator would add to it. Remove the zero_grad(): the Accumulator "
+        "clears gradients itself after each step. A backward of another Accumulator's "
+        "micro_step() (a GAN's generator loss through the discriminator while the "
+        "discriminator's window is open) is kept out by requires_grad_(False) on these "
+        "parameters around that call, or by running the two windows one after the other. "
+        "Another Accumulator whose model holds these parameters outside its optimizer (both "
+        "built on a GAN's whole module) sets their gradients aside and clears them with each of "
+        "its windows: give each Accumulator its own part as the model, "
+        "Accumulator(gan.generator, g_optimizer). The window was discarded."
     )

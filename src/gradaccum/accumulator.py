@@ -291,9 +291,9 @@ class Accumulator(WindowSizes, OptimizerSetting, RunSettings):
         self._rates.forget()  # a carried window may span an epoch's scheduler step
         if carry or not (window.is_open or sync.joins_flush):
             return self._pending()
-        if window.is_open:
+        if window.is_open and step:  # "drop": the window goes, touched (written weights) or not
             engine.check_gradients_untouched()
-        else:  # DDP: join the ranks whose data left a partial window ("drop": and discard it)
+        elif not window.is_open:  # DDP: join the ranks a partial window left ("drop": discard it)
             engine.run_window([], lambda model, batch: model(batch), window_items=0, size=[])
         sync.flushing, empty = True, self.empty_windows  # vs a full window: every rank raises
         sync.tokens = isinstance(self.accumulation_steps, Tokens)  # vs a micro-batch's count sum

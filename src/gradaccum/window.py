@@ -24,22 +24,23 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gradaccum._batch_sizes import check_batch_dim
-from gradaccum._copied_loop import gradients_changed_error
 from gradaccum._dtensor import like_param
 from gradaccum._forward_state import ForwardState
 from gradaccum._joined import JoinWatch
 from gradaccum._layout_watch import SequenceFirstCheck
 from gradaccum._loss_call import call_loss_fn, freed_graph_hint, refuse_grad_disabled
+from gradaccum._outcome import Outcome
 from gradaccum._parameters import trainable_parameters
 from gradaccum._state_layout import check_tensors_fit
 from gradaccum._step_refusal import steps_refused
 from gradaccum._terms import TermLedger
+from gradaccum._window_registry import gradients_changed_error
+from gradaccum._written import WeightMarks, weight_marks, written_error
 from gradaccum.batching import batch_size, split_batch, to_device
 from gradaccum.divisor import backward_denominator, divide_, folds_counts, grad_divisor, seeded_loss
 from gradaccum.loss import (
@@ -62,8 +63,10 @@ LossFn = Callable[[torch.nn.Module, Any], "torch.Tensor | LossSum"]
 class Window:
     """Totals, parameters and set-aside gradients of one accumulation window."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        self.joins = JoinWatch(optimizer)  # the optimizer's parameters unfrozen mid-window
+    def __init__(
+        self, optimizer: torch.optim.Optimizer | None = None, model: torch.nn.Module | None = None
+    ) -> None:
+        self.joins = JoinWatch(optimizer, model)  # the optimizer's parameters unfrozen mid-window
         self.params: list[torch.nn.Parameter] = []
         self.held = 0  # the first `held` params are the optimizer's
         self.running = False  # a micro-batch's loss_fn and backward run (`_commit.steps_refused`)
@@ -84,6 +87,7 @@ class Window:
         self._stashed: list[torch.Tensor | None] = []
         self._marks: list[tuple[torch.Tensor | None, int]] = []
         self._watched: tuple[torch.nn.Parameter, torch.Tensor | None, int] | None = None
+        self._weights: WeightMarks | None = None  # the weights at the last mark (`_written`)
 
     def __getstate__(self) -> dict[str, Any]:
         """For `copy.deepcopy` and pickle: the state, with the open window's gradients.
@@ -109,6 +113,7 @@ class Window:
         grads, fresh = state.pop("_grads"), state.pop("_fresh")
         watched_fresh = state.pop("_watched_fresh")
         self.__dict__.update(state)
+        self._weights = None  # copies have other storages and counters
         for param, grad in zip(self.params, grads, strict=True):
             param.grad = grad
         # A mark that matched before the copy matches after it; one that did not still does not.
@@ -181,9 +186,10 @@ class Window:
         if touched:
             raise backward_inside_error()
 
-    def mark_gradients(self) -> None:
-        """Remember each gradient after a backward, to catch changes made between micro-batches."""
+    def mark_gradients(self, *, weights: bool = True) -> None:
+        """Remember each gradient (and weight) after a backward, to catch changes until the next."""
         self._marks = [(p.grad, -1 if p.grad is None else p.grad._version) for p in self.params]
+        self._weights = weight_marks(self.params[: self.held]) if weights else None  # stepped
 
     def touched_gradients(self) -> list[int]:
         """Indices of params whose gradient changed since the last mark (a user's `zero_grad`)."""
@@ -196,12 +202,16 @@ class Window:
         ]
 
     def touched_gradients_error(self, names: dict[int, str]) -> RuntimeError | None:
-        """The error for gradients changed since the last mark (a user's `zero_grad`), if any."""
+        """The error for gradients (`zero_grad`) or weights changed since the last mark, if any."""
+        stepped, count = self.params[: self.held], self.micro_batches
+        written = written_error(stepped, self._weights, names, micro_batches=count)
+        if written is not None:
+            return written
         touched = self.touched_gradients()
         if not touched:
             return None
-        named = [names.get(id(self.params[i]), "<unnamed>") for i in touched[:3]]
-        return gradients_changed_error(len(touched), named)  # a zero_grad(), another backward
+        params = [self.params[i] for i in touched]  # a zero_grad(), another backward:
+        return gradients_changed_error(params, names, self)  # another window named
 
     def note_discarded(self, error: BaseException) -> None:
         """Add notes to `error`: the window was discarded, and a hint if the cause is known."""
@@ -236,6 +246,8 @@ class Window:
 
     def state_dict(self) -> dict[str, Any]:
         """Copies of the totals and partial gradients (plain data; a closed window saves none)."""
+        if self.is_open and (refusal := self.joins.save_refusal(self.micro_batches)) is not None:
+            raise refusal  # parameters joined mid-window: a resume would step them (`_joined`)
         params, self.saved = (self.params if self.is_open else []), True  # kept for a resume
         return {
             "count": self.count,
@@ -258,7 +270,8 @@ class Window:
             raise ValueError(
                 f"the saved Accumulator window holds gradients of {len(saved or [])} parameters "
                 f"with shapes {saved}, this model and optimizer have {len(shapes)} with shapes "
-                f"{shapes}; load it into the same model and optimizer."
+                f"{shapes}; load it into the same model and optimizer, with the parameters "
+                "that require grad and the param groups as at the save."
             )
         if state.get("micro_batches"):
             check_tensors_fit(state["grads"], params, "window's gradients")
@@ -294,21 +307,7 @@ class Window:
         self.joins.open(params[:held])
         for param, grad in zip(params, state["grads"], strict=True):
             param.grad = None if grad is None else like_param(grad, param).clone()
-        self.mark_gradients()
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What a window boundary did (the Accumulator turns it into a `StepResult`)."""
-
-    stepped: bool
-    count: int
-    loss_sum: float
-    grad_norm: float | None
-    lr: float | None
-    nonfinite_names: tuple[str, ...] = ()
-    terms: dict[str, float] | None = None  # LossSum.terms windows: each term's window mean
-    objective: float | None = None  # LossSum.terms windows: sum of weight * mean
+        self.mark_gradients(weights=False)  # load_checkpoint loads the weights after it
 
 
 def accumulate_grad(
