@@ -21,6 +21,10 @@ collide in the interpreter's type-attribute cache (a collision turns a cached lo
 of the class dicts: 0.06 M vs 0.58 M instructions per step in `unicodekeys_lookup_unicode` between
 two runs of the same step), so `PYTHONHASHSEED` is set (`--hash-seeds`, one figure per seed); and
 OpenBLAS's idle worker threads (NumPy's), which spin a varying amount, so `OPENBLAS_NUM_THREADS=1`.
+A third moved a loop's count by up to 70%: a full garbage collection (a scan of every object
+alive, torch's modules included) falling inside the counted steps or not. After warm-up the child
+collects and freezes what is alive (`gc.freeze()`); the objects the steps make are still
+collected, so the library's own allocations are still paid for.
 
 Usage:
     .venv/bin/python benchmarks/instructions.py [--steps N] [--cases cnn,lm,linears]   # ~10 minutes
@@ -32,6 +36,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import re
@@ -116,6 +121,12 @@ def child(case_name: str, contender: str, steps: int) -> None:
     step = steps_by_name[contender]
     for _ in range(3):
         step()
+    # Everything alive now (torch's modules, the model) moves out of the collector's generations:
+    # a full collection scans the whole heap, and whether one falls inside the counted steps
+    # depends on the hash seed, which moved a loop's count by up to 70%. Young objects, those the
+    # steps make, are still collected as usual.
+    gc.collect()
+    gc.freeze()
     for _ in range(steps):
         step()
 
