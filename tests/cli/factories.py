@@ -233,13 +233,3 @@ def tagged_loss(model: nn.Module, batch: dict[str, Any]) -> LossSum:
         raise ValueError("the batch's per-item fields disagree")
     weights = torch.as_tensor(batch["w"], dtype=batch["x"].dtype)[:, None]
     return LossSum((weights * (model(batch["x"]) - batch["y"]).pow(2)).sum(), len(batch["ids"]))
-
-
-def summed():
-    """A `reduction="sum"` loss returned plainly: read as a mean, so weighted by the rows again."""
-    return mlp(), regression_data(), summed_loss
-
-
-def summed_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    inputs, targets = batch
-    return F.mse_loss(model(inputs), targets, reduction="sum")

@@ -22,27 +22,21 @@ import os
 import pkgutil
 import re
 import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from gradaccum._buffer_watch import ForwardStateWarning
-from gradaccum._layout_watch import SequenceFirstWarning
 from gradaccum._loss_call import hints
 from gradaccum.batching import batch_size, split_batch
 from gradaccum.cli import UsageError
 from gradaccum.cli._args import error_summary, one_line, positive_int, seed
-from gradaccum.loss import CopiedLoopWarning, TokenMeanWarning
 from gradaccum.verify import EquivalenceReport, check_equivalence
 
 __all__ = ["Target", "add_parser", "add_target_options", "build_target", "run"]
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
-# What the library says of a loss_fn or model while it runs them: the check's likeliest cause.
-_DIAGNOSES = (CopiedLoopWarning, TokenMeanWarning, ForwardStateWarning, SequenceFirstWarning)
 
 
 @dataclass
@@ -122,17 +116,11 @@ def run(args: argparse.Namespace) -> int:
         )
     torch.manual_seed(args.seed)
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("default")  # each once, as outside
-            report = check_equivalence(
-                target.model, target.batch, target.loss_fn, micro, dtype=_DTYPES[args.dtype]
-            )
+        report = check_equivalence(
+            target.model, target.batch, target.loss_fn, micro, dtype=_DTYPES[args.dtype]
+        )
     except Exception as exc:  # the user's model or loss failed on this batch: bad input
         raise UsageError(f"the check could not run: {error_summary(exc)}{hints(exc)}") from exc
-    diagnoses = [w for w in caught if issubclass(w.category, _DIAGNOSES)]
-    for other in caught:  # the rest (torch's) go to stderr as they would have
-        if other not in diagnoses:
-            warnings.showwarning(other.message, other.category, other.filename, other.lineno)
     sizes = [micro] * (size // micro) + ([size % micro] if size % micro else [])
     split = " + ".join(map(str, sizes)) if len(sizes) <= 8 else f"{len(sizes)} micro-batches"
     how = "--micro-batch-size" if args.micro_batch_size else "default, a ragged split"
@@ -141,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  batch: {size} items; micro-batch size {micro} ({how}): {split}")
     print(f"  one full-batch backward vs {len(sizes)} accumulated backwards, in {args.dtype}\n")
     print(report, end="\n\n")
-    _diagnose(report, target, size, [str(w.message) for w in diagnoses])
+    _diagnose(report, target, size)
     return 0 if report.ok else 1
 
 
@@ -161,8 +149,7 @@ def default_micro_batch_size(size: int) -> int:
     return max(1, size // 2)
 
 
-def _diagnose(report: EquivalenceReport, target: Target, size: int, warned: list[str]) -> None:
-    """The verdict, what the library warned of while checking (the likeliest cause), the causes."""
+def _diagnose(report: EquivalenceReport, target: Target, size: int) -> None:
     if report.micro_batch_size >= size:
         print(
             "note: the micro-batch is the whole batch, so the check compares a batch with itself; "
@@ -177,12 +164,7 @@ def _diagnose(report: EquivalenceReport, target: Target, size: int, warned: list
             "docs/batchnorm.md",
             explained,
         )
-    verdict, _, causes = explained.partition("\n")
-    print(verdict)
-    for message in dict.fromkeys(warned):  # here, naming the cause, rather than on stderr
-        print(f"warned while checking: {message}")
-    if causes:
-        print(causes)
+    print(explained)
 
 
 def build_target(args: argparse.Namespace) -> Target:
