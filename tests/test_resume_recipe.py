@@ -7,13 +7,16 @@ the block with fresh objects (and other global RNG states, as a new process has)
 
 from __future__ import annotations
 
+import itertools
+import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from gradaccum import Accumulator, LossSum, load_checkpoint, save_checkpoint
 from tests.state import assert_bitwise, clone_state
@@ -21,6 +24,28 @@ from tests.test_docs_examples import python_block
 
 RECIPE = python_block("reliability.md", "generator.manual_seed(seed + epoch)")
 SEEDING = "    generator.manual_seed(seed + epoch)"
+SKIP = """    batches = iter(loader)
+    with rng_untouched():  # what the checkpoint trained is skipped; its augmentations' draws too
+        for _ in range(skip):
+            next(batches)
+"""
+ISLICE = "    batches = itertools.islice(loader, skip, None)\n"  # the page's skip until round 12
+LOADER = "generator=generator)"
+
+
+class _Augmented(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Rows drawn a random flip and noise when loaded, from torch's, NumPy's and Python's RNGs."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.x[index].flip(0) if torch.rand(()) < 0.5 else self.x[index]
+        scale = 0.01 * (1 + np.random.rand() + random.random())
+        return x + scale * torch.randn_like(x), self.y[index]
 
 
 class _KilledError(Exception):
@@ -32,9 +57,18 @@ def _loss(model: nn.Module, batch: list[torch.Tensor]) -> LossSum:
     return LossSum((model(x) - y).pow(2).sum(), y.numel())
 
 
-def _run(folder: Path, code: str, *, kill_after: int | None = None, resuming: bool = False) -> Any:
+def _run(
+    folder: Path,
+    code: str,
+    *,
+    kill_after: int | None = None,
+    resuming: bool = False,
+    augmented: bool = False,
+) -> Any:
     """The block over 3 epochs of 53 rows (7 micro-batches of 8, 3 per window); final states."""
     torch.manual_seed(1234 if resuming else 0)  # a new process: other global RNG states
+    np.random.seed(1234 if resuming else 0)
+    random.seed(1234 if resuming else 0)
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(53, 4, generator=generator, dtype=torch.float64)
     y = torch.randn(53, 2, generator=generator, dtype=torch.float64)
@@ -55,7 +89,8 @@ def _run(folder: Path, code: str, *, kill_after: int | None = None, resuming: bo
     namespace: dict[str, Any] = {
         "torch": torch,
         "DataLoader": DataLoader,
-        "dataset": TensorDataset(x, y),
+        "dataset": _Augmented(x, y) if augmented else TensorDataset(x, y),
+        "itertools": itertools,
         "model": model,
         "optimizer": optimizer,
         "scheduler": scheduler,
@@ -95,3 +130,29 @@ def test_negative_control_without_seeding_the_epoch_the_resume_differs(tmp_path:
     resumed = _run(tmp_path, code, resuming=True)
     with pytest.raises(AssertionError):
         assert_bitwise(resumed, uninterrupted)
+
+
+@pytest.mark.parametrize(("kill_after", "workers"), [(1, 0), (4, 0), (8, 0), (13, 0), (9, 2)])
+def test_the_recipe_resumes_a_randomly_augmented_dataset_bitwise(
+    tmp_path: Path, kill_after: int, workers: int
+) -> None:
+    """Each item drawn a flip and noise as it is loaded: the skipped ones draw again on resume."""
+    assert SKIP in RECIPE
+    assert LOADER in RECIPE
+    code = RECIPE.replace(LOADER, f"generator=generator, num_workers={workers})")
+    uninterrupted = _run(tmp_path, code, augmented=True)
+    assert _run(tmp_path, code, kill_after=kill_after, augmented=True) is None
+    assert_bitwise(_run(tmp_path, code, resuming=True, augmented=True), uninterrupted)
+
+
+def test_negative_control_skipping_with_the_rngs_moving_differs(tmp_path: Path) -> None:
+    """The skip of earlier versions of the page: the skipped items' augmentations move the RNGs."""
+    code = RECIPE.replace(SKIP, ISLICE)
+    uninterrupted = _run(tmp_path, code, augmented=True)
+    _run(tmp_path, code, kill_after=8, augmented=True)
+    resumed = _run(tmp_path, code, resuming=True, augmented=True)
+    with pytest.raises(AssertionError):
+        assert_bitwise(resumed, uninterrupted)
+    plain = _run(tmp_path, code)  # a dataset without augmentation: that skip was exact
+    _run(tmp_path, code, kill_after=8)
+    assert_bitwise(_run(tmp_path, code, resuming=True), plain)

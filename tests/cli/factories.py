@@ -19,6 +19,8 @@ The rest are malformed on purpose, for the bad-input tests.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -209,3 +211,25 @@ def frozen():
 def exits():
     """A factory that ends the process as a script would (`sys.exit(0)`): no check was made."""
     raise SystemExit(0)
+
+
+def tagged():
+    """A loader-style dict batch: tensors, per-item ids and names, per-item numpy weights."""
+    inputs, targets = regression_data()
+    weights = np.linspace(0.5, 1.5, ITEMS)
+    batch = {
+        "x": inputs,
+        "y": targets,
+        "w": weights,
+        "ids": list(range(ITEMS)),
+        "names": [f"row{i}" for i in range(ITEMS)],
+    }
+    return mlp(), batch, tagged_loss
+
+
+def tagged_loss(model: nn.Module, batch: dict[str, Any]) -> LossSum:
+    """Weighted squared error summed over the items, counted by the ids."""
+    if not len(batch["ids"]) == len(batch["names"]) == len(batch["w"]) == len(batch["x"]):
+        raise ValueError("the batch's per-item fields disagree")
+    weights = torch.as_tensor(batch["w"], dtype=batch["x"].dtype)[:, None]
+    return LossSum((weights * (model(batch["x"]) - batch["y"]).pow(2)).sum(), len(batch["ids"]))

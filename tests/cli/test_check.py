@@ -290,3 +290,32 @@ def test_a_module_that_exits_at_import_is_one_line_exit_2(tmp_path, capsys, monk
     assert captured.err.strip() == (
         "gradaccum check: error: --model 'exiting_script:make': cannot import module: SystemExit: 0"
     )
+
+
+def test_batch_size_cuts_every_per_item_field_of_a_factory_batch(capsys):
+    """`--batch-size B` keeps the first B items of every per-item field, not of tensors alone.
+
+    The batch holds per-item ids and names (lists) and weights (a numpy array) beside its
+    tensors, as a DataLoader's dict does. Before, only the tensors were cut: `check` crashed
+    with a traceback (exit 1) and `plan` blamed the user's batch (exit 2).
+    """
+    import argparse
+
+    import numpy as np
+
+    from gradaccum.cli.check import build_target
+
+    namespace = argparse.Namespace(task=None, model=f"{_F}:tagged", norm=None, batch_size=6, seed=0)
+    batch = build_target(namespace).batch
+    assert batch["ids"] == [0, 1, 2, 3, 4, 5]
+    assert batch["names"] == [f"row{i}" for i in range(6)]
+    assert np.array_equal(batch["w"], np.linspace(0.5, 1.5, 10)[:6])
+    assert torch.equal(batch["x"], factories.regression_data()[0][:6])
+    code = main(["check", "--model", f"{_F}:tagged", "--batch-size", "6"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "batch: 6 items; micro-batch size 4 (default, a ragged split): 4 + 2" in captured.out
+    assert _max_rel_diff(captured.out) < _EXACT
+    plan = ["plan", "--model", f"{_F}:tagged", "--batch-size", "6", "--memory-budget", "1GiB"]
+    assert main(plan) == 0
+    assert "for a batch of 6" in capsys.readouterr().out

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from gradaccum._loss_call import hints
-from gradaccum.batching import batch_size, map_tensors
+from gradaccum.batching import batch_size, split_batch
 from gradaccum.cli import UsageError
 from gradaccum.cli._args import error_summary, one_line, positive_int, seed
 from gradaccum.verify import EquivalenceReport, check_equivalence
@@ -215,8 +215,8 @@ def _cut(target: Target, size: int | None, source: str, prefix: str) -> Target:
         raise UsageError(f"{prefix}{error_summary(error)}") from None
     if size is not None and size > available:
         raise UsageError(f"--batch-size {size} is larger than {source} ({available} items)")
-    if size is not None:
-        target.batch = map_tensors(target.batch, lambda tensor: tensor[:size])
+    if size is not None and size < available:  # the first micro-batch of `size`: every per-item
+        target.batch = split_batch(target.batch, size)[0]  # leaf cut alike (lists, arrays too)
     return target
 
 
