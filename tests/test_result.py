@@ -234,3 +234,41 @@ def test_results_pickle_and_deepcopy_by_value() -> None:
     torch.save(results, buffer)
     buffer.seek(0)
     assert torch.load(buffer, weights_only=False) == results
+
+
+def _epochs_of_drops(epoch_batches: int, accumulation_steps: int, epochs: int = 3) -> list[Any]:
+    """Epoch loops of `epoch_batches` micro-batches, each ended by `flush()` under "drop"."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    acc = Accumulator(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        accumulation_steps=accumulation_steps,
+        partial_window="drop",
+    )
+    x = torch.randn(2, 3, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(epochs):
+            for _ in range(epoch_batches):
+                acc.micro_step(x, lambda m, b: m(b).pow(2).mean())
+            acc.flush()
+    return [w for w in caught if "dropped by flush()" in str(w.message)]
+
+
+def test_epochs_shorter_than_a_window_dropped_each_time_warn_once_that_nothing_trains() -> None:
+    """A dataset of 4 micro-batches per epoch with `accumulation_steps=8` never fills a window.
+
+    Under `partial_window="drop"` every epoch's window was discarded and the optimizer never
+    stepped, silently; the second such drop in a row now warns once, naming "carry" and "step".
+    """
+    stalled = _epochs_of_drops(epoch_batches=4, accumulation_steps=8)
+    assert len(stalled) == 1
+    message = str(stalled[0].message)
+    assert message.startswith("2 partial windows in a row were dropped by flush()")
+    assert "partial_window='carry'" in message
+    assert "accumulation_steps=8" in message
+    # Negative control: windows step inside each epoch, so each dropped tail is routine.
+    assert _epochs_of_drops(epoch_batches=10, accumulation_steps=4) == []
+    # A flush with no open window (an epoch that ended on a boundary) drops nothing.
+    assert _epochs_of_drops(epoch_batches=8, accumulation_steps=4) == []

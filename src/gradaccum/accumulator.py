@@ -300,7 +300,7 @@ class Accumulator(WindowSizes, OptimizerSetting, RunSettings):
         if not step:
             result = self._pending()
             engine.discard_window()  # DDP: after the flush's exchange
-            return result
+            return self._stalled.dropped(result, self.accumulation_steps)  # nothing trains?
         result = self._close(window.largest_micro_batch)  # the window's end resets `flushing`
         if result.micro_batches or result.stepped or result.count:
             return result

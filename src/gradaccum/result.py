@@ -61,19 +61,51 @@ class SkippedInARow:
 
     def __init__(self, limit: int) -> None:
         self.limit, self.in_a_row, self.warned = limit, 0, False
+        self.dropped_in_a_row, self.warned_dropped = 0, False
 
     def state_dict(self) -> dict[str, Any]:
         """The streak so far, for `Accumulator.state_dict`: a resumed run warns as the whole one."""
-        return {"in_a_row": self.in_a_row, "warned": self.warned}
+        return {
+            "in_a_row": self.in_a_row,
+            "warned": self.warned,
+            "dropped_in_a_row": self.dropped_in_a_row,
+            "warned_dropped": self.warned_dropped,
+        }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore `state_dict()` output; None (a state saved before it was kept) starts afresh."""
-        self.in_a_row = 0 if state is None else int(state["in_a_row"])
-        self.warned = False if state is None else bool(state["warned"])
+        state = state or {}
+        self.in_a_row, self.warned = int(state.get("in_a_row", 0)), bool(state.get("warned"))
+        self.dropped_in_a_row = int(state.get("dropped_in_a_row", 0))
+        self.warned_dropped = bool(state.get("warned_dropped"))
 
     def stepped(self) -> None:
         """A window stepped: the run is training."""
-        self.in_a_row = 0
+        self.in_a_row = self.dropped_in_a_row = 0
+
+    def dropped(self, result: StepResult, accumulation_steps: object) -> StepResult:
+        """`flush('drop')` discarded a partial window (`result`): two in a row, nothing trains.
+
+        An epoch of fewer micro-batches than `accumulation_steps` (a dataset of 30 in batches
+        of 8, `accumulation_steps=8`) never fills a window, so with `partial_window="drop"`
+        every epoch's window is dropped and the optimizer never steps, silently.
+        """
+        if not result.micro_batches:  # nothing was open here (a DDP rank joining the flush)
+            return result
+        self.dropped_in_a_row += 1
+        if self.dropped_in_a_row >= 2 and not self.warned_dropped:
+            self.warned_dropped = True
+            warn_user(
+                RuntimeWarning(
+                    f"{self.dropped_in_a_row} partial windows in a row were dropped by flush() "
+                    f"with no optimizer step between them (the last held {result.micro_batches} "
+                    f"micro-batches, accumulation_steps={accumulation_steps}): each epoch ends "
+                    "before a window fills, so the model is not training. Use "
+                    "partial_window='carry' (the window goes on into the next epoch) or "
+                    "'step' (an exact step over what was seen), or a smaller accumulation_steps."
+                )
+            )
+        return result
 
     def skipped(self, outcome: Any) -> None:
         """A window was skipped as non-finite (its `Outcome`, `gradaccum.window`)."""
