@@ -31,6 +31,7 @@ from gradaccum._copied_loop import (
     sum_problem,
     window_count_problem,
 )
+from gradaccum._in_batch import in_batch_problem
 from gradaccum._nll_mean import ctc_without_nll, nll_mean_problem, unshifted_count_problem
 from gradaccum._pairs import split_pairs_problem
 from gradaccum._warnings import warn_user
@@ -147,6 +148,7 @@ class TokenMeanCheck:
         # (-1 once one was not: a count from the data, `sum / n_tokens`, equal to it by chance).
         self.divisions = 0
         self.pairs = True  # neither pairs cut by the split nor an unshifted count told yet
+        self.mixed = False  # a loss comparing the rows with each other (in-batch negatives)
         self.per_row: tuple[int, ...] | None = None  # the window's masked means' values per row
 
     def check(
@@ -177,11 +179,13 @@ class TokenMeanCheck:
             unshifted = self.pairs and unshifted_count_problem(result, items)
             if unshifted:  # a causal LM's count taken before its labels' shift
                 warn_user(TokenMeanWarning(unshifted))
-            pairs = self.pairs and split_pairs_problem(result, items, micro_batches)
-            if pairs:  # chosen and rejected rows a split cut apart
+            mixed = self.pairs and in_batch_problem(result, items, micro_batches)
+            pairs = mixed or (self.pairs and split_pairs_problem(result, items, micro_batches))
+            if pairs:  # rows compared with each other, which a split cuts apart
                 warn_user(UserWarning(pairs))
             self.pairs = self.pairs and not (unshifted or pairs)  # one of these, once
-            if problem is not None:
+            self.mixed = self.mixed or bool(mixed)  # copied loop's `.sum()`: told as in-batch
+            if problem is not None and not self.mixed:  # a rows x rows matrix's sum is no
                 warn_user(CopiedLoopWarning(problem))
                 self.copied_left = 0
         if self.left and isinstance(result, torch.Tensor):
