@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from gradaccum._grad_hooks import hooks_watched
 from gradaccum._joined import JoinWatch
 from gradaccum._window_registry import REGISTERED
 
@@ -160,10 +161,10 @@ class steps_refused:  # noqa: N801  (a context manager used like a function)
     not a generator: it runs twice per micro-batch.
     """
 
-    __slots__ = ("window",)
+    __slots__ = ("hooks", "window")
 
     def __init__(self, window: OpenWindow) -> None:
-        self.window = window
+        self.window, self.hooks = window, hooks_watched(window)  # the user's gradient hooks
 
     def __enter__(self) -> None:
         if not _HOOKED:  # once per process
@@ -173,7 +174,9 @@ class steps_refused:  # noqa: N801  (a context manager used like a function)
                     _HOOKED.append(True)
         _RUNNING.append(self.window)
         self.window.running = True
+        self.hooks.__enter__()
 
     def __exit__(self, *exc: object) -> None:
         self.window.running = False
         _RUNNING.remove(self.window)
+        self.hooks.__exit__(*exc)
