@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gradaccum import Accumulator, accumulate_grad
+from gradaccum import Accumulator, accumulate_grad, check_equivalence
 
 _GEN = torch.Generator().manual_seed(3)
 _X = 3 * torch.randn(24, 6, generator=_GEN, dtype=torch.float64)
@@ -190,3 +190,15 @@ def test_the_watch_leaves_the_users_hooks_in_their_order() -> None:
     acc.step((_X, _Y), _loss)
     assert calls == ["a", "b", "a", "b"]
     assert len(weight._backward_hooks) == 2
+
+
+def test_check_equivalence_names_the_hooks_its_copies_run_without() -> None:
+    """Deep copies of parameters drop their hooks, so the check compares gradients before any
+    hook and reported a clamping hook's model as plainly exact; it names the hooks now."""
+    model = _model()
+    assert check_equivalence(model, (_X, _Y), _loss, 6).non_additive == ()
+    model[0].weight.register_hook(lambda g: g.clamp(-0.02, 0.02))
+    report = check_equivalence(model, (_X, _Y), _loss, 6)
+    assert [(m.name, m.kind) for m in report.non_additive] == [("0.weight", "gradient hook")]
+    assert f"{__file__}:" in report.non_additive[0].reason
+    assert "register_step_pre_hook" in report.explain()

@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
+from gradaccum._non_additive import NonAdditiveModule
 from gradaccum._warnings import warn_user
 
-__all__ = ["hooks_watched"]
+__all__ = ["hooked_parameters", "hooks_watched"]
 
 _TORCH = os.path.dirname(torch.__file__)
 _WATCHED = 16  # micro-batches of an Accumulator bracketed at most (then the hooks run alone)
@@ -185,3 +186,27 @@ class hooks_watched:  # noqa: N801  (a context manager used like a function)
 
     def __exit__(self, *exc: object) -> None:
         self.watch.exit(failed=exc[0] is not None)
+
+
+def hooked_parameters(model: torch.nn.Module) -> list[NonAdditiveModule]:
+    """The parameters whose gradient hooks `check_equivalence`'s copies run without.
+
+    A deep copy of a parameter does not carry its hooks, so the check compares the gradients
+    before any hook: it cannot see what a hook does per micro-batch, and names it instead.
+    """
+    found = []
+    for name, param in model.named_parameters():
+        for post in (False, True):
+            hooks = _hooks(param, post)
+            if hooks and not all(map(_torch_own, hooks.values())):
+                kind = "register_post_accumulate_grad_hook" if post else "register_hook"
+                found.append(
+                    NonAdditiveModule(
+                        name,
+                        "gradient hook",
+                        f"{_where(hooks, set())} ({kind}) runs once per micro-batch on "
+                        + ("the window's running sum" if post else "that micro-batch's share")
+                        + "; this check's copies of the model run without it",
+                    )
+                )
+    return found
