@@ -400,8 +400,24 @@ def _einsum_nce(embeddings: list[torch.Tensor], labels: torch.Tensor) -> torch.T
     return -scores.log_softmax(1).diagonal().mean()
 
 
+def _broadcast_triplet(embeddings: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    z = embeddings[0]
+    distance = (z[:, None] - z[None]).pow(2).sum(-1)  # by hand, not torch.cdist
+    same = labels[:, None] == labels[None]
+    return F.relu((distance * same).amax(1) - (distance + 1e3 * same).amin(1) + 0.5).mean()
+
+
+def _broadcast_cosine(embeddings: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    z = torch.cat(embeddings)
+    n = len(embeddings[0])
+    scores = F.cosine_similarity(z.unsqueeze(1), z.unsqueeze(0), dim=2) / 0.5
+    scores = scores.masked_fill(torch.eye(2 * n, dtype=torch.bool), -1e9)
+    return F.cross_entropy(scores, torch.cat([torch.arange(n, 2 * n), torch.arange(n)]))
+
+
 _MIXING = _IN_BATCH | {
-    "simclr": (_simclr, 2), "barlow_twins": (_barlow_twins, 2), "einsum": (_einsum_nce, 2)
+    "simclr": (_simclr, 2), "barlow_twins": (_barlow_twins, 2), "einsum": (_einsum_nce, 2),
+    "broadcast_triplet": (_broadcast_triplet, 1), "broadcast_cosine": (_broadcast_cosine, 2),
 }  # fmt: skip
 
 
@@ -459,6 +475,7 @@ _QUIET = {
     "moco_queue": _moco,
     "siamese_cosine": lambda m, b: (1 - F.cosine_similarity(m.enc(b["x0"]), m.enc(b["x1"]))).mean(),
     "cached_gradients": _cached_loss,
+    "outer_product": lambda m, b: (m.enc(b["x0"])[:, :, None] * m.enc(b["x1"])[:, None]).mean(),
 }
 
 

@@ -7,7 +7,8 @@ are, each micro-batch is the loss's whole batch: fewer negatives, other statisti
 objective than the full batch's, silently. They are read from the loss's graph near its top: a
 matrix product of two tensors computed from the micro-batch (not parameters) whose result is
 indexed by its rows on both sides (`za @ zb.T`, `torch.cdist(z, z)`, `einsum("id,jd->ij")`), or
-which sums over its rows (`z1.T @ z2`). The exact recipe is gradient caching (docs/losses.md,
+which sums over its rows (`z1.T @ z2`), or the rows broadcast against each other (`z[:, None]` with
+`z[None]`, into a rows x rows x ... tensor). The exact recipe is gradient caching (docs/losses.md,
 "In-batch negatives").
 
 Example:
@@ -127,6 +128,8 @@ def in_batch_problem(loss: object, rows: int, micro_batches: int) -> str | None:
     if not isinstance(value, torch.Tensor) or value.grad_fn is None:
         return None
     queue, seen, visited = [value.grad_fn], 0, set()
+    unsqueezed: set[int] = set()  # z[:, None] and z[None] of activations: broadcast pairs
+    pairwise: tuple[int, ...] = ()  # a (rows x rows x ...) tensor saved for the backward
     while queue and seen < _NODES:
         node = queue.pop(0)
         if node is None or node in visited:
@@ -134,6 +137,13 @@ def in_batch_problem(loss: object, rows: int, micro_batches: int) -> str | None:
         visited.add(node)
         seen += 1
         found = _mixes_rows(node, rows)
+        if type(node).__name__ == "UnsqueezeBackward0" and _activation(node.next_functions[0][0]):
+            unsqueezed.add(int(getattr(node, "_saved_dim", -1)))
+        sizes = _sizes(node, "self")
+        if not pairwise and len(sizes) >= 3 and _rows_both_sides(sizes[0], sizes[1], rows):
+            pairwise = sizes
+        if found is None and pairwise and {0, 1} <= unsqueezed:
+            found = f"a ({pairwise[0]} x {pairwise[1]}) comparison of its rows by broadcasting"
         if found is not None:
             return (
                 f"loss_fn's loss compares the rows of its micro-batch with each other ({found}: "
