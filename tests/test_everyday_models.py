@@ -543,3 +543,46 @@ def test_gradient_caching_with_a_learnable_temperature_is_exact() -> None:
     acc.step(batch | {"ga": ga, "gb": gb}, dotted)
     assert plain.logit_scale.item() == base.logit_scale.item() != full.logit_scale.item()
     assert relative_gap(param_tensors(plain), param_tensors(full)) > 1e-4
+
+
+def test_gradient_caching_replays_dropout_chunk_by_chunk() -> None:
+    """docs/losses.md's replay block: an encoder with dropout, pass 1 in the step's chunks with
+    their RNG states, each micro-batch replaying its chunk's: the step is the full-batch step
+    over those chunks' embeddings (float64, 1e-10); control: pass 2 without the replay draws other
+    masks. A finer split than pass 1's chunks is refused before anything changes."""
+    import textwrap
+
+    from tests.test_docs_examples import python_block
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 5)).double()
+    batch, size = {"a": _randn(12, 4), "b": _randn(12, 4)}, 5
+
+    def info_nce(za: torch.Tensor, zb: torch.Tensor) -> torch.Tensor:
+        return _info_nce([za, zb], torch.zeros(0))
+
+    torch.manual_seed(1)
+    full = copy.deepcopy(base)
+    optimizer = torch.optim.SGD(full.parameters(), lr=0.1)
+    chunks = [(full(batch["a"][s : s + size]), full(batch["b"][s : s + size])) for s in (0, 5, 10)]
+    loss = info_nce(torch.cat([a for a, _ in chunks]), torch.cat([b for _, b in chunks]))
+    loss.backward()
+    optimizer.step()
+
+    def run(replay: bool, split: int = size) -> nn.Module:
+        torch.manual_seed(1)
+        model = copy.deepcopy(base)
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=size)
+        scope = {"torch": torch, "info_nce": info_nce, "model": model, "batch": batch, "acc": acc}
+        scope |= {"LossSum": LossSum, "Term": Term}
+        block = textwrap.dedent(python_block("losses.md", "def with_cached_gradients_replayed("))
+        block = block.replace("result =", "acc.micro_batch_size = split\nresult =")
+        if not replay:
+            block = block.replace("torch.set_rng_state(states[start // size])", "pass")
+        exec(block, scope | {"split": split})
+        return model
+
+    assert relative_gap(param_tensors(run(True)), param_tensors(full)) < 1e-10
+    assert relative_gap(param_tensors(run(False)), param_tensors(full)) > 1e-3  # control
+    with pytest.raises(ValueError, match="replay needs the same size"):
+        run(True, split=3)
