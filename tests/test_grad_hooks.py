@@ -10,6 +10,7 @@ step pre-hook. The control for each warning is the step's gap from that full-bat
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -202,3 +203,30 @@ def test_check_equivalence_names_the_hooks_its_copies_run_without() -> None:
     assert [(m.name, m.kind) for m in report.non_additive] == [("0.weight", "gradient hook")]
     assert f"{__file__}:" in report.non_additive[0].reason
     assert "register_step_pre_hook" in report.explain()
+
+
+def test_a_post_accumulate_scaling_of_each_share_moved_to_buffers_is_quiet() -> None:
+    """bf16 weights with float32 buffers: `.grad` holds one micro-batch's share at each hook
+    (moved to its buffer after every backward), so a fixed scaling adds up: no warning, and the
+    step is the reference's with the scaling applied once (to bf16 rounding)."""
+    model = _model().to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(_scale_in_place)
+    acc = Accumulator(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        micro_batch_size=6,
+        accum_dtype=torch.float32,
+    )
+    batch = (_X.to(torch.bfloat16), _Y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.step(batch, _loss)
+    assert caught == []
+    _loss(reference, batch).backward()
+    for param in reference.parameters():
+        assert param.grad is not None
+        param.grad.mul_(0.5)
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    assert _gap(model, reference) < 5e-2

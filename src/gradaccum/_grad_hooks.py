@@ -77,6 +77,7 @@ class _Watch:
         self.before: dict[tuple[int, bool], torch.Tensor] = {}
         self.problem: str | None = None
         self.where: dict[tuple[int, bool], str] = {}
+        self.fresh: dict[tuple[int, bool], bool] = {}  # no `.grad` before the backward
 
     def enter(self, window: Any) -> None:
         if self.told or self.left <= 0:
@@ -107,27 +108,30 @@ class _Watch:
         hooks.update(entries[-2:-1] + entries[:-2] + entries[-1:])
         self.handles += [first, last]
         self.where[key] = _where(hooks, {first.id, last.id})
+        self.fresh[key] = param.grad is None
 
     def _read(self, key: tuple[int, bool], grad: torch.Tensor | None) -> None:
         if grad is not None:
             self.before[key] = grad.detach().clone()
+
+    def _scaled(self, key: tuple[int, bool], raw: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Whether `grad` is `raw` times the same elementwise factors as in the window so far."""
+        defined = raw != 0
+        ratio = torch.where(defined, grad / torch.where(defined, raw, 1), torch.nan)
+        seen = self.seen.setdefault(key, ratio)
+        both = defined & ~seen.isnan()
+        tol = max(1e-6, 16 * torch.finfo(ratio.dtype).eps)
+        self.seen[key] = torch.where(seen.isnan(), ratio, seen)
+        return not bool((grad[~defined] != 0).any()) and torch.allclose(
+            ratio[both], seen[both], rtol=tol, atol=tol
+        )
 
     def _pre(self, key: tuple[int, bool], grad: torch.Tensor, shape: tuple[int, ...]) -> None:
         """After a tensor hook: the same gradient, or a fixed elementwise scaling of it."""
         raw = self.before.pop(key, None)
         if raw is None or self.problem is not None or torch.equal(raw, grad):
             return
-        grad = grad.detach()
-        defined = raw != 0
-        ratio = torch.where(defined, grad / torch.where(defined, raw, 1), torch.nan)
-        seen = self.seen.setdefault(key, ratio)
-        both = defined & ~seen.isnan()
-        tol = max(1e-6, 16 * torch.finfo(ratio.dtype).eps)
-        moved = bool((grad[~defined] != 0).any()) or not torch.allclose(
-            ratio[both], seen[both], rtol=tol, atol=tol
-        )
-        self.seen[key] = torch.where(seen.isnan(), ratio, seen)
-        if moved:
+        if not self._scaled(key, raw, grad.detach()):
             self.problem = (
                 f"the gradient hook {self.where[key]} (register_hook, on a parameter of shape "
                 f"{shape}) changes each micro-batch's gradient in a way that is not a fixed "
@@ -138,15 +142,21 @@ class _Watch:
             )
 
     def _post(self, key: tuple[int, bool], param: torch.Tensor, shape: tuple[int, ...]) -> None:
-        """After a post-accumulate hook: the running sum as it was, or fixed entries zeroed."""
+        """After a post-accumulate hook: a fixed scaling of a fresh `.grad`, a sum left alone.
+
+        A fresh `.grad` is one micro-batch's share (the window's first, or each one when
+        low-precision gradients move to buffers); on a running sum only factors of 0 and 1 add
+        up (fixed entries zeroed).
+        """
         before, grad = self.before.pop(key, None), param.grad
+        fresh, self.fresh[key] = self.fresh.get(key, False), False
         if before is None or grad is None or self.problem is not None or torch.equal(before, grad):
             return
-        grad = grad.detach()
-        zeroed = (grad == 0) & (before != 0)
-        kept = grad == before
-        seen = self.seen.setdefault(key, zeroed)
-        if not bool((kept | zeroed).all()) or bool((seen & kept & (before != 0)).any()):
+        summed = self._scaled(key, before, grad.detach())
+        if summed and not fresh:  # applied again to a sum it changed: factors of 0 or 1 only
+            factors = self.seen[key][~self.seen[key].isnan()]
+            summed = bool(((factors == 0) | (factors == 1)).all())
+        if not summed:
             self.problem = (
                 f"the post-accumulate-grad hook {self.where[key]} (on a parameter of shape "
                 f"{shape}) changed param.grad in place: it runs after each micro-batch's "
@@ -154,7 +164,6 @@ class _Watch:
                 "to what it changed already (a scaling compounds, a clamp clips partial sums) "
                 "and the step is not the full-batch step. " + _FIX
             )
-        self.seen[key] = seen | zeroed
 
     def exit(self, failed: bool) -> None:
         for handle in self.handles:
