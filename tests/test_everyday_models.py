@@ -443,6 +443,16 @@ def test_in_batch_losses_given_plainly_warn_naming_gradient_caching(name: str) -
     def plain(m: nn.Module, b: dict[str, Any]) -> torch.Tensor:
         return loss_of([m(b[f"x{i}"]) for i in range(views)], b["labels"])
 
+    if name == "clip":  # as one term of LossSum.terms, beside a per-row term
+
+        def plain(m: nn.Module, b: dict[str, Any]) -> LossSum:
+            embeddings = [m(b[f"x{i}"]) for i in range(views)]
+            rows = len(embeddings[0])
+            return LossSum.terms(
+                clip=Term(loss_of(embeddings, b["labels"]) * rows, count=rows),
+                norm=Term(embeddings[0].pow(2).sum(), count=rows, weight=0.01),
+            )
+
     full, quiet = _step_warnings(model, batch, plain, 12)
     assert quiet == []
     split, told = _step_warnings(model, batch, plain, 4)

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -117,17 +118,22 @@ def in_batch_problem(loss: object, rows: int, micro_batches: int) -> str | None:
     """Why `loss` is not additive over the micro-batch's rows (with the fix), or None.
 
     Args:
-        loss: The scalar (or a `LossSum`'s value) `loss_fn` returned, with its graph.
+        loss: What `loss_fn` returned: a scalar, a `LossSum` or `LossSum.terms`, with graphs.
         rows: The micro-batch's rows (a micro-batch of one compares nothing).
         micro_batches: The window's micro-batches when known (1: the micro-batch is the whole
             batch, which is exact; 0: not known up front).
     """
-    value = loss if isinstance(loss, torch.Tensor) else getattr(loss, "value", None)
     if micro_batches == 1 or rows < 2:
         return None
-    if not isinstance(value, torch.Tensor) or value.grad_fn is None:
-        return None
-    queue, seen, visited = [value.grad_fn], 0, set()
+    terms = getattr(loss, "terms", None)  # `LossSum.terms`: each term's value
+    values = (
+        [getattr(t, "value", None) for t in terms.values()]
+        if isinstance(terms, Mapping)
+        else [loss]
+    )
+    values = [v if isinstance(v, torch.Tensor) else getattr(v, "value", None) for v in values]
+    roots = [v.grad_fn for v in values if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+    queue, seen, visited = roots, 0, set()
     unsqueezed: set[int] = set()  # z[:, None] and z[None] of activations: broadcast pairs
     pairwise: tuple[int, ...] = ()  # a (rows x rows x ...) tensor saved for the backward
     while queue and seen < _NODES:
