@@ -19,8 +19,10 @@ Example:
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
     ...     for x in (torch.tensor([3.0, 0.5, 1.0]), torch.tensor([0.5, 3.0, 1.0])):
-    ...         with hooks_watched(window):
-    ...             (w * x).sum().backward()
+    ...         watch = hooks_watched(window)
+    ...         watch.enter(window)
+    ...         (w * x).sum().backward()
+    ...         watch.exit(failed=False)
     ...         window.micro_batches += 1
     >>> "not a fixed scaling" in str(caught[0].message)
     True
@@ -80,8 +82,6 @@ class _Watch:
         self.fresh: dict[tuple[int, bool], bool] = {}  # no `.grad` before the backward
 
     def enter(self, window: Any) -> None:
-        if self.told or self.left <= 0:
-            return
         self.left -= 1
         if window.micro_batches == 0:  # a new window: its hooks may scale by another factor
             self.seen.clear()
@@ -179,22 +179,12 @@ class _Watch:
 _WATCHES: weakref.WeakKeyDictionary[Any, _Watch] = weakref.WeakKeyDictionary()
 
 
-class hooks_watched:  # noqa: N801  (a context manager used like a function)
-    """Around one micro-batch's backward: bracket the user's gradient hooks, warn once."""
-
-    __slots__ = ("watch", "window")
-
-    def __init__(self, window: Any) -> None:
-        watch = _WATCHES.get(window)
-        if watch is None:
-            watch = _WATCHES[window] = _Watch()
-        self.watch, self.window = watch, window
-
-    def __enter__(self) -> None:
-        self.watch.enter(self.window)
-
-    def __exit__(self, *exc: object) -> None:
-        self.watch.exit(failed=exc[0] is not None)
+def hooks_watched(window: Any) -> _Watch | None:
+    """The watch to bracket a micro-batch's backward with (`enter`, `exit`), or None once done."""
+    watch = _WATCHES.get(window)
+    if watch is None:
+        watch = _WATCHES[window] = _Watch()
+    return None if watch.told or watch.left <= 0 else watch
 
 
 def hooked_parameters(model: torch.nn.Module) -> list[NonAdditiveModule]:

@@ -174,9 +174,11 @@ class steps_refused:  # noqa: N801  (a context manager used like a function)
                     _HOOKED.append(True)
         _RUNNING.append(self.window)
         self.window.running = True
-        self.hooks.__enter__()
+        if self.hooks is not None:  # bracketed in the first micro-batches (`_grad_hooks`)
+            self.hooks.enter(self.window)
 
     def __exit__(self, *exc: object) -> None:
         self.window.running = False
         _RUNNING.remove(self.window)
-        self.hooks.__exit__(*exc)
+        if self.hooks is not None:
+            self.hooks.exit(failed=exc[0] is not None)
