@@ -12,6 +12,7 @@ step exactly with gradient caching; their control is the loss on each micro-batc
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -349,7 +350,8 @@ def test_in_batch_negatives_with_cached_gradients_equal_the_full_batch_steps(
     assert all(got == pytest.approx(want, rel=1e-12) for got, want in losses)  # result.loss
 
     # Control: the loss on each micro-batch alone sees fewer negatives: another step.
-    naive = _sgd_steps(model, batch, lambda acc, m: acc.step(batch, plain), 4)
+    with pytest.warns(UserWarning, match="compares the rows of its micro-batch"):
+        naive = _sgd_steps(model, batch, lambda acc, m: acc.step(batch, plain), 4)
     assert relative_gap(param_tensors(naive), param_tensors(full)) > 1e-3
 
 
@@ -378,3 +380,219 @@ def test_the_gradient_caching_block_of_docs_losses_md_runs_and_is_exact() -> Non
     exec(textwrap.dedent(python_block("losses.md", "def with_cached_gradients(")), scope)
     assert scope["result"].loss == pytest.approx(loss.item(), rel=1e-12)
     assert relative_gap(param_tensors(model), param_tensors(full)) < 1e-10
+
+
+def _simclr(embeddings: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    z = F.normalize(torch.cat(embeddings), dim=1)
+    n = len(embeddings[0])
+    scores = (z @ z.T / 0.5).masked_fill(torch.eye(2 * n, dtype=torch.bool), -1e9)
+    return F.cross_entropy(scores, torch.cat([torch.arange(n, 2 * n), torch.arange(n)]))
+
+
+def _barlow_twins(embeddings: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    z1, z2 = ((e - e.mean(0)) / e.std(0) for e in embeddings)
+    c = z1.T @ z2 / len(z1)
+    return (torch.diagonal(c) - 1).pow(2).sum() + 0.005 * c.triu(1).pow(2).sum()
+
+
+def _einsum_nce(embeddings: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    scores = torch.einsum("id,jd->ij", *embeddings)
+    return -scores.log_softmax(1).diagonal().mean()
+
+
+def _broadcast_triplet(embeddings: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    z = embeddings[0]
+    distance = (z[:, None] - z[None]).pow(2).sum(-1)  # by hand, not torch.cdist
+    same = labels[:, None] == labels[None]
+    return F.relu((distance * same).amax(1) - (distance + 1e3 * same).amin(1) + 0.5).mean()
+
+
+def _broadcast_cosine(embeddings: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    z = torch.cat(embeddings)
+    n = len(embeddings[0])
+    scores = F.cosine_similarity(z.unsqueeze(1), z.unsqueeze(0), dim=2) / 0.5
+    scores = scores.masked_fill(torch.eye(2 * n, dtype=torch.bool), -1e9)
+    return F.cross_entropy(scores, torch.cat([torch.arange(n, 2 * n), torch.arange(n)]))
+
+
+_MIXING = _IN_BATCH | {
+    "simclr": (_simclr, 2), "barlow_twins": (_barlow_twins, 2), "einsum": (_einsum_nce, 2),
+    "broadcast_triplet": (_broadcast_triplet, 1), "broadcast_cosine": (_broadcast_cosine, 2),
+}  # fmt: skip
+
+
+def _step_warnings(model: nn.Module, batch: Any, loss: Any, micro: int) -> tuple[nn.Module, list]:
+    model = copy.deepcopy(model)
+    acc = Accumulator(model, torch.optim.AdamW(model.parameters(), lr=0.01), micro_batch_size=micro)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.step(batch, loss)
+    return model, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("name", sorted(_MIXING))
+def test_in_batch_losses_given_plainly_warn_naming_gradient_caching(name: str) -> None:
+    """A loss comparing the micro-batch's rows (a rows x rows matrix, or a sum over rows of two
+    activations) warns once at the split step, naming gradient caching; the step it took is not
+    the full-batch one (the control: it used to be silent). One micro-batch is quiet."""
+    loss_of, views = _MIXING[name]
+    torch.manual_seed(0)
+    model = _encoder().double()
+    batch = {f"x{i}": _randn(12, 4) for i in range(views)} | {"labels": _ints(3, 12)}
+
+    def plain(m: nn.Module, b: dict[str, Any]) -> torch.Tensor:
+        return loss_of([m(b[f"x{i}"]) for i in range(views)], b["labels"])
+
+    if name == "clip":  # as one term of LossSum.terms, beside a per-row term
+
+        def plain(m: nn.Module, b: dict[str, Any]) -> LossSum:
+            embeddings = [m(b[f"x{i}"]) for i in range(views)]
+            rows = len(embeddings[0])
+            return LossSum.terms(
+                clip=Term(loss_of(embeddings, b["labels"]) * rows, count=rows),
+                norm=Term(embeddings[0].pow(2).sum(), count=rows, weight=0.01),
+            )
+
+    full, quiet = _step_warnings(model, batch, plain, 12)
+    assert quiet == []
+    split, told = _step_warnings(model, batch, plain, 4)
+    assert len(told) == 1, told
+    for said in ("compares the rows of its micro-batch", "gradient caching", "In-batch negatives"):
+        assert said in told[0]
+    assert relative_gap(param_tensors(split), param_tensors(full)) > 1e-4
+
+
+class _Heads(nn.Module):
+    """An encoder with the heads whose matrix products must not read as in-batch negatives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = _encoder()
+        self.head = nn.Linear(3, 8, bias=False)  # 8 outputs: a multiple of 4 rows
+        self.normed = nn.utils.parametrizations.weight_norm(nn.Linear(3, 8, bias=False))
+        self.register_buffer("queue", torch.randn(16, 3, dtype=torch.float64))
+
+
+def _moco(m: nn.Module, b: dict[str, Any]) -> torch.Tensor:
+    q, k = F.normalize(m.enc(b["x0"]), dim=1), F.normalize(m.enc(b["x1"]), dim=1).detach()
+    scores = torch.cat([(q * k).sum(1, keepdim=True), q @ F.normalize(m.queue, dim=1).T], 1)
+    return F.cross_entropy(scores / 0.07, torch.zeros(len(q), dtype=torch.long))
+
+
+_QUIET = {
+    "bias_free_head": lambda m, b: F.cross_entropy(m.head(m.enc(b["x0"])), b["labels"]),
+    "weight_norm_head": lambda m, b: F.cross_entropy(m.normed(m.enc(b["x0"])), b["labels"]),
+    "moco_queue": _moco,
+    "siamese_cosine": lambda m, b: (1 - F.cosine_similarity(m.enc(b["x0"]), m.enc(b["x1"]))).mean(),
+    "cached_gradients": _cached_loss,
+    "outer_product": lambda m, b: (m.enc(b["x0"])[:, :, None] * m.enc(b["x1"])[:, None]).mean(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_QUIET))
+def test_per_row_losses_with_matrix_products_do_not_warn_as_in_batch_negatives(name: str) -> None:
+    torch.manual_seed(0)
+    model = _Heads().double()
+    batch = {"x0": _randn(12, 4), "x1": _randn(12, 4), "labels": _ints(8, 12)}
+    if name == "cached_gradients":
+        batch = _cached_gradients(model.enc, batch, _info_nce)
+        model = model.enc
+    assert _step_warnings(model, batch, _QUIET[name], 4)[1] == []
+
+
+class _Clip(nn.Module):
+    """Two towers and CLIP's learnable temperature, used by the loss, not by the towers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5))
+        self.text = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 5))
+        self.logit_scale = nn.Parameter(torch.tensor(2.6593))
+
+
+def _clip_loss(za: torch.Tensor, zb: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
+    logits = logit_scale.exp() * F.normalize(za, dim=1) @ F.normalize(zb, dim=1).T
+    targets = torch.arange(len(za))
+    return (F.cross_entropy(logits, targets) + F.cross_entropy(logits.T, targets)) / 2
+
+
+def test_gradient_caching_with_a_learnable_temperature_is_exact() -> None:
+    """docs/losses.md's temperature block: CLIP's two towers and `logit_scale` step as the full
+    batch (AdamW, float64, 1e-10); control: the plain recipe leaves `logit_scale` unmoved."""
+    import textwrap
+
+    from tests.test_docs_examples import python_block
+
+    torch.manual_seed(0)
+    base = _Clip().double()
+    batch = {"a": _randn(12, 6), "b": _randn(12, 4)}
+    full = copy.deepcopy(base)
+    optimizer = torch.optim.AdamW(full.parameters(), lr=0.01)
+    loss = _clip_loss(full.image(batch["a"]), full.text(batch["b"]), full.logit_scale)
+    loss.backward()
+    optimizer.step()
+
+    model = copy.deepcopy(base)
+    acc = Accumulator(model, torch.optim.AdamW(model.parameters(), lr=0.01), micro_batch_size=5)
+    scope = {"torch": torch, "clip_loss": _clip_loss, "model": model, "batch": batch, "acc": acc}
+    scope |= {"LossSum": LossSum, "Term": Term}
+    exec(textwrap.dedent(python_block("losses.md", "def with_cached_gradients_and_")), scope)
+    assert scope["result"].loss == pytest.approx(loss.item(), rel=1e-12)
+    assert relative_gap(param_tensors(model), param_tensors(full)) < 1e-10
+
+    plain = copy.deepcopy(base)  # control: the embeddings' gradients cached, not the temperature's
+    acc = Accumulator(plain, torch.optim.AdamW(plain.parameters(), lr=0.01), micro_batch_size=5)
+    with torch.no_grad():
+        za, zb = plain.image(batch["a"]).requires_grad_(), plain.text(batch["b"]).requires_grad_()
+    ga, gb = torch.autograd.grad(_clip_loss(za, zb, plain.logit_scale), (za, zb))
+
+    def dotted(m: nn.Module, mb: dict[str, Any]) -> LossSum:
+        dot = (m.image(mb["a"]) * mb["ga"]).sum() + (m.text(mb["b"]) * mb["gb"]).sum()
+        return LossSum.terms(loss=Term(dot, denominator=1))
+
+    acc.step(batch | {"ga": ga, "gb": gb}, dotted)
+    assert plain.logit_scale.item() == base.logit_scale.item() != full.logit_scale.item()
+    assert relative_gap(param_tensors(plain), param_tensors(full)) > 1e-4
+
+
+def test_gradient_caching_replays_dropout_chunk_by_chunk() -> None:
+    """docs/losses.md's replay block: an encoder with dropout, pass 1 in the step's chunks with
+    their RNG states, each micro-batch replaying its chunk's: the step is the full-batch step
+    over those chunks' embeddings (float64, 1e-10); control: pass 2 without the replay draws other
+    masks. A finer split than pass 1's chunks is refused before anything changes."""
+    import textwrap
+
+    from tests.test_docs_examples import python_block
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 5)).double()
+    batch, size = {"a": _randn(12, 4), "b": _randn(12, 4)}, 5
+
+    def info_nce(za: torch.Tensor, zb: torch.Tensor) -> torch.Tensor:
+        return _info_nce([za, zb], torch.zeros(0))
+
+    torch.manual_seed(1)
+    full = copy.deepcopy(base)
+    optimizer = torch.optim.SGD(full.parameters(), lr=0.1)
+    chunks = [(full(batch["a"][s : s + size]), full(batch["b"][s : s + size])) for s in (0, 5, 10)]
+    loss = info_nce(torch.cat([a for a, _ in chunks]), torch.cat([b for _, b in chunks]))
+    loss.backward()
+    optimizer.step()
+
+    def run(replay: bool, split: int = size) -> nn.Module:
+        torch.manual_seed(1)
+        model = copy.deepcopy(base)
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=size)
+        scope = {"torch": torch, "info_nce": info_nce, "model": model, "batch": batch, "acc": acc}
+        scope |= {"LossSum": LossSum, "Term": Term}
+        block = textwrap.dedent(python_block("losses.md", "def with_cached_gradients_replayed("))
+        block = block.replace("result =", "acc.micro_batch_size = split\nresult =")
+        if not replay:
+            block = block.replace("torch.set_rng_state(states[start // size])", "pass")
+        exec(block, scope | {"split": split})
+        return model
+
+    assert relative_gap(param_tensors(run(True)), param_tensors(full)) < 1e-10
+    assert relative_gap(param_tensors(run(False)), param_tensors(full)) > 1e-3  # control
+    with pytest.raises(ValueError, match="replay needs the same size"):
+        run(True, split=3)

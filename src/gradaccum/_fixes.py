@@ -72,6 +72,10 @@ _DETECTION = {
     "images of one size (resize or pad them before step()), so every micro-batch is padded as "
     "the full batch is (docs/vision.md)",
     "RegionProposalNetwork": _SAMPLED,
+    "gradient hook": "a fixed scaling or mask adds up to the full-batch step; a clamp, a norm "
+    "clip or an in-place change of param.grad does not (the Accumulator warns when it sees "
+    "one): clip or scale the window's gradient in optimizer.register_step_pre_hook instead "
+    "(README, 'Your own gradient processing')",
     "RoIHeads": _SAMPLED,
 }
 

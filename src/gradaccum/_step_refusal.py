@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from gradaccum._grad_hooks import hooks_watched
 from gradaccum._idle_step import warn_idle_step
 from gradaccum._joined import JoinWatch
 from gradaccum._window_registry import REGISTERED
@@ -169,10 +170,10 @@ class steps_refused:  # noqa: N801  (a context manager used like a function)
     not a generator: it runs twice per micro-batch.
     """
 
-    __slots__ = ("window",)
+    __slots__ = ("hooks", "window")
 
     def __init__(self, window: OpenWindow) -> None:
-        self.window = window
+        self.window, self.hooks = window, hooks_watched(window)  # the user's gradient hooks
 
     def __enter__(self) -> None:
         if not _HOOKED:  # once per process
@@ -182,7 +183,11 @@ class steps_refused:  # noqa: N801  (a context manager used like a function)
                     _HOOKED.append(True)
         _RUNNING.append(self.window)
         self.window.running = True
+        if self.hooks is not None:  # bracketed in the first micro-batches (`_grad_hooks`)
+            self.hooks.enter(self.window)
 
     def __exit__(self, *exc: object) -> None:
         self.window.running = False
         _RUNNING.remove(self.window)
+        if self.hooks is not None:
+            self.hooks.exit(failed=exc[0] is not None)

@@ -32,6 +32,7 @@ from gradaccum._copied_loop import (
     sum_problem,
     window_count_problem,
 )
+from gradaccum._in_batch import in_batch_problem
 from gradaccum._nll_mean import ctc_without_nll, nll_mean_problem, unshifted_count_problem
 from gradaccum._pairs import split_pairs_problem
 from gradaccum._teacher import teacher_problem
@@ -152,6 +153,7 @@ class TokenMeanCheck:
         self.divisions = 0
         # Each kind told once, on its own: one told must not silence the other.
         self.unshifted, self.pairs = True, True  # an unshifted count; pairs cut by the split
+        self.in_batch = True  # a loss comparing the rows with each other (in-batch negatives)
         # A statistic of the micro-batch (advantages centered, mixup): told once each; a
         # mixup on its second micro-batch (-1 once targets held other labels: mixed before).
         self.centered, self.mixed = True, 0
@@ -192,7 +194,13 @@ class TokenMeanCheck:
             if unshifted:  # a causal LM's count taken before its labels' shift
                 warn_user(TokenMeanWarning(unshifted))
                 self.unshifted = False
-            pairs = self.pairs and split_pairs_problem(result, items, micro_batches)
+            in_batch = self.in_batch and in_batch_problem(result, items, micro_batches)
+            if in_batch:  # rows compared with each other, which a split cuts apart
+                warn_user(UserWarning(in_batch))
+                self.in_batch = False
+            pairs = (
+                not in_batch and self.pairs and split_pairs_problem(result, items, micro_batches)
+            )
             if pairs:  # chosen and rejected rows a split cut apart
                 warn_user(UserWarning(pairs))
                 self.pairs = False
@@ -202,7 +210,7 @@ class TokenMeanCheck:
                 if teacher:
                     warn_user(UserWarning(teacher))
                     self.model = None
-            if problem:
+            if problem and self.in_batch:  # a rows x rows matrix's `.sum()`: told as in-batch
                 warn_user(CopiedLoopWarning(problem))
                 self.copied = False
         if self.left and isinstance(result, torch.Tensor):

@@ -39,6 +39,7 @@ from gradaccum._check_copies import (
 )
 from gradaccum._check_precision import PrecisionProbe, tolerance
 from gradaccum._fixes import LOSS_CAUSES, fix_for
+from gradaccum._grad_hooks import hooked_parameters
 from gradaccum._loss_call import call_loss_fn, refuse_grad_disabled
 from gradaccum._non_additive import (
     ModulesRun,
@@ -321,7 +322,8 @@ def check_equivalence(
                 ) from error
 
     # Only modules that ran: a train-mode EMA copy the model holds never runs in a step.
-    non_additive = [m for m in find_non_additive(model) if run.ran(m.name)] + drawing
+    ran = [m for m in find_non_additive(model) if run.ran(m.name)]
+    non_additive = ran + drawing + hooked_parameters(model)
     non_additive += changed_by_hooks(full_model, hooked, {m.name for m in non_additive})
     non_additive += diverged_buffers(full_model, accumulated_model, {m.name for m in non_additive})
     non_additive += diverged_attributes(
