@@ -41,7 +41,7 @@ def warn_idle_step(stepped: torch.optim.Optimizer) -> None:
         if not any(id(p) in ids for p in window.params[: window.held]):
             continue
         _WARNED.add(window)
-        mine = type(getattr(window.joins, "_optimizer", None)).__name__
+        mine = type(window.joins.optimizer).__name__
         name = type(stepped).__name__
         warn_user(
             UserWarning(

@@ -58,6 +58,11 @@ class JoinWatch:
         self._aside: dict[int, torch.Tensor] = {}  # frozen parameters' own gradients
         self._armed = False
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer whose param groups are watched (the Accumulator's)."""
+        return self._optimizer
+
     def open(self, held: Sequence[torch.nn.Parameter]) -> None:
         """Remember the window's own parameters (`held`: the optimizer's trainable ones).
 
