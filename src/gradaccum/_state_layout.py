@@ -69,9 +69,16 @@ TENSOR: Rule = (_is_float_tensor, "a floating-point tensor")
 SHAPES: Rule = _list_of(((lambda v: isinstance(v, list) and all(map(_is_int, v))), "int lists"))
 
 _TOP = {"settings": DICT, "engine": DICT, "nonfinite_windows": INT, "empty_windows": INT}
-_STREAK: Rule = (
-    lambda v: isinstance(v, Mapping) and _is_count(v.get("in_a_row")) and BOOL[0](v.get("warned")),
-    '{"in_a_row": an int >= 0, "warned": a bool}',
+_STREAK: Rule = (  # the drop streak is newer: a state saved before it holds none
+    lambda v: (
+        isinstance(v, Mapping)
+        and _is_count(v.get("in_a_row"))
+        and BOOL[0](v.get("warned"))
+        and _is_count(v.get("dropped_in_a_row", 0))
+        and BOOL[0](v.get("warned_dropped", False))
+    ),
+    '{"in_a_row": an int >= 0, "warned": a bool, "dropped_in_a_row": an int >= 0, '
+    '"warned_dropped": a bool}',
 )
 _TOP_OPTIONAL = {  # newer than version 2
     "auto": _optional(DICT),
