@@ -2,34 +2,36 @@
 
 Timing on a shared 2-core machine has a noise floor of a few percent (`overhead.py`'s A/A row), as
 large as the overhead we want to bound. `valgrind --tool=callgrind` counts the instructions a
-process executes instead, which is repeatable whatever else the machine runs. The count still
-includes one-off work (Python start-up, `import torch`, building the model, warm-up steps), so
-each contender runs twice, for `steps` and for `2 * steps` timed steps, and
+process executes instead, which is repeatable whatever else the machine runs. Only the timed
+steps are counted: the child runs them inside `itertools.takewhile` (as its predicate), and
+callgrind collects only while CPython's `takewhile_next` runs (`--collect-atstart=no
+--toggle-collect=takewhile_next`; neither torch's hot paths nor the library use `takewhile`), so
+Python start-up, `import torch`, building the model, the warm-up steps and the exit count nothing.
 
-    instructions per step = (count(2 * steps) - count(steps)) / steps
+    instructions per step = instructions inside the `steps` timed steps / steps
 
-cancels everything but the steps. Same models, batches and loops as `benchmarks/overhead.py`
-(the hand loop is its correct loop, which reads nothing back; "hand, checked" adds loss logging
-and a finite-gradient check, what our boundary does). One thread.
+Same models, batches and loops as `benchmarks/overhead.py` (the hand loop is its correct loop,
+which reads nothing back; "hand, checked" adds loss logging and a finite-gradient check, what our
+boundary does). One thread.
 
 Instructions are not time: a cache miss costs more than an add. But the library adds Python and
 a few small tensor operations, not memory traffic, so the instruction ratio bounds its cost well.
 
-Two things made counts of identical code differ by up to 6% between runs, and are pinned in each
-child: Python's string hashes, which are salted per process and decide which attribute names
-collide in the interpreter's type-attribute cache (a collision turns a cached lookup into a walk
-of the class dicts: 0.06 M vs 0.58 M instructions per step in `unicodekeys_lookup_unicode` between
-two runs of the same step), so `PYTHONHASHSEED` is set (`--hash-seeds`, one figure per seed); and
-OpenBLAS's idle worker threads (NumPy's), which spin a varying amount, so `OPENBLAS_NUM_THREADS=1`.
-A third moved a loop's count by up to 70%: a full garbage collection (a scan of every object
-alive, torch's modules included) falling inside the counted steps or not. After warm-up the child
-collects and freezes what is alive (`gc.freeze()`); the objects the steps make are still
-collected, so the library's own allocations are still paid for.
+Three things made counts of identical code differ between runs, and are pinned in each child:
+- a full garbage collection (a scan of every object alive, torch's modules included) falling
+  inside the counted steps or not, which moved a loop's count by up to 70%: after warm-up the
+  child collects and freezes what is alive (`gc.freeze()`); the objects the steps make are still
+  collected, so the library's own allocations are still paid for;
+- Python's string hashes, salted per process, which decide which attribute names collide in the
+  interpreter's type-attribute cache (a collision turns a cached lookup into a walk of the class
+  dicts: 0.06 M vs 0.58 M instructions per step in `unicodekeys_lookup_unicode` between two runs
+  of the same step): `PYTHONHASHSEED` is set (`--hash-seeds`, a row per seed);
+- OpenBLAS's idle worker threads (NumPy's), which spin a varying amount: `OPENBLAS_NUM_THREADS=1`.
 
 Usage:
-    .venv/bin/python benchmarks/instructions.py [--steps N] [--cases cnn,lm,linears]   # ~10 minutes
+    .venv/bin/python benchmarks/instructions.py [--steps N] [--cases cnn,lm,linears]   # ~15 minutes
         [--hash-seeds 0,1,2] [--contenders ours,hand]
-    (`linears`: a cheap 28-tensor model where the library's own work is a large share, ~5 minutes)
+    (`linears`: a cheap 28-tensor model where the library's own work is a large share, ~4 minutes)
     (internal) benchmarks/instructions.py --child CASE CONTENDER STEPS
 """
 
@@ -44,6 +46,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -180,17 +183,15 @@ def main() -> None:
     if "hand" not in contenders or not set(contenders) <= set(CONTENDERS):
         parser.error(f"--contenders must include 'hand', from {','.join(CONTENDERS)}")
     print(f"$ {' '.join(['python', *sys.argv])}")
-    print(f"torch {torch.__version__}, 1 thread; per step = (count({2 * args.steps} steps) - "
-          f"count({args.steps} steps)) / {args.steps}\n")  # fmt: skip
+    print(f"torch {torch.__version__}, 1 thread; per step = instructions inside {args.steps} "
+          f"steps (after 3 warm-up steps) / {args.steps}\n")  # fmt: skip
     print("| model | PYTHONHASHSEED | contender | instructions / step | vs hand |")
     print("|---|---:|---|---:|---:|")
     for case_name in args.cases.split(","):
         for seed in map(int, args.hash_seeds.split(",")):
-            per_step = {}
-            for contender in contenders:
-                short = count(case_name, contender, args.steps, seed)
-                long = count(case_name, contender, 2 * args.steps, seed)
-                per_step[contender] = (long - short) / args.steps
+            with ThreadPoolExecutor(len(contenders)) as pool:  # counts do not mind sharing CPUs
+                runs = {c: pool.submit(count, case_name, c, args.steps, seed) for c in contenders}
+            per_step = {c: run.result() / args.steps for c, run in runs.items()}
             for contender in contenders:
                 ratio = per_step[contender] / per_step["hand"]
                 cells = f"{case_name} | {seed} | {contender} | {per_step[contender]:,.0f}"
