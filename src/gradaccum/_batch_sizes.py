@@ -174,8 +174,9 @@ def refuse_objects(held: Sizes, size: int | None) -> None:
         ragged = any(len({n for p, n, _ in held if p[0] == owner}) > 1 for owner in owners)
         raise TypeError(
             f"{named} {verb} the batch's items, but gradaccum cannot split that object or count "
-            "its items, and handing it whole to every micro-batch would count each item many "
-            "times. Make it a dataclass (split field by field), a dict or a named tuple, or pass "
+            "its items, so step() would hand it whole to every micro-batch (counting each item "
+            "many times) and micro_step() could not weigh it by its items. Make it a dataclass "
+            "(split field by field), a dict or a named tuple, or pass "
             "its tensors in the batch itself; make a range, deque or array a list (list(x))."
             + (_RAGGED_OBJECT if ragged else "")
         )
