@@ -97,6 +97,7 @@ class AccumulatingModel(keras.Model):
         self.steps = steps
         self.partial_window = partial_window
         self._count_fn = count
+        self._activity = False  # the model has activity regularizers (set at compile)
         if hasattr(model, "output_names"):
             self.output_names = model.output_names
         self._settle = SettleWindows(self)
@@ -137,6 +138,7 @@ class AccumulatingModel(keras.Model):
             )
         if self._count_fn is None:
             check_activity_terms(self.model, compile_time_kind(self.model, loss))
+        self._activity = bool(activity_regularized(self.model))  # checked when a step is traced
         if self.steps > 1:
             warn_whole_batch(loss)
         inner = keras.optimizers.get(optimizer)
@@ -206,7 +208,7 @@ class AccumulatingModel(keras.Model):
                     "AccumulatingModel if you know the counts stay proportional"
                 )
         loss, y, y_pred, sample_weight = outputs[0]
-        if activity_regularized(self.model):  # Keras's per-row terms: exact over rows only
+        if self._activity:  # Keras's per-row terms (activity regularizers): exact over rows only
             check_activity_terms(self.model, varying_count(loss, y_pred, sample_weight, y))
         return loss_count(loss, y, y_pred, sample_weight)
 
