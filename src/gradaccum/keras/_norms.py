@@ -65,7 +65,7 @@ def _input_specs(model: Any) -> Any:
     """The model's symbolic inputs, or one input of the shape it was built with, or None."""
     try:
         return model.input  # functional or Sequential
-    except (AttributeError, ValueError):
+    except Exception:  # no symbolic inputs (subclassed, or a Sequential without Input)
         shapes = getattr(model, "_build_shapes_dict", None) or {}
         if len(shapes) != 1:
             return None
