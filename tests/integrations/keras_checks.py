@@ -1347,7 +1347,7 @@ def bf16_adds_only_float32_rounding():
     micro-batches per window the step differs from the plain bf16 full-batch step by bf16's
     rounding of each micro-batch's gradient inside the model's own bf16 ops, and it is no
     farther from the float32 full-batch run than plain bf16 fit is."""
-    micro = [(x.astype("float32"), y.astype("float32")) for x, y in regression([32] * 8, seed=5)]
+    micro = [(x.astype("float32"), y.astype("float32")) for x, y in regression([64] * 8, seed=5)]
     adam = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
     keras.config.set_floatx("float32")
     try:

@@ -23,6 +23,7 @@ __all__ = [
     "MEAN_REDUCTIONS",
     "LABEL_COUNTED",
     "check_count",
+    "count_of",
     "ignoring_losses",
     "loss_count",
     "loss_sum",
@@ -163,6 +164,11 @@ def loss_count(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -
         3.0
     """
     warn_whole_batch(loss)
+    return count_of(loss, y_true, y_pred, sample_weight)
+
+
+def count_of(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+    """`loss_count` without its warning: `fit` warned about a batch Dice at `compile()`."""
     loss = resolve_loss(loss, y_true, y_pred)
     values, mask = _values_and_mask(loss, y_true, y_pred)
     return _count(loss, values, mask, sample_weight, y_pred)

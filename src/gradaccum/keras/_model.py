@@ -27,8 +27,8 @@ from gradaccum.keras._counts import (
     LABEL_COUNTED,
     MEAN_REDUCTIONS,
     check_count,
+    count_of,
     ignoring_losses,
-    loss_count,
     masked_outputs,
     varying_count,
     warn_whole_batch,
@@ -210,7 +210,7 @@ class AccumulatingModel(keras.Model):
         loss, y, y_pred, sample_weight = outputs[0]
         if self._activity:  # Keras's per-row terms (activity regularizers): exact over rows only
             check_activity_terms(self.model, varying_count(loss, y_pred, sample_weight, y))
-        return loss_count(loss, y, y_pred, sample_weight)
+        return count_of(loss, y, y_pred, sample_weight)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """`keras.Model.fit`; `batch_size` is the micro-batch size."""
