@@ -1167,6 +1167,63 @@ def frozen_batchnorm_is_exact_and_not_warned():
     return result
 
 
+class FineTuned(keras.Model):
+    """The fine-tuning recipe in a subclassed model: an unfrozen base called in inference mode."""
+
+    def __init__(self, inference):
+        super().__init__()
+        self.inference = inference
+        hidden = keras.layers.Dense(16, kernel_initializer=seeded(1))
+        self.base = keras.Sequential([keras.Input((6,)), hidden, keras.layers.BatchNormalization()])
+        self.head = keras.layers.Dense(3, kernel_initializer=seeded(2))
+
+    def call(self, x, training=None):
+        return self.head(self.base(x, training=False if self.inference else training))
+
+
+def _fine_tuned(inference):
+    model = FineTuned(inference)
+    model(np.zeros((1, 6)))
+    return model
+
+
+@check
+def batchnorm_called_in_inference_mode_is_exact_and_not_warned():
+    """`self.base(x, training=False)` in a subclassed model's call, the base trainable: its
+    BatchNormalization runs on its moving statistics (as in a plain fit), so accumulation is
+    exact; it was warned about as not exact (a false alarm). The same model passing `training`
+    through is warned (its statistics move). In a functional model Keras 3 passes fit's
+    training=True through `base(x, training=False)`: plain fit trains that layer, and so it
+    is warned about."""
+    micro = regression([4] * 6, seed=8)
+    adam = lambda: keras.optimizers.Adam(0.05)  # noqa: E731
+    found = {}
+    for label, make in {
+        "inference": lambda: _fine_tuned(True),
+        "training": lambda: _fine_tuned(False),
+        "functional": lambda: _functional_fine_tuned(),
+    }.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = compare(make, adam, micro, steps=3)
+        warned = [w for w in caught if issubclass(w.category, BatchNormAccumulationWarning)]
+        found[label] = {"gap": result["gap"], "state": result["state"], "warned": len(warned)}
+    plain = fit_plain(_functional_fine_tuned, adam(), windows(micro, 3)[0])
+    stats = [w for w in plain.weights if "moving_variance" in w.path]
+    found["functional"]["plain_fit_moves_statistics"] = bool(
+        np.any(ops.convert_to_numpy(stats[0]) != 1.0)
+    )
+    return found
+
+
+def _functional_fine_tuned():
+    hidden = keras.layers.Dense(16, kernel_initializer=seeded(1))
+    base = keras.Sequential([keras.Input((6,)), hidden, keras.layers.BatchNormalization()])
+    inputs = keras.Input((6,))
+    outputs = keras.layers.Dense(3, kernel_initializer=seeded(2))(base(inputs, training=False))
+    return keras.Model(inputs, outputs)
+
+
 @check
 def batch_dice_warns():
     """Keras's Dice (axis=None by default) is one ratio over the whole batch: not additive over
@@ -1190,6 +1247,124 @@ def batch_dice_warns():
         found[label] = {"gap": result["gap"], "state": result["state"], "warned": [
             str(w.message) for w in caught if "axis=None" in str(w.message)]}  # fmt: skip
     return found
+
+
+def _activity_mlp():
+    penalty = keras.regularizers.L2(0.1)
+    hidden = keras.layers.Dense(16, activation="relu", kernel_initializer=seeded(1),
+                                activity_regularizer=penalty)  # fmt: skip
+    head = keras.layers.Dense(3, kernel_initializer=seeded(2))
+    return keras.Sequential([keras.Input((6,)), hidden, head])
+
+
+def _activity_tokens():
+    embedding = keras.initializers.RandomUniform(-0.5, 0.5, seed=1)
+    penalty = keras.regularizers.L2(0.1)
+    return keras.Sequential([
+        keras.Input((None,), dtype="int32"),
+        keras.layers.Embedding(11, 8, mask_zero=True, embeddings_initializer=embedding),
+        keras.layers.Dense(16, activation="relu", kernel_initializer=seeded(2),
+                           activity_regularizer=penalty),
+        keras.layers.Dense(11, kernel_initializer=seeded(3)),
+    ])  # fmt: skip
+
+
+@check
+def activity_regularizer_counts():
+    """Keras 3 divides an activity regularizer's penalty by the batch's rows: next to a per-row
+    loss it accumulates exactly (ragged micro-batches). Next to a loss counting masked tokens or
+    summed sample weights the window weighed it by those (0.1 off, silently): refused, at
+    compile() for a masked output, at the first step for weights; nothing changed."""
+    adam = lambda: keras.optimizers.Adam(0.05)  # noqa: E731
+    result = compare(_activity_mlp, adam, regression(RAGGED), steps=3, epochs=2)
+    scce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    weighted = [(x, y, np.linspace(0.2, 2.0, len(x))) for x, y in regression([4] * 6, seed=3)]
+    messages, unchanged = {}, {}
+    for label, make, loss, data in [
+        ("masked", _activity_tokens, scce, token_data(TOKEN_ROWS)),
+        ("weights", _activity_mlp, keras.losses.MeanSquaredError(
+            reduction="mean_with_sample_weight"), weighted),
+    ]:  # fmt: skip
+        model = make()
+        before = weights(model)
+        trainer = gk.accumulate(model, steps=3)
+        try:
+            trainer.compile(optimizer=adam(), loss=loss)
+            trainer.fit(Batches(data), shuffle=False, verbose=0)
+            messages[label] = None
+        except ValueError as error:
+            messages[label] = str(error)
+        if BACKEND != "jax" or label == "masked":  # JAX's fit purges the variables first
+            unchanged[label] = gap(weights(model), before) == 0.0
+    # NEGATIVE CONTROL: count= (the same token count as the default) opts out, and the run ends
+    # off the full batch: the penalty was weighed by tokens.
+    tokens = lambda x, y, y_pred, sample_weight: gk.loss_count(scce, y, y_pred)  # noqa: E731
+    micro = token_data(TOKEN_ROWS)
+    ref = fit_plain(_activity_tokens, adam(), windows(micro, 3)[0], loss=scce)
+    model = _activity_tokens()
+    trainer = gk.accumulate(model, steps=3, count=tokens)
+    trainer.compile(optimizer=adam(), loss=scce)
+    trainer.fit(Batches(micro), shuffle=False, verbose=0)
+    result.update(messages=messages, unchanged=unchanged,
+                  gap_token_count=gap(weights(model), weights(ref)))  # fmt: skip
+    return result
+
+
+@check
+def loss_sum_warns_about_a_batch_dice():
+    """`loss_sum(Dice())` in a hand-written loop took the batch ratio for a row mean, silently;
+    it warns as compile() does (a per-sample Dice does not warn, and its loop is exact)."""
+    rng = np.random.default_rng(1)
+    micro = [(rng.normal(size=(4, 6)), (rng.uniform(size=(4, 3)) > 0.5).astype("float64"))
+             for _ in range(4)]  # fmt: skip
+
+    def make():
+        head = keras.layers.Dense(3, activation="sigmoid", kernel_initializer=seeded(2))
+        return keras.Sequential([keras.Input((6,)), head])
+
+    found = {}
+    dice = {"batch": keras.losses.Dice(), "per_sample": keras.losses.Dice(axis=1)}
+    for label, loss in dice.items():
+        ref = fit_plain(make, keras.optimizers.SGD(0.5), windows(micro, 2)[0], loss=loss)
+        model, optimizer = make(), keras.optimizers.SGD(0.5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for start in (0, 2):
+                window = gk.GradientWindow.zeros(model.trainable_weights)
+                for x, y in micro[start : start + 2]:
+                    window = window.add(*sum_grads(model, loss, x, y))
+                window.apply(optimizer, model.trainable_weights)
+        warned = [w for w in caught if "axis=None" in str(w.message)]
+        found[label] = {"gap": gap(weights(model), weights(ref)), "warned": len(warned),
+                        "file": warned[0].filename if warned else ""}  # fmt: skip
+    return found
+
+
+@check
+def bf16_adds_only_float32_rounding():
+    """mixed_bfloat16 (no loss scale): the window sums float32 gradients, so the adapter adds
+    float32 rounding only (one micro-batch per window equals plain fit to 1e-6). With 4
+    micro-batches per window the step differs from the plain bf16 full-batch step by bf16's
+    rounding of each micro-batch's gradient inside the model's own bf16 ops, and it is no
+    farther from the float32 full-batch run than plain bf16 fit is."""
+    micro = [(x.astype("float32"), y.astype("float32")) for x, y in regression([64] * 8, seed=5)]
+    adam = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    keras.config.set_floatx("float32")
+    try:
+        ref32 = fit_plain(mlp, adam(), windows(micro, 4)[0])
+        keras.config.set_dtype_policy("mixed_bfloat16")
+        one, _ = fit_accumulated(mlp, adam(), micro, steps=1)
+        plain_micro = fit_plain(mlp, adam(), micro)
+        model, trainer = fit_accumulated(mlp, adam(), micro, steps=4)
+        plain = fit_plain(mlp, adam(), windows(micro, 4)[0])
+    finally:
+        keras.config.set_dtype_policy("float64")
+        keras.config.set_floatx("float64")
+    return {"gap_one_micro_batch": gap(weights(one), weights(plain_micro)),
+            "gap_vs_plain_bf16": gap(weights(model), weights(plain)),
+            "to_float32": gap(weights(model), weights(ref32)),
+            "plain_to_float32": gap(weights(plain), weights(ref32)),
+            "state": trainer.window_state}  # fmt: skip
 
 
 @check

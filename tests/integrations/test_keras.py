@@ -37,7 +37,7 @@ TOLERANCE = {"tensorflow": 1e-12, "jax": 1e-6, "torch": 1e-5}
 CAUGHT = 1e-2  # a negative control must end at least this far from the full-batch run
 
 # The first test's setup waits for every backend's subprocess (about a minute on 2 idle cores).
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1500)
 
 if importlib.util.find_spec("keras") is None:
     pytest.skip("keras is not installed (pip install 'gradaccum[keras]')", allow_module_level=True)
@@ -65,7 +65,7 @@ def keras_results():
         )
     results = {}
     for backend, proc in procs.items():
-        out, err = proc.communicate(timeout=600)
+        out, err = proc.communicate(timeout=1200)  # three backends share two cores
         lines = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
         results[backend] = {r["name"]: r for r in lines}
         results[backend]["_stderr"] = err[-3000:]
@@ -315,6 +315,14 @@ def test_fp16_overflow_skips_the_whole_window(keras_results, backend):
     assert found["gap_vs_full_batch"] < 1e-3, found  # float16 activations: fp16 rounding
 
 
+def test_bf16_adds_only_float32_rounding(keras_results, backend):
+    found = result(keras_results, backend, "bf16_adds_only_float32_rounding")
+    assert found["state"] == {"steps": 2, "skipped": 0, "pending": 0}, found
+    assert found["gap_one_micro_batch"] < 1e-5, "one micro-batch per window: float32 rounding only"
+    assert found["gap_vs_plain_bf16"] < 2e-2, found  # each micro-batch's bf16 gradient rounding
+    assert found["to_float32"] <= 1.1 * found["plain_to_float32"], found
+
+
 def test_batchnorm_is_warned_about_and_is_not_exact(keras_results, backend):
     found = result(keras_results, backend, "batchnorm_warns")
     assert found["warned"] == 1
@@ -348,6 +356,19 @@ def test_frozen_batchnorm_is_exact_and_not_warned(keras_results, backend):
     assert "batch_normalization" in found["unfrozen"][0], found
 
 
+def test_batchnorm_called_in_inference_mode_is_exact_and_not_warned(keras_results, backend):
+    found = result(
+        keras_results, backend, "batchnorm_called_in_inference_mode_is_exact_and_not_warned"
+    )
+    assert found["inference"]["warned"] == 0, "base(x, training=False): exact, no warning"
+    assert_exact(found["inference"], backend, steps=2)
+    assert found["training"]["warned"] == 1, found  # the same model in training mode is warned
+    assert found["training"]["gap"] > CAUGHT, found
+    # Keras 3 overrides training=False in a functional graph: plain fit trains the layer too.
+    assert found["functional"]["plain_fit_moves_statistics"], found
+    assert found["functional"]["warned"] == 1, found
+
+
 def test_a_batch_dice_is_warned_about_and_a_per_sample_dice_is_exact(keras_results, backend):
     found = result(keras_results, backend, "batch_dice_warns")
     assert len(found["batch"]["warned"]) == 1, found
@@ -355,6 +376,31 @@ def test_a_batch_dice_is_warned_about_and_a_per_sample_dice_is_exact(keras_resul
     assert found["batch"]["gap"] > 1e-3, "the batch Dice is not additive: the warning is due"
     assert found["per_sample"]["warned"] == [], found
     assert_exact(found["per_sample"], backend, steps=2)
+
+
+def test_an_activity_regularizer_is_exact_over_rows_and_refused_beside_other_counts(
+    keras_results, backend
+):
+    found = result(keras_results, backend, "activity_regularizer_counts")
+    assert_exact(found, backend, steps=4)  # per-row loss, ragged micro-batches, 2 epochs
+    for label in ("masked", "weights"):
+        message = found["messages"][label] or ""
+        assert "have an activity_regularizer" in message, found["messages"]
+        assert "subclass of AccumulatingModel" in message, message
+        assert "count=" in message, message
+    assert "masked output" in found["messages"]["masked"], found["messages"]
+    assert "mean_with_sample_weight" in found["messages"]["weights"], found["messages"]
+    assert all(found["unchanged"].values()), found
+    assert found["gap_token_count"] > CAUGHT, "weighing the penalty by tokens must be caught"
+
+
+def test_loss_sum_warns_about_a_batch_dice_in_a_hand_written_loop(keras_results, backend):
+    found = result(keras_results, backend, "loss_sum_warns_about_a_batch_dice")
+    assert found["batch"]["warned"] >= 1, found
+    assert found["batch"]["file"].endswith("keras_checks.py"), "the warning points at the caller"
+    assert found["batch"]["gap"] > 1e-2, "the batch Dice is not additive: the warning is due"
+    assert found["per_sample"]["warned"] == 0, found
+    assert found["per_sample"]["gap"] < TOLERANCE[backend], found
 
 
 def test_gradient_window_refuses_mismatched_gradients_and_counts(keras_results, backend):

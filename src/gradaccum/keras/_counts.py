@@ -17,16 +17,20 @@ from keras.src.backend import get_keras_mask
 from keras.src.losses.loss import squeeze_or_expand_to_same_rank
 from keras.src.trainers.compile_utils import get_loss
 
+from gradaccum._warnings import warn_user
+
 __all__ = [
     "MEAN_REDUCTIONS",
     "LABEL_COUNTED",
     "check_count",
+    "count_of",
     "ignoring_losses",
     "loss_count",
     "loss_sum",
     "masked_outputs",
     "resolve_loss",
     "varying_count",
+    "warn_whole_batch",
     "whole_batch_losses",
 ]
 
@@ -159,6 +163,12 @@ def loss_count(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -
         >>> float(loss_count("mse", np.zeros((3, 2)), np.ones((3, 2))))
         3.0
     """
+    warn_whole_batch(loss)
+    return count_of(loss, y_true, y_pred, sample_weight)
+
+
+def count_of(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+    """`loss_count` without its warning: `fit` warned about a batch Dice at `compile()`."""
     loss = resolve_loss(loss, y_true, y_pred)
     values, mask = _values_and_mask(loss, y_true, y_pred)
     return _count(loss, values, mask, sample_weight, y_pred)
@@ -186,6 +196,7 @@ def loss_sum(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -> 
         >>> float(total), float(count)
         (16.0, 4.0)
     """
+    warn_whole_batch(loss)
     loss = resolve_loss(loss, y_true, y_pred)
     values, mask = _values_and_mask(loss, y_true, y_pred)
     weights = _weights(values, mask, sample_weight)
@@ -251,18 +262,20 @@ def varying_count(
     return None
 
 
-def masked_outputs(model: Any, loss: Any) -> list[str]:
+def masked_outputs(model: Any, loss: Any, *, every: bool = False) -> list[str]:
     """The masked outputs next to unmasked ones that `loss` scores, from a built model's graph.
 
     A functional or Sequential model knows its outputs' Keras masks before any data flows, so
     losses that would count differently (see `varying_count`) are found at `compile()`.
     Models without symbolic outputs (subclassed) return [] here and are checked at the first
-    step instead.
+    step instead. With `every`, the scored outputs that are masked, even if all are.
     """
     try:
         outputs = model.output
-    except (AttributeError, ValueError):  # subclassed or not built: no symbolic outputs
-        return []
+    except (AttributeError, ValueError):  # a Sequential's are in `outputs`; subclassed: none
+        outputs = getattr(model, "outputs", None)
+        if not outputs:
+            return []
     names = list(getattr(model, "output_names", None) or [])
     flat = keras.tree.flatten(outputs)
     if isinstance(outputs, dict):
@@ -276,6 +289,8 @@ def masked_outputs(model: Any, loss: Any) -> list[str]:
     else:
         scored = list(named) if loss is not None else []
     masked = [key for key in scored if get_keras_mask(named[key]) is not None]
+    if every:  # the masked ones, even if all are (they count unmasked entries, not rows)
+        return masked
     return masked if 0 < len(masked) < len(scored) else []  # all masked: alike
 
 
@@ -304,3 +319,21 @@ def whole_batch_losses(loss: Any) -> list[str]:
         if fn in (keras.losses.dice, keras.losses.tversky) and axis is None:
             found.append(str(getattr(item, "name", None) or fn.__name__))
     return found
+
+
+def warn_whole_batch(loss: Any) -> None:
+    """Warn about each batch Dice or Tversky (`axis=None`) in `loss`: it does not accumulate.
+
+    `compile()` warns for `fit`; `loss_sum` and `loss_count` warn for a hand-written loop, which
+    otherwise took the batch ratio for a row mean and weighed each micro-batch's by its rows.
+    """
+    for name in whole_batch_losses(loss):
+        warn_user(
+            UserWarning(
+                f"loss {name!r} with axis=None is one ratio of sums over the whole batch (a "
+                "batch Dice), which does not add up over micro-batches: each window weighs "
+                "its micro-batches' ratios by their rows, not the full batch's ratio. Pass "
+                "axis= the per-sample axes (keras.losses.Dice(axis=(1, 2, 3)) for images) "
+                "for a per-sample loss that accumulates exactly"
+            )
+        )

@@ -27,11 +27,11 @@ from gradaccum.keras._counts import (
     LABEL_COUNTED,
     MEAN_REDUCTIONS,
     check_count,
+    count_of,
     ignoring_losses,
-    loss_count,
     masked_outputs,
     varying_count,
-    whole_batch_losses,
+    warn_whole_batch,
 )
 from gradaccum.keras._optimizer import WindowOptimizer
 from gradaccum.keras._options import (
@@ -43,6 +43,7 @@ from gradaccum.keras._options import (
     warn_batchnorm,
 )
 from gradaccum.keras._settle import SettleWindows
+from gradaccum.keras._terms import activity_regularized, check_activity_terms, compile_time_kind
 
 __all__ = ["PARTIAL_WINDOWS", "AccumulatingModel", "accumulate"]
 
@@ -96,6 +97,7 @@ class AccumulatingModel(keras.Model):
         self.steps = steps
         self.partial_window = partial_window
         self._count_fn = count
+        self._activity = False  # the model has activity regularizers (set at compile)
         if hasattr(model, "output_names"):
             self.output_names = model.output_names
         self._settle = SettleWindows(self)
@@ -134,16 +136,11 @@ class AccumulatingModel(keras.Model):
                 "count cannot divide each loss by its own. Compile one loss, or pass count=... "
                 "to AccumulatingModel if you know the counts stay proportional"
             )
-        for name in whole_batch_losses(loss) if self.steps > 1 else []:
-            warn_user(
-                UserWarning(
-                    f"loss {name!r} with axis=None is one ratio of sums over the whole batch (a "
-                    "batch Dice), which does not add up over micro-batches: each window weighs "
-                    "its micro-batches' ratios by their rows, not the full batch's ratio. Pass "
-                    "axis= the per-sample axes (keras.losses.Dice(axis=(1, 2, 3)) for images) "
-                    "for a per-sample loss that accumulates exactly"
-                )
-            )
+        if self._count_fn is None:
+            check_activity_terms(self.model, compile_time_kind(self.model, loss))
+        self._activity = bool(activity_regularized(self.model))  # checked when a step is traced
+        if self.steps > 1:
+            warn_whole_batch(loss)
         inner = keras.optimizers.get(optimizer)
         if isinstance(inner, WindowOptimizer):
             inner = inner.inner_optimizer
@@ -211,7 +208,9 @@ class AccumulatingModel(keras.Model):
                     "AccumulatingModel if you know the counts stay proportional"
                 )
         loss, y, y_pred, sample_weight = outputs[0]
-        return loss_count(loss, y, y_pred, sample_weight)
+        if self._activity:  # Keras's per-row terms (activity regularizers): exact over rows only
+            check_activity_terms(self.model, varying_count(loss, y_pred, sample_weight, y))
+        return count_of(loss, y, y_pred, sample_weight)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """`keras.Model.fit`; `batch_size` is the micro-batch size."""

@@ -14,6 +14,7 @@ import keras
 from gradaccum._batch_sizes import _whole
 from gradaccum._warnings import warn_user
 from gradaccum.batchnorm import BatchNormAccumulationWarning
+from gradaccum.keras._norms import training_norms
 
 __all__ = [
     "PARTIAL_WINDOWS",
@@ -139,20 +140,25 @@ def check_single_replica() -> None:
 def warn_batchnorm(model: Any, steps: int, warned: tuple[str, ...] = ()) -> tuple[str, ...]:
     """Warn that BatchNormalization normalizes each micro-batch alone (not additive).
 
-    Only trainable layers: a frozen one (`trainable=False`, as in transfer learning) runs in
-    inference mode, on its moving statistics, and accumulates exactly. Called when wrapping and
-    again at `compile()` (a layer unfrozen in between); layers in `warned` are not named again.
+    Only trainable layers that run in training mode: a frozen one (`trainable=False`, as in
+    transfer learning), or one the model calls with `training=False` itself (a subclassed
+    model's fine-tuning recipe), runs on its moving statistics and accumulates exactly. Called
+    when wrapping and again at `compile()` (a layer unfrozen in between); layers in `warned` are
+    not named again.
 
     Returns:
         The names of the trainable BatchNormalization layers (warned now or before).
     """
-    norms = [
-        layer.name
+    trainable = [
+        layer
         for layer in model._flatten_layers(include_self=False)
         if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
     ]
+    unwarned = [layer for layer in trainable if layer.name not in warned] if steps > 1 else []
+    # A layer the model calls with training=False itself runs on its moving statistics: exact.
+    norms = [layer.name for layer in training_norms(model, unwarned)]
     new = [name for name in norms if name not in warned]
-    if new and steps > 1:
+    if new:
         shown = ", ".join(new[:3]) + (", ..." if len(new) > 3 else "")
         warn_user(
             BatchNormAccumulationWarning(
