@@ -30,7 +30,7 @@ Three things made counts of identical code differ between runs, and are pinned i
 
 Usage:
     .venv/bin/python benchmarks/instructions.py [--steps N] [--cases cnn,lm,linears]   # ~15 minutes
-        [--hash-seeds 0,1,2] [--contenders ours,hand]
+        [--hash-seeds 0,1,2] [--contenders ours,hand,checked]
     (`linears`: a cheap 28-tensor model where the library's own work is a large share, ~4 minutes)
     (internal) benchmarks/instructions.py --child CASE CONTENDER STEPS
 """
@@ -173,15 +173,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--cases", default="cnn,lm")
     parser.add_argument("--hash-seeds", default="0", help="PYTHONHASHSEED values, one row each")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--contenders", default="ours,hand,checked", help="checked: hand, checked")
     parser.add_argument("--child", nargs=3, metavar=("CASE", "CONTENDER", "STEPS"))
     args = parser.parse_args()
     if args.child:
         child(args.child[0], args.child[1], int(args.child[2]))
         return
-    contenders = args.contenders.split(",")
+    contenders = [{"checked": "hand, checked"}.get(c, c) for c in args.contenders.split(",")]
     if "hand" not in contenders or not set(contenders) <= set(CONTENDERS):
-        parser.error(f"--contenders must include 'hand', from {','.join(CONTENDERS)}")
+        parser.error("--contenders must include 'hand', from ours,hand,checked")
     print(f"$ {' '.join(['python', *sys.argv])}")
     print(f"torch {torch.__version__}, 1 thread; per step = instructions inside {args.steps} "
           f"steps (after 3 warm-up steps) / {args.steps}\n")  # fmt: skip
