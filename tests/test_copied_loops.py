@@ -701,6 +701,18 @@ def _two_task_data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(8, 1, generator=generator, dtype=torch.float64)
 
 
+def _two_task_reference(x: torch.Tensor, y: torch.Tensor) -> nn.Module:
+    """The plain steps: each head's SGD step (lr 0.1) over the encoder and itself, full batch."""
+    reference = _TwoHeads()
+    for head in ("ha", "hb"):
+        params = [*reference.enc.parameters(), *getattr(reference, head).parameters()]
+        grads = torch.autograd.grad(_task(head)(reference, (x, y)), params)
+        with torch.no_grad():
+            for param, grad in zip(params, grads, strict=True):
+                param -= 0.1 * grad
+    return reference
+
+
 def test_two_accumulators_interleaved_over_a_shared_encoder_are_refused_naming_the_other() -> None:
     """Two optimizers over one encoder, `acc_a.micro_step` and `acc_b.micro_step` alternating:
     the second window's opening set the first's partial gradients aside; both were refused
@@ -725,20 +737,14 @@ def test_two_accumulators_interleaved_over_a_shared_encoder_are_refused_naming_t
     assert acc_a.micro_step((x[4:], y[4:]), _task("ha")).stepped
     acc_b.micro_step((x[:4], y[:4]), _task("hb"))
     assert acc_b.micro_step((x[4:], y[4:]), _task("hb")).stepped
-    reference = _TwoHeads()
-    for head in ("ha", "hb"):
-        params = [*reference.enc.parameters(), *getattr(reference, head).parameters()]
-        grads = torch.autograd.grad(_task(head)(reference, (x, y)), params)
-        with torch.no_grad():
-            for param, grad in zip(params, grads, strict=True):
-                param -= 0.1 * grad
+    reference = _two_task_reference(x, y)
     for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=0)
 
 
 def test_negative_control_interleaved_plain_windows_over_a_shared_encoder_leak() -> None:
     """The same interleaving in a plain loop: each step takes the other task's gradient too."""
-    model, reference = _TwoHeads(), _TwoHeads()
+    model = _TwoHeads()
     x, y = _two_task_data()
     opts = [
         torch.optim.SGD([*model.enc.parameters(), *getattr(model, head).parameters()], lr=0.1)
@@ -750,12 +756,7 @@ def test_negative_control_interleaved_plain_windows_over_a_shared_encoder_leak()
     for opt in opts:
         opt.step()
         opt.zero_grad()
-    for head in ("ha", "hb"):
-        params = [*reference.enc.parameters(), *getattr(reference, head).parameters()]
-        grads = torch.autograd.grad(_task(head)(reference, (x, y)), params)
-        with torch.no_grad():
-            for param, grad in zip(params, grads, strict=True):
-                param -= 0.1 * grad
+    reference = _two_task_reference(x, y)
     gap = max(
         float((a - b).detach().abs().max())
         for a, b in zip(model.parameters(), reference.parameters(), strict=True)

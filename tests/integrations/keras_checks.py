@@ -1224,11 +1224,8 @@ def _functional_fine_tuned():
     return keras.Model(inputs, outputs)
 
 
-@check
-def batch_dice_warns():
-    """Keras's Dice (axis=None by default) is one ratio over the whole batch: not additive over
-    micro-batches (1e-2 off, silently); compile() warns naming axis=. A per-sample Dice is
-    exact and not warned."""
+def _dice_case():
+    """Four micro-batches of 4 rows (6 features, 3 binary targets) and a sigmoid head's maker."""
     rng = np.random.default_rng(1)
     micro = [(rng.normal(size=(4, 6)), (rng.uniform(size=(4, 3)) > 0.5).astype("float64"))
              for _ in range(4)]  # fmt: skip
@@ -1236,6 +1233,16 @@ def batch_dice_warns():
     def make():
         head = keras.layers.Dense(3, activation="sigmoid", kernel_initializer=seeded(2))
         return keras.Sequential([keras.Input((6,)), head])
+
+    return micro, make
+
+
+@check
+def batch_dice_warns():
+    """Keras's Dice (axis=None by default) is one ratio over the whole batch: not additive over
+    micro-batches (1e-2 off, silently); compile() warns naming axis=. A per-sample Dice is
+    exact and not warned."""
+    micro, make = _dice_case()
 
     sgd = lambda: keras.optimizers.SGD(0.5)  # noqa: E731
     found = {}
@@ -1314,13 +1321,7 @@ def activity_regularizer_counts():
 def loss_sum_warns_about_a_batch_dice():
     """`loss_sum(Dice())` in a hand-written loop took the batch ratio for a row mean, silently;
     it warns as compile() does (a per-sample Dice does not warn, and its loop is exact)."""
-    rng = np.random.default_rng(1)
-    micro = [(rng.normal(size=(4, 6)), (rng.uniform(size=(4, 3)) > 0.5).astype("float64"))
-             for _ in range(4)]  # fmt: skip
-
-    def make():
-        head = keras.layers.Dense(3, activation="sigmoid", kernel_initializer=seeded(2))
-        return keras.Sequential([keras.Input((6,)), head])
+    micro, make = _dice_case()
 
     found = {}
     dice = {"batch": keras.losses.Dice(), "per_sample": keras.losses.Dice(axis=1)}
