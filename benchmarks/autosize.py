@@ -22,7 +22,7 @@ chosen so that m is neither 1 nor the whole batch), this reports:
   glibc's default (its dynamic threshold keeps freed memory); the thresholded subprocess then
   also runs `micro_batch_size="auto"`, planning included;
 - **throughput** (samples/s) at the auto choice vs a conservative hand choice (m = 8): the two
-  alternate in timed blocks (order reversed every other repeat), median over repeats, one
+  alternate call by call (the order rotating every round), median over repeats, one
   thread; the speed-up is the median of the per-repeat ratios;
 - **activations per item** (`MemoryPlan.activation_bytes_per_item`) at each task's default
   batch and at the batch above.
@@ -176,7 +176,7 @@ def planning_times(setup: Setup, size: int, rounds: int) -> tuple[list[float], l
 
 
 def throughput(setup: Setup, repeats: int, steps: int) -> tuple[dict[str, list[float]], int]:
-    """Seconds per step of auto and of m = HAND_M in alternating blocks; auto's size."""
+    """Seconds per step of auto and of m = HAND_M, interleaved step by step; auto's size."""
     model_a, opt_a = setup.fresh()
     model_h, opt_h = setup.fresh()
     auto = Accumulator(model_a, opt_a, micro_batch_size="largest", memory_budget=setup.budget)

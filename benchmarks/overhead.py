@@ -1,6 +1,6 @@
 """Overhead of `gradaccum.Accumulator.step` against a correct hand-written accumulation loop.
 
-Both run in ONE process on the SAME model and optimizer, in alternating timed blocks, at the
+Both run in ONE process on the SAME model and optimizer, interleaved step by step, at the
 same micro-batch size, on CPU with a fixed number of threads:
 
 - cnn: a small CNN (2 conv layers + linear) on 28x28 inputs, batch 64, micro-batch 16,

@@ -34,10 +34,10 @@ step).
 
 Table 1, speed and memory, per model:
 - time: every contender, plus the hand loop again under another name (A/A, the harness's noise
-  floor), runs `--steps` consecutive optimizer steps per timed block, the contenders alternating
-  and their order reversed every other repeat (`_measure.interleaved_times`), on ONE shared model
+  floor), runs `--steps` timed optimizer steps per repeat, the contenders interleaved call by
+  call, their order rotating every round (`_measure.interleaved_times`), on ONE shared model
   and optimizer (so all see the same memory layout). Printed: median seconds per optimizer step,
-  and the median over repeats of (contender block time / hand block time in the same repeat),
+  and the median over repeats of (contender time / hand time in the same repeat),
   with its interquartile range;
 - tensor peak: `_measure.peak_allocated_bytes`, the largest number of bytes of CPU tensor storage
   allocated during one step and alive at once (profiler allocator events), gradients set to None
