@@ -293,7 +293,7 @@ def test_weights_left_elsewhere_in_a_carried_window_are_still_refused() -> None:
     for evaluate in (eval_only, rollback):
         model, acc, parts = _carried_run(evaluate)
         written = [p.detach().clone() for p in model.parameters()]
-        with pytest.raises(RuntimeError, match=r"eval\(\) without its train\(\)"):
+        with pytest.raises(RuntimeError, match=r"schedule-free optimizer's eval\(\) inside"):
             acc.micro_step(parts[0], _mse)
         assert not acc._engine.window.is_open
         for mine, theirs in zip(model.parameters(), written, strict=True):

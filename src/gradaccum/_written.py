@@ -122,8 +122,8 @@ def written_error(
         "the step() of another optimizer over them (one built and never given to the "
         "Accumulator: set acc.optimizer = it between windows and remove its step(); another "
         "Accumulator over shared parameters: run one window to its step before the other's "
-        "first micro_step()); a schedule-free optimizer's eval() without its train() before "
-        "this micro_step() (evaluate after a result with stepped=True, or after "
-        "acc.flush() under partial_window='carry', which accepts weights put back within "
-        "rounding). The window was discarded; the weights are as written."
+        "first micro_step()); a schedule-free optimizer's eval() inside the window (evaluate "
+        "after a result with stepped=True or after acc.flush(); a window carried by "
+        "partial_window='carry' takes the weights its train() put back). The window was "
+        "discarded; the weights are as written."
     )

@@ -173,11 +173,6 @@ class Accumulator(WindowSizes, OptimizerSetting, RunSettings):
         """The memory plan behind `micro_batch_size="auto"`, once the first batch made it."""
         return None if self._auto is None else self._auto.plan
 
-    @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """The fp16 GradScaler holding the loss scale, or None for fp32 and bf16."""
-        return self._engine.runtime.scaler
-
     def step(self, batch: Any, loss_fn: LossFn, *, max_tokens: int | None = None) -> StepResult:
         """Split `batch` into micro-batches, accumulate them and take one optimizer step.
 
