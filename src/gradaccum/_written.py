@@ -15,9 +15,9 @@ neither counter nor storage and is not seen. A loaded window state starts with n
 `load_checkpoint` loads the weights after the Accumulator's state.
 
 A window carried over an epoch (`flush()` under `partial_window="carry"`) keeps a host copy of
-its weights' values (`kept_weights`) until its next micro-batch: an evaluation in between may
-write them and put them back (a schedule-free optimizer's `eval()` then `train()`, an EMA swapped
-in and out), which only rounds them. Weights back within a few units of rounding of the copy
+its weights' values (`kept_weights`, in their dtype: the model's size) until its next
+micro-batch: an evaluation in between may write them and put them back (a schedule-free
+optimizer's `eval()` then `train()`, an EMA swapped in and out), which only rounds them. Weights back within a few units of rounding of the copy
 (`_WITHIN` machine epsilons of each value plus the tensor's root mean square) are the window's
 weights: accepted, the step the full-batch one up to rounding. Weights left elsewhere (`eval()`
 without `train()`, a rollback) are refused as any write.
@@ -71,14 +71,14 @@ def kept_weights(marks: WeightMarks | None, params: list[torch.nn.Parameter]) ->
     """`marks` of a window being carried, with a host copy of each weight's values."""
     if marks is None:
         return None
-    return (*marks[:3], [p.detach().to("cpu", torch.float64, copy=True) for p in params])
+    return (*marks[:3], [p.detach().to("cpu", copy=True) for p in params])  # the model's size
 
 
 def _put_back(param: torch.nn.Parameter, kept: torch.Tensor) -> bool:
     """Whether `param` holds `kept`'s values up to a few units of rounding of its dtype."""
     if param.shape != kept.shape or not param.dtype.is_floating_point:
         return False
-    now = param.detach().to("cpu", torch.float64)
+    now, kept = param.detach().to("cpu", torch.float64), kept.double()
     scale = kept.abs() + kept.square().mean().sqrt()  # the values near 0 round with the rest
     return bool(((now - kept).abs() <= _WITHIN * torch.finfo(param.dtype).eps * scale).all())
 
