@@ -14,13 +14,13 @@ window (`written_error`), discarding it as any failure does. A cast (`model.floa
 neither counter nor storage and is not seen. A loaded window state starts with no marks, since
 `load_checkpoint` loads the weights after the Accumulator's state.
 
-A window carried over an epoch (`flush()` under `partial_window="carry"`) keeps a host copy of
-its weights' values (`kept_weights`, in their dtype: the model's size) until its next
-micro-batch: an evaluation in between may write them and put them back (a schedule-free
-optimizer's `eval()` then `train()`, an EMA swapped in and out), which only rounds them. Weights back within a few units of rounding of the copy
-(`_WITHIN` machine epsilons of each value plus the tensor's root mean square) are the window's
-weights: accepted, the step the full-batch one up to rounding. Weights left elsewhere (`eval()`
-without `train()`, a rollback) are refused as any write.
+A window carried over an epoch (`flush()` under `partial_window="carry"`) keeps a host copy of its
+weights' values (`kept_weights`, in their dtype: the model's size) until its next micro-batch: an
+evaluation in between may write them and put them back (a schedule-free optimizer's `eval()` then
+`train()`, an EMA swapped in and out), which only rounds them. Weights back within a few units of
+rounding of the copy (`_WITHIN` machine epsilons of each value plus the tensor's root mean square)
+are the window's weights: accepted, the step the full-batch one up to rounding. Weights left
+elsewhere (`eval()` without `train()`, a rollback) are refused as any write.
 
 Example:
     >>> import torch
