@@ -50,8 +50,8 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         norm = _compat.total_norm(grads)
     else:  # torch.linalg has no stubs (its functions are Any): name the result's type.
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-    if any(dtype == torch.float16 for _, dtype in kinds_of):
-        return _float32_if_overflowed(grads, norm)
+    if type(norm) is torch.Tensor and any(dtype == torch.float16 for _, dtype in kinds_of):
+        return _float32_if_overflowed(grads, norm)  # plain tensors: FSDP2 shards' norms wait
     return norm
 
 
