@@ -1321,3 +1321,46 @@ def test_negative_control_a_moved_model_failed_inside_its_forward(
     with pytest.raises(RuntimeError, match=r"not on the expected device") as raised:
         acc.step(_batch(1, 8), _mse)
     assert "Accumulator after model.to" not in str(raised.value)
+
+
+def _fp16_run() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, Accumulator]:
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    acc = Accumulator(model, optimizer, accumulation_steps=2, precision="fp16", scheduler=scheduler)
+    return model, optimizer, scheduler, acc
+
+
+@pytest.mark.parametrize("call", ["unscale_", "step", "update"])
+def test_a_plain_loops_gradscaler_calls_on_acc_scaler_are_refused_changing_nothing(
+    call: str,
+) -> None:
+    """`acc.scaler.unscale_(optimizer)` before a clip (and `step`, `update`), a plain fp16 loop's
+    lines, raised torch's bare `AssertionError: Attempted unscale_ but _scale is None`. They
+    are refused naming `max_grad_norm=` and the step pre-hook, nothing changed (the open window
+    included): the run goes on bitwise as one without the call."""
+    model, optimizer, scheduler, acc = _fp16_run()
+    twin, twin_opt, twin_sched, twin_acc = _fp16_run()
+    for seed in range(3):  # a full window, then one left open
+        acc.micro_step(_batch(seed, 4), _mse)
+        twin_acc.micro_step(_batch(seed, 4), _mse)
+    before = _snapshot(model, optimizer, scheduler)
+    scale = acc.scaler.get_scale()
+    with pytest.raises(ValueError, match=r"max_grad_norm=.*step pre-hook"):
+        {
+            "unscale_": lambda: acc.scaler.unscale_(optimizer),
+            "step": lambda: acc.scaler.step(optimizer),
+            "update": lambda: acc.scaler.update(),
+        }[call]()
+    assert_bitwise(_snapshot(model, optimizer, scheduler), before)
+    assert acc.scaler.get_scale() == scale
+    assert acc.micro_step(_batch(3, 4), _mse).stepped
+    assert twin_acc.micro_step(_batch(3, 4), _mse).stepped
+    assert_bitwise(_snapshot(model, optimizer, scheduler), _snapshot(twin, twin_opt, twin_sched))
+    assert isinstance(acc.scaler, torch.amp.GradScaler)
+
+
+def test_negative_control_a_plain_gradscaler_fails_with_torchs_bare_assertion() -> None:
+    model = _mlp()
+    with pytest.raises(AssertionError, match="_scale is None"):
+        torch.amp.GradScaler("cpu").unscale_(torch.optim.SGD(model.parameters(), lr=0.1))
