@@ -38,3 +38,8 @@ def test_nonfinite_names_name_the_gradient_and_otherwise_say_where_the_nan_came_
     assert nonfinite_names(window, runtime, {}, world=2) == (
         "<none: the loss itself is non-finite>",
     )
+    # One process, loss and gradients finite: the norm overflowed (it blamed the loss before).
+    window, runtime = _window(torch.ones(2, dtype=torch.float64), 1.0)
+    assert nonfinite_names(window, runtime, {}) == (
+        "<none: every gradient is finite, their total 2-norm overflows float32>",
+    )

@@ -200,7 +200,7 @@ def test_readme_step_pre_hook_clips_by_value_the_full_batch_gradient() -> None:
         "torch": torch, "model": model, "optimizer": optimizer, "acc": acc,
         "batch": (x, y), "loss_fn": _clip_loss,
     }  # fmt: skip
-    exec(_readme_block("register_step_pre_hook"), scope)
+    exec(_readme_block("def before_step"), scope)
     assert scope["result"].stepped
     assert _gap(model, reference) < 1e-12
     assert set(scope["layer_norms"]) == {name for name, _ in model.named_parameters()}
@@ -215,6 +215,63 @@ def test_readme_step_pre_hook_clips_by_value_the_full_batch_gradient() -> None:
     with pytest.warns(UserWarning, match="not a fixed scaling"):  # tests/test_grad_hooks.py
         Accumulator(control, control_opt, micro_batch_size=5).step((x, y), _clip_loss)
     assert _gap(control, reference) > 1e-3
+
+
+def _grouped_sgd(model: nn.Module) -> torch.optim.Optimizer:
+    first, second = model[0], model[2]
+    return torch.optim.SGD(
+        [
+            {"params": list(first.parameters()), "max_norm": 0.5},
+            {"params": list(second.parameters()), "max_norm": 2.0, "lr": 0.1},
+        ],
+        lr=0.5,
+        momentum=0.9,
+    )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_per_group_clipping_in_a_step_pre_hook_is_the_full_batch_steps(precision: str) -> None:
+    """README's per-group clipping hook: three steps equal a plain loop clipping each group
+    (float64 rtol 1e-10; fp16 against the plain autocast + GradScaler loop, float32 rtol 1e-5,
+    the hook seeing unscaled gradients as after `scaler.unscale_`)."""
+    base, x, y = _clip_setup()
+    if precision == "fp16":  # errors of 1: the first loss scale (65536) does not overflow
+        base, x, y = base.float(), x.float(), y.float() / 10
+    model, reference = copy.deepcopy(base), copy.deepcopy(base)
+    optimizer, plain = _grouped_sgd(model), _grouped_sgd(reference)
+    scope: dict[str, Any] = {"torch": torch, "optimizer": optimizer}
+    exec(_readme_block("def clip_each_group"), scope)
+    acc = Accumulator(model, optimizer, micro_batch_size=5, precision=precision)
+    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
+    for step in range(3):
+        rows = slice(step * 8, step * 8 + 8) if step < 2 else slice(0, 24)
+        assert acc.step((x[rows], y[rows]), _clip_loss).stepped
+        plain.zero_grad()
+        if scaler is None:
+            _clip_loss(reference, (x[rows], y[rows])).backward()
+        else:  # the plain loop over the same micro-batches, each a share of the mean
+            count = len(x[rows])
+            for part in range(0, count, 5):
+                cut = slice(rows.start + part, rows.start + min(part + 5, count))
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = reference(x[cut]).float()
+                loss = nn.functional.mse_loss(out, y[cut], reduction="sum") / (3 * count)
+                scaler.scale(loss).backward()
+            scaler.unscale_(plain)
+        for group in plain.param_groups:
+            torch.nn.utils.clip_grad_norm_(group["params"], group["max_norm"])
+        if scaler is None:
+            plain.step()
+        else:
+            scaler.step(plain)
+            scaler.update()
+    rtol = 1e-10 if precision == "fp32" else 1e-5
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=rtol, atol=0 if rtol < 1e-9 else 1e-7)
+    assert _gap(model, base) > 1e-3
+    if scaler is not None:
+        assert acc.scaler is not None
+        assert acc.scaler.get_scale() == scaler.get_scale() == 65536.0
 
 
 def test_readme_step_pre_hook_skips_skipped_windows_and_its_error_changes_nothing() -> None:

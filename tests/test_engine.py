@@ -899,6 +899,43 @@ def test_a_skipped_nonfinite_window_changes_no_running_statistic() -> None:
 # ------------------------------------------------------------------ the user's own loop
 
 
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_clipping_after_each_micro_step_is_refused_naming_max_grad_norm_and_the_pre_hook(
+    clip: str,
+) -> None:
+    """A copied loop clipping after each `micro_step()` (`clip_grad_norm_`/`clip_grad_value_`
+    on partial sums) was refused as "an optimizer.zero_grad() ... Remove the zero_grad()", a
+    call the loop never had. Gradients changed in place, not cleared, name clipping and its two
+    exact forms; nothing changed. `max_grad_norm=` then takes the full-batch clipped step."""
+    model, optimizer, scheduler, acc = _setup(micro_batch_size=None, accumulation_steps=3)
+    reference = copy.deepcopy(model)
+    before = _everything(model, optimizer, scheduler)
+    acc.micro_step(_batch(0, 3), mse_loss)
+    if clip == "norm":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    else:
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+    with pytest.raises(RuntimeError, match=r"clip_grad_norm_\(\) or clip_grad_value_\(\)") as error:
+        acc.micro_step(_batch(1, 3), mse_loss)
+    assert "max_grad_norm=" in str(error.value)
+    assert "step pre-hook" in str(error.value)
+    assert "Remove the zero_grad()" not in str(error.value)
+    assert_bitwise(_everything(model, optimizer, scheduler), before)
+    # The fix: the window's whole gradient clipped once, as the plain full-batch loop does.
+    acc.max_grad_norm = 0.05
+    for seed in range(3):
+        result = acc.micro_step(_batch(seed, 3), mse_loss)
+    assert result.stepped
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    parts = [_batch(seed, 3) for seed in range(3)]
+    whole = tuple(torch.cat(tensors) for tensors in zip(*parts, strict=True))
+    mse_loss(reference, whole).backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    plain.step()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=0)
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_zero_grad_inside_the_window_is_refused(set_to_none: bool) -> None:
     """The seeds' classic bug: zero_grad() on every micro-step keeps only the last gradient."""
@@ -1926,7 +1963,7 @@ def test_a_gan_streaming_both_windows_at_once_names_the_other_backward_and_the_f
     d_acc.micro_step(stream[0], d_loss)
     g_acc.micro_step(stream[0], g_loss)
     with pytest.raises(
-        RuntimeError, match=r"zero_grad.*another Accumulator's micro_step"
+        RuntimeError, match=r"changed in place, not cleared.*another Accumulator's micro_step"
     ) as raised:
         d_acc.micro_step(stream[1], d_loss)
     assert "requires_grad_(False)" in str(raised.value)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import gradaccum
+import gradaccum.norms
 from gradaccum import Accumulator, LossSum, NonFiniteError
 from gradaccum.options import Precision
 from gradaccum.precision import PrecisionRuntime
@@ -669,12 +670,68 @@ def test_finite_gradients_whose_norm_overflows_are_a_nonfinite_window(on_nonfini
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0, error_if_nonfinite=True)
     before = _snapshot(model, optimizer, scheduler)
     if on_nonfinite == "raise":
-        with pytest.raises(NonFiniteError, match="grad norm inf"):
+        # The loss is finite: the message names the norm (it blamed the loss itself before).
+        with pytest.raises(NonFiniteError, match=r"grad norm inf.*every gradient is finite"):
             acc.step(x, loss_fn)
     else:
         result = acc.step(x, loss_fn)
         assert (result.stepped, result.skipped, result.grad_norm) == (False, True, math.inf)
     assert_bitwise(before, _snapshot(model, optimizer, scheduler))
+
+
+def _half_linear() -> torch.nn.Module:
+    """Pure float16 weights (`model.half()`) of 4 x 4096: with inputs of 200 and `_half_loss`,
+    every weight's gradient is 800 (exact in float16, halves and quarters on the way) and their
+    2-norm 102400 passes float16's largest value, 65504."""
+    torch.manual_seed(0)
+    return torch.nn.Linear(4096, 4).half()
+
+
+def _half_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).float().sum(-1).mean() * 4.0
+
+
+@pytest.mark.parametrize("accum_dtype", [None, torch.float32])
+def test_float16_gradients_whose_norm_passes_float16s_range_are_clipped_in_float32(
+    accum_dtype: torch.dtype | None,
+) -> None:
+    """Every float16 gradient finite (800), their norm 102400 > 65504: in float16 (what
+    `clip_grad_norm_` computes) it is inf, and the window was skipped as non-finite window after
+    window (`"raise"` blamed the loss, which was finite). The norm is taken in float32: the step
+    is the full-batch step clipped by it, computed by hand."""
+    model, reference = _half_linear(), _half_linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    acc = Accumulator(
+        model, optimizer, micro_batch_size=2, max_grad_norm=1.0, accum_dtype=accum_dtype
+    )
+    batch = torch.full((8, 4096), 200.0, dtype=torch.float16)
+    result = acc.step(batch, _half_loss)
+    grads = torch.autograd.grad(_half_loss(reference, batch), list(reference.parameters()))
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
+    wide = [g.double() for g in grads]
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in wide])))
+    assert norm > 65504.0
+    assert torch.isinf(torch.nn.utils.get_total_norm(grads))  # torch's own, in float16
+    assert result.stepped
+    assert result.grad_norm == pytest.approx(norm, rel=1e-6)
+    coefficient = 1.0 / (norm + 1e-6)
+    for param, start, grad in zip(model.parameters(), reference.parameters(), wide, strict=True):
+        expected = start.detach().double() - 0.5 * grad * coefficient
+        torch.testing.assert_close(param.detach().double(), expected, rtol=1e-3, atol=1e-3)
+
+
+def test_negative_control_float16_norms_left_in_float16_skip_every_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(gradaccum.norms, "_float32_if_overflowed", lambda grads, norm: norm)
+    model = _half_linear()
+    before = [p.detach().clone() for p in model.parameters()]
+    acc = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size=2, max_grad_norm=1.0
+    )
+    result = acc.step(torch.full((8, 4096), 200.0, dtype=torch.float16), _half_loss)
+    assert (result.stepped, result.grad_norm) == (False, math.inf)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
 def test_fp16_refuses_float16_parameters_the_optimizer_holds_outside_the_model() -> None:
@@ -1264,3 +1321,46 @@ def test_negative_control_a_moved_model_failed_inside_its_forward(
     with pytest.raises(RuntimeError, match=r"not on the expected device") as raised:
         acc.step(_batch(1, 8), _mse)
     assert "Accumulator after model.to" not in str(raised.value)
+
+
+def _fp16_run() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, Accumulator]:
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    acc = Accumulator(model, optimizer, accumulation_steps=2, precision="fp16", scheduler=scheduler)
+    return model, optimizer, scheduler, acc
+
+
+@pytest.mark.parametrize("call", ["unscale_", "step", "update"])
+def test_a_plain_loops_gradscaler_calls_on_acc_scaler_are_refused_changing_nothing(
+    call: str,
+) -> None:
+    """`acc.scaler.unscale_(optimizer)` before a clip (and `step`, `update`), a plain fp16 loop's
+    lines, raised torch's bare `AssertionError: Attempted unscale_ but _scale is None`. They
+    are refused naming `max_grad_norm=` and the step pre-hook, nothing changed (the open window
+    included): the run goes on bitwise as one without the call."""
+    model, optimizer, scheduler, acc = _fp16_run()
+    twin, twin_opt, twin_sched, twin_acc = _fp16_run()
+    for seed in range(3):  # a full window, then one left open
+        acc.micro_step(_batch(seed, 4), _mse)
+        twin_acc.micro_step(_batch(seed, 4), _mse)
+    before = _snapshot(model, optimizer, scheduler)
+    scale = acc.scaler.get_scale()
+    with pytest.raises(ValueError, match=r"max_grad_norm=.*step pre-hook"):
+        {
+            "unscale_": lambda: acc.scaler.unscale_(optimizer),
+            "step": lambda: acc.scaler.step(optimizer),
+            "update": lambda: acc.scaler.update(),
+        }[call]()
+    assert_bitwise(_snapshot(model, optimizer, scheduler), before)
+    assert acc.scaler.get_scale() == scale
+    assert acc.micro_step(_batch(3, 4), _mse).stepped
+    assert twin_acc.micro_step(_batch(3, 4), _mse).stepped
+    assert_bitwise(_snapshot(model, optimizer, scheduler), _snapshot(twin, twin_opt, twin_sched))
+    assert isinstance(acc.scaler, torch.amp.GradScaler)
+
+
+def test_negative_control_a_plain_gradscaler_fails_with_torchs_bare_assertion() -> None:
+    model = _mlp()
+    with pytest.raises(AssertionError, match="_scale is None"):
+        torch.amp.GradScaler("cpu").unscale_(torch.optim.SGD(model.parameters(), lr=0.1))

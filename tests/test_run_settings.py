@@ -106,3 +106,46 @@ def test_normalize_mean_set_as_a_string_keeps_the_mean() -> None:
     acc.normalize = "mean"  # type: ignore[assignment]
     result = acc.step(_batch(0), _loss)
     assert result.loss == pytest.approx(float(_loss(reference, _batch(0)).detach()), rel=1e-10)
+
+
+def test_a_gradscaler_assigned_to_acc_scaler_is_refused_naming_load_state_dict() -> None:
+    """A plain fp16 loop's `GradScaler(init_scale=..., growth_interval=...)` assigned to
+    `acc.scaler` raised Python's bare "property 'scaler' of 'Accumulator' object has no setter";
+    the refusal names the way that works, which then steps as that loop, scale included."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1))
+    reference = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1))
+    reference.load_state_dict(model.state_dict())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    acc = Accumulator(model, optimizer, micro_batch_size=4, precision="fp16")
+    own = acc.scaler
+    wanted = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    with pytest.raises(ValueError, match=r"acc\.scaler\.load_state_dict\(scaler\.state_dict\(\)\)"):
+        acc.scaler = wanted
+    assert acc.scaler is own
+    assert own is not None
+    assert own.get_scale() == 65536.0
+    acc.scaler = own  # the same one is taken
+    own.load_state_dict(wanted.state_dict())  # the fix
+    plain = torch.optim.AdamW(reference.parameters(), lr=LR)
+    for seed in range(3):
+        x, y = (t.float() for t in _batch(seed))
+        acc.step((x, y), _loss)
+        plain.zero_grad()
+        for rows in (slice(0, 4), slice(4, 8), slice(8, 10)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                part = ((reference(x[rows]) - y[rows]) ** 2).float().sum() / len(x)
+            wanted.scale(part).backward()
+        wanted.step(plain)
+        wanted.update()
+    assert own.get_scale() == wanted.get_scale() == 8192.0  # grew once per window
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_a_gradscaler_assigned_without_fp16_is_refused_naming_precision() -> None:
+    model = _model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=LR), micro_batch_size=4)
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        acc.scaler = torch.amp.GradScaler("cpu")
+    assert acc.scaler is None

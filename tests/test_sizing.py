@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import gradaccum.memory
 from gradaccum import Accumulator, MemoryBudgetError, MemoryPlan, plan_micro_batch
 from gradaccum.batching import map_tensors
 from gradaccum.memory import measure_activation_bytes, track_tensor_bytes
@@ -589,3 +590,53 @@ def test_planning_with_a_scheduler_replays_a_copy_not_the_real_optimizer() -> No
         theirs.step()
     for a, b in zip(net.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_an_optimizer_reading_a_value_in_its_step_is_planned_and_auto_is_exact(
+    foreach: bool,
+) -> None:
+    """torch's Adafactor scales its step by `param.norm().item()`: the meta replay that sizes
+    the optimizer's state raised "Tensor.item() cannot be called on meta tensors" from
+    `plan_micro_batch` and from the first `"auto"` step. The replay reads 1 there: the plan
+    counts Adafactor's factored state (a row and a column per matrix), and "auto" windows are
+    the plain full-batch steps (float64 rtol 1e-10), optimizer state included."""
+    model = _model()
+    optimizer = torch.optim.Adafactor(model.parameters(), lr=1e-2, foreach=foreach)
+    plan = plan_micro_batch(model, _batch(), _loss, optimizer, memory_budget="4MiB")
+    probe = copy.deepcopy(model)
+    real = torch.optim.Adafactor(probe.parameters(), lr=1e-2, foreach=foreach)
+    _loss(probe, _batch()).backward()
+    real.step()
+    state = sum(v.numel() * v.element_size() for s in real.state.values() for v in s.values())
+    assert plan.optimizer_bytes == state
+    assert state < sum(p.numel() * 4 for p in model.parameters())  # factored: not a full copy
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 10)).double()
+    twin = copy.deepcopy(net)
+    batch = (_batch(96)[0].double(), _batch(96)[1])
+    mine = torch.optim.Adafactor(net.parameters(), lr=1e-2, foreach=foreach)
+    plain = torch.optim.Adafactor(twin.parameters(), lr=1e-2, foreach=foreach)
+    acc = Accumulator(net, mine, micro_batch_size="auto", memory_budget="40KiB")
+    for _ in range(3):
+        result = acc.step(batch, _loss)
+        assert result.stepped
+        assert result.micro_batches > 1  # a budget the whole batch does not fit in
+        plain.zero_grad(set_to_none=True)
+        _loss(twin, batch).backward()
+        plain.step()
+    for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=0)
+    for a, b in zip(mine.state.values(), plain.state.values(), strict=True):
+        for key in b:
+            torch.testing.assert_close(a[key], b[key], rtol=1e-10, atol=0)
+
+
+def test_negative_control_a_replay_without_stand_in_values_cannot_size_adafactor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(gradaccum.memory, "_READ_SCALAR", None)
+    model = _model()
+    optimizer = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    with pytest.raises(RuntimeError, match="meta tensors"):
+        plan_micro_batch(model, _batch(), _loss, optimizer, memory_budget="4MiB")

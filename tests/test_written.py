@@ -171,3 +171,131 @@ def test_a_written_window_dropped_with_flush_is_discarded_without_an_error() -> 
     assert acc.micro_step((x[4:], y[4:]), _mse).stepped
     for mine, theirs in zip(model.parameters(), _full_batch_step(other), strict=True):
         torch.testing.assert_close(mine.detach(), theirs, rtol=1e-10, atol=0)
+
+
+class _ScheduleFreeSGD(torch.optim.Optimizer):
+    """Schedule-free SGD as the `schedulefree` package steps it: the model holds y, the
+    interpolation of the average x and the SGD iterate z; `eval()` moves it to x, `train()` back
+    (two `lerp_` calls: the round trip rounds)."""
+
+    def __init__(self, params, lr: float = 0.1, beta: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "beta": beta, "k": 0, "train_mode": True})
+
+    @torch.no_grad()
+    def _move(self, train: bool) -> None:
+        for group in self.param_groups:
+            if group["train_mode"] != train:
+                weight = 1 - group["beta"] if train else 1 - 1 / group["beta"]
+                for param in group["params"]:
+                    if "z" in self.state[param]:
+                        param.lerp_(self.state[param]["z"], weight)
+                group["train_mode"] = train
+
+    def eval(self) -> None:
+        self._move(train=False)
+
+    def train(self) -> None:
+        self._move(train=True)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                z = self.state[param].setdefault("z", param.clone())
+                param.lerp_(z, 1 - 1 / group["beta"])  # y -> x
+                z.sub_(param.grad, alpha=group["lr"])
+                param.lerp_(z, 1 / (group["k"] + 1))
+                param.lerp_(z, 1 - group["beta"])  # x -> y
+            group["k"] += 1
+
+
+def _swap_ema_in_and_out(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    kept = [p.detach().clone() for p in model.parameters()]
+    _copy(model, _other_weights(model))  # EMA weights in for the evaluation
+    with torch.no_grad():
+        model(_data()[0])
+        for param, value in zip(model.parameters(), kept, strict=True):
+            param.copy_(value)  # and the trained ones back
+
+
+def _schedule_free_eval(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.eval()
+    with torch.no_grad():
+        model(_data()[0])
+    optimizer.train()
+
+
+EVALUATIONS = {"schedule-free eval/train": _schedule_free_eval, "EMA swap": _swap_ema_in_and_out}
+
+
+def _carried_run(evaluate: Callable[[torch.nn.Module, torch.optim.Optimizer], None]) -> tuple:
+    """Windows of two micro-batches over epochs of five: the third is carried over the end of
+    the first epoch, where `evaluate` runs (after two steps, so that `eval()` moves them)."""
+    model = _mlp()
+    optimizer = _ScheduleFreeSGD(model.parameters())
+    acc = Accumulator(model, optimizer, accumulation_steps=2, partial_window="carry")
+    x, y = _data()
+    parts = [(x[a:b], y[a:b]) for a, b in ((0, 2), (2, 3), (3, 5), (5, 6), (6, 8))]
+    for index, part in enumerate(parts):
+        assert acc.micro_step(part, _mse).stepped == (index % 2 == 1)
+    assert not acc.flush().stepped  # the epoch ends inside the third window: carried
+    evaluate(model, optimizer)
+    return model, acc, parts
+
+
+def _reference_steps() -> list[torch.Tensor]:
+    """The same three windows as plain full-batch steps of their items, float64."""
+    model = _mlp()
+    optimizer = _ScheduleFreeSGD(model.parameters())
+    x, y = _data()
+    for rows in ([0, 1, 2], [3, 4, 5], [6, 7, 0, 1]):
+        optimizer.zero_grad()
+        _mse(model, (x[rows], y[rows])).backward()
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("how", sorted(EVALUATIONS))
+def test_an_evaluation_putting_the_weights_back_in_a_carried_window_steps_the_full_batch(
+    how: str,
+) -> None:
+    """A schedule-free optimizer's `eval()`/`train()` (or an EMA swapped in and out) at the end
+    of an epoch whose last window is carried wrote the weights and put them back (the round trip
+    rounds): the next `micro_step()` refused the window as written and discarded it. Weights
+    back within rounding of the carried window's are its own: the step is the full batch's."""
+    model, acc, parts = _carried_run(EVALUATIONS[how])
+    assert acc.micro_step(parts[0], _mse).stepped  # the next epoch completes the window
+    for mine, theirs in zip(model.parameters(), _reference_steps(), strict=True):
+        torch.testing.assert_close(mine.detach(), theirs, rtol=1e-10, atol=0)
+
+
+def test_negative_control_without_the_kept_weights_a_carried_evaluation_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(gradaccum.window, "kept_weights", lambda marks, params: marks)
+    _, acc, parts = _carried_run(_schedule_free_eval)
+    with pytest.raises(RuntimeError, match="written between two micro_step"):
+        acc.micro_step(parts[0], _mse)
+
+
+def test_weights_left_elsewhere_in_a_carried_window_are_still_refused() -> None:
+    """`eval()` without `train()` (the model left at the average) and a rollback are refused as
+    any write, the message naming the schedule-free fix."""
+
+    def eval_only(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.eval()
+
+    def rollback(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        _load(model, _other_weights(model))
+
+    for evaluate in (eval_only, rollback):
+        model, acc, parts = _carried_run(evaluate)
+        written = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError, match=r"schedule-free optimizer's eval\(\) inside"):
+            acc.micro_step(parts[0], _mse)
+        assert not acc._engine.window.is_open
+        for mine, theirs in zip(model.parameters(), written, strict=True):
+            assert torch.equal(mine, theirs)
+            assert mine.grad is None

@@ -197,4 +197,6 @@ def nonfinite_names(
             found.append(names.get(id(param), f"<optimizer param {index}>"))
     if not found and world > 1 and math.isfinite(window.loss_total()):
         return ("<none on this rank: another rank's loss or gradients are non-finite>",)
+    if not found and math.isfinite(window.loss_total()):  # finite values, an infinite norm
+        return ("<none: every gradient is finite, their total 2-norm overflows float32>",)
     return tuple(found) or ("<none: the loss itself is non-finite>",)

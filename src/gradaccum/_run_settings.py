@@ -11,6 +11,8 @@ now checked as the constructor checks the argument, before anything changes.
 `normalize`, `precision` and `memory_budget` are built into the engine, the precision runtime
 and the auto sizer by the constructor: a new value was ignored while `StepResult.loss` and the
 saved state followed it. Changing them is refused, naming the fix (the same value is taken).
+`acc.scaler` is the fp16 loss scale's holder: assigning a plain loop's GradScaler to it (an
+`AttributeError` of Python's before) is refused naming `acc.scaler.load_state_dict(...)`.
 
 Example:
     >>> import torch
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 from enum import Enum
 from typing import Any, TypeVar
+
+import torch
 
 from gradaccum._checks import check_max_grad_norm
 from gradaccum.options import Normalize, OnNonFinite, PartialWindow, Precision, parse
@@ -45,6 +49,7 @@ class RunSettings:
     _normalize: Normalize
     _precision: Precision
     _memory_budget: int | str | None
+    _engine: Any  # the Accumulator's engine: its precision runtime holds the GradScaler
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -79,6 +84,29 @@ class RunSettings:
     @partial_window.setter
     def partial_window(self, value: PartialWindow | str) -> None:
         self._partial_window = parse(PartialWindow, value, "partial_window")
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The fp16 GradScaler holding the loss scale, or None for fp32 and bf16."""
+        scaler: torch.amp.GradScaler | None = self._engine.runtime.scaler
+        return scaler
+
+    @scaler.setter
+    def scaler(self, value: object) -> None:
+        if self._precision is Precision.FP16 and value is self.scaler:
+            return  # `acc.scaler = acc.scaler`, or an in-place operator's write-back
+        fix = (
+            "carry a GradScaler's state and settings over with "
+            "acc.scaler.load_state_dict(scaler.state_dict()) (init_scale, growth_interval, "
+            "backoff_factor and growth_factor included)"
+            if self._precision is Precision.FP16
+            else f"precision={self._precision.value!r} keeps no loss scale: build the "
+            "Accumulator with precision='fp16' for one (it makes its own GradScaler)"
+        )
+        raise ValueError(
+            f"acc.scaler cannot be replaced by {type(value).__name__}: the Accumulator applies "
+            f"and updates the loss scale itself, once per window; {fix}. Nothing was changed."
+        )
 
     @property
     def normalize(self) -> Normalize:

@@ -124,11 +124,13 @@ def gradients_changed_error(
 ) -> RuntimeError:
     """The error for gradients of an open streaming window changed between two micro-batches.
 
-    A copied loop's `zero_grad()` is the usual cause; a backward outside this Accumulator is the
-    other: a second Accumulator's micro-batch (a GAN's generator loss flowing through the
-    discriminator, whose window is open) adds into the window's sums; a second Accumulator over
-    the whole module clears them with its windows. All are named; another Accumulator's
-    window open over `touched` (not `window`, this one's), when there is one, is named alone.
+    A copied loop's `zero_grad()` is the usual cause (the gradients cleared), or its clipping
+    after each micro-batch (changed in place: named with `max_grad_norm=` and the step
+    pre-hook); a backward outside this Accumulator is the other: a second Accumulator's
+    micro-batch (a GAN's generator loss flowing through the discriminator, whose window is open)
+    adds into the window's sums; a second Accumulator over the whole module clears them with its
+    windows. All are named; another Accumulator's window open over `touched` (not `window`, this
+    one's), when there is one, is named alone.
     """
     named = [names.get(id(p), "<unnamed>") for p in touched[:3]]
     others = open_windows_over(touched, exclude=window)
@@ -147,12 +149,22 @@ def gradients_changed_error(
             "part as the model, Accumulator(gan.generator, g_optimizer). This window was "
             "discarded; the other one is refused at its next micro_step()."
         )
+    cleared = all(p.grad is None or not bool(p.grad.any()) for p in touched)  # the error's path
+    cause = (
+        "an optimizer.zero_grad() (or another change to .grad) inside the accumulation loop "
+        "would silently drop part of the window, and a backward outside this Accumulator would "
+        "add to it. Remove the zero_grad(): the Accumulator clears gradients itself after each "
+        "step."
+        if cleared
+        else "they were changed in place, not cleared: a clip_grad_norm_() or clip_grad_value_() "
+        "after each micro_step() (a copied loop) would clip partial sums, and a backward outside "
+        "this Accumulator would add to them. Clip with Accumulator(..., max_grad_norm=...), or by "
+        "value or per param group in an optimizer step pre-hook (README, 'Your own gradient "
+        "processing'): both see the window's whole gradient, once per step."
+    )
     return RuntimeError(
         f"the gradients of {len(touched)} parameters ({', '.join(named)}, ...) changed between two "
-        "micro-batches of one window: an optimizer.zero_grad() (or another change to .grad) "
-        "inside the accumulation loop would silently drop part of the window, and a backward "
-        "outside this Accumulator would add to it. Remove the zero_grad(): the Accumulator "
-        "clears gradients itself after each step. A backward of another Accumulator's "
+        f"micro-batches of one window: {cause} A backward of another Accumulator's "
         "micro_step() (a GAN's generator loss through the discriminator while the "
         "discriminator's window is open) is kept out by requires_grad_(False) on these "
         "parameters around that call, or by running the two windows one after the other. "

@@ -14,6 +14,14 @@ window (`written_error`), discarding it as any failure does. A cast (`model.floa
 neither counter nor storage and is not seen. A loaded window state starts with no marks, since
 `load_checkpoint` loads the weights after the Accumulator's state.
 
+A window carried over an epoch (`flush()` under `partial_window="carry"`) keeps a host copy of its
+weights' values (`kept_weights`, in their dtype: the model's size) until its next micro-batch: an
+evaluation in between may write them and put them back (a schedule-free optimizer's `eval()` then
+`train()`, an EMA swapped in and out), which only rounds them. Weights back within a few units of
+rounding of the copy (`_WITHIN` machine epsilons of each value plus the tensor's root mean square)
+are the window's weights: accepted, the step the full-batch one up to rounding. Weights left
+elsewhere (`eval()` without `train()`, a rollback) are refused as any write.
+
 Example:
     >>> import torch
     >>> model = torch.nn.Linear(2, 1)
@@ -31,12 +39,14 @@ import operator
 
 import torch
 
-__all__ = ["WeightMarks", "weight_marks", "written_error"]
+__all__ = ["WeightMarks", "kept_weights", "weight_marks", "written_error"]
 
 _VERSION, _DTYPE = operator.attrgetter("_version"), operator.attrgetter("dtype")
 _SHOWN = 3
+_WITHIN = 8  # machine epsilons: a schedule-free eval()/train() round trip moves <= 3.1 (float64)
 
-WeightMarks = tuple[list[int], list[int], list[torch.dtype]]
+# Version counters, storages, dtypes and (a carried window only) host copies of the values.
+WeightMarks = tuple[list[int], list[int], list[torch.dtype], list[torch.Tensor]]
 
 
 def weight_marks(params: list[torch.nn.Parameter]) -> WeightMarks | None:
@@ -51,9 +61,26 @@ def weight_marks(params: list[torch.nn.Parameter]) -> WeightMarks | None:
             list(map(_VERSION, params)),
             list(map(torch.Tensor.data_ptr, params)),
             [*map(_DTYPE, params)],
+            [],
         )
     except RuntimeError:  # an inference tensor has no version counter
         return None
+
+
+def kept_weights(marks: WeightMarks | None, params: list[torch.nn.Parameter]) -> WeightMarks | None:
+    """`marks` of a window being carried, with a host copy of each weight's values."""
+    if marks is None:
+        return None
+    return (*marks[:3], [p.detach().to("cpu", copy=True) for p in params])  # the model's size
+
+
+def _put_back(param: torch.nn.Parameter, kept: torch.Tensor) -> bool:
+    """Whether `param` holds `kept`'s values up to a few units of rounding of its dtype."""
+    if param.shape != kept.shape or not param.dtype.is_floating_point:
+        return False
+    now, kept = param.detach().to("cpu", torch.float64), kept.double()
+    scale = kept.abs() + kept.square().mean().sqrt()  # the values near 0 round with the rest
+    return bool(((now - kept).abs() <= _WITHIN * torch.finfo(param.dtype).eps * scale).all())
 
 
 def written_error(
@@ -69,13 +96,19 @@ def written_error(
     now = weight_marks(params)
     if now is None or now == marks:  # the usual case: list comparisons in C
         return None
-    written = [
-        param
-        for param, version, pointer, dtype, *seen in zip(params, *marks, *now, strict=True)
+    versions, pointers, dtypes, kept = marks
+    moved = [
+        index
+        for index, (version, pointer, dtype, *seen) in enumerate(
+            zip(versions, pointers, dtypes, *now[:3], strict=True)
+        )
         if dtype == seen[2] and (version != seen[0] or pointer != seen[1])
     ]
-    if not written:  # a cast only (model.float() mid-window, with accum_dtype buffers)
+    if kept:  # a carried window: weights put back after an evaluation are its own
+        moved = [i for i in moved if not _put_back(params[i], kept[i])]
+    if not moved:  # a cast only (model.float() mid-window, with accum_dtype buffers)
         return None
+    written = [params[i] for i in moved]
     shown = [names.get(id(p), f"<parameter of shape {tuple(p.shape)}>") for p in written]
     listed = ", ".join(shown[:_SHOWN]) + (", ..." if len(shown) > _SHOWN else "")
     return RuntimeError(
@@ -89,5 +122,8 @@ def written_error(
         "the step() of another optimizer over them (one built and never given to the "
         "Accumulator: set acc.optimizer = it between windows and remove its step(); another "
         "Accumulator over shared parameters: run one window to its step before the other's "
-        "first micro_step()). The window was discarded; the weights are as written."
+        "first micro_step()); a schedule-free optimizer's eval() inside the window (evaluate "
+        "after a result with stepped=True or after acc.flush(); a window carried by "
+        "partial_window='carry' takes the weights its train() put back). The window was "
+        "discarded; the weights are as written."
     )

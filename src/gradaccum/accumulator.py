@@ -3,12 +3,11 @@
 Two drives share one engine: `step(batch, loss_fn)` splits a batch and steps once; `micro_step`
 steps after every `accumulation_steps` calls, and `flush()` settles a partial window.
 
-It owns small components and is the only one calling them: the `Window` (totals, parameters,
-set-aside gradients), the `PrecisionRuntime` (autocast, loss scale, fp32 buffers), a `GradSync`
-per backend, the `BatchNormControl` and, for `micro_batch_size="auto"`, an `AutoSizer`. The
-boundary is a transaction: until `optimizer.step()` returns, any exception (the loss, backward,
-a collective, clipping, the optimizer, Ctrl-C) forgets the window with `_forget_window()`,
-leaving parameters, optimizer, scheduler, BatchNorm buffers and gradients as they were.
+It owns and alone calls: the `Window` (totals, parameters, set-aside gradients), the
+`PrecisionRuntime` (autocast, loss scale, fp32 buffers), a `GradSync`, the `BatchNormControl`, an
+`AutoSizer` (`micro_batch_size="auto"`). The boundary is a transaction: until `optimizer.step()`
+returns, any exception (loss, backward, a collective, clipping, the optimizer, Ctrl-C) forgets
+the window (`_forget_window()`): parameters, optimizer, scheduler, buffers, gradients as before.
 
 Example:
     >>> import torch
@@ -174,11 +173,6 @@ class Accumulator(WindowSizes, OptimizerSetting, RunSettings):
         """The memory plan behind `micro_batch_size="auto"`, once the first batch made it."""
         return None if self._auto is None else self._auto.plan
 
-    @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """The fp16 GradScaler holding the loss scale, or None for fp32 and bf16."""
-        return self._engine.runtime.scaler
-
     def step(self, batch: Any, loss_fn: LossFn, *, max_tokens: int | None = None) -> StepResult:
         """Split `batch` into micro-batches, accumulate them and take one optimizer step.
 
@@ -290,6 +284,7 @@ class Accumulator(WindowSizes, OptimizerSetting, RunSettings):
         step, carry = (mode is m for m in (PartialWindow.STEP, PartialWindow.CARRY))
         self._rates.forget()  # a carried window may span an epoch's scheduler step
         if carry or not (window.is_open or sync.joins_flush):
+            window.carry()  # if open: an evaluation may write its weights and put them back
             return self._pending()
         if window.is_open and step:  # "drop": the window goes, touched (written weights) or not
             engine.check_gradients_untouched()

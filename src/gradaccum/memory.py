@@ -161,6 +161,8 @@ class TensorBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if self.include_meta and func is _READ_SCALAR and args[0].is_meta:
+            return _stand_in(args[0].dtype)  # a replay's `.item()` (Adafactor's): sizes only
         result = func(*args, **(kwargs or {}))
         dense = self._counted
         inputs = {id(_storage_of(t)) for t in tree_leaves((args, kwargs)) if dense(t)}
@@ -188,11 +190,27 @@ class TensorBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.live -= size
 
 
+_READ_SCALAR = torch.ops.aten._local_scalar_dense.default
+
+
+def _stand_in(dtype: torch.dtype) -> bool | int | float:
+    """The value a meta tensor's `.item()` reads in a replay, which has no values: one.
+
+    A replay measures sizes; an optimizer reading a value (torch's Adafactor scales its step by
+    `param.norm().item()`) raised "Tensor.item() cannot be called on meta tensors" from
+    `plan_micro_batch` and `micro_batch_size="auto"`. What a read decides does not size state.
+    """
+    if dtype is torch.bool:
+        return True
+    return 1.0 if dtype.is_floating_point or dtype.is_complex else 1
+
+
 def track_tensor_bytes(include_meta: bool = False) -> TensorBytesTracker:
     """A context manager measuring the peak tensor bytes allocated inside it.
 
     Args:
-        include_meta: Count meta-device tensors too (sizes without memory, for replays).
+        include_meta: Count meta-device tensors too (sizes without memory, for replays); a
+            meta tensor's `.item()` then reads 1.
 
     Example:
         >>> import torch

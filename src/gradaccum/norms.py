@@ -4,6 +4,10 @@
 higher-precision buffers, which belong to no parameter, so both operations take tensors here. The
 arithmetic is `clip_grad_norm_`'s: the same total norm, the same `max_norm / (norm + 1e-6)`
 coefficient clamped at 1, so a clipped step equals a plain full-batch step with `clip_grad_norm_`.
+One exception: float16 gradients, each finite, whose norm passes float16's largest value (65504;
+a pure `model.half()` run, 200 per item over 4096 weights) get their norm in float32, where
+`clip_grad_norm_` returns inf and scales every gradient by 0 (the window was skipped as
+non-finite, its message blaming the loss, which was finite).
 
 Example:
     >>> import torch
@@ -41,11 +45,27 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         whole = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
         both: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(whole[0]) for n in whole]))
         return both
-    if len(set(map(_DEVICE_AND_DTYPE, grads))) > 1:  # no Python frame per gradient
-        return _compat.total_norm(grads)
-    # torch.linalg has no stubs (its functions are Any): name the result's type.
-    norm: torch.Tensor = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    kinds_of = set(map(_DEVICE_AND_DTYPE, grads))  # no Python frame per gradient
+    if len(kinds_of) > 1:
+        norm = _compat.total_norm(grads)
+    else:  # torch.linalg has no stubs (its functions are Any): name the result's type.
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    if type(norm) is torch.Tensor and any(dtype == torch.float16 for _, dtype in kinds_of):
+        return _float32_if_overflowed(grads, norm)  # plain tensors: FSDP2 shards' norms wait
     return norm
+
+
+def _float32_if_overflowed(grads: list[torch.Tensor], norm: torch.Tensor) -> torch.Tensor:
+    """`norm`, or, where it overflowed float16's range, the float32 norm of the same gradients.
+
+    A device sync (float16 gradients only: the boundary reads the norm right after anyway). A
+    gradient holding an inf or NaN keeps the float32 norm non-finite: a skipped window still.
+    """
+    if bool(torch.isfinite(norm)):
+        return norm
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+    wide: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(norms[0]) for n in norms]))
+    return wide
 
 
 def clip_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from gradaccum._dtensor import like_param
+from gradaccum._scaler import AccumulatorScaler
 from gradaccum._state_layout import check_tensors_fit
 from gradaccum._warnings import warn_user
 from gradaccum.options import Precision
@@ -102,9 +103,7 @@ class PrecisionRuntime:
         self.accum_dtype = accum_dtype
         self._buffered_dtypes: dict[torch.dtype, bool] = {}
         self.check_dtypes(params, built=False)
-        self.scaler = (
-            torch.amp.GradScaler(self.device.type) if precision is Precision.FP16 else None
-        )
+        self.scaler = AccumulatorScaler(self.device.type) if precision is Precision.FP16 else None
         self.buffers: list[torch.Tensor | None] = []
         # The caller's own fp16 autocast: warned of once, where it casts anything (not float64).
         self._outer_warned = all(p.dtype in _WIDE for p in params)

@@ -1,13 +1,11 @@
 """The window: what one accumulation window holds between its first micro-batch and its boundary.
 
-A `Window` is bookkeeping only; it runs nothing. It holds the running totals (items counted,
-micro-batches, the detached loss sum, the largest micro-batch, and the divisor contract's
-`denominator` and `loss_scale` every backward used: `gradaccum.divisor`); the parameters it
-accumulates into, fixed when it opens (the optimizer's, in its order, then the model's other
-trainable ones); the gradients they held before it, set aside for a failed window to put back;
-and a mark of every gradient after each backward, to catch a `zero_grad()` between micro-batches.
-
-`accumulate_grad` is the functional form of the engine: the exact full-batch gradient, no step.
+A `Window` is bookkeeping only: running totals (items, micro-batches, loss sum, largest
+micro-batch, the `denominator` and `loss_scale` of every backward: `gradaccum.divisor`); the
+parameters it fills, fixed when it opens (the optimizer's, in order, then the model's other
+trainable ones); gradients set aside for a failed window; marks of every gradient and weight after
+each backward (a `zero_grad()`, a write: `_written`). `accumulate_grad` is the engine's
+functional form: the exact full-batch gradient, no step.
 
 Example:
     >>> import torch
@@ -40,7 +38,7 @@ from gradaccum._state_layout import check_tensors_fit
 from gradaccum._step_refusal import steps_refused
 from gradaccum._terms import TermLedger
 from gradaccum._window_registry import gradients_changed_error
-from gradaccum._written import WeightMarks, weight_marks, written_error
+from gradaccum._written import WeightMarks, kept_weights, weight_marks, written_error
 from gradaccum.batching import batch_size, split_batch, to_device
 from gradaccum.divisor import backward_denominator, divide_, folds_counts, grad_divisor, seeded_loss
 from gradaccum.loss import (
@@ -92,9 +90,8 @@ class Window:
     def __getstate__(self) -> dict[str, Any]:
         """For `copy.deepcopy` and pickle: the state, with the open window's gradients.
 
-        Copied parameters lose their `.grad` (PyTorch copies and pickles a Parameter without
-        it), and an open window's partial sums live there: without them a copied Accumulator
-        would continue with part of the window missing (and call it a `zero_grad()`).
+        Copied parameters lose their `.grad` (PyTorch copies a Parameter without it), where an
+        open window's sums live: a copy would go on without them (and call it a `zero_grad()`).
         """
         state = dict(self.__dict__)
         state["_grads"] = [p.grad for p in self.params]
@@ -190,6 +187,10 @@ class Window:
         """Remember each gradient (and weight) after a backward, to catch changes until the next."""
         self._marks = [(p.grad, -1 if p.grad is None else p.grad._version) for p in self.params]
         self._weights = weight_marks(self.params[: self.held]) if weights else None  # stepped
+
+    def carry(self) -> None:
+        """An open window is carried: keep its weights' values (an evaluation: `_written`)."""
+        self._weights = kept_weights(self._weights, self.params[: self.held])  # closed: None
 
     def touched_gradients(self) -> list[int]:
         """Indices of params whose gradient changed since the last mark (a user's `zero_grad`)."""
