@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
+from gradaccum._tensor_parallel import loss_parallel_context
 from gradaccum.batchnorm import batchnorm_modules
 from gradaccum.loss import read_loss
 
-__all__ = ["captured_outputs", "output_tensors", "zero_backward", "zero_item_roots"]
+__all__ = ["backward", "captured_outputs", "output_tensors", "zero_backward", "zero_item_roots"]
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:
@@ -86,4 +87,10 @@ def zero_item_roots(
 
 def zero_backward(roots: list[torch.Tensor]) -> None:
     """Backpropagate zeros from `roots`: a backward's collectives, no gradient added."""
-    torch.autograd.backward(roots, [torch.zeros_like(t) for t in roots])
+    backward(roots, [torch.zeros_like(t) for t in roots])
+
+
+def backward(roots: list[torch.Tensor], seeds: list[torch.Tensor] | None = None) -> None:
+    """`torch.autograd.backward`, inside `loss_parallel()` when the loss was computed in it."""
+    with loss_parallel_context(roots):
+        torch.autograd.backward(roots, seeds)

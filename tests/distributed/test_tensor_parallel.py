@@ -20,6 +20,7 @@ ranks see different ones. So the window's count is the sum over DP ranks, each b
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -264,3 +265,148 @@ def test_ranks_of_a_tensor_parallel_group_that_counted_differently_are_refused()
     apart = torch.tensor([[5.0, 0.0], [4.0, 0.0], [2.0, 1.0], [2.0, 1.0]])
     with pytest.raises(RankMismatchError, match="must see the same batch"):
         one_row_per_batch(apart, 1)
+
+
+class TinyLM(nn.Module):
+    """Embedding, a LayerNorm'd residual MLP and a vocabulary head: the tensor-parallel LM shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 8)
+        self.norm1 = nn.LayerNorm(8)
+        self.ff = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.norm2 = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(ids)
+        hidden = hidden + self.ff(self.norm1(hidden))
+        return self.out(self.norm2(hidden))
+
+
+def make_lm() -> TinyLM:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = TinyLM().double()
+        with torch.no_grad():  # LayerNorm's weights away from 1, its biases from 0
+            for param in model.parameters():
+                param.add_(0.1 * torch.randn_like(param))
+        return model
+
+
+LM_WINDOWS = [(1, 5, 1), (2, 3, 0), (3, 4, 2)]  # seed, rows, padded positions at the end
+
+
+def lm_batch(seed: int, rows: int, padded: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 8, (rows, 4), generator=generator)
+    labels = torch.randint(0, 8, (rows, 4), generator=generator)
+    labels[:, 4 - padded :] = -100
+    return {"ids": ids, "labels": labels}
+
+
+def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], inside: bool = True) -> Any:
+    """Token cross-entropy sum; `inside`: computed in `loss_parallel()`, as torch's docs show."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from gradaccum import LossSum
+
+    logits, labels = model(batch["ids"]).flatten(0, 1), batch["labels"].flatten()
+    with loss_parallel() if inside else contextlib.nullcontext():
+        loss = nn.functional.cross_entropy(logits, labels, reduction="sum", ignore_index=-100)
+    return LossSum(loss, int((labels != -100).sum()))
+
+
+def outside_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+    return lm_loss(model, batch, inside=False)
+
+
+def sequence_parallel_plan() -> dict[str, Any]:
+    """torch's tutorial plan: sequence-sharded norms, vocabulary-sharded logits."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    return {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm1": SequenceParallel(),
+        "ff": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "ff.0": ColwiseParallel(),
+        "ff.2": RowwiseParallel(output_layouts=Shard(1)),
+        "norm2": SequenceParallel(),
+        "out": ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+
+
+def loss_parallel_worker(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    from gradaccum import Accumulator
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out: dict[str, Any] = {}
+    for case in ("step", "micro_step", "step inside loss_parallel"):
+        model = parallelize_module(make_lm(), mesh, sequence_parallel_plan())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        sizes: dict[str, Any] = {"accumulation_steps": 8} if case == "micro_step" else {}
+        acc = Accumulator(model, optimizer, micro_batch_size=2, max_grad_norm=CLIP, **sizes)
+        norms = []
+        for window in LM_WINDOWS:
+            batch = lm_batch(*window)
+            if case == "step":
+                norms.append(acc.step(batch, lm_loss).grad_norm)
+            elif case == "micro_step":  # the window's rows one by one, closed by flush()
+                rows = [{k: v[i : i + 1] for k, v in batch.items()} for i in range(window[1])]
+                for row in rows:
+                    acc.micro_step(row, lm_loss)
+                norms.append(acc.flush().grad_norm)
+            else:  # the whole step in the context, the loss_fn without its own
+                with loss_parallel():
+                    norms.append(acc.step(batch, outside_loss).grad_norm)
+        out[case] = {"params": full_params(model), "norms": norms}
+    return out
+
+
+def lm_reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = make_lm()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    norms = []
+    for window in LM_WINDOWS:
+        batch = lm_batch(*window)
+        optimizer.zero_grad(set_to_none=True)
+        value = outside_loss(model, batch)
+        (value.value / value.count).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+@pytest.mark.timeout(150)
+def test_a_loss_computed_in_loss_parallel_is_backpropagated_in_it_exactly(
+    tmp_path: Path,
+) -> None:
+    """torch's `loss_parallel()` (vocabulary-sharded logits, with SequenceParallel norms) needs
+    the backward inside the context too: the library's backward ran after `loss_fn` had left
+    it and raised "aten.nll_loss_backward.default got mixed torch.Tensor and DTensor" on every
+    rank. Now it is entered for the backward; a step run inside the context stays exact too."""
+    results = run_ranks(loss_parallel_worker, tmp_path, world_size=2, timeout=120.0)
+    want, norms = lm_reference()
+    for rank, got in enumerate(results):
+        for case, seen in got.items():
+            assert_params(seen["params"], want, f"rank {rank} {case}")
+            assert seen["norms"] == pytest.approx(norms, rel=1e-10), (rank, case)
+
+
+def test_the_loss_parallel_context_is_entered_only_for_a_class_sharded_cross_entropy() -> None:
+    from gradaccum._tensor_parallel import loss_parallel_context
+
+    logits = torch.randn(3, 4, requires_grad=True)
+    loss = nn.functional.cross_entropy(logits, torch.tensor([0, 1, 2]), reduction="sum")
+    assert isinstance(loss_parallel_context([loss]), contextlib.nullcontext)  # plain tensors
