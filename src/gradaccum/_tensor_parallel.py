@@ -42,6 +42,7 @@ __all__ = [
     "dtensor_ranks",
     "loss_parallel_context",
     "one_row_per_batch",
+    "sharded_view",
 ]
 
 
@@ -175,3 +176,23 @@ def _class_sharded_nll(root: torch.Tensor, dtensor: type[Any]) -> bool:
                 return any(p.is_shard(channel) for p in saved.placements)
         queue.extend(next_node for next_node, _ in node.next_functions)
     return False
+
+
+def sharded_view(grad: torch.Tensor, layout: Any) -> torch.Tensor:
+    """`grad` as the DTensor shard it is, sharing its storage: DDP over a tensor-parallel model.
+
+    `DistributedDataParallel(model, device_mesh=...)` on a `parallelize_module` model replaces
+    each DTensor parameter by its local shard, keeping the layout as `param._st_info`, so the
+    gradients are plain tensors: their norm was each rank's own (the ranks of a tensor-parallel
+    group clipped by different norms, 0.25 off, and `StepResult.grad_norm` was the shard's).
+    As DTensors, the norm is global and division and clipping still write to `grad`.
+    """
+    dtensor = _compat.dtensor_type()
+    return dtensor.from_local(
+        grad,
+        layout.mesh,
+        layout.placements,
+        run_check=False,
+        shape=layout.shape,
+        stride=layout.stride,
+    )

@@ -410,3 +410,62 @@ def test_the_loss_parallel_context_is_entered_only_for_a_class_sharded_cross_ent
     logits = torch.randn(3, 4, requires_grad=True)
     loss = nn.functional.cross_entropy(logits, torch.tensor([0, 1, 2]), reduction="sum")
     assert isinstance(loss_parallel_context([loss]), contextlib.nullcontext)  # plain tensors
+
+
+def optimizer_full_params(optimizer: torch.optim.Optimizer, names: list[str]) -> Any:
+    """The full parameters from DDP's local shards (DDP keeps their layout as `_st_info`)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, param in zip(names, optimizer.param_groups[0]["params"], strict=True):
+        layout = param._st_info
+        full = DTensor.from_local(
+            param.detach(), layout.mesh, layout.placements, shape=layout.shape, stride=layout.stride
+        ).full_tensor()
+        out[name] = full.clone()
+    return out
+
+
+def ddp_tensor_parallel_worker(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from gradaccum import Accumulator
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    out: dict[str, Any] = {}
+    for normalize, clip in (("mean", CLIP), ("sum", None)):
+        model = parallelize_module(make_tiny(), mesh["tp"], tp_plan())
+        names = [name for name, _ in model.named_parameters()]
+        ddp = nn.parallel.DistributedDataParallel(model, device_mesh=mesh["dp"])
+        optimizer = make_optimizer(ddp)
+        acc = Accumulator(
+            ddp, optimizer, micro_batch_size=MICRO, normalize=normalize, max_grad_norm=clip
+        )
+        results = [acc.step(step_batch(w, dp), masked_loss) for w in range(len(STEP_DATA))]
+        out[normalize] = {
+            "params": optimizer_full_params(optimizer, names),
+            "seen": [(r.grad_norm, r.count) for r in results],
+        }
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_ddp_over_a_tensor_parallel_model_clips_by_the_global_norm(tmp_path: Path) -> None:
+    """`DistributedDataParallel(parallelize_module(...), device_mesh=mesh["dp"])` on a (dp=2,
+    tp=2) mesh: DDP trains each DTensor parameter's local shard, so the gradients were plain
+    tensors and their norm each rank's own: the two ranks of a tensor-parallel group clipped by
+    different norms (0.25 off, silently) and `StepResult.grad_norm` was a shard's (6.80 for
+    8.08). The shards are now read as DTensors for the norm and the clip."""
+    results = run_ranks(
+        ddp_tensor_parallel_worker, tmp_path, world_size=4, timeout=120.0, pg_timeout=60.0
+    )
+    for normalize, clip in (("mean", CLIP), ("sum", None)):
+        want, seen = reference(step_windows(), normalize, clip)
+        for rank, got in enumerate(results):
+            case = got[normalize]
+            assert_params(case["params"], want, f"rank {rank} {normalize}")
+            for (norm, count), (ref_norm, ref_count) in zip(case["seen"], seen, strict=True):
+                assert count == ref_count, (rank, normalize)
+                assert norm == pytest.approx(ref_norm, rel=1e-10), (rank, normalize)
