@@ -68,13 +68,21 @@ def zero_item_roots(
     """Forward `empty_batch` (no item); return what a backward of zeros starts from.
 
     Backpropagating zeros from them (`zero_backward`) runs every collective and adds nothing.
+    A `loss_fn` that raises on the empty batch after the model ran (torch's `loss_parallel()`
+    cross-entropy of `logits.flatten(0, 1)` with no row, a `.max()` of nothing) is not needed:
+    the micro-batch counts nothing, and the zeros go through the model's outputs.
 
     Raises:
         RuntimeError: If `loss_fn` did not call the model, which FSDP2 cannot survive.
     """
     outputs: list[torch.Tensor] = []
     with autocast(), captured_outputs(model, outputs), _batchnorm_unchanged(model):
-        value, _, _ = read_loss(loss_fn(model, empty_batch), 0)
+        try:
+            value, _, _ = read_loss(loss_fn(model, empty_batch), 0)
+        except Exception:
+            if not outputs:  # it raised before the model ran, or in it: the user's to see
+                raise
+            return outputs
     roots = [value] if value.requires_grad else outputs
     if not roots:
         raise RuntimeError(

@@ -469,3 +469,48 @@ def test_ddp_over_a_tensor_parallel_model_clips_by_the_global_norm(tmp_path: Pat
             for (norm, count), (ref_norm, ref_count) in zip(case["seen"], seen, strict=True):
                 assert count == ref_count, (rank, normalize)
                 assert norm == pytest.approx(ref_norm, rel=1e-10), (rank, normalize)
+
+
+UNEVEN_LM = [[(1, 5, 1), (2, 1, 0)], [(3, 2, 0), (4, 6, 3)]]  # [window][dp]: 3 and 1 micro-batches
+
+
+def fsdp2_loss_parallel_worker(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from gradaccum import Accumulator
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    model = parallelize_module(make_lm(), mesh["tp"], sequence_parallel_plan())
+    fsdp_api().fully_shard(model, mesh=mesh["dp"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    acc = Accumulator(model, optimizer, micro_batch_size=2, max_grad_norm=CLIP)
+    norms = [acc.step(lm_batch(*window[dp]), lm_loss).grad_norm for window in UNEVEN_LM]
+    return {"params": full_params(model), "norms": norms}
+
+
+@pytest.mark.timeout(150)
+def test_fsdp2_tensor_parallel_uneven_windows_with_loss_parallel_are_exact(tmp_path: Path) -> None:
+    """FSDP2 + TP with a `loss_parallel()` cross-entropy of `logits.flatten(0, 1)`, one data-
+    parallel rank planning 3 micro-batches and the other 1: the latter runs zero-item ones (an
+    empty slice of its batch), where torch's `loss_parallel` refuses the flattened empty logits
+    ("requires exactly one mesh dim to shard tensor dimension 1"). That rank raised and the
+    others waited for it. The loss of a micro-batch counting nothing is not needed: the zeros go
+    through the model's outputs, and the steps are the full-batch steps."""
+    results = run_ranks(
+        fsdp2_loss_parallel_worker, tmp_path, world_size=4, timeout=120.0, pg_timeout=60.0
+    )
+    model = make_lm()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    norms = []
+    for window in UNEVEN_LM:
+        optimizer.zero_grad(set_to_none=True)
+        losses = [outside_loss(model, lm_batch(*batch)) for batch in window]
+        (sum(x.value for x in losses) / sum(x.count for x in losses)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for rank, got in enumerate(results):
+        assert_params(got["params"], want, f"rank {rank}")
+        assert got["norms"] == pytest.approx(norms, rel=1e-10), rank
