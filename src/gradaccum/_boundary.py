@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ from gradaccum._agreement import FAILED, OUT_OF_MEMORY, RankSummary, WindowAgree
 from gradaccum._dtensor import is_dtensor
 from gradaccum._oom import is_out_of_memory
 from gradaccum._sync_base import FAILED_COUNT
+from gradaccum._tensor_parallel import sharded_view
 from gradaccum._warnings import warn_user
 from gradaccum.precision import PrecisionRuntime
 from gradaccum.sync import GradSync
@@ -122,6 +124,7 @@ def reduced_gradients(
     held: list[torch.Tensor] = []
     unsharded: list[tuple[int, torch.nn.Parameter, torch.Tensor | None]] = []  # FSDP2: reduce
     local: list[torch.Tensor] = []  # DDP's ignored parameters: not reduced
+    shards: list[tuple[int, Any]] = []  # DDP + tensor parallel: where, and the DTensor layout
     ledger = window.terms
     counts = ledger.global_counts(agreement) if ledger else []  # checks counts given ahead
     params = window.params[: window.held]
@@ -145,6 +148,8 @@ def reduced_gradients(
         if grad is None and sync.world > 1 and agreement.has_grad[index]:
             grad = runtime.zeros_for(index, param)  # another rank used it: reduce alike
         if grad is not None:
+            if (layout := getattr(param, "_st_info", None)) is not None:  # DDP took it off
+                shards.append((len(held), layout))
             held.append(grad)
     if any(map(_IS_SPARSE, held + local + [grad for *_, grad in unsharded if grad is not None])):
         raise ValueError(
@@ -162,6 +167,8 @@ def reduced_gradients(
         sync.reduce(held)
     if local and sync.averaged_over > 1:  # a static graph's first window: DDP averaged the
         torch._foreach_div_(local, float(sync.averaged_over))  # rest, which the divisor undoes
+    for position, layout in shards:  # the norm over the tensor-parallel shards: global
+        held[position] = sharded_view(held[position], layout)
     return held + local
 
 

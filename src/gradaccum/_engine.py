@@ -26,7 +26,7 @@ from gradaccum._engine_state import component_states, restore_components
 from gradaccum._layout_watch import SequenceFirstCheck
 from gradaccum._loss_call import call_loss_fn, refuse_grad_disabled
 from gradaccum._oom import after_step_guard
-from gradaccum._outputs import captured_outputs, zero_backward, zero_item_roots
+from gradaccum._outputs import backward, captured_outputs, zero_backward, zero_item_roots
 from gradaccum._parameters import ModelParameters
 from gradaccum._sync_base import NO_CONTEXT
 from gradaccum._terms import TermLedger
@@ -217,7 +217,7 @@ class Engine:
                 reduce = self._reduces_last(count, loss, micro_batches=1, graph=bool(roots))
             if roots:
                 with sync.backward_context(reduce=reduce):
-                    torch.autograd.backward(roots, seeds)
+                    backward(roots, seeds)
                 runtime.collect(window.params)
             window.watch()
         window.add(logged, weight, count, items)

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
+from gradaccum._tensor_parallel import loss_parallel_context
 from gradaccum.batchnorm import batchnorm_modules
 from gradaccum.loss import read_loss
 
-__all__ = ["captured_outputs", "output_tensors", "zero_backward", "zero_item_roots"]
+__all__ = ["backward", "captured_outputs", "output_tensors", "zero_backward", "zero_item_roots"]
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:
@@ -67,13 +68,21 @@ def zero_item_roots(
     """Forward `empty_batch` (no item); return what a backward of zeros starts from.
 
     Backpropagating zeros from them (`zero_backward`) runs every collective and adds nothing.
+    A `loss_fn` that raises on the empty batch after the model ran (torch's `loss_parallel()`
+    cross-entropy of `logits.flatten(0, 1)` with no row, a `.max()` of nothing) is not needed:
+    the micro-batch counts nothing, and the zeros go through the model's outputs.
 
     Raises:
         RuntimeError: If `loss_fn` did not call the model, which FSDP2 cannot survive.
     """
     outputs: list[torch.Tensor] = []
     with autocast(), captured_outputs(model, outputs), _batchnorm_unchanged(model):
-        value, _, _ = read_loss(loss_fn(model, empty_batch), 0)
+        try:
+            value, _, _ = read_loss(loss_fn(model, empty_batch), 0)
+        except Exception:
+            if not outputs:  # it raised before the model ran, or in it: the user's to see
+                raise
+            return outputs
     roots = [value] if value.requires_grad else outputs
     if not roots:
         raise RuntimeError(
@@ -86,4 +95,10 @@ def zero_item_roots(
 
 def zero_backward(roots: list[torch.Tensor]) -> None:
     """Backpropagate zeros from `roots`: a backward's collectives, no gradient added."""
-    torch.autograd.backward(roots, [torch.zeros_like(t) for t in roots])
+    backward(roots, [torch.zeros_like(t) for t in roots])
+
+
+def backward(roots: list[torch.Tensor], seeds: list[torch.Tensor] | None = None) -> None:
+    """`torch.autograd.backward`, inside `loss_parallel()` when the loss was computed in it."""
+    with loss_parallel_context(roots):
+        torch.autograd.backward(roots, seeds)

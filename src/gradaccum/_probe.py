@@ -26,6 +26,7 @@ from gradaccum._averaged import averaged_parameter_ids
 from gradaccum._dtensor import local_tensor
 from gradaccum._forward_state import ForwardState
 from gradaccum._loss_call import call_loss_fn
+from gradaccum._outputs import backward
 from gradaccum._sync_base import is_fsdp
 from gradaccum.batching import batch_size, slice_batch, to_device
 from gradaccum.loss import read_loss
@@ -122,7 +123,7 @@ class Probe:
                         call_loss_fn(self.loss_fn, self.model, micro_batch), size
                     )
                 if value.requires_grad:
-                    value.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
+                    backward([value])
                 del value
             # The allocator also sees what no tensor shows: cuDNN/cuBLAS workspaces, rounding.
             peak = tracker.peak if allocator is None else max(tracker.peak, allocator.peak())

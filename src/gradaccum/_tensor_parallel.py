@@ -12,7 +12,10 @@ that many times too long, `StepResult.count` and `Tokens(n)` windows off alike).
 ranks that share a batch counted alike.
 
 Also here: the checks for models that look distributed without a backend the library drives
-(`replicate` of `torch.distributed._composable`, tensor parallel over part of the ranks).
+(`replicate` of `torch.distributed._composable`, tensor parallel over part of the ranks), and
+`loss_parallel_context`: a cross-entropy computed inside torch's `loss_parallel()` (logits sharded
+on the class dimension) needs its backward inside that context too, and the library runs the
+backward after `loss_fn` has left it.
 
 Example:
     >>> import torch
@@ -23,7 +26,9 @@ Example:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,7 +40,9 @@ __all__ = [
     "composable_replicate_error",
     "data_parallel",
     "dtensor_ranks",
+    "loss_parallel_context",
     "one_row_per_batch",
+    "sharded_view",
 ]
 
 
@@ -122,3 +129,70 @@ def composable_replicate_error(model: torch.nn.Module) -> ValueError | None:
                 'mesh=mesh["dp"])), and pass that to the Accumulator. Nothing was changed.'
             )
     return None
+
+
+_GRAPH_NODES_READ = 64  # the loss's head: a cross-entropy sits within a few nodes of the root
+
+
+def loss_parallel_context(roots: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[Any]:
+    """Torch's `loss_parallel()` context when a root's cross-entropy ran inside it, else a no-op.
+
+    Inside `loss_parallel()` DTensor computes `log_softmax` and `nll_loss` on logits sharded on
+    the class dimension (which it never does otherwise), and their backward only runs inside
+    the context too: run after `loss_fn` left it, the backward raised "aten.nll_loss_backward
+    got mixed torch.Tensor and DTensor". Read from the saved input of the graph's `nll_loss`
+    (sharded on its class dimension); nothing is entered when the context is already active
+    (a step run inside `loss_parallel()`: leaving a nested one would end the outer one).
+    """
+    if all(type(root) is torch.Tensor for root in roots):
+        return contextlib.nullcontext()  # the common case, without importing DTensor
+    dtensor = _compat.dtensor_type()
+    if not any(isinstance(root, dtensor) and _class_sharded_nll(root, dtensor) for root in roots):
+        return contextlib.nullcontext()
+    dispatcher = getattr(dtensor, "_op_dispatcher", None)
+    handlers = getattr(dispatcher, "_custom_op_handlers", {})
+    if torch.ops.aten.nll_loss_backward.default in handlers:
+        return contextlib.nullcontext()  # already inside loss_parallel()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def _class_sharded_nll(root: torch.Tensor, dtensor: type[Any]) -> bool:
+    """Whether the graph's head holds an `nll_loss` of class-sharded DTensor log-probabilities.
+
+    Only `loss_parallel()` computes one: DTensor's own rules replicate the class dimension.
+    """
+    queue, seen = [root.grad_fn], 0
+    while queue and seen < _GRAPH_NODES_READ:
+        node = queue.pop(0)
+        if node is None:
+            continue
+        seen += 1
+        if type(node).__name__.startswith("NllLoss"):
+            saved = getattr(node, "_saved_self", None)
+            if isinstance(saved, dtensor):
+                channel = 1 if saved.dim() >= 2 else 0
+                return any(p.is_shard(channel) for p in saved.placements)
+        queue.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+def sharded_view(grad: torch.Tensor, layout: Any) -> torch.Tensor:
+    """`grad` as the DTensor shard it is, sharing its storage: DDP over a tensor-parallel model.
+
+    `DistributedDataParallel(model, device_mesh=...)` on a `parallelize_module` model replaces
+    each DTensor parameter by its local shard, keeping the layout as `param._st_info`, so the
+    gradients are plain tensors: their norm was each rank's own (the ranks of a tensor-parallel
+    group clipped by different norms, 0.25 off, and `StepResult.grad_norm` was the shard's).
+    As DTensors, the norm is global and division and clipping still write to `grad`.
+    """
+    dtensor = _compat.dtensor_type()
+    return dtensor.from_local(
+        grad,
+        layout.mesh,
+        layout.placements,
+        run_check=False,
+        shape=layout.shape,
+        stride=layout.stride,
+    )

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from gradaccum._agreement import WindowAgreement
+from gradaccum._tensor_parallel import loss_parallel_context
 from gradaccum.divisor import Expectation, backward_denominator, scaled_loss
 from gradaccum.loss import MAX_TERMS, ReadTerm
 from gradaccum.options import Normalize
@@ -150,7 +151,8 @@ class TermLedger:
         """Each extra term's gradient into its buffer, the graph kept for the main backward."""
         for index, root in extra:
             scaled = scaled_loss(root, 1, 1.0, loss_scale)
-            grads = torch.autograd.grad(scaled, params, retain_graph=True, allow_unused=True)
+            with loss_parallel_context([scaled]):  # a term computed in loss_parallel()
+                grads = torch.autograd.grad(scaled, params, retain_graph=True, allow_unused=True)
             self.absorb(index, [runtime.widened(g) for g in grads])
 
     def check(self, terms: Sequence[ReadTerm]) -> None:

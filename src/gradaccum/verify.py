@@ -52,6 +52,7 @@ from gradaccum._non_additive import (
     find_non_additive,
     hooked_buffers,
 )
+from gradaccum._outputs import backward
 from gradaccum._random_draws import (
     RANDOM_DRAWS,
     generators_forked,
@@ -286,7 +287,7 @@ def check_equivalence(
             items = batch_size(batch, batch_dim=batch_dim)
             value, weight, count = read_loss(result, items, needs_graph=True)
             if count > 0:  # the plain full-batch loss itself: no op a user would not write
-                torch.autograd.backward(value if weight == count else value / count)
+                backward([value if weight == count else value / count])
             drew = rng_advanced(rng, devices, generators) or any(own_drew)
         with torch.random.fork_rng(devices=devices), host_rng_forked(), generators_forked(own):
             try:

@@ -33,6 +33,7 @@ from gradaccum._joined import JoinWatch
 from gradaccum._layout_watch import SequenceFirstCheck
 from gradaccum._loss_call import call_loss_fn, freed_graph_hint, refuse_grad_disabled
 from gradaccum._outcome import Outcome
+from gradaccum._outputs import backward
 from gradaccum._parameters import trainable_parameters
 from gradaccum._state_layout import check_tensors_fit
 from gradaccum._step_refusal import steps_refused
@@ -383,7 +384,7 @@ def accumulate_grad(
                     )
                 if value.requires_grad:
                     root, seed = seeded_loss(value, weight, window.denominator)
-                    root.backward(seed)  # type: ignore[no-untyped-call]
+                    backward([root], None if seed is None else [seed])
                 window.watch()
                 window.add(value, weight, count, items)
     except BaseException as error:
