@@ -132,6 +132,7 @@ def composable_replicate_error(model: torch.nn.Module) -> ValueError | None:
 
 
 _GRAPH_NODES_READ = 64  # the loss's head: a cross-entropy sits within a few nodes of the root
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: none built per backward
 
 
 def loss_parallel_context(roots: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[Any]:
@@ -145,14 +146,14 @@ def loss_parallel_context(roots: Sequence[torch.Tensor]) -> contextlib.AbstractC
     (a step run inside `loss_parallel()`: leaving a nested one would end the outer one).
     """
     if all(type(root) is torch.Tensor for root in roots):
-        return contextlib.nullcontext()  # the common case, without importing DTensor
+        return _NO_CONTEXT  # the common case, without importing DTensor
     dtensor = _compat.dtensor_type()
     if not any(isinstance(root, dtensor) and _class_sharded_nll(root, dtensor) for root in roots):
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
     dispatcher = getattr(dtensor, "_op_dispatcher", None)
     handlers = getattr(dispatcher, "_custom_op_handlers", {})
     if torch.ops.aten.nll_loss_backward.default in handlers:
-        return contextlib.nullcontext()  # already inside loss_parallel()
+        return _NO_CONTEXT  # already inside loss_parallel()
     from torch.distributed.tensor.parallel import loss_parallel
 
     return loss_parallel()
