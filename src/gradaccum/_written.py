@@ -89,5 +89,8 @@ def written_error(
         "the step() of another optimizer over them (one built and never given to the "
         "Accumulator: set acc.optimizer = it between windows and remove its step(); another "
         "Accumulator over shared parameters: run one window to its step before the other's "
-        "first micro_step()). The window was discarded; the weights are as written."
+        "first micro_step()); an in-place constraint applied after every micro_step() "
+        "(WGAN's weight clipping p.clamp_(-c, c), a max-norm renorm_()), even one that changes "
+        "no value: apply it only after a result with stepped=True, as a plain loop does after "
+        "optimizer.step(). The window was discarded; the weights are as written."
     )
