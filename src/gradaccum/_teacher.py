@@ -29,7 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradaccum._non_additive import find_non_additive
 
-__all__ = ["teacher_problem"]
+__all__ = ["held_outside", "teacher_problem"]
 
 
 def _held_modules(loss_fn: object, depth: int = 2) -> list[tuple[str, torch.nn.Module]]:
@@ -79,6 +79,16 @@ def _held_modules(loss_fn: object, depth: int = 2) -> list[tuple[str, torch.nn.M
     return list(found.values())
 
 
+def held_outside(loss_fn: object, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules `loss_fn` holds that share no module with `model`, with their names."""
+    inside = {id(m) for m in model.modules()}
+    return [
+        (name, held)
+        for name, held in _held_modules(loss_fn)
+        if not any(id(m) in inside for m in held.modules())
+    ]
+
+
 def teacher_problem(loss_fn: object, model: torch.nn.Module) -> str | None:
     """Why a module `loss_fn` holds outside `model` makes the step split-dependent, or None.
 
@@ -89,11 +99,7 @@ def teacher_problem(loss_fn: object, model: torch.nn.Module) -> str | None:
     model: the model itself, a wrapper of it or a part of it held by the loss as well are the
     model's checks' concern.
     """
-    inside = {id(m) for m in model.modules()}
-    for name, held in _held_modules(loss_fn):
-        modules = list(held.modules())
-        if any(id(m) in inside for m in modules):
-            continue
+    for name, held in held_outside(loss_fn, model):
         norms = [
             f"{_call(name)}.{n}" if n else _call(name)
             for n, m in held.named_modules()
