@@ -2051,3 +2051,38 @@ def test_interleaved_gan_windows_warn_that_the_discriminator_stepped_mid_window(
     for mine, theirs in ((d_opt, ref_d_opt), (g_opt, ref_g_opt)):
         for state, ref_state in zip(mine.state.values(), theirs.state.values(), strict=True):
             torch.testing.assert_close(state["exp_avg_sq"], ref_state["exp_avg_sq"], **EXACT)
+
+
+def test_a_gan_in_one_module_streamed_interleaved_names_its_discriminator() -> None:
+    """The README's layout, one module with Accumulators on its parts and losses reading
+    `gan.discriminator`: the loss holds `gan`, which holds the model, so no module outside it
+    was seen and the interleaved loop stayed silent. Its parts outside the model are watched."""
+    gan = nn.Module()
+    gan.generator, gan.discriminator = _gan()
+    d_acc = Accumulator(
+        gan.discriminator,
+        torch.optim.Adam(gan.discriminator.parameters(), lr=0.01),
+        accumulation_steps=3,
+    )
+    g_acc = Accumulator(
+        gan.generator, torch.optim.Adam(gan.generator.parameters(), lr=0.01), accumulation_steps=3
+    )
+    softplus = nn.functional.softplus
+
+    def d_loss(d: nn.Module, batch: Any) -> torch.Tensor:
+        fake = gan.generator(batch[0]).detach()
+        return (softplus(-d(batch[1])) + softplus(d(fake))).mean()
+
+    def g_loss(g: nn.Module, batch: Any) -> torch.Tensor:
+        return softplus(-gan.discriminator(g(batch[0]))).mean()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in _gan_stream(0):
+            d_acc.micro_step(batch, d_loss)
+            gan.discriminator.requires_grad_(False)
+            g_acc.micro_step(batch, g_loss)
+            gan.discriminator.requires_grad_(True)
+    told = [str(w.message) for w in caught if "two versions of" in str(w.message)]
+    assert len(told) == 1, told
+    assert "Run gan.discriminator's window to its step before" in told[0]

@@ -40,7 +40,7 @@ class OutsideWeights:
     def __init__(self, model: torch.nn.Module | None, windows: int = 2) -> None:
         self.model = model
         self.windows = windows + 1 if model is not None else 0  # the first open takes one
-        self._marks: dict[int, tuple[str, torch.nn.Parameter, int]] = {}
+        self._marks: dict[int, tuple[str, str, torch.nn.Parameter, int]] = {}
 
     @property
     def active(self) -> bool:
@@ -55,21 +55,21 @@ class OutsideWeights:
         if not self.windows or self.model is None:
             return None
         changed = [
-            name
-            for name, param, version in self._marks.values()
+            (held, name)
+            for held, name, param, version in self._marks.values()
             if param._version != version  # an optimizer's step, a copy_(), a clamp_()
         ]
         self._marks = {
-            id(param): (f"{held}.{name}", param, param._version)
+            id(param): (held, f"{held}.{name}", param, param._version)
             for held, module in held_outside(loss_fn, self.model)
             for name, param in module.named_parameters()
         }
         if not changed:
             return None
         self.windows, self._marks = 0, {}  # told once
-        owner = changed[0].split(".")[0]
-        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
-        shown = ", ".join(changed[:3]) + more
+        owner, names = changed[0][0], [name for _, name in changed]
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        shown = ", ".join(names[:3]) + more
         return (
             f"loss_fn runs {owner}, a module outside the model whose weights ({shown}) changed "
             "between two micro-batches of this window (the step of its own Accumulator or "

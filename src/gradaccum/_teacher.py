@@ -80,13 +80,24 @@ def _held_modules(loss_fn: object, depth: int = 2) -> list[tuple[str, torch.nn.M
 
 
 def held_outside(loss_fn: object, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The modules `loss_fn` holds that share no module with `model`, with their names."""
+    """The modules `loss_fn` holds that share no module with `model`, with their names.
+
+    A module holding the model (a GAN's generator and discriminator in one module, the
+    generator being the model) gives its parts outside it (`gan.discriminator`).
+    """
     inside = {id(m) for m in model.modules()}
-    return [
-        (name, held)
-        for name, held in _held_modules(loss_fn)
-        if not any(id(m) in inside for m in held.modules())
-    ]
+    found: list[tuple[str, torch.nn.Module]] = []
+
+    def split(name: str, held: torch.nn.Module) -> None:
+        if not any(id(m) in inside for m in held.modules()):
+            found.append((name, held))
+        elif id(held) not in inside:  # holds the model: a GAN's module, `gan.discriminator`
+            for child, module in held.named_children():
+                split(f"{name}.{child}", module)
+
+    for name, held in _held_modules(loss_fn):
+        split(name, held)
+    return found
 
 
 def teacher_problem(loss_fn: object, model: torch.nn.Module) -> str | None:
@@ -150,4 +161,5 @@ def _stateful_problem(name: str, stateful: list[str]) -> str:
 
 def _call(name: str) -> str:
     """How the user would write the module's name in code (`teacher`, `self.teacher`)."""
-    return name if name.isidentifier() or name.startswith("self.") else "teacher"
+    plain = all(part.isidentifier() for part in name.split("."))  # `gan.discriminator`
+    return name if plain or name.startswith("self.") else "teacher"
