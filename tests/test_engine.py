@@ -2086,3 +2086,53 @@ def test_a_gan_in_one_module_streamed_interleaved_names_its_discriminator() -> N
     told = [str(w.message) for w in caught if "two versions of" in str(w.message)]
     assert len(told) == 1, told
     assert "Run gan.discriminator's window to its step before" in told[0]
+
+
+def test_a_momentum_target_outside_the_model_moved_in_loss_fn_warns() -> None:
+    """A BYOL/mean-teacher target held in a closure and moved inside loss_fn moved once per
+    micro-batch (each micro-batch saw another target), silently: the frozen-parameter watch
+    sees only the model. It warns once now, naming the fix; moved once per step, the loop is
+    the plain one's."""
+    torch.manual_seed(0)
+    start = nn.Linear(4, 4).double()
+    x = torch.randn(9, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def moved(target: nn.Module, model: nn.Module) -> None:
+        with torch.no_grad():
+            for mine, theirs in zip(target.parameters(), model.parameters(), strict=True):
+                mine.mul_(0.9).add_(theirs, alpha=0.1)
+
+    def loss_of(target: nn.Module, move: bool) -> Any:
+        def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+            if move:
+                moved(target, m)
+            with torch.no_grad():
+                y = target(b + 1)
+            return nn.functional.mse_loss(m(b), y)
+
+        return loss_fn
+
+    results = []
+    for move_inside in (True, False):
+        model = copy.deepcopy(start)
+        target = copy.deepcopy(start).requires_grad_(False)
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                if not move_inside:
+                    moved(target, model)  # once per step
+                acc.step(x, loss_of(target, move_inside))
+        results.append(([str(w.message) for w in caught], model))
+    (inside, _), (quiet, model) = results
+    assert len(inside) == 1, inside
+    assert "move it once per window, when result.stepped" in inside[0]
+    assert quiet == []
+    plain, target = copy.deepcopy(start), copy.deepcopy(start).requires_grad_(False)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for _ in range(2):  # the plain loop moves it once per step, in its one loss_fn call
+        optimizer.zero_grad()
+        loss_of(target, True)(plain, x).backward()
+        optimizer.step()
+    for got, want in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)

@@ -78,5 +78,7 @@ class OutsideWeights:
             f"window's micro-batches ran through two versions of {owner}, so its step is not the "
             f"full-batch step of the alternating loop. Run {owner}'s window to its step before "
             f"this window's first micro_step() (all of {owner}'s micro_step() calls for the "
-            "batch, then these), or use acc.step(batch, loss_fn) for each."
+            "batch, then these), or use acc.step(batch, loss_fn) for each; if the loop or "
+            "loss_fn moves it itself (a momentum or EMA target, a weight copy), move it once per "
+            "window, when result.stepped."
         )
