@@ -1988,7 +1988,10 @@ def test_a_gan_streaming_both_windows_at_once_names_the_other_backward_and_the_f
         for index, batch in enumerate(_gan_stream(seed)):
             d_acc.micro_step(batch, d_loss)
             discriminator.requires_grad_(False)
-            g_acc.micro_step(batch, g_loss)
+            # The discriminator steps before the generator's last micro-batch: told once.
+            told = pytest.warns(UserWarning, match="ran through two versions of discriminator")
+            with told if (seed, index) == (0, 2) else nullcontext():
+                g_acc.micro_step(batch, g_loss)
             discriminator.requires_grad_(True)
             (ref_d_loss(ref_d, batch).value / 12).backward()  # each window counts 12 items
             if index == 2:
@@ -2003,3 +2006,170 @@ def test_a_gan_streaming_both_windows_at_once_names_the_other_backward_and_the_f
     for model, ref in ((generator, ref_g), (discriminator, ref_d)):
         for got, want in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(got, want, **EXACT)
+
+
+def _additive_gan_losses(generator: nn.Module, discriminator: nn.Module) -> tuple[Any, Any]:
+    """Sums over the items, as `LossSum` (`_gan_losses`' discriminator loss adds a sum to
+    each item, which is what the interleaved loops compared above run too)."""
+    softplus = nn.functional.softplus
+
+    def d_loss(model: nn.Module, batch: Any) -> LossSum:
+        noise, real = batch
+        fake = generator(noise).detach()
+        return LossSum((softplus(-model(real)) + softplus(model(fake))).sum(), len(noise))
+
+    def g_loss(model: nn.Module, batch: Any) -> LossSum:
+        return LossSum(softplus(-discriminator(model(batch[0]))).sum(), len(batch[0]))
+
+    return d_loss, g_loss
+
+
+def _alternating_reference(rounds: list[list[Any]]) -> tuple[nn.Module, nn.Module, Any, Any]:
+    """The plain full-batch loop: per batch, the discriminator's step, then the generator's."""
+    generator, discriminator = _gan()
+    d_loss, g_loss = _additive_gan_losses(generator, discriminator)
+    d_opt = torch.optim.Adam(discriminator.parameters(), lr=0.01)
+    g_opt = torch.optim.Adam(generator.parameters(), lr=0.01)
+    for stream in rounds:
+        batch = tuple(torch.cat(parts) for parts in zip(*stream, strict=True))
+        d_opt.zero_grad()
+        out = d_loss(discriminator, batch)
+        (out.value / out.count).backward()
+        d_opt.step()
+        g_opt.zero_grad()
+        discriminator.requires_grad_(False)
+        out = g_loss(generator, batch)
+        (out.value / out.count).backward()
+        discriminator.requires_grad_(True)
+        g_opt.step()
+    return generator, discriminator, d_opt, g_opt
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_interleaved_gan_windows_warn_that_the_discriminator_stepped_mid_window(
+    interleaved: bool,
+) -> None:
+    """The README's GAN loop with its two Accumulators' micro_step() calls interleaved per
+    micro-batch: the discriminator's window steps before the generator's last micro-batch, so
+    each generator window ran through two discriminators (5e-2 off the full-batch alternating
+    loop after 3 rounds, silently). It warns once now, naming the order that is exact: the
+    discriminator's window to its step, then the generator's (quiet, rtol 1e-10, Adam's state
+    too)."""
+    generator, discriminator = _gan()
+    d_loss, g_loss = _additive_gan_losses(generator, discriminator)
+    d_opt = torch.optim.Adam(discriminator.parameters(), lr=0.01)
+    g_opt = torch.optim.Adam(generator.parameters(), lr=0.01)
+    d_acc = Accumulator(discriminator, d_opt, accumulation_steps=3)
+    g_acc = Accumulator(generator, g_opt, accumulation_steps=3)
+    rounds = [_gan_stream(seed) for seed in range(3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for stream in rounds:
+            for batch in [] if interleaved else stream:  # its window to its step first
+                d_acc.micro_step(batch, d_loss)
+            for batch in stream:
+                if interleaved:
+                    d_acc.micro_step(batch, d_loss)
+                discriminator.requires_grad_(False)
+                g_acc.micro_step(batch, g_loss)
+                discriminator.requires_grad_(True)
+    told = [str(w.message) for w in caught if "two versions of" in str(w.message)]
+    ref_g, ref_d, ref_d_opt, ref_g_opt = _alternating_reference(rounds)
+    pairs = [*zip(generator.parameters(), ref_g.parameters(), strict=True)]
+    pairs += zip(discriminator.parameters(), ref_d.parameters(), strict=True)
+    if interleaved:
+        assert len(told) == 1, told
+        assert "Run discriminator's window to its step before" in told[0]
+        assert max(float((a - b).detach().abs().max()) for a, b in pairs) > 1e-3  # control
+        return
+    assert told == []
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, **EXACT)
+    for mine, theirs in ((d_opt, ref_d_opt), (g_opt, ref_g_opt)):
+        for state, ref_state in zip(mine.state.values(), theirs.state.values(), strict=True):
+            torch.testing.assert_close(state["exp_avg_sq"], ref_state["exp_avg_sq"], **EXACT)
+
+
+def test_a_gan_in_one_module_streamed_interleaved_names_its_discriminator() -> None:
+    """The README's layout, one module with Accumulators on its parts and losses reading
+    `gan.discriminator`: the loss holds `gan`, which holds the model, so no module outside it
+    was seen and the interleaved loop stayed silent. Its parts outside the model are watched."""
+    gan = nn.Module()
+    gan.generator, gan.discriminator = _gan()
+    d_acc = Accumulator(
+        gan.discriminator,
+        torch.optim.Adam(gan.discriminator.parameters(), lr=0.01),
+        accumulation_steps=3,
+    )
+    g_acc = Accumulator(
+        gan.generator, torch.optim.Adam(gan.generator.parameters(), lr=0.01), accumulation_steps=3
+    )
+    softplus = nn.functional.softplus
+
+    def d_loss(d: nn.Module, batch: Any) -> torch.Tensor:
+        fake = gan.generator(batch[0]).detach()
+        return (softplus(-d(batch[1])) + softplus(d(fake))).mean()
+
+    def g_loss(g: nn.Module, batch: Any) -> torch.Tensor:
+        return softplus(-gan.discriminator(g(batch[0]))).mean()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in _gan_stream(0):
+            d_acc.micro_step(batch, d_loss)
+            gan.discriminator.requires_grad_(False)
+            g_acc.micro_step(batch, g_loss)
+            gan.discriminator.requires_grad_(True)
+    told = [str(w.message) for w in caught if "two versions of" in str(w.message)]
+    assert len(told) == 1, told
+    assert "Run gan.discriminator's window to its step before" in told[0]
+
+
+def test_a_momentum_target_outside_the_model_moved_in_loss_fn_warns() -> None:
+    """A BYOL/mean-teacher target held in a closure and moved inside loss_fn moved once per
+    micro-batch (each micro-batch saw another target), silently: the frozen-parameter watch
+    sees only the model. It warns once now, naming the fix; moved once per step, the loop is
+    the plain one's."""
+    torch.manual_seed(0)
+    start = nn.Linear(4, 4).double()
+    x = torch.randn(9, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def moved(target: nn.Module, model: nn.Module) -> None:
+        with torch.no_grad():
+            for mine, theirs in zip(target.parameters(), model.parameters(), strict=True):
+                mine.mul_(0.9).add_(theirs, alpha=0.1)
+
+    def loss_of(target: nn.Module, move: bool) -> Any:
+        def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+            if move:
+                moved(target, m)
+            with torch.no_grad():
+                y = target(b + 1)
+            return nn.functional.mse_loss(m(b), y)
+
+        return loss_fn
+
+    results = []
+    for move_inside in (True, False):
+        model = copy.deepcopy(start)
+        target = copy.deepcopy(start).requires_grad_(False)
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                if not move_inside:
+                    moved(target, model)  # once per step
+                acc.step(x, loss_of(target, move_inside))
+        results.append(([str(w.message) for w in caught], model))
+    (inside, _), (quiet, model) = results
+    assert len(inside) == 1, inside
+    assert "move it once per window, when result.stepped" in inside[0]
+    assert quiet == []
+    plain, target = copy.deepcopy(start), copy.deepcopy(start).requires_grad_(False)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for _ in range(2):  # the plain loop moves it once per step, in its one loss_fn call
+        optimizer.zero_grad()
+        loss_of(target, True)(plain, x).backward()
+        optimizer.step()
+    for got, want in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)

@@ -1833,3 +1833,100 @@ def test_a_teacher_outside_the_model_in_train_mode_warns_naming_eval_and_in_eval
             assert told == []
             for got, want in zip(model.parameters(), full.parameters(), strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_discriminator_with_spectral_norm_outside_the_generator_warns_and_the_recipe_is_exact(
+    legacy: bool,
+) -> None:
+    """A GAN's generator step runs the discriminator (a closure's `disc`, frozen) in train mode:
+    spectral norm's power iteration ran once per micro-batch instead of once per batch, so the
+    generator's step was off the full-batch step, silently (legacy `spectral_norm` 5.7e-2 after
+    3 rounds, the parametrization 2.5e-4; 1e-7 after one step from a converged start). It warns
+    once now, naming the recipe: one power iteration by a no-grad forward, then the
+    discriminator in eval mode for the window; that is exact."""
+    sn = torch.nn.utils.spectral_norm if legacy else torch.nn.utils.parametrizations.spectral_norm
+    torch.manual_seed(0)
+    gen = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    disc = torch.nn.Sequential(
+        sn(torch.nn.Linear(4, 8)), torch.nn.LeakyReLU(0.2), sn(torch.nn.Linear(8, 1))
+    )
+    gen, disc = gen.double(), disc.double().requires_grad_(False)
+    z = torch.randn(12, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def g_loss_of(d: torch.nn.Module) -> Any:
+        return lambda g, noise: -d(g(noise)).mean()
+
+    # The plain full-batch step: the discriminator in train mode, one power iteration.
+    plain_gen, plain_disc = copy.deepcopy(gen), copy.deepcopy(disc)
+    g_loss_of(plain_disc)(plain_gen, z).backward()
+    torch.optim.SGD(plain_gen.parameters(), lr=0.5).step()
+
+    def gap(model: torch.nn.Module) -> float:
+        pairs = zip(model.parameters(), plain_gen.parameters(), strict=True)
+        return max(float((a - b).detach().abs().max() / b.detach().abs().max()) for a, b in pairs)
+
+    # Control: left in train mode, each micro-batch iterates again; now it warns so.
+    model, caught = _sgd_step_caught(gen, z, g_loss_of(copy.deepcopy(disc)), 4)
+    told = [str(w.message) for w in caught]
+    assert len(told) == 1, told
+    assert "power iteration" in told[0]
+    assert "d.eval()" in told[0]
+    assert gap(model) > 1e-8  # far from rounding (1e-7 at a converged start, 1e-2 legacy)
+    # The recipe the warning names: exact and quiet.
+    recipe = copy.deepcopy(disc)
+    with torch.no_grad():
+        recipe(torch.zeros(1, 4, dtype=torch.float64))  # any input: the iteration ignores it
+    recipe.eval()
+    model, caught = _sgd_step_caught(gen, z, g_loss_of(recipe), 4)
+    assert [str(w.message) for w in caught] == []
+    for got, want in zip(model.parameters(), plain_gen.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    for got, want in zip(recipe.buffers(), plain_disc.buffers(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    # One micro-batch per window is the full batch: quiet.
+    _, caught = _sgd_step_caught(gen, z, g_loss_of(copy.deepcopy(disc)), 12)
+    assert caught == []
+
+
+def test_fakes_made_once_per_batch_give_the_discriminator_the_full_batch_step() -> None:
+    """docs/batchnorm.md, "GANs": a generator with train-mode BatchNorm run in the
+    discriminator's loss_fn normalizes each micro-batch of fakes on its own (warned); fakes
+    made once per batch before the window and put in the batch give the full-batch step, and
+    the generator's running statistics move once per batch, as in the plain loop."""
+    torch.manual_seed(0)
+    gen = torch.nn.Sequential(
+        torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 4)
+    ).double()
+    disc = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    disc = disc.double()
+    plain_gen, plain_disc = copy.deepcopy(gen), copy.deepcopy(disc)
+    acc = gradaccum.Accumulator(
+        disc, torch.optim.Adam(disc.parameters(), lr=1e-2), micro_batch_size=4
+    )
+    plain_opt = torch.optim.Adam(plain_disc.parameters(), lr=1e-2)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+
+    def d_loss(d: torch.nn.Module, b: Any) -> torch.Tensor:
+        real, fake = b
+        ones, zeros = torch.ones_like(real[:, :1]), torch.zeros_like(real[:, :1])
+        return bce(d(real), ones) + bce(d(fake), zeros)
+
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        real = torch.randn(12, 4, generator=generator, dtype=torch.float64)
+        z = torch.randn(12, 3, generator=generator, dtype=torch.float64)
+        with torch.no_grad():
+            fake = gen(z)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            acc.step((real, fake), d_loss)
+        plain_opt.zero_grad()
+        d_loss(plain_disc, (real, plain_gen(z).detach())).backward()
+        plain_opt.step()
+    for got, want in zip(
+        [*disc.parameters(), *gen.buffers()],
+        [*plain_disc.parameters(), *plain_gen.buffers()],
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)

@@ -299,3 +299,38 @@ def test_weights_left_elsewhere_in_a_carried_window_are_still_refused() -> None:
         for mine, theirs in zip(model.parameters(), written, strict=True):
             assert torch.equal(mine, theirs)
             assert mine.grad is None
+
+
+def test_wgan_weight_clipping_after_every_micro_step_is_named_and_after_the_step_is_exact() -> None:
+    """WGAN's critic clipped (`p.clamp_(-c, c)` under no_grad) after every micro_step(), as a
+    loop copied from one without accumulation clips after every optimizer.step(): refused as a
+    write, but the message listed only loads, copies and optimizers, none of which the loop
+    had. It names the clipping and its place now, after a result with stepped=True, where it
+    equals the plain loop that clips after each step."""
+    model = _mlp()
+    acc = Accumulator(model, torch.optim.RMSprop(model.parameters(), lr=5e-3), accumulation_steps=2)
+    x, y = _data()
+    acc.micro_step((x[:4], y[:4]), _mse)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.clamp_(-0.05, 0.05)
+    with pytest.raises(RuntimeError, match=r"p\.clamp_\(-c, c\).*stepped=True"):
+        acc.micro_step((x[4:], y[4:]), _mse)
+    reference = copy.deepcopy(model)  # the weights as clipped; the window was discarded
+    # Clipped when a step was taken: the plain loop's critic, clipped after each step.
+    plain = torch.optim.RMSprop(reference.parameters(), lr=5e-3)
+    for _ in range(3):
+        for index in (slice(0, 4), slice(4, 8)):
+            result = acc.micro_step((x[index], y[index]), _mse)
+            if result.stepped:
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.clamp_(-0.05, 0.05)
+        plain.zero_grad()
+        _mse(reference, (x, y)).backward()
+        plain.step()
+        with torch.no_grad():
+            for param in reference.parameters():
+                param.clamp_(-0.05, 0.05)
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=0)

@@ -27,7 +27,9 @@ from functools import partial
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["teacher_problem"]
+from gradaccum._non_additive import find_non_additive
+
+__all__ = ["held_outside", "teacher_problem"]
 
 
 def _held_modules(loss_fn: object, depth: int = 2) -> list[tuple[str, torch.nn.Module]]:
@@ -77,40 +79,87 @@ def _held_modules(loss_fn: object, depth: int = 2) -> list[tuple[str, torch.nn.M
     return list(found.values())
 
 
+def held_outside(loss_fn: object, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules `loss_fn` holds that share no module with `model`, with their names.
+
+    A module holding the model (a GAN's generator and discriminator in one module, the
+    generator being the model) gives its parts outside it (`gan.discriminator`).
+    """
+    inside = {id(m) for m in model.modules()}
+    found: list[tuple[str, torch.nn.Module]] = []
+
+    def split(name: str, held: torch.nn.Module) -> None:
+        if not any(id(m) in inside for m in held.modules()):
+            found.append((name, held))
+        elif id(held) not in inside:  # holds the model: a GAN's module, `gan.discriminator`
+            for child, module in held.named_children():
+                split(f"{name}.{child}", module)
+
+    for name, held in _held_modules(loss_fn):
+        split(name, held)
+    return found
+
+
 def teacher_problem(loss_fn: object, model: torch.nn.Module) -> str | None:
     """Why a module `loss_fn` holds outside `model` makes the step split-dependent, or None.
 
-    Told for a train-mode BatchNorm (or one without running statistics) in it. (Dropout alone
-    is not: random draws per micro-batch are noise, as the model's own are.) Only modules that
-    share nothing with the model: the model itself, a wrapper of it or a part of it held by
-    the loss as well are the model's checks' concern.
+    Told for a train-mode BatchNorm (or one without running statistics) in it, and for state
+    its train-mode forward advances once per call (spectral norm's power iteration: a GAN's
+    discriminator run in the generator's window). (Dropout alone is not: random draws per
+    micro-batch are noise, as the model's own are.) Only modules that share nothing with the
+    model: the model itself, a wrapper of it or a part of it held by the loss as well are the
+    model's checks' concern.
     """
-    inside = {id(m) for m in model.modules()}
-    for name, held in _held_modules(loss_fn):
-        modules = list(held.modules())
-        if any(id(m) in inside for m in modules):
-            continue
+    for name, held in held_outside(loss_fn, model):
         norms = [
             f"{_call(name)}.{n}" if n else _call(name)
             for n, m in held.named_modules()
             if isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)
         ]
-        if not norms:
-            continue
-        shown = ", ".join(norms[:3]) + (f" and {len(norms) - 3} more" if len(norms) > 3 else "")
-        return (
-            f"loss_fn runs {name}, a module outside the model, whose BatchNorm layers ({shown}) "
-            "are in train mode: each micro-batch is normalized with its own statistics, and "
-            "the running statistics are updated once per micro-batch, so its outputs depend on "
-            "the split and the step is not the full-batch one. If it is a frozen teacher, put "
-            f"it in eval mode: {_call(name)}.eval() (after each model.train(), e.g. "
-            "teacher.eval()); its running statistics then make each item's output its own "
-            "(and its dropout, if any, is off). If it is trained too (a GAN's discriminator), "
-            "its BatchNorm needs the same care as the model's (docs/batchnorm.md)."
-        )
+        if norms:
+            return _batchnorm_problem(name, norms)
+        stateful = [
+            f"{_call(name)}.{found.name}".replace(".<model>", "")
+            for found in find_non_additive(held)
+            if "SpectralNorm" in found.kind or "updates its buffers" in found.reason
+        ]
+        if stateful:
+            return _stateful_problem(name, stateful)
     return None
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _batchnorm_problem(name: str, norms: list[str]) -> str:
+    return (
+        f"loss_fn runs {name}, a module outside the model, whose BatchNorm layers "
+        f"({_shown(norms)}) are in train mode: each micro-batch is normalized with its own "
+        "statistics, and the running statistics are updated once per micro-batch, so its "
+        "outputs depend on the split and the step is not the full-batch one. If it is a frozen "
+        f"teacher, put it in eval mode: {_call(name)}.eval() (after each model.train(), e.g. "
+        "teacher.eval()); its running statistics then make each item's output its own "
+        "(and its dropout, if any, is off). If it is trained too (a GAN's discriminator), "
+        "its BatchNorm needs the same care as the model's (docs/batchnorm.md, 'GANs')."
+    )
+
+
+def _stateful_problem(name: str, stateful: list[str]) -> str:
+    call = _call(name)
+    return (
+        f"loss_fn runs {name}, a module outside the model, in train mode: its forward advances "
+        f"state at every call ({_shown(stateful)}: spectral norm's power iteration), once per "
+        "micro-batch instead of once per batch, so later micro-batches divide its weight by "
+        "another estimate and the step is not the full-batch one. Exact: advance it once per "
+        f"window yourself, then keep it in eval mode for the window: with torch.no_grad(): "
+        f"{call}(x) on any input in train mode, then {call}.eval() around acc.step() (or the "
+        f"window's micro_step() calls) and {call}.train() after (a GAN's generator step "
+        "through its discriminator; docs/batchnorm.md, 'GANs')."
+    )
 
 
 def _call(name: str) -> str:
     """How the user would write the module's name in code (`teacher`, `self.teacher`)."""
-    return name if name.isidentifier() or name.startswith("self.") else "teacher"
+    plain = all(part.isidentifier() for part in name.split("."))  # `gan.discriminator`
+    return name if plain or name.startswith("self.") else "teacher"

@@ -34,6 +34,7 @@ from gradaccum._copied_loop import (
 )
 from gradaccum._in_batch import in_batch_problem
 from gradaccum._nll_mean import ctc_without_nll, nll_mean_problem, unshifted_count_problem
+from gradaccum._outside_weights import OutsideWeights
 from gradaccum._pairs import split_pairs_problem
 from gradaccum._teacher import teacher_problem
 from gradaccum._warnings import warn_user
@@ -145,6 +146,7 @@ class TokenMeanCheck:
 
     def __init__(self, model: torch.nn.Module | None = None, checks: int = 8) -> None:
         self.model = model  # a module loss_fn runs outside it: a teacher in train mode
+        self.outside = OutsideWeights(model)  # outside modules' weights written mid-window
         self.left = checks
         self.copied_left = checks  # `_copied_loop`'s and the pairs' checks, of any loss
         self.copied = True  # no copied loop's line told yet
@@ -177,6 +179,9 @@ class TokenMeanCheck:
             ValueError: If the loss was multiplied by a GradScaler's scale (before any backward,
                 so the window is forgotten and nothing changes).
         """
+        moved = self.outside.check(loss_fn)  # another window's step inside this one
+        if moved:
+            warn_user(UserWarning(moved))
         if self.copied_left:
             scaled = scaler_problem(result)  # before the count: a retry is refused again
             if scaled is not None:
@@ -236,6 +241,7 @@ class TokenMeanCheck:
     def open_window(self) -> None:
         """A new window: its masked means' values per row may differ from the last window's."""
         self.per_row = None
+        self.outside.open_window()
 
     def _compare_per_row(self, per_row: tuple[int, ...] | None) -> None:
         """Warn once if a masked mean's values per row differ from the window's first one's."""
@@ -252,4 +258,4 @@ class TokenMeanCheck:
     @property
     def pending(self) -> bool:
         """Whether a later micro-batch is still to be looked at."""
-        return bool(self.left or self.copied_left)
+        return bool(self.left or self.copied_left or self.outside.active)

@@ -124,6 +124,8 @@ def written_error(
         "Accumulator over shared parameters: run one window to its step before the other's "
         "first micro_step()); a schedule-free optimizer's eval() inside the window (evaluate "
         "after a result with stepped=True or after acc.flush(); a window carried by "
-        "partial_window='carry' takes the weights its train() put back). The window was "
-        "discarded; the weights are as written."
+        "partial_window='carry' takes the weights its train() put back); an in-place "
+        "constraint applied after every micro_step() (WGAN's weight clipping p.clamp_(-c, c), "
+        "a max-norm renorm_()): apply it only after a result with stepped=True, as a plain "
+        "loop does after optimizer.step(). The window was discarded; the weights are as written."
     )
