@@ -171,3 +171,36 @@ def test_a_written_window_dropped_with_flush_is_discarded_without_an_error() -> 
     assert acc.micro_step((x[4:], y[4:]), _mse).stepped
     for mine, theirs in zip(model.parameters(), _full_batch_step(other), strict=True):
         torch.testing.assert_close(mine.detach(), theirs, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("write", sorted(WRITES))
+def test_weights_swapped_out_for_validation_and_put_back_are_not_refused(write: str) -> None:
+    """Validation on EMA weights mid-window: swapped in, evaluated, the trained weights put back
+    (by the same writer) leave the window's model as it was, so the window steps as the full
+    batch; it was refused and discarded (a false alarm). A put-back one rounding off is still a
+    write, refused (the control)."""
+    model = _mlp()
+    start, ema = copy.deepcopy(model), _other_weights(model)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=3)
+    x, y = _data()
+    acc.micro_step((x[:3], y[:3]), _mse)
+    for half in (x[3:5], y[3:5]), (x[5:], y[5:]):
+        backup = copy.deepcopy(model)
+        WRITES[write](model, ema)  # validation on the EMA weights
+        model.eval()
+        with torch.no_grad():
+            model(x)
+        model.train()
+        WRITES[write](model, backup)  # the trained weights back, bitwise
+        result = acc.micro_step(half, _mse)
+    assert result.stepped
+    for mine, theirs in zip(model.parameters(), _full_batch_step(start), strict=True):
+        torch.testing.assert_close(mine.detach(), theirs, rtol=1e-10, atol=0)
+
+    acc.micro_step((x[:4], y[:4]), _mse)
+    off = copy.deepcopy(model)
+    with torch.no_grad():
+        next(off.parameters()).view(-1)[0] += 1e-12  # one element, one rounding step away
+    WRITES[write](model, off)
+    with pytest.raises(RuntimeError, match="written between two micro_step"):
+        acc.micro_step((x[4:], y[4:]), _mse)

@@ -14,6 +14,15 @@ window (`written_error`), discarding it as any failure does. A cast (`model.floa
 neither counter nor storage and is not seen. A loaded window state starts with no marks, since
 `load_checkpoint` loads the weights after the Accumulator's state.
 
+Weights written and put back between two calls (validation on EMA weights swapped in with
+`model.load_state_dict(ema_sd)` and out with `model.load_state_dict(backup)`, a `p.copy_(e)` /
+`p.copy_(saved)` pair, a clamp that changes nothing) leave the window's model as it was: they
+were refused, the window discarded, a false alarm. The marks hold each weight's norm, taken
+once per window (one `torch._foreach_norm` pass, at its first mark, or at a mark after a forward
+wrote weights); a moved counter whose parameter's norm is bitwise the same is a put-back, not a
+write. A write that keeps every norm bitwise (a whole tensor's sign flipped or permuted) passes
+as one.
+
 Example:
     >>> import torch
     >>> model = torch.nn.Linear(2, 1)
@@ -36,24 +45,60 @@ __all__ = ["WeightMarks", "weight_marks", "written_error"]
 _VERSION, _DTYPE = operator.attrgetter("_version"), operator.attrgetter("dtype")
 _SHOWN = 3
 
-WeightMarks = tuple[list[int], list[int], list[torch.dtype]]
+# Version counters, storage addresses, dtypes, and the norms (None: unreadable).
+WeightMarks = tuple[list[int], list[int], list[torch.dtype], list[torch.Tensor] | None]
 
 
-def weight_marks(params: list[torch.nn.Parameter]) -> WeightMarks | None:
-    """Each parameter's version counter, storage address and dtype; None where none can be read.
+def _norms(params: list[torch.nn.Parameter]) -> list[torch.Tensor] | None:
+    """Each parameter's norm, one fused pass without a graph; None where it cannot be taken."""
+    try:
+        with torch.no_grad():
+            return list(torch._foreach_norm(tuple(params)))
+    except (RuntimeError, NotImplementedError):  # meta tensors, dtypes without a norm kernel
+        return None
 
-    FSDP2's sharded parameters (DTensors) and inference tensors are not watched.
+
+def weight_marks(
+    params: list[torch.nn.Parameter], previous: WeightMarks | None = None
+) -> WeightMarks | None:
+    """Each parameter's version counter, storage address, dtype and norm; None if unreadable.
+
+    `previous`: the window's last marks, whose norms are kept while nothing was written since
+    (the norms are taken once per window). FSDP2's sharded parameters (DTensors) and inference
+    tensors are not watched.
     """
-    if set(map(type, params)) != {torch.nn.Parameter}:  # DTensors (FSDP2), other subclasses
+    if not params or set(map(type, params)) != {torch.nn.Parameter}:  # DTensors (FSDP2)
         return None
     try:
-        return (
-            list(map(_VERSION, params)),
-            list(map(torch.Tensor.data_ptr, params)),
-            [*map(_DTYPE, params)],
-        )
+        versions = list(map(_VERSION, params))
+        pointers = list(map(torch.Tensor.data_ptr, params))
     except RuntimeError:  # an inference tensor has no version counter
         return None
+    dtypes = [*map(_DTYPE, params)]
+    if previous is not None and previous[:3] == (versions, pointers, dtypes):
+        return versions, pointers, dtypes, previous[3]  # nothing written since: the same norms
+    return versions, pointers, dtypes, _norms(params)
+
+
+def _put_back(index: int, marks: WeightMarks, now: WeightMarks) -> bool:
+    """True if parameter `index` has bitwise the norm it had at `marks`: written, then put back."""
+    before, after = marks[3], now[3]
+    if before is None or after is None:
+        return False
+    return bool(torch.equal(before[index], after[index]))
+
+
+def now_marks_equal(params: list[torch.nn.Parameter], marks: WeightMarks) -> bool:
+    """True if no counter, storage or dtype moved since `marks` (no norm is taken)."""
+    try:
+        versions = list(map(_VERSION, params))
+    except RuntimeError:
+        return True
+    return (
+        versions == marks[0]
+        and list(map(torch.Tensor.data_ptr, params)) == marks[1]
+        and [*map(_DTYPE, params)] == marks[2]
+    )
 
 
 def written_error(
@@ -66,15 +111,21 @@ def written_error(
     """The error for parameters written since `marks` were taken (same dtype), if any."""
     if marks is None:
         return None
-    now = weight_marks(params)
-    if now is None or now == marks:  # the usual case: list comparisons in C
+    if now_marks_equal(params, marks):  # the usual case: list comparisons in C
+        return None
+    now = weight_marks(params, marks)  # the norms, taken again for what moved
+    if now is None:
         return None
     written = [
         param
-        for param, version, pointer, dtype, *seen in zip(params, *marks, *now, strict=True)
-        if dtype == seen[2] and (version != seen[0] or pointer != seen[1])
+        for index, (param, version, pointer, dtype, *seen) in enumerate(
+            zip(params, *marks[:3], *now[:3], strict=True)
+        )
+        if dtype == seen[2]  # else a cast (model.float() mid-window, with accum_dtype buffers)
+        and (version != seen[0] or pointer != seen[1])
+        and not _put_back(index, marks, now)  # validation on swapped-in EMA weights, undone
     ]
-    if not written:  # a cast only (model.float() mid-window, with accum_dtype buffers)
+    if not written:
         return None
     shown = [names.get(id(p), f"<parameter of shape {tuple(p.shape)}>") for p in written]
     listed = ", ".join(shown[:_SHOWN]) + (", ..." if len(shown) > _SHOWN else "")

@@ -189,7 +189,8 @@ class Window:
     def mark_gradients(self, *, weights: bool = True) -> None:
         """Remember each gradient (and weight) after a backward, to catch changes until the next."""
         self._marks = [(p.grad, -1 if p.grad is None else p.grad._version) for p in self.params]
-        self._weights = weight_marks(self.params[: self.held]) if weights else None  # stepped
+        held = self.params[: self.held]  # stepped; the norms kept while nothing was written
+        self._weights = weight_marks(held, self._weights) if weights else None
 
     def touched_gradients(self) -> list[int]:
         """Indices of params whose gradient changed since the last mark (a user's `zero_grad`)."""
