@@ -204,3 +204,38 @@ def test_weights_swapped_out_for_validation_and_put_back_are_not_refused(write: 
     WRITES[write](model, off)
     with pytest.raises(RuntimeError, match="written between two micro_step"):
         acc.micro_step((x[4:], y[4:]), _mse)
+
+
+@pytest.mark.parametrize("end", ["micro_step", "flush"])
+def test_a_write_through_p_data_is_refused_before_the_windows_last_micro_batch(end: str) -> None:
+    """`p.data.copy_()` mid-window (a hand-written rollback) moves no version counter: the step
+    mixed two models' gradients, silently. The norms are compared before the window's last
+    micro-batch (or `flush('step')`): refused, the window discarded, the weights as written; the
+    next window is the full-batch step from them. A `.data` write that puts the same values
+    back is not refused (the control)."""
+    model = _mlp()
+    other = _other_weights(model)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=3)
+    x, y = _data()
+    acc.micro_step((x[:3], y[:3]), _mse)
+    saved = [p.detach().clone() for p in model.parameters()]
+    for param, value in zip(model.parameters(), saved, strict=True):
+        param.data.copy_(value)  # the same values: nothing to refuse
+    acc.micro_step((x[3:5], y[3:5]), _mse)
+    for param, theirs in zip(model.parameters(), other.parameters(), strict=True):
+        param.data.copy_(theirs.data)  # a rollback to other weights, mid-window
+    last = (
+        (lambda: acc.flush("step"))
+        if end == "flush"
+        else lambda: acc.micro_step((x[5:], y[5:]), _mse)
+    )
+    with pytest.raises(RuntimeError, match=r"p\.data\.copy_\(\)"):
+        last()
+    assert all(p.grad is None for p in model.parameters())
+    for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    acc.micro_step((x[:3], y[:3]), _mse)
+    acc.micro_step((x[3:5], y[3:5]), _mse)
+    assert acc.micro_step((x[5:], y[5:]), _mse).stepped
+    for mine, theirs in zip(model.parameters(), _full_batch_step(other), strict=True):
+        torch.testing.assert_close(mine.detach(), theirs, rtol=1e-10, atol=0)

@@ -10,9 +10,12 @@ each micro-batch the window remembers the stepped parameters' version counters a
 (`weight_marks`, C-level passes); the next
 `micro_step()` (or `flush()`) compares them before it runs anything, and a change refuses the
 window (`written_error`), discarding it as any failure does. A cast (`model.float()` under
-`accum_dtype`) changes the dtype too and is left alone; a write through `p.data.copy_()` bumps
-neither counter nor storage and is not seen. A loaded window state starts with no marks, since
-`load_checkpoint` loads the weights after the Accumulator's state.
+`accum_dtype`) changes the dtype too and is left alone. A write through `p.data.copy_()` bumps
+neither counter nor storage: before the window's last `micro_step()` (and `flush('step')`) the
+norms are taken again and compared (`final`), so it is refused there, once per window; a
+`Tokens` window, whose last micro-batch is not known ahead, does not compare. A loaded window
+state starts with no marks, since `load_checkpoint` loads the weights after the Accumulator's
+state.
 
 Weights written and put back between two calls (validation on EMA weights swapped in with
 `model.load_state_dict(ema_sd)` and out with `model.load_state_dict(backup)`, a `p.copy_(e)` /
@@ -107,13 +110,21 @@ def written_error(
     names: dict[int, str],
     *,
     micro_batches: int,
+    final: bool = False,
 ) -> RuntimeError | None:
-    """The error for parameters written since `marks` were taken (same dtype), if any."""
+    """The error for parameters written since `marks` were taken (same dtype), if any.
+
+    `final`: before the window's last micro-batch, where the norms are compared even if no
+    counter moved (a `p.data.copy_()`); once per window, a second norm pass.
+    """
     if marks is None:
         return None
     if now_marks_equal(params, marks):  # the usual case: list comparisons in C
-        return None
-    now = weight_marks(params, marks)  # the norms, taken again for what moved
+        if not final or marks[3] is None:
+            return None
+        now: WeightMarks | None = (*marks[:3], _norms(params))
+    else:
+        now = weight_marks(params, marks)  # the norms, taken again for what moved
     if now is None:
         return None
     written = [
@@ -122,7 +133,7 @@ def written_error(
             zip(params, *marks[:3], *now[:3], strict=True)
         )
         if dtype == seen[2]  # else a cast (model.float() mid-window, with accum_dtype buffers)
-        and (version != seen[0] or pointer != seen[1])
+        and (final or version != seen[0] or pointer != seen[1])
         and not _put_back(index, marks, now)  # validation on swapped-in EMA weights, undone
     ]
     if not written:
@@ -134,7 +145,8 @@ def written_error(
         f"calls of one accumulation window ({micro_batches} micro-batches so far): the "
         "window's earlier micro-batches ran at the old weights, so its step would mix the "
         "gradients of two models. Writers: a model.load_state_dict(), a param.copy_(), "
-        "torch.nn.utils.vector_to_parameters or a p.data = ... assignment (change weights "
+        "torch.nn.utils.vector_to_parameters, a p.data = ... assignment or a p.data.copy_() "
+        "(seen at the window's last micro-batch; change weights "
         "between windows, after a result with stepped=True or acc.flush('drop'); to roll back "
         "mid-window, load_checkpoint(path, ..., accumulator=acc) replaces the open window too); "
         "the step() of another optimizer over them (one built and never given to the "

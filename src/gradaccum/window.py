@@ -202,10 +202,10 @@ class Window:
             if grad is not None and (param.grad is not grad or grad._version != version)
         ]
 
-    def touched_gradients_error(self, names: dict[int, str]) -> RuntimeError | None:
+    def touched_gradients_error(self, names: dict[int, str], final: bool) -> RuntimeError | None:
         """The error for gradients (`zero_grad`) or weights changed since the last mark, if any."""
         stepped, count = self.params[: self.held], self.micro_batches
-        written = written_error(stepped, self._weights, names, micro_batches=count)
+        written = written_error(stepped, self._weights, names, micro_batches=count, final=final)
         if written is not None:
             return written
         touched = self.touched_gradients()
