@@ -227,7 +227,18 @@ def _schedule_free_eval(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     optimizer.train()
 
 
-EVALUATIONS = {"schedule-free eval/train": _schedule_free_eval, "EMA swap": _swap_ema_in_and_out}
+def _rounding_round_trip(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Weights scaled and scaled back: back within rounding, not bitwise (as some averages are)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(3.0).div_(3.0)
+
+
+EVALUATIONS = {
+    "schedule-free eval/train": _schedule_free_eval,
+    "EMA swap": _swap_ema_in_and_out,
+    "rounding round trip": _rounding_round_trip,
+}
 
 
 def _carried_run(evaluate: Callable[[torch.nn.Module, torch.optim.Optimizer], None]) -> tuple:
@@ -274,8 +285,9 @@ def test_an_evaluation_putting_the_weights_back_in_a_carried_window_steps_the_fu
 def test_negative_control_without_the_kept_weights_a_carried_evaluation_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Without the kept copy, a round trip that rounds (norms not bitwise back) is refused."""
     monkeypatch.setattr(gradaccum.window, "kept_weights", lambda marks, params: marks)
-    _, acc, parts = _carried_run(_schedule_free_eval)
+    _, acc, parts = _carried_run(_rounding_round_trip)
     with pytest.raises(RuntimeError, match="written between two micro_step"):
         acc.micro_step(parts[0], _mse)
 
@@ -334,3 +346,71 @@ def test_wgan_weight_clipping_after_every_micro_step_is_named_and_after_the_step
                 param.clamp_(-0.05, 0.05)
     for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("write", sorted(WRITES))
+def test_weights_swapped_out_for_validation_and_put_back_are_not_refused(write: str) -> None:
+    """Validation on EMA weights mid-window: swapped in, evaluated, the trained weights put back
+    (by the same writer) leave the window's model as it was, so the window steps as the full
+    batch; it was refused and discarded (a false alarm). A put-back one rounding off is still a
+    write, refused (the control)."""
+    model = _mlp()
+    start, ema = copy.deepcopy(model), _other_weights(model)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=3)
+    x, y = _data()
+    acc.micro_step((x[:3], y[:3]), _mse)
+    for half in (x[3:5], y[3:5]), (x[5:], y[5:]):
+        backup = copy.deepcopy(model)
+        WRITES[write](model, ema)  # validation on the EMA weights
+        model.eval()
+        with torch.no_grad():
+            model(x)
+        model.train()
+        WRITES[write](model, backup)  # the trained weights back, bitwise
+        result = acc.micro_step(half, _mse)
+    assert result.stepped
+    for mine, theirs in zip(model.parameters(), _full_batch_step(start), strict=True):
+        torch.testing.assert_close(mine.detach(), theirs, rtol=1e-10, atol=0)
+
+    acc.micro_step((x[:4], y[:4]), _mse)
+    off = copy.deepcopy(model)
+    with torch.no_grad():
+        next(off.parameters()).view(-1)[0] += 1e-12  # one element, one rounding step away
+    WRITES[write](model, off)
+    with pytest.raises(RuntimeError, match="written between two micro_step"):
+        acc.micro_step((x[4:], y[4:]), _mse)
+
+
+@pytest.mark.parametrize("end", ["micro_step", "flush"])
+def test_a_write_through_p_data_is_refused_before_the_windows_last_micro_batch(end: str) -> None:
+    """`p.data.copy_()` mid-window (a hand-written rollback) moves no version counter: the step
+    mixed two models' gradients, silently. The norms are compared before the window's last
+    micro-batch (or `flush('step')`): refused, the window discarded, the weights as written; the
+    next window is the full-batch step from them. A `.data` write that puts the same values
+    back is not refused (the control)."""
+    model = _mlp()
+    other = _other_weights(model)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=3)
+    x, y = _data()
+    acc.micro_step((x[:3], y[:3]), _mse)
+    saved = [p.detach().clone() for p in model.parameters()]
+    for param, value in zip(model.parameters(), saved, strict=True):
+        param.data.copy_(value)  # the same values: nothing to refuse
+    acc.micro_step((x[3:5], y[3:5]), _mse)
+    for param, theirs in zip(model.parameters(), other.parameters(), strict=True):
+        param.data.copy_(theirs.data)  # a rollback to other weights, mid-window
+    last = (
+        (lambda: acc.flush("step"))
+        if end == "flush"
+        else lambda: acc.micro_step((x[5:], y[5:]), _mse)
+    )
+    with pytest.raises(RuntimeError, match=r"p\.data\.copy_\(\)"):
+        last()
+    assert all(p.grad is None for p in model.parameters())
+    for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    acc.micro_step((x[:3], y[:3]), _mse)
+    acc.micro_step((x[3:5], y[3:5]), _mse)
+    assert acc.micro_step((x[5:], y[5:]), _mse).stepped
+    for mine, theirs in zip(model.parameters(), _full_batch_step(other), strict=True):
+        torch.testing.assert_close(mine.detach(), theirs, rtol=1e-10, atol=0)

@@ -128,7 +128,7 @@ class Engine:
         # One rank: a micro-batch refused for its shape changes nothing, its open window included
         items = None if self.sync.world > 1 else batch_size(micro_batch, batch_dim=self.batch_dim)
         if self.window.is_open:
-            self.check_gradients_untouched()
+            self.check_gradients_untouched(last)
         else:
             self._open()
         self._next_sum = expect.until is not None  # the others sum this one's count first
@@ -257,10 +257,10 @@ class Engine:
         self._agreement = self._exchange(pending)
         return self._agreement.all_graphs
 
-    def check_gradients_untouched(self) -> None:
-        """Refuse a window whose gradients someone changed between its micro-batches."""
-        problem = self._params.resize_error() or self.window.touched_gradients_error(self._names)
-        if problem is not None:
+    def check_gradients_untouched(self, final: bool = False) -> None:  # final: norms, too
+        """Refuse a window whose gradients (or weights) someone changed between micro-batches."""
+        touched = self.window.touched_gradients_error
+        if (problem := self._params.resize_error() or touched(self._names, final)) is not None:
             self._forget_window()
             raise problem
 

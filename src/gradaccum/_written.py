@@ -10,9 +10,21 @@ each micro-batch the window remembers the stepped parameters' version counters a
 (`weight_marks`, C-level passes); the next
 `micro_step()` (or `flush()`) compares them before it runs anything, and a change refuses the
 window (`written_error`), discarding it as any failure does. A cast (`model.float()` under
-`accum_dtype`) changes the dtype too and is left alone; a write through `p.data.copy_()` bumps
-neither counter nor storage and is not seen. A loaded window state starts with no marks, since
-`load_checkpoint` loads the weights after the Accumulator's state.
+`accum_dtype`) changes the dtype too and is left alone. A write through `p.data.copy_()` bumps
+neither counter nor storage: before the window's last `micro_step()` (and `flush('step')`) the
+norms are taken again and compared (`final`), so it is refused there, once per window; a
+`Tokens` window, whose last micro-batch is not known ahead, does not compare. A loaded window
+state starts with no marks, since `load_checkpoint` loads the weights after the Accumulator's
+state.
+
+Weights written and put back between two calls (validation on EMA weights swapped in with
+`model.load_state_dict(ema_sd)` and out with `model.load_state_dict(backup)`, a `p.copy_(e)` /
+`p.copy_(saved)` pair, a clamp that changes nothing) leave the window's model as it was: they
+were refused, the window discarded, a false alarm. The marks hold each weight's norm, taken
+once per window (one `torch._foreach_norm` pass, at its first mark, or at a mark after a forward
+wrote weights); a moved counter whose parameter's norm is bitwise the same is a put-back, not a
+write. A write that keeps every norm bitwise (a whole tensor's sign flipped or permuted) passes
+as one.
 
 A window carried over an epoch (`flush()` under `partial_window="carry"`) keeps a host copy of its
 weights' values (`kept_weights`, in their dtype: the model's size) until its next micro-batch: an
@@ -45,33 +57,70 @@ _VERSION, _DTYPE = operator.attrgetter("_version"), operator.attrgetter("dtype")
 _SHOWN = 3
 _WITHIN = 8  # machine epsilons: a schedule-free eval()/train() round trip moves <= 3.1 (float64)
 
-# Version counters, storages, dtypes and (a carried window only) host copies of the values.
-WeightMarks = tuple[list[int], list[int], list[torch.dtype], list[torch.Tensor]]
+# Version counters, storage addresses, dtypes, the norms (None: unreadable) and, for a carried
+# window only, host copies of the values.
+WeightMarks = tuple[
+    list[int], list[int], list[torch.dtype], list[torch.Tensor] | None, list[torch.Tensor]
+]
 
 
-def weight_marks(params: list[torch.nn.Parameter]) -> WeightMarks | None:
-    """Each parameter's version counter, storage address and dtype; None where none can be read.
+def _norms(params: list[torch.nn.Parameter]) -> list[torch.Tensor] | None:
+    """Each parameter's norm, one fused pass without a graph; None where it cannot be taken."""
+    try:
+        with torch.no_grad():
+            return list(torch._foreach_norm(tuple(params)))
+    except (RuntimeError, NotImplementedError):  # meta tensors, dtypes without a norm kernel
+        return None
 
-    FSDP2's sharded parameters (DTensors) and inference tensors are not watched.
+
+def weight_marks(
+    params: list[torch.nn.Parameter], previous: WeightMarks | None = None
+) -> WeightMarks | None:
+    """Each parameter's version counter, storage address, dtype and norm; None if unreadable.
+
+    `previous`: the window's last marks, whose norms are kept while nothing was written since
+    (the norms are taken once per window). FSDP2's sharded parameters (DTensors) and inference
+    tensors are not watched.
     """
-    if set(map(type, params)) != {torch.nn.Parameter}:  # DTensors (FSDP2), other subclasses
+    if not params or set(map(type, params)) != {torch.nn.Parameter}:  # DTensors (FSDP2)
         return None
     try:
-        return (
-            list(map(_VERSION, params)),
-            list(map(torch.Tensor.data_ptr, params)),
-            [*map(_DTYPE, params)],
-            [],
-        )
+        versions = list(map(_VERSION, params))
+        pointers = list(map(torch.Tensor.data_ptr, params))
     except RuntimeError:  # an inference tensor has no version counter
         return None
+    dtypes = [*map(_DTYPE, params)]
+    if previous is not None and previous[:3] == (versions, pointers, dtypes):
+        return versions, pointers, dtypes, previous[3], []  # nothing written since: same norms
+    return versions, pointers, dtypes, _norms(params), []
+
+
+def _same_norm(index: int, marks: WeightMarks, now: WeightMarks) -> bool:
+    """True if parameter `index` has bitwise the norm it had at `marks`: written, then put back."""
+    before, after = marks[3], now[3]
+    if before is None or after is None:
+        return False
+    return bool(torch.equal(before[index], after[index]))
+
+
+def now_marks_equal(params: list[torch.nn.Parameter], marks: WeightMarks) -> bool:
+    """True if no counter, storage or dtype moved since `marks` (no norm is taken)."""
+    try:
+        versions = list(map(_VERSION, params))
+    except RuntimeError:
+        return True
+    return (
+        versions == marks[0]
+        and list(map(torch.Tensor.data_ptr, params)) == marks[1]
+        and [*map(_DTYPE, params)] == marks[2]
+    )
 
 
 def kept_weights(marks: WeightMarks | None, params: list[torch.nn.Parameter]) -> WeightMarks | None:
     """`marks` of a window being carried, with a host copy of each weight's values."""
     if marks is None:
         return None
-    return (*marks[:3], [p.detach().to("cpu", copy=True) for p in params])  # the model's size
+    return (*marks[:4], [p.detach().to("cpu", copy=True) for p in params])  # the model's size
 
 
 def _put_back(param: torch.nn.Parameter, kept: torch.Tensor) -> bool:
@@ -89,26 +138,36 @@ def written_error(
     names: dict[int, str],
     *,
     micro_batches: int,
+    final: bool = False,
 ) -> RuntimeError | None:
-    """The error for parameters written since `marks` were taken (same dtype), if any."""
+    """The error for parameters written since `marks` were taken (same dtype), if any.
+
+    `final`: before the window's last micro-batch, where the norms are compared even if no
+    counter moved (a `p.data.copy_()`); once per window, a second norm pass.
+    """
     if marks is None:
         return None
-    now = weight_marks(params)
-    if now is None or now == marks:  # the usual case: list comparisons in C
+    if now_marks_equal(params, marks):  # the usual case: list comparisons in C
+        if not final or marks[3] is None:
+            return None
+        now: WeightMarks | None = (*marks[:3], _norms(params), [])
+    else:
+        now = weight_marks(params, marks)  # the norms, taken again for what moved
+    if now is None:
         return None
-    versions, pointers, dtypes, kept = marks
-    moved = [
-        index
-        for index, (version, pointer, dtype, *seen) in enumerate(
-            zip(versions, pointers, dtypes, *now[:3], strict=True)
+    kept = marks[4]  # a carried window: weights put back after an evaluation are its own
+    written = [
+        param
+        for index, (param, version, pointer, dtype, *seen) in enumerate(
+            zip(params, *marks[:3], *now[:3], strict=True)
         )
-        if dtype == seen[2] and (version != seen[0] or pointer != seen[1])
+        if dtype == seen[2]  # else a cast (model.float() mid-window, with accum_dtype buffers)
+        and (final or version != seen[0] or pointer != seen[1])
+        and not _same_norm(index, marks, now)  # validation on swapped-in EMA weights, undone
+        and not (kept and _put_back(param, kept[index]))  # or within rounding (carried)
     ]
-    if kept:  # a carried window: weights put back after an evaluation are its own
-        moved = [i for i in moved if not _put_back(params[i], kept[i])]
-    if not moved:  # a cast only (model.float() mid-window, with accum_dtype buffers)
+    if not written:
         return None
-    written = [params[i] for i in moved]
     shown = [names.get(id(p), f"<parameter of shape {tuple(p.shape)}>") for p in written]
     listed = ", ".join(shown[:_SHOWN]) + (", ..." if len(shown) > _SHOWN else "")
     return RuntimeError(
@@ -116,7 +175,8 @@ def written_error(
         f"calls of one accumulation window ({micro_batches} micro-batches so far): the "
         "window's earlier micro-batches ran at the old weights, so its step would mix the "
         "gradients of two models. Writers: a model.load_state_dict(), a param.copy_(), "
-        "torch.nn.utils.vector_to_parameters or a p.data = ... assignment (change weights "
+        "torch.nn.utils.vector_to_parameters, a p.data = ... assignment or a p.data.copy_() "
+        "(seen at the window's last micro-batch; change weights "
         "between windows, after a result with stepped=True or acc.flush('drop'); to roll back "
         "mid-window, load_checkpoint(path, ..., accumulator=acc) replaces the open window too); "
         "the step() of another optimizer over them (one built and never given to the "

@@ -287,7 +287,7 @@ class Accumulator(WindowSizes, OptimizerSetting, RunSettings):
             window.carry()  # if open: an evaluation may write its weights and put them back
             return self._pending()
         if window.is_open and step:  # "drop": the window goes, touched (written weights) or not
-            engine.check_gradients_untouched()
+            engine.check_gradients_untouched(final=True)
         elif not window.is_open:  # DDP: join the ranks a partial window left ("drop": discard it)
             engine.run_window([], lambda model, batch: model(batch), window_items=0, size=[])
         sync.flushing, empty = True, self.empty_windows  # vs a full window: every rank raises

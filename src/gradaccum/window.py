@@ -187,7 +187,8 @@ class Window:
     def mark_gradients(self, *, weights: bool = True) -> None:
         """Remember each gradient (and weight) after a backward, to catch changes until the next."""
         self._marks = [(p.grad, -1 if p.grad is None else p.grad._version) for p in self.params]
-        self._weights = weight_marks(self.params[: self.held]) if weights else None  # stepped
+        held = self.params[: self.held]  # stepped; the norms kept while nothing was written
+        self._weights = weight_marks(held, self._weights) if weights else None
 
     def carry(self) -> None:
         """An open window is carried: keep its weights' values (an evaluation: `_written`)."""
@@ -203,10 +204,10 @@ class Window:
             if grad is not None and (param.grad is not grad or grad._version != version)
         ]
 
-    def touched_gradients_error(self, names: dict[int, str]) -> RuntimeError | None:
+    def touched_gradients_error(self, names: dict[int, str], final: bool) -> RuntimeError | None:
         """The error for gradients (`zero_grad`) or weights changed since the last mark, if any."""
         stepped, count = self.params[: self.held], self.micro_batches
-        written = written_error(stepped, self._weights, names, micro_batches=count)
+        written = written_error(stepped, self._weights, names, micro_batches=count, final=final)
         if written is not None:
             return written
         touched = self.touched_gradients()
