@@ -35,6 +35,7 @@ from gradaccum._copied_loop import (
 from gradaccum._in_batch import in_batch_problem
 from gradaccum._nll_mean import ctc_without_nll, nll_mean_problem, unshifted_count_problem
 from gradaccum._pairs import split_pairs_problem
+from gradaccum._scaled_loss import scale_problem
 from gradaccum._teacher import teacher_problem
 from gradaccum._warnings import warn_user
 from gradaccum._weighted_mean import (
@@ -182,7 +183,9 @@ class TokenMeanCheck:
             if scaled is not None:
                 raise ValueError(scaled)
             self.copied_left -= 1
-            divided = division_problem(result, micro_batches, items)
+            divided = division_problem(result, micro_batches, items) or scale_problem(
+                result, micro_batches, items
+            )
             if self.divisions >= 0:
                 self.divisions = self.divisions + 1 if divided is not None else -1
             problem = self.copied and (sum_problem(result, items) or mean_problem(result))
