@@ -1765,6 +1765,72 @@ def test_mixup_drawn_in_loss_fn_warns_and_mixed_before_the_step_is_exact(draw: s
         torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
 
 
+def _soft(y: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
+    """One-hot targets over 5 classes, label-smoothed as timm smooths them."""
+    off = smoothing / 5
+    return torch.nn.functional.one_hot(y, 5).double() * (1 - smoothing) + off
+
+
+def _soft_ce(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """timm's SoftTargetCrossEntropy."""
+    return torch.sum(-target * torch.nn.functional.log_softmax(out, dim=-1), dim=-1).mean()
+
+
+_SOFT_SCORES = {
+    "timm-soft-ce": _soft_ce,
+    "ce-probabilities": torch.nn.functional.cross_entropy,
+    "bce": torch.nn.functional.binary_cross_entropy_with_logits,
+}
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("score", sorted(_SOFT_SCORES))
+def test_soft_target_mixup_drawn_in_loss_fn_warns_and_mixed_before_is_exact(
+    score: str, smoothing: float
+) -> None:
+    """Mixup or CutMix with soft targets drawn in loss_fn (timm's `lam * onehot(y) + (1 - lam)
+    * onehot(y.flip(0))` scored by SoftTargetCrossEntropy, `F.cross_entropy` of probabilities
+    or BCE) mixes within the micro-batch, 2e-2 to 9e-2 off the full-batch step, silently (only
+    two class-index cross-entropies were read). Its column sums are whole label counts: it warns
+    once; the same soft targets mixed before the step, and a teacher's probabilities, are exact
+    and quiet."""
+    batch = _mixup_batch()
+    net = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5)
+    ).double()
+    scored = _SOFT_SCORES[score]
+
+    def mixed_in_loss(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        x, y = b
+        target = 0.7 * _soft(y, smoothing) + 0.3 * _soft(y.flip(0), smoothing)
+        return scored(m(0.7 * x + 0.3 * x.flip(0)), target)
+
+    model, caught = _sgd_step_caught(net, batch, mixed_in_loss, 4)
+    told = [str(w.message) for w in caught]
+    assert len(told) == 1, told
+    assert "soft targets mixing its own labels" in told[0]
+    assert "Mix the whole batch before acc.step()" in told[0]
+    x, y = batch
+    target = 0.7 * _soft(y, smoothing) + 0.3 * _soft(y.flip(0), smoothing)
+    ahead = (0.7 * x + 0.3 * x.flip(0), target)
+    full = copy.deepcopy(net)
+    scored(full(ahead[0]), ahead[1]).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    pairs = zip(model.parameters(), full.parameters(), strict=True)
+    gap = max(float((a - b).detach().abs().max()) for a, b in pairs)
+    assert gap > 1e-3  # the control: drawn in loss_fn, another step
+    teacher = _teacher_net(batchnorm=False)
+    for batch_, loss_fn in (
+        (ahead, lambda m, b: scored(m(b[0]), b[1])),
+        (batch, lambda m, b: scored(m(b[0]), teacher(b[0]).softmax(-1))),
+    ):
+        model, caught = _sgd_step_caught(net, batch_, loss_fn, 4)
+        assert [str(w.message) for w in caught] == []
+        if batch_ is ahead:
+            for got, want in zip(model.parameters(), full.parameters(), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
 class _Distiller:
     """A training object holding the teacher, its loss a bound method (`self.teacher`)."""
 
