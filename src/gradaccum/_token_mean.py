@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from gradaccum._batch_ratio import batch_ratio_problem
 from gradaccum._batch_stats import batch_statistic_problem
 from gradaccum._copied_loop import (
     CopiedLoopWarning,
@@ -155,6 +156,7 @@ class TokenMeanCheck:
         # Each kind told once, on its own: one told must not silence the other.
         self.unshifted, self.pairs = True, True  # an unshifted count; pairs cut by the split
         self.in_batch = True  # a loss comparing the rows with each other (in-batch negatives)
+        self.ratio = True  # a ratio of sums or a spread over the rows (a batch Dice, VICReg)
         # A statistic of the micro-batch (advantages centered, mixup): told once each; a
         # mixup on its second micro-batch (-1 once targets held other labels: mixed before).
         self.centered, self.mixed = True, 0
@@ -201,6 +203,12 @@ class TokenMeanCheck:
             if in_batch:  # rows compared with each other, which a split cuts apart
                 warn_user(UserWarning(in_batch))
                 self.in_batch = False
+            ratio = (
+                self.in_batch and self.ratio and batch_ratio_problem(result, items, micro_batches)
+            )
+            if ratio:  # a Dice over the batch, a std over the rows: another objective per split
+                warn_user(UserWarning(ratio))
+                self.ratio = False
             pairs = (
                 not in_batch and self.pairs and split_pairs_problem(result, items, micro_batches)
             )
