@@ -2031,3 +2031,60 @@ def test_a_ratio_of_batch_sums_or_a_spread_over_rows_warns_and_per_row_forms_are
     assert says in told[0]
     assert "Exact:" in told[0] or "no exact accumulation" in told[0]
     assert max(float((a - b).detach().abs().max()) for a, b in pairs) > 1e-3  # the control
+
+
+def _class_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(9)
+    # Micro-batches of 4 with other class counts each: (3, 1), (2, 2), (1, 3).
+    return torch.randn(12, 6, generator=generator, dtype=torch.float64), torch.tensor(
+        [0, 0, 0, 1, 0, 1, 0, 1, 1, 1, 0, 1]
+    )
+
+
+def _inverse_counts(m: torch.nn.Module, b: Any) -> torch.Tensor:
+    weight = 1.0 / torch.bincount(b[1], minlength=2).double().clamp_min(1)
+    return torch.nn.functional.cross_entropy(m(b[0]), b[1], weight=weight, reduction="sum") / len(
+        b[1]
+    )
+
+
+def _balanced(m: torch.nn.Module, b: Any) -> torch.Tensor:  # sklearn's "balanced", a mean
+    weight = len(b[1]) / (2 * torch.bincount(b[1], minlength=2).double().clamp_min(1))
+    return torch.nn.functional.cross_entropy(m(b[0]), b[1], weight=weight)
+
+
+@pytest.mark.parametrize("loss_fn", [_inverse_counts, _balanced], ids=["1/counts", "balanced"])
+def test_class_weights_from_the_micro_batchs_counts_warn_and_fixed_weights_do_not(loss_fn) -> None:
+    """Class weights computed in loss_fn from the micro-batch's own labels (`1 / bincount(y)`,
+    sklearn's "balanced") weigh each micro-batch by its own counts: 8e-2 to 0.13 off the
+    full-batch step, silently. They warn once (weights inverse to the counts, changing between
+    micro-batches); fixed weights that happen to fit every micro-batch's counts (micro-batches
+    as balanced as the data) are quiet, and their LossSum.terms form is exact."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    net = net.double()
+    batch = _class_batch()
+    model, caught = _sgd_step_caught(net, batch, loss_fn, 4)
+    told = [str(w.message) for w in caught if "own label counts" in str(w.message)]
+    assert len(told) == 1, [str(w.message) for w in caught]
+    assert "Count the labels over the whole dataset" in told[0]
+    full = copy.deepcopy(net)
+    loss_fn(full, batch).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    pairs = list(zip(model.parameters(), full.parameters(), strict=True))
+    assert max(float((a - b).detach().abs().max()) for a, b in pairs) > 1e-3  # the control
+    x = batch[0]
+    y = torch.tensor([0, 0, 0, 1] * 3)  # every micro-batch 3:1, as the fixed weights assume
+    fixed = torch.tensor([1.0, 3.0], dtype=torch.float64)
+
+    def weighted(m: torch.nn.Module, b: Any) -> LossSum:
+        ce = torch.nn.functional.cross_entropy(m(b[0]), b[1], weight=fixed, reduction="sum")
+        return LossSum.terms(loss=(ce, fixed[b[1]].sum()))
+
+    model, caught = _sgd_step_caught(net, (x, y), weighted, 4)
+    assert [str(w.message) for w in caught] == []
+    full = copy.deepcopy(net)
+    torch.nn.functional.cross_entropy(full(x), y, weight=fixed).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    for got, want in zip(model.parameters(), full.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)

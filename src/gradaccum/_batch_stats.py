@@ -77,6 +77,43 @@ def _centered(t: torch.Tensor) -> bool:
     return abs(float(values.mean())) <= 1e-5 * scale
 
 
+_WEIGHTS = (
+    "loss_fn weighs its cross-entropy by class weights from this micro-batch's own label counts "
+    "(weight=1 / counts, or n / (classes * counts) from torch.bincount(y)): each micro-batch "
+    "weighs its classes by its own counts, not the batch's, so the step depends on the split. "
+    "Count the labels over the whole dataset (or the whole batch, before acc.step()) and pass "
+    "those weights; then return LossSum.terms(loss=(ce_sum, w[y].sum())) for the weighted mean "
+    "(docs/losses.md, 'Everyday torch.nn losses')."
+)
+
+
+def _counted_weights(node: object, target: object) -> tuple[float, ...] | None:
+    """An NLL node's `weight=` if it is inverse to its own targets' class counts, else None.
+
+    `w[c] * count[c]` equal over the classes present (at least two, with unequal weights):
+    `1 / bincount(y)` or sklearn's "balanced" `n / (classes * bincount(y))`, drawn in loss_fn.
+    Fixed weights may fit one micro-batch's counts too (a micro-batch as balanced as the
+    data): the caller tells only weights that fit and CHANGE between micro-batches.
+    """
+    weight = getattr(node, "_saved_weight", None)
+    if not isinstance(weight, torch.Tensor) or not isinstance(target, torch.Tensor):
+        return None
+    if weight.dim() != 1 or target.is_floating_point() or weight.numel() < 2:
+        return None
+    ignore = getattr(node, "_saved_ignore_index", -100)
+    labels = target[(target != ignore) & (target >= 0) & (target < weight.numel())]
+    counts = torch.bincount(labels.flatten(), minlength=weight.numel()).to(weight.dtype)
+    present = counts > 0
+    if int(present.sum()) < 2:
+        return None
+    per_class = (weight * counts)[present].double()
+    if torch.allclose(weight[present], weight[present][:1].expand(int(present.sum()))):
+        return None  # equal weights: a plain mean
+    if not torch.allclose(per_class, per_class[:1].expand_as(per_class), rtol=1e-6):
+        return None
+    return tuple(float(w) for w in weight.detach().double())
+
+
 def _soft_target(t: torch.Tensor, rows: int) -> bool:
     """Whether `t` may be soft class targets: rows x classes, floating, without gradient."""
     return (
@@ -148,6 +185,9 @@ def batch_statistic_problem(
             if type(node).__name__ in _NLL:
                 if isinstance(target, torch.Tensor) and tuple(target.shape) == (rows,):
                     targets.append(target)
+                weights = _counted_weights(node, target)
+                if weights is not None:  # the caller compares them between micro-batches
+                    return f"weights {weights}", _WEIGHTS
                 continue
             if isinstance(target, torch.Tensor) and _soft_target(target, rows):
                 soft.append(target)

@@ -160,6 +160,9 @@ class TokenMeanCheck:
         # A statistic of the micro-batch (advantages centered, mixup): told once each; a
         # mixup on its second micro-batch (-1 once targets held other labels: mixed before).
         self.centered, self.mixed = True, 0
+        # Class weights fitting a micro-batch's label counts (True: none yet; then the first
+        # ones seen): told when another micro-batch's differ, drawn in loss_fn.
+        self.weights: bool | str = True
         self.per_row: tuple[int, ...] | None = None  # the window's masked means' values per row
 
     def check(
@@ -231,13 +234,19 @@ class TokenMeanCheck:
 
     def _check_statistics(self, result: object, items: int, micro_batches: int) -> None:
         """Warn once each of advantages centered and labels mixed within a micro-batch."""
-        if not self.centered and self.mixed < 0:
+        if not self.centered and self.mixed < 0 and not self.weights:
             return
         found = batch_statistic_problem(result, items, micro_batches)
         kind, problem = found or ("", "")
         if kind == "centered" and self.centered:
             warn_user(UserWarning(problem))
             self.centered = False
+        if kind.startswith("weights") and self.weights:  # fit this micro-batch's counts
+            if self.weights is not True and self.weights != kind:  # and changed: drawn here
+                warn_user(UserWarning(problem))
+                self.weights = False
+            else:
+                self.weights = kind
         if self.mixed >= 0:
             self.mixed = -1 if kind == "not mixed" else self.mixed + (kind == "mixed")
             if self.mixed == 2 and kind == "mixed":
