@@ -150,7 +150,7 @@ def _gathered_rows(node: Any, rows: int, gathered: dict[Any, str], direct: set[A
         if index is not None:
             positions = torch.arange(index.numel(), device=index.device) % rows
             if not bool((index.to(positions.dtype) == positions).all()):
-                gathered[child] = f"rows picked by index, z[{index.tolist()[:4]}...]"
+                gathered[child] = f"rows picked by index, z[{index[:4].tolist()}...]"
         else:
             direct.add(child)
         if child in gathered and child in direct and _activation(child):
