@@ -146,10 +146,11 @@ def _soft_mixed(target: torch.Tensor) -> bool | None:
     classes * off)` whole. Teacher probabilities, or targets mixed across the batch before the
     split, give fractions: False. None if no row mixes two labels (one-hot, smoothed, lam 0/1).
     """
+    rows, classes = target.shape
+    sums = target.detach().sum(1, dtype=torch.float64)  # rows only: no copy of the targets
+    if not torch.isfinite(sums).all() or not torch.allclose(sums, sums[:1].expand(rows)):
+        return None  # not one distribution per row (a dropout mask, activations)
     t = target.detach().double().abs()  # `-ys * log_softmax(out)` saves `-ys`
-    rows, classes = t.shape
-    if not torch.isfinite(t).all() or not torch.allclose(t.sum(1), t.sum(1)[:1].expand(rows)):
-        return None  # not one distribution per row
     if torch.equal(t, t.round()):
         return None  # hard labels (multi-label 0/1 targets): nothing mixed by a fraction
     off = float(t.min()) if classes > 2 else 0.0
