@@ -777,3 +777,97 @@ def test_negative_control_the_second_window_opened_leaves_stale_partial_sums(
     with pytest.raises(RuntimeError, match="changed between two micro-batches"):
         acc_b.micro_step((x[4:], y[4:]), _task("hb"))
     assert model.enc.weight.grad is not None  # acc_a's discarded partial sum, put back by acc_b
+
+
+class _Config:
+    """A training config as a copied loop keeps it: the scale read from it in `loss_fn`."""
+
+    accumulation_steps = STEPS
+    loss_scale = 1 / STEPS
+
+
+def _times_reciprocal(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return _mean(model, batch) * (1 / STEPS)
+
+
+def _times_quarter(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return 0.25 * _mean(model, batch)  # 1 / STEPS, written out
+
+
+def _times_config(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return _mean(model, batch).mul(_Config.loss_scale)
+
+
+def _times_tensor(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return _mean(model, batch) * torch.tensor(1 / STEPS, dtype=torch.float64)
+
+
+def _each_term_divided(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    aux = model(batch[0]).pow(2).mean()
+    return _mean(model, batch) / _Config.accumulation_steps + 0.1 * aux / STEPS
+
+
+def _loss_sum_times_reciprocal(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+    return LossSum(_summed(model, batch) * (1 / STEPS), count=len(batch[1]))
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        _times_reciprocal,
+        _times_quarter,
+        _times_config,
+        _times_tensor,
+        _each_term_divided,
+        _loss_sum_times_reciprocal,
+    ],
+    ids=["loss*(1/k)", "0.25*loss", "loss.mul(cfg)", "loss*tensor", "ce/k+aux/k", "LossSum*(1/k)"],
+)
+def test_a_loss_scaled_by_one_over_the_micro_batches_warns_however_spelled(loss_fn) -> None:
+    """`loss * (1 / accumulation_steps)` and its spellings were silent (0.13 off the step):
+    only a division by the micro-batches was read. They warn once now, naming the factor."""
+    model, caught = _streamed(loss_fn)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert caught[0].filename == __file__
+    assert re.search(r"scales its loss by 1/4.*Remove the factor", str(caught[0].message))
+    # Control: the step taken is not the full-batch one (the factor divides twice).
+    assert _gap(model, _reference()) > 1e-3
+
+
+def _heads(count: int):
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        out = model(batch[0])
+        losses = [nn.functional.cross_entropy(out * (i + 1), batch[1]) for i in range(count)]
+        return sum(losses[1:], losses[0]) / count  # the mean of `count` heads' losses
+
+    return loss_fn
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "steps"),
+    [
+        (_heads(STEPS), STEPS),  # a mean of 4 heads on 4 micro-batches: told to remove it before
+        (lambda m, b: _heads(3)(m, b) * 1.0, 3),
+        (lambda m, b: 0.5 * nn.functional.mse_loss(m(b[0]), torch.zeros_like(m(b[0]))), 2),
+        (lambda m, b: 0.3 * _mean(m, b), STEPS),
+    ],
+    ids=["mean-of-4-heads", "mean-of-3-heads", "0.5*mse-on-2", "weight-0.3"],
+)
+def test_a_mean_of_k_losses_or_a_weight_does_not_warn_and_is_the_full_batch_step(
+    loss_fn, steps
+) -> None:
+    """False alarms: a mean of as many heads' losses as micro-batches (`(a + b + c) / 3` on
+    three micro-batches) warned "remove the division", which breaks the loss; `0.5 * mse` on
+    two micro-batches is a convention, not a copied line. None warns; each is exact."""
+    batches = _loader()[:steps]
+    model = _model()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), accumulation_steps=steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CopiedLoopWarning)
+        results = [acc.micro_step(batch, loss_fn) for batch in batches]
+    assert results[-1].stepped
+    reference = _model()
+    x, y = (torch.cat(parts) for parts in zip(*batches, strict=True))
+    loss_fn(reference, (x, y)).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    assert _gap(model, reference) < 1e-10

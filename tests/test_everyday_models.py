@@ -415,7 +415,17 @@ def _broadcast_cosine(embeddings: list[torch.Tensor], labels: torch.Tensor) -> t
     return F.cross_entropy(scores, torch.cat([torch.arange(n, 2 * n), torch.arange(n)]))
 
 
+def _mined_triplet(embeddings: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    """Batch-hard triplets mined under no_grad, then gathered by index (no cdist in the graph)."""
+    z = embeddings[0]
+    with torch.no_grad():
+        distance, same = torch.cdist(z, z), labels[:, None] == labels[None]
+        positive, negative = (distance * same).argmax(1), (distance + 1e3 * same).argmin(1)
+    return F.triplet_margin_loss(z, z[positive], z[negative], margin=0.5)
+
+
 _MIXING = _IN_BATCH | {
+    "mined_triplet": (_mined_triplet, 1),
     "simclr": (_simclr, 2), "barlow_twins": (_barlow_twins, 2), "einsum": (_einsum_nce, 2),
     "broadcast_triplet": (_broadcast_triplet, 1), "broadcast_cosine": (_broadcast_cosine, 2),
 }  # fmt: skip
@@ -486,6 +496,12 @@ _QUIET = {
     "siamese_cosine": lambda m, b: (1 - F.cosine_similarity(m.enc(b["x0"]), m.enc(b["x1"]))).mean(),
     "cached_gradients": _cached_loss,
     "outer_product": lambda m, b: (m.enc(b["x0"])[:, :, None] * m.enc(b["x1"])[:, None]).mean(),
+    "rows_sorted_then_unsorted": lambda m, b: F.cross_entropy(
+        m.head(m.enc(b["x0"]))[b["labels"].argsort()][b["labels"].argsort().argsort()], b["labels"]
+    ),
+    "picked_log_probs": lambda m, b: (
+        -(m.head(m.enc(b["x0"])).log_softmax(1)[torch.arange(len(b["labels"])), b["labels"]].mean())
+    ),
 }
 
 

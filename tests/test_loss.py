@@ -1765,6 +1765,72 @@ def test_mixup_drawn_in_loss_fn_warns_and_mixed_before_the_step_is_exact(draw: s
         torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
 
 
+def _soft(y: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
+    """One-hot targets over 5 classes, label-smoothed as timm smooths them."""
+    off = smoothing / 5
+    return torch.nn.functional.one_hot(y, 5).double() * (1 - smoothing) + off
+
+
+def _soft_ce(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """timm's SoftTargetCrossEntropy."""
+    return torch.sum(-target * torch.nn.functional.log_softmax(out, dim=-1), dim=-1).mean()
+
+
+_SOFT_SCORES = {
+    "timm-soft-ce": _soft_ce,
+    "ce-probabilities": torch.nn.functional.cross_entropy,
+    "bce": torch.nn.functional.binary_cross_entropy_with_logits,
+}
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("score", sorted(_SOFT_SCORES))
+def test_soft_target_mixup_drawn_in_loss_fn_warns_and_mixed_before_is_exact(
+    score: str, smoothing: float
+) -> None:
+    """Mixup or CutMix with soft targets drawn in loss_fn (timm's `lam * onehot(y) + (1 - lam)
+    * onehot(y.flip(0))` scored by SoftTargetCrossEntropy, `F.cross_entropy` of probabilities
+    or BCE) mixes within the micro-batch, 2e-2 to 9e-2 off the full-batch step, silently (only
+    two class-index cross-entropies were read). Its column sums are whole label counts: it warns
+    once; the same soft targets mixed before the step, and a teacher's probabilities, are exact
+    and quiet."""
+    batch = _mixup_batch()
+    net = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5)
+    ).double()
+    scored = _SOFT_SCORES[score]
+
+    def mixed_in_loss(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        x, y = b
+        target = 0.7 * _soft(y, smoothing) + 0.3 * _soft(y.flip(0), smoothing)
+        return scored(m(0.7 * x + 0.3 * x.flip(0)), target)
+
+    model, caught = _sgd_step_caught(net, batch, mixed_in_loss, 4)
+    told = [str(w.message) for w in caught]
+    assert len(told) == 1, told
+    assert "soft targets mixing its own labels" in told[0]
+    assert "Mix the whole batch before acc.step()" in told[0]
+    x, y = batch
+    target = 0.7 * _soft(y, smoothing) + 0.3 * _soft(y.flip(0), smoothing)
+    ahead = (0.7 * x + 0.3 * x.flip(0), target)
+    full = copy.deepcopy(net)
+    scored(full(ahead[0]), ahead[1]).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    pairs = zip(model.parameters(), full.parameters(), strict=True)
+    gap = max(float((a - b).detach().abs().max()) for a, b in pairs)
+    assert gap > 1e-3  # the control: drawn in loss_fn, another step
+    teacher = _teacher_net(batchnorm=False)
+    for batch_, loss_fn in (
+        (ahead, lambda m, b: scored(m(b[0]), b[1])),
+        (batch, lambda m, b: scored(m(b[0]), teacher(b[0]).softmax(-1))),
+    ):
+        model, caught = _sgd_step_caught(net, batch_, loss_fn, 4)
+        assert [str(w.message) for w in caught] == []
+        if batch_ is ahead:
+            for got, want in zip(model.parameters(), full.parameters(), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
 class _Distiller:
     """A training object holding the teacher, its loss a bound method (`self.teacher`)."""
 
@@ -1929,4 +1995,193 @@ def test_fakes_made_once_per_batch_give_the_discriminator_the_full_batch_step() 
         [*plain_disc.parameters(), *plain_gen.buffers()],
         strict=True,
     ):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+def _probs(m: torch.nn.Module, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.sigmoid(m(b[0])), b[1]
+
+
+def _batch_dice(m: torch.nn.Module, b: Any) -> torch.Tensor:
+    p, t = _probs(m, b)
+    return 1 - (2 * (p * t).sum() + 1) / (p.sum() + t.sum() + 1)
+
+
+def _class_dice(m: torch.nn.Module, b: Any) -> torch.Tensor:  # smp's DiceLoss: dims (0, 2)
+    p, t = _probs(m, b)
+    return (1 - 2 * (p * t).sum(0) / (p.sum(0) + t.sum(0)).clamp_min(1e-7)).mean()
+
+
+def _soft_iou(m: torch.nn.Module, b: Any) -> torch.Tensor:
+    p, t = _probs(m, b)
+    inter = (p * t).sum()
+    return 1 - inter / (p.sum() + t.sum() - inter)
+
+
+def _vicreg_variance(m: torch.nn.Module, b: Any) -> torch.Tensor:
+    z = m(b[0])
+    return torch.relu(1 - torch.sqrt(z.var(dim=0) + 1e-4)).mean()
+
+
+def _std_hinge(m: torch.nn.Module, b: Any) -> torch.Tensor:
+    return torch.relu(1 - m(b[0]).std(dim=0)).mean() + torch.nn.functional.mse_loss(m(b[0]), b[1])
+
+
+def _rmse(m: torch.nn.Module, b: Any) -> torch.Tensor:
+    return torch.sqrt(torch.nn.functional.mse_loss(m(b[0]), b[1]))
+
+
+def _ohem(m: torch.nn.Module, b: Any) -> torch.Tensor:  # the hardest half and one more
+    losses = torch.nn.functional.mse_loss(m(b[0]), b[1], reduction="none").sum(1)
+    return losses.topk(len(losses) // 2 + 1).values.mean()
+
+
+def _worst_row(m: torch.nn.Module, b: Any) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(m(b[0]), b[1], reduction="none").sum(1).max()
+
+
+def _info_max(m: torch.nn.Module, b: Any) -> torch.Tensor:  # entropy per row, diversity of the mean
+    p = m(b[0]).softmax(1)
+    mean = p.mean(0)
+    return -(p * p.log()).sum(1).mean() + (mean * mean.log()).sum()
+
+
+def _learned_weight(m: torch.nn.Module, b: Any) -> torch.Tensor:  # Kendall's uncertainty weights
+    scale = m[2].bias[0]  # a parameter, not the batch: a product with it is linear in the rows
+    return torch.nn.functional.mse_loss(m(b[0]), b[1]) * torch.exp(-scale) + scale
+
+
+def _focal(m: torch.nn.Module, b: Any) -> torch.Tensor:  # a per-row power under the mean
+    ce = torch.nn.functional.binary_cross_entropy_with_logits(m(b[0]), b[1], reduction="none")
+    return ((1 - torch.exp(-ce)) ** 2 * ce).mean()
+
+
+def _image_dice(m: torch.nn.Module, b: Any) -> torch.Tensor:  # per row, then the mean: exact
+    p, t = _probs(m, b)
+    return (1 - (2 * (p * t).sum(1) + 1) / (p.sum(1) + t.sum(1) + 1)).mean()
+
+
+def _row_spread(m: torch.nn.Module, b: Any) -> torch.Tensor:  # a spread within each row: exact
+    return torch.relu(1 - m(b[0]).std(dim=1)).mean()
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "says"),
+    [
+        (_batch_dice, "ratio of sums"),
+        (_class_dice, "ratio of sums"),
+        (_soft_iou, "ratio of sums"),
+        (_vicreg_variance, "variance over its 4 rows"),
+        (_std_hinge, "standard deviation over its 4 rows"),
+        (_rmse, "under SqrtBackward0"),
+        (_ohem, "ranking of its 4 rows (TopkBackward0"),
+        (_worst_row, "ranking of its 4 rows (MaxBackward1"),
+        (_info_max, "mean over its 4 rows (MeanBackward1) under MulBackward0"),
+        (_image_dice, None),
+        (_row_spread, None),
+        (_learned_weight, None),
+        (_focal, None),
+    ],
+    ids=[
+        "dice",
+        "dice-per-class",
+        "soft-iou",
+        "vicreg-variance",
+        "std-hinge",
+        "rmse",
+        "ohem",
+        "worst-row",
+        "info-max",
+        "dice-per-image",
+        "std-per-row",
+        "learned-weight",
+        "focal",
+    ],
+)
+def test_a_ratio_of_batch_sums_or_a_spread_over_rows_warns_and_per_row_forms_are_exact(
+    loss_fn: Any, says: str | None
+) -> None:
+    """A Dice or soft IoU over the batch (a ratio of sums over the rows), VICReg's variance term
+    (a std over the rows), an RMSE, OHEM's topk, a worst row and an entropy of the batch-mean
+    prediction returned per micro-batch were 4e-3 to 0.6 off the full-batch step, silently: no
+    rows x rows matrix, no division by a constant. They warn once now, naming the fix; a Dice
+    per image, a spread within each row, a learned loss weight and a focal loss are per-row
+    means: quiet and exact."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(12, 6, generator=generator, dtype=torch.float64)
+    y = (torch.rand(12, 3, generator=generator) < 0.4).double()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    net = net.double()
+    model, caught = _sgd_step_caught(net, (x, y), loss_fn, 4)
+    told = [str(w.message) for w in caught]
+    full = copy.deepcopy(net)
+    loss_fn(full, (x, y)).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    pairs = list(zip(model.parameters(), full.parameters(), strict=True))
+    if says is None:
+        assert told == []
+        for got, want in pairs:
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+        return
+    assert len(told) == 1, told
+    assert says in told[0]
+    assert "Exact:" in told[0] or "no exact accumulation" in told[0]
+    assert max(float((a - b).detach().abs().max()) for a, b in pairs) > 1e-3  # the control
+
+
+def _class_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(9)
+    # Micro-batches of 4 with other class counts each: (3, 1), (2, 2), (1, 3).
+    return torch.randn(12, 6, generator=generator, dtype=torch.float64), torch.tensor(
+        [0, 0, 0, 1, 0, 1, 0, 1, 1, 1, 0, 1]
+    )
+
+
+def _inverse_counts(m: torch.nn.Module, b: Any) -> torch.Tensor:
+    weight = 1.0 / torch.bincount(b[1], minlength=2).double().clamp_min(1)
+    return torch.nn.functional.cross_entropy(m(b[0]), b[1], weight=weight, reduction="sum") / len(
+        b[1]
+    )
+
+
+def _balanced(m: torch.nn.Module, b: Any) -> torch.Tensor:  # sklearn's "balanced", a mean
+    weight = len(b[1]) / (2 * torch.bincount(b[1], minlength=2).double().clamp_min(1))
+    return torch.nn.functional.cross_entropy(m(b[0]), b[1], weight=weight)
+
+
+@pytest.mark.parametrize("loss_fn", [_inverse_counts, _balanced], ids=["1/counts", "balanced"])
+def test_class_weights_from_the_micro_batchs_counts_warn_and_fixed_weights_do_not(loss_fn) -> None:
+    """Class weights computed in loss_fn from the micro-batch's own labels (`1 / bincount(y)`,
+    sklearn's "balanced") weigh each micro-batch by its own counts: 8e-2 to 0.13 off the
+    full-batch step, silently. They warn once (weights inverse to the counts, changing between
+    micro-batches); fixed weights that happen to fit every micro-batch's counts (micro-batches
+    as balanced as the data) are quiet, and their LossSum.terms form is exact."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    net = net.double()
+    batch = _class_batch()
+    model, caught = _sgd_step_caught(net, batch, loss_fn, 4)
+    told = [str(w.message) for w in caught if "own label counts" in str(w.message)]
+    assert len(told) == 1, [str(w.message) for w in caught]
+    assert "Count the labels over the whole dataset" in told[0]
+    full = copy.deepcopy(net)
+    loss_fn(full, batch).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    pairs = list(zip(model.parameters(), full.parameters(), strict=True))
+    assert max(float((a - b).detach().abs().max()) for a, b in pairs) > 1e-3  # the control
+    x = batch[0]
+    y = torch.tensor([0, 0, 0, 1] * 3)  # every micro-batch 3:1, as the fixed weights assume
+    fixed = torch.tensor([1.0, 3.0], dtype=torch.float64)
+
+    def weighted(m: torch.nn.Module, b: Any) -> LossSum:
+        ce = torch.nn.functional.cross_entropy(m(b[0]), b[1], weight=fixed, reduction="sum")
+        return LossSum.terms(loss=(ce, fixed[b[1]].sum()))
+
+    model, caught = _sgd_step_caught(net, (x, y), weighted, 4)
+    assert [str(w.message) for w in caught] == []
+    full = copy.deepcopy(net)
+    torch.nn.functional.cross_entropy(full(x), y, weight=fixed).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    for got, want in zip(model.parameters(), full.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=0)

@@ -138,6 +138,9 @@ def division_problem(result: object, micro_batches: int, items: int = 0) -> str 
         return None
     if isinstance(result, torch.Tensor) and items == micro_batches and _row_sum(node, items):
         return None
+    numerator = through_factors(node.next_functions[0][0])  # type: ignore[attr-defined]
+    if type(numerator).__name__ == "AddBackward0" and _addends(numerator) == micro_batches:
+        return None  # `(head_a + head_b + head_c) / 3`: a mean of as many losses
     return (
         f"loss_fn divides its loss by {micro_batches}, the window's number of micro-batches "
         "(a hand-written loop's `loss = loss / accumulation_steps`): gradaccum divides once "

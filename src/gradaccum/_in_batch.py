@@ -114,6 +114,50 @@ def _sizes(node: Any, operand: str) -> tuple[int, ...]:
     return tuple(int(size) for size in sizes)
 
 
+def _row_index(node: Any, rows: int) -> torch.Tensor | None:
+    """The row indices `node` picks from a tensor with `rows` rows (`z[idx]`), or None."""
+    name = type(node).__name__
+    if name == "IndexBackward0":
+        indices = getattr(node, "_saved_indices", None) or (None,)
+        index = indices[0]
+    elif name == "IndexSelectBackward0" and getattr(node, "_saved_dim", None) == 0:
+        index = getattr(node, "_saved_index", None)
+    else:
+        return None
+    sizes: tuple[int, ...] = tuple(getattr(node, "_saved_self_sym_sizes", ()))
+    if (
+        not isinstance(index, torch.Tensor)
+        or index.dim() != 1
+        or index.dtype in (torch.bool, torch.uint8)
+        or sizes[:1] != (rows,)
+        or index.numel() % rows  # a subset of the rows (`out[kept]`) is scored row by row
+    ):
+        return None
+    return index
+
+
+def _gathered_rows(node: Any, rows: int, gathered: dict[Any, str], direct: set[Any]) -> str | None:
+    """Whether `node`'s inputs are an activation picked by other rows' indices and used as is.
+
+    Triplets mined under `torch.no_grad()` then gathered (`triplet_margin_loss(z, z[pos],
+    z[neg])`) compare each row with others; a permutation alone (a packed RNN's unsorting) or
+    a selection in order (`out[idx]`, `logp[arange(n), y]`) does not.
+    """
+    index = _row_index(node, rows)
+    for child, _ in getattr(node, "next_functions", ())[: 1 if index is not None else None]:
+        if child is None or type(child).__name__ == "AccumulateGrad":
+            continue
+        if index is not None:
+            positions = torch.arange(index.numel(), device=index.device) % rows
+            if not bool((index.to(positions.dtype) == positions).all()):
+                gathered[child] = f"rows picked by index, z[{index[:4].tolist()}...]"
+        else:
+            direct.add(child)
+        if child in gathered and child in direct and _activation(child):
+            return f"{gathered[child]} of an output it also uses row by row (mined triplets)"
+    return None
+
+
 def in_batch_problem(loss: object, rows: int, micro_batches: int) -> str | None:
     """Why `loss` is not additive over the micro-batch's rows (with the fix), or None.
 
@@ -136,6 +180,8 @@ def in_batch_problem(loss: object, rows: int, micro_batches: int) -> str | None:
     queue, seen, visited = roots, 0, set()
     unsqueezed: set[int] = set()  # z[:, None] and z[None] of activations: broadcast pairs
     pairwise: tuple[int, ...] = ()  # a (rows x rows x ...) tensor saved for the backward
+    gathered: dict[Any, str] = {}  # activations picked by row indices: `z[neg_idx]`
+    direct: set[Any] = set()  # activations the loss also uses as they are: the anchors
     while queue and seen < _NODES:
         node = queue.pop(0)
         if node is None or node in visited:
@@ -150,6 +196,8 @@ def in_batch_problem(loss: object, rows: int, micro_batches: int) -> str | None:
             pairwise = sizes
         if found is None and pairwise and {0, 1} <= unsqueezed:
             found = f"a ({pairwise[0]} x {pairwise[1]}) comparison of its rows by broadcasting"
+        if found is None:
+            found = _gathered_rows(node, rows, gathered, direct)
         if found is not None:
             return (
                 f"loss_fn's loss compares the rows of its micro-batch with each other ({found}: "

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from gradaccum._batch_ratio import batch_ratio_problem
 from gradaccum._batch_stats import batch_statistic_problem
 from gradaccum._copied_loop import (
     CopiedLoopWarning,
@@ -36,6 +37,7 @@ from gradaccum._in_batch import in_batch_problem
 from gradaccum._nll_mean import ctc_without_nll, nll_mean_problem, unshifted_count_problem
 from gradaccum._outside_weights import OutsideWeights
 from gradaccum._pairs import split_pairs_problem
+from gradaccum._scaled_loss import scale_problem
 from gradaccum._teacher import teacher_problem
 from gradaccum._warnings import warn_user
 from gradaccum._weighted_mean import (
@@ -156,9 +158,13 @@ class TokenMeanCheck:
         # Each kind told once, on its own: one told must not silence the other.
         self.unshifted, self.pairs = True, True  # an unshifted count; pairs cut by the split
         self.in_batch = True  # a loss comparing the rows with each other (in-batch negatives)
+        self.ratio = True  # a ratio of sums or a spread over the rows (a batch Dice, VICReg)
         # A statistic of the micro-batch (advantages centered, mixup): told once each; a
         # mixup on its second micro-batch (-1 once targets held other labels: mixed before).
         self.centered, self.mixed = True, 0
+        # Class weights fitting a micro-batch's label counts (True: none yet; then the first
+        # ones seen): told when another micro-batch's differ, drawn in loss_fn.
+        self.weights: bool | str = True
         self.per_row: tuple[int, ...] | None = None  # the window's masked means' values per row
 
     def check(
@@ -187,7 +193,9 @@ class TokenMeanCheck:
             if scaled is not None:
                 raise ValueError(scaled)
             self.copied_left -= 1
-            divided = division_problem(result, micro_batches, items)
+            divided = division_problem(result, micro_batches, items) or scale_problem(
+                result, micro_batches, items
+            )
             if self.divisions >= 0:
                 self.divisions = self.divisions + 1 if divided is not None else -1
             problem = self.copied and (sum_problem(result, items) or mean_problem(result))
@@ -203,6 +211,12 @@ class TokenMeanCheck:
             if in_batch:  # rows compared with each other, which a split cuts apart
                 warn_user(UserWarning(in_batch))
                 self.in_batch = False
+            ratio = (
+                self.in_batch and self.ratio and batch_ratio_problem(result, items, micro_batches)
+            )
+            if ratio:  # a Dice over the batch, a std over the rows: another objective per split
+                warn_user(UserWarning(ratio))
+                self.ratio = False
             pairs = (
                 not in_batch and self.pairs and split_pairs_problem(result, items, micro_batches)
             )
@@ -225,13 +239,19 @@ class TokenMeanCheck:
 
     def _check_statistics(self, result: object, items: int, micro_batches: int) -> None:
         """Warn once each of advantages centered and labels mixed within a micro-batch."""
-        if not self.centered and self.mixed < 0:
+        if not self.centered and self.mixed < 0 and not self.weights:
             return
         found = batch_statistic_problem(result, items, micro_batches)
         kind, problem = found or ("", "")
         if kind == "centered" and self.centered:
             warn_user(UserWarning(problem))
             self.centered = False
+        if kind.startswith("weights") and self.weights:  # fit this micro-batch's counts
+            if self.weights is not True and self.weights != kind:  # and changed: drawn here
+                warn_user(UserWarning(problem))
+                self.weights = False
+            else:
+                self.weights = kind
         if self.mixed >= 0:
             self.mixed = -1 if kind == "not mixed" else self.mixed + (kind == "mixed")
             if self.mixed == 2 and kind == "mixed":
