@@ -100,5 +100,8 @@ def zero_backward(roots: list[torch.Tensor]) -> None:
 
 def backward(roots: list[torch.Tensor], seeds: list[torch.Tensor] | None = None) -> None:
     """`torch.autograd.backward`, inside `loss_parallel()` when the loss was computed in it."""
+    if len(roots) == 1 and type(roots[0]) is torch.Tensor:  # the common case: no DTensor loss
+        torch.autograd.backward(roots, seeds)
+        return
     with loss_parallel_context(roots):
         torch.autograd.backward(roots, seeds)
