@@ -91,8 +91,7 @@ class Window:
     def __getstate__(self) -> dict[str, Any]:
         """For `copy.deepcopy` and pickle: the state, with the open window's gradients.
 
-        Copied parameters lose their `.grad` (PyTorch copies a Parameter without it), where an
-        open window's sums live: a copy would go on without them (and call it a `zero_grad()`).
+        A copied Parameter loses its `.grad`, where an open window's sums live (a `zero_grad()`).
         """
         state = dict(self.__dict__)
         state["_grads"] = [p.grad for p in self.params]
@@ -187,8 +186,7 @@ class Window:
     def mark_gradients(self, *, weights: bool = True) -> None:
         """Remember each gradient (and weight) after a backward, to catch changes until the next."""
         self._marks = [(p.grad, -1 if p.grad is None else p.grad._version) for p in self.params]
-        held = self.params[: self.held]  # stepped; the norms kept while nothing was written
-        self._weights = weight_marks(held, self._weights) if weights else None
+        self._weights = weight_marks(self.params[: self.held], self._weights) if weights else None
 
     def carry(self) -> None:
         """An open window is carried: keep its weights' values (an evaluation: `_written`)."""
