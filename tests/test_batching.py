@@ -1431,3 +1431,143 @@ def test_scipy_sparse_features_and_targets_are_split_by_rows_and_exact() -> None
     gradaccum.accumulate_grad(model, {"x": x, "y": y}, loss_fn, micro_batch_size=4)
     for mine, reference in zip(model.parameters(), full.parameters(), strict=True):
         torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-10, atol=0)
+
+
+# Lists of same-shape tensors and packed sequences (thirteenth round)
+
+
+class _TokenLM(torch.nn.Module):
+    """Reads across its tokens (a GRU): a micro-batch given a slice of every sequence differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 4)
+        self.rnn = torch.nn.GRU(4, 4, batch_first=True)
+        self.out = torch.nn.Linear(4, 20)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(self.embed(ids))[0])
+
+
+def _lm_loss(model: torch.nn.Module, ids: Any) -> gradaccum.LossSum:
+    ids = torch.stack(ids) if isinstance(ids, list) else ids
+    logits = model(ids[:, :-1])
+    targets = ids[:, 1:]
+    value = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), targets.flatten(), reduction="sum"
+    )
+    return gradaccum.LossSum(value, targets.numel())
+
+
+def _token_model() -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return _TokenLM().double()
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_a_list_of_same_shape_token_sequences_is_refused_not_split_by_tokens(drive: str) -> None:
+    """`collate_fn=list` over sequences of one length: B tensors of shape (S,). Read as a
+    container of B tensors of S rows, every micro-batch got a few tokens of every sequence:
+    2.6e-2 off the full-batch step under SGD, silently. Nothing else in the batch tells the
+    readings apart, so it is refused naming both fixes, changing nothing; the fixes step as
+    the full batch (float64, rtol 1e-10), and a batch that pins B reads as it says."""
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(0, 20, (10,), generator=generator) for _ in range(6)]
+    model = _token_model()
+    reference = copy.deepcopy(model)
+    full = _lm_loss(reference, sequences)
+    (full.value / full.count).backward()
+    grads = [p.grad.clone() for p in reference.parameters()]  # type: ignore[union-attr]
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    # Negative control: the container reading (before) gave each micro-batch 2 tokens of each.
+    wrong = _token_model()
+    parts = [_lm_loss(wrong, [s[a : a + 2] for s in sequences]) for a in range(0, 10, 2)]
+    for part in parts:
+        (part.value / sum(int(p.count) for p in parts)).backward()
+    gap = max(
+        float((p.grad - g).abs().max())  # type: ignore[operator]
+        for p, g in zip(wrong.parameters(), grads, strict=True)
+    )
+    assert gap > 1e-3
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = copy.deepcopy(model.state_dict())
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=2, accumulation_steps=3)
+    for bad in (sequences, {"input_ids": sequences}, {"input_ids": tuple(sequences)}):
+        run = acc.step if drive == "step" else acc.micro_step
+        with pytest.raises(ValueError, match=r"reads as 6 items .* stack them .* list of dicts"):
+            run(bad, _lm_loss)
+    with pytest.raises(ValueError, match=r"6 tensors of 10 rows each, pass them in a tuple"):
+        batch_size(sequences)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert not optimizer.state
+    stacked = torch.stack(sequences)
+    if drive == "step":
+        acc.step(stacked, _lm_loss)
+    else:
+        results = [acc.micro_step(mb, _lm_loss).stepped for mb in split_batch(stacked, 2)]
+        assert results == [False, False, True]
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    # The rest of the batch pins one reading: per-item ids with 6 labels, rows with 10.
+    assert batch_size({"ids": sequences, "y": torch.zeros(6)}) == 6
+    assert batch_size({"ids": sequences, "mask": torch.zeros(10)}) == 10
+    # Lists of 2 or 3 same-shape tensors are (x, y) and (anchor, positive, negative).
+    pair = [torch.zeros(6, 5), torch.ones(6, 5)]
+    assert [mb[0].shape for mb in split_batch(pair, 4)] == [(4, 5), (2, 5)]
+    assert batch_size([torch.zeros(6, 5)] * 3) == 6
+
+
+def _packed_loss(model: torch.nn.Module, packed: Any) -> torch.Tensor:
+    return model(packed)[1][-1].pow(2).sum(-1).mean()
+
+
+@pytest.mark.parametrize("enforce_sorted", [False, True])
+def test_packed_sequences_split_by_sequence_and_step_as_the_full_batch(
+    enforce_sorted: bool,
+) -> None:
+    """A `PackedSequence` (a collate_fn that packs) was refused with a message about tensors
+    disagreeing on the leading dimension (its data, batch_sizes and indices), naming no fix.
+    Now each micro-batch is its own sequences packed anew: step() and micro_step() equal the
+    full-batch step (float64, rtol 1e-10), take_batch reorders them, and no pair warning."""
+    from torch.nn.utils.rnn import pack_sequence, unpack_sequence
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = (6, 5, 3, 3, 2) if enforce_sorted else (3, 5, 2, 4, 6)
+    sequences = [torch.randn(n, 3, generator=generator, dtype=torch.float64) for n in lengths]
+    packed = pack_sequence(sequences, enforce_sorted=enforce_sorted)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.GRU(3, 4).double()
+    reference = copy.deepcopy(model)
+    _packed_loss(reference, packed).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    assert batch_size(packed) == 5
+    parts = [unpack_sequence(mb["x"]) for mb in split_batch({"x": packed}, 2)]
+    assert [len(p) for p in parts] == [2, 2, 1]
+    rejoined = [sequence for part in parts for sequence in part]
+    assert all(torch.equal(a, b) for a, b in zip(rejoined, sequences, strict=True))
+    taken = gradaccum.batching.take_batch({"x": packed, "i": torch.arange(5)}, [4, 0, 3, 1, 2])
+    assert [len(s) for s in unpack_sequence(taken["x"])] == [lengths[i] for i in (4, 0, 3, 1, 2)]
+    for drive in ("step", "micro_step"):
+        trained = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.5)
+        acc = gradaccum.Accumulator(trained, optimizer, micro_batch_size=2, accumulation_steps=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no preference-pairs false alarm
+            if drive == "step":
+                assert acc.step(packed, _packed_loss).count == 5
+            else:
+                ragged = (sequences[:4], sequences[4:])  # a loader's ragged last batch
+                for chunk in ragged:
+                    packed_chunk = pack_sequence(chunk, enforce_sorted=False)
+                    result = acc.micro_step(packed_chunk, _packed_loss)
+                assert result.stepped
+                assert result.count == 5
+        for got, want in zip(trained.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    moved = to_device(packed, torch.device("cpu"))
+    assert type(moved).__name__ == "PackedSequence"
+    assert moved.batch_sizes.device.type == "cpu"
