@@ -1571,3 +1571,57 @@ def test_packed_sequences_split_by_sequence_and_step_as_the_full_batch(
     moved = to_device(packed, torch.device("cpu"))
     assert type(moved).__name__ == "PackedSequence"
     assert moved.batch_sizes.device.type == "cpu"
+
+
+def _resized_detection_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    """A mean over images: micro_step() weighs each micro-batch by the images it holds."""
+    images, targets = batch
+    scores = model(torch.stack([image.mean(dim=(1, 2)) for image in images]))
+    labels = torch.stack([target["labels"][0] for target in targets])
+    return torch.nn.functional.cross_entropy(scores, labels)
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_detection_tuples_of_resized_images_with_as_many_boxes_are_split_per_image(
+    drive: str,
+) -> None:
+    """torchvision's `tuple(zip(*batch))` of images resized to one size, each with 3 boxes:
+    the images read as 3 rows (their channels) and the targets as 3 rows (their boxes), so B
+    was 3 for 6 images. micro_step() weighed a mean over 4 images and one over 2 alike (6e-2
+    off under SGD, silently), and step() cut channels. The target dicts, one per image, tell
+    the reading: one image each, exact (float64, rtol 1e-10). Numpy lists are read alike."""
+    generator = torch.Generator().manual_seed(0)
+    images = tuple(torch.randn(3, 8, 8, generator=generator, dtype=torch.float64) for _ in range(6))
+    targets = tuple(
+        {"boxes": torch.rand(3, 4, generator=generator), "labels": torch.tensor([i % 3] * 3)}
+        for i in range(6)
+    )
+    batch = (images, targets)
+    assert batch_size(batch) == 6
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 3).double()
+    reference = copy.deepcopy(model)
+    _resized_detection_loss(reference, batch).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    # Negative control: the micro-batches of 4 and 2 images weighed alike, as B was 3 for both.
+    wrong = copy.deepcopy(model)
+    for part in ((images[:4], targets[:4]), (images[4:], targets[4:])):
+        (_resized_detection_loss(wrong, part) / 2).backward()
+    torch.optim.SGD(wrong.parameters(), lr=0.5).step()
+    pairs = zip(wrong.parameters(), reference.parameters(), strict=True)
+    gap = max(float((a - b).detach().abs().max()) for a, b in pairs)
+    assert gap > 1e-3
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=2, accumulation_steps=2)
+    if drive == "step":
+        assert acc.step(batch, _resized_detection_loss).micro_batches == 3
+    else:
+        acc.micro_step((images[:4], targets[:4]), _resized_detection_loss)
+        assert acc.micro_step((images[4:], targets[4:]), _resized_detection_loss).count == 6
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    waves = [np.zeros(16) for _ in range(6)]
+    with pytest.raises(ValueError, match=r"reads as 6 items"):
+        batch_size(waves)
+    assert batch_size({"wav": waves, "y": torch.zeros(6)}) == 6

@@ -18,9 +18,10 @@ A `PackedSequence` is split by sequence, each micro-batch repacked from its own 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_sequence, unpack_sequence
 
@@ -29,6 +30,7 @@ from gradaccum._records import (
     AmbiguousListError,
     ambiguous_list,
     ambiguous_list_error,
+    is_example_list,
     per_item_list,
 )
 
@@ -60,12 +62,13 @@ def plain(tensor: torch.Tensor, dim: int) -> bool:
     return tensor.layout is torch.strided and not tensor.is_nested and tensor.ndim > dim
 
 
-def same_shape_list(node: Any, dim: int, nested: bool) -> bool:
-    """Whether `node` is a list (nested: or tuple) of `MIN_ITEMS`+ alike tensors of one shape.
+def same_shape_list(node: Any, dim: int, nested: bool, least: int = MIN_ITEMS) -> bool:
+    """Whether `node` is a list (nested: or tuple) of `least`+ alike tensors of one shape.
 
     That many items of one size, or that many fields of the same rows: it reads both ways.
     """
-    if len(node) < MIN_ITEMS or not isinstance(node[0], torch.Tensor) or node[0].ndim <= dim:
+    arrays = (torch.Tensor, np.ndarray)  # numpy: waveforms of one length, as librosa loads them
+    if len(node) < least or not isinstance(node[0], arrays) or node[0].ndim <= dim:
         return False
     shape = node[0].shape
     return per_item_list(node, nested) and all(entry.shape == shape for entry in node)
@@ -82,15 +85,17 @@ def check_list(node: Any, path: Path, dim: int, ask: bool) -> None:
         return
     if ambiguous_list(node, dim, nested):
         raise ambiguous_list_error(node, path, dim, nested)
-    if ask and same_shape_list(node, dim, nested):
+    if ask and same_shape_list(node, dim, nested, least=1):
         raise SameShapeList(node, path, dim)
 
 
-def choose_reading(read: Callable[[int, bool], _Reading]) -> _Reading:
-    """Return the reading of a batch: `read(lists, ask)` is the batching's walk.
+def choose_reading(batch: Any, read: Callable[[int, bool], _Reading]) -> _Reading:
+    """Return the reading of `batch`: `read(lists, ask)` is the batching's walk.
 
     `lists` 0 reads lists of tensors as containers, 1 and 2 are the fallbacks; `ask` makes the
-    first reading stop at a `same_shape_list`. If both readings then fit, the list is refused.
+    first reading stop at a list of same-shape tensors. If both readings then fit, the list is
+    read per item beside a sequence of as many records (torchvision's `(images, targets)`: one
+    target dict per image), as a container if it holds fewer than `MIN_ITEMS`, else refused.
     """
     try:
         return read(0, True)
@@ -107,10 +112,27 @@ def choose_reading(read: Callable[[int, bool], _Reading]) -> _Reading:
     except ValueError as error:
         return _fallbacks(read, error)
     try:
-        read(1, False)
+        items = read(1, False)
     except ValueError:  # the rest of the batch agrees with the rows: a container
         return rows
+    if _holds_records(batch, len(found.node)):
+        return items
+    if len(found.node) < MIN_ITEMS:  # (x, y), (anchor, positive, negative): fields
+        return rows
     raise same_shape_error(found.node, found.path, found.dim, rows[1])
+
+
+def _holds_records(node: Any, size: int, depth: int = 3) -> bool:
+    """Whether `node` nests a list or tuple of `size` records of one structure (target dicts)."""
+    if isinstance(node, Mapping):
+        entries: Any = node.values()
+    elif type(node) in (list, tuple):
+        if len(node) == size and is_example_list(list(node)):
+            return True
+        entries = node
+    else:
+        return False
+    return depth > 0 and any(_holds_records(entry, size, depth - 1) for entry in entries)
 
 
 def _fallbacks(read: Callable[[int, bool], _Reading], error: ValueError) -> _Reading:

@@ -238,7 +238,7 @@ def _plan(
         return (tensor_slicer(batch, batch_dim) if build else _measured), batch.shape[batch_dim]
     flat = None if hook is not None else flat_tensors(batch, batch_dim)
     if flat is None:  # the general path: as it reads, else by the fallbacks of `_compile`
-        return choose_reading(lambda n, ask: _general(batch, batch_dim, build, n, hook, ask))
+        return choose_reading(batch, lambda n, ask: _general(batch, batch_dim, build, n, hook, ask))
     size: int = flat[0].shape[batch_dim]
     if not build:
         return _measured, size
