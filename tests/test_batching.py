@@ -1625,3 +1625,42 @@ def test_detection_tuples_of_resized_images_with_as_many_boxes_are_split_per_ima
     with pytest.raises(ValueError, match=r"reads as 6 items"):
         batch_size(waves)
     assert batch_size({"wav": waves, "y": torch.zeros(6)}) == 6
+
+
+class _TVImage(torch.Tensor):
+    """A tensor subclass, as torchvision's `tv_tensors.Image` and `BoundingBoxes` are."""
+
+
+def test_lists_of_tensor_subclasses_are_per_item_like_plain_tensors() -> None:
+    """torchvision's v2 transforms return `tv_tensors.Image` and `BoundingBoxes`: tensor
+    subclasses. A list of them was never one entry per item, so a detection batch of images of
+    varied sizes was refused with a wrong fix ('batch[1] must hold one entry per item, B=3 ...
+    Make it a tensor': the images' channels taken for B) and `{"images": ..., "y": ...}` as
+    tensors that disagree. They read as plain tensors now: one per item, the step exact."""
+    generator = torch.Generator().manual_seed(0)
+    images = [
+        torch.randn(3, 5 + i, 4 + 2 * i, generator=generator, dtype=torch.float64).as_subclass(
+            _TVImage
+        )
+        for i in range(5)
+    ]
+    targets = [
+        {"label": torch.tensor(i % 3), "boxes": torch.rand(i + 1, 4).as_subclass(_TVImage)}
+        for i in range(5)
+    ]
+    for batch in ((images, targets), (tuple(images), tuple(targets))):
+        assert batch_size(batch) == 5
+        assert [len(mb[0]) for mb in split_batch(batch, 2)] == [2, 2, 1]
+    assert batch_size({"images": images, "y": torch.zeros(5)}) == 5
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 3).double()
+    reference = copy.deepcopy(model)
+    loss = _detection_loss(reference, (images, targets))
+    (loss.value / loss.count).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=2)
+    assert acc.step((images, targets), _detection_loss).micro_batches == 3
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
