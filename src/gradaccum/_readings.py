@@ -148,14 +148,16 @@ def same_shape_error(node: Any, path: Path, dim: int, rows: int) -> AmbiguousLis
     """The refusal of a `same_shape_list` that reads both ways, naming both fixes."""
     name, size, shape = path_name(path), len(node), tuple(node[0].shape)
     container = "a dict" if path != "batch" else "a tuple or a dict"
+    numpy = isinstance(node[0], np.ndarray)
+    kind, stack = ("arrays", "np.stack") if numpy else ("tensors", "torch.stack")
     return AmbiguousListError(
-        f"{name} is a {type(node).__name__} of {size} tensors of one shape {shape}: it reads "
+        f"{name} is a {type(node).__name__} of {size} {kind} of one shape {shape}: it reads "
         f"as {size} items (one image or token sequence each, as collate_fn=list makes) and as "
-        f"{size} tensors of {rows} rows each along dim {dim}, which split differently (read as "
+        f"{size} {kind} of {rows} rows each along dim {dim}, which split differently (read as "
         "rows, every micro-batch would get a slice of each item: a few of its tokens or "
-        "channels). gradaccum does not guess: if they are the items, stack them into one "
-        f"tensor (torch.stack(x), a collate_fn that stacks) or pass a list of dicts; if they "
-        f"are {size} tensors of {rows} rows each, pass them in {container}."
+        f"channels). gradaccum does not guess: if they are the items, stack them into one "
+        f"{kind[:-1]} ({stack}(x), a collate_fn that stacks) or pass a list of dicts; if they "
+        f"are {size} {kind} of {rows} rows each, pass them in {container}."
     )
 
 

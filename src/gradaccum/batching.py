@@ -15,7 +15,8 @@ dataclass or named tuple                         item (a plain tuple of them is 
 list of alike tensors or arrays, same-length     ``x[start:stop]``: one entry per item (images
 tuples or dicts sharing a key, or a nested       of varied sizes, ``collate_fn=list`` pairs,
 tuple of those, read as a container disagreeing  torchvision's ``tuple(zip(*batch))``, target
-with B                                           dicts with a key for some images only)
+with B, or beside as many records (targets)    dicts with a key for some images only)
+``PackedSequence``                               its sequences [start, stop), packed anew
 other list or plain tuple holding a tensor       a container: rebuilt, each entry by these rules
 dict, named tuple, dataclass, tuple subclass     a record: rebuilt with its type, entry by entry
 anything else: str, int, float, bool, None...    the same object, whole, in every micro-batch
@@ -25,6 +26,9 @@ A container or record with nothing to split inside is a constant too. B is the s
 the tensors and arrays along ``batch_dim`` (or, with none, of the per-item lists); a disagreement
 raises a ValueError naming every path and size. Another object whose attributes hold a tensor of
 B items raises a TypeError (make it a dataclass or a dict); nested and sparse CSR tensors too.
+A list of 4 or more alike tensors of one shape that reads both ways (B token sequences of one
+length, or as many fields of the same rows), with nothing else to tell, is refused naming both
+fixes (`gradaccum._readings`); fewer are fields, `(x, y)`, `(anchor, positive, negative)`.
 A constant of B items (B class names, a B x B matrix) looks per-item and is split: bind constants
 to `loss_fn` (a closure, functools.partial). A list of L tuples of B strings each, the layout
 `default_collate` makes of a per-sample list (5 captions per image), is read as L per-item
