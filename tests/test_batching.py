@@ -1039,8 +1039,9 @@ def test_lists_of_one_tensor_per_item_are_split_when_the_batch_says_so() -> None
     assert [(len(mb[0]), len(mb[1])) for mb in micro_batches] == [(3, 3), (3, 3), (1, 1)]
     assert micro_batches[2][0][0] is images[6]
     assert batch_size({"images": images, "ids": torch.arange(7)}) == 7
-    # Negative control: read as a container, each image would be cut along its channels.
-    assert batch_size(images) == 3
+    # Alone, nothing tells the readings apart (as rows, each image was cut along its channels).
+    with pytest.raises(ValueError, match=r"reads as 7 items .* and as 7 tensors of 3 rows"):
+        batch_size(images)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = torch.nn.Linear(3, 3).double()
@@ -1351,18 +1352,25 @@ def test_uncollated_pairs_with_python_labels_are_examples_not_a_container() -> N
     assert abs(float(sum(means) / 3) - float(full)) > 1e-3
 
 
-def test_a_list_of_images_alone_is_a_container_and_as_examples_is_per_image() -> None:
-    """docs/vision.md: a bare list of ragged images reads as batched tensors (split along the
-    channels, B=3); with targets, or as `[{"image": ...}]` examples, it splits image by image."""
+def test_a_list_of_images_alone_is_refused_and_as_examples_is_per_image() -> None:
+    """docs/vision.md: a bare list of ragged images read as batched tensors (split along the
+    channels, B=3: each micro-batch got 2 channels of every image; silently, for a model that
+    takes any channels, and micro_step() weighed each by 3). Nothing else in the batch tells
+    the readings apart, so it is refused naming both fixes; with targets, or as
+    `[{"image": ...}]` examples, it splits image by image. A multi-crop list (2 sizes) of the
+    same rows, and 2 or 3 fields of other shapes, stay containers."""
     images = [torch.zeros(3, 4 + i, 5) for i in range(5)]
     targets = [{"labels": torch.tensor([i])} for i in range(5)]
-    bare = split_batch(images, 2)
-    assert [micro[0].shape[0] for micro in bare] == [2, 1]  # channels, not images
+    with pytest.raises(ValueError, match=r"reads as 5 items .* pad them .* list of dicts"):
+        split_batch(images, 2)
     examples = split_batch([{"image": image} for image in images], 2)
     assert [len(micro) for micro in examples] == [2, 2, 1]
     assert examples[2][0]["image"] is images[4]
     paired = split_batch((images, targets), 2)
     assert [len(micro[0]) for micro in paired] == [2, 2, 1]
+    crops = [torch.zeros(6, 3, 8, 8)] * 2 + [torch.zeros(6, 3, 4, 4)] * 6  # SwAV: 2 + 6
+    assert [len(micro) for micro in split_batch(crops, 4)] == [8, 8]  # 8 crops of 4, 2 rows
+    assert batch_size([torch.zeros(6, 5), torch.zeros(6, 1), torch.zeros(6, 2)]) == 6
 
 
 def test_a_flat_embedding_bag_batch_is_refused_naming_the_list_recipe_which_is_exact() -> None:
@@ -1662,5 +1670,35 @@ def test_lists_of_tensor_subclasses_are_per_item_like_plain_tensors() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=2)
     assert acc.step((images, targets), _detection_loss).micro_batches == 3
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+def test_a_detection_batch_of_3_rgb_images_with_their_targets_is_split_per_image() -> None:
+    """3 RGB images of varied sizes read as 3 items and as 3 tensors of 3 rows: refused, even
+    beside their 3 target dicts, so an epoch whose last batch held 3 images (or micro_step()
+    micro-batches of 3) stopped with an error. One target dict per image tells the reading:
+    one image each, and the window (micro-batches of 4 and 3 images) is the full batch's."""
+    generator = torch.Generator().manual_seed(0)
+    images = [
+        torch.randn(3, 5 + i, 4 + 2 * i, generator=generator, dtype=torch.float64) for i in range(7)
+    ]
+    targets = [{"label": torch.tensor(i % 3), "boxes": torch.rand(i + 1, 4)} for i in range(7)]
+    for layout in (list, tuple):
+        assert batch_size((layout(images[4:]), layout(targets[4:]))) == 3
+    with pytest.raises(ValueError, match=r"reads as 3 items"):
+        batch_size({"images": images[4:], "y": torch.zeros(3)})  # a tensor tells nothing
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 3).double()
+    reference = copy.deepcopy(model)
+    loss = _detection_loss(reference, (images, targets))
+    (loss.value / loss.count).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    acc = gradaccum.Accumulator(model, optimizer, accumulation_steps=2)
+    acc.micro_step((images[:4], targets[:4]), _detection_loss)
+    result = acc.micro_step((images[4:], targets[4:]), _detection_loss)
+    assert (result.stepped, result.count) == (True, 7)
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=0)

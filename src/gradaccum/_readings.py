@@ -5,15 +5,16 @@ as a DataLoader collates `(x, y)` samples. Read per item instead, it is one entr
 (`collate_fn=list`: a list of B images or B token sequences). When the first reading fails (the
 tensors disagree with the batch's B), the batching falls back to the second (`choose_reading`).
 
-A list of 4 or more alike tensors of one shape, with nothing else in the batch to tell, reads
-both ways, and they split differently: read as a container, B token sequences of length S were
-taken for S rows of B tensors, and each micro-batch got a few tokens of every sequence, silently
-inexact for any model that reads across tokens. Such a list is refused naming both fixes
-(`same_shape_error`), unless the rest of the batch agrees with one reading only. Lists of 2 or
-3 tensors are containers: `(x, y)` and `(anchor, positive, negative)` samples as collated.
+A list of alike tensors with as many rows each reads both ways too, and they split differently:
+read as a container, B token sequences of length S were taken for S rows of B tensors, and each
+micro-batch got a few tokens of every sequence, silently inexact for any model that reads across
+tokens. Beside a sequence of as many records (one target dict per image) it is one per item;
+with nothing else in the batch to tell, 4 or more of one shape or of 3+ shapes (B images of
+varied sizes), or B of B rows each, are refused naming both fixes (`two_readings_error`).
+Others are containers: `(x, y)`, `(anchor, positive, negative)`, a multi-crop list of 2 sizes.
 
 A `PackedSequence` is split by sequence, each micro-batch repacked from its own sequences
-(`packed_slicer`); its tensors describe time steps of all sequences interleaved, not items.
+(`packed_leaf`); its tensors describe time steps of all sequences interleaved, not items.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from gradaccum._records import (
 
 __all__ = [
     "MIN_ITEMS",
-    "SameShapeList",
+    "TwoReadings",
     "check_list",
     "choose_reading",
     "flat_tensors",
@@ -49,12 +50,12 @@ MIN_ITEMS = 4  # lists of fewer same-shape tensors are containers: (x, y), (anch
 _Reading = tuple[Callable[[int, int], Any], int]
 
 
-class SameShapeList(Exception):  # noqa: N818 - a signal, caught by `choose_reading`
-    """Raised by the first reading at a list of same-shape tensors that also reads per item."""
+class TwoReadings(Exception):  # noqa: N818 - a signal, caught by `choose_reading`
+    """Raised by the first reading at a list of alike tensors that also reads per item."""
 
-    def __init__(self, node: Any, path: Path, dim: int) -> None:
+    def __init__(self, node: Any, path: Path, dim: int, refused: bool) -> None:
         super().__init__(path_name(path))
-        self.node, self.path, self.dim = node, path, dim
+        self.node, self.path, self.dim, self.refused = node, path, dim, refused
 
 
 def plain(tensor: torch.Tensor, dim: int) -> bool:
@@ -62,53 +63,54 @@ def plain(tensor: torch.Tensor, dim: int) -> bool:
     return tensor.layout is torch.strided and not tensor.is_nested and tensor.ndim > dim
 
 
-def same_shape_list(node: Any, dim: int, nested: bool, least: int = MIN_ITEMS) -> bool:
-    """Whether `node` is a list (nested: or tuple) of `least`+ alike tensors of one shape.
+def two_ways(node: Any, dim: int, nested: bool) -> bool | None:
+    """Whether a list (nested: or tuple) of alike tensors of as many rows each is refused.
 
-    That many items of one size, or that many fields of the same rows: it reads both ways.
+    It reads both ways (True or False); None: one way only. Refused when nothing else in the
+    batch tells the readings apart: B of different shapes with B rows each (B clips of B
+    channels), or `MIN_ITEMS` or more of one shape (token sequences of one length) or of 3 or
+    more shapes (images of varied sizes; a multi-crop list of 2 sizes stays crops). Others
+    are read as rows: fields, `(x, y)`.
     """
-    arrays = (torch.Tensor, np.ndarray)  # numpy: waveforms of one length, as librosa loads them
-    if len(node) < least or not isinstance(node[0], arrays) or node[0].ndim <= dim:
-        return False
-    shape = node[0].shape
-    return per_item_list(node, nested) and all(entry.shape == shape for entry in node)
+    arrays = (torch.Tensor, np.ndarray)  # numpy: waveforms as librosa loads them
+    if not node or not isinstance(node[0], arrays) or node[0].ndim <= dim:
+        return None
+    rows = node[0].shape[dim]
+    if not per_item_list(node, nested) or any(entry.shape[dim] != rows for entry in node):
+        return None
+    if len(node) == rows and ambiguous_list(node, dim, nested):
+        return True
+    shapes = len({tuple(entry.shape) for entry in node})
+    return len(node) >= MIN_ITEMS and (shapes == 1 or shapes >= 3)
 
 
 def check_list(node: Any, path: Path, dim: int, ask: bool) -> None:
-    """Raise if the container `node` also reads as items (the first reading only).
+    """With `ask` (the first reading), raise `TwoReadings` at a list that reads both ways.
 
-    `AmbiguousListError` for B tensors of different shapes with B rows each; `SameShapeList`
-    (if `ask`) for a `same_shape_list`, for `choose_reading` to weigh the two readings.
+    `choose_reading` then weighs the two readings of the batch.
     """
-    nested = path != "batch"
-    if type(node) not in (list, tuple):
-        return
-    if ambiguous_list(node, dim, nested):
-        raise ambiguous_list_error(node, path, dim, nested)
-    if ask and same_shape_list(node, dim, nested, least=1):
-        raise SameShapeList(node, path, dim)
+    if ask and type(node) in (list, tuple):
+        refused = two_ways(node, dim, path != "batch")
+        if refused is not None:
+            raise TwoReadings(node, path, dim, refused)
 
 
 def choose_reading(batch: Any, read: Callable[[int, bool], _Reading]) -> _Reading:
     """Return the reading of `batch`: `read(lists, ask)` is the batching's walk.
 
     `lists` 0 reads lists of tensors as containers, 1 and 2 are the fallbacks; `ask` makes the
-    first reading stop at a list of same-shape tensors. If both readings then fit, the list is
-    read per item beside a sequence of as many records (torchvision's `(images, targets)`: one
-    target dict per image), as a container if it holds fewer than `MIN_ITEMS`, else refused.
+    first reading stop at a list that reads both ways (`two_ways`). If both readings then fit,
+    it is read per item beside a sequence of as many records (torchvision's `(images,
+    targets)`: one target dict per image), else refused if `two_ways` says so, else as rows.
     """
     try:
         return read(0, True)
-    except SameShapeList as signal:
+    except TwoReadings as signal:
         found = signal
-    except AmbiguousListError:  # both readings agree with B: no fallback
-        raise
     except ValueError as error:
         return _fallbacks(read, error)
     try:
         rows = read(0, False)
-    except AmbiguousListError:
-        raise
     except ValueError as error:
         return _fallbacks(read, error)
     try:
@@ -117,9 +119,9 @@ def choose_reading(batch: Any, read: Callable[[int, bool], _Reading]) -> _Readin
         return rows
     if _holds_records(batch, len(found.node)):
         return items
-    if len(found.node) < MIN_ITEMS:  # (x, y), (anchor, positive, negative): fields
-        return rows
-    raise same_shape_error(found.node, found.path, found.dim, rows[1])
+    if found.refused:
+        raise two_readings_error(found.node, found.path, found.dim)
+    return rows  # (x, y), (anchor, positive, negative): fields
 
 
 def _holds_records(node: Any, size: int, depth: int = 3) -> bool:
@@ -144,20 +146,31 @@ def _fallbacks(read: Callable[[int, bool], _Reading], error: ValueError) -> _Rea
     raise error from None
 
 
-def same_shape_error(node: Any, path: Path, dim: int, rows: int) -> AmbiguousListError:
-    """The refusal of a `same_shape_list` that reads both ways, naming both fixes."""
-    name, size, shape = path_name(path), len(node), tuple(node[0].shape)
-    container = "a dict" if path != "batch" else "a tuple or a dict"
+def two_readings_error(node: Any, path: Path, dim: int) -> AmbiguousListError:
+    """The refusal of a list that reads both ways (`two_ways`), naming both fixes."""
+    name, size, rows = path_name(path), len(node), int(node[0].shape[dim])
+    nested = path != "batch"
+    if rows == size and ambiguous_list(node, dim, nested):
+        return ambiguous_list_error(node, path, dim, nested)
+    container = "a dict" if nested else "a tuple or a dict"
     numpy = isinstance(node[0], np.ndarray)
     kind, stack = ("arrays", "np.stack") if numpy else ("tensors", "torch.stack")
+    shapes = [tuple(entry.shape) for entry in node]
+    if len(set(shapes)) == 1:
+        what, items = f"of one shape {shapes[0]}", "one image or token sequence each"
+        fix = f"stack them into one {kind[:-1]} ({stack}(x), a collate_fn that stacks)"
+    else:
+        what = f"of different shapes ({', '.join(map(str, shapes[:3]))}, ...)"
+        items = "images or clips of varied sizes, one per item"
+        fix = "pad them into one tensor with their sizes"
     return AmbiguousListError(
-        f"{name} is a {type(node).__name__} of {size} {kind} of one shape {shape}: it reads "
-        f"as {size} items (one image or token sequence each, as collate_fn=list makes) and as "
-        f"{size} {kind} of {rows} rows each along dim {dim}, which split differently (read as "
-        "rows, every micro-batch would get a slice of each item: a few of its tokens or "
-        f"channels). gradaccum does not guess: if they are the items, stack them into one "
-        f"{kind[:-1]} ({stack}(x), a collate_fn that stacks) or pass a list of dicts; if they "
-        f"are {size} {kind} of {rows} rows each, pass them in {container}."
+        f"{name} is a {type(node).__name__} of {size} {kind} {what}: it reads as {size} items "
+        f"({items}, as collate_fn=list makes) and as {size} {kind} of {rows} rows each along "
+        f"dim {dim}, which split differently (read as rows, every micro-batch would get a "
+        "slice of each item: a few of its tokens or channels). gradaccum does not guess: if "
+        f"they are the items, {fix} or pass a list of dicts ([{{'x': t}} for t in items]); "
+        f"if they are {size} {kind} of {rows} rows each, pass them "
+        f"in {container}."
     )
 
 
@@ -179,10 +192,7 @@ def flat_tensors(batch: Any, dim: int) -> list[torch.Tensor] | None:
 
 
 def _two_ways(values: list[torch.Tensor], dim: int) -> bool:
-    size = values[0].shape[dim]
-    if len(values) == size and ambiguous_list(values, dim, False):
-        return True
-    return same_shape_list(values, dim, False)
+    return bool(two_ways(values, dim, False))
 
 
 def packed_items(node: PackedSequence) -> int:

@@ -26,9 +26,10 @@ A container or record with nothing to split inside is a constant too. B is the s
 the tensors and arrays along ``batch_dim`` (or, with none, of the per-item lists); a disagreement
 raises a ValueError naming every path and size. Another object whose attributes hold a tensor of
 B items raises a TypeError (make it a dataclass or a dict); nested and sparse CSR tensors too.
-A list of 4 or more alike tensors of one shape that reads both ways (B token sequences of one
-length, or as many fields of the same rows), with nothing else to tell, is refused naming both
-fixes (`gradaccum._readings`); fewer are fields, `(x, y)`, `(anchor, positive, negative)`.
+A list of tensors of as many rows each that reads both ways (B token sequences of one length,
+B images of varied sizes, or as many fields of those rows) is refused naming both fixes when
+nothing else tells, unless 2 or 3 (fields, `(x, y)`) or of 2 sizes (multi-crop): see
+`gradaccum._readings`; one target dict per image beside it tells one image each.
 A constant of B items (B class names, a B x B matrix) looks per-item and is split: bind constants
 to `loss_fn` (a closure, functools.partial). A list of L tuples of B strings each, the layout
 `default_collate` makes of a per-sample list (5 captions per image), is read as L per-item
