@@ -1629,6 +1629,9 @@ def test_detection_tuples_of_resized_images_with_as_many_boxes_are_split_per_ima
         assert acc.micro_step((images[4:], targets[4:]), _resized_detection_loss).count == 6
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    # Metadata of numbers beside 2 views of 2 rows tells nothing: the views stay fields.
+    views = {"views": [torch.zeros(2, 3, 4), torch.ones(2, 3, 4)], "meta": [{"id": 1}, {"id": 2}]}
+    assert [mb["views"][1].shape[0] for mb in split_batch(views, 1)] == [1, 1]
     waves = [np.zeros(16) for _ in range(6)]
     with pytest.raises(ValueError, match=r"reads as 6 items"):
         batch_size(waves)

@@ -31,6 +31,7 @@ from gradaccum._records import (
     AmbiguousListError,
     ambiguous_list,
     ambiguous_list_error,
+    holds_array,
     is_example_list,
     per_item_list,
 )
@@ -125,11 +126,15 @@ def choose_reading(batch: Any, read: Callable[[int, bool], _Reading]) -> _Readin
 
 
 def _holds_records(node: Any, size: int, depth: int = 3) -> bool:
-    """Whether `node` nests a list or tuple of `size` records of one structure (target dicts)."""
+    """Whether `node` nests a list or tuple of `size` records of one structure holding tensors.
+
+    Detection targets, one dict of boxes and labels per image; not metadata of numbers and
+    strings, which is per item beside fields of as many rows too (2 views of 2 rows).
+    """
     if isinstance(node, Mapping):
         entries: Any = node.values()
     elif type(node) in (list, tuple):
-        if len(node) == size and is_example_list(list(node)):
+        if len(node) == size and is_example_list(list(node)) and holds_array(node[0]):
             return True
         entries = node
     else:
