@@ -431,8 +431,6 @@ _RAISED_AS_TABLED = {
             lambda: _step(_PAIR, nn.CrossEntropyLoss())
         ),
         "a later micro-batch returning other terms": lambda: _other_terms_later(),
-        "`[torch.zeros(10, dtype=torch.long)] * 6` (a list of 6 token sequences of one length, "
-        "`collate_fn=list`)": lambda: _step([torch.zeros(10, dtype=torch.long)] * 6),
     },
 }
 

@@ -5,13 +5,14 @@ as a DataLoader collates `(x, y)` samples. Read per item instead, it is one entr
 (`collate_fn=list`: a list of B images or B token sequences). When the first reading fails (the
 tensors disagree with the batch's B), the batching falls back to the second (`choose_reading`).
 
-A list of alike tensors with as many rows each reads both ways too, and they split differently:
-read as a container, B token sequences of length S were taken for S rows of B tensors, and each
-micro-batch got a few tokens of every sequence, silently inexact for any model that reads across
-tokens. Beside a sequence of as many records (one target dict per image) it is one per item;
-with nothing else in the batch to tell, 4 or more of one shape or of 3+ shapes (B images of
-varied sizes), or B of B rows each, are refused naming both fixes (`two_readings_error`).
-Others are containers: `(x, y)`, `(anchor, positive, negative)`, a multi-crop list of 2 sizes.
+A list of alike tensors with as many rows each reads both ways too. Beside a sequence of as
+many records (one target dict per image, torchvision's `(images, targets)`) it is one per item.
+Otherwise it is a container, as the API contract reads it ("all tensors share the leading
+dimension B"): `(x, y)`, a `TensorDataset`'s columns, Time-Series-Library's `[batch_x, batch_y,
+batch_x_mark, batch_y_mark]`, multimodal features, multi-crop views. Only B tensors of different
+shapes with B rows each (B clips of B channels), alone, are refused (`ambiguous_list_error`).
+A lone list of B token sequences of one length, or of B images of varied sizes, is read as
+tensors of S rows too: stack them, or pass a list of dicts or `(items, targets)`.
 
 A `PackedSequence` is split by sequence, each micro-batch repacked from its own sequences
 (`packed_leaf`); its tensors describe time steps of all sequences interleaved, not items.
@@ -28,7 +29,6 @@ from torch.nn.utils.rnn import PackedSequence, pack_sequence, unpack_sequence
 
 from gradaccum._batch_sizes import Path, is_offsets, path_name
 from gradaccum._records import (
-    AmbiguousListError,
     ambiguous_list,
     ambiguous_list_error,
     holds_array,
@@ -37,7 +37,6 @@ from gradaccum._records import (
 )
 
 __all__ = [
-    "MIN_ITEMS",
     "TwoReadings",
     "check_list",
     "choose_reading",
@@ -47,7 +46,6 @@ __all__ = [
     "plain",
 ]
 
-MIN_ITEMS = 4  # lists of fewer same-shape tensors are containers: (x, y), (anchor, pos, neg)
 _Reading = tuple[Callable[[int, int], Any], int]
 
 
@@ -67,11 +65,10 @@ def plain(tensor: torch.Tensor, dim: int) -> bool:
 def two_ways(node: Any, dim: int, nested: bool) -> bool | None:
     """Whether a list (nested: or tuple) of alike tensors of as many rows each is refused.
 
-    It reads both ways (True or False); None: one way only. Refused when nothing else in the
-    batch tells the readings apart: B of different shapes with B rows each (B clips of B
-    channels), or `MIN_ITEMS` or more of one shape (token sequences of one length) or of 3 or
-    more shapes (images of varied sizes; a multi-crop list of 2 sizes stays crops). Others
-    are read as rows: fields, `(x, y)`.
+    It reads both ways (True or False); None: one way only. Refused only when nothing else in
+    the batch tells the readings apart and it is B tensors of different shapes with B rows each
+    (`ambiguous_list`: B clips of B channels). Others are read as rows, the contract's reading:
+    fields of one shape (a `TensorDataset`'s columns) or of many (`[batch_x, batch_y, ...]`).
     """
     arrays = (torch.Tensor, np.ndarray)  # numpy: waveforms as librosa loads them
     if not node or not isinstance(node[0], arrays) or node[0].ndim <= dim:
@@ -79,10 +76,7 @@ def two_ways(node: Any, dim: int, nested: bool) -> bool | None:
     rows = node[0].shape[dim]
     if not per_item_list(node, nested) or any(entry.shape[dim] != rows for entry in node):
         return None
-    if len(node) == rows and ambiguous_list(node, dim, nested):
-        return True
-    shapes = len({tuple(entry.shape) for entry in node})
-    return len(node) >= MIN_ITEMS and (shapes == 1 or shapes >= 3)
+    return len(node) == rows and ambiguous_list(node, dim, nested)
 
 
 def check_list(node: Any, path: Path, dim: int, ask: bool) -> None:
@@ -102,7 +96,8 @@ def choose_reading(batch: Any, read: Callable[[int, bool], _Reading]) -> _Readin
     `lists` 0 reads lists of tensors as containers, 1 and 2 are the fallbacks; `ask` makes the
     first reading stop at a list that reads both ways (`two_ways`). If both readings then fit,
     it is read per item beside a sequence of as many records (torchvision's `(images,
-    targets)`: one target dict per image), else refused if `two_ways` says so, else as rows.
+    targets)`: one target dict per image), else refused if `two_ways` says so (B clips of B
+    channels), else as rows: the contract's fields sharing the leading dimension.
     """
     try:
         return read(0, True)
@@ -121,7 +116,8 @@ def choose_reading(batch: Any, read: Callable[[int, bool], _Reading]) -> _Readin
     if _holds_records(batch, len(found.node)):
         return items
     if found.refused:
-        raise two_readings_error(found.node, found.path, found.dim)
+        nested = found.path != "batch"
+        raise ambiguous_list_error(found.node, found.path, found.dim, nested)
     return rows  # (x, y), (anchor, positive, negative): fields
 
 
@@ -151,34 +147,6 @@ def _fallbacks(read: Callable[[int, bool], _Reading], error: ValueError) -> _Rea
     raise error from None
 
 
-def two_readings_error(node: Any, path: Path, dim: int) -> AmbiguousListError:
-    """The refusal of a list that reads both ways (`two_ways`), naming both fixes."""
-    name, size, rows = path_name(path), len(node), int(node[0].shape[dim])
-    nested = path != "batch"
-    if rows == size and ambiguous_list(node, dim, nested):
-        return ambiguous_list_error(node, path, dim, nested)
-    container = "a dict" if nested else "a tuple or a dict"
-    numpy = isinstance(node[0], np.ndarray)
-    kind, stack = ("arrays", "np.stack") if numpy else ("tensors", "torch.stack")
-    shapes = [tuple(entry.shape) for entry in node]
-    if len(set(shapes)) == 1:
-        what, items = f"of one shape {shapes[0]}", "one image or token sequence each"
-        fix = f"stack them into one {kind[:-1]} ({stack}(x), a collate_fn that stacks)"
-    else:
-        what = f"of different shapes ({', '.join(map(str, shapes[:3]))}, ...)"
-        items = "images or clips of varied sizes, one per item"
-        fix = "pad them into one tensor with their sizes"
-    return AmbiguousListError(
-        f"{name} is a {type(node).__name__} of {size} {kind} {what}: it reads as {size} items "
-        f"({items}, as collate_fn=list makes) and as {size} {kind} of {rows} rows each along "
-        f"dim {dim}, which split differently (read as rows, every micro-batch would get a "
-        "slice of each item: a few of its tokens or channels). gradaccum does not guess: if "
-        f"they are the items, {fix} or pass a list of dicts ([{{'x': t}} for t in items]); "
-        f"if they are {size} {kind} of {rows} rows each, pass them "
-        f"in {container}."
-    )
-
-
 def flat_tensors(batch: Any, dim: int) -> list[torch.Tensor] | None:
     """The fast path: the entries of a tuple, list or dict of tensors that agree on B > 0."""
     kind = type(batch)
@@ -192,7 +160,7 @@ def flat_tensors(batch: Any, dim: int) -> list[torch.Tensor] | None:
         return None
     size = values[0].shape[dim]
     if kind is list and _two_ways(values, dim):
-        return None  # the general path refuses it, or weighs both readings
+        return None  # B clips of B channels: the general path weighs both readings
     return values if size and all(v.shape[dim] == size for v in values) else None
 
 

@@ -15,7 +15,7 @@ dataclass or named tuple                         item (a plain tuple of them is 
 list of alike tensors or arrays, same-length     ``x[start:stop]``: one entry per item (images
 tuples or dicts sharing a key, or a nested       of varied sizes, ``collate_fn=list`` pairs,
 tuple of those, read as a container disagreeing  torchvision's ``tuple(zip(*batch))``, target
-with B, or beside as many records (targets)    dicts with a key for some images only)
+with B, or beside as many records (targets)      dicts with a key for some images only)
 ``PackedSequence``                               its sequences [start, stop), packed anew
 other list or plain tuple holding a tensor       a container: rebuilt, each entry by these rules
 dict, named tuple, dataclass, tuple subclass     a record: rebuilt with its type, entry by entry
@@ -26,10 +26,12 @@ A container or record with nothing to split inside is a constant too. B is the s
 the tensors and arrays along ``batch_dim`` (or, with none, of the per-item lists); a disagreement
 raises a ValueError naming every path and size. Another object whose attributes hold a tensor of
 B items raises a TypeError (make it a dataclass or a dict); nested and sparse CSR tensors too.
-A list of tensors of as many rows each that reads both ways (B token sequences of one length,
-B images of varied sizes, or as many fields of those rows) is refused naming both fixes when
-nothing else tells, unless 2 or 3 (fields, `(x, y)`) or of 2 sizes (multi-crop): see
-`gradaccum._readings`; one target dict per image beside it tells one image each.
+A list of tensors of as many rows each reads both ways: beside one target dict per image it is
+one image each, else fields of B rows (a `TensorDataset`'s columns, `[batch_x, batch_y, ...]`),
+so a lone list of B token sequences of one length or B images of varied sizes is split along
+their own first dimension: stack them, or pass a list of dicts. B tensors of different shapes
+with B rows each (B clips of B channels) alone are refused naming both fixes. See
+`gradaccum._readings`.
 A constant of B items (B class names, a B x B matrix) looks per-item and is split: bind constants
 to `loss_fn` (a closure, functools.partial). A list of L tuples of B strings each, the layout
 `default_collate` makes of a per-sample list (5 captions per image), is read as L per-item
