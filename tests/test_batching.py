@@ -1039,7 +1039,7 @@ def test_lists_of_one_tensor_per_item_are_split_when_the_batch_says_so() -> None
     assert [(len(mb[0]), len(mb[1])) for mb in micro_batches] == [(3, 3), (3, 3), (1, 1)]
     assert micro_batches[2][0][0] is images[6]
     assert batch_size({"images": images, "ids": torch.arange(7)}) == 7
-    # Negative control: read as a container, each image would be cut along its channels.
+    # Alone, the contract's reading: tensors sharing dim 0, cut along the channels (open item).
     assert batch_size(images) == 3
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -1352,8 +1352,10 @@ def test_uncollated_pairs_with_python_labels_are_examples_not_a_container() -> N
 
 
 def test_a_list_of_images_alone_is_a_container_and_as_examples_is_per_image() -> None:
-    """docs/vision.md: a bare list of ragged images reads as batched tensors (split along the
-    channels, B=3); with targets, or as `[{"image": ...}]` examples, it splits image by image."""
+    """docs/vision.md: a bare list of ragged images reads as the contract says, tensors sharing
+    the leading dimension (split along the channels, B=3: an open item, not refused, as fields
+    of varied shapes read the same way); with targets, or as `[{"image": ...}]` examples, it
+    splits image by image. A multi-crop list (2 sizes) and 3 fields of other shapes too."""
     images = [torch.zeros(3, 4 + i, 5) for i in range(5)]
     targets = [{"labels": torch.tensor([i])} for i in range(5)]
     bare = split_batch(images, 2)
@@ -1363,6 +1365,9 @@ def test_a_list_of_images_alone_is_a_container_and_as_examples_is_per_image() ->
     assert examples[2][0]["image"] is images[4]
     paired = split_batch((images, targets), 2)
     assert [len(micro[0]) for micro in paired] == [2, 2, 1]
+    crops = [torch.zeros(6, 3, 8, 8)] * 2 + [torch.zeros(6, 3, 4, 4)] * 6  # SwAV: 2 + 6
+    assert [len(micro) for micro in split_batch(crops, 4)] == [8, 8]  # 8 crops of 4, 2 rows
+    assert batch_size([torch.zeros(6, 5), torch.zeros(6, 1), torch.zeros(6, 2)]) == 6
 
 
 def test_a_flat_embedding_bag_batch_is_refused_naming_the_list_recipe_which_is_exact() -> None:
@@ -1431,3 +1436,350 @@ def test_scipy_sparse_features_and_targets_are_split_by_rows_and_exact() -> None
     gradaccum.accumulate_grad(model, {"x": x, "y": y}, loss_fn, micro_batch_size=4)
     for mine, reference in zip(model.parameters(), full.parameters(), strict=True):
         torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-10, atol=0)
+
+
+# Lists of same-shape tensors and packed sequences (thirteenth round)
+
+
+class _TokenLM(torch.nn.Module):
+    """Reads across its tokens (a GRU): a micro-batch given a slice of every sequence differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 4)
+        self.rnn = torch.nn.GRU(4, 4, batch_first=True)
+        self.out = torch.nn.Linear(4, 20)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(self.embed(ids))[0])
+
+
+def _lm_loss(model: torch.nn.Module, ids: Any) -> gradaccum.LossSum:
+    ids = torch.stack(ids) if isinstance(ids, list) else ids
+    logits = model(ids[:, :-1])
+    targets = ids[:, 1:]
+    value = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), targets.flatten(), reduction="sum"
+    )
+    return gradaccum.LossSum(value, targets.numel())
+
+
+def _token_model() -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return _TokenLM().double()
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_same_shape_token_sequences_alone_read_as_fields_and_stacked_are_exact(drive: str) -> None:
+    """`collate_fn=list` over sequences of one length: B tensors of shape (S,), which a
+    `TensorDataset`'s columns also are. Alone, they read as the contract says, S rows of B
+    fields, so every micro-batch gets a few tokens of every sequence (an open item, documented:
+    refusing it refused every 4-column TensorDataset). Stacked, or beside a tensor that pins B,
+    they read per sequence, and the step is the full batch's (float64, rtol 1e-10)."""
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(0, 20, (10,), generator=generator) for _ in range(6)]
+    model = _token_model()
+    reference = copy.deepcopy(model)
+    full = _lm_loss(reference, sequences)
+    (full.value / full.count).backward()
+    grads = [p.grad.clone() for p in reference.parameters()]  # type: ignore[union-attr]
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    # The contract's reading of the lone list: 10 rows, 2 tokens of each sequence per 2 rows.
+    assert batch_size(sequences) == 10
+    assert [mb[0].shape for mb in split_batch(sequences, 2)] == [(2,)] * 5
+    wrong = _token_model()
+    parts = [_lm_loss(wrong, [s[a : a + 2] for s in sequences]) for a in range(0, 10, 2)]
+    for part in parts:
+        (part.value / sum(int(p.count) for p in parts)).backward()
+    gap = max(
+        float((p.grad - g).abs().max())  # type: ignore[operator]
+        for p, g in zip(wrong.parameters(), grads, strict=True)
+    )
+    assert gap > 1e-3  # why the docs say to stack them
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=2, accumulation_steps=3)
+    stacked = torch.stack(sequences)
+    if drive == "step":
+        acc.step(stacked, _lm_loss)
+    else:
+        results = [acc.micro_step(mb, _lm_loss).stepped for mb in split_batch(stacked, 2)]
+        assert results == [False, False, True]
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    # The rest of the batch pins one reading: per-item ids with 6 labels, rows with 10.
+    assert batch_size({"ids": sequences, "y": torch.zeros(6)}) == 6
+    assert batch_size({"ids": sequences, "mask": torch.zeros(10)}) == 10
+    # Lists of 2 or 3 same-shape tensors are (x, y) and (anchor, positive, negative).
+    pair = [torch.zeros(6, 5), torch.ones(6, 5)]
+    assert [mb[0].shape for mb in split_batch(pair, 4)] == [(4, 5), (2, 5)]
+    assert batch_size([torch.zeros(6, 5)] * 3) == 6
+
+
+def _loaded(*columns: torch.Tensor) -> list[torch.Tensor]:
+    """The batch a DataLoader over `TensorDataset(*columns)` yields: a list (default_collate)."""
+    dataset = torch.utils.data.TensorDataset(*columns)
+    batch = next(iter(torch.utils.data.DataLoader(dataset, batch_size=len(columns[0]))))
+    assert type(batch) is list
+    return batch
+
+
+class _FieldsModel(torch.nn.Module):
+    """One small model for the four lone-list batches of shared rows below."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users = torch.nn.Embedding(20, 4)
+        self.items = torch.nn.Embedding(20, 4)
+        self.ts = torch.nn.Linear(1, 1)
+        self.series = torch.nn.Linear(7, 7)
+        self.marks = torch.nn.Linear(4, 7)
+        self.features = torch.nn.Linear(48, 16)
+        self.fusion = torch.nn.Linear(128 + 512 + 768, 16)
+
+
+def _fields_loss(model: _FieldsModel, batch: list[torch.Tensor]) -> torch.Tensor:
+    """A mean over rows of each layout; uses every field, so a wrong reading fails or drifts."""
+    mse = torch.nn.functional.mse_loss
+    if batch[0].dtype == torch.int64:  # users, items, labels, timestamps
+        users, items, labels, ts = batch
+        score = (model.users(users) * model.items(items)).sum(-1)
+        score = score + model.ts(ts.double()[:, None] / 100).squeeze(-1)
+        return torch.nn.functional.binary_cross_entropy_with_logits(score, labels.double())
+    if batch[0].ndim == 3:  # Time-Series-Library: batch_x, batch_y, batch_x_mark, batch_y_mark
+        x, y, x_mark, y_mark = batch
+        encoded = model.series(x) + model.marks(x_mark)
+        decoded = encoded.mean(1, keepdim=True) + model.marks(y_mark)
+        return mse(decoded[:, -48:], y[:, -48:])
+    if batch[0].shape[1] == 16:  # 4 feature columns of one width: 3 inputs and a target
+        return mse(model.features(torch.cat(batch[:3], dim=1)), batch[3])
+    audio, video, text, target = batch  # multimodal features of varied widths
+    return mse(model.fusion(torch.cat([audio, video, text], dim=1)), target)
+
+
+def _fields_batch(layout: str) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    if layout == "tensordataset_int64":
+        columns = [torch.randint(0, 20, (10,), generator=generator) for _ in range(2)]
+        labels = torch.randint(0, 2, (10,), generator=generator)
+        ts = torch.randint(0, 1000, (10,), generator=generator)
+        return _loaded(*columns, labels, ts)
+    if layout == "same_width_features":
+        return _loaded(*(randn(10, 16) for _ in range(4)))
+    if layout == "tslib":
+        return _loaded(randn(10, 96, 7), randn(10, 144, 7), randn(10, 96, 4), randn(10, 144, 4))
+    return _loaded(randn(10, 128), randn(10, 512), randn(10, 768), randn(10, 16))
+
+
+@pytest.mark.parametrize(
+    "layout", ["tslib", "tensordataset_int64", "same_width_features", "multimodal"]
+)
+def test_a_lone_list_of_fields_sharing_rows_steps_as_the_full_batch(layout: str) -> None:
+    """`DataLoader(TensorDataset(users, items, labels, ts))` yields a list of 4 int64 tensors
+    of shape (B,); 4 feature columns of one width, (B, 16) each; Time-Series-Library's
+    `[batch_x (B,96,7), batch_y (B,144,7), batch_x_mark (B,96,4), batch_y_mark (B,144,4)]`;
+    multimodal `[audio (B,128), video (B,512), text (B,768), target (B,16)]`. All are lists
+    whose tensors share dim 0, fields of B rows by the API contract: they were refused as
+    ambiguous (4+ of one shape, or of 3+ shapes). Read as fields, a ragged step (4 + 4 + 2
+    rows) is the full-batch step (float64, rtol 1e-10); numpy columns read alike."""
+    batch = _fields_batch(layout)
+    assert batch_size(batch) == 10
+    assert [mb[3].shape[0] for mb in split_batch(batch, 4)] == [4, 4, 2]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _FieldsModel().double()
+    reference = copy.deepcopy(model)
+    _fields_loss(reference, batch).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = acc.step(batch, _fields_loss)
+    assert (result.micro_batches, result.count) == (3, 10)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    assert batch_size([entry.numpy() for entry in batch]) == 10
+
+
+def _packed_loss(model: torch.nn.Module, packed: Any) -> torch.Tensor:
+    return model(packed)[1][-1].pow(2).sum(-1).mean()
+
+
+@pytest.mark.parametrize("enforce_sorted", [False, True])
+def test_packed_sequences_split_by_sequence_and_step_as_the_full_batch(
+    enforce_sorted: bool,
+) -> None:
+    """A `PackedSequence` (a collate_fn that packs) was refused with a message about tensors
+    disagreeing on the leading dimension (its data, batch_sizes and indices), naming no fix.
+    Now each micro-batch is its own sequences packed anew: step() and micro_step() equal the
+    full-batch step (float64, rtol 1e-10), take_batch reorders them, and no pair warning."""
+    from torch.nn.utils.rnn import pack_sequence, unpack_sequence
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = (6, 5, 3, 3, 2) if enforce_sorted else (3, 5, 2, 4, 6)
+    sequences = [torch.randn(n, 3, generator=generator, dtype=torch.float64) for n in lengths]
+    packed = pack_sequence(sequences, enforce_sorted=enforce_sorted)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.GRU(3, 4).double()
+    reference = copy.deepcopy(model)
+    _packed_loss(reference, packed).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    assert batch_size(packed) == 5
+    parts = [unpack_sequence(mb["x"]) for mb in split_batch({"x": packed}, 2)]
+    assert [len(p) for p in parts] == [2, 2, 1]
+    rejoined = [sequence for part in parts for sequence in part]
+    assert all(torch.equal(a, b) for a, b in zip(rejoined, sequences, strict=True))
+    taken = gradaccum.batching.take_batch({"x": packed, "i": torch.arange(5)}, [4, 0, 3, 1, 2])
+    assert [len(s) for s in unpack_sequence(taken["x"])] == [lengths[i] for i in (4, 0, 3, 1, 2)]
+    for drive in ("step", "micro_step"):
+        trained = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.5)
+        acc = gradaccum.Accumulator(trained, optimizer, micro_batch_size=2, accumulation_steps=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no preference-pairs false alarm
+            if drive == "step":
+                assert acc.step(packed, _packed_loss).count == 5
+            else:
+                ragged = (sequences[:4], sequences[4:])  # a loader's ragged last batch
+                for chunk in ragged:
+                    packed_chunk = pack_sequence(chunk, enforce_sorted=False)
+                    result = acc.micro_step(packed_chunk, _packed_loss)
+                assert result.stepped
+                assert result.count == 5
+        for got, want in zip(trained.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    moved = to_device(packed, torch.device("cpu"))
+    assert type(moved).__name__ == "PackedSequence"
+    assert moved.batch_sizes.device.type == "cpu"
+
+
+def _resized_detection_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    """A mean over images: micro_step() weighs each micro-batch by the images it holds."""
+    images, targets = batch
+    scores = model(torch.stack([image.mean(dim=(1, 2)) for image in images]))
+    labels = torch.stack([target["labels"][0] for target in targets])
+    return torch.nn.functional.cross_entropy(scores, labels)
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_detection_tuples_of_resized_images_with_as_many_boxes_are_split_per_image(
+    drive: str,
+) -> None:
+    """torchvision's `tuple(zip(*batch))` of images resized to one size, each with 3 boxes:
+    the images read as 3 rows (their channels) and the targets as 3 rows (their boxes), so B
+    was 3 for 6 images. micro_step() weighed a mean over 4 images and one over 2 alike (6e-2
+    off under SGD, silently), and step() cut channels. The target dicts, one per image, tell
+    the reading: one image each, exact (float64, rtol 1e-10). Numpy lists are read alike."""
+    generator = torch.Generator().manual_seed(0)
+    images = tuple(torch.randn(3, 8, 8, generator=generator, dtype=torch.float64) for _ in range(6))
+    targets = tuple(
+        {"boxes": torch.rand(3, 4, generator=generator), "labels": torch.tensor([i % 3] * 3)}
+        for i in range(6)
+    )
+    batch = (images, targets)
+    assert batch_size(batch) == 6
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 3).double()
+    reference = copy.deepcopy(model)
+    _resized_detection_loss(reference, batch).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    # Negative control: the micro-batches of 4 and 2 images weighed alike, as B was 3 for both.
+    wrong = copy.deepcopy(model)
+    for part in ((images[:4], targets[:4]), (images[4:], targets[4:])):
+        (_resized_detection_loss(wrong, part) / 2).backward()
+    torch.optim.SGD(wrong.parameters(), lr=0.5).step()
+    pairs = zip(wrong.parameters(), reference.parameters(), strict=True)
+    gap = max(float((a - b).detach().abs().max()) for a, b in pairs)
+    assert gap > 1e-3
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=2, accumulation_steps=2)
+    if drive == "step":
+        assert acc.step(batch, _resized_detection_loss).micro_batches == 3
+    else:
+        acc.micro_step((images[:4], targets[:4]), _resized_detection_loss)
+        assert acc.micro_step((images[4:], targets[4:]), _resized_detection_loss).count == 6
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    # Metadata of numbers beside 2 views of 2 rows tells nothing: the views stay fields.
+    views = {"views": [torch.zeros(2, 3, 4), torch.ones(2, 3, 4)], "meta": [{"id": 1}, {"id": 2}]}
+    assert [mb["views"][1].shape[0] for mb in split_batch(views, 1)] == [1, 1]
+    waves = [np.zeros(16) for _ in range(6)]
+    assert batch_size(waves) == 16  # alone, fields of 16 rows as a list of tensors reads
+    assert batch_size({"wav": waves, "y": torch.zeros(6)}) == 6
+
+
+class _TVImage(torch.Tensor):
+    """A tensor subclass, as torchvision's `tv_tensors.Image` and `BoundingBoxes` are."""
+
+
+def test_lists_of_tensor_subclasses_are_per_item_like_plain_tensors() -> None:
+    """torchvision's v2 transforms return `tv_tensors.Image` and `BoundingBoxes`: tensor
+    subclasses. A list of them was never one entry per item, so a detection batch of images of
+    varied sizes was refused with a wrong fix ('batch[1] must hold one entry per item, B=3 ...
+    Make it a tensor': the images' channels taken for B) and `{"images": ..., "y": ...}` as
+    tensors that disagree. They read as plain tensors now: one per item, the step exact."""
+    generator = torch.Generator().manual_seed(0)
+    images = [
+        torch.randn(3, 5 + i, 4 + 2 * i, generator=generator, dtype=torch.float64).as_subclass(
+            _TVImage
+        )
+        for i in range(5)
+    ]
+    targets = [
+        {"label": torch.tensor(i % 3), "boxes": torch.rand(i + 1, 4).as_subclass(_TVImage)}
+        for i in range(5)
+    ]
+    for batch in ((images, targets), (tuple(images), tuple(targets))):
+        assert batch_size(batch) == 5
+        assert [len(mb[0]) for mb in split_batch(batch, 2)] == [2, 2, 1]
+    assert batch_size({"images": images, "y": torch.zeros(5)}) == 5
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 3).double()
+    reference = copy.deepcopy(model)
+    loss = _detection_loss(reference, (images, targets))
+    (loss.value / loss.count).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=2)
+    assert acc.step((images, targets), _detection_loss).micro_batches == 3
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+def test_a_detection_batch_of_3_rgb_images_with_their_targets_is_split_per_image() -> None:
+    """3 RGB images of varied sizes read as 3 items and as 3 tensors of 3 rows: refused, even
+    beside their 3 target dicts, so an epoch whose last batch held 3 images (or micro_step()
+    micro-batches of 3) stopped with an error. One target dict per image tells the reading:
+    one image each, and the window (micro-batches of 4 and 3 images) is the full batch's."""
+    generator = torch.Generator().manual_seed(0)
+    images = [
+        torch.randn(3, 5 + i, 4 + 2 * i, generator=generator, dtype=torch.float64) for i in range(7)
+    ]
+    targets = [{"label": torch.tensor(i % 3), "boxes": torch.rand(i + 1, 4)} for i in range(7)]
+    for layout in (list, tuple):
+        assert batch_size((layout(images[4:]), layout(targets[4:]))) == 3
+    with pytest.raises(ValueError, match=r"reads as 3 items"):
+        batch_size({"images": images[4:], "y": torch.zeros(3)})  # a tensor tells nothing
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 3).double()
+    reference = copy.deepcopy(model)
+    loss = _detection_loss(reference, (images, targets))
+    (loss.value / loss.count).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    acc = gradaccum.Accumulator(model, optimizer, accumulation_steps=2)
+    acc.micro_step((images[:4], targets[:4]), _detection_loss)
+    result = acc.micro_step((images[4:], targets[4:]), _detection_loss)
+    assert (result.stepped, result.count) == (True, 7)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)

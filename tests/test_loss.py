@@ -1446,6 +1446,44 @@ def test_preference_pairs_cut_by_the_split_warn_and_pairs_in_one_row_are_exact()
         assert got.grad is None
 
 
+def _packed_rnn_loss(m: torch.nn.Module, b: dict) -> torch.Tensor:
+    packed = torch.nn.utils.rnn.pack_padded_sequence(
+        b["x"], b["lengths"], batch_first=True, enforce_sorted=False
+    )
+    return m(packed)[1][-1].pow(2).sum(-1).mean()
+
+
+def test_a_packed_rnn_cutting_its_hidden_state_is_no_preference_pair() -> None:
+    """`pack_padded_sequence` in loss_fn (variable-length sequences, the usual RNN recipe): the
+    RNN cuts its hidden state's rows as the shorter sequences end (`h[:1]`, `h[1:]` of 2 rows)
+    and concatenates the pieces back, which the pair check read as halves compared: a false
+    'Keep each pair in one row' warning on an exact step. Pieces under a concatenation along
+    the rows are skipped; the step is the full batch's (float64, rtol 1e-10), quietly."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([3, 5, 2, 4, 6, 1])
+    x = torch.randn(6, 6, 3, generator=generator, dtype=torch.float64)
+    x = x * (torch.arange(6)[None, :, None] < lengths[:, None, None])
+    batch = {"x": x, "lengths": lengths}
+    torch.manual_seed(0)
+    start = torch.nn.GRU(3, 4, batch_first=True).double()
+    full = copy.deepcopy(start)
+    _packed_rnn_loss(full, batch).backward()
+    torch.optim.SGD(full.parameters(), lr=0.5).step()
+    # Control: a micro-batch's graph holds the halves of its 2 rows, each sliced along dim 0.
+    loss = _packed_rnn_loss(copy.deepcopy(start), {"x": x[:2], "lengths": lengths[:2]})
+    queue, cuts = [loss.grad_fn], set()
+    while queue:
+        node = queue.pop()
+        if type(node).__name__ == "SliceBackward0" and node._saved_self_sym_sizes[0] == 2:
+            cuts.add((int(node._saved_start), int(node._saved_end)))
+        queue.extend(f for f, _ in getattr(node, "next_functions", ()) if f is not None)
+    assert {(0, 1), (1, 2)} <= cuts
+    model, caught = _sgd_step_caught(start, batch, _packed_rnn_loss, 2)
+    assert [str(w.message) for w in caught] == []
+    for got, want in zip(model.parameters(), full.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
 def test_a_causal_lm_count_taken_before_the_shift_warns_and_the_shifted_count_is_exact() -> None:
     """Pretraining rows (no -100 at position 0) scored as `labels[:, 1:]` against
     `logits[:, :-1]` but counted `(labels != -100).sum()`: one more per row, silently 0.15 off

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from gradaccum._records import (
     dataclass_entries,
@@ -89,6 +90,10 @@ def map_tensors(
         return fn(batch)
     if isinstance(batch, Mapping):
         return rebuild_mapping(batch, {k: map_tensors(v, fn, arrays) for k, v in batch.items()})
+    if isinstance(batch, PackedSequence):  # its batch_sizes stay on the CPU, as RNNs need
+        order = (batch.sorted_indices, batch.unsorted_indices)
+        moved = [None if t is None else fn(t) for t in order]
+        return PackedSequence(fn(batch.data), batch.batch_sizes, *moved)
     if isinstance(batch, tuple) and type(batch) is not tuple:  # named tuples, torch.Size...
         return rebuild_tuple(batch, [map_tensors(v, fn, arrays) for v in batch])
     if isinstance(batch, (list, tuple)):

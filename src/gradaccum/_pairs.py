@@ -7,6 +7,8 @@ is only whole if the split keeps it in one micro-batch: an odd micro-batch cuts 
 pair (its halves broadcast against each other, silently, or fail on their sizes), and any split
 of a halves batch compares chosen rows with other chosen rows. Both are read from the loss's
 graph near its top: a slice of a tensor of the micro-batch's rows along its first dimension.
+Slices under a concatenation along the rows are pieces put back together, not pairs: a packed
+RNN (`pack_padded_sequence`) cuts its hidden state as its shorter sequences end.
 
 Example:
     >>> import torch
@@ -44,6 +46,8 @@ def _slices(loss: torch.Tensor, rows: int) -> list[tuple[str, int, int, int]]:
         if node is None:
             continue
         name = type(node).__name__
+        if name == "CatBackward0" and getattr(node, "_saved_dim", None) == 0:
+            continue  # rows put back together: below, pieces (a packed RNN's shrinking hidden)
         sizes = tuple(getattr(node, "_saved_self_sym_sizes", None) or ())
         first = getattr(node, "_saved_dim", 1) == 0 and sizes[:1] == (rows,)
         if name == "SplitBackward0" and first:

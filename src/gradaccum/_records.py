@@ -193,8 +193,8 @@ def per_item_list(node: Any, nested: bool = True) -> bool:
     if not node:
         return True
     first = node[0]
-    array = type(first)
-    if array is torch.Tensor or array is np.ndarray:  # numpy: waveforms as librosa loads them
+    array = type(first)  # a subclass too: torchvision's tv_tensors.Image, BoundingBoxes
+    if isinstance(first, (torch.Tensor, np.ndarray)):  # numpy: waveforms as librosa loads them
         return all(
             type(e) is array and e.ndim == first.ndim and e.dtype == first.dtype for e in node
         )

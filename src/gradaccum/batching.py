@@ -15,7 +15,8 @@ dataclass or named tuple                         item (a plain tuple of them is 
 list of alike tensors or arrays, same-length     ``x[start:stop]``: one entry per item (images
 tuples or dicts sharing a key, or a nested       of varied sizes, ``collate_fn=list`` pairs,
 tuple of those, read as a container disagreeing  torchvision's ``tuple(zip(*batch))``, target
-with B                                           dicts with a key for some images only)
+with B, or beside as many records (targets)      dicts with a key for some images only)
+``PackedSequence``                               its sequences [start, stop), packed anew
 other list or plain tuple holding a tensor       a container: rebuilt, each entry by these rules
 dict, named tuple, dataclass, tuple subclass     a record: rebuilt with its type, entry by entry
 anything else: str, int, float, bool, None...    the same object, whole, in every micro-batch
@@ -25,6 +26,12 @@ A container or record with nothing to split inside is a constant too. B is the s
 the tensors and arrays along ``batch_dim`` (or, with none, of the per-item lists); a disagreement
 raises a ValueError naming every path and size. Another object whose attributes hold a tensor of
 B items raises a TypeError (make it a dataclass or a dict); nested and sparse CSR tensors too.
+A list of tensors of as many rows each reads both ways: beside one target dict per image it is
+one image each, else fields of B rows (a `TensorDataset`'s columns, `[batch_x, batch_y, ...]`),
+so a lone list of B token sequences of one length or B images of varied sizes is split along
+their own first dimension: stack them, or pass a list of dicts. B tensors of different shapes
+with B rows each (B clips of B channels) alone are refused naming both fixes. See
+`gradaccum._readings`.
 A constant of B items (B class names, a B x B matrix) looks per-item and is split: bind constants
 to `loss_fn` (a closure, functools.partial). A list of L tuples of B strings each, the layout
 `default_collate` makes of a per-sample list (5 captions per image), is read as L per-item
@@ -51,6 +58,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from gradaccum._batch_sizes import (
     OBJECT,
@@ -61,16 +69,20 @@ from gradaccum._batch_sizes import (
     check_batch_dim,
     check_micro_batch_size,
     check_not_empty,
-    is_offsets,
     no_tensor_hint,
     refuse_objects,
 )
 from gradaccum._device import map_tensors, on_device, to_device
+from gradaccum._readings import (
+    check_list,
+    choose_reading,
+    flat_tensors,
+    packed_items,
+    packed_leaf,
+    plain,
+)
 from gradaccum._records import (
     SCALARS,
-    AmbiguousListError,
-    ambiguous_list,
-    ambiguous_list_error,
     any_array,
     collated_columns,
     dataclass_entries,
@@ -228,22 +240,12 @@ def _plan(
     with `hook`, the slicer is built over `hook(leaf)` for every leaf (`map_leaves`).
     """
     check_batch_dim(batch_dim)
-    plain = hook is None and type(batch) is torch.Tensor and _plain(batch, batch_dim)
-    if plain and batch.shape[batch_dim]:
+    dense = hook is None and type(batch) is torch.Tensor and plain(batch, batch_dim)
+    if dense and batch.shape[batch_dim]:
         return (tensor_slicer(batch, batch_dim) if build else _measured), batch.shape[batch_dim]
-    flat = None if hook is not None else _flat_tensors(batch, batch_dim)
+    flat = None if hook is not None else flat_tensors(batch, batch_dim)
     if flat is None:  # the general path: as it reads, else by the fallbacks of `_compile`
-        try:
-            return _general(batch, batch_dim, build, 0, hook)
-        except ValueError as error:
-            if isinstance(error, AmbiguousListError):  # both readings agree with B: no fallback
-                raise
-            for lists in (1, 2):
-                try:
-                    return _general(batch, batch_dim, build, lists, hook)
-                except ValueError:
-                    pass
-            raise error from None
+        return choose_reading(batch, lambda n, ask: _general(batch, batch_dim, build, n, hook, ask))
     size: int = flat[0].shape[batch_dim]
     if not build:
         return _measured, size
@@ -251,10 +253,10 @@ def _plan(
 
 
 def _general(
-    batch: Any, dim: int, build: bool, lists: int, hook: _Hook | None = None
+    batch: Any, dim: int, build: bool, lists: int, hook: _Hook | None, ask: bool
 ) -> tuple[_Slicer, int]:
     sizes: Sizes = []
-    slicer = _compile(batch, "batch", dim, sizes, build, lists, hook)
+    slicer = _compile(batch, "batch", dim, sizes, build, lists, hook, ask)
     if slicer is None:
         refuse_objects(sizes, None)
         raise ValueError(
@@ -265,23 +267,6 @@ def _general(
     return slicer, agreed_size(sizes, dim)
 
 
-def _flat_tensors(batch: Any, dim: int) -> list[torch.Tensor] | None:
-    """The fast path: the entries of a tuple, list or dict of tensors that agree on B > 0."""
-    kind = type(batch)
-    if kind is dict:
-        values = [] if any(map(is_offsets, batch)) else list(batch.values())  # refused
-    elif kind is tuple or kind is list:
-        values = batch
-    else:
-        return None
-    if not values or not all(type(v) is torch.Tensor and _plain(v, dim) for v in values):
-        return None
-    size = values[0].shape[dim]
-    if len(values) == size and kind is list and ambiguous_list(values, dim, False):
-        return None  # the general path refuses it
-    return values if size and all(v.shape[dim] == size for v in values) else None
-
-
 def _compile(
     node: Any,
     path: Path,
@@ -290,12 +275,14 @@ def _compile(
     build: bool,
     tensor_lists: int = 0,
     hook: _Hook | None = None,
+    ask: bool = False,
 ) -> _Slicer | None:
     """Return the slicer of `node` (None if it is a constant), recording its leaves' sizes.
 
     Fallbacks, tried only when the batch cannot be read otherwise: with `tensor_lists` >= 1,
     lists of alike tensors or of tuples (`per_item_list`) are one entry per item (images of
-    varied sizes); with 2, a list of tuples of strings is columns (`collated_columns`).
+    varied sizes); with 2, a list of tuples of strings is columns (`collated_columns`). With
+    `ask`, a list of same-shape tensors stops the walk (`choose_reading` weighs both readings).
     """
     if isinstance(node, SCALARS):
         return None
@@ -315,6 +302,9 @@ def _compile(
     if isinstance(node, Mapping):
         entries: Any = node.items()
         template = "[{!r}]"
+    elif isinstance(node, PackedSequence):  # sequences, interleaved by time step: repacked
+        sizes.append((path, packed_items(node), "tensor"))
+        return packed_leaf(node, hook) if build else _measured
     elif isinstance(node, tuple) and hasattr(node, "_fields"):  # a named tuple is a record
         entries, template = zip(node._fields, node, strict=True), ".{}"
     elif tensor_lists > 1 and collated_columns(node):  # a container of per-item tuples
@@ -324,8 +314,8 @@ def _compile(
         node = _hooked(node, hook)
         return lambda start, stop: node[start:stop]
     elif is_record(node) or (isinstance(node, (list, tuple)) and any_array(node)):
-        if not tensor_lists and ambiguous_list(node, dim, path != "batch"):
-            raise ambiguous_list_error(node, path, dim, path != "batch")
+        if not tensor_lists:
+            check_list(node, path, dim, ask)
         entries, template = enumerate(node), "[{}]"
     elif isinstance(node, (list, tuple)):  # per-item entries, however many (even none)
         sizes.append((path, len(node), type(node).__name__))
@@ -340,7 +330,8 @@ def _compile(
         sizes.extend(((path, "{}", name), n, held) for name, n in object_arrays(node, dim))
         return None
     children = [
-        _compile(v, (path, template, k), dim, sizes, build, tensor_lists, hook) for k, v in entries
+        _compile(v, (path, template, k), dim, sizes, build, tensor_lists, hook, ask)
+        for k, v in entries
     ]
     if all(child is None for child in children):
         return None
@@ -381,11 +372,6 @@ def _entries_slicer(values: Any, children: list[_Slicer | None]) -> _Slicer:
         return lambda start, stop: [child(start, stop) for child in live]
     pairs = list(zip(children, values, strict=True))
     return lambda start, stop: [v if child is None else child(start, stop) for child, v in pairs]
-
-
-def _plain(tensor: torch.Tensor, dim: int) -> bool:
-    """Whether `tensor` is dense, not nested, and has `dim`: the fast path slices it as a view."""
-    return tensor.layout is torch.strided and not tensor.is_nested and tensor.ndim > dim
 
 
 def _measured(start: int, stop: int) -> Any:
