@@ -22,7 +22,7 @@ chosen so that m is neither 1 nor the whole batch), this reports:
   glibc's default (its dynamic threshold keeps freed memory); the thresholded subprocess then
   also runs `micro_batch_size="auto"`, planning included;
 - **throughput** (samples/s) at the auto choice vs a conservative hand choice (m = 8): the two
-  alternate call by call (the order rotating every round), median over repeats, one
+  alternate call by call (the order shuffled every round), median over repeats, one
   thread; the speed-up is the median of the per-repeat ratios;
 - **activations per item** (`MemoryPlan.activation_bytes_per_item`) at each task's default
   batch and at the batch above.

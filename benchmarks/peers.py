@@ -35,7 +35,7 @@ step).
 Table 1, speed and memory, per model:
 - time: every contender, plus the hand loop again under another name (A/A, the harness's noise
   floor), runs `--steps` timed optimizer steps per repeat, the contenders interleaved call by
-  call, their order rotating every round (`_measure.interleaved_times`), on ONE shared model
+  call, their order shuffled every round (`_measure.interleaved_times`), on ONE shared model
   and optimizer (so all see the same memory layout). Printed: median seconds per optimizer step,
   and the median over repeats of (contender time / hand time in the same repeat),
   with its interquartile range;
