@@ -1027,6 +1027,20 @@ def _detection_loss(model: torch.nn.Module, batch: tuple) -> gradaccum.LossSum:
     return gradaccum.LossSum(value, len(labels))
 
 
+def _detection_model_and_reference(
+    images: list[torch.Tensor], targets: list[dict[str, torch.Tensor]]
+) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
+    """A float64 model, its copy after one plain full-batch SGD step, and the model's SGD."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 3).double()
+    reference = copy.deepcopy(model)
+    loss = _detection_loss(reference, (images, targets))
+    (loss.value / loss.count).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    return model, reference, torch.optim.SGD(model.parameters(), lr=0.5)
+
+
 def test_lists_of_one_tensor_per_item_are_split_when_the_batch_says_so() -> None:
     """torchvision detection batches: `(list of B images of varied sizes, list of B dicts)`."""
     generator = torch.Generator().manual_seed(0)
@@ -1741,14 +1755,7 @@ def test_lists_of_tensor_subclasses_are_per_item_like_plain_tensors() -> None:
         assert batch_size(batch) == 5
         assert [len(mb[0]) for mb in split_batch(batch, 2)] == [2, 2, 1]
     assert batch_size({"images": images, "y": torch.zeros(5)}) == 5
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(3, 3).double()
-    reference = copy.deepcopy(model)
-    loss = _detection_loss(reference, (images, targets))
-    (loss.value / loss.count).backward()
-    torch.optim.SGD(reference.parameters(), lr=0.5).step()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, reference, optimizer = _detection_model_and_reference(images, targets)
     acc = gradaccum.Accumulator(model, optimizer, micro_batch_size=2)
     assert acc.step((images, targets), _detection_loss).micro_batches == 3
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
@@ -1769,14 +1776,7 @@ def test_a_detection_batch_of_3_rgb_images_with_their_targets_is_split_per_image
         assert batch_size((layout(images[4:]), layout(targets[4:]))) == 3
     with pytest.raises(ValueError, match=r"reads as 3 items"):
         batch_size({"images": images[4:], "y": torch.zeros(3)})  # a tensor tells nothing
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(3, 3).double()
-    reference = copy.deepcopy(model)
-    loss = _detection_loss(reference, (images, targets))
-    (loss.value / loss.count).backward()
-    torch.optim.SGD(reference.parameters(), lr=0.5).step()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, reference, optimizer = _detection_model_and_reference(images, targets)
     acc = gradaccum.Accumulator(model, optimizer, accumulation_steps=2)
     acc.micro_step((images[:4], targets[:4]), _detection_loss)
     result = acc.micro_step((images[4:], targets[4:]), _detection_loss)
