@@ -61,6 +61,32 @@ def test_split_makes_views_not_copies() -> None:
     assert batch[4, 0] == -1.0
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+def test_flat_batches_split_as_the_general_path_slices_them(dim: int) -> None:
+    """A tensor, tuple, list or dict of tensors takes one `torch.split` per tensor: the same
+    views, structure and types as the general path's per-range slices (a namedtuple, which
+    takes the general path, is the reference)."""
+    pair = namedtuple("pair", "x y")
+    x, y = torch.arange(70.0).reshape(5, 7, 2), torch.arange(35).reshape(5, 7)
+    x, y = (x, y) if dim == 0 else (x.transpose(0, 1), y.transpose(0, 1))
+    reference = split_batch(pair(x, y), 2, batch_dim=dim)
+    for batch in (x, (x, y), [x, y], {"x": x, "y": y}):
+        parts = split_batch(batch, 2, batch_dim=dim)
+        assert len(parts) == len(reference) == math.ceil(x.shape[dim] / 2)
+        for part, expected in zip(parts, reference, strict=True):
+            leaves = (
+                [part]
+                if isinstance(part, torch.Tensor)
+                else list(part.values() if isinstance(part, dict) else part)
+            )
+            assert type(part) is type(batch)
+            for leaf, want in zip(leaves, expected[: len(leaves)], strict=True):
+                assert leaf.shape == want.shape
+                assert leaf.stride() == want.stride()
+                assert leaf.data_ptr() == want.data_ptr()  # views of the batch, not copies
+                assert torch.equal(leaf, want)
+
+
 def test_nested_batch_keeps_structure_and_non_tensor_leaves() -> None:
     ids = torch.arange(7)
     features = torch.randn(7, 3)

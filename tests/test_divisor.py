@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gradaccum.divisor import (
+    Seeds,
     backward_denominator,
     divide_,
     grad_divisor,
@@ -156,3 +157,29 @@ def test_seeded_loss_gives_the_scaled_loss_gradient_bit_for_bit(
         root.backward(seed)
         grads.append(weight_param.grad)
     assert torch.equal(grads[0], grads[1])
+
+
+def test_seeds_reuse_one_seed_per_ask_and_replace_a_seed_written_in_place() -> None:
+    seeds, value = Seeds(), torch.tensor(3.0, requires_grad=True)
+    root, first = seeds.seeded_loss(value, 16, 64.0)
+    assert root is value
+    assert first is not None
+    assert float(first) == 0.25
+    again = seeds.seeded_loss(value, 16, 64.0)[1]
+    assert again is first  # the same ask: the cached seed, not a new tensor
+    assert seeds.seeded_loss(value, 8, 64.0)[1] is not first  # another factor
+    first.mul_(2.0)  # a custom backward scaled its incoming gradient in place
+    replaced = seeds.seeded_loss(value, 16, 64.0)[1]
+    assert replaced is not first
+    assert float(replaced) == 0.25
+    assert float(first) == 0.5  # negative control: the written seed no longer holds its factor
+    assert seeds.seeded_loss(value.double(), 16, 64.0)[1].dtype == torch.float64  # by dtype
+
+
+def test_seeds_cache_stays_bounded_over_many_asks() -> None:
+    seeds, value = Seeds(), torch.tensor(1.0, requires_grad=True)
+    for weight in range(1, 1000):
+        _root, seed = seeds.seeded_loss(value, weight, 1024.0)
+        assert seed is None or float(seed) == weight / 1024.0
+    assert len(seeds._asked) <= 4 * Seeds._LIMIT
+    assert len(seeds._seeds) <= Seeds._LIMIT

@@ -218,8 +218,8 @@ class Engine:
             if roots:
                 with sync.backward_context(reduce=reduce):
                     backward(roots, seeds)
-                runtime.collect(window.params)
-            window.watch()
+                if runtime.uses_buffers:
+                    runtime.collect(window.params)
         window.add(logged, weight, count, items)
         first = window.count == count and not window.terms and sync.averaged_over == 1
         if self.telemetry is not None and first:  # the first that counts (DDP: unreduced)

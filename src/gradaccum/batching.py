@@ -135,10 +135,25 @@ def split_batch(batch: Any, micro_batch_size: int, *, batch_dim: int = 0) -> lis
         [torch.Size([7, 3, 2]), torch.Size([7, 2, 2])]
     """
     check_micro_batch_size(micro_batch_size)
+    if (split := _split_flat(batch, micro_batch_size, check_batch_dim(batch_dim))) is not None:
+        return split
     slicer, size = _plan(batch, batch_dim)
     check_not_empty(size)
     step = micro_batch_size
-    return [slicer(start, min(start + step, size)) for start in range(0, size, step)]
+    return [slicer(i, min(i + step, size)) for i in range(0, size, step)]
+
+
+def _split_flat(batch: Any, step: int, dim: int) -> list[Any] | None:
+    """A tensor, or a tuple, list or dict of them, split by one `torch.split` each."""
+    if type(batch) is torch.Tensor:  # views, as slicing gives
+        whole = plain(batch, dim) and batch.shape[dim] > 0
+        return list(torch.split(batch, step, dim)) if whole else None
+    if (flat := flat_tensors(batch, dim)) is None:
+        return None
+    columns = zip(*[torch.split(tensor, step, dim) for tensor in flat], strict=True)
+    if type(batch) is dict:
+        return [dict(zip(batch, parts, strict=True)) for parts in columns]
+    return [type(batch)(parts) for parts in columns]
 
 
 def slice_batch(batch: Any, start: int, stop: int, *, batch_dim: int = 0) -> Any:
@@ -164,7 +179,7 @@ def slice_batch(batch: Any, start: int, stop: int, *, batch_dim: int = 0) -> Any
         torch.Size([0, 2])
     """
     slicer, size = _plan(batch, batch_dim)
-    bounds_are_ints = _is_int(start) and _is_int(stop)
+    bounds_are_ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (start, stop))
     if not (bounds_are_ints and 0 <= start <= stop <= size):
         raise ValueError(
             f"slice_batch(start={start!r}, stop={stop!r}) needs ints with "
@@ -380,7 +395,3 @@ def _measured(start: int, stop: int) -> Any:
 
 def _hooked(leaf: Any, hook: _Hook | None) -> Any:
     return leaf if hook is None else hook(leaf)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -234,6 +234,9 @@ class Seeds:
 
     def __init__(self) -> None:
         self._seeds: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
+        # By what a micro-batch asks for: most windows ask the same each time, and working the
+        # factor out again (a few exactness checks) costs more than the backward's seeding.
+        self._asked: dict[tuple[int, float, float, torch.dtype, torch.device], torch.Tensor] = {}
 
     def get(self, factor: float, like: torch.Tensor) -> torch.Tensor:
         """A 0-dim tensor holding `factor`, with `like`'s dtype and device."""
@@ -242,6 +245,7 @@ class Seeds:
         if seed is None or seed._version:
             if len(self._seeds) >= self._LIMIT:
                 self._seeds.clear()
+                self._asked.clear()
             seed = torch.full((), factor, dtype=like.dtype, device=like.device)
             self._seeds[key] = seed
         return seed
@@ -250,7 +254,16 @@ class Seeds:
         self, value: torch.Tensor, weight: int, denominator: float, loss_scale: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`seeded_loss` with a seed from this cache."""
-        return seeded_loss(value, weight, denominator, loss_scale, self)
+        asked = (weight, denominator, loss_scale, value.dtype, value.device)
+        seed = self._asked.get(asked)
+        if seed is not None and not seed._version and type(value) is torch.Tensor:
+            return value, seed
+        root, seed = seeded_loss(value, weight, denominator, loss_scale, self)
+        if seed is not None:
+            if len(self._asked) >= 4 * self._LIMIT:  # asks that share factors: bounded too
+                self._asked.clear()
+            self._asked[asked] = seed
+        return root, seed
 
 
 def seeded_loss(

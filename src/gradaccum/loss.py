@@ -226,6 +226,13 @@ def read_loss(result: object, batch_items: int, *, needs_graph: bool = False) ->
             `needs_graph`) a loss that counts items has no graph (`torch.no_grad()`, detached),
             or one that counts none is not finite (a mean over nothing, times 0).
     """
+    if (  # the common case, checked in one look (it runs cold, after the forward's kernels)
+        type(result) is torch.Tensor
+        and result.requires_grad
+        and result.dim() == 0
+        and result.is_floating_point()
+    ):
+        return ReadLoss(result, batch_items, batch_items)
     if isinstance(result, LossSum):
         value = _check_scalar(result.value, "LossSum.value")
         count = _read_count(result.count)

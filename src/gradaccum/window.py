@@ -137,7 +137,17 @@ class Window:
             param.grad = None
 
     def add(self, value: torch.Tensor, weight: int, count: int, items: int) -> None:
-        """Count one micro-batch; its loss is read (CPU) or added on its device (no sync)."""
+        """Count one micro-batch after its backward; its loss is read (CPU) or added on its device.
+
+        It also remembers one gradient, for `check_no_backward_inside`.
+        """
+        watched = self._watched  # a parameter the model uses, if any got a gradient
+        if watched is None:
+            param = next((p for p in self.params if p.grad is not None), self.params[0])
+        else:
+            param = watched[0]
+        grad = param.grad
+        self._watched = (param, grad, -1 if grad is None else grad._version)
         if value.is_cpu:
             self.loss_host += value.item() * weight  # float64: no rounding to the loss's dtype
         else:
@@ -155,21 +165,12 @@ class Window:
         on_device = 0.0 if self.loss_sum is None else float(self.loss_sum)
         return self.loss_host + on_device
 
-    def watch(self) -> None:
-        """After the window's own backward, remember one gradient (see `loss_ran_backward`)."""
-        if self._watched is None:  # a parameter the model uses, if any got a gradient
-            param = next((p for p in self.params if p.grad is not None), self.params[0])
-        else:
-            param = self._watched[0]
-        grad = param.grad
-        self._watched = (param, grad, -1 if grad is None else grad._version)
-
     def check_no_backward_inside(self) -> None:
         """Raise if a gradient changed since the window's last backward: `loss_fn` ran its own.
 
         Called between a `loss_fn` and the window's backward of its loss, once per micro-batch:
         the first looks at every parameter (all were cleared when the window opened), the
-        others at the one gradient `watch` remembered.
+        others at the one gradient `add` remembered.
 
         Raises:
             ValueError: Naming the fix (remove the `.backward()` from `loss_fn`).
@@ -384,7 +385,6 @@ def accumulate_grad(
                 if value.requires_grad:
                     root, seed = seeded_loss(value, weight, window.denominator)
                     backward([root], None if seed is None else [seed])
-                window.watch()
                 window.add(value, weight, count, items)
     except BaseException as error:
         window.note_discarded(error)
