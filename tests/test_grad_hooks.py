@@ -230,3 +230,57 @@ def test_a_post_accumulate_scaling_of_each_share_moved_to_buffers_is_quiet() -> 
         param.grad.mul_(0.5)
     torch.optim.SGD(reference.parameters(), lr=0.5).step()
     assert _gap(model, reference) < 5e-2
+
+
+def _late_hook_run(case: _Case, drive: str) -> tuple[nn.Module, nn.Module, list[str]]:
+    """Five windows of four micro-batches (20, beyond the watch's first 16) without hooks, then
+    the hook registered (a callback's, at a later epoch) and one more window; the reference takes
+    the same plain full-batch steps with the hook applied once in the last."""
+    hook, post, apply = case
+    model, reference = _model(), _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.5)
+    acc = Accumulator(model, optimizer, micro_batch_size=6, accumulation_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for window in range(6):
+            if window == 5:
+                for param in model.parameters():
+                    if post:
+                        param.register_post_accumulate_grad_hook(hook)
+                    else:
+                        param.register_hook(hook)
+            if drive == "step":
+                assert acc.step((_X, _Y), _loss).stepped
+            else:
+                for i in range(4):
+                    acc.micro_step((_X[6 * i : 6 * i + 6], _Y[6 * i : 6 * i + 6]), _loss)
+            plain.zero_grad(set_to_none=True)
+            _loss(reference, (_X, _Y)).backward()
+            for param in reference.parameters():
+                assert param.grad is not None
+                param.grad = apply(param.grad) if window == 5 else param.grad
+            plain.step()
+    return model, reference, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+@pytest.mark.parametrize("name", ["clamp", "post_scale_in_place"])
+def test_a_hook_registered_after_the_first_16_micro_batches_is_watched_too(
+    name: str, drive: str
+) -> None:
+    """The watch bracketed an Accumulator's first 16 micro-batches only: a clamping hook added
+    after them (a callback at epoch 2) was silent, 2e-2 off the step. Each window's start now
+    looks for hooks registered since and brackets them as the first ones were."""
+    model, reference, told = _late_hook_run(_WARNED[name], drive)
+    assert len(told) == 1, told
+    assert "register_step_pre_hook" in told[0]
+    assert f"{__file__}:" in told[0]
+    assert _gap(model, reference) > 1e-3  # control: the late hook's step is not the reference's
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_a_linear_hook_registered_late_stays_exact_and_quiet(drive: str) -> None:
+    model, reference, told = _late_hook_run(_QUIET["fixed_scale"], drive)
+    assert told == []
+    assert _gap(model, reference) < 1e-10

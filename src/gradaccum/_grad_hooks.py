@@ -9,7 +9,9 @@ of the window's gradients, so it applies again to what it changed already: a sca
 (0.5 becomes 0.5 ** k for the first micro-batch's share), a clamp clips partial sums; only
 zeroing fixed entries adds up. Neither can be told from the hook's code, so the first few
 micro-batches of a window bracket the hooks of each hooked parameter with two of ours, reading
-the gradient before and after them, and warn once when what they did is none of these.
+the gradient before and after them, and warn once when what they did is none of these. Each
+window's start looks for hooks registered since (a callback's at epoch 2): new ones are
+bracketed for as many micro-batches again.
 
 Example:
     >>> import torch, warnings
@@ -42,7 +44,7 @@ from gradaccum._warnings import warn_user
 __all__ = ["hooked_parameters", "hooks_watched"]
 
 _TORCH = os.path.dirname(torch.__file__)
-_WATCHED = 16  # micro-batches of an Accumulator bracketed at most (then the hooks run alone)
+_WATCHED = 16  # micro-batches bracketed per set of hooks at most (then the hooks run alone)
 _FIX = (
     "Clip, scale or log the window's gradient in an optimizer step pre-hook instead "
     "(optimizer.register_step_pre_hook): it runs once per step actually taken, on the "
@@ -72,7 +74,8 @@ class _Watch:
     """One Accumulator's (or `accumulate_grad`'s) watch over its parameters' hooks."""
 
     def __init__(self) -> None:
-        self.left = _WATCHED
+        self.left = 0
+        self.known: frozenset[tuple[bool, int]] = frozenset()  # the user's hooks (by key) seen
         self.told = False
         self.seen: dict[tuple[int, bool], torch.Tensor] = {}  # ratios or zeroed masks, a window
         self.handles: list[Any] = []
@@ -80,6 +83,19 @@ class _Watch:
         self.problem: str | None = None
         self.where: dict[tuple[int, bool], str] = {}
         self.fresh: dict[tuple[int, bool], bool] = {}  # no `.grad` before the backward
+
+    def rearm(self, params: Any) -> None:
+        """At a window's start: bracket again if the user's hooks changed since last looked."""
+        found = frozenset(
+            (post, key)
+            for param in params
+            for post in (False, True)
+            if (hooks := _hooks(param, post))
+            for key, hook in hooks.items()
+            if not _torch_own(hook)
+        )
+        if found != self.known:
+            self.known, self.left = found, _WATCHED if found else 0
 
     def enter(self, window: Any) -> None:
         self.left -= 1
@@ -180,11 +196,18 @@ _WATCHES: weakref.WeakKeyDictionary[Any, _Watch] = weakref.WeakKeyDictionary()
 
 
 def hooks_watched(window: Any) -> _Watch | None:
-    """The watch to bracket a micro-batch's backward with (`enter`, `exit`), or None once done."""
+    """The watch to bracket a micro-batch's backward with (`enter`, `exit`), or None.
+
+    None once it warned, and after its micro-batches, until a window opens over other hooks.
+    """
     watch = _WATCHES.get(window)
     if watch is None:
         watch = _WATCHES[window] = _Watch()
-    return None if watch.told or watch.left <= 0 else watch
+    if watch.told:
+        return None
+    if window.micro_batches == 0:  # hooks registered since the last window's start
+        watch.rearm(window.params)
+    return None if watch.left <= 0 else watch
 
 
 def hooked_parameters(model: torch.nn.Module) -> list[NonAdditiveModule]:
