@@ -36,6 +36,7 @@ from gradaccum._open_window import warn_if_left_open
 from gradaccum._optimizer_setting import OptimizerSetting
 from gradaccum._parameters import trainable_parameters, window_parameters
 from gradaccum._run_settings import RunSettings
+from gradaccum._schedule_length import length_hint
 from gradaccum._window_sizes import WindowSizes
 from gradaccum.batching import batch_size, split_batch
 from gradaccum.batchnorm import BatchNormControl
@@ -161,6 +162,7 @@ class Accumulator(WindowSizes, OptimizerSetting, RunSettings):
             batchnorm=control,
             batch_dim=self.batch_dim,
         )
+        self._engine.schedule.length_hint = length_hint(self)  # OneCycleLR's total_steps
         if telemetry:
             self._engine.telemetry = TelemetryMeter(device=runtime.device)
         self.nonfinite_windows = self.empty_windows = 0  # windows skipped so far: in the state

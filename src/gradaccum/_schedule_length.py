@@ -1,0 +1,82 @@
+"""The length a fixed-length schedule needs: what `OneCycleLR(total_steps=...)` should count.
+
+The Accumulator steps its scheduler once per optimizer step, and a streamed epoch takes as many
+as its windows: `math.ceil(len(loader) / k)` when `flush()` steps the shorter last window,
+`len(loader) // k` when it drops it, and over the whole run `math.ceil(epochs * len(loader) / k)`
+when it carries it. A schedule counted another way (per micro-batch, or with the floor under
+`"step"`) runs out before the data: torch's `OneCycleLR` then raises "Tried to step N times",
+which the Accumulator raises before any change (`gradaccum._commit.try_scheduler`). The note
+added to that error names the formula for the Accumulator's own settings.
+
+Example:
+    >>> import torch
+    >>> from gradaccum import Accumulator
+    >>> model = torch.nn.Linear(2, 1)
+    >>> acc = Accumulator(model, torch.optim.SGD(model.parameters()), accumulation_steps=4)
+    >>> "total_steps=epochs * math.ceil(len(loader) / 4)" in length_hint(acc)()
+    True
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from gradaccum.options import PartialWindow, Tokens
+
+__all__ = ["length_hint", "runs_out"]
+
+
+def runs_out(scheduler: Any) -> bool:
+    """Whether `scheduler` (or one it chains) has a fixed number of steps it cannot go past."""
+    inner = getattr(scheduler, "_schedulers", ())
+    return hasattr(scheduler, "total_steps") or any(map(runs_out, inner))
+
+
+def length_hint(accumulator: Any) -> Callable[[], str]:
+    """The note's text for `accumulator`'s settings when asked (held weakly: no cycle)."""
+    ref = weakref.ref(accumulator)
+
+    def hint() -> str:
+        acc = ref()
+        return "" if acc is None else _hint(acc)
+
+    return hint
+
+
+def _hint(acc: Any) -> str:
+    steps, mode = acc.accumulation_steps, acc.partial_window
+    said = [
+        "The Accumulator steps the scheduler once per optimizer step it takes, never per "
+        "micro-batch or per call; count those steps."
+    ]
+    if isinstance(steps, Tokens):
+        said.append(
+            f"With accumulation_steps={steps!r} a window closes on its items' count, so the "
+            "number of steps follows the data: count result.stepped over a first epoch, or "
+            "stop the loop at the schedule's total_steps."
+        )
+    elif steps is not None:
+        k = steps
+        formula = {
+            PartialWindow.STEP: f"epochs * math.ceil(len(loader) / {k})",
+            PartialWindow.DROP: f"epochs * (len(loader) // {k})",
+            PartialWindow.CARRY: f"math.ceil(epochs * len(loader) / {k})",
+        }[mode]
+        why = {
+            PartialWindow.STEP: "each epoch's flush() steps its shorter last window",
+            PartialWindow.DROP: "each epoch's flush() drops its last micro-batches",
+            PartialWindow.CARRY: "windows run on across epochs, the last settled by flush('step')",
+        }[mode]
+        said.append(
+            f"With micro_step(), accumulation_steps={k} and partial_window='{mode.value}' "
+            f"({why}), build it with total_steps={formula}, len(loader) counting "
+            "micro-batches."
+        )
+    if acc.micro_batch_size is not None:
+        said.append(
+            "With step(), one step per call: total_steps=epochs * len(loader), the loader "
+            "yielding whole batches."
+        )
+    return " ".join(said)
