@@ -99,7 +99,7 @@ def test_a_schedule_that_runs_out_names_the_total_steps_formula_and_it_runs_exac
     assert_bitwise(_state(model, optimizer, scheduler), before)  # caught before any change
     notes = " ".join(raised.__notes__)
     assert f"partial_window='{mode}'" in notes
-    found = re.search(r"total_steps=(.+?), len\(loader\)", notes)
+    found = re.search(r"total_steps=(.+?) optimizer steps", notes)
     assert found is not None, notes  # fails without the fix: no formula named
     total = eval(found.group(1), {"math": math, "epochs": EPOCHS, "loader": LOADER})
     assert total == len(_windows(mode))
@@ -126,7 +126,7 @@ def test_step_names_one_step_per_call() -> None:
     with pytest.raises(ValueError, match="Tried to step 3 times") as raised:
         acc.step(LOADER[2], _loss)
     notes = " ".join(raised.value.__notes__)
-    assert "total_steps=epochs * len(loader)" in notes
+    assert "total_steps=epochs * len(loader) optimizer steps" in notes
     assert "micro_step()" not in notes
 
 

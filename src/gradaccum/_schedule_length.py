@@ -13,7 +13,7 @@ Example:
     >>> from gradaccum import Accumulator
     >>> model = torch.nn.Linear(2, 1)
     >>> acc = Accumulator(model, torch.optim.SGD(model.parameters()), accumulation_steps=4)
-    >>> "total_steps=epochs * math.ceil(len(loader) / 4)" in length_hint(acc)()
+    >>> "total_steps=epochs * math.ceil(len(loader) / 4) optimizer steps" in length_hint(acc)()
     True
 """
 
@@ -71,12 +71,13 @@ def _hint(acc: Any) -> str:
         }[mode]
         said.append(
             f"With micro_step(), accumulation_steps={k} and partial_window='{mode.value}' "
-            f"({why}), build it with total_steps={formula}, len(loader) counting "
-            "micro-batches."
+            f"({why}), the run takes total_steps={formula} optimizer steps, len(loader) "
+            "counting micro-batches: size the schedule for them (in a SequentialLR, the last "
+            "schedule for what its milestones leave)."
         )
     if acc.micro_batch_size is not None:
         said.append(
-            "With step(), one step per call: total_steps=epochs * len(loader), the loader "
-            "yielding whole batches."
+            "With step(), one step per call: total_steps=epochs * len(loader) optimizer "
+            "steps, the loader yielding whole batches."
         )
     return " ".join(said)
