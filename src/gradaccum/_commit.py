@@ -48,7 +48,6 @@ from gradaccum._checks import check_scheduler, check_scheduler_optimizer
 from gradaccum._dtensor import local_tensor
 from gradaccum._joined import warn_joined, warn_left_out
 from gradaccum._oom import optimizer_step_guard
-from gradaccum._schedule_length import runs_out
 from gradaccum._step_refusal import (
     COMMITTING,
     OpenWindow,
@@ -210,13 +209,11 @@ def _partial_message(
     )
 
 
-def try_scheduler(scheduler: Any, length_hint: Callable[[], str] | None = None) -> None:
+def try_scheduler(scheduler: Any) -> None:
     """Step one of torch's schedulers and put it back: raise now what its step would raise later.
 
     The param groups' values it sets (lr, momentum, betas; tensor values in place) and its own
     state are restored whether it raised or not. Only torch's own classes are tried (`triable`).
-    `length_hint`: the total_steps formula for the Accumulator's settings, noted for a schedule
-    of fixed length (`gradaccum._schedule_length`).
     """
     if not triable(scheduler):
         return
@@ -238,8 +235,6 @@ def try_scheduler(scheduler: Any, length_hint: Callable[[], str] | None = None) 
                 "runs out of steps (OneCycleLR's total_steps) needs a longer schedule or a stop "
                 "before it."
             )
-            if length_hint is not None and runs_out(scheduler) and (hint := length_hint()):
-                error.add_note(f"gradaccum: {hint}")
             built, count = len(getattr(scheduler, "base_lrs", ())), len(state_groups)
             if built and built != count:  # the usual cause of its zip() or 'initial_lr' error
                 error.add_note(
@@ -281,11 +276,6 @@ class SchedulerSteps:
         self._last: tuple[int, object] | None = None  # (id(scheduler), last_epoch)
         self._warned = False
         self._checked: Any = None  # the scheduler last checked, held: an id could be reused
-        self.length_hint: Callable[[], str] | None = None  # set by the Accumulator
-
-    def tried(self, scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
-        """`scheduler` checked (`checked`), then tried before the step (`try_scheduler`)."""
-        try_scheduler(self.checked(scheduler, optimizer), self.length_hint)
 
     def checked(self, scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
         """`scheduler`, refused as at construction if it was set (`acc.scheduler = ...`) since.

@@ -20,7 +20,7 @@ from gradaccum import _boundary, _commit
 from gradaccum._agreement import RankMismatchError
 from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, reduced_gradients
 from gradaccum._buffer_watch import BufferWatch
-from gradaccum._commit import SchedulerSteps, refuse_steps_inside, steps_refused
+from gradaccum._commit import SchedulerSteps, refuse_steps_inside, steps_refused, try_scheduler
 from gradaccum._commit_agreement import join_as_failed, step_on_every_rank
 from gradaccum._engine_state import component_states, restore_components
 from gradaccum._layout_watch import SequenceFirstCheck
@@ -271,7 +271,7 @@ class Engine:
         window, runtime = self.window, self.runtime
         agreed = False  # from a clean exchange to the step: a failure joins the step agreement
         try:  # the scheduler is tried before any rank steps, so its error is announced (DDP)
-            self.schedule.tried(scheduler, self.optimizer)
+            try_scheduler(self.schedule.checked(scheduler, self.optimizer))
             agreement = self._agreement or self._exchange(rank_summary(window, runtime, self.sync))
             self._agreement = None
             if agreement.failed_ranks:

@@ -5,27 +5,25 @@ as its windows: `math.ceil(len(loader) / k)` when `flush()` steps the shorter la
 `len(loader) // k` when it drops it, and over the whole run `math.ceil(epochs * len(loader) / k)`
 when it carries it. A schedule counted another way (per micro-batch, or with the floor under
 `"step"`) runs out before the data: torch's `OneCycleLR` then raises "Tried to step N times",
-which the Accumulator raises before any change (`gradaccum._commit.try_scheduler`). The note
-added to that error names the formula for the Accumulator's own settings.
+which the Accumulator raises before any change (`gradaccum._commit.try_scheduler`). The
+Accumulator adds a note to that error naming the formula for its own settings.
 
 Example:
     >>> import torch
     >>> from gradaccum import Accumulator
     >>> model = torch.nn.Linear(2, 1)
     >>> acc = Accumulator(model, torch.optim.SGD(model.parameters()), accumulation_steps=4)
-    >>> "total_steps=epochs * math.ceil(len(loader) / 4) optimizer steps" in length_hint(acc)()
+    >>> "total_steps=epochs * math.ceil(len(loader) / 4) optimizer steps" in _hint(acc)
     True
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 from gradaccum.options import PartialWindow, Tokens
 
-__all__ = ["length_hint", "runs_out"]
+__all__ = ["length_noted", "runs_out"]
 
 
 def runs_out(scheduler: Any) -> bool:
@@ -34,15 +32,24 @@ def runs_out(scheduler: Any) -> bool:
     return hasattr(scheduler, "total_steps") or any(map(runs_out, inner))
 
 
-def length_hint(accumulator: Any) -> Callable[[], str]:
-    """The note's text for `accumulator`'s settings when asked (held weakly: no cycle)."""
-    ref = weakref.ref(accumulator)
+class length_noted:  # noqa: N801  (a context manager used like a function)
+    """Around a window's close: a schedule that ran out at its try gets the run's length noted.
 
-    def hint() -> str:
-        acc = ref()
-        return "" if acc is None else _hint(acc)
+    A class, not a generator: it runs once per window.
+    """
 
-    return hint
+    __slots__ = ("acc", "scheduler")
+
+    def __init__(self, acc: Any, scheduler: Any) -> None:
+        self.acc, self.scheduler = acc, scheduler
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:  # the error goes on
+        notes = getattr(error, "__notes__", ())
+        if any("tried before optimizer.step()" in n for n in notes) and runs_out(self.scheduler):
+            error.add_note(f"gradaccum: {_hint(self.acc)}")
 
 
 def _hint(acc: Any) -> str:

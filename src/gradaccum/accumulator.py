@@ -36,7 +36,7 @@ from gradaccum._open_window import warn_if_left_open
 from gradaccum._optimizer_setting import OptimizerSetting
 from gradaccum._parameters import trainable_parameters, window_parameters
 from gradaccum._run_settings import RunSettings
-from gradaccum._schedule_length import length_hint
+from gradaccum._schedule_length import length_noted
 from gradaccum._window_sizes import WindowSizes
 from gradaccum.batching import batch_size, split_batch
 from gradaccum.batchnorm import BatchNormControl
@@ -162,7 +162,6 @@ class Accumulator(WindowSizes, OptimizerSetting, RunSettings):
             batchnorm=control,
             batch_dim=self.batch_dim,
         )
-        self._engine.schedule.length_hint = length_hint(self)  # OneCycleLR's total_steps
         if telemetry:
             self._engine.telemetry = TelemetryMeter(device=runtime.device)
         self.nonfinite_windows = self.empty_windows = 0  # windows skipped so far: in the state
@@ -306,9 +305,10 @@ class Accumulator(WindowSizes, OptimizerSetting, RunSettings):
 
     def _close(self, micro_batch_size: int, sizing: str | None = None) -> StepResult:
         """The window boundary, through the engine's transaction; counts what it skipped."""
-        engine = self._engine
+        engine, scheduler = self._engine, self.scheduler
         micro_batches, counted = engine.window.micro_batches, engine.window.count
-        outcome = engine.close_window(max_grad_norm=self.max_grad_norm, scheduler=self.scheduler)
+        with length_noted(self, scheduler):  # OneCycleLR past total_steps: what the run takes
+            outcome = engine.close_window(max_grad_norm=self.max_grad_norm, scheduler=scheduler)
         build = StepResult.stepped if outcome.stepped else StepResult.skipped
         meter, telemetry = self._engine.telemetry, None
         if meter is not None:  # `counted`: this rank's items, for a window resumed mid-way
