@@ -1402,3 +1402,37 @@ def test_a_detectors_sampling_heads_are_explained_without_the_eval_mode_advice()
     assert "samples anchors and proposals" in explained
     assert "box_batch_size_per_image" in explained
     assert "eval mode, or p=0" not in explained
+
+
+def _compiled_check() -> EquivalenceReport:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    model = torch.compile(net, backend="eager")
+    batch = (torch.randn(7, 4), torch.randn(7, 2))
+
+    def loss_fn(m: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(m(b[0]), b[1])
+
+    return check_equivalence(model, batch, loss_fn, micro_batch_size=3)
+
+
+def test_check_equivalence_on_a_compiled_model_raises_no_global_hook_warning() -> None:
+    """torch warns of any global forward hook at each call of a compiled module: a false alarm.
+
+    The hook that learns which modules ran learns nothing under compile (they all count as run),
+    so it is not registered there; the report is the same.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*global hooks on modules")
+        report = _compiled_check()
+    assert report.ok
+    assert report.max_rel_diff < 1e-10
+
+
+def test_negative_control_a_global_forward_hook_makes_torch_warn_at_a_compiled_call() -> None:
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *_: None)
+    try:
+        with pytest.warns(UserWarning, match="global hooks on modules"):
+            _compiled_check()
+    finally:
+        handle.remove()

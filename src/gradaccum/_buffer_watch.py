@@ -15,6 +15,8 @@ import torch
 
 from gradaccum._averaged import AverageWatch, named_trained_modules
 from gradaccum._frozen_watch import FrozenWatch
+from gradaccum._groupnorm import batchnorm_modules
+from gradaccum._structure import StructureWatch
 from gradaccum._warnings import warn_user
 from gradaccum._wrappers import known_name, unwrapped
 
@@ -46,16 +48,9 @@ class BufferWatch:
     def __init__(
         self, model: torch.nn.Module, skip: list[torch.nn.Module], *, active: bool = True
     ) -> None:
-        skipped = {id(m) for m in skip}
-        # Named inside a torch.compile / DDP wrapper: a state saved wrapped loads unwrapped.
-        # An EMA copy's buffers change between windows (update_parameters), never in a forward.
-        self._slots = [
-            (f"{name}.{key}" if name else key, module, key)
-            for name, module in named_trained_modules(unwrapped(model))
-            if id(module) not in skipped
-            for key, buffer in module._buffers.items()
-            if buffer is not None and active
-        ]
+        self._model, self._skip, self._active = unwrapped(model), {id(m) for m in skip}, active
+        self._structure = StructureWatch(self._find_slots)  # modules set after building
+        self._slots = self._structure.value
         self._learned: set[int] | None = None  # slots that change; None: no window closed yet
         self._saved: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # slot, tensor, copy
         self._versions: list[tuple[int, torch.Tensor, int | None]] = []  # slot, tensor, version
@@ -69,6 +64,9 @@ class BufferWatch:
 
     def open(self) -> None:
         """Copy what this window may change (all of it until one window has shown what does)."""
+        if (fresh := self._structure.look()) is not None:  # a head set: learn its buffers
+            self._slots, self._learned = fresh, None
+            self._structure.settle(fresh)
         self._frozen.open()
         self._averages.open()
         if not self._slots:
@@ -81,6 +79,22 @@ class BufferWatch:
             if b is not None and (learned is None or i in learned)
         ]
         self._versions = [(i, b, _version(b)) for i, b in current if b is not None]
+
+    def _find_slots(self) -> list[tuple[str, torch.nn.Module, str]]:
+        """Each buffer slot: its name, owning module and key; BatchNorm's are another's.
+
+        Named inside a torch.compile / DDP wrapper: a state saved wrapped loads unwrapped. An EMA
+        copy's buffers change between windows (update_parameters), never in a forward. The
+        model's BatchNorm layers are skipped too, as `BatchNormControl` finds them again.
+        """
+        skipped = self._skip | {id(m) for _, m in batchnorm_modules(self._model)}
+        return [
+            (f"{name}.{key}" if name else key, module, key)
+            for name, module in named_trained_modules(self._model)
+            if id(module) not in skipped
+            for key, buffer in module._buffers.items()
+            if buffer is not None and self._active
+        ]
 
     def changed(self) -> list[str]:
         """The buffers this window's forwards changed so far, as `module.buffer` names."""

@@ -145,12 +145,12 @@ class Engine:
         if (broken := self.broken) is not None:  # never taken for the out-of-memory it quotes
             raise PartialStepError(f"no window was run: the last step failed halfway. {broken}")
         params, held = self._params.for_window(self.optimizer)  # refuses a stale resize
+        self.batchnorm.open_window()  # may refuse a BatchNorm set since: before any change
         self.runtime.open_window(len(params), None if self.sync.defers else params)  # dtypes
         self.sync.begin_window()
         self._layout.open_window()  # an RNN state from the last window's micro-batches may go on
         self._token_mean.open_window()  # masked means compared within a window
         self.window.open(params, held, self.runtime.loss_scale())
-        self.batchnorm.open_window()
         self.buffers.open()
         if self.telemetry is not None:
             self.telemetry.open_window()

@@ -10,7 +10,9 @@ full batch does. Silent, unlike a buffer's update (`_buffer_watch`). `FrozenWatc
 storages (an in-place update, a `p.data = ...` reassignment), and the first three also a sample
 of their elements (a `p.data.mul_()`, which bumps no version counter; a target copied from the
 trained network moves only from the second window on). They are not put back when a window
-is forgotten: nothing else than a copy could.
+is forgotten: nothing else than a copy could. A PEFT `merge_adapter()` adds the adapters into their
+frozen base weights: undone by `unmerge_adapter()` within the window (an evaluation merged for
+speed) it is no change, left merged it is told as such, naming `unmerge_adapter()`.
 """
 
 from __future__ import annotations
@@ -70,6 +72,13 @@ class FrozenWatch:
             and type(p.detach()) is torch.Tensor
             and p.layout is torch.strided
         ]
+        # PEFT layers' base weights: merge_adapter() adds the adapters into them in place.
+        self._merged_into = {
+            id(p): m
+            for m in model.modules()
+            if hasattr(m, "merged_adapters")
+            for p in getattr(m, "base_layer", m).parameters()
+        }
         self._marks: list[tuple[str, torch.Tensor, int | None, int]] = []
         self._samples: list[torch.Tensor] | None = None  # the first windows', by value
         self._by_value = _BY_VALUE  # windows left to compare samples in
@@ -105,10 +114,23 @@ class FrozenWatch:
                 for m, old, new in pairs
                 if not m[1].requires_grad and (m[0] in by_mark or not old.equal(new))
             ]
+        layers = {name: self._merged_into.get(id(p)) for name, p, _, _ in marks}
+        # A PEFT merge_adapter() then unmerge_adapter() (an evaluation merged for speed) puts
+        # the base weights back within rounding: not a change the step would notice.
+        moved = [n for n in moved if getattr(layers[n], "merged_adapters", True)]
         if not moved or micro_batches < 2:
             return None
         self.warned = True
         names = ", ".join(moved[:_SHOWN]) + (", ..." if len(moved) > _SHOWN else "")
+        if any(layers[n] is not None for n in moved):
+            return (
+                f"PEFT adapters were merged into their base weights ({names}) inside this "
+                f"accumulation window of {micro_batches} micro-batches and are still merged "
+                "(merge_adapter()): the micro-batches after the merge ran the adapters folded "
+                "into frozen weights, gave them no gradient, and the step is not the "
+                "full-batch one. Call unmerge_adapter() right after the evaluation that "
+                "merged them, or merge between windows (after a result with stepped=True)."
+            )
         return (
             f"{len(moved)} parameters that do not require grad ({names}) changed inside "
             f"this accumulation window of {micro_batches} micro-batches: a target network's "

@@ -327,7 +327,8 @@ class ModulesRun:
         self._handle: torch.utils.hooks.RemovableHandle | None = None
 
     def __enter__(self) -> ModulesRun:
-        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._seen)
+        if not self._compiled:  # compiled: all count as run, and torch warns of a global hook
+            self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._seen)
         return self
 
     def __exit__(self, *exc: object) -> None:

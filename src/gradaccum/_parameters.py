@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
+from gradaccum._structure import StructureWatch
 from gradaccum._window_registry import busy_error
 
 __all__ = ["ModelParameters", "trainable_parameters", "window_parameters"]
@@ -82,6 +83,10 @@ class ModelParameters:
         self.names: dict[int, str] = {}  # refreshed in place: the engine holds this dict
         self.params: list[torch.nn.Parameter] = []
         self._read()
+        self._structure = StructureWatch(self._ids)  # a head set after building: read again
+
+    def _ids(self) -> tuple[int, ...]:
+        return tuple(map(id, self._model.parameters()))
 
     def _read(self) -> None:
         self.names.clear()
@@ -144,10 +149,36 @@ class ModelParameters:
                     f"that the optimizer does not hold: they would not train. {_FIX}"
                 )
             self._read()
+        if (ids := self._structure.look()) is not None:  # modules set since: read them
+            self._read()
         params, optimizers = window_parameters(self.params, optimizer)
+        if ids is not None and not loading:
+            _refuse_replaced(params[:optimizers], self.names, optimizer)
+            self._structure.settle(ids)
         if not loading and (busy := busy_error(params, self.names)) is not None:
             raise busy  # another Accumulator's open window holds gradients of these
         return params, optimizers
+
+
+def _refuse_replaced(
+    held: list[torch.nn.Parameter], names: dict[int, str], optimizer: torch.optim.Optimizer
+) -> None:
+    """Refuse an optimizer left holding only parameters the model no longer has.
+
+    A head replaced after the optimizer was built over it alone (`model.fc = nn.Linear(...)`,
+    the backbone frozen): the window would run, no parameter of it would get a gradient.
+    """
+    if not held or any(id(p) in names for p in held):
+        return
+    raise ValueError(
+        f"the {type(optimizer).__name__} holds none of the model's parameters any more: modules "
+        "were set on the model after the optimizer was built (a replaced head, model.fc = "
+        "nn.Linear(...)), and it holds the replaced ones. Build an optimizer over the model as "
+        "it is now and give it to the Accumulator between windows, acc.optimizer = "
+        "torch.optim.AdamW(model.fc.parameters()) (acc.scheduler = a schedule built on it), "
+        "or add the new parameters: acc.optimizer.add_param_group({'params': "
+        "model.fc.parameters()}). Nothing was changed."
+    )
 
 
 _FIX = (

@@ -43,6 +43,7 @@ from gradaccum._pooled_stats import (
     tracked,
     update_running,
 )
+from gradaccum._structure import StructureWatch
 from gradaccum._warnings import warn_user
 from gradaccum._wrappers import known_name, unwrapped
 from gradaccum.batching import to_device
@@ -174,11 +175,15 @@ class BatchNormControl:
             _check_freezable(self.modules)
         self._model = unwrapped(model)  # its warning names the layers inside a wrapper
         self._by_name = dict(self.modules)
+        self._structure = StructureWatch(self._scan)  # a head set after building, with its own
         self._pending: Record = {}  # "pooled": the window's statistics so far
         # "micro": each statistic as the window began, by (module name, buffer name).
         self._saved: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []
         self._resumed: list[tuple[str, str, torch.Tensor, torch.Tensor]] | None = None
         self._warned = False
+
+    def _scan(self) -> list[tuple[str, _BatchNorm]]:
+        return batchnorm_modules(self._model)
 
     def micro_context(self) -> contextlib.AbstractContextManager[None]:
         """The context for one micro-batch's forward and backward."""
@@ -236,6 +241,16 @@ class BatchNormControl:
         in "pooled" one that was in eval mode as the micro-batch began updates as in "micro"):
         a few vectors per layer, and nothing at all for a model without BatchNorm.
         """
+        if (fresh := self._structure.look()) is not None:  # BatchNorm set after building
+            if self.mode is BatchNormMode.FROZEN:
+                _check_freezable(fresh)  # before anything changes
+            added = {id(m) for _, m in fresh} - {id(m) for _, m in self.modules}
+            self.modules, self._by_name, self._warned = (
+                fresh,
+                dict(fresh),
+                self._warned and not added,
+            )
+            self._structure.settle(fresh)
         if self.mode is BatchNormMode.FROZEN or not self.modules:
             self._saved = []
             return

@@ -266,7 +266,8 @@ def _require_graph(value: torch.Tensor, count: int) -> None:
             "detached, or from frozen parameters only; return the loss with its graph. "
             "(torch.utils.checkpoint(..., use_reentrant=True) around the trainable layers "
             "also returns no graph when none of its inputs requires grad, as torch warned: "
-            "pass use_reentrant=False.)"
+            "pass use_reentrant=False. A PEFT model left merged, merge_adapter(), runs its "
+            "adapters folded into frozen weights: call unmerge_adapter() before training.)"
         )
 
 
