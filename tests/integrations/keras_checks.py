@@ -1317,6 +1317,83 @@ def activity_regularizer_counts():
     return result
 
 
+class _AddedTerm(keras.layers.Layer):
+    """A layer adding its own loss term: a mean over rows, a sum over rows, or a constant."""
+
+    def __init__(self, kind, **kwargs):
+        super().__init__(**kwargs)
+        self.kind, self.supports_masking = kind, True
+
+    def build(self, shape):
+        self.scale = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        y = x * self.scale
+        if self.kind == "row_mean":
+            self.add_loss(0.1 * ops.mean(ops.sum(ops.square(y), axis=-1)))
+        elif self.kind == "row_sum":
+            self.add_loss(0.01 * ops.sum(ops.square(y)))
+        else:  # a weight penalty: the same for every batch
+            self.add_loss(0.1 * ops.sum(ops.square(self.scale)))
+        return y
+
+
+def _added_mlp(kind):
+    return lambda: keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(8, kernel_initializer=seeded(1)), _AddedTerm(kind),
+        keras.layers.Dense(3, kernel_initializer=seeded(2)),
+    ])  # fmt: skip
+
+
+def _added_tokens(kind="row_mean"):
+    embedding = keras.initializers.RandomUniform(-0.5, 0.5, seed=1)
+    return lambda: keras.Sequential([
+        keras.Input((None,), dtype="int32"),
+        keras.layers.Embedding(11, 8, mask_zero=True, embeddings_initializer=embedding),
+        _AddedTerm(kind), keras.layers.Dense(11, kernel_initializer=seeded(2)),
+    ])  # fmt: skip
+
+
+@check
+def add_loss_terms():
+    """`self.add_loss(...)` in a layer: a full-batch step adds the term once, computed on the
+    window's rows. A mean over rows (beside a per-row loss) and a constant are exact; a SUM over
+    rows was weighed like a mean (about 1/steps of it, 0.4-0.5 off, silently) and a mean over rows
+    beside a masked token loss was weighed by tokens: both refused at compile(), nothing changed."""
+    sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+    scce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    micro = regression(RAGGED)
+    found = {kind: compare(_added_mlp(kind), sgd, micro, steps=3) for kind in ("row_mean", "const")}
+    found["token_const"] = compare(
+        _added_tokens("const"), sgd, token_data(TOKEN_ROWS), 3, loss=scce
+    )
+    for exact in found.values():
+        exact.pop("weights")
+    messages, unchanged = {}, {}
+    for label, make, loss in [("row_sum", _added_mlp("row_sum"), "mse"),
+                              ("token_row_mean", _added_tokens(), scce)]:  # fmt: skip
+        model = make()
+        before = weights(model)
+        trainer = gk.accumulate(model, steps=3)
+        try:
+            trainer.compile(optimizer=sgd(), loss=loss)
+            messages[label] = None
+        except ValueError as error:
+            messages[label] = str(error)
+        unchanged[label] = gap(weights(model), before) == 0.0 and not trainer.compiled
+    # NEGATIVE CONTROL: count= (rows, the default's count) skips the check: the sum is averaged.
+    rows = lambda x, y, y_pred, sample_weight: ops.shape(x)[0]  # noqa: E731
+    ref = fit_plain(_added_mlp("row_sum"), sgd(), windows(micro, 3)[0])
+    model = _added_mlp("row_sum")()
+    trainer = gk.accumulate(model, steps=3, count=rows)
+    trainer.compile(optimizer=sgd(), loss="mse")
+    trainer.fit(Batches(micro), shuffle=False, verbose=0)
+    found.update(
+        messages=messages, unchanged=unchanged, gap_row_sum=gap(weights(model), weights(ref))
+    )
+    return found
+
+
 @check
 def loss_sum_warns_about_a_batch_dice():
     """`loss_sum(Dice())` in a hand-written loop took the batch ratio for a row mean, silently;

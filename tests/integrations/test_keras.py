@@ -394,6 +394,20 @@ def test_an_activity_regularizer_is_exact_over_rows_and_refused_beside_other_cou
     assert found["gap_token_count"] > CAUGHT, "weighing the penalty by tokens must be caught"
 
 
+def test_add_loss_terms_are_exact_or_refused(keras_results, backend):
+    found = result(keras_results, backend, "add_loss_terms")
+    for kind in ("row_mean", "const", "token_const"):  # a mean over rows, a weight penalty
+        assert_exact(found[kind], backend, steps=2)
+    summed = found["messages"]["row_sum"] or ""
+    assert "sum over rows" in summed, found["messages"]
+    assert "ops.mean" in summed, summed
+    token = found["messages"]["token_row_mean"] or ""
+    for part in ("add_loss", "masked output", "count="):
+        assert part in token, token
+    assert all(found["unchanged"].values()), found
+    assert found["gap_row_sum"] > CAUGHT, "a summed add_loss term weighed like a mean is caught"
+
+
 def test_loss_sum_warns_about_a_batch_dice_in_a_hand_written_loop(keras_results, backend):
     found = result(keras_results, backend, "loss_sum_warns_about_a_batch_dice")
     assert found["batch"]["warned"] >= 1, found

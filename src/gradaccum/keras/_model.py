@@ -23,6 +23,7 @@ import keras
 from keras import ops
 
 from gradaccum._warnings import warn_user
+from gradaccum.keras._added import ROW_MEAN, added_terms, check_summed_terms
 from gradaccum.keras._counts import (
     LABEL_COUNTED,
     MEAN_REDUCTIONS,
@@ -98,6 +99,7 @@ class AccumulatingModel(keras.Model):
         self.partial_window = partial_window
         self._count_fn = count
         self._activity = False  # the model has activity regularizers (set at compile)
+        self._added = False  # the model adds a per-row loss term itself (set at compile)
         if hasattr(model, "output_names"):
             self.output_names = model.output_names
         self._settle = SettleWindows(self)
@@ -136,9 +138,12 @@ class AccumulatingModel(keras.Model):
                 "count cannot divide each loss by its own. Compile one loss, or pass count=... "
                 "to AccumulatingModel if you know the counts stay proportional"
             )
+        added = [] if self._count_fn is not None else added_terms(self.model)
+        check_summed_terms(added)
+        self._added = ROW_MEAN in added  # a per-row add_loss term: checked like activity terms
         if self._count_fn is None:
-            check_activity_terms(self.model, compile_time_kind(self.model, loss))
-        self._activity = bool(activity_regularized(self.model))  # checked when a step is traced
+            check_activity_terms(self.model, compile_time_kind(self.model, loss), added=self._added)
+        self._activity = self._added or bool(activity_regularized(self.model))  # checked per trace
         if self.steps > 1:
             warn_whole_batch(loss)
         inner = keras.optimizers.get(optimizer)
@@ -209,7 +214,8 @@ class AccumulatingModel(keras.Model):
                 )
         loss, y, y_pred, sample_weight = outputs[0]
         if self._activity:  # Keras's per-row terms (activity regularizers): exact over rows only
-            check_activity_terms(self.model, varying_count(loss, y_pred, sample_weight, y))
+            kind = varying_count(loss, y_pred, sample_weight, y)
+            check_activity_terms(self.model, kind, added=self._added)
         return count_of(loss, y, y_pred, sample_weight)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:

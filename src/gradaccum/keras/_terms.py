@@ -25,14 +25,25 @@ def activity_regularized(model: Any) -> list[str]:
     return [layer.name for layer in layers if getattr(layer, "activity_regularizer", None)]
 
 
-def check_activity_terms(model: Any, kind: str | None) -> None:
-    """Refuse activity regularizers next to a compiled loss that counts other items than rows.
+def check_activity_terms(model: Any, kind: str | None, *, added: bool = False) -> None:
+    """Refuse per-row added terms next to a compiled loss that counts other items than rows.
 
     Args:
         model: the wrapped model.
         kind: what the compiled loss counts besides rows (`varying_count`'s reason), or None.
+        added: the model adds a loss term that is a mean over rows (`self.add_loss(...)` in a
+            layer; found by `_added.added_terms`).
     """
     layers = activity_regularized(model) if kind else []
+    if kind and added and not layers:
+        raise ValueError(
+            "the model adds a loss term (self.add_loss(...) in a layer) that is a mean over the "
+            f"micro-batch's rows, next to a compiled loss that counts {kind}: one window count "
+            "cannot divide both, so accumulation would not be exact. Add the term in a subclass "
+            "of AccumulatingModel (compute_loss: super().compute_loss(...) plus the term as a "
+            "mean over the compiled loss's items), or pass count=... to AccumulatingModel if you "
+            "know the counts stay proportional"
+        )
     if layers:
         shown = ", ".join(layers[:3]) + (", ..." if len(layers) > 3 else "")
         raise ValueError(
