@@ -57,6 +57,18 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+def _plain_step(optimizer: torch.optim.Optimizer, reference: nn.Module) -> None:
+    """The reference: one plain full-batch step."""
+    optimizer.zero_grad()
+    _loss(reference, _batch()).backward()
+    optimizer.step()
+
+
+def _assert_same(model: nn.Module, reference: nn.Module) -> None:
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
 def _bn_head() -> nn.Module:
     torch.manual_seed(5)
     return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).double()
@@ -183,11 +195,8 @@ def test_a_head_replaced_under_an_optimizer_of_the_old_head_is_refused_changing_
     plain = torch.optim.AdamW(reference.fc.parameters(), lr=1e-2)
     for _ in range(2):
         acc.step(_batch(), _loss)
-        plain.zero_grad()
-        _loss(reference, _batch()).backward()
-        plain.step()
-    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+        _plain_step(plain, reference)
+    _assert_same(model, reference)
 
 
 def test_negative_control_a_blind_watch_blames_the_loss(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,11 +222,8 @@ def test_a_new_head_outside_the_optimizer_is_warned_of_and_the_rest_steps_exactl
     reference.fc = nn.Linear(8, 3).double()
     with pytest.warns(UserWarning, match=r"fc\.weight, fc\.bias\) got gradients.*acc\.optimizer"):
         acc.step(_batch(), _loss)
-    plain.zero_grad()
-    _loss(reference, _batch()).backward()
-    plain.step()
-    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    _plain_step(plain, reference)
+    _assert_same(model, reference)
     assert model.fc.weight.grad is None  # cleared, as the warning says
 
 
@@ -238,9 +244,6 @@ def test_modules_built_elsewhere_change_nothing_and_warn_nothing() -> None:
         for _ in range(2):
             nn.Sequential(nn.BatchNorm1d(3))  # another model, never set on this one
             acc.step(_batch(), building)
-            plain.zero_grad()
-            _loss(reference, _batch()).backward()
-            plain.step()
-    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+            _plain_step(plain, reference)
+    _assert_same(model, reference)
     assert acc._engine._params._structure.look() is None
