@@ -37,6 +37,7 @@ from gradaccum._optimizer_setting import OptimizerSetting
 from gradaccum._parameters import trainable_parameters, window_parameters
 from gradaccum._run_settings import RunSettings
 from gradaccum._schedule_length import length_noted
+from gradaccum._trimmed_norms import trimmed_norms_refused
 from gradaccum._window_sizes import WindowSizes
 from gradaccum.batching import batch_size, split_batch
 from gradaccum.batchnorm import BatchNormControl
@@ -219,9 +220,10 @@ class Accumulator(WindowSizes, OptimizerSetting, RunSettings):
         check_packable(self._auto is not None, self.batch_dim, self.micro_batch_size)
         micro_batches = pack_by_tokens(batch, max_tokens)
         sizes = [batch_size(micro_batch) for micro_batch in micro_batches]
-        self._engine.run_window(
-            micro_batches, loss_fn, window_items=sum(sizes), size=sizes, template=batch
-        )
+        with trimmed_norms_refused(self.model, micro_batches):  # GroupNorm over time (wav2vec2)
+            self._engine.run_window(
+                micro_batches, loss_fn, window_items=sum(sizes), size=sizes, template=batch
+            )
         return self._close(max(sizes, default=0))
 
     def _step_auto(self, batch: Any, loss_fn: LossFn) -> StepResult:

@@ -1,0 +1,137 @@
+"""Hugging Face task heads as the course and example scripts train them, against a full-batch step.
+
+Tiny random configs (no download), float64, SGD steps compared with one plain full-batch step
+(rtol 1e-10): Wav2Vec2 CTC under a token budget, where trimming the padding changes a GroupNorm
+over time (refused, naming the fix) but not a per-frame LayerNorm (exact); extractive QA, whose
+own loss averages a start and an end mean over the positions inside the inputs, through the
+docs/losses.md recipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from tests.integrations._hf import import_transformers
+
+transformers = import_transformers()
+
+import gradaccum.accumulator  # noqa: E402
+from gradaccum import Accumulator  # noqa: E402
+from tests.reference import param_tensors, relative_gap, state_tensors  # noqa: E402
+
+EXACT = 1e-10
+STEPS = 2
+
+transformers.logging.set_verbosity_error()
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[torch.nn.Module, Batch], Any]
+
+
+def _own_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    loss: torch.Tensor = model(**batch).loss
+    return loss
+
+
+def _steps(
+    make: Callable[[], torch.nn.Module],
+    batches: list[Batch],
+    loss_fn: LossFn,
+    reference: LossFn,
+    **step: Any,
+) -> float:
+    """The parameters' gap after SGD steps through `acc.step(**step)` and plain full-batch ones."""
+    torch.manual_seed(0)
+    model = make().double()
+    for name, param in model.named_parameters():
+        # Softmax ignores a bias added to every key: its gradient is rounding noise, with no
+        # exact update to compare (docs/losses.md).
+        param.requires_grad_(not name.endswith(("k_proj.bias", "key.bias")))
+    plain = copy.deepcopy(model)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    plain_optimizer = torch.optim.SGD([p for p in plain.parameters() if p.requires_grad], lr=0.1)
+    acc = Accumulator(model, optimizer, micro_batch_size=step.pop("micro_batch_size", None))
+    for batch in batches:
+        plain_optimizer.zero_grad()
+        reference(plain, batch).backward()
+        plain_optimizer.step()
+        acc.step(batch, loss_fn, **step)
+    return relative_gap(param_tensors(model), param_tensors(plain))
+
+
+# --- Wav2Vec2 CTC: a token budget trims the padding a GroupNorm over time normalizes ----------
+
+
+def _wav2vec2(norm: str) -> Callable[[], torch.nn.Module]:
+    config = transformers.Wav2Vec2Config(
+        vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0,
+        layerdrop=0.0, mask_time_prob=0.0, ctc_loss_reduction="mean", pad_token_id=0,
+        feat_extract_norm=norm, do_stable_layer_norm=norm == "layer",
+    )  # fmt: skip
+    return lambda: transformers.Wav2Vec2ForCTC(config)
+
+
+def _audio_batch(generator: torch.Generator, rows: int = 7) -> Batch:
+    """Padded `input_values` with their `attention_mask`, labels padded with -100."""
+    lengths = torch.randint(300, 600, (rows,), generator=generator)
+    targets = torch.randint(2, 8, (rows,), generator=generator)
+    values = torch.zeros(rows, int(lengths.max()), dtype=torch.float64)
+    mask = torch.zeros(rows, int(lengths.max()), dtype=torch.long)
+    labels = torch.full((rows, int(targets.max())), -100)
+    for row, (length, target) in enumerate(zip(lengths.tolist(), targets.tolist(), strict=True)):
+        values[row, :length] = torch.randn(length, generator=generator, dtype=torch.float64)
+        mask[row, :length] = 1
+        labels[row, :target] = torch.randint(1, 12, (target,), generator=generator)
+    return {"input_values": values, "attention_mask": mask, "labels": labels}
+
+
+def _audio_batches() -> list[Batch]:
+    generator = torch.Generator().manual_seed(1)
+    return [_audio_batch(generator) for _ in range(STEPS)]
+
+
+def test_a_token_budget_over_a_group_norm_in_time_is_refused_changing_nothing() -> None:
+    torch.manual_seed(0)
+    model = _wav2vec2("group")().double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = Accumulator(model, optimizer, micro_batch_size=None)
+    batches = _audio_batches()
+    acc.step(batches[0], _own_loss, max_tokens=10_000)  # one micro-batch: nothing refused
+    before = state_tensors(model, optimizer)
+    with pytest.raises(ValueError, match="feat_extract_norm='layer'") as error:
+        acc.step(batches[1], _own_loss, max_tokens=1500)
+    message = str(error.value)
+    assert "GroupNorm at wav2vec2.feature_extractor.conv_layers.0.layer_norm" in message
+    assert "micro_batch_size=" in message
+    assert relative_gap(state_tensors(model, optimizer), before) == 0.0
+    assert all(p.grad is None for p in model.parameters())
+    assert acc.step(batches[1], _own_loss, max_tokens=10_000).stepped  # one micro-batch: exact
+
+
+def test_negative_control_the_trimmed_group_norm_was_silently_off(monkeypatch) -> None:
+    monkeypatch.setattr(
+        gradaccum.accumulator, "trimmed_norms_refused", lambda *_: contextlib.nullcontext()
+    )
+    gap = _steps(_wav2vec2("group"), _audio_batches(), _own_loss, _own_loss, max_tokens=1500)
+    assert gap > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("norm", "step"),
+    [("layer", {"max_tokens": 1500}), ("group", {"micro_batch_size": 3})],
+    ids=["per-frame-norm-trimmed", "group-norm-untrimmed"],
+)
+def test_ctc_equals_the_full_batch_steps_where_padding_is_kept_or_masked(
+    norm: str, step: dict[str, Any]
+) -> None:
+    gap = _steps(_wav2vec2(norm), _audio_batches(), _own_loss, _own_loss, **step)
+    assert gap < EXACT
