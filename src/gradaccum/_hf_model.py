@@ -208,6 +208,14 @@ def logits_of(outputs: object) -> torch.Tensor:
         logits = getattr(outputs, "logits", None)
     if logits is None and isinstance(outputs, tuple) and outputs:
         logits = outputs[0]
+    if not isinstance(logits, torch.Tensor) and getattr(outputs, "start_logits", None) is not None:
+        raise TypeError(
+            f"the model returned {type(outputs).__name__}: start and end logits of extractive "
+            "question answering, which no gradaccum.hf helper scores. Its own loss averages a "
+            "start and an end mean, each over the positions inside the inputs; write a loss_fn "
+            "returning LossSum.terms(start=Term(start_sum, count=..., weight=0.5), "
+            "end=Term(...)): docs/losses.md, Extractive question answering, has it exact."
+        )
     if not isinstance(logits, torch.Tensor):
         raise TypeError(
             f"the model returned {type(outputs).__name__} without logits; call it yourself and "

@@ -176,7 +176,8 @@ def nll_mean_problem(loss: torch.Tensor, micro_batch: object, rows: int = 0) -> 
     """
     if loss.grad_fn is None:
         return None
-    for node in _nll_means(loss):
+    means = list(_nll_means(loss))
+    for node in means:
         ignore = int(getattr(node, "_saved_ignore_index", -100))
         ignore = ignore - 2**64 if ignore >= 2**63 else ignore  # saved as an unsigned int64
         weight = getattr(node, "_saved_weight", None)
@@ -195,6 +196,8 @@ def nll_mean_problem(loss: torch.Tensor, micro_batch: object, rows: int = 0) -> 
             )
         if bool((target == ignore).any()):
             where = _where(micro_batch, target, ignore)
+            if len(means) > 1:
+                return _several_means(len(means), where, ignore)
             return (
                 "loss_fn returned a plain scalar, read as a mean over the micro-batch's rows, "
                 f"but it is a cross_entropy/nll_loss mean over the targets that are not "
@@ -204,6 +207,22 @@ def nll_mean_problem(loss: torch.Tensor, micro_batch: object, rows: int = 0) -> 
                 f"reduction='sum'), count=(y != {ignore}).sum()) instead."
             )
     return None
+
+
+def _several_means(means: int, where: str, ignore: int) -> str:
+    """The fix for a loss combining several means over targets (a QA head's start and end)."""
+    return (
+        f"loss_fn returned a plain scalar, read as a mean over the micro-batch's rows, but it "
+        f"combines {means} cross_entropy/nll_loss means, each over its own targets that are not "
+        f"its ignore_index, and {where} holds {ignore}: means over the counted targets "
+        "weighted by rows are not the full-batch means, and one LossSum of their summed "
+        "values would divide them by one count. Return one term per mean, each with its own "
+        "count and its factor in your loss: for extractive QA (start_positions, end_positions, "
+        "clamped to n = start_logits.shape[1] and ignored there, as transformers does), "
+        "LossSum.terms(start=Term(F.cross_entropy(start_logits, s, ignore_index=n, "
+        "reduction='sum'), count=(s != n).sum(), weight=0.5), end=Term(...)) (Term from "
+        "gradaccum.loss; docs/losses.md, Extractive question answering)."
+    )
 
 
 def unshifted_count_problem(result: object, rows: int) -> str | None:

@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.integrations._hf import import_transformers
 
 transformers = import_transformers()
 
 import gradaccum.accumulator  # noqa: E402
-from gradaccum import Accumulator  # noqa: E402
+from gradaccum import Accumulator, LossSum, hf  # noqa: E402
+from gradaccum.loss import Term, TokenMeanWarning  # noqa: E402
 from tests.reference import param_tensors, relative_gap, state_tensors  # noqa: E402
 
 EXACT = 1e-10
@@ -49,20 +52,26 @@ def _steps(
     """The parameters' gap after SGD steps through `acc.step(**step)` and plain full-batch ones."""
     torch.manual_seed(0)
     model = make().double()
-    for name, param in model.named_parameters():
-        # Softmax ignores a bias added to every key: its gradient is rounding noise, with no
-        # exact update to compare (docs/losses.md).
-        param.requires_grad_(not name.endswith(("k_proj.bias", "key.bias")))
     plain = copy.deepcopy(model)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    plain_optimizer = torch.optim.SGD([p for p in plain.parameters() if p.requires_grad], lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
     acc = Accumulator(model, optimizer, micro_batch_size=step.pop("micro_batch_size", None))
     for batch in batches:
         plain_optimizer.zero_grad()
         reference(plain, batch).backward()
         plain_optimizer.step()
         acc.step(batch, loss_fn, **step)
-    return relative_gap(param_tensors(model), param_tensors(plain))
+    return _gap(param_tensors(model), param_tensors(plain))
+
+
+def _gap(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    """The largest parameter gap relative to the largest parameter.
+
+    Per tensor it would be noise: a bias that shifts every position's logit alike (a key's, a
+    QA head's, the LayerNorm under it) has a gradient of rounding noise and stays near 0.
+    """
+    scale = max(float(t.abs().max()) for t in expected.values())
+    return max(float((actual[k] - t).abs().max()) for k, t in expected.items()) / scale
 
 
 # --- Wav2Vec2 CTC: a token budget trims the padding a GroupNorm over time normalizes ----------
@@ -135,3 +144,95 @@ def test_ctc_equals_the_full_batch_steps_where_padding_is_kept_or_masked(
 ) -> None:
     gap = _steps(_wav2vec2(norm), _audio_batches(), _own_loss, _own_loss, **step)
     assert gap < EXACT
+
+
+# --- extractive QA: a start and an end mean, each over the positions inside the inputs -------
+
+
+def _bert_qa() -> torch.nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.BertForQuestionAnswering(config)
+
+
+def _qa_batch(generator: torch.Generator, outside: str, rows: int = 7) -> Batch:
+    lengths = torch.randint(4, 12, (rows,), generator=generator)
+    ids = torch.zeros(rows, int(lengths.max()), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths.tolist()):
+        ids[row, :length] = torch.randint(1, 50, (length,), generator=generator)
+        mask[row, :length] = 1
+    start = (torch.rand(rows, generator=generator) * (lengths - 2)).long()
+    end = start + 1
+    if outside == "end":  # an answer cut off by truncation: only its end is past the inputs
+        end[[1, 5]] = 99
+    elif outside == "both":  # a whole micro-batch without a position inside (HF: a NaN mean)
+        start[:3], end[:3] = 99, 120
+    batch = {"input_ids": ids, "attention_mask": mask}
+    return {**batch, "start_positions": start, "end_positions": end}
+
+
+def _qa_batches(outside: str) -> list[Batch]:
+    generator = torch.Generator().manual_seed(2)
+    return [_qa_batch(generator, outside) for _ in range(STEPS)]
+
+
+def _qa_recipe(model: torch.nn.Module, micro_batch: Batch) -> Any:
+    """docs/losses.md, Extractive question answering, as written there."""
+    positions = ("start_positions", "end_positions")
+    inputs = {k: v for k, v in micro_batch.items() if k not in positions}
+    out = model(**inputs)
+    n = out.start_logits.shape[1]
+    start = micro_batch["start_positions"].clamp(0, n)
+    end = micro_batch["end_positions"].clamp(0, n)
+    return LossSum.terms(
+        start=Term(
+            F.cross_entropy(out.start_logits, start, ignore_index=n, reduction="sum"),
+            count=(start != n).sum(),
+            weight=0.5,
+        ),
+        end=Term(
+            F.cross_entropy(out.end_logits, end, ignore_index=n, reduction="sum"),
+            count=(end != n).sum(),
+            weight=0.5,
+        ),
+    )
+
+
+@pytest.mark.parametrize("outside", ["none", "end", "both"])
+def test_the_qa_recipe_equals_the_full_batch_steps_of_the_models_own_loss(outside: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gap = _steps(_bert_qa, _qa_batches(outside), _qa_recipe, _own_loss, micro_batch_size=3)
+    assert gap < EXACT
+
+
+def test_the_models_own_qa_loss_is_exact_while_every_position_is_inside() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gap = _steps(_bert_qa, _qa_batches("none"), _own_loss, _own_loss, micro_batch_size=3)
+    assert gap < EXACT
+
+
+def test_negative_control_the_own_qa_loss_with_a_clamped_end_warns_naming_the_terms() -> None:
+    with pytest.warns(TokenMeanWarning, match=r"combines 2 .*LossSum\.terms\(start=Term") as seen:
+        gap = _steps(_bert_qa, _qa_batches("end"), _own_loss, _own_loss, micro_batch_size=3)
+    assert "Extractive question answering" in str(seen[0].message)
+    assert gap > 1e-3
+
+
+@pytest.mark.parametrize("helper", [hf.classification, hf.token_classification])
+def test_the_hf_helpers_on_a_qa_head_name_the_recipe_changing_nothing(helper: Any) -> None:
+    torch.manual_seed(0)
+    model = _bert_qa().double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = state_tensors(model, optimizer)
+    batch = {**_qa_batches("none")[0], "labels": torch.zeros(7, dtype=torch.long)}
+    acc = Accumulator(model, optimizer, micro_batch_size=3)
+    with pytest.raises(TypeError, match=r"docs/losses\.md, Extractive question answering"):
+        acc.step(batch, helper)
+    assert relative_gap(state_tensors(model, optimizer), before) == 0.0
+    assert all(p.grad is None for p in model.parameters())
