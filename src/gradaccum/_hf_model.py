@@ -13,6 +13,7 @@ import torch
 
 __all__ = [
     "accepts_keyword",
+    "refuse_ctc_head",
     "refuse_own_loss_function",
     "refuse_peft_loss_terms",
     "refuse_router_losses",
@@ -97,6 +98,28 @@ def refuse_peft_loss_terms(model: torch.nn.Module) -> None:
         "alone, and a loss_fn of your own can add the term, LossSum.terms(ce=(ce.value, "
         f"ce.count), reg=Term(term, count=..., weight={weight:g})) (Term from gradaccum.loss; "
         "docs/losses.md, PEFT, has AdaLoRA's, exact)."
+    )
+
+
+def refuse_ctc_head(model: torch.nn.Module) -> None:
+    """Raise, before any forward, for a CTC model (`*ForCTC`), whose logits no helper scores.
+
+    Its logits are per audio frame, aligned to the shorter labels by CTC: a helper would fail
+    on the shapes, and `hf.classification`'s error pointed to `hf.token_classification`,
+    which fails too.
+
+    Raises:
+        ValueError: Naming the model's own loss, which is exact as it is.
+    """
+    name = type(_unwrapped(model)).__name__
+    if not name.endswith("ForCTC"):
+        return
+    raise ValueError(
+        f"{name} is a CTC model: its logits are per audio frame, aligned to the labels by CTC, "
+        "which no gradaccum.hf helper scores. Its own loss is exact as it is: return "
+        "model(**micro_batch).loss with config.ctc_loss_reduction='mean' (a mean over rows of "
+        "each row's loss per target token); with 'sum', return LossSum(model(**micro_batch)"
+        ".loss, rows) (docs/losses.md, Other task heads)."
     )
 
 

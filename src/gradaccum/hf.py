@@ -45,6 +45,7 @@ from gradaccum._hf_model import (
     accepts_keyword,
     logits_of,
     problem_type_of,
+    refuse_ctc_head,
     refuse_own_loss_function,
     refuse_peft_loss_terms,
     refuse_router_losses,
@@ -113,6 +114,7 @@ class TaskLoss:
         labels = _labels(batch, self.task)
         refuse_peft_loss_terms(model)  # AdaLoRA: its own loss adds a term the logits lack
         refuse_own_loss_function(model)  # model.loss_function = ...: not what is scored
+        refuse_ctc_head(model)  # Wav2Vec2ForCTC: frames aligned by CTC, its own loss is exact
         inputs = {key: value for key, value in batch.items() if key not in _LABEL_KEYS}
         if self.task is Task.SEQ2SEQ:
             inputs = with_decoder_inputs(model, inputs, labels)

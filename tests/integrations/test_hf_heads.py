@@ -236,3 +236,16 @@ def test_the_hf_helpers_on_a_qa_head_name_the_recipe_changing_nothing(helper: An
         acc.step(batch, helper)
     assert relative_gap(state_tensors(model, optimizer), before) == 0.0
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("helper", [hf.classification, hf.token_classification, hf.masked_lm])
+def test_the_hf_helpers_on_a_ctc_head_name_its_own_loss_changing_nothing(helper: Any) -> None:
+    torch.manual_seed(0)
+    model = _wav2vec2("layer")().double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = state_tensors(model, optimizer)
+    acc = Accumulator(model, optimizer, micro_batch_size=3)
+    with pytest.raises(ValueError, match=r"CTC model.*model\(\*\*micro_batch\)\.loss"):
+        acc.step(_audio_batches()[0], helper)
+    assert relative_gap(state_tensors(model, optimizer), before) == 0.0
+    assert all(p.grad is None for p in model.parameters())
