@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -51,6 +52,9 @@ class TokenBudgetWarning(UserWarning):
 
 def sequence_lengths(batch: Any) -> list[int]:
     """Each row's length, else the batch's widest 2-D tensor's width for every row.
+
+    Without a 2-D `attention_mask`, rows of several sequences (`input_ids` of shape (rows,
+    choices, seq): multiple choice) count every token of theirs, choices times seq.
 
     A row's length is its `attention_mask`'s nonzero entries (a packed row's mask may number its
     documents: 1, 1, 2, 2, 0), or more: up to its last scored label (not -100) in a tensor named
@@ -158,8 +162,16 @@ def _labels(node: Any, shape: torch.Size, name: str = "") -> list[torch.Tensor]:
 
 
 def _full_width(batch: Any) -> int:
-    """The padded width: the largest dim 1 among the batch's 2-D-or-more tensors (1 if none)."""
+    """The padded width: the largest dim 1 among the batch's 2-D-or-more tensors (1 if none).
+
+    Rows of several sequences, `input_ids` of shape (rows, choices, seq) as a multiple-choice
+    head takes them, count all their tokens: their dim 1 is the choices, and a budget read
+    from it let micro-batches hold `seq` times more tokens than `max_tokens`.
+    """
     widths = [t.shape[1] for t in _tensors(batch) if t.ndim >= 2]
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if isinstance(ids, torch.Tensor) and ids.ndim >= 3:
+        widths.append(math.prod(ids.shape[1:]))
     return max(widths, default=1)
 
 

@@ -26,6 +26,7 @@ transformers = import_transformers()
 import gradaccum.accumulator  # noqa: E402
 from gradaccum import Accumulator, LossSum, hf  # noqa: E402
 from gradaccum.loss import Term, TokenMeanWarning  # noqa: E402
+from gradaccum.packing import pack_by_tokens  # noqa: E402
 from tests.reference import param_tensors, relative_gap, state_tensors  # noqa: E402
 
 EXACT = 1e-10
@@ -249,3 +250,50 @@ def test_the_hf_helpers_on_a_ctc_head_name_its_own_loss_changing_nothing(helper:
         acc.step(_audio_batches()[0], helper)
     assert relative_gap(state_tensors(model, optimizer), before) == 0.0
     assert all(p.grad is None for p in model.parameters())
+
+
+# --- multiple choice: rows of (choices, seq), split on dim 0 -----------------------------------
+
+
+def _bert_choices() -> torch.nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.BertForMultipleChoice(config)
+
+
+def _choices_batches(rows: int = 7, choices: int = 4, seq: int = 11) -> list[Batch]:
+    generator = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(STEPS):
+        lengths = torch.randint(3, seq + 1, (rows, choices, 1), generator=generator)
+        mask = (torch.arange(seq) < lengths).long()
+        ids = torch.randint(1, 50, (rows, choices, seq), generator=generator) * mask
+        labels = torch.randint(0, choices, (rows,), generator=generator)
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return batches
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "step"),
+    [
+        (_own_loss, {"micro_batch_size": 3}),
+        (hf.classification, {"micro_batch_size": 3}),
+        (_own_loss, {"max_tokens": 100}),
+    ],
+    ids=["own-loss", "hf-classification", "token-budget"],
+)
+def test_multiple_choice_equals_the_full_batch_steps(loss_fn: Any, step: dict[str, Any]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gap = _steps(_bert_choices, _choices_batches(), loss_fn, _own_loss, **step)
+    assert gap < EXACT
+
+
+def test_a_token_budget_counts_every_choice_of_a_multiple_choice_row() -> None:
+    batch = _choices_batches(rows=8)[0]  # 4 choices of 11 tokens: 44 per row
+    micro_batches = pack_by_tokens(batch, 100)
+    assert [len(mb["labels"]) for mb in micro_batches] == [2, 2, 2, 2]
+    assert all(mb["input_ids"].shape[1:] == (4, 11) for mb in micro_batches)  # not trimmed
