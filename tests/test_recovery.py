@@ -1004,3 +1004,68 @@ def test_batchnorm_put_in_train_mode_after_timing_goes_back_to_the_largest() -> 
     assert result.micro_batch_size == BATCH
     assert "untimed: BatchNorm (body.1)" in result.sizing
     assert acc._auto.tuner is None
+
+
+class _ClockedEncoder(nn.Module):
+    """A float64 encoder whose fake clock makes micro-batches of 16 the fastest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(8, 4).double()
+        self.now = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.now += _cache_bound(x.shape[0])
+        return self.body(x)
+
+
+def _info_nce(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    anchors, positives = model(batch[0]), model(batch[1])
+    return F.cross_entropy(anchors @ positives.T, torch.arange(len(anchors)))
+
+
+def _pairs(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(6)
+    return [
+        tuple(torch.randn(BATCH, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+        for _ in range(count)
+    ]
+
+
+def test_auto_stops_timing_once_the_loss_is_warned_to_compare_rows() -> None:
+    """In-batch negatives: the size is the number of negatives, not a speed knob.
+
+    "auto" timed 16, 8 and 4 and kept 16 (16 negatives instead of 32, 3e-2 off the full-batch
+    step), the warning told once. Now the window after the warning runs at the largest size
+    that fits, untimed: only the one timed window that warned (at 16) was split.
+    """
+    batches = _pairs(12)
+    model = _ClockedEncoder()
+    acc = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size="auto",
+        memory_budget=BUDGET,
+    )  # fmt: skip
+    acc._auto.clock = lambda: model.now
+    with pytest.warns(UserWarning, match="compares the rows of its micro-batch"):
+        results = [acc.step(batch, _info_nce) for batch in batches]
+    assert [r.micro_batch_size for r in results] == [32, 32, 16] + [32] * 9
+    assert "untimed: loss_fn compares or pools the rows" in results[-1].sizing
+    # The plain loop, with the one window the tuner split (two means of 16 rows, averaged).
+    reference = _ClockedEncoder()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for index, (a, p) in enumerate(batches):
+        opt.zero_grad(set_to_none=True)
+        if index == 2:
+            halves = [(a[:16], p[:16]), (a[16:], p[16:])]
+            (sum(_info_nce(reference, half) for half in halves) / 2).backward()
+        else:
+            _info_nce(reference, (a, p)).backward()
+        opt.step()
+    assert _off(acc.model, reference) < 1e-10
+    # NEGATIVE CONTROL: the size the tuner kept (16) is another objective.
+    split = _ClockedEncoder()
+    fixed = Accumulator(split, torch.optim.SGD(split.parameters(), lr=0.5), micro_batch_size=16)
+    with pytest.warns(UserWarning, match="compares the rows"):
+        [fixed.step(batch, _info_nce) for batch in batches]
+    assert _off(split, reference) > 1e-3

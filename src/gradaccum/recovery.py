@@ -185,9 +185,9 @@ class AutoSizer:
         """Run one window with `attempt(size, note)`; rerun it whole and smaller on OOM.
 
         In "auto" mode the window is timed (after the device finishes) for the tuner; `note`
-        says what the window runs at and why (`StepResult.sizing`). `layers`: BatchNorm layers
-        normalizing each micro-batch (`gradaccum._coupled_sizes`): on any rank, the window runs
-        at the largest size that fits, untimed, for a smaller one would change the step.
+        says what the window runs at and why (`StepResult.sizing`). `layers`: why a smaller size
+        would change the step (`gradaccum._coupled_sizes`): then, on any rank, the window runs at
+        the largest size that fits, untimed.
 
         Raises:
             MemoryBudgetError: If even size 1 runs out of memory; the sizer is then as it was
@@ -248,11 +248,11 @@ class AutoSizer:
             return result
 
     def _untimed(self, layers: list[str] | None) -> list[str]:
-        """No timing: sizes timed before (BatchNorm trains since) go; the plan's size is back."""
+        """No timing: sizes timed before (a split changes the step since) go; the plan's size."""
         if self.tuner is not None and not self.out_of_memory_events:
             self.size = self.planned
         self.tuner = None
-        return layers or ["on another rank"]
+        return layers or ["the split changes the step on another rank"]
 
     def _target(self) -> int | None:
         """What a shrunk size grows back to: the tuner's choice, else the plan's size."""
