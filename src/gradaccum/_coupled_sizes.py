@@ -24,7 +24,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -32,8 +32,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from gradaccum._averaged import named_trained_modules
 from gradaccum.options import BatchNormMode
 
-if TYPE_CHECKING:  # the engine imports the sizer, which imports this module
-    from gradaccum._engine import Engine
+
+class Engine(Protocol):
+    """What is read of `gradaccum._engine.Engine` (which imports the sizer: no import cycle)."""
+
+    model: torch.nn.Module
+    batchnorm: Any  # `BatchNormControl`: its `mode`
+    _token_mean: Any  # `TokenMeanCheck`: which row-coupling warnings were told
+
 
 __all__ = ["batch_statistics_layers", "split_changes_step", "untimed_note"]
 
