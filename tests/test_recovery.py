@@ -890,3 +890,182 @@ def test_a_failed_window_leaves_the_rng_advanced_by_its_draws_as_a_plain_loop() 
             twin(x[4:8])
         assert torch.equal(after, torch.get_rng_state())
         assert not torch.equal(after, before)  # the control: not rewound
+
+
+# --------------------------------------------------------------------------------------------
+# "auto" with BatchNorm normalizing each micro-batch: the split is the statistics' batch
+# --------------------------------------------------------------------------------------------
+
+
+class _ClockedBatchNorm(nn.Module):
+    """A float64 MLP with BatchNorm whose fake clock makes micro-batches of 16 the fastest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+        self.body.double()
+        self.now = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.now += _cache_bound(x.shape[0])
+        return self.body(x)
+
+
+def _bn_batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(5)
+    return [
+        (
+            torch.randn(BATCH, 8, generator=generator, dtype=torch.float64),
+            torch.randint(0, 3, (BATCH,), generator=generator),
+        )
+        for _ in range(count)
+    ]
+
+
+def _bn_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def _bn_auto(batchnorm: str) -> tuple[Accumulator, _ClockedBatchNorm]:
+    model = _ClockedBatchNorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    acc = Accumulator(
+        model, opt, micro_batch_size="auto", memory_budget=BUDGET, batchnorm=batchnorm
+    )
+    acc._auto.clock = lambda: model.now
+    return acc, model
+
+
+def _full_batch_run(batches, *, train: bool = True) -> _ClockedBatchNorm:
+    """The plain loop: one forward and backward of the whole batch per step."""
+    model = _ClockedBatchNorm()
+    model.train(train)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        _bn_loss(model, batch).backward()
+        opt.step()
+    return model
+
+
+def _off(model: nn.Module, reference: nn.Module) -> float:
+    pairs = zip(model.state_dict().values(), reference.state_dict().values(), strict=True)
+    return max(
+        float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+        for a, b in pairs
+        if a.is_floating_point()
+    )
+
+
+@pytest.mark.parametrize("batchnorm", ["micro", "pooled"])
+def test_auto_with_train_mode_batchnorm_keeps_the_largest_and_stays_exact(batchnorm) -> None:
+    """Timing 16, 8 and 4 for a window of 32 trained three other BatchNorm batches.
+
+    The fake clock makes 16 the fastest: "auto" timed it and kept it, 0.03 to 1 off the plain
+    full-batch step (silently under "pooled"). With BatchNorm normalizing each micro-batch the
+    split is not a speed knob: the window runs at the largest size that fits, untimed.
+    """
+    batches = _bn_batches(12)
+    acc, _ = _bn_auto(batchnorm)
+    results = [acc.step(batch, _bn_loss) for batch in batches]
+    assert [r.micro_batch_size for r in results] == [BATCH] * 12
+    assert results[-1].sizing.startswith("auto 32: the largest that fits, untimed: BatchNorm")
+    assert "batchnorm='frozen'" in results[-1].sizing
+    assert acc._auto.tuner is None
+    assert _off(acc.model, _full_batch_run(batches)) < 1e-10
+    # NEGATIVE CONTROL: the sizes the tuner timed and kept (16) are another training.
+    fixed = _ClockedBatchNorm()
+    opt = torch.optim.SGD(fixed.parameters(), lr=0.1, momentum=0.9)
+    split = Accumulator(fixed, opt, micro_batch_size=16, batchnorm=batchnorm)
+    for batch in batches:
+        split.step(batch, _bn_loss)
+    assert _off(fixed, _full_batch_run(batches)) > 1e-3
+
+
+def test_auto_still_times_sizes_under_frozen_batchnorm_exactly() -> None:
+    """Frozen BatchNorm uses its running statistics: the split is a speed knob again."""
+    batches = _bn_batches(12)
+    acc, _ = _bn_auto("frozen")
+    sizes = [acc.step(batch, _bn_loss).micro_batch_size for batch in batches]
+    assert sizes == [32] + [32, 16, 8, 4] * 2 + [16] * 3
+    assert _off(acc.model, _full_batch_run(batches, train=False)) < 1e-10
+
+
+def test_batchnorm_put_in_train_mode_after_timing_goes_back_to_the_largest() -> None:
+    """A BatchNorm left in eval mode while "auto" timed (16 kept), then trained: 32 again."""
+    batches = _bn_batches(14)
+    acc, model = _bn_auto("micro")
+    model.body[1].eval()
+    sizes = [acc.step(batch, _bn_loss).micro_batch_size for batch in batches[:12]]
+    assert sizes[-1] == 16
+    model.body[1].train()
+    result = acc.step(batches[12], _bn_loss)
+    assert result.micro_batch_size == BATCH
+    assert "untimed: BatchNorm (body.1)" in result.sizing
+    assert acc._auto.tuner is None
+
+
+class _ClockedEncoder(nn.Module):
+    """A float64 encoder whose fake clock makes micro-batches of 16 the fastest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(8, 4).double()
+        self.now = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.now += _cache_bound(x.shape[0])
+        return self.body(x)
+
+
+def _info_nce(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    anchors, positives = model(batch[0]), model(batch[1])
+    return F.cross_entropy(anchors @ positives.T, torch.arange(len(anchors)))
+
+
+def _pairs(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(6)
+    return [
+        tuple(torch.randn(BATCH, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+        for _ in range(count)
+    ]
+
+
+def test_auto_stops_timing_once_the_loss_is_warned_to_compare_rows() -> None:
+    """In-batch negatives: the size is the number of negatives, not a speed knob.
+
+    "auto" timed 16, 8 and 4 and kept 16 (16 negatives instead of 32, 3e-2 off the full-batch
+    step), the warning told once. Now the window after the warning runs at the largest size
+    that fits, untimed: only the one timed window that warned (at 16) was split.
+    """
+    batches = _pairs(12)
+    model = _ClockedEncoder()
+    acc = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size="auto",
+        memory_budget=BUDGET,
+    )  # fmt: skip
+    acc._auto.clock = lambda: model.now
+    with pytest.warns(UserWarning, match="compares the rows of its micro-batch"):
+        results = [acc.step(batch, _info_nce) for batch in batches]
+    assert [r.micro_batch_size for r in results] == [32, 32, 16] + [32] * 9
+    assert "untimed: loss_fn compares or pools the rows" in results[-1].sizing
+    # The plain loop, with the one window the tuner split (two means of 16 rows, averaged).
+    reference = _ClockedEncoder()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for index, (a, p) in enumerate(batches):
+        opt.zero_grad(set_to_none=True)
+        if index == 2:
+            halves = [(a[:16], p[:16]), (a[16:], p[16:])]
+            (sum(_info_nce(reference, half) for half in halves) / 2).backward()
+        else:
+            _info_nce(reference, (a, p)).backward()
+        opt.step()
+    assert _off(acc.model, reference) < 1e-10
+    # NEGATIVE CONTROL: the size the tuner kept (16) is another objective.
+    split = _ClockedEncoder()
+    fixed = Accumulator(split, torch.optim.SGD(split.parameters(), lr=0.5), micro_batch_size=16)
+    with pytest.warns(UserWarning, match="compares the rows"):
+        [fixed.step(batch, _info_nce) for batch in batches]
+    assert _off(split, reference) > 1e-3

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from gradaccum._checks import check_fsdp_support, check_savable, check_saved_state, check_settings
+from gradaccum._coupled_sizes import split_changes_step
 from gradaccum._engine import Engine
 from gradaccum._lr_watch import LearningRateWatch
 from gradaccum._open_window import warn_if_left_open
@@ -243,7 +244,7 @@ class Accumulator(WindowSizes, OptimizerSetting, RunSettings):
             engine.run_window(micro_batches, loss_fn, window_items=items, size=size, template=batch)
             return self._close(size, note)  # raises out-of-memory too, if another rank ran out
 
-        return auto.run(batch, items, attempt)
+        return auto.run(batch, items, attempt, split_changes_step(engine))  # BatchNorm, loss
 
     def micro_step(self, micro_batch: Any, loss_fn: LossFn) -> StepResult:
         """Accumulate one micro-batch; step when the window is full (see `accumulation_steps`).

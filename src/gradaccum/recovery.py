@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 import torch
 
 from gradaccum import _compat
+from gradaccum._coupled_sizes import untimed_note
 from gradaccum._loss_call import refuse_grad_disabled
 from gradaccum._oom import (
     MemoryBudgetError,
@@ -174,26 +175,38 @@ class AutoSizer:
         assert self._model is not None
         return all_ranks_max(self._model, seconds)
 
-    def run(self, batch: Any, items: int, attempt: Callable[[int, str | None], R]) -> R:
+    def run(
+        self,
+        batch: Any,
+        items: int,
+        attempt: Callable[[int, str | None], R],
+        layers: list[str] | None = None,
+    ) -> R:
         """Run one window with `attempt(size, note)`; rerun it whole and smaller on OOM.
 
         In "auto" mode the window is timed (after the device finishes) for the tuner; `note`
-        says what the window runs at and why (`StepResult.sizing`).
+        says what the window runs at and why (`StepResult.sizing`). `layers`: why a smaller size
+        would change the step (`gradaccum._coupled_sizes`): then, on any rank, the window runs at
+        the largest size that fits, untimed.
 
         Raises:
             MemoryBudgetError: If even size 1 runs out of memory; the sizer is then as it was
                 before the window (a retry after memory was freed runs at the same size).
         """
-        tuner, tried = self.tuner, []
+        tuner, tried, coupled = self.tuner, [], None
         if self.mode is AutoSize.FASTEST:
             # Ranks time alike: the same candidates, restarted on the same windows (DDP).
-            work, most = self._agree([_work_per_item(batch, items), float(items)])
-            if tuner is None:
+            mine = [_work_per_item(batch, items), float(items), float(bool(layers))]
+            work, most, any_layers = self._agree(mine)
+            if any_layers:  # the split changes the step: no timing, the plan's size
+                coupled, tuner = self._untimed(layers), None
+            elif tuner is None:
                 assert self.planned is not None
                 tuner = self.tuner = ThroughputTuner(self.planned, int(most), self._agree)
-            tuner.observe(int(most), work)
-            if tuner.adopted:  # a shape decided before: its choice, below what ran out of memory
-                assert tuner.chosen is not None
+            if tuner is not None:
+                tuner.observe(int(most), work)
+            if tuner is not None and tuner.adopted:  # a shape decided before: its choice,
+                assert tuner.chosen is not None  # below what ran out of memory
                 fits = tuner.shape_fits()
                 self.size = tuner.chosen if fits is None else min(tuner.chosen, fits)
                 self.clean_windows, self.growing = 0, False
@@ -206,7 +219,7 @@ class AutoSizer:
             rng = rng_states(self.device, self._generators)
             start = self.clock()
             try:
-                result = attempt(size, _note(tuner, size, tried, items))
+                result = attempt(size, _note(tuner, size, tried, items, coupled))
             except BaseException as error:
                 if not is_out_of_memory(error):
                     raise
@@ -233,6 +246,13 @@ class AutoSizer:
                 return result
             self.window_done()
             return result
+
+    def _untimed(self, layers: list[str] | None) -> list[str]:
+        """No timing: sizes timed before (a split changes the step since) go; the plan's size."""
+        if self.tuner is not None and not self.out_of_memory_events:
+            self.size = self.planned
+        self.tuner = None
+        return layers or ["the split changes the step on another rank"]
 
     def _target(self) -> int | None:
         """What a shrunk size grows back to: the tuner's choice, else the plan's size."""
@@ -326,12 +346,21 @@ class AutoSizer:
         )
 
 
-def _note(tuner: ThroughputTuner | None, size: int, tried: list[int], items: int) -> str | None:
+def _note(
+    tuner: ThroughputTuner | None,
+    size: int,
+    tried: list[int],
+    items: int,
+    coupled: list[str] | None = None,
+) -> str | None:
     """`StepResult.sizing`: the tuner's reason ("auto"), and any out-of-memory rerun.
 
-    "largest" has no note unless the window ran out of memory and was rerun smaller.
+    "largest" has no note unless the window ran out of memory and was rerun smaller; "auto"
+    with BatchNorm layers normalizing each micro-batch (`coupled`) says why nothing is timed.
     """
     note = None if tuner is None else tuner.note()
+    if coupled is not None:
+        note = untimed_note(size, coupled)
     if tuner is not None and not tuner.tuning and size != tuner.chosen:  # shrunk, or regrowing
         note = f"auto {size}: the choice is {tuner.chosen}, out of memory since ({tuner.reason})"
     if note is not None and size > items:
