@@ -1050,7 +1050,7 @@ def test_auto_stops_timing_once_the_loss_is_warned_to_compare_rows() -> None:
     with pytest.warns(UserWarning, match="compares the rows of its micro-batch"):
         results = [acc.step(batch, _info_nce) for batch in batches]
     assert [r.micro_batch_size for r in results] == [32, 32, 16] + [32] * 9
-    assert "untimed: loss_fn compares or pools the rows" in results[-1].sizing
+    assert "untimed: loss_fn compares, pools or normalizes the rows" in results[-1].sizing
     # The plain loop, with the one window the tuner split (two means of 16 rows, averaged).
     reference = _ClockedEncoder()
     opt = torch.optim.SGD(reference.parameters(), lr=0.5)
@@ -1069,3 +1069,42 @@ def test_auto_stops_timing_once_the_loss_is_warned_to_compare_rows() -> None:
     with pytest.warns(UserWarning, match="compares the rows"):
         [fixed.step(batch, _info_nce) for batch in batches]
     assert _off(split, reference) > 1e-3
+
+
+def _normalized_advantages(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """PPO's copied line: advantages normalized over the micro-batch inside loss_fn."""
+    x, advantages = batch
+    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    return -(model(x).sum(dim=1) * advantages).mean()
+
+
+def test_auto_stops_timing_once_advantages_are_warned_normalized_per_micro_batch() -> None:
+    """Any loss warned to depend on the split (here advantages normalized per micro-batch, as
+    mixup drawn in loss_fn or class weights from its labels would be) stops the timing: the
+    tuner went on timing 16, 8 and 4 after the warning and kept 16, another objective."""
+    generator = torch.Generator().manual_seed(7)
+    batches = [
+        (torch.randn(BATCH, 8, generator=generator, dtype=torch.float64),
+         torch.randn(BATCH, generator=generator, dtype=torch.float64))
+        for _ in range(12)
+    ]  # fmt: skip
+    model = _ClockedEncoder()
+    acc = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size="auto",
+        memory_budget=BUDGET,
+    )  # fmt: skip
+    acc._auto.clock = lambda: model.now
+    with pytest.warns(UserWarning, match="Normalize over the whole batch"):
+        results = [acc.step(batch, _normalized_advantages) for batch in batches]
+    sizes = [r.micro_batch_size for r in results]
+    assert sizes[-4:] == [BATCH] * 4, sizes  # NEGATIVE CONTROL before the fix: 16 kept
+    assert "untimed: loss_fn compares, pools or normalizes the rows" in results[-1].sizing
+    # The plain loop, with each window split as the Accumulator split it (rows-weighted means).
+    reference = _ClockedEncoder()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for (x, adv), size in zip(batches, sizes, strict=True):
+        opt.zero_grad(set_to_none=True)
+        parts = zip(x.split(size), adv.split(size), strict=True)
+        sum(_normalized_advantages(reference, p) * len(p[0]) / BATCH for p in parts).backward()
+        opt.step()
+    assert _off(acc.model, reference) < 1e-10

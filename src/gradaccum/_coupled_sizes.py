@@ -11,8 +11,10 @@ window fits, and `StepResult.sizing` says why:
   relative off the full-batch step under `"micro"`, 7.6e-2 under `"pooled"`, silently);
   `batchnorm="frozen"` or `convert_to_groupnorm` make the size a speed knob again;
 - a loss that compares or pools the rows of its micro-batch (in-batch negatives, a batch Dice,
-  preference pairs the split cuts), once warned about (`gradaccum._token_mean`): each timed
-  size trained on another objective (InfoNCE over 64 rows, 32 kept: 7.5e-2 off, warned once).
+  preference pairs the split cuts, advantages normalized over it, a mixup drawn per
+  micro-batch, class weights from its label counts), once warned about (`gradaccum._token_mean`):
+  each timed size trained on another objective (InfoNCE over 64 rows, 32 kept: 7.5e-2 off,
+  warned once).
   Such a window's first split runs before the warning, so one timed window may differ.
 
 Example:
@@ -38,7 +40,7 @@ class Engine(Protocol):
 
     model: torch.nn.Module
     batchnorm: Any  # `BatchNormControl`: its `mode`
-    _token_mean: Any  # `TokenMeanCheck`: which row-coupling warnings were told
+    token_mean: Any  # `TokenMeanCheck`: whether a row-coupling warning was told
 
 
 __all__ = ["batch_statistics_layers", "split_changes_step", "untimed_note"]
@@ -69,10 +71,9 @@ def split_changes_step(engine: Engine) -> list[str]:
             "(batchnorm='frozen' or gradaccum.batchnorm.convert_to_groupnorm(model) let auto "
             "time sizes)"
         )
-    check = engine._token_mean
-    if not (check.in_batch and check.ratio and check.pairs):  # warned: the rows are coupled
+    if engine.token_mean.rows_coupled:
         reasons.append(
-            "loss_fn compares or pools the rows of its micro-batch, as warned (see "
+            "loss_fn compares, pools or normalizes the rows of its micro-batch, as warned (see "
             "docs/losses.md for an exact recipe)"
         )
     return reasons

@@ -70,7 +70,7 @@ class Engine:
         # Exchange started; the others sum next (Tokens); the last backward reduced (FSDP2).
         self._exchanged = self._next_sum = self._reduced = False
         self._last_input: tuple[Any, LossFn] | None = None  # for FSDP2's zero-item settle
-        self._token_mean, self._seeds = TokenMeanCheck(model=model), Seeds()
+        self.token_mean, self._seeds = TokenMeanCheck(model=model), Seeds()
         self._layout = SequenceFirstCheck(model, batch_dim)  # a batch split along time
         self.telemetry: TelemetryMeter | None = None  # opt-in (gradaccum.telemetry)
         self.broken: str | None = None  # set by a half-done optimizer.step(); a load clears it
@@ -149,7 +149,7 @@ class Engine:
         self.runtime.open_window(len(params), None if self.sync.defers else params)  # dtypes
         self.sync.begin_window()
         self._layout.open_window()  # an RNN state from the last window's micro-batches may go on
-        self._token_mean.open_window()  # masked means compared within a window
+        self.token_mean.open_window()  # masked means compared within a window
         self.window.open(params, held, self.runtime.loss_scale())
         self.buffers.open()
         if self.telemetry is not None:
@@ -187,8 +187,8 @@ class Engine:
             else:
                 value, weight, count = read_loss(result, items, needs_graph=True)
                 logged = value
-            if self._token_mean.pending:  # -100 labels, a copied loop's line: warns (first few)
-                self._token_mean.check(result, micro_batch, items, expect.planned, loss_fn)
+            if self.token_mean.pending:  # -100 labels, a copied loop's line: warns (first few)
+                self.token_mean.check(result, micro_batch, items, expect.planned, loss_fn)
             if expect.until is not None:
                 last = sync.sum_of_counts(window.budget(count, expect.until_term)) >= expect.until
                 self._next_sum = not last  # the other ranks' next collective: a sum or exchange

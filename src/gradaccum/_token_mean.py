@@ -166,6 +166,7 @@ class TokenMeanCheck:
         # ones seen): told when another micro-batch's differ, drawn in loss_fn.
         self.weights: bool | str = True
         self.per_row: tuple[int, ...] | None = None  # the window's masked means' values per row
+        self._coupled = False  # a warning above told: the micro-batch's size is in the objective
 
     def check(
         self,
@@ -210,19 +211,19 @@ class TokenMeanCheck:
             in_batch = self.in_batch and in_batch_problem(result, items, micro_batches)
             if in_batch:  # rows compared with each other, which a split cuts apart
                 warn_user(UserWarning(in_batch))
-                self.in_batch = False
+                self.in_batch, self._coupled = False, True
             ratio = (
                 self.in_batch and self.ratio and batch_ratio_problem(result, items, micro_batches)
             )
             if ratio:  # a Dice over the batch, a std over the rows: another objective per split
                 warn_user(UserWarning(ratio))
-                self.ratio = False
+                self.ratio, self._coupled = False, True
             pairs = (
                 not in_batch and self.pairs and split_pairs_problem(result, items, micro_batches)
             )
             if pairs:  # chosen and rejected rows a split cut apart
                 warn_user(UserWarning(pairs))
-                self.pairs = False
+                self.pairs, self._coupled = False, True
             self._check_statistics(result, items, micro_batches)
             if self.model is not None and loss_fn is not None and micro_batches > 1:
                 teacher = teacher_problem(loss_fn, self.model)  # outside the model, train mode
@@ -245,18 +246,18 @@ class TokenMeanCheck:
         kind, problem = found or ("", "")
         if kind == "centered" and self.centered:
             warn_user(UserWarning(problem))
-            self.centered = False
+            self.centered, self._coupled = False, True
         if kind.startswith("weights") and self.weights:  # fit this micro-batch's counts
             if self.weights is not True and self.weights != kind:  # and changed: drawn here
                 warn_user(UserWarning(problem))
-                self.weights = False
+                self.weights, self._coupled = False, True
             else:
                 self.weights = kind
         if self.mixed >= 0:
             self.mixed = -1 if kind == "not mixed" else self.mixed + (kind == "mixed")
             if self.mixed == 2 and kind == "mixed":
                 warn_user(UserWarning(problem))
-                self.mixed = -1
+                self.mixed, self._coupled = -1, True
 
     def open_window(self) -> None:
         """A new window: its masked means' values per row may differ from the last window's."""
@@ -274,6 +275,11 @@ class TokenMeanCheck:
             changed = next((b, n) for b, n in zip(before, per_row, strict=True) if b != n)
             warn_user(TokenMeanWarning(per_row_change_problem((changed[0],), (changed[1],))))
             self.left, self.per_row = 0, None
+
+    @property
+    def rows_coupled(self) -> bool:
+        """Whether a warning told that the loss depends on how the batch is split into rows."""
+        return self._coupled
 
     @property
     def pending(self) -> bool:
