@@ -278,6 +278,8 @@ def make_loss(s: Setup, extra: list[nn.Parameter], fault: dict[str, Any]):
                 ce = ce * float("nan")
             else:
                 fault["nan_at"] += 1
+        if s.optvar == "maximize":  # a reward maximized: the same dynamics as the loss minimized
+            ce, rows_aux = -ce, -rows_aux
         if s.loss == "mean":
             return ce / cnt
         if s.loss == "sum":
