@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -428,3 +429,75 @@ def test_accumulate_grad_refuses_a_bad_batch_dim_as_the_accumulator_does(bad: ob
     assert "batch_dim=1 for sequence-first" in str(refused.value)
     for param, grad in zip(model.parameters(), before, strict=True):
         assert torch.equal(param.grad, grad)  # nothing changed
+
+
+def _learnable_weight_case() -> tuple[torch.nn.Module, torch.nn.Parameter, tuple, Any]:
+    """A model and a learnable loss weight outside it (uncertainty weighting's log-variance)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = model.double()
+    log_var = torch.nn.Parameter(torch.tensor(0.3, dtype=torch.float64))
+    x, y = torch.randn(11, 5, dtype=torch.float64), torch.randint(0, 3, (11,))
+
+    def loss_fn(m: torch.nn.Module, batch: tuple) -> LossSum:
+        ce = torch.nn.functional.cross_entropy(m(batch[0]), batch[1], reduction="sum")
+        return LossSum(torch.exp(-log_var) * ce + log_var * len(batch[1]), len(batch[1]))
+
+    return model, log_var, (x, y), loss_fn
+
+
+@pytest.mark.parametrize("normalize", ["mean", "sum"])
+def test_accumulate_grad_divides_a_learnable_loss_weight_outside_the_model(normalize: str) -> None:
+    # It was seeded at 1/16 for 11 items and never divided: 0.69 of its full-batch gradient.
+    model, log_var, batch, loss_fn = _learnable_weight_case()
+    reference, ref_var = copy.deepcopy(model), torch.nn.Parameter(log_var.detach().clone())
+    log_var.grad = torch.full_like(log_var, 7.0)  # held before: replaced, as the model's are
+    accumulate_grad(model, batch, loss_fn, micro_batch_size=4, normalize=normalize)
+    ce = torch.nn.functional.cross_entropy(reference(batch[0]), batch[1], reduction="sum")
+    objective = torch.exp(-ref_var) * ce + ref_var * 11
+    (objective / 11 if normalize == "mean" else objective).backward()
+    torch.testing.assert_close(log_var.grad, ref_var.grad, rtol=1e-10, atol=0)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-15)
+
+
+def test_negative_control_a_loss_weight_left_as_seeded_is_off() -> None:
+    # What accumulate_grad left before: the backwards as seeded (1/16), never divided by 11/16.
+    model, log_var, batch, loss_fn = _learnable_weight_case()
+    exact = copy.deepcopy(log_var)
+    for rows in torch.arange(11).split(4):
+        loss = loss_fn(model, (batch[0][rows], batch[1][rows]))
+        (loss.value / 16).backward()
+    exact_model, _, _, _ = _learnable_weight_case()
+    ce = torch.nn.functional.cross_entropy(exact_model(batch[0]), batch[1], reduction="sum")
+    ((torch.exp(-exact) * ce + exact * 11) / 11).backward()
+    assert abs(float(log_var.grad / exact.grad) - 11 / 16) < 1e-12
+
+
+def test_a_failing_accumulate_grad_puts_a_learnable_loss_weights_gradient_back() -> None:
+    model, log_var, batch, loss_fn = _learnable_weight_case()
+    held = torch.full_like(log_var, 7.0)
+    log_var.grad = held
+    calls = []
+
+    def failing(m: torch.nn.Module, b: tuple) -> LossSum:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return loss_fn(m, b)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        accumulate_grad(model, batch, failing, micro_batch_size=4)
+    assert log_var.grad is held
+    assert float(held) == 7.0
+
+
+def test_check_equivalence_leaves_a_learnable_loss_weights_gradient_as_it_was() -> None:
+    # Both of its runs' backwards were left in the weight's .grad (0.31 on a None).
+    model, log_var, batch, loss_fn = _learnable_weight_case()
+    assert gradaccum.check_equivalence(model, batch, loss_fn, micro_batch_size=4).ok
+    assert log_var.grad is None
+    log_var.grad = held = torch.full_like(log_var, 7.0)
+    gradaccum.check_equivalence(model, batch, loss_fn, micro_batch_size=4)
+    assert log_var.grad is held
+    assert float(held) == 7.0

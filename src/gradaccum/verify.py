@@ -41,6 +41,7 @@ from gradaccum._check_precision import PrecisionProbe, tolerance
 from gradaccum._fixes import LOSS_CAUSES, fix_for
 from gradaccum._grad_hooks import hooked_parameters
 from gradaccum._loss_call import call_loss_fn, refuse_grad_disabled
+from gradaccum._loss_leaves import OutsideLeaves
 from gradaccum._non_additive import (
     ModulesRun,
     NonAdditiveModule,
@@ -259,7 +260,11 @@ def check_equivalence(
     precision = PrecisionProbe(dtype)
     known = {m.name for m in find_non_additive(model)}
 
-    with torch.enable_grad():
+    # A learnable loss weight outside the model gets both runs' backwards: its .grad is put back.
+    with (
+        torch.enable_grad(),
+        OutsideLeaves([*full_model.parameters()], batch).put_back() as outside,
+    ):
         refuse_grad_disabled("check_equivalence()")  # inference mode, which enable_grad keeps
         own, own_drew = loss_generators(loss_fn), list[bool]()  # negative sampling's own
         with torch.random.fork_rng(devices=devices), host_rng_forked(), precision:
@@ -286,6 +291,7 @@ def check_equivalence(
                 )
             items = batch_size(batch, batch_dim=batch_dim)
             value, weight, count = read_loss(result, items, needs_graph=True)
+            outside.take(value)
             if count > 0:  # the plain full-batch loss itself: no op a user would not write
                 backward([value if weight == count else value / count])
             drew = rng_advanced(rng, devices, generators) or any(own_drew)

@@ -5,16 +5,9 @@ micro-batch, the `denominator` and `loss_scale` of every backward: `gradaccum.di
 parameters it fills, fixed when it opens (the optimizer's, in order, then the model's other
 trainable ones); gradients set aside for a failed window; marks of every gradient and weight after
 each backward (a `zero_grad()`, a write: `_written`). `accumulate_grad` is the engine's
-functional form: the exact full-batch gradient, no step.
-
-Example:
-    >>> import torch
-    >>> from gradaccum import accumulate_grad
-    >>> model = torch.nn.Linear(3, 1)
-    >>> x, y = torch.randn(10, 3), torch.randn(10, 1)
-    >>> mse = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
-    >>> accumulate_grad(model, (x, y), mse, micro_batch_size=4).count
-    10
+functional form: the exact full-batch gradient, no step (its example is in its docstring); a
+learnable weight the loss holds outside the model is divided with the parameters
+(`_loss_leaves`).
 """
 
 from __future__ import annotations
@@ -32,6 +25,7 @@ from gradaccum._forward_state import ForwardState
 from gradaccum._joined import JoinWatch
 from gradaccum._layout_watch import SequenceFirstCheck
 from gradaccum._loss_call import call_loss_fn, freed_graph_hint, refuse_grad_disabled
+from gradaccum._loss_leaves import OutsideLeaves
 from gradaccum._outcome import Outcome
 from gradaccum._outputs import backward
 from gradaccum._parameters import trainable_parameters
@@ -361,6 +355,7 @@ def accumulate_grad(
     window.open(params, len(params), loss_scale=1.0)
     token_mean, layout = TokenMeanCheck(model), SequenceFirstCheck(model, batch_dim, carried=False)
     forward = ForwardState(model)  # put back on failure, as the note says (BatchNorm statistics)
+    outside = OutsideLeaves(params, batch)  # a learnable loss weight: replaced, divided, put back
     try:
         with steps_refused(window):  # an optimizer stepped in the backward
             for micro_batch in micro_batches:
@@ -383,6 +378,7 @@ def accumulate_grad(
                         objective, expected_items=count * len(micro_batches), window_items=folded
                     )
                 if value.requires_grad:
+                    outside.take(value)
                     root, seed = seeded_loss(value, weight, window.denominator)
                     backward([root], None if seed is None else [seed])
                 window.add(value, weight, count, items)
@@ -390,11 +386,12 @@ def accumulate_grad(
         window.note_discarded(error)
         window.restore()
         forward.restore()
+        outside.restore()
         raise
     if window.count > 0 or objective is Normalize.SUM:
         assert window.denominator is not None  # split_batch guarantees a micro-batch
         divisor = grad_divisor(window.count, objective, window.denominator)
-        divide_([p.grad for p in params if p.grad is not None], divisor)
+        divide_([p.grad for p in params if p.grad is not None] + outside.grads(), divisor)
     dtype = torch.promote_types(value.dtype, torch.float32)  # the loss's, as the window summed it
     total = torch.tensor(window.loss_total(), dtype=dtype, device=value.device)
     return LossSum(total, window.count)
