@@ -1394,6 +1394,122 @@ def add_loss_terms():
     return found
 
 
+class _KL(keras.layers.Layer):
+    """A VAE's KL term added by a layer: `ops.mean` over rows (the recipe) or `ops.sum`."""
+
+    def __init__(self, summed, **kwargs):
+        super().__init__(**kwargs)
+        self.summed = summed
+
+    def call(self, inputs):
+        mean, log_var = inputs
+        kl = -0.5 * ops.sum(1 + log_var - ops.square(mean) - ops.exp(log_var), axis=-1)
+        self.add_loss(0.05 * (ops.sum(kl) if self.summed else ops.mean(kl)))
+        return mean
+
+
+class _Vae(keras.Model):
+    """A subclassed VAE-style model (deterministic: z is the mean) adding its KL via add_loss;
+    `direct` adds a row sum in its own call (which takes no `training` argument)."""
+
+    def __init__(self, summed=False, direct=False):
+        super().__init__(name="subclassed_vae")
+        self.direct = direct
+        self.enc = keras.layers.Dense(8, activation="tanh", kernel_initializer=seeded(1))
+        self.mean = keras.layers.Dense(2, kernel_initializer=seeded(2))
+        self.log_var = keras.layers.Dense(2, kernel_initializer=seeded(3))
+        self.kl = _KL(summed, name="kl")
+        self.dec = keras.layers.Dense(6, kernel_initializer=seeded(4))
+
+    def call(self, x):
+        h = self.enc(x)
+        z = self.kl([self.mean(h), self.log_var(h)])
+        if self.direct:
+            self.add_loss(0.01 * ops.sum(ops.square(h)))
+        return self.dec(z)
+
+
+def _conv_added(kind):
+    """A functional model over sequences of any length (`Input((None, 4))`) with a kernel of 5:
+    it cannot run on compile()'s tiny random rows (3 steps), only on real batches."""
+    return lambda: keras.Sequential([
+        keras.Input((None, 4)), keras.layers.Conv1D(8, 5, kernel_initializer=seeded(1)),
+        keras.layers.GlobalAveragePooling1D(), _AddedTerm(kind),
+        keras.layers.Dense(3, kernel_initializer=seeded(2)),
+    ])  # fmt: skip
+
+
+def _refused_before_any_step(make, feed):
+    """Build the model, then `feed(trainer)`; the message, and whether the weights are as built."""
+    model = make()
+    trainer = gk.accumulate(model, steps=3)
+    trainer.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    try:
+        feed(trainer, model)
+        return None, True
+    except ValueError as error:
+        before = weights(model)  # built by the check itself, on the first batch's shapes
+        with contextlib.suppress(ValueError):
+            feed(trainer, model)  # a second try is refused again
+        return str(error), gap(weights(model), before) == 0.0 and trainer.window_state == {
+            "steps": 0, "skipped": 0, "pending": 0}  # fmt: skip
+
+
+@check
+def subclassed_and_unreadable_add_loss_terms():
+    """A subclassed model's add_loss terms were not read at all (a VAE's KL summed over rows
+    0.37-0.48 off, silently), nor a functional model's that cannot run on tiny random rows: they
+    are read on rows of the first real batch (arrays, a PyDataset, tf.data, a generator,
+    train_on_batch). Row means exact; row sums refused before any step, nothing trained."""
+    sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+    rng = np.random.default_rng(0)
+    micro = [(x, x) for x in (rng.normal(size=(n, 6)) for n in RAGGED)]
+    seq = [(rng.normal(size=(n, 7, 4)), rng.normal(size=(n, 3))) for n in RAGGED]
+    found = {"vae_mean": compare(lambda: _Vae(), sgd, micro, steps=3),
+             "conv_mean": compare(_conv_added("row_mean"), sgd, seq, steps=3)}  # fmt: skip
+    for exact in found.values():
+        exact.pop("weights")
+
+    def generator(batches):
+        yield from batches
+
+    feeds = {
+        "vae_sum": (lambda: _Vae(summed=True), lambda t, m: t.fit(Batches(micro), verbose=0)),
+        "direct_sum": (
+            lambda: _Vae(direct=True),
+            lambda t, m: t.fit(
+                np.concatenate([x for x, _ in micro]),
+                np.concatenate([y for _, y in micro]),
+                batch_size=4,
+                verbose=0,
+            ),
+        ),
+        "generator": (lambda: _Vae(summed=True), lambda t, m: t.fit(generator(micro), verbose=0)),
+        "train_on_batch": (lambda: _Vae(summed=True), lambda t, m: t.train_on_batch(*micro[0])),
+        "conv_sum": (_conv_added("row_sum"), lambda t, m: t.fit(Batches(seq), verbose=0)),
+    }
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        def tf_data(t, m):
+            data = tf.data.Dataset.from_tensor_slices(concat(micro)).batch(4)
+            t.fit(data, verbose=0)
+
+        feeds["tf_data"] = (lambda: _Vae(summed=True), tf_data)
+    refused = {label: _refused_before_any_step(*feed) for label, feed in feeds.items()}
+    found["messages"] = {label: message for label, (message, _) in refused.items()}
+    found["unchanged"] = {label: same for label, (_, same) in refused.items()}
+    # NEGATIVE CONTROL: count= (rows, the default's count) skips the check: the sum is averaged.
+    rows = lambda x, y, y_pred, sample_weight: ops.shape(x)[0]  # noqa: E731
+    ref = fit_plain(lambda: _Vae(summed=True), sgd(), windows(micro, 3)[0])
+    model = _Vae(summed=True)
+    trainer = gk.accumulate(model, steps=3, count=rows)
+    trainer.compile(optimizer=sgd(), loss="mse")
+    trainer.fit(Batches(micro), shuffle=False, verbose=0)
+    found["gap_vae_sum"] = gap(weights(model), weights(ref))
+    return found
+
+
 @check
 def loss_sum_warns_about_a_batch_dice():
     """`loss_sum(Dice())` in a hand-written loop took the batch ratio for a row mean, silently;

@@ -408,6 +408,19 @@ def test_add_loss_terms_are_exact_or_refused(keras_results, backend):
     assert found["gap_row_sum"] > CAUGHT, "a summed add_loss term weighed like a mean is caught"
 
 
+def test_subclassed_and_unreadable_add_loss_terms_are_read_on_the_first_batch(
+    keras_results, backend
+):
+    found = result(keras_results, backend, "subclassed_and_unreadable_add_loss_terms")
+    for kind in ("vae_mean", "conv_mean"):  # a subclassed VAE's KL; a conv unfit for tiny rows
+        assert_exact(found[kind], backend, steps=2)
+    for label, message in found["messages"].items():  # arrays, PyDataset, generator, tf.data...
+        assert "sum over rows" in (message or ""), (label, found["messages"])
+        assert "ops.mean" in message, message
+    assert all(found["unchanged"].values()), found
+    assert found["gap_vae_sum"] > CAUGHT, "a subclassed model's summed KL weighed like a mean"
+
+
 def test_loss_sum_warns_about_a_batch_dice_in_a_hand_written_loop(keras_results, backend):
     found = result(keras_results, backend, "loss_sum_warns_about_a_batch_dice")
     assert found["batch"]["warned"] >= 1, found

@@ -8,10 +8,12 @@ window's micro-batches instead of summed over its rows: the full-batch step adds
 the window about 1/steps of it (a 0.4-0.5 gap, silently). A term that is a mean over rows is exact
 beside a compiled loss that counts rows, and not beside one counting other items.
 
-`added_terms` tells them apart on a functional or Sequential model without changing any state:
-it runs the model statelessly (`stateless_call`, inference mode) on one random row, on that row
-twice, and on another row (token inputs: ids 1 and 2). A sum over rows doubles on the doubled
-row; a mean over rows does not, but changes with the row; a constant changes with neither.
+`added_terms` tells them apart without changing any state: it runs the model statelessly
+(`stateless_call`, inference mode) on one row, on that row twice, and on another row. The rows
+are random for a functional or Sequential model at `compile()` (token inputs: ids 1 and 2), or
+rows of a real batch (`batch`: a subclassed model, read at its first `fit`/`train_on_batch`). A
+sum over rows doubles on the doubled row; a mean over rows does not, but changes with the row;
+a constant changes with neither.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import keras
 import numpy as np
 from keras import ops
 
-__all__ = ["ROW_MEAN", "SUMMED", "added_terms", "check_summed_terms"]
+__all__ = ["ROW_MEAN", "SUMMED", "added_terms", "check_summed_terms", "read_terms"]
 
 SUMMED = "summed"  # a term that grows with the batch's rows
 ROW_MEAN = "row_mean"  # a term that is a mean over the batch's rows
@@ -49,21 +51,60 @@ def _inputs(model: Any, rows: list[Any]) -> Any:
     return made[0] if len(made) == 1 else made
 
 
-def _terms(model: Any, rows: list[Any]) -> list[float]:
+def _real_rows(batch: Any, rows: list[int]) -> Any:
+    """Rows `rows` of every input of a real batch (numpy arrays or tensors, nested alike)."""
+
+    def take(leaf: Any) -> Any:
+        return None if leaf is None else np.asarray(ops.convert_to_numpy(leaf))[rows]
+
+    return keras.tree.map_structure(take, batch)
+
+
+def _terms(model: Any, inputs: Any) -> list[float]:
     trainable = [v.value for v in model.trainable_variables]
     frozen = [v.value for v in model.non_trainable_variables]
-    _, _, losses = model.stateless_call(
-        trainable, frozen, _inputs(model, rows), training=False, return_losses=True
-    )
+    # stateless_call runs `call` itself, which may take no `training` argument, and does not
+    # clear the ids of the terms its own call added before: one reused by a sublayer's new term
+    # would count that term twice (TensorFlow).
+    model._clear_losses()
+    mode = {"training": False} if getattr(model, "_call_has_training_arg", True) else {}
+    _, _, losses = model.stateless_call(trainable, frozen, inputs, return_losses=True, **mode)
     return [float(np.sum(ops.convert_to_numpy(term))) for term in losses]
 
 
-def added_terms(model: Any) -> list[str]:
+def read_terms(model: Any, batch: Any = None) -> tuple[list[str] | None, str]:
+    """`added_terms`, and why they could not be read (`(None, reason)`) if they could not."""
+    try:
+        if batch is None:
+            if not model.built or not model.inputs:
+                return None, "the model has no symbolic inputs (a subclassed or unbuilt model)"
+            one, twice, other = (_terms(model, _inputs(model, r)) for r in ([0], [0, 0], [1]))
+        else:
+            rows = len(keras.tree.flatten(batch)[0])
+            picks = ([0], [0, 0], [1 if rows > 1 else 0])
+            one, twice, other = (_terms(model, _real_rows(batch, r)) for r in picks)
+    except Exception as error:  # a model this cannot feed: said so by the caller
+        return None, f"{type(error).__name__}: {str(error)[:200]}"
+    if not (len(one) == len(twice) == len(other)):
+        return None, "the model added a different number of terms on different rows"
+    if not np.all(np.isfinite(one + twice + other)):  # random rows out of the model's domain
+        return None, "a term was not finite on these rows"
+    kinds = []
+    for a, b, c in zip(one, twice, other, strict=True):
+        scale = max(abs(a), abs(c), 1e-30)
+        if abs(a) > 1e-12 and abs(b - 2 * a) <= 0.05 * abs(a):
+            kinds.append(SUMMED)
+        elif abs(b - a) <= 1e-3 * scale and abs(c - a) > 1e-6 * scale:
+            kinds.append(ROW_MEAN)
+    return kinds, ""
+
+
+def added_terms(model: Any, batch: Any = None) -> list[str] | None:
     """The kinds of `model`'s added loss terms that depend on the batch (`SUMMED`, `ROW_MEAN`).
 
-    Constants (weight regularizers) are left out, and so is anything this cannot read: a
-    subclassed model without symbolic inputs, an unbuilt model, or a call that fails on random
-    rows returns [] (nothing refused).
+    Constants (weight regularizers) are left out. Without `batch` the rows are random rows of
+    the model's symbolic inputs; with it, rows of that real batch's inputs (`x`). None when the
+    terms cannot be read: a subclassed model without `batch`, or a call that fails.
 
     Example:
         >>> import keras
@@ -72,22 +113,7 @@ def added_terms(model: Any) -> list[str]:
         >>> added_terms(net)
         ['row_mean']
     """
-    try:
-        if not model.built or not model.inputs:
-            return []
-        one, twice, other = _terms(model, [0]), _terms(model, [0, 0]), _terms(model, [1])
-    except Exception:  # a model this cannot feed: checked by nothing, as before
-        return []
-    if not (len(one) == len(twice) == len(other)):
-        return []
-    kinds = []
-    for a, b, c in zip(one, twice, other, strict=True):
-        scale = max(abs(a), abs(c), 1e-30)
-        if abs(a) > 1e-12 and abs(b - 2 * a) <= 0.05 * abs(a):
-            kinds.append(SUMMED)
-        elif abs(b - a) <= 1e-3 * scale and abs(c - a) > 1e-6 * scale:
-            kinds.append(ROW_MEAN)
-    return kinds
+    return read_terms(model, batch)[0]
 
 
 def check_summed_terms(kinds: list[str]) -> None:

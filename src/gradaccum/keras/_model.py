@@ -34,6 +34,7 @@ from gradaccum.keras._counts import (
     varying_count,
     warn_whole_batch,
 )
+from gradaccum.keras._first import check_first_batch
 from gradaccum.keras._optimizer import WindowOptimizer
 from gradaccum.keras._options import (
     PARTIAL_WINDOWS,
@@ -100,6 +101,7 @@ class AccumulatingModel(keras.Model):
         self._count_fn = count
         self._activity = False  # the model has activity regularizers (set at compile)
         self._added = False  # the model adds a per-row loss term itself (set at compile)
+        self._terms_read = False  # its added terms were read (at compile, or the first batch)
         if hasattr(model, "output_names"):
             self.output_names = model.output_names
         self._settle = SettleWindows(self)
@@ -139,6 +141,8 @@ class AccumulatingModel(keras.Model):
                 "to AccumulatingModel if you know the counts stay proportional"
             )
         added = [] if self._count_fn is not None else added_terms(self.model)
+        self._terms_read = added is not None  # else read on the first batch (_first.py)
+        added = added or []
         check_summed_terms(added)
         self._added = ROW_MEAN in added  # a per-row add_loss term: checked like activity terms
         if self._count_fn is None:
@@ -221,6 +225,10 @@ class AccumulatingModel(keras.Model):
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """`keras.Model.fit`; `batch_size` is the micro-batch size."""
         check_batch_size(args, kwargs)
+        if args:
+            args = (check_first_batch(self, args[0]), *args[1:])
+        else:
+            kwargs["x"] = check_first_batch(self, kwargs.get("x"))
         self.built = self.built or self.model.built  # built since wrapped (BackupAndRestore)
         # First, so an epoch's leftover is settled before the user's callbacks save or stop.
         if len(args) > 5:  # callbacks given positionally
@@ -228,6 +236,12 @@ class AccumulatingModel(keras.Model):
         else:
             kwargs["callbacks"] = self._settle.first_of(kwargs.get("callbacks"))
         return super().fit(*args, **kwargs)
+
+    def train_on_batch(self, x: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """`keras.Model.train_on_batch` on one micro-batch; `steps` calls make a window."""
+        x = check_first_batch(self, x)
+        self.built = self.built or self.model.built
+        return super().train_on_batch(x, *args, **kwargs)
 
     def flush(self, policy: str = "step") -> bool:
         """Settle an open window now: `"step"` on its items or `"drop"` them.
