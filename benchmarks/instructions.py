@@ -138,8 +138,14 @@ def child(case_name: str, contender: str, steps: int) -> None:
         pass
 
 
-def count(case_name: str, contender: str, steps: int, hash_seed: int) -> int:
-    """Instructions of one child process under callgrind, its string hashes seeded `hash_seed`."""
+def count(case_name: str, contender: str, steps: int, hash_seed: int, cache: bool = False) -> int:
+    """Instructions of one child process under callgrind, its string hashes seeded `hash_seed`.
+
+    With `cache`, callgrind also simulates the caches (`--cache-sim=yes`, the host's geometry)
+    and the branch predictors (`--branch-sim=yes`), and the figure is its cycle estimate
+    instead: instructions + 10 x (first-level misses + mispredicted branches) + 100 x
+    last-level misses (KCachegrind's "CEst"), which charges memory traffic as well.
+    """
     env = {**os.environ, "PYTHONHASHSEED": str(hash_seed), "OPENBLAS_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "callgrind.out"
@@ -149,6 +155,7 @@ def count(case_name: str, contender: str, steps: int, hash_seed: int) -> int:
                 "--tool=callgrind",
                 "--collect-atstart=no",
                 "--toggle-collect=takewhile_next",
+                *(["--cache-sim=yes", "--branch-sim=yes"] if cache else []),
                 f"--callgrind-out-file={out}",
                 sys.executable,
                 str(Path(__file__).resolve()),
@@ -162,10 +169,15 @@ def count(case_name: str, contender: str, steps: int, hash_seed: int) -> int:
             check=True,
             env=env,
         )
-    match = re.search(r"Collected : (\d+)", done.stderr)
+    match = re.search(r"Collected : ([\d ]+)", done.stderr)
     if match is None:
         raise RuntimeError(f"callgrind printed no count:\n{done.stderr[-2000:]}")
-    return int(match.group(1))
+    events = [int(n) for n in match.group(1).split()]
+    if not cache:
+        return events[0]
+    # Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw, then Bc Bcm Bi Bim
+    missed_branches = events[10] + events[12]
+    return events[0] + 10 * (sum(events[3:6]) + missed_branches) + 100 * sum(events[6:9])
 
 
 def main() -> None:
@@ -174,6 +186,7 @@ def main() -> None:
     parser.add_argument("--cases", default="cnn,lm")
     parser.add_argument("--hash-seeds", default="0", help="PYTHONHASHSEED values, one row each")
     parser.add_argument("--contenders", default="ours,hand,checked", help="checked: hand, checked")
+    parser.add_argument("--cache-sim", action="store_true", help="cycle estimate with cache misses")
     parser.add_argument("--child", nargs=3, metavar=("CASE", "CONTENDER", "STEPS"))
     args = parser.parse_args()
     if args.child:
@@ -185,12 +198,16 @@ def main() -> None:
     print(f"$ {' '.join(['python', *sys.argv])}")
     print(f"torch {torch.__version__}, 1 thread; per step = instructions inside {args.steps} "
           f"steps (after 3 warm-up steps) / {args.steps}\n")  # fmt: skip
-    print("| model | PYTHONHASHSEED | contender | instructions / step | vs hand |")
+    unit = "estimated cycles / step" if args.cache_sim else "instructions / step"
+    print(f"| model | PYTHONHASHSEED | contender | {unit} | vs hand |")
     print("|---|---:|---|---:|---:|")
     for case_name in args.cases.split(","):
         for seed in map(int, args.hash_seeds.split(",")):
             with ThreadPoolExecutor(len(contenders)) as pool:  # counts do not mind sharing CPUs
-                runs = {c: pool.submit(count, case_name, c, args.steps, seed) for c in contenders}
+                runs = {
+                    c: pool.submit(count, case_name, c, args.steps, seed, args.cache_sim)
+                    for c in contenders
+                }
             per_step = {c: run.result() / args.steps for c, run in runs.items()}
             for contender in contenders:
                 ratio = per_step[contender] / per_step["hand"]
