@@ -14,8 +14,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[cli,dev,hf,keras,tensorboard]'
 	touch $(STAMP)
 
+# Two workers: each test runs on one thread (tests/conftest.py), so the suite takes about half the
+# time on a 2-core machine. `make test TEST_WORKERS=0` runs it in one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 # The inner loop: the engine's tests and doctests, which need no extra (no CLI, experiments,
 # distributed, integration or benchmark tests, none marked slow); about a minute on 2 cores.
