@@ -30,7 +30,7 @@ Three things made counts of identical code differ between runs, and are pinned i
 
 Usage:
     .venv/bin/python benchmarks/instructions.py [--steps N] [--cases cnn,lm,linears]   # ~15 minutes
-        [--hash-seeds 0,1,2] [--contenders ours,hand,checked]
+        [--hash-seeds 0,1,2] [--contenders ours,hand,checked] [--cache-sim]
     (`linears`: a cheap 28-tensor model where the library's own work is a large share, ~4 minutes)
     (internal) benchmarks/instructions.py --child CASE CONTENDER STEPS
 """
