@@ -96,11 +96,11 @@ def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.T
     return F.cross_entropy(model(x), y)
 
 
-def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(7)
+def _batches(count: int, features: int = 6, seed: int = 7) -> list[tuple[torch.Tensor, ...]]:
+    generator = torch.Generator().manual_seed(seed)
     return [
         (
-            torch.randn(BATCH, 6, generator=generator, dtype=torch.float64),
+            torch.randn(BATCH, features, generator=generator, dtype=torch.float64),
             torch.randint(0, 3, (BATCH,), generator=generator),
         )
         for _ in range(count)
@@ -913,14 +913,7 @@ class _ClockedBatchNorm(nn.Module):
 
 
 def _bn_batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(5)
-    return [
-        (
-            torch.randn(BATCH, 8, generator=generator, dtype=torch.float64),
-            torch.randint(0, 3, (BATCH,), generator=generator),
-        )
-        for _ in range(count)
-    ]
+    return _batches(count, features=8, seed=5)
 
 
 def _bn_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -1020,6 +1013,16 @@ class _ClockedEncoder(nn.Module):
         return self.body(x)
 
 
+def _clocked_auto(model: _ClockedEncoder) -> Accumulator:
+    """An auto-sized Accumulator over `model`, timed by the model's fake clock."""
+    acc = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size="auto",
+        memory_budget=BUDGET,
+    )  # fmt: skip
+    acc._auto.clock = lambda: model.now
+    return acc
+
+
 def _info_nce(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     anchors, positives = model(batch[0]), model(batch[1])
     return F.cross_entropy(anchors @ positives.T, torch.arange(len(anchors)))
@@ -1042,11 +1045,7 @@ def test_auto_stops_timing_once_the_loss_is_warned_to_compare_rows() -> None:
     """
     batches = _pairs(12)
     model = _ClockedEncoder()
-    acc = Accumulator(
-        model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size="auto",
-        memory_budget=BUDGET,
-    )  # fmt: skip
-    acc._auto.clock = lambda: model.now
+    acc = _clocked_auto(model)
     with pytest.warns(UserWarning, match="compares the rows of its micro-batch"):
         results = [acc.step(batch, _info_nce) for batch in batches]
     assert [r.micro_batch_size for r in results] == [32, 32, 16] + [32] * 9
@@ -1089,11 +1088,7 @@ def test_auto_stops_timing_once_advantages_are_warned_normalized_per_micro_batch
         for _ in range(12)
     ]  # fmt: skip
     model = _ClockedEncoder()
-    acc = Accumulator(
-        model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_size="auto",
-        memory_budget=BUDGET,
-    )  # fmt: skip
-    acc._auto.clock = lambda: model.now
+    acc = _clocked_auto(model)
     with pytest.warns(UserWarning, match="Normalize over the whole batch"):
         results = [acc.step(batch, _normalized_advantages) for batch in batches]
     sizes = [r.micro_batch_size for r in results]

@@ -150,12 +150,17 @@ def test_ctc_equals_the_full_batch_steps_where_padding_is_kept_or_masked(
 # --- extractive QA: a start and an end mean, each over the positions inside the inputs -------
 
 
-def _bert_qa() -> torch.nn.Module:
-    config = transformers.BertConfig(
+def _tiny_bert_config() -> transformers.BertConfig:
+    """A one-layer BERT of width 16, without dropout (QA and multiple-choice heads share it)."""
+    return transformers.BertConfig(
         vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         max_position_embeddings=64,
     )  # fmt: skip
+
+
+def _bert_qa() -> torch.nn.Module:
+    config = _tiny_bert_config()
     return transformers.BertForQuestionAnswering(config)
 
 
@@ -256,11 +261,7 @@ def test_the_hf_helpers_on_a_ctc_head_name_its_own_loss_changing_nothing(helper:
 
 
 def _bert_choices() -> torch.nn.Module:
-    config = transformers.BertConfig(
-        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        max_position_embeddings=64,
-    )  # fmt: skip
+    config = _tiny_bert_config()
     return transformers.BertForMultipleChoice(config)
 
 
