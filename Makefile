@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=20
 
 # The inner loop: the engine's tests and doctests, which need no extra (no CLI, experiments,
 # distributed, integration or benchmark tests, none marked slow); about a minute on 2 cores.
