@@ -180,12 +180,12 @@ class AutoSizer:
         batch: Any,
         items: int,
         attempt: Callable[[int, str | None], R],
-        layers: list[str] | None = None,
+        coupled_by: list[str] | None = None,
     ) -> R:
         """Run one window with `attempt(size, note)`; rerun it whole and smaller on OOM.
 
         In "auto" mode the window is timed (after the device finishes) for the tuner; `note`
-        says what the window runs at and why (`StepResult.sizing`). `layers`: why a smaller size
+        says what the window runs at and why (`StepResult.sizing`). `coupled_by`: why a smaller size
         would change the step (`gradaccum._coupled_sizes`): then, on any rank, the window runs at
         the largest size that fits, untimed.
 
@@ -196,10 +196,10 @@ class AutoSizer:
         tuner, tried, coupled = self.tuner, [], None
         if self.mode is AutoSize.FASTEST:
             # Ranks time alike: the same candidates, restarted on the same windows (DDP).
-            mine = [_work_per_item(batch, items), float(items), float(bool(layers))]
-            work, most, any_layers = self._agree(mine)
-            if any_layers:  # the split changes the step: no timing, the plan's size
-                coupled, tuner = self._untimed(layers), None
+            mine = [_work_per_item(batch, items), float(items), float(bool(coupled_by))]
+            work, most, any_coupled = self._agree(mine)
+            if any_coupled:  # the split changes the step: no timing, the plan's size
+                coupled, tuner = self._untimed(coupled_by), None
             elif tuner is None:
                 assert self.planned is not None
                 tuner = self.tuner = ThroughputTuner(self.planned, int(most), self._agree)
@@ -247,12 +247,12 @@ class AutoSizer:
             self.window_done()
             return result
 
-    def _untimed(self, layers: list[str] | None) -> list[str]:
+    def _untimed(self, coupled_by: list[str] | None) -> list[str]:
         """No timing: sizes timed before (a split changes the step since) go; the plan's size."""
         if self.tuner is not None and not self.out_of_memory_events:
             self.size = self.planned
         self.tuner = None
-        return layers or ["the split changes the step on another rank"]
+        return coupled_by or ["the split changes the step on another rank"]
 
     def _target(self) -> int | None:
         """What a shrunk size grows back to: the tuner's choice, else the plan's size."""
@@ -356,7 +356,8 @@ def _note(
     """`StepResult.sizing`: the tuner's reason ("auto"), and any out-of-memory rerun.
 
     "largest" has no note unless the window ran out of memory and was rerun smaller; "auto"
-    with BatchNorm layers normalizing each micro-batch (`coupled`) says why nothing is timed.
+    where the split changes the step (`coupled`: BatchNorm on batch statistics, a loss coupling
+    its rows) says why nothing is timed.
     """
     note = None if tuner is None else tuner.note()
     if coupled is not None:
