@@ -24,6 +24,7 @@ from tests.integrations._hf import import_transformers
 transformers = import_transformers()
 
 import gradaccum.accumulator  # noqa: E402
+import gradaccum.packing  # noqa: E402
 from gradaccum import Accumulator, LossSum, hf  # noqa: E402
 from gradaccum._trimmed_norms import trimmed_norms_refused  # noqa: E402
 from gradaccum.loss import Term, TokenMeanWarning  # noqa: E402
@@ -332,6 +333,33 @@ def test_negative_control_the_own_qa_loss_with_a_clamped_end_warns_naming_the_te
     with pytest.warns(TokenMeanWarning, match=r"combines 2 .*LossSum\.terms\(start=Term") as seen:
         gap = _steps(_bert_qa, _qa_batches("end"), _own_loss, _own_loss, micro_batch_size=3)
     assert "Extractive question answering" in str(seen[0].message)
+    assert gap > 1e-3
+
+
+@pytest.mark.parametrize("loss_fn", [_own_loss, _qa_recipe], ids=["own-loss", "recipe"])
+def test_qa_under_a_token_budget_that_trims_is_refused_changing_nothing(loss_fn: LossFn) -> None:
+    torch.manual_seed(0)
+    model = _bert_qa().double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = Accumulator(model, optimizer, micro_batch_size=None)
+    before = state_tensors(model, optimizer)
+    with pytest.raises(ValueError, match="start_positions and end_positions") as error:
+        acc.step(_qa_batches("none")[0], loss_fn, max_tokens=24)
+    assert "micro_batch_size=" in str(error.value)
+    assert relative_gap(state_tensors(model, optimizer), before) == 0.0
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_qa_under_a_token_budget_that_trims_nothing_is_exact() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gap = _steps(_bert_qa, _qa_batches("end"), _qa_recipe, _own_loss, max_tokens=10_000)
+    assert gap < EXACT
+
+
+def test_negative_control_qa_trimmed_was_off_with_every_position_inside(monkeypatch) -> None:
+    monkeypatch.setattr(gradaccum.packing, "_refuse_trimmed_spans", lambda *_: None)
+    gap = _steps(_bert_qa, _qa_batches("none"), _qa_recipe, _own_loss, max_tokens=24)
     assert gap > 1e-3
 
 
