@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "accepts_keyword",
     "refuse_ctc_head",
+    "refuse_encoder_decoder",
     "refuse_own_loss_function",
     "refuse_peft_loss_terms",
     "refuse_router_losses",
@@ -43,6 +44,14 @@ def _unwrapped(model: torch.nn.Module) -> Any:
     while isinstance(getattr(inner, "module", None), torch.nn.Module):  # DDP, DataParallel
         inner = inner.module
     return getattr(inner, "_orig_mod", inner)  # torch.compile
+
+
+def _base(model: torch.nn.Module) -> Any:
+    """The transformers model: inside the wrappers and a PEFT model (whose class is PeftModel)."""
+    inner = _unwrapped(model)
+    base = getattr(inner, "get_base_model", None)
+    found = base() if callable(base) else inner
+    return found if isinstance(found, torch.nn.Module) else inner
 
 
 # PEFT methods whose model, given labels, adds a term of its own to the loss it returns: the
@@ -111,7 +120,7 @@ def refuse_ctc_head(model: torch.nn.Module) -> None:
     Raises:
         ValueError: Naming the model's own loss, which is exact as it is.
     """
-    name = type(_unwrapped(model)).__name__
+    name = type(_base(model)).__name__  # PEFT's LoRA on a CTC model: PeftModel around it
     if not name.endswith("ForCTC"):
         return
     raise ValueError(
@@ -121,6 +130,25 @@ def refuse_ctc_head(model: torch.nn.Module) -> None:
         "each row's loss per target token); with 'sum', return LossSum(model(**micro_batch)"
         ".loss, rows) (docs/losses.md, Other task heads)."
     )
+
+
+def refuse_encoder_decoder(model: torch.nn.Module) -> None:
+    """Raise, before any forward, for `hf.causal_lm` on an encoder-decoder (T5, BART).
+
+    Called without `decoder_input_ids`, its decoder failed inside transformers ("You must
+    specify exactly one of input_ids or inputs_embeds"), wrapped in PEFT or not.
+
+    Raises:
+        ValueError: Naming `gradaccum.hf.seq2seq`, which makes the decoder's inputs.
+    """
+    base = _base(model)
+    if getattr(getattr(base, "config", None), "is_encoder_decoder", None) is True:
+        raise ValueError(
+            f"gradaccum.hf.causal_lm scores a decoder-only language model, but "
+            f"{type(base).__name__} is an encoder-decoder (config.is_encoder_decoder=True): use "
+            "gradaccum.hf.seq2seq, which makes the decoder's inputs from the labels and scores "
+            "each of its positions against its own label (nothing was changed)."
+        )
 
 
 def refuse_own_loss_function(model: torch.nn.Module) -> None:
@@ -183,7 +211,7 @@ def with_decoder_inputs(
     if getattr(getattr(inner, "config", None), "is_encoder_decoder", None) is False:
         raise ValueError(
             f"gradaccum.hf.seq2seq scores the decoder of an encoder-decoder model, but "
-            f"{type(inner).__name__} is none (config.is_encoder_decoder=False): for a "
+            f"{type(_base(model)).__name__} is none (config.is_encoder_decoder=False): for a "
             "decoder-only language model use gradaccum.hf.causal_lm, which scores each "
             "position's next token."
         )

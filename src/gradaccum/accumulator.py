@@ -221,7 +221,7 @@ class Accumulator(WindowSizes, OptimizerSetting, RunSettings):
         check_packable(self._auto is not None, self.batch_dim, self.micro_batch_size)
         micro_batches = pack_by_tokens(batch, max_tokens)
         sizes = [batch_size(micro_batch) for micro_batch in micro_batches]
-        with trimmed_norms_refused(self.model, micro_batches):  # GroupNorm over time (wav2vec2)
+        with trimmed_norms_refused(self.model, micro_batches, batch, loss_fn):
             self._engine.run_window(
                 micro_batches, loss_fn, window_items=sum(sizes), size=sizes, template=batch
             )

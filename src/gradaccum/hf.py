@@ -46,6 +46,7 @@ from gradaccum._hf_model import (
     logits_of,
     problem_type_of,
     refuse_ctc_head,
+    refuse_encoder_decoder,
     refuse_own_loss_function,
     refuse_peft_loss_terms,
     refuse_router_losses,
@@ -115,6 +116,8 @@ class TaskLoss:
         refuse_peft_loss_terms(model)  # AdaLoRA: its own loss adds a term the logits lack
         refuse_own_loss_function(model)  # model.loss_function = ...: not what is scored
         refuse_ctc_head(model)  # Wav2Vec2ForCTC: frames aligned by CTC, its own loss is exact
+        if self.task is Task.CAUSAL_LM:
+            refuse_encoder_decoder(model)  # T5, BART: hf.seq2seq makes their decoder's inputs
         inputs = {key: value for key, value in batch.items() if key not in _LABEL_KEYS}
         if self.task is Task.SEQ2SEQ:
             inputs = with_decoder_inputs(model, inputs, labels)

@@ -24,7 +24,9 @@ from tests.integrations._hf import import_transformers
 transformers = import_transformers()
 
 import gradaccum.accumulator  # noqa: E402
+import gradaccum.packing  # noqa: E402
 from gradaccum import Accumulator, LossSum, hf  # noqa: E402
+from gradaccum._trimmed_norms import trimmed_norms_refused  # noqa: E402
 from gradaccum.loss import Term, TokenMeanWarning  # noqa: E402
 from gradaccum.packing import pack_by_tokens  # noqa: E402
 from tests.reference import param_tensors, relative_gap, state_tensors  # noqa: E402
@@ -147,6 +149,110 @@ def test_ctc_equals_the_full_batch_steps_where_padding_is_kept_or_masked(
     assert gap < EXACT
 
 
+def _padded_past_its_rows(batch: Batch, extra: int = 100) -> Batch:
+    """`batch` padded `extra` positions past its longest row (`padding="max_length"`)."""
+    return {
+        "input_values": F.pad(batch["input_values"], (0, extra)),
+        "attention_mask": F.pad(batch["attention_mask"], (0, extra)),
+        "labels": batch["labels"],
+    }
+
+
+def _equal_rows(rows: int = 6, length: int = 400, extra: int = 100) -> Batch:
+    """Rows of one length padded past it: every micro-batch is trimmed to the same width."""
+    generator = torch.Generator().manual_seed(3)
+    batch = _audio_batch(generator, rows)
+    values = torch.randn(rows, length, generator=generator, dtype=torch.float64)
+    mask = torch.ones(rows, length, dtype=torch.long)
+    return _padded_past_its_rows({**batch, "input_values": values, "attention_mask": mask}, extra)
+
+
+@pytest.mark.parametrize(
+    ("batch", "max_tokens"),
+    [(_padded_past_its_rows(_audio_batches()[0]), 10_000), (_equal_rows(), 800)],
+    ids=["one-micro-batch", "equal-widths"],
+)
+def test_a_group_norm_over_rows_all_trimmed_alike_is_refused_changing_nothing(
+    batch: Batch, max_tokens: int
+) -> None:
+    widths = {mb["attention_mask"].shape[1] for mb in pack_by_tokens(batch, max_tokens)}
+    assert len(widths) == 1
+    assert max(widths) < batch["attention_mask"].shape[1]
+    torch.manual_seed(0)
+    model = _wav2vec2("group")().double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = Accumulator(model, optimizer, micro_batch_size=None)
+    before, rng = state_tensors(model, optimizer), torch.random.get_rng_state()
+    with pytest.raises(ValueError, match="the batch's is") as error:
+        acc.step(batch, _own_loss, max_tokens=max_tokens)
+    assert "feat_extract_norm='layer'" in str(error.value)
+    assert relative_gap(state_tensors(model, optimizer), before) == 0.0
+    assert all(p.grad is None for p in model.parameters())
+    assert model.training
+    assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+def test_negative_control_a_group_norm_over_rows_all_trimmed_alike_was_off(monkeypatch) -> None:
+    monkeypatch.setattr(  # the check before: micro-batches compared among themselves only
+        gradaccum.accumulator,
+        "trimmed_norms_refused",
+        lambda model, micro_batches, *_: trimmed_norms_refused(model, micro_batches),
+    )
+    batches = [_padded_past_its_rows(b) for b in _audio_batches()]
+    gap = _steps(_wav2vec2("group"), batches, _own_loss, _own_loss, max_tokens=10_000)
+    assert gap > 1e-4
+
+
+class _CaptionedImages(torch.nn.Module):
+    """Text pooled over its mask plus an image through a GroupNorm: its extent is the image's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 4)
+        self.conv = torch.nn.Conv2d(1, 4, 3)
+        self.norm = torch.nn.GroupNorm(2, 4)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pixels: torch.Tensor):
+        mask = attention_mask.unsqueeze(-1).to(self.embed.weight.dtype)
+        text = (self.embed(input_ids) * mask).sum(1) / mask.sum(1)
+        image = self.norm(self.conv(pixels)).mean((2, 3))
+        return self.head(text * image).squeeze(-1)
+
+
+def test_a_group_norm_whose_extent_is_not_the_trimmed_axis_is_exact_and_probed_once() -> None:
+    generator = torch.Generator().manual_seed(4)
+    rows, width = 6, 12  # every row 5 tokens long: all micro-batches trimmed to 5
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    mask[:, :5] = 1
+    full = {
+        "input_ids": torch.randint(1, 20, (rows, width), generator=generator) * mask,
+        "attention_mask": mask,
+        "pixels": torch.randn(rows, 1, 6, 6, generator=generator, dtype=torch.float64),
+        "targets": torch.randn(rows, generator=generator, dtype=torch.float64),
+    }
+    torch.manual_seed(0)
+    model = _CaptionedImages().double()
+    plain = copy.deepcopy(model)
+    calls: list[int] = []
+
+    def loss_fn(m: torch.nn.Module, b: Batch) -> LossSum:
+        calls.append(len(b["attention_mask"]))
+        out = m(b["input_ids"], b["attention_mask"], b["pixels"])
+        return LossSum(((out - b["targets"]) ** 2).sum(), len(out))
+
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=None)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for _ in range(2):
+        plain_optimizer.zero_grad()
+        (loss_fn(plain, full).value / rows).backward()
+        plain_optimizer.step()
+        acc.step(full, loss_fn, max_tokens=10)
+    assert _gap(param_tensors(model), param_tensors(plain)) < EXACT
+    assert calls[:5] == [6, 1, 2, 2, 2]  # the reference, the untrimmed row, three of 2 rows
+    assert calls[5:] == [6, 2, 2, 2]  # the next window: not probed again
+
+
 # --- extractive QA: a start and an end mean, each over the positions inside the inputs -------
 
 
@@ -230,6 +336,33 @@ def test_negative_control_the_own_qa_loss_with_a_clamped_end_warns_naming_the_te
     assert gap > 1e-3
 
 
+@pytest.mark.parametrize("loss_fn", [_own_loss, _qa_recipe], ids=["own-loss", "recipe"])
+def test_qa_under_a_token_budget_that_trims_is_refused_changing_nothing(loss_fn: LossFn) -> None:
+    torch.manual_seed(0)
+    model = _bert_qa().double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = Accumulator(model, optimizer, micro_batch_size=None)
+    before = state_tensors(model, optimizer)
+    with pytest.raises(ValueError, match="start_positions and end_positions") as error:
+        acc.step(_qa_batches("none")[0], loss_fn, max_tokens=24)
+    assert "micro_batch_size=" in str(error.value)
+    assert relative_gap(state_tensors(model, optimizer), before) == 0.0
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_qa_under_a_token_budget_that_trims_nothing_is_exact() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gap = _steps(_bert_qa, _qa_batches("end"), _qa_recipe, _own_loss, max_tokens=10_000)
+    assert gap < EXACT
+
+
+def test_negative_control_qa_trimmed_was_off_with_every_position_inside(monkeypatch) -> None:
+    monkeypatch.setattr(gradaccum.packing, "_refuse_trimmed_spans", lambda *_: None)
+    gap = _steps(_bert_qa, _qa_batches("none"), _qa_recipe, _own_loss, max_tokens=24)
+    assert gap > 1e-3
+
+
 @pytest.mark.parametrize("helper", [hf.classification, hf.token_classification])
 def test_the_hf_helpers_on_a_qa_head_name_the_recipe_changing_nothing(helper: Any) -> None:
     torch.manual_seed(0)
@@ -244,17 +377,90 @@ def test_the_hf_helpers_on_a_qa_head_name_the_recipe_changing_nothing(helper: An
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("helper", [hf.classification, hf.token_classification, hf.masked_lm])
-def test_the_hf_helpers_on_a_ctc_head_name_its_own_loss_changing_nothing(helper: Any) -> None:
+def _lora(model: torch.nn.Module, targets: list[str], task: str | None = None) -> torch.nn.Module:
+    """`get_peft_model(model, LoraConfig(...))`, as the PEFT fine-tuning guides wrap a head."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, target_modules=targets, task_type=task)
+    wrapped: torch.nn.Module = peft.get_peft_model(model, config)
+    return wrapped
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "peft-lora"])
+@pytest.mark.parametrize(
+    "helper", [hf.classification, hf.token_classification, hf.masked_lm, hf.causal_lm]
+)
+def test_the_hf_helpers_on_a_ctc_head_name_its_own_loss_changing_nothing(
+    helper: Any, lora: bool
+) -> None:
     torch.manual_seed(0)
     model = _wav2vec2("layer")().double()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if lora:  # before, a PeftModel's class hid the head: it failed on the logits' shape
+        model = _lora(model, ["q_proj", "v_proj"])
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     before = state_tensors(model, optimizer)
     acc = Accumulator(model, optimizer, micro_batch_size=3)
-    with pytest.raises(ValueError, match=r"CTC model.*model\(\*\*micro_batch\)\.loss"):
+    with pytest.raises(ValueError, match=r"Wav2Vec2ForCTC is a CTC model.*\.loss"):
         acc.step(_audio_batches()[0], helper)
     assert relative_gap(state_tensors(model, optimizer), before) == 0.0
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("helper", [hf.classification, hf.token_classification])
+def test_the_hf_helpers_on_a_peft_qa_head_name_the_recipe(helper: Any) -> None:
+    torch.manual_seed(0)
+    model = _lora(_bert_qa().double(), ["query", "value"], "QUESTION_ANS")
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    before = state_tensors(model, optimizer)
+    batch = {**_qa_batches("none")[0], "labels": torch.zeros(7, dtype=torch.long)}
+    with pytest.raises(TypeError, match="Extractive question answering"):
+        Accumulator(model, optimizer, micro_batch_size=3).step(batch, helper)
+    assert relative_gap(state_tensors(model, optimizer), before) == 0.0
+
+
+def _tiny_t5() -> torch.nn.Module:
+    config = transformers.T5Config(
+        vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
+        num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def _t5_batch() -> Batch:
+    generator = torch.Generator().manual_seed(5)
+    labels = torch.randint(1, 50, (7, 5), generator=generator)
+    labels[::2, 3:] = -100
+    ids = torch.randint(1, 50, (7, 9), generator=generator)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "peft-lora"])
+def test_causal_lm_on_an_encoder_decoder_names_seq2seq_changing_nothing(lora: bool) -> None:
+    torch.manual_seed(0)
+    model = _tiny_t5().double()
+    if lora:
+        model = _lora(model, ["q", "v"], "SEQ_2_SEQ_LM")
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    before = state_tensors(model, optimizer)
+    acc = Accumulator(model, optimizer, micro_batch_size=3)
+    with pytest.raises(ValueError, match="T5ForConditionalGeneration is an encoder-decoder"):
+        acc.step(_t5_batch(), hf.causal_lm)  # before: "You must specify exactly one of ..."
+    assert relative_gap(state_tensors(model, optimizer), before) == 0.0
+
+
+def _t5_own_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    loss: torch.Tensor = model(**batch).loss
+    return loss
+
+
+def test_seq2seq_on_a_peft_lora_t5_equals_its_own_full_batch_loss() -> None:
+    gap = _steps(
+        lambda: _lora(_tiny_t5(), ["q", "v"], "SEQ_2_SEQ_LM"),
+        [_t5_batch()],
+        hf.seq2seq,
+        _t5_own_loss,
+        micro_batch_size=3,
+    )
+    assert gap < EXACT
 
 
 # --- multiple choice: rows of (choices, seq), split on dim 0 -----------------------------------
