@@ -40,7 +40,6 @@ from gradaccum.sync import all_ranks_max
 
 if TYPE_CHECKING:
     from gradaccum._tuner import ThroughputTuner
-    from gradaccum.recovery import AutoSizer
 
 
 class Engine(Protocol):
@@ -57,6 +56,14 @@ class Engine(Protocol):
     ) -> None: ...  # fmt: skip
 
     def discard_window(self) -> None: ...
+
+
+class Sizer(Protocol):
+    """What is read of `gradaccum.recovery.AutoSizer` (which imports this module)."""
+
+    timing: bool  # the window running is timed
+
+    def untimed_size(self) -> int: ...
 
 
 __all__ = [
@@ -120,7 +127,7 @@ def untimed_note(size: int, reasons: list[str]) -> str:
 
 def run_unsplit_if_coupled(
     engine: Engine,
-    sizer: AutoSizer,
+    sizer: Sizer,
     micro_batches: Sequence[Any],
     loss_fn: Any,
     items: int,
