@@ -149,7 +149,7 @@ class Engine:
         self.runtime.open_window(len(params), None if self.sync.defers else params)  # dtypes
         self.sync.begin_window()
         self._layout.open_window()  # an RNN state from the last window's micro-batches may go on
-        self.token_mean.open_window()  # masked means compared within a window
+        self.token_mean.open_window(params)  # masked means compared within a window
         self.window.open(params, held, self.runtime.loss_scale())
         self.buffers.open()
         if self.telemetry is not None:
