@@ -430,6 +430,128 @@ def test_parameters_outside_the_model_are_divided_and_stepped_exactly() -> None:
     assert abs(stale_var.item() - twin_var.item()) > 1e-3
 
 
+FORGOTTEN = "neither the model nor the optimizer holds"
+
+
+def _uncertainty(log_var: torch.Tensor) -> Callable[[nn.Module, Any], torch.Tensor]:
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        residual = (m(batch[0]) - batch[1]).pow(2)
+        return (residual * torch.exp(-log_var) + log_var).sum(dim=1).mean()
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("drive", ["step", "micro_step"])
+def test_a_loss_weight_no_optimizer_holds_warns_once_naming_add_param_group(drive: str) -> None:
+    """`log_var` used in loss_fn but left out of the optimizer was never trained and its `.grad`
+    grew by every window's backward, silently (4 windows: the sum of 4 gradients). It warns once,
+    naming its shape and the fix; the model's step stays the plain full-batch step."""
+    model, twin = make_model("mlp"), make_model("mlp")
+    log_var = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    loss_fn = _uncertainty(log_var)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    twin_optimizer = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    if drive == "step":
+        acc = Accumulator(model, optimizer, micro_batch_size=3)
+    else:
+        acc = Accumulator(model, optimizer, accumulation_steps=4)
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        for seed in range(4):
+            x, y = _batch(seed, items=12)
+            if drive == "step":
+                acc.step((x, y), loss_fn)
+            else:
+                for part in range(4):
+                    acc.micro_step(
+                        (x[3 * part : 3 * part + 3], y[3 * part : 3 * part + 3]), loss_fn
+                    )
+            reference_step(twin, twin_optimizer, (x, y), loss_fn)
+    messages = [str(w.message) for w in told if FORGOTTEN in str(w.message)]
+    assert len(messages) == 1
+    assert "Tensor of shape (3,)" in messages[0]
+    assert "optimizer.add_param_group({'params': [weight]})" in messages[0]
+    for got, want in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got, want, **EXACT)
+    assert torch.equal(log_var, torch.zeros(3, dtype=torch.float64))  # never stepped
+
+
+def _held_by_the_optimizer() -> None:
+    model, log_var = make_model("mlp"), torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    optimizer.add_param_group({"params": [log_var]})
+    acc = Accumulator(model, optimizer, micro_batch_size=3)
+    for seed in range(4):
+        x, y = _batch(seed)
+        acc.step((x, y), _uncertainty(log_var))
+
+
+def _perturbation_made_in_loss_fn() -> None:
+    model = make_model("mlp")
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.05), micro_batch_size=3)
+
+    def adversarial(m: nn.Module, batch: Any) -> torch.Tensor:
+        delta = torch.zeros_like(batch[0], requires_grad=True)
+        return (m(batch[0] + delta) - batch[1]).pow(2).mean()
+
+    for seed in range(4):
+        acc.step(_batch(seed), adversarial)
+
+
+def _inputs_requiring_grad() -> None:
+    model = make_model("mlp")
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.05), micro_batch_size=3)
+    for seed in range(4):
+        x, y = _batch(seed)
+        acc.step((x.requires_grad_(), y), mse_loss)
+
+
+def _gan_loop(discriminator_by: str) -> None:
+    torch.manual_seed(0)
+    g, d = nn.Linear(3, 4).double(), nn.Linear(4, 1).double()
+    opt_g, opt_d = torch.optim.Adam(g.parameters()), torch.optim.Adam(d.parameters())
+    acc_g, acc_d = (Accumulator(m, o, micro_batch_size=4) for m, o in ((g, opt_g), (d, opt_d)))
+    for _ in range(4):
+        z = torch.randn(10, 3, dtype=torch.float64)
+        if discriminator_by == "plain":
+            opt_d.zero_grad()
+            d(g(z).detach()).mean().backward()
+            opt_d.step()
+        else:
+            acc_d.step(z, lambda dm, zs: dm(g(zs).detach()).mean())
+        acc_g.step(z, lambda gm, zs: -d(gm(zs)).mean())  # d's grads: d's optimizer clears them
+
+
+def _cleared_by_the_user() -> None:
+    model, log_var = make_model("mlp"), torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.05), micro_batch_size=3)
+    for seed in range(4):
+        x, y = _batch(seed)
+        acc.step((x, y), _uncertainty(log_var))
+        with torch.no_grad():
+            log_var -= 0.1 * log_var.grad
+        log_var.grad = None
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [
+        _held_by_the_optimizer,
+        _perturbation_made_in_loss_fn,
+        _inputs_requiring_grad,
+        lambda: _gan_loop("plain"),
+        lambda: _gan_loop("accumulator"),
+        _cleared_by_the_user,
+    ],
+    ids=["held", "perturbation", "inputs", "gan-plain", "gan-accumulator", "user-clears"],
+)
+def test_leaves_someone_steps_or_makes_per_batch_do_not_warn_as_forgotten(loop) -> None:
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        loop()
+    assert not [w for w in told if FORGOTTEN in str(w.message)]
+
+
 def test_a_parameter_unfrozen_after_construction_takes_part() -> None:
     model = make_model("mlp")
     first = model.net[0].weight

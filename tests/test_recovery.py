@@ -1036,37 +1036,52 @@ def _pairs(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def test_auto_stops_timing_once_the_loss_is_warned_to_compare_rows() -> None:
+class _DroppedEncoder(_ClockedEncoder):
+    """`_ClockedEncoder` with dropout: a rerun window must draw the same masks as a fresh one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(super().forward(x), p=0.25, training=self.training)
+
+
+def test_auto_reruns_whole_the_split_window_that_warned_the_loss_compares_rows() -> None:
     """In-batch negatives: the size is the number of negatives, not a speed knob.
 
     "auto" timed 16, 8 and 4 and kept 16 (16 negatives instead of 32, 3e-2 off the full-batch
-    step), the warning told once. Now the window after the warning runs at the largest size
-    that fits, untimed: only the one timed window that warned (at 16) was split.
+    step), the warning told once. Then the windows after the warning ran at the largest size,
+    untimed, but the timed window that warned (at 16) had already stepped split (1.8e-2 off).
+    Now that window is forgotten (gradients, RNG) and rerun whole: every window is the plain
+    full-batch step, dropout masks included.
     """
     batches = _pairs(12)
-    model = _ClockedEncoder()
+    torch.manual_seed(3)
+    model = _DroppedEncoder()
     acc = _clocked_auto(model)
-    with pytest.warns(UserWarning, match="compares the rows of its micro-batch"):
+    with pytest.warns(UserWarning, match="compares the rows of its micro-batch") as told:
         results = [acc.step(batch, _info_nce) for batch in batches]
-    assert [r.micro_batch_size for r in results] == [32, 32, 16] + [32] * 9
+    assert len([w for w in told if "compares the rows" in str(w.message)]) == 1
+    assert [r.micro_batch_size for r in results] == [BATCH] * 12
+    assert "the window ran at 16 first and was rerun whole" in results[2].sizing
     assert "untimed: loss_fn compares, pools or normalizes the rows" in results[-1].sizing
-    # The plain loop, with the one window the tuner split (two means of 16 rows, averaged).
-    reference = _ClockedEncoder()
+    torch.manual_seed(3)
+    reference = _DroppedEncoder()  # the plain full-batch loop
     opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        _info_nce(reference, batch).backward()
+        opt.step()
+    assert _off(acc.model, reference) < 1e-10
+    # NEGATIVE CONTROL: the old behaviour, the window that warned stepped at 16.
+    torch.manual_seed(3)
+    split = _DroppedEncoder()
+    opt = torch.optim.SGD(split.parameters(), lr=0.5)
     for index, (a, p) in enumerate(batches):
         opt.zero_grad(set_to_none=True)
         if index == 2:
             halves = [(a[:16], p[:16]), (a[16:], p[16:])]
-            (sum(_info_nce(reference, half) for half in halves) / 2).backward()
+            (sum(_info_nce(split, half) for half in halves) / 2).backward()
         else:
-            _info_nce(reference, (a, p)).backward()
+            _info_nce(split, (a, p)).backward()
         opt.step()
-    assert _off(acc.model, reference) < 1e-10
-    # NEGATIVE CONTROL: the size the tuner kept (16) is another objective.
-    split = _ClockedEncoder()
-    fixed = Accumulator(split, torch.optim.SGD(split.parameters(), lr=0.5), micro_batch_size=16)
-    with pytest.warns(UserWarning, match="compares the rows"):
-        [fixed.step(batch, _info_nce) for batch in batches]
     assert _off(split, reference) > 1e-3
 
 

@@ -15,7 +15,9 @@ window fits, and `StepResult.sizing` says why:
   micro-batch, class weights from its label counts), once warned about (`gradaccum._token_mean`):
   each timed size trained on another objective (InfoNCE over 64 rows, 32 kept: 7.5e-2 off,
   warned once).
-  Such a window's first split runs before the warning, so one timed window may differ.
+  The window that warns ran split before the warning told: it is forgotten (gradients,
+  BatchNorm statistics, random number generators as before it) and rerun whole
+  (`run_unsplit_if_coupled`), so no window steps on a split `"auto"` would refuse to time.
 
 Example:
     >>> import torch
@@ -26,13 +28,18 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradaccum._averaged import named_trained_modules
 from gradaccum.options import BatchNormMode
+from gradaccum.sync import all_ranks_max
+
+if TYPE_CHECKING:
+    from gradaccum._tuner import ThroughputTuner
 
 
 class Engine(Protocol):
@@ -41,9 +48,40 @@ class Engine(Protocol):
     model: torch.nn.Module
     batchnorm: Any  # `BatchNormControl`: its `mode`
     token_mean: Any  # `TokenMeanCheck`: whether a row-coupling warning was told
+    sync: Any  # `GradSync`: its world size
+
+    def run_window(
+        self, micro_batches: Sequence[Any], loss_fn: Any, *, window_items: int, size: int,
+        template: Any = None,
+    ) -> None: ...  # fmt: skip
+
+    def discard_window(self) -> None: ...
 
 
-__all__ = ["batch_statistics_layers", "split_changes_step", "untimed_note"]
+class Sizer(Protocol):
+    """What is read of `gradaccum.recovery.AutoSizer` (which imports this module)."""
+
+    timing: bool  # the window running is timed
+
+    def untimed_size(self) -> int: ...
+
+
+__all__ = [
+    "SplitCoupled",
+    "batch_statistics_layers",
+    "run_unsplit_if_coupled",
+    "sizing_note",
+    "split_changes_step",
+    "untimed_note",
+]
+
+
+class SplitCoupled(Exception):  # noqa: N818 (a signal to the sizer, never seen by a user)
+    """An auto-sized window ran split, then its loss was warned to couple rows: rerun it whole."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        super().__init__("; ".join(reasons))
+        self.reasons = reasons
 
 
 def batch_statistics_layers(model: torch.nn.Module, *, frozen: bool) -> list[str]:
@@ -85,3 +123,66 @@ def untimed_note(size: int, reasons: list[str]) -> str:
         f"auto {size}: the largest that fits, untimed: {'; '.join(reasons)}; a smaller size "
         "would change the step"
     )
+
+
+def run_unsplit_if_coupled(
+    engine: Engine,
+    sizer: Sizer,
+    micro_batches: Sequence[Any],
+    loss_fn: Any,
+    items: int,
+    size: int,
+    template: Any,
+) -> None:
+    """`engine.run_window`; a split window whose loss was just warned to couple rows is undone.
+
+    If this window's micro-batches (`size` items each) made the loss checks warn for the first
+    time, and a window run untimed would take more of its items at once, the window is
+    forgotten before its boundary (nothing stepped) and `SplitCoupled` raised: the sizer rewinds
+    the random number generators and reruns it whole. Under DDP the ranks agree in one
+    all-reduce, only in timed windows (the loss checks read a run's first micro-batches).
+
+    Raises:
+        SplitCoupled: The window was forgotten; rerun it at the sizer's untimed size.
+    """
+    before = engine.token_mean.rows_coupled
+    engine.run_window(micro_batches, loss_fn, window_items=items, size=size, template=template)
+    world = engine.sync.world
+    if world > 1 and not sizer.timing:  # the same on every rank: no collective after timing
+        return
+    rerun = (
+        not before and engine.token_mean.rows_coupled and size < min(sizer.untimed_size(), items)
+    )
+    if world > 1:
+        rerun = all_ranks_max(engine.model, [float(rerun)])[0] > 0
+    if rerun:
+        engine.discard_window()
+        reasons = split_changes_step(engine) or ["the split changes the step on another rank"]
+        raise SplitCoupled([*reasons, f"the window ran at {size} first and was rerun whole"])
+
+
+def sizing_note(
+    tuner: ThroughputTuner | None,
+    size: int,
+    tried: list[int],
+    items: int,
+    coupled: list[str] | None = None,
+) -> str | None:
+    """`StepResult.sizing`: the tuner's reason ("auto"), and any out-of-memory rerun.
+
+    "largest" has no note unless the window ran out of memory and was rerun smaller; "auto"
+    where the split changes the step (`coupled`: BatchNorm on batch statistics, a loss coupling
+    its rows) says why nothing is timed.
+    """
+    note = None if tuner is None else tuner.note()
+    if coupled is not None:
+        note = untimed_note(size, coupled)
+    if tuner is not None and not tuner.tuning and size != tuner.chosen:  # shrunk, or regrowing
+        note = f"auto {size}: the choice is {tuner.chosen}, out of memory since ({tuner.reason})"
+    if note is not None and size > items:
+        note = f"{note} (the window's {items} items ran as one micro-batch)"
+    if len(tried) == 1:
+        return note
+    failed = ", ".join(str(s) for s in tried[:-1])
+    rerun = f"ran out of memory at {failed}; the window was rerun whole at {size}"
+    return f"largest {size}: {rerun}" if note is None else f"{note} ({rerun})"

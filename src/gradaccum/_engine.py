@@ -22,6 +22,7 @@ from gradaccum._boundary import held_gradients, nonfinite_names, rank_summary, r
 from gradaccum._buffer_watch import BufferWatch
 from gradaccum._commit import SchedulerSteps, refuse_steps_inside, steps_refused, try_scheduler
 from gradaccum._commit_agreement import join_as_failed, step_on_every_rank
+from gradaccum._empty_micro import count_nothing, rank_items
 from gradaccum._engine_state import component_states, restore_components
 from gradaccum._layout_watch import SequenceFirstCheck
 from gradaccum._loss_call import call_loss_fn, refuse_grad_disabled
@@ -67,8 +68,7 @@ class Engine:
         self._params = ModelParameters(model)  # read once: walking the modules costs a window
         self._names = self._params.names  # the same dict, refreshed in place after a resize
         self._agreement: WindowAgreement | None = None  # FSDP2 agrees before the last backward
-        # Exchange started; the others sum next (Tokens); the last backward reduced (FSDP2).
-        self._exchanged = self._next_sum = self._reduced = False
+        self._exchanged = self._next_sum = self._reduced = False  # others sum next: Tokens
         self._last_input: tuple[Any, LossFn] | None = None  # for FSDP2's zero-item settle
         self.token_mean, self._seeds = TokenMeanCheck(model=model), Seeds()
         self._layout = SequenceFirstCheck(model, batch_dim)  # a batch split along time
@@ -149,7 +149,7 @@ class Engine:
         self.runtime.open_window(len(params), None if self.sync.defers else params)  # dtypes
         self.sync.begin_window()
         self._layout.open_window()  # an RNN state from the last window's micro-batches may go on
-        self.token_mean.open_window()  # masked means compared within a window
+        self.token_mean.open_window(params)  # masked means compared within a window
         self.window.open(params, held, self.runtime.loss_scale())
         self.buffers.open()
         if self.telemetry is not None:
@@ -165,7 +165,8 @@ class Engine:
         move: bool = True,
     ) -> bool:
         window, runtime, sync = self.window, self.runtime, self.sync
-        items = batch_size(micro_batch, batch_dim=self.batch_dim) if items is None else items
+        if not (items := items or rank_items(micro_batch, self.batch_dim, sync, fsdp=self._fsdp)):
+            return count_nothing(window, sync, last, expect)  # DDP: this rank's loader ran dry
         if move:
             micro_batch = to_device(micro_batch, runtime.device)
         self.batchnorm.warn_once(items, expect.items or items * expect.micro_batches)
@@ -207,8 +208,7 @@ class Engine:
                 root, seed = self._seeds.seeded_loss(value, weight, window.denominator, scale)
                 roots, seeds = [root], None if seed is None else [seed]
             else:
-                # FSDP2's backward is a collective too (it unshards): a loss with no graph
-                # still runs one, through the model's outputs, adding nothing.
+                # FSDP2's backward is a collective (it unshards): one through the outputs, +0
                 roots = outputs
                 seeds = [torch.zeros_like(t) for t in outputs]
             reduce = last and sync.syncs_last_backward  # FSDP2's window policy only:

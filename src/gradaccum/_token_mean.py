@@ -19,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -33,6 +33,7 @@ from gradaccum._copied_loop import (
     sum_problem,
     window_count_problem,
 )
+from gradaccum._forgotten_leaves import ForgottenLeaves
 from gradaccum._in_batch import in_batch_problem
 from gradaccum._nll_mean import ctc_without_nll, nll_mean_problem, unshifted_count_problem
 from gradaccum._outside_weights import OutsideWeights
@@ -149,6 +150,7 @@ class TokenMeanCheck:
     def __init__(self, model: torch.nn.Module | None = None, checks: int = 8) -> None:
         self.model = model  # a module loss_fn runs outside it: a teacher in train mode
         self.outside = OutsideWeights(model)  # outside modules' weights written mid-window
+        self.leaves = ForgottenLeaves()  # a loss weight no one steps (Accumulator only)
         self.left = checks
         self.copied_left = checks  # `_copied_loop`'s and the pairs' checks, of any loss
         self.copied = True  # no copied loop's line told yet
@@ -186,6 +188,7 @@ class TokenMeanCheck:
             ValueError: If the loss was multiplied by a GradScaler's scale (before any backward,
                 so the window is forgotten and nothing changes).
         """
+        self.leaves.check(result, micro_batch)
         moved = self.outside.check(loss_fn)  # another window's step inside this one
         if moved:
             warn_user(UserWarning(moved))
@@ -259,9 +262,10 @@ class TokenMeanCheck:
                 warn_user(UserWarning(problem))
                 self.mixed, self._coupled = -1, True
 
-    def open_window(self) -> None:
-        """A new window: its masked means' values per row may differ from the last window's."""
+    def open_window(self, params: Sequence[torch.Tensor] | None = None) -> None:
+        """A new window (over `params`): its masked means per row may differ from the last's."""
         self.per_row = None
+        self.leaves.open_window(params)
         self.outside.open_window()
 
     def _compare_per_row(self, per_row: tuple[int, ...] | None) -> None:
@@ -284,4 +288,4 @@ class TokenMeanCheck:
     @property
     def pending(self) -> bool:
         """Whether a later micro-batch is still to be looked at."""
-        return bool(self.left or self.copied_left or self.outside.active)
+        return bool(self.left or self.copied_left or self.outside.active or self.leaves.active)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from gradaccum._checks import check_fsdp_support, check_savable, check_saved_state, check_settings
-from gradaccum._coupled_sizes import split_changes_step
+from gradaccum._coupled_sizes import run_unsplit_if_coupled, split_changes_step
 from gradaccum._engine import Engine
 from gradaccum._lr_watch import LearningRateWatch
 from gradaccum._open_window import warn_if_left_open
@@ -241,7 +241,7 @@ class Accumulator(WindowSizes, OptimizerSetting, RunSettings):
         def attempt(size: int, note: str | None) -> StepResult:
             size = min(size, items)  # 0 on a rank without items: it joins the collectives alone
             micro_batches = split_batch(batch, size, batch_dim=self.batch_dim) if items else []
-            engine.run_window(micro_batches, loss_fn, window_items=items, size=size, template=batch)
+            run_unsplit_if_coupled(engine, auto, micro_batches, loss_fn, items, size, batch)
             return self._close(size, note)  # raises out-of-memory too, if another rank ran out
 
         return auto.run(batch, items, attempt, split_changes_step(engine))  # BatchNorm, loss

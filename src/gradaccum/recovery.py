@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import torch
 
 from gradaccum import _compat
-from gradaccum._coupled_sizes import untimed_note
+from gradaccum._coupled_sizes import SplitCoupled, sizing_note
 from gradaccum._loss_call import refuse_grad_disabled
 from gradaccum._oom import (
     MemoryBudgetError,
@@ -123,6 +123,7 @@ class AutoSizer:
         self.device, self.mode, self.clock, self.policy = device, mode, clock, policy
         self.dim = dim
         self.tuner: ThroughputTuner | None = None  # made with the plan, in "auto" mode
+        self.timing = False  # the window running is timed (`gradaccum._coupled_sizes`)
         self.capped = False  # the plan took every item of its batch: a larger one plans again
         self._model: torch.nn.Module | None = None
         self._generators: list[torch.Generator] = []
@@ -211,7 +212,7 @@ class AutoSizer:
                 self.size = tuner.chosen if fits is None else min(tuner.chosen, fits)
                 self.clean_windows, self.growing = 0, False
         while True:
-            timing = tuner is not None and tuner.tuning
+            timing = self.timing = tuner is not None and tuner.tuning
             size = tuner.next_size() if tuner is not None and timing else self.size
             assert size is not None
             tried.append(size)
@@ -219,7 +220,11 @@ class AutoSizer:
             rng = rng_states(self.device, self._generators)
             start = self.clock()
             try:
-                result = attempt(size, _note(tuner, size, tried, items, coupled))
+                result = attempt(size, sizing_note(tuner, size, tried, items, coupled))
+            except SplitCoupled as split:  # warned to couple rows, and forgotten: rerun whole
+                set_rng_states(self.device, rng)
+                coupled, tuner, tried[-1:] = self._untimed(split.reasons), None, []
+                continue
             except BaseException as error:
                 if not is_out_of_memory(error):
                     raise
@@ -249,10 +254,16 @@ class AutoSizer:
 
     def _untimed(self, coupled_by: list[str] | None) -> list[str]:
         """No timing: sizes timed before (a split changes the step since) go; the plan's size."""
-        if self.tuner is not None and not self.out_of_memory_events:
-            self.size = self.planned
-        self.tuner = None
+        self.size, self.tuner = self.untimed_size(), None
         return coupled_by or ["the split changes the step on another rank"]
+
+    def untimed_size(self) -> int:
+        """The size a window runs at untimed: the plan's (after out of memory, the shrunk one)."""
+        size = (
+            self.planned if self.tuner is not None and not self.out_of_memory_events else self.size
+        )
+        assert size is not None
+        return size
 
     def _target(self) -> int | None:
         """What a shrunk size grows back to: the tuner's choice, else the plan's size."""
@@ -344,33 +355,6 @@ class AutoSizer:
             f"planned size {self.planned}, predicted peak "
             f"{format_bytes(self.plan.predicted_peak_bytes)}"
         )
-
-
-def _note(
-    tuner: ThroughputTuner | None,
-    size: int,
-    tried: list[int],
-    items: int,
-    coupled: list[str] | None = None,
-) -> str | None:
-    """`StepResult.sizing`: the tuner's reason ("auto"), and any out-of-memory rerun.
-
-    "largest" has no note unless the window ran out of memory and was rerun smaller; "auto"
-    where the split changes the step (`coupled`: BatchNorm on batch statistics, a loss coupling
-    its rows) says why nothing is timed.
-    """
-    note = None if tuner is None else tuner.note()
-    if coupled is not None:
-        note = untimed_note(size, coupled)
-    if tuner is not None and not tuner.tuning and size != tuner.chosen:  # shrunk, or regrowing
-        note = f"auto {size}: the choice is {tuner.chosen}, out of memory since ({tuner.reason})"
-    if note is not None and size > items:
-        note = f"{note} (the window's {items} items ran as one micro-batch)"
-    if len(tried) == 1:
-        return note
-    failed = ", ".join(str(s) for s in tried[:-1])
-    rerun = f"ran out of memory at {failed}; the window was rerun whole at {size}"
-    return f"largest {size}: {rerun}" if note is None else f"{note} ({rerun})"
 
 
 def _plain_plan(plan: MemoryPlan) -> dict[str, Any]:
