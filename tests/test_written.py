@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+import gradaccum._engine_state
 import gradaccum.window
 from gradaccum import Accumulator, load_checkpoint, save_checkpoint
 
@@ -413,4 +414,99 @@ def test_a_write_through_p_data_is_refused_before_the_windows_last_micro_batch(e
     acc.micro_step((x[3:5], y[3:5]), _mse)
     assert acc.micro_step((x[5:], y[5:]), _mse).stepped
     for mine, theirs in zip(model.parameters(), _full_batch_step(other), strict=True):
+        torch.testing.assert_close(mine.detach(), theirs, rtol=1e-10, atol=0)
+
+
+def _zero_grad(model: torch.nn.Module, other: torch.nn.Module) -> None:
+    model.zero_grad()
+
+
+def _zero_grad_kept(model: torch.nn.Module, other: torch.nn.Module) -> None:
+    model.zero_grad(set_to_none=False)
+
+
+SPOILS = {**WRITES, "zero_grad": _zero_grad, "zero_grad(set_to_none=False)": _zero_grad_kept}
+
+
+def _resumed_from(path, x: torch.Tensor, y: torch.Tensor) -> torch.nn.Module:
+    """A fresh model, optimizer and Accumulator loaded from `path`, its window's second half run."""
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    ).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulator(model, optimizer, accumulation_steps=2)
+    load_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+    assert acc.micro_step((x[4:], y[4:]), _mse).stepped
+    return model
+
+
+@pytest.mark.parametrize("how", sorted(SPOILS))
+def test_a_window_spoiled_after_its_last_micro_step_is_not_saved(how: str, tmp_path) -> None:
+    """Early stopping that breaks mid-window, restores the best weights and saves (or a copied
+    loop's zero_grad() before the save): the file held the spoiled window and the resumed run
+    stepped it silently (the earlier gradients taken at other weights, or dropped). Now the save
+    is refused naming flush('drop'), nothing written or changed; after the drop it saves and the
+    resumed window is the full-batch step from the weights as they are."""
+    model, _, acc, (x, y) = _window_with_a_write(SPOILS[how])
+    path = tmp_path / "best.pt"
+    path.write_bytes(b"previous checkpoint")
+    optimizer = acc.optimizer
+    with pytest.raises(RuntimeError, match=r"was not saved.*acc\.flush\('drop'\)") as error:
+        save_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+    assert "The window was discarded" not in str(error.value)
+    assert path.read_bytes() == b"previous checkpoint"
+    with pytest.raises(RuntimeError, match="was not saved"):
+        acc.state_dict()
+    assert acc._engine.window.is_open  # kept
+    assert acc._engine.window.micro_batches == 1
+    weights = copy.deepcopy(model)
+    acc.flush("drop")
+    save_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+    # The resumed run: a fresh window of the whole batch, from the weights as they were saved.
+    resumed = _resumed_from_start(path, x, y)
+    for mine, theirs in zip(resumed.parameters(), _full_batch_step(weights), strict=True):
+        torch.testing.assert_close(mine.detach(), theirs, rtol=1e-10, atol=0)
+
+
+def _resumed_from_start(path, x: torch.Tensor, y: torch.Tensor) -> torch.nn.Module:
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulator(model, optimizer, accumulation_steps=2)
+    load_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc)
+    assert not acc.micro_step((x[:4], y[:4]), _mse).stepped
+    assert acc.micro_step((x[4:], y[4:]), _mse).stepped
+    return model
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "zero_grad"])
+def test_negative_control_a_spoiled_window_saved_resumes_into_a_wrong_step(
+    how: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gradaccum._engine_state, "refuse_spoiled_save", lambda *args: None)
+    model, _, acc, (x, y) = _window_with_a_write(SPOILS[how])
+    weights = copy.deepcopy(model)
+    save_checkpoint(tmp_path / "c.pt", model=model, optimizer=acc.optimizer, accumulator=acc)
+    resumed = _resumed_from(tmp_path / "c.pt", x, y)  # no error anywhere
+    for reference in (_full_batch_step(weights), _full_batch_step(_mlp())):
+        gap = max(
+            float((a.detach() - b).abs().max())
+            for a, b in zip(resumed.parameters(), reference, strict=True)
+        )
+        assert gap > 1e-3
+
+
+def test_a_window_saved_after_weights_were_put_back_resumes_exactly(tmp_path) -> None:
+    """No false alarm: validation on swapped-in weights, put back before the save."""
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulator(model, optimizer, accumulation_steps=2)
+    x, y = _data()
+    acc.micro_step((x[:4], y[:4]), _mse)
+    backup = copy.deepcopy(model.state_dict())
+    model.load_state_dict(_other_weights(model).state_dict())
+    model.load_state_dict(backup)
+    save_checkpoint(tmp_path / "c.pt", model=model, optimizer=optimizer, accumulator=acc)
+    resumed = _resumed_from(tmp_path / "c.pt", x, y)
+    for mine, theirs in zip(resumed.parameters(), _full_batch_step(_mlp()), strict=True):
         torch.testing.assert_close(mine.detach(), theirs, rtol=1e-10, atol=0)

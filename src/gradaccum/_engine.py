@@ -388,8 +388,8 @@ class Engine:
         self._last_input, self._next_sum = None, False
 
     def state_dict(self) -> dict[str, Any]:
-        """The components' own states."""
-        return component_states(self.window, self.runtime, self.batchnorm, self.sync, self.buffers)
+        """The components' own states (a spoiled open window: refused)."""
+        return component_states(self, self.window, self.runtime, self.batchnorm, self.sync)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Check every component's state first, then restore them; raise changing nothing."""

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from gradaccum._buffer_watch import BufferWatch
+from gradaccum._spoiled_save import refuse_spoiled_save
 from gradaccum._sync_base import GradSync
 from gradaccum.batchnorm import BatchNormControl
 from gradaccum.precision import PrecisionRuntime
@@ -21,15 +22,20 @@ __all__ = ["component_states", "restore_components"]
 
 
 def component_states(
+    engine: Any,
     window: Window,
     runtime: PrecisionRuntime,
     batchnorm: BatchNormControl,
     sync: GradSync,
-    buffers: BufferWatch,
 ) -> dict[str, Any]:
-    """What `Engine.state_dict()` returns: each component's own state, and whose window it is."""
+    """What `Engine.state_dict()` returns: each component's own state, and whose window it is.
+
+    An open window spoiled since its last micro-batch (weights written, gradients zeroed) is
+    refused first, nothing saved (`_spoiled_save`).
+    """
+    refuse_spoiled_save(window, engine._names)
     return {
-        "buffers": buffers.state_dict(),  # the open window's start of forward-updated buffers
+        "buffers": engine.buffers.state_dict(),  # the open window's start of the forward's buffers
         "window": window.state_dict(),
         "precision": runtime.state_dict(),
         "batchnorm_mode": batchnorm.mode.value,
