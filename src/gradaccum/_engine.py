@@ -264,8 +264,6 @@ class Engine:
             self._forget_window()
             raise problem
 
-    # ---------------------------------------------------------------- the boundary
-
     def close_window(self, *, max_grad_norm: float | None, scheduler: Any = None) -> Outcome:
         """Run the boundary transaction (`scheduler`: tried, then stepped after the commit)."""
         window, runtime = self.window, self.runtime
@@ -389,7 +387,8 @@ class Engine:
 
     def state_dict(self) -> dict[str, Any]:
         """The components' own states (a spoiled open window: refused)."""
-        return component_states(self, self.window, self.runtime, self.batchnorm, self.sync)
+        parts = (self.window, self.runtime, self.batchnorm, self.sync, self.buffers)
+        return component_states(self._names, *parts)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Check every component's state first, then restore them; raise changing nothing."""

@@ -22,20 +22,21 @@ __all__ = ["component_states", "restore_components"]
 
 
 def component_states(
-    engine: Any,
+    names: dict[int, str],
     window: Window,
     runtime: PrecisionRuntime,
     batchnorm: BatchNormControl,
     sync: GradSync,
+    buffers: BufferWatch,
 ) -> dict[str, Any]:
     """What `Engine.state_dict()` returns: each component's own state, and whose window it is.
 
     An open window spoiled since its last micro-batch (weights written, gradients zeroed) is
     refused first, nothing saved (`_spoiled_save`).
     """
-    refuse_spoiled_save(window, engine._names)
+    refuse_spoiled_save(window, names)  # named by `names` (parameter id -> name)
     return {
-        "buffers": engine.buffers.state_dict(),  # the open window's start of the forward's buffers
+        "buffers": buffers.state_dict(),  # the open window's start of the forward's buffers
         "window": window.state_dict(),
         "precision": runtime.state_dict(),
         "batchnorm_mode": batchnorm.mode.value,
