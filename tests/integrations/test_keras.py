@@ -38,9 +38,9 @@ SINGLE_THREAD = {
 BACKENDS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}  # backend -> its module
 TOLERANCE = {"tensorflow": 1e-12, "jax": 1e-6, "torch": 1e-5}
 CAUGHT = 1e-2  # a negative control must end at least this far from the full-batch run
-# Shards per backend: each one subprocess of about 30-40 s on one idle core (TensorFlow and JAX
+# Shards per backend: each one subprocess of about 25-35 s on one idle core (TensorFlow and JAX
 # take about 190 s for all the checks, torch about 20 s), so no test waits long for its result.
-SHARDS = {"tensorflow": 6, "jax": 6, "torch": 1}
+SHARDS = {"tensorflow": 8, "jax": 8, "torch": 1}
 
 # A test waits for its check's shard, and at worst for one other shard run meanwhile.
 pytestmark = pytest.mark.timeout(600)
@@ -71,7 +71,7 @@ class Shards:
     pytest-xdist's workers each set up session fixtures, and `worksteal` hands a test of any
     shard to either worker, so the shards' results live in the run's shared temporary directory:
     a worker asking for a check runs its shard (holding that shard's lock) unless the other has;
-    while the other worker runs it, it runs a shard nobody has started instead of idling. A lock
+    while the other worker runs it, it runs one shard nobody has started instead of idling. A lock
     is a file lock, freed if its worker dies; then the shard runs again.
     """
 
@@ -96,12 +96,10 @@ class Shards:
         """`{check: result, "_stderr": ...}` of the shard holding `name` on `backend`."""
         shard = self.shard_of.get((backend, name))
         assert shard is not None, f"{name} is not a check of keras_checks.py (@check def {name})"
-        while shard not in self.read:
-            if self._load(shard) or self._run(shard, wait=False):
-                continue
-            idle = [s for s in self.shards if s not in self.read and not self._done(s)]
-            if not any(self._run(s, wait=False) for s in idle if s != shard):
-                self._run(shard, wait=True)  # nothing else to do: wait for it (or run it)
+        if not (self._load(shard) or self._run(shard, wait=False)):
+            idle = [s for s in self.shards if s != shard and not self._done(s)]
+            any(self._run(s, wait=False) for s in idle)  # at most one, while the other runs it
+            self._run(shard, wait=True)  # then wait for it (or run it, if its worker died)
         return self.read[shard]
 
     def _file(self, shard: str) -> Path:
