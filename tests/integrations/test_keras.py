@@ -497,8 +497,27 @@ def test_subclassed_and_unreadable_add_loss_terms_are_read_on_the_first_batch(
     for label, message in found["messages"].items():  # arrays, PyDataset, generator, tf.data...
         assert "sum over rows" in (message or ""), (label, found["messages"])
         assert "ops.mean" in message, message
+    # A generator cannot be peeked: its first batch is gone, and the message says so.
+    assert "pass a new generator" in found["messages"]["generator"], found["messages"]
     assert all(found["unchanged"].values()), found
     assert found["gap_vae_sum"] > CAUGHT, "a subclassed model's summed KL weighed like a mean"
+
+
+def test_an_add_loss_term_added_only_in_training_is_read_in_training_mode(keras_results, backend):
+    found = result(keras_results, backend, "add_loss_only_in_training")
+    assert_exact(found, backend, steps=2)  # a mean over rows, added only when training
+    for label in ("functional", "subclassed", "generator"):  # compile, and the first batch
+        assert "sum over rows" in (found["messages"][label] or ""), found["messages"]
+    assert "pass a new generator" in found["messages"]["generator"], found["messages"]
+    assert all(found["unchanged"].values()), found
+    assert found["gap_sum"] > CAUGHT, "a training-only summed term weighed like a mean is caught"
+
+
+def test_class_weight_is_exact(keras_results, backend):
+    found = result(keras_results, backend, "class_weight_is_exact")
+    for reduction in ("sum_over_batch_size", "mean_with_sample_weight"):
+        assert_exact(found[reduction], backend, steps=2)
+        assert found[reduction]["gap_without_class_weight"] > CAUGHT, "the weights must matter"
 
 
 def test_loss_sum_warns_about_a_batch_dice_in_a_hand_written_loop(keras_results, backend):
