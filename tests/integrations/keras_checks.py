@@ -1412,9 +1412,9 @@ class _Vae(keras.Model):
     """A subclassed VAE-style model (deterministic: z is the mean) adding its KL via add_loss;
     `direct` adds a row sum in its own call (which takes no `training` argument)."""
 
-    def __init__(self, summed=False, direct=False):
+    def __init__(self, summed=False, direct=False, extra=None):
         super().__init__(name="subclassed_vae")
-        self.direct = direct
+        self.direct, self.extra = direct, extra
         self.enc = keras.layers.Dense(8, activation="tanh", kernel_initializer=seeded(1))
         self.mean = keras.layers.Dense(2, kernel_initializer=seeded(2))
         self.log_var = keras.layers.Dense(2, kernel_initializer=seeded(3))
@@ -1426,6 +1426,8 @@ class _Vae(keras.Model):
         z = self.kl([self.mean(h), self.log_var(h)])
         if self.direct:
             self.add_loss(0.01 * ops.sum(ops.square(h)))
+        if self.extra is not None:
+            z = self.extra(z)
         return self.dec(z)
 
 
@@ -1559,6 +1561,99 @@ def bf16_adds_only_float32_rounding():
             "to_float32": gap(weights(model), weights(ref32)),
             "plain_to_float32": gap(weights(plain), weights(ref32)),
             "state": trainer.window_state}  # fmt: skip
+
+
+@check
+def class_weight_is_exact():
+    """`fit(class_weight=...)`: Keras turns it into sample weights, which the count weighs as the
+    full batch does (rows for the default reduction, summed weights for mean_with_sample_weight)."""
+    rng = np.random.default_rng(3)
+    x, labels = rng.normal(size=(24, 6)), rng.integers(0, 3, size=24)
+    weight = {0: 1.0, 1: 3.0, 2: 0.5}
+    make = lambda: mlp(outputs=3)  # noqa: E731
+    found = {}
+    for reduction in ("sum_over_batch_size", "mean_with_sample_weight"):
+        loss = lambda r=reduction: keras.losses.SparseCategoricalCrossentropy(  # noqa: E731
+            from_logits=True, reduction=r
+        )
+        ref = make()
+        ref.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss())
+        ref.fit(x, labels, batch_size=12, shuffle=False, verbose=0, class_weight=weight)
+        runs = {}
+        for label, given in (("weighted", weight), ("unweighted", None)):
+            model = make()
+            trainer = gk.accumulate(model, steps=3)
+            trainer.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss())
+            trainer.fit(x, labels, batch_size=4, shuffle=False, verbose=0, class_weight=given)
+            runs[label] = (gap(weights(model), weights(ref)), trainer.window_state)
+        found[reduction] = {"gap": runs["weighted"][0], "state": runs["weighted"][1],
+                            "gap_without_class_weight": runs["unweighted"][0]}  # fmt: skip
+    return found
+
+
+class TrainingOnlyTerm(keras.layers.Layer):
+    """Adds `0.01 * sum (or mean over rows) of x**2` only in training mode, as many do."""
+
+    def __init__(self, summed, **kwargs):
+        super().__init__(**kwargs)
+        self.summed = summed
+
+    def call(self, x, training=None):
+        if training:
+            per_row = ops.sum(ops.square(x), axis=-1)
+            self.add_loss(0.01 * (ops.sum(per_row) if self.summed else ops.mean(per_row)))
+        return x
+
+
+def _training_only(summed, functional=True):
+    def make():
+        if functional:
+            return mlp(norm=TrainingOnlyTerm(summed))
+        return _Vae(summed=False, extra=TrainingOnlyTerm(summed))
+
+    return make
+
+
+@check
+def add_loss_only_in_training():
+    """A layer adding its term only when `training` (dropout-style): compile's inference-mode
+    read did not see it, so a sum over rows was weighed like a mean (a 0.2 gap, silently). It is
+    read in training mode too: a sum refused (functional at compile, subclassed at the first
+    batch, a generator's message saying to pass a new one), a mean exact."""
+    rng = np.random.default_rng(0)
+    micro = [(x, x[:, :3]) for x in (rng.normal(size=(n, 6)) for n in RAGGED)]
+    found = {}
+    model, _ = fit_accumulated(_training_only(False), keras.optimizers.SGD(0.1), micro, steps=3)
+    ref = fit_plain(_training_only(False), keras.optimizers.SGD(0.1), windows(micro, 3)[0])
+    found.update(gap=gap(weights(model), weights(ref)), state=_.window_state)
+    messages, unchanged = {}, {}
+    built = _training_only(True)()
+    before = weights(built)
+    trainer = gk.accumulate(built, steps=3)
+    try:
+        trainer.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        messages["functional"] = None
+    except ValueError as error:
+        messages["functional"] = str(error)
+    unchanged["functional"] = gap(weights(built), before) == 0.0 and not trainer.compiled
+    feeds = {
+        "subclassed": lambda t, m: t.fit(Batches(micro), verbose=0),
+        "generator": lambda t, m: t.fit((batch for batch in micro), verbose=0),
+    }
+    for label, feed in feeds.items():
+        messages[label], unchanged[label] = _refused_before_any_step(
+            _training_only(True, functional=False), feed
+        )
+    found.update(messages=messages, unchanged=unchanged)
+    # NEGATIVE CONTROL: count= (rows, the default's count) skips the check: the sum is averaged.
+    rows = lambda x, y, y_pred, sample_weight: ops.shape(x)[0]  # noqa: E731
+    model = _training_only(True)()
+    trainer = gk.accumulate(model, steps=3, count=rows)
+    trainer.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    trainer.fit(Batches(micro), shuffle=False, verbose=0)
+    ref = fit_plain(_training_only(True), keras.optimizers.SGD(0.1), windows(micro, 3)[0])
+    found["gap_sum"] = gap(weights(model), weights(ref))
+    return found
 
 
 @check

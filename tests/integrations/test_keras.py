@@ -1,8 +1,9 @@
 """gradaccum.keras against plain Keras full-batch steps, on the TensorFlow and JAX backends.
 
-The Keras backend is fixed when keras is first imported, so the checks run in one subprocess per
-backend (`keras_checks.py`), all started at once (TensorFlow's import alone takes seconds); each
-test below reads its check's result (the TensorFlow worker also runs examples/keras_digits.py).
+The Keras backend is fixed when keras is first imported, so the checks run in subprocesses
+(`keras_checks.py`), in a few shards per backend (`SHARDS`), each run once when a test first
+asks for one of its checks, by whichever pytest-xdist worker asks first (`Shards`); each test
+below reads its check's result (TensorFlow's checks also run examples/keras_digits.py).
 Weights are float64, and `gap` is the largest relative
 difference of a weight tensor from the plain full-batch run.
 
@@ -21,8 +22,10 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from filelock import FileLock, Timeout
 
 HERE = Path(__file__).resolve().parent
 # Tiny models on a 2-core machine shared by several processes: one thread per process is fastest.
@@ -35,9 +38,12 @@ SINGLE_THREAD = {
 BACKENDS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}  # backend -> its module
 TOLERANCE = {"tensorflow": 1e-12, "jax": 1e-6, "torch": 1e-5}
 CAUGHT = 1e-2  # a negative control must end at least this far from the full-batch run
+# Shards per backend: each one subprocess of about 25-35 s on one idle core (TensorFlow and JAX
+# take about 190 s for all the checks, torch about 20 s), so no test waits long for its result.
+SHARDS = {"tensorflow": 8, "jax": 8, "torch": 1}
 
-# The first test's setup waits for every backend's subprocess (about a minute on 2 idle cores).
-pytestmark = pytest.mark.timeout(1500)
+# A test waits for its check's shard, and at worst for one other shard run meanwhile.
+pytestmark = pytest.mark.timeout(600)
 
 if importlib.util.find_spec("keras") is None:
     pytest.skip("keras is not installed (pip install 'gradaccum[keras]')", allow_module_level=True)
@@ -47,29 +53,104 @@ def _available(backend: str) -> bool:
     return importlib.util.find_spec(BACKENDS[backend]) is not None
 
 
-@pytest.fixture(scope="session")
-def keras_results():
-    """Start every backend's checks at once; return {backend: {check: result}}."""
-    procs = {}
-    for backend in BACKENDS:
-        if not _available(backend):
-            continue
-        env = dict(os.environ, KERAS_BACKEND=backend, JAX_ENABLE_X64="1", TF_CPP_MIN_LOG_LEVEL="3")
-        env.update(SINGLE_THREAD)
-        procs[backend] = subprocess.Popen(
-            [sys.executable, str(HERE / "keras_checks.py")],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-    results = {}
-    for backend, proc in procs.items():
-        out, err = proc.communicate(timeout=1200)  # three backends share two cores
-        lines = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
-        results[backend] = {r["name"]: r for r in lines}
-        results[backend]["_stderr"] = err[-3000:]
+def _check_names() -> list[str]:
+    """The checks of keras_checks.py, in its order (each is a function decorated `@check`)."""
+    text = (HERE / "keras_checks.py").read_text()
+    return re.findall(r"^@check\ndef (\w+)\(", text, re.MULTILINE)
+
+
+def _shards(names: list[str], count: int) -> list[list[str]]:
+    """`names` dealt round-robin into `count` shards: the slow checks (added loss terms,
+    BatchNorm, the example, near the end of the file) spread over all of them."""
+    return [names[i::count] for i in range(count)]
+
+
+class Shards:
+    """The checks' results, each shard run once per CI run, whichever worker asks first.
+
+    pytest-xdist's workers each set up session fixtures, and `worksteal` hands a test of any
+    shard to either worker, so the shards' results live in the run's shared temporary directory:
+    a worker asking for a check runs its shard (holding that shard's lock) unless the other has;
+    while the other worker runs it, it runs one shard nobody has started instead of idling. A lock
+    is a file lock, freed if its worker dies; then the shard runs again.
+    """
+
+    def __init__(self, shared: Path) -> None:
+        self.shared = shared
+        names = _check_names()
+        self.shard_of: dict[tuple[str, str], str] = {}
+        self.shards: dict[str, tuple[str, list[str]]] = {}  # shard id -> (backend, names)
+        for backend in BACKENDS:
+            if not _available(backend):
+                continue
+            for i, part in enumerate(_shards(names, SHARDS[backend])):
+                shard = f"{backend}-{i}"
+                self.shards[shard] = (backend, part)
+                self.shard_of.update({(backend, name): shard for name in part})
+        self.read: dict[str, dict[str, Any]] = {}
+
+    def __contains__(self, backend: str) -> bool:
+        return any(b == backend for b, _ in self.shards.values())
+
+    def get(self, backend: str, name: str) -> dict[str, Any]:
+        """`{check: result, "_stderr": ...}` of the shard holding `name` on `backend`."""
+        shard = self.shard_of.get((backend, name))
+        assert shard is not None, f"{name} is not a check of keras_checks.py (@check def {name})"
+        if not (self._load(shard) or self._run(shard, wait=False)):
+            idle = [s for s in self.shards if s != shard and not self._done(s)]
+            any(self._run(s, wait=False) for s in idle)  # at most one, while the other runs it
+            self._run(shard, wait=True)  # then wait for it (or run it, if its worker died)
+        return self.read[shard]
+
+    def _file(self, shard: str) -> Path:
+        return self.shared / f"keras-checks-{shard}.json"
+
+    def _done(self, shard: str) -> bool:
+        return self._file(shard).exists()
+
+    def _load(self, shard: str) -> bool:
+        if self._done(shard):
+            self.read[shard] = json.loads(self._file(shard).read_text())
+        return shard in self.read
+
+    def _run(self, shard: str, *, wait: bool) -> bool:
+        """Run `shard` unless another worker runs it (`wait`: wait for it); True if it is read."""
+        lock = FileLock(str(self._file(shard)) + ".lock")
+        try:
+            lock.acquire(timeout=-1 if wait else 0)
+        except Timeout:
+            return False
+        try:
+            if not self._load(shard):  # not done by the other worker meanwhile
+                results = _run_checks(*self.shards[shard])
+                self._file(shard).write_text(json.dumps(results))
+                self.read[shard] = results
+        finally:
+            lock.release()
+        return True
+
+
+def _run_checks(backend: str, names: list[str]) -> dict[str, Any]:
+    """Run `names` in one keras_checks.py subprocess on `backend`: {check: result, "_stderr"}."""
+    env = dict(os.environ, KERAS_BACKEND=backend, JAX_ENABLE_X64="1", TF_CPP_MIN_LOG_LEVEL="3")
+    env.update(SINGLE_THREAD)
+    command = [sys.executable, str(HERE / "keras_checks.py"), *names]
+    try:
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=500)
+    except subprocess.TimeoutExpired as error:  # every check of the shard fails with this
+        return {"_stderr": f"timed out after 500 s: {names}\n{str(error.stderr)[-3000:]}"}
+    out = proc.stdout.splitlines()
+    lines = [json.loads(line[7:]) for line in out if line.startswith("RESULT ")]
+    results: dict[str, Any] = {r["name"]: r for r in lines}
+    results["_stderr"] = f"(exit code {proc.returncode})\n{proc.stderr[-3000:]}"
     return results
+
+
+@pytest.fixture(scope="session")
+def keras_results(tmp_path_factory):
+    """Every check's result, read lazily: see `Shards`."""
+    base = tmp_path_factory.getbasetemp()  # under xdist, a worker's own; its parent is the run's
+    return Shards(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base)
 
 
 @pytest.fixture(params=list(BACKENDS))
@@ -80,10 +161,9 @@ def backend(request):
 
 
 def result(keras_results, backend, name):
-    found = keras_results[backend].get(name)
-    assert found is not None, (
-        f"{backend}: check {name} did not report\n{keras_results[backend]['_stderr']}"
-    )
+    shard = keras_results.get(backend, name)
+    found = shard.get(name)
+    assert found is not None, f"{backend}: check {name} did not report\n{shard['_stderr']}"
     assert found["error"] is None, f"{backend}: {name} raised\n{found['error']}"
     return found
 
@@ -417,8 +497,27 @@ def test_subclassed_and_unreadable_add_loss_terms_are_read_on_the_first_batch(
     for label, message in found["messages"].items():  # arrays, PyDataset, generator, tf.data...
         assert "sum over rows" in (message or ""), (label, found["messages"])
         assert "ops.mean" in message, message
+    # A generator cannot be peeked: its first batch is gone, and the message says so.
+    assert "pass a new generator" in found["messages"]["generator"], found["messages"]
     assert all(found["unchanged"].values()), found
     assert found["gap_vae_sum"] > CAUGHT, "a subclassed model's summed KL weighed like a mean"
+
+
+def test_an_add_loss_term_added_only_in_training_is_read_in_training_mode(keras_results, backend):
+    found = result(keras_results, backend, "add_loss_only_in_training")
+    assert_exact(found, backend, steps=2)  # a mean over rows, added only when training
+    for label in ("functional", "subclassed", "generator"):  # compile, and the first batch
+        assert "sum over rows" in (found["messages"][label] or ""), found["messages"]
+    assert "pass a new generator" in found["messages"]["generator"], found["messages"]
+    assert all(found["unchanged"].values()), found
+    assert found["gap_sum"] > CAUGHT, "a training-only summed term weighed like a mean is caught"
+
+
+def test_class_weight_is_exact(keras_results, backend):
+    found = result(keras_results, backend, "class_weight_is_exact")
+    for reduction in ("sum_over_batch_size", "mean_with_sample_weight"):
+        assert_exact(found[reduction], backend, steps=2)
+        assert found[reduction]["gap_without_class_weight"] > CAUGHT, "the weights must matter"
 
 
 def test_loss_sum_warns_about_a_batch_dice_in_a_hand_written_loop(keras_results, backend):

@@ -9,7 +9,9 @@ the window about 1/steps of it (a 0.4-0.5 gap, silently). A term that is a mean 
 beside a compiled loss that counts rows, and not beside one counting other items.
 
 `added_terms` tells them apart without changing any state: it runs the model statelessly
-(`stateless_call`, inference mode) on one row, on that row twice, and on another row. The rows
+(`stateless_call`, inference mode) on one row, on that row twice, and on another row; then in
+training mode too, for the sums a layer adds only when training (`if training: add_loss(...)`),
+which inference mode does not show (a 0.2 gap, silently, before the sixteenth round). The rows
 are random for a functional or Sequential model at `compile()` (token inputs: ids 1 and 2), or
 rows of a real batch (`batch`: a subclassed model, read at its first `fit`/`train_on_batch`). A
 sum over rows doubles on the doubled row; a mean over rows does not, but changes with the row;
@@ -60,35 +62,37 @@ def _real_rows(batch: Any, rows: list[int]) -> Any:
     return keras.tree.map_structure(take, batch)
 
 
-def _terms(model: Any, inputs: Any) -> list[float]:
+def _terms(model: Any, inputs: Any, training: bool = False) -> list[float]:
     trainable = [v.value for v in model.trainable_variables]
     frozen = [v.value for v in model.non_trainable_variables]
     # stateless_call runs `call` itself, which may take no `training` argument, and does not
     # clear the ids of the terms its own call added before: one reused by a sublayer's new term
     # would count that term twice (TensorFlow).
     model._clear_losses()
-    mode = {"training": False} if getattr(model, "_call_has_training_arg", True) else {}
-    _, _, losses = model.stateless_call(trainable, frozen, inputs, return_losses=True, **mode)
+    if training:  # through __call__: it sets `training` for the layers of a call without one
+        mapping = list(zip(model.trainable_variables + model.non_trainable_variables,
+                           trainable + frozen, strict=True))  # fmt: skip
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
+            model(inputs, training=True)
+            losses = model.losses
+        model._clear_losses()
+    else:
+        mode = {"training": False} if getattr(model, "_call_has_training_arg", True) else {}
+        _, _, losses = model.stateless_call(trainable, frozen, inputs, return_losses=True, **mode)
     return [float(np.sum(ops.convert_to_numpy(term))) for term in losses]
 
 
-def read_terms(model: Any, batch: Any = None) -> tuple[list[str] | None, str]:
-    """`added_terms`, and why they could not be read (`(None, reason)`) if they could not."""
-    try:
-        if batch is None:
-            if not model.built or not model.inputs:
-                return None, "the model has no symbolic inputs (a subclassed or unbuilt model)"
-            one, twice, other = (_terms(model, _inputs(model, r)) for r in ([0], [0, 0], [1]))
-        else:
-            rows = len(keras.tree.flatten(batch)[0])
-            picks = ([0], [0, 0], [1 if rows > 1 else 0])
-            one, twice, other = (_terms(model, _real_rows(batch, r)) for r in picks)
-    except Exception as error:  # a model this cannot feed: said so by the caller
-        return None, f"{type(error).__name__}: {str(error)[:200]}"
+def _rows_of(model: Any, batch: Any, rows: list[int]) -> Any:
+    """Rows `rows` of a real `batch`, or random rows of the model's symbolic inputs."""
+    return _inputs(model, rows) if batch is None else _real_rows(batch, rows)
+
+
+def _kinds(one: list[float], twice: list[float], other: list[float]) -> list[str] | None:
+    """Classify each term from its values on a row, that row twice, and another row."""
     if not (len(one) == len(twice) == len(other)):
-        return None, "the model added a different number of terms on different rows"
+        return None
     if not np.all(np.isfinite(one + twice + other)):  # random rows out of the model's domain
-        return None, "a term was not finite on these rows"
+        return None
     kinds = []
     for a, b, c in zip(one, twice, other, strict=True):
         scale = max(abs(a), abs(c), 1e-30)
@@ -96,7 +100,51 @@ def read_terms(model: Any, batch: Any = None) -> tuple[list[str] | None, str]:
             kinds.append(SUMMED)
         elif abs(b - a) <= 1e-3 * scale and abs(c - a) > 1e-6 * scale:
             kinds.append(ROW_MEAN)
-    return kinds, ""
+    return kinds
+
+
+def _training_sums(model: Any, batch: Any, second: int) -> int:
+    """How many terms sum over rows in training mode: `add_loss` calls under `if training:`.
+
+    Dropout draws other masks for a doubled row, so a term counts as a sum only if it doubles
+    on both rows doubled (a mean over rows is not refused by chance); a term it hides is
+    unchecked, as before. 0 if training mode cannot run statelessly on these rows.
+    """
+    try:
+        one, twice, other, other_twice = (
+            _terms(model, _rows_of(model, batch, r), training=True)
+            for r in ([0], [0, 0], [second], [second, second])
+        )
+    except Exception:  # inference mode was read: what training mode adds stays unchecked
+        return 0
+    first, again = _kinds(one, twice, other), _kinds(other, other_twice, one)
+    if first is None or again is None or len(first) != len(again):
+        return 0
+    doubled = [
+        abs(a) > 1e-12 and abs(b - 2 * a) <= 0.05 * abs(a) and abs(d - 2 * c) <= 0.05 * abs(c)
+        for a, b, c, d in zip(one, twice, other, other_twice, strict=True)
+    ]
+    return sum(doubled)
+
+
+def read_terms(model: Any, batch: Any = None) -> tuple[list[str] | None, str]:
+    """`added_terms`, and why they could not be read (`(None, reason)`) if they could not."""
+    if batch is None and (not model.built or not getattr(model, "inputs", None)):
+        return None, "the model has no symbolic inputs (a subclassed or unbuilt model)"
+    second = 1 if batch is None or len(keras.tree.flatten(batch)[0]) > 1 else 0
+    try:
+        one, twice, other = (
+            _terms(model, _rows_of(model, batch, r)) for r in ([0], [0, 0], [second])
+        )
+    except Exception as error:  # a model this cannot feed: said so by the caller
+        return None, f"{type(error).__name__}: {str(error)[:200]}"
+    kinds = _kinds(one, twice, other)
+    if kinds is None:
+        if len(one) == len(twice) == len(other):
+            return None, "a term was not finite on these rows"
+        return None, "the model added a different number of terms on different rows"
+    extra = _training_sums(model, batch, second) - kinds.count(SUMMED)
+    return kinds + [SUMMED] * max(extra, 0), ""
 
 
 def added_terms(model: Any, batch: Any = None) -> list[str] | None:

@@ -6,9 +6,10 @@ random rows (string inputs, a fixed batch size, ids out of range): their terms a
 of the first real batch instead, when `fit` or `train_on_batch` starts, before any step (a
 sum over rows refused, nothing trained). The batch is peeked without consuming it: arrays are
 sliced, a `PyDataset` indexed, a `tf.data.Dataset` read by a fresh iterator, and a generator's
-first batch is put back in front of it. Anything else (a torch `DataLoader`) is not read, and a
-model with code of its own (a subclass or a custom layer) is then warned about: its terms are
-weighed like its mean loss, unchecked.
+first batch is put back in front of it (if the terms are refused, that batch is gone from the
+user's generator, which cannot be peeked: the error says to pass a new one). Anything else (a
+torch `DataLoader`) is not read, and a model with code of its own (a subclass or a custom
+layer) is then warned about: its terms are weighed like its mean loss, unchecked.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def check_first_batch(trainer: Any, x: Any) -> Any:
     """
     if trainer._terms_read or trainer._count_fn is not None:
         return x
+    given = x
     batch, x = first_inputs(x)
     model = trainer.model
     kinds, why = None, "its inputs are not arrays, a PyDataset, a tf.data.Dataset or a generator"
@@ -113,8 +115,13 @@ def check_first_batch(trainer: Any, x: Any) -> Any:
         return x
     try:
         check_summed_terms(kinds)
-    except ValueError:
+    except ValueError as error:
         trainer._terms_read = False  # refused: the next fit reads again
+        if x is not given:  # a generator cannot be peeked: say its first batch was read
+            raise ValueError(
+                f"{error}. (This was read on the generator's first batch, which it has now "
+                "yielded: pass a new generator to the next fit)"
+            ) from None
         raise
     if ROW_MEAN in kinds:  # checked at the first step against the compiled loss's count
         trainer._added = trainer._activity = True
