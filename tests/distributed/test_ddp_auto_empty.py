@@ -13,6 +13,7 @@ process group's timeout (or failed when it exited). Now:
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,23 @@ def worker(rank: int, world_size: int, first: int) -> dict[str, Any]:
             refused = str(error)
         unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
         unchanged = unchanged and not optimizer.state
+    if first == 2:  # rank 1's loss_fn raises while the plan probes: every rank raises at once
+
+        def failing(model: nn.Module, batch: Any) -> LossSum:
+            if rank == 1:
+                raise ValueError("a bad row on rank 1")
+            return loss_fn(model, batch)
+
+        started = time.monotonic()
+        try:
+            acc.step(rank_batch(0, rank), failing)
+        except Exception as error:
+            refused = f"{type(error).__name__}: {error}"
+        unchanged = time.monotonic() - started < 10.0  # before: rank 0 waited for the timeout
+        unchanged = unchanged and not optimizer.state
+        unchanged = unchanged and all(
+            torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
+        )
     for window in (0, 1, 2, 3):  # rank 1 holds no item in window 1, rank 0 none in window 3
         assert acc.step(rank_batch(window, rank), loss_fn).stepped
     params = [p.detach().clone() for p in model.parameters()]
@@ -78,7 +96,7 @@ def reference() -> list[torch.Tensor]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("first", [0, 1])
+@pytest.mark.parametrize("first", [0, 1, 2])
 def test_auto_with_an_empty_rank_joins_the_window_or_refuses_the_plan_on_every_rank(
     tmp_path: Path, first: int
 ) -> None:
@@ -94,6 +112,10 @@ def test_auto_with_an_empty_rank_joins_the_window_or_refuses_the_plan_on_every_r
                 in (result["refused"])
             )
             assert result["unchanged"]
+    if first == 2:  # before: rank 0 waited for the timeout, and rank 1's retry read garbage
+        assert results[1]["refused"] == "ValueError: a bad row on rank 1"
+        assert results[0]["refused"].startswith("RankMismatchError: loss_fn raised on another")
+        assert all(result["unchanged"] for result in results)
     # NEGATIVE CONTROL: the empty rank's window skipped (rank 0 stepping alone) ends elsewhere.
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
