@@ -30,7 +30,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.distributed as dist
@@ -43,6 +42,7 @@ from gradaccum._agreement import (
     WindowAgreement,
 )
 from gradaccum._distributed_sync import DDPSync, FSDP2Sync
+from gradaccum._launch import launched_processes
 from gradaccum._sync_base import (
     GradSync,
     LocalSync,
@@ -140,8 +140,8 @@ def _warn_if_launched_as_several() -> None:
     A single-process script launched by `torchrun --nproc_per_node 2` trains one model per
     process, each on its own data, and nothing says so: warned, naming the fix.
     """
-    world = os.environ.get("WORLD_SIZE", "1").strip()
-    if world.isdigit() and int(world) > 1:
+    world = launched_processes()
+    if world > 1:
         warn_user(
             UserWarning(
                 f"this process is one of {world} (WORLD_SIZE={world}, e.g. from torchrun), but "

@@ -148,28 +148,6 @@ def _pipe_safe_output() -> Iterator[None]:
         sys.stdout, sys.stderr = saved
 
 
-def _refuse_several_processes(command: str) -> None:
-    """Refuse a launch of several processes (`torchrun --nproc_per_node 2 -m gradaccum ...`).
-
-    Every command runs in one process and joins no process group: under torchrun each rank
-    would run the whole command alone (the same model trained twice, no gradient shared) and
-    write into the same folder at once. Refused on every rank, before anything is written.
-
-    Raises:
-        UsageError: If the launcher's `WORLD_SIZE` says more than one process.
-    """
-    world = os.environ.get("WORLD_SIZE", "1").strip()
-    if not world.isdigit() or int(world) <= 1:
-        return
-    raise UsageError(
-        f"launched as {world} processes (WORLD_SIZE={world}, e.g. by torchrun), but "
-        f"'{PROG} {command}' runs in one process and has no distributed mode: every process "
-        "would run the whole command alone (no gradient shared) and write into the same folder. "
-        "Run it as one process (python -m gradaccum ... without torchrun); for DDP or FSDP2, "
-        "write a training script (README, 'Distributed (torchrun)'; examples/ddp_train.py)."
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line on `argv` (default `sys.argv[1:]`) and return the exit code."""
     with _pipe_safe_output():
@@ -184,9 +162,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if unknown:
             _refuse_unknown(parser, args.command, unknown)
     except SystemExit as exit_:  # argparse: --help, --version, or a usage error already printed
-        if exit_.code is None:
-            return 0
-        return exit_.code if isinstance(exit_.code, int) else 2
+        return 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 2
     if args.command is None:
         names = ", ".join(COMMANDS)
         print(
@@ -194,11 +170,12 @@ def _main(argv: Sequence[str] | None) -> int:
             file=sys.stderr,
         )
         return 2
+    from gradaccum._launch import refuse_several_processes
     from gradaccum._open_window import release_interrupted
     from gradaccum.experiments.folders import FolderError
 
     try:
-        _refuse_several_processes(args.command)
+        refuse_several_processes(f"{PROG} {args.command}", UsageError)  # torchrun: each alone
         return int(args.run(args))
     except (UsageError, FolderError) as error:
         print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
