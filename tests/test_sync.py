@@ -88,3 +88,27 @@ def test_micro_step_marks_each_windows_last_micro_batch(calls: list[str]) -> Non
     results = [acc.micro_step((torch.randn(2, 3), torch.randn(2, 1)), _mse) for _ in range(6)]
     assert calls == ["micro", "micro", "last", "exchange"] * 2
     assert [r.stepped for r in results] == [False, False, True] * 2
+
+
+def test_a_script_launched_as_several_processes_without_a_group_is_warned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A single-process script run by `torchrun --nproc_per_node 2` (no init_process_group, no
+    DDP) trained one model per process on its own data, and nothing said so."""
+    import warnings
+
+    model = torch.nn.Linear(2, 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.warns(UserWarning, match=r"this process is one of 2 \(WORLD_SIZE=2") as caught:
+        gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "dist.init_process_group" in str(caught[0].message)
+    assert "DistributedDataParallel(model)" in str(caught[0].message)
+    # Negative control: one process (WORLD_SIZE=1, or no launcher) is not warned.
+    for world in ("1", None):
+        if world is None:
+            monkeypatch.delenv("WORLD_SIZE")
+        else:
+            monkeypatch.setenv("WORLD_SIZE", world)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -276,6 +276,8 @@ class SchedulerSteps:
         self._last: tuple[int, object] | None = None  # (id(scheduler), last_epoch)
         self._warned = False
         self._checked: Any = None  # the scheduler last checked, held: an id could be reused
+        self._current: Any = None  # this window's scheduler (None: none)
+        self._early: tuple[BaseException | None] | None = None  # taken before the agreement
 
     def checked(self, scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
         """`scheduler`, refused as at construction if it was set (`acc.scheduler = ...`) since.
@@ -283,6 +285,7 @@ class SchedulerSteps:
         Raises:
             ValueError, TypeError: As `Accumulator(scheduler=...)` would, before any change.
         """
+        self._current, self._early = scheduler, None
         if scheduler is None or scheduler is self._checked:
             return scheduler
         try:
@@ -299,8 +302,32 @@ class SchedulerSteps:
         self._checked = scheduler
         return scheduler
 
+    def take_early(self) -> BaseException | None:
+        """Several ranks: step an untried scheduler before the ranks agree on the step.
+
+        One not from torch (not tried: `triable`) may raise after the commit on one rank only,
+        whose schedule then differs from the others', which went on silently. Stepped here, its
+        error joins the step agreement; `take` raises it at the commit's close.
+
+        Returns:
+            Its error, if it raised.
+        """
+        if self._current is None or triable(self._current):
+            return None
+        try:
+            self.take(self._current)
+            self._early = (None,)
+        except Exception as error:
+            self._early = (error,)
+        return self._early[0]
+
     def take(self, scheduler: Any) -> None:
         """`scheduler.step()` (if any), once per optimizer step taken."""
+        if self._early is not None:  # taken before the agreement: its error, if any, now
+            (error,), self._early = self._early, None
+            if error is not None:
+                raise error
+            return
         if scheduler is None:
             return
         epoch = getattr(scheduler, "last_epoch", None)
@@ -313,7 +340,7 @@ class SchedulerSteps:
 
     def forget(self) -> None:
         """A state was loaded: the scheduler may have moved on purpose."""
-        self._last = None
+        self._last, self._early = None, None
 
     def _warn(self, scheduler: Any, was: object, now: object) -> None:
         if self._warned:

@@ -18,21 +18,28 @@ input checks), nothing differs and each rank's own error stands.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from gradaccum._commit import Breakable, step_optimizer
+from gradaccum._commit import Breakable, SchedulerSteps, step_optimizer
 from gradaccum._step_refusal import OpenWindow
 from gradaccum._sync_base import GradSync
 
 __all__ = ["join_as_failed", "step_on_every_rank"]
 
 
+class Committer(Breakable, Protocol):
+    """The `Engine`: breakable, and taking its scheduler's steps."""
+
+    schedule: SchedulerSteps
+
+
 def step_on_every_rank(
     optimizer: torch.optim.Optimizer,
     params: Sequence[torch.Tensor],
     names: dict[int, str],
-    owner: Breakable,
+    owner: Committer,
     window: OpenWindow,
     sync: GradSync,
 ) -> str | None:
@@ -53,9 +60,20 @@ def step_on_every_rank(
         raise
     if sync.world == 1:
         return None
-    failed = _failed_ranks(sync, 0)
+    # A scheduler the window did not try steps now, so that one raising on some ranks only is
+    # known to all (its error is raised at the commit's close); it counts world + 1 per rank.
+    late = owner.schedule.take_early()
+    failed = _failed_ranks(sync, 0 if late is None else sync.world + 1)
     if failed is None:  # the agreement itself failed: whether the others stepped is unknown
         failed = -1
+    schedulers, failed = divmod(failed, sync.world + 1) if failed > 0 else (0, failed)
+    if schedulers not in (0, sync.world):  # the ranks' schedules now differ
+        owner.broken = _scheduler_apart(schedulers, sync.world)
+        if late is None:
+            return owner.broken
+        if hasattr(late, "add_note"):  # this rank raises its own error, at the commit's close
+            late.add_note(f"gradaccum: {owner.broken}")
+        return None
     if failed == 0:
         return None
     owner.broken = _diverged(failed, sync.world, "see their own tracebacks")
@@ -75,6 +93,8 @@ def join_as_failed(
     if sync.world == 1 or not isinstance(error, Exception):
         return
     failed = _failed_ranks(sync, 1)
+    if failed is not None:  # schedulers that raised after a step count world + 1 each
+        failed %= sync.world + 1
     if failed is not None and failed < sync.world:
         message = _diverged(failed, sync.world, f"here: {type(error).__name__}{where}")
         owner.broken = owner.broken or message
@@ -88,6 +108,16 @@ def _failed_ranks(sync: GradSync, mine: int) -> int | None:
         return sync.sum_over_ranks(mine)
     except Exception:  # a peer is gone: it cannot be asked; the caller says what is known
         return None
+
+
+def _scheduler_apart(failed: int, world: int) -> str:
+    return (
+        f"the scheduler's step raised on {failed} of {world} ranks (see their own tracebacks) "
+        "after every rank's optimizer.step(): the ranks' schedules (learning rates) now differ. "
+        "This Accumulator refuses further windows on every rank: fix the scheduler, then reload "
+        "your last checkpoint on every rank (gradaccum.load_checkpoint(path, model=..., "
+        "optimizer=..., accumulator=acc, scheduler=...))."
+    )
 
 
 def _diverged(failed: int, world: int, cause: str) -> str:

@@ -28,13 +28,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from gradaccum._agreement import RankMismatchError
 from gradaccum._averaged import named_trained_modules
+from gradaccum._oom import is_out_of_memory
 from gradaccum.options import BatchNormMode
 from gradaccum.sync import all_ranks_max
 
@@ -49,6 +52,7 @@ class Engine(Protocol):
     batchnorm: Any  # `BatchNormControl`: its `mode`
     token_mean: Any  # `TokenMeanCheck`: whether a row-coupling warning was told
     sync: Any  # `GradSync`: its world size
+    _exchanged: bool  # set: a failure is not announced at an exchange (told here instead)
 
     def run_window(
         self, micro_batches: Sequence[Any], loss_fn: Any, *, window_items: int, size: int,
@@ -145,16 +149,35 @@ def run_unsplit_if_coupled(
     Raises:
         SplitCoupled: The window was forgotten; rerun it at the sizer's untimed size.
     """
-    before = engine.token_mean.rows_coupled
-    engine.run_window(micro_batches, loss_fn, window_items=items, size=size, template=template)
-    world = engine.sync.world
-    if world > 1 and not sizer.timing:  # the same on every rank: no collective after timing
+    before, world = engine.token_mean.rows_coupled, engine.sync.world
+    timed = world > 1 and sizer.timing
+    if timed:  # the others' next collective is the agreement below, not the window's exchange:
+        engine._exchanged = True  # a failure is told there (the engine then tells it no more)
+    try:
+        engine.run_window(micro_batches, loss_fn, window_items=items, size=size, template=template)
+    except Exception as error:
+        if timed:  # 2: raised, 3: out of memory (every rank reruns smaller)
+            with contextlib.suppress(Exception):  # a peer gone: this rank's error stands
+                all_ranks_max(engine.model, [3.0 if is_out_of_memory(error) else 2.0])
+        raise
+    if world > 1 and not timed:  # the same on every rank: no collective after timing
         return
     rerun = (
         not before and engine.token_mean.rows_coupled and size < min(sizer.untimed_size(), items)
     )
     if world > 1:
-        rerun = all_ranks_max(engine.model, [float(rerun)])[0] > 0
+        agreed = all_ranks_max(engine.model, [float(rerun)])[0]
+        if agreed >= 2:  # another rank's window raised: forgotten here too, nothing stepped
+            engine.discard_window()
+            if agreed == 3:
+                raise torch.OutOfMemoryError(
+                    "another rank ran out of memory in this window; every rank reruns it smaller."
+                )
+            raise RankMismatchError(
+                "another rank raised inside this accumulation window (see its own traceback); "
+                "the window was discarded on every rank, and nothing was stepped."
+            )
+        rerun = agreed > 0
     if rerun:
         engine.discard_window()
         reasons = split_changes_step(engine) or ["the split changes the step on another rank"]

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from gradaccum._agreement import RankMismatchError
 from gradaccum._oom import (
     MemoryBudgetError,
     is_out_of_memory,
@@ -340,16 +341,27 @@ def _probe_sizes(probe: Probe, items: int, budget: int, margin: float) -> _Fit:
 def _measured(fit: _Fit, size: int, budget: int) -> bool:
     """Probe `size`; False (and a lower cap) if it ran out of memory."""
     probe = fit.probe
-    peak, failed = 0, 0
+    peak, failed, raised = 0, 0, None
     try:
         peak = probe.activation_peak(size)
     except Exception as error:  # only out-of-memory errors are survived
         if not is_out_of_memory(error):
-            raise
+            raised = error  # told to the other ranks first: they wait in this all-reduce
         failed = 1
         release_cached_memory(probe.device)
     # Every rank plans alike: the largest rank's peak, and out of memory if any rank ran out.
-    peak, failed = (int(v) for v in all_ranks_max(probe.model, [float(peak), float(failed)]))
+    mine = [float(peak), float(failed), float(raised is not None)]
+    try:
+        peak, failed, elsewhere = (int(v) for v in all_ranks_max(probe.model, mine))
+    finally:
+        if raised is not None:
+            raise raised
+    if elsewhere:
+        raise RankMismatchError(
+            "loss_fn raised on another rank while micro_batch_size='auto' planned on the first "
+            "batch (see that rank's traceback); nothing was changed on any rank, and the next "
+            "step() plans again."
+        )
     if not failed:
         probe.measured[size] = peak
         return True

@@ -42,6 +42,7 @@ from gradaccum._agreement import (
     WindowAgreement,
 )
 from gradaccum._distributed_sync import DDPSync, FSDP2Sync
+from gradaccum._launch import launched_processes
 from gradaccum._sync_base import (
     GradSync,
     LocalSync,
@@ -118,6 +119,8 @@ def grad_sync_for(
                     "this warning."
                 )
             )
+    if group is None and trains and not (dist.is_available() and dist.is_initialized()):
+        _warn_if_launched_as_several()
     if group is None or dist.get_world_size(group) == 1:
         return LocalSync()
     if is_fsdp(model):
@@ -129,6 +132,27 @@ def grad_sync_for(
             "add communication. Leave sync_policy='window'."
         )
     return DDPSync(model)
+
+
+def _warn_if_launched_as_several() -> None:
+    """A launcher (torchrun) started several processes that never joined a process group.
+
+    A single-process script launched by `torchrun --nproc_per_node 2` trains one model per
+    process, each on its own data, and nothing says so: warned, naming the fix.
+    """
+    world = launched_processes()
+    if world > 1:
+        warn_user(
+            UserWarning(
+                f"this process is one of {world} (WORLD_SIZE={world}, e.g. from torchrun), but "
+                "torch.distributed is not initialized and the model is not wrapped, so no "
+                "gradient is reduced over the processes: each trains its own copy on its own "
+                "data alone. Call dist.init_process_group(...) and pass "
+                "DistributedDataParallel(model) (or a fully_shard model) to the Accumulator "
+                "(README, 'Distributed (torchrun)'); if every process trains its own model on "
+                "purpose, ignore this warning."
+            )
+        )
 
 
 def _shards_inside(model: torch.nn.Module) -> bool:

@@ -346,3 +346,24 @@ def test_an_empty_path_is_refused_not_taken_for_the_current_folder(
     option = case.split()[1]
     assert f"argument {option}: '{argv[-1]}' is empty; give a path (an unset variable?)" in line
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", list(SEED_COMMANDS))
+def test_a_launch_of_several_processes_is_refused_writing_nothing(
+    tmp_path, capsys, monkeypatch, command
+):
+    """`torchrun --nproc_per_node 2 -m gradaccum train ...` ran the whole single-process run on
+    each rank (the same model trained twice, no gradient shared), both writing into one --out
+    folder, and exited 0: it read like a distributed run. Refused on every rank, exit 2."""
+    argv = [*SEED_COMMANDS[command]]
+    argv += ["--out", str(tmp_path / "out")] if command in ("train", "compare", "demo") else []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(argv) == 2
+    line = _one_line_error(capsys, command)
+    assert "launched as 2 processes (WORLD_SIZE=2" in line
+    assert "has no distributed mode" in line
+    assert "examples/ddp_train.py" in line
+    assert list(tmp_path.iterdir()) == []
+    # Negative control: one process (torchrun --nproc_per_node 1 sets WORLD_SIZE=1) runs.
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main([*SEED_COMMANDS["check"]]) in (0, 1)

@@ -13,6 +13,7 @@ process group's timeout (or failed when it exited). Now:
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,16 +60,47 @@ def worker(rank: int, world_size: int, first: int) -> dict[str, Any]:
             refused = str(error)
         unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
         unchanged = unchanged and not optimizer.state
+
+    def failing(model: nn.Module, batch: Any) -> LossSum:
+        if rank == 1:
+            raise ValueError("a bad row on rank 1")
+        return loss_fn(model, batch)
+
+    if first == 2:  # rank 1's loss_fn raises while the plan probes: every rank raises at once
+        started = time.monotonic()
+        try:
+            acc.step(rank_batch(0, rank), failing)
+        except Exception as error:
+            refused = f"{type(error).__name__}: {error}"
+        unchanged = time.monotonic() - started < 10.0  # before: rank 0 waited for the timeout
+        unchanged = unchanged and not optimizer.state
+        unchanged = unchanged and all(
+            torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
+        )
+    if first == 3:  # after the plan, rank 1 raises in a window still timed: all raise at once
+        acc.step(rank_batch(0, rank), loss_fn)
+        before = [p.detach().clone() for p in model.parameters()]
+        state = str(optimizer.state_dict())
+        started = time.monotonic()
+        try:
+            acc.step(rank_batch(0, rank), failing)  # the same size: no new plan
+        except Exception as error:
+            refused = f"{type(error).__name__}: {error}"
+        unchanged = time.monotonic() - started < 10.0  # before: rank 0 waited for the timeout
+        unchanged = unchanged and state == str(optimizer.state_dict())
+        unchanged = unchanged and all(
+            torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
+        )
     for window in (0, 1, 2, 3):  # rank 1 holds no item in window 1, rank 0 none in window 3
         assert acc.step(rank_batch(window, rank), loss_fn).stepped
     params = [p.detach().clone() for p in model.parameters()]
     return {"refused": refused, "unchanged": unchanged, "params": params}
 
 
-def reference() -> list[torch.Tensor]:
+def reference(windows: tuple[int, ...] = (0, 1, 2, 3)) -> list[torch.Tensor]:
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-    for window in (0, 1, 2, 3):
+    for window in windows:
         batches = [rank_batch(window, rank) for rank in (0, 1)]
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         optimizer.zero_grad(set_to_none=True)
@@ -78,12 +110,12 @@ def reference() -> list[torch.Tensor]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("first", [0, 1])
+@pytest.mark.parametrize("first", [0, 1, 2, 3])
 def test_auto_with_an_empty_rank_joins_the_window_or_refuses_the_plan_on_every_rank(
     tmp_path: Path, first: int
 ) -> None:
     results = run_ranks(worker, tmp_path, first, timeout=90.0, pg_timeout=20.0)
-    expected = reference()
+    expected = reference((0, 0, 1, 2, 3) if first == 3 else (0, 1, 2, 3))
     for result in results:
         for got, want in zip(result["params"], expected, strict=True):
             torch.testing.assert_close(got, want, **EXACT)
@@ -94,6 +126,11 @@ def test_auto_with_an_empty_rank_joins_the_window_or_refuses_the_plan_on_every_r
                 in (result["refused"])
             )
             assert result["unchanged"]
+    if first >= 2:  # before: rank 0 waited for the timeout (2: rank 1's retry read garbage)
+        assert results[1]["refused"] == "ValueError: a bad row on rank 1"
+        told = "loss_fn raised on another" if first == 2 else "another rank raised inside this"
+        assert results[0]["refused"].startswith(f"RankMismatchError: {told}")
+        assert all(result["unchanged"] for result in results)
     # NEGATIVE CONTROL: the empty rank's window skipped (rank 0 stepping alone) ends elsewhere.
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)

@@ -9,7 +9,9 @@ normally: a loop that catches the error and goes on trained replicas that silent
   nothing changed on any rank (bitwise); the next window is the full-batch step;
 - `optimizer.step()` raising on one rank, after the others stepped: every rank raises (they a
   `RankMismatchError`) and refuses further windows until a state is loaded;
-- `optimizer.step()` raising on every rank alike changes nothing and breaks nothing.
+- `optimizer.step()` raising on every rank alike changes nothing and breaks nothing;
+- a scheduler the window cannot try (a class of one's own) raising after the step on one rank:
+  every rank raises and refuses further windows until a checkpoint is loaded on every rank.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradaccum import Accumulator, LossSum
+from gradaccum import Accumulator, LossSum, load_checkpoint, save_checkpoint
 from tests.distributed._harness import describe, spawn_ranks
 
 EXACT = dict(rtol=1e-10, atol=1e-12)
@@ -146,8 +149,45 @@ def _before_step_case(rank: int) -> dict[str, Any]:
     return {"raised": raised, "unchanged": unchanged, "again": again}
 
 
-def worker(rank: int, world_size: int) -> dict[str, Any]:
+class WarmupLR(torch.optim.lr_scheduler.LambdaLR):
+    """A lab's own scheduler class (not torch's, so not tried before the step): while `fail`
+    is set, its step raises, after the optimizer's step, as a rank-dependent check would."""
+
+    fail = False
+
+    def step(self, epoch: Any = None) -> None:
+        if self.fail:
+            raise RuntimeError("injected scheduler failure after the step")
+        super().step(epoch)
+
+
+def _untried_scheduler_case(rank: int, failing_ranks: tuple[int, ...], folder: str) -> Any:
+    model = DistributedDataParallel(make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = WarmupLR(optimizer, lambda epoch: 0.5**epoch)
+    acc = Accumulator(model, optimizer, micro_batch_size=4, scheduler=scheduler)
+    acc.step(rank_batch(0, rank), loss_fn)
+    path = f"{folder}/untried-{len(failing_ranks)}.pt"
+    if rank == 0:  # at a window boundary: rank 0's file serves every rank
+        save_checkpoint(
+            path, model=model, optimizer=optimizer, accumulator=acc, scheduler=scheduler
+        )
+    dist.barrier()
+    scheduler.fail = rank in failing_ranks
+    raised = _attempt(lambda: acc.step(rank_batch(1, rank), loss_fn))
+    scheduler.fail = False
+    lr = optimizer.param_groups[0]["lr"]
+    again = _attempt(lambda: acc.step(rank_batch(2, rank), loss_fn))
+    load_checkpoint(path, model=model, optimizer=optimizer, accumulator=acc, scheduler=scheduler)
+    acc.step(rank_batch(1, rank), loss_fn)  # the window again, on every rank
+    params = [p.detach().clone() for p in model.parameters()]
+    return {"raised": raised, "lr": lr, "again": again, "params": params}
+
+
+def worker(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     return {
+        "untried_one": _untried_scheduler_case(rank, (1,), folder),
+        "untried_all": _untried_scheduler_case(rank, (0, 1), folder),
         "scheduler": _scheduler_case(rank),
         "optimizer_one": _optimizer_case(rank, failing_ranks=(1,)),
         "optimizer_all": _optimizer_case(rank, failing_ranks=(0, 1)),
@@ -157,21 +197,24 @@ def worker(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    outcomes = spawn_ranks(worker, tmp_path_factory.mktemp("commit"), timeout=120.0)
+    folder = tmp_path_factory.mktemp("commit")
+    outcomes = spawn_ranks(worker, folder, str(folder), timeout=120.0)
     assert all(o.ok for o in outcomes), describe(outcomes)
     return [o.result for o in outcomes]
 
 
-def reference(windows: tuple[int, ...] = (0, 1)) -> list[torch.Tensor]:
-    """Plain PyTorch: one full-batch step over both ranks' items per window."""
+def reference(windows: tuple[int, ...] = (0, 1), decay: float = 1.0) -> list[torch.Tensor]:
+    """Plain PyTorch: one full-batch step over both ranks' items per window (lr * decay**k)."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: decay**epoch)
     for window in windows:
         batches = [rank_batch(window, rank) for rank in (0, 1)]
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         optimizer.zero_grad(set_to_none=True)
         ((model(x) - y).pow(2).sum() / len(x)).backward()
         optimizer.step()
+        scheduler.step()
     return [p.detach() for p in model.parameters()]
 
 
@@ -233,3 +276,36 @@ def test_a_rank_failing_between_the_exchange_and_its_step_makes_every_rank_raise
     assert not other["unchanged"]  # rank 0 did step: the replicas differ, so both refuse
     for run in runs:
         assert run["before_step"]["again"].startswith("PartialStepError: no window was run")
+
+
+@pytest.mark.timeout(180)
+def test_an_untried_scheduler_raising_after_the_step_on_one_rank_makes_every_rank_raise(
+    runs: list[dict[str, Any]],
+) -> None:
+    """A scheduler class of one's own is not tried before the step: raising after it on rank 1
+    alone, rank 0 returned normally at another learning rate (0.05 against 0.1), silently."""
+    failing, other = runs[1]["untried_one"], runs[0]["untried_one"]
+    assert failing["raised"].startswith("RuntimeError: injected scheduler failure after the step")
+    assert other["raised"] is not None  # before: None, rank 0 trained on at lr 0.05
+    assert other["raised"].startswith("RankMismatchError: the scheduler's step raised on 1 of 2")
+    assert "reload your last checkpoint on every rank" in other["raised"]
+    assert other["lr"] != failing["lr"]  # the schedules differ: no rank may train on
+    for run in runs:
+        assert run["untried_one"]["again"].startswith("PartialStepError: no window was run")
+    # Loaded on every rank, the run goes on exactly: the full-batch steps of windows 0 and 1.
+    expected = reference(decay=0.5)
+    for run in runs:
+        for got, want in zip(run["untried_one"]["params"], expected, strict=True):
+            torch.testing.assert_close(got, want, **EXACT)
+
+
+@pytest.mark.timeout(180)
+def test_an_untried_scheduler_raising_on_every_rank_alike_breaks_nothing(
+    runs: list[dict[str, Any]],
+) -> None:
+    """Every rank stepped and every schedule failed alike: each raises its own error, as on
+    one process, and the next window runs."""
+    for run in runs:
+        case = run["untried_all"]
+        assert case["raised"] == "RuntimeError: injected scheduler failure after the step"
+        assert case["again"] is None

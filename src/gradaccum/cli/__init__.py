@@ -162,9 +162,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if unknown:
             _refuse_unknown(parser, args.command, unknown)
     except SystemExit as exit_:  # argparse: --help, --version, or a usage error already printed
-        if exit_.code is None:
-            return 0
-        return exit_.code if isinstance(exit_.code, int) else 2
+        return 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 2
     if args.command is None:
         names = ", ".join(COMMANDS)
         print(
@@ -172,10 +170,12 @@ def _main(argv: Sequence[str] | None) -> int:
             file=sys.stderr,
         )
         return 2
+    from gradaccum._launch import refuse_several_processes
     from gradaccum._open_window import release_interrupted
     from gradaccum.experiments.folders import FolderError
 
     try:
+        refuse_several_processes(f"{PROG} {args.command}", UsageError)  # torchrun: each alone
         return int(args.run(args))
     except (UsageError, FolderError) as error:
         print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
